@@ -1,0 +1,83 @@
+"""Built-in models and clusters, shipped as YAML under plans/catalog/.
+
+Anywhere a catalog name is accepted, a path to a YAML or JSON file of the same schema works too.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from plans.errors import SpecError, describe
+from plans.plan import Plan
+from plans.specs import ClusterSpec, ModelSpec
+
+CATALOG_DIR = Path(__file__).parent / "catalog"
+T = TypeVar("T", bound=BaseModel)
+
+
+def read_document(path: Path) -> dict:
+    """Parse a YAML or JSON file into a mapping, with one-line errors."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        reason = str(e).splitlines()[0]
+        raise SpecError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'} ({reason})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def parse(kind: type[T], data: dict, where: str) -> T:
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{where}: {describe(e)}") from None
+
+
+def names(kind: str) -> list[str]:
+    """Catalog names of one kind ("models" or "clusters")."""
+    return sorted(p.stem for p in (CATALOG_DIR / kind).glob("*.yaml"))
+
+
+@cache
+def _load(kind: str, name_or_path: str, spec: type[T]) -> T:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+        return parse(spec, read_document(path), str(path))
+    builtin = CATALOG_DIR / kind / f"{name_or_path.lower()}.yaml"
+    if not builtin.exists():
+        raise SpecError(
+            f"{kind[:-1]}: unknown name {name_or_path!r}; built-in {kind}: {', '.join(names(kind))}"
+            " (or give a path to a .yaml/.json file)"
+        )
+    return parse(spec, read_document(builtin), f"{kind[:-1]} {name_or_path}")
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    return _load("models", name_or_path, ModelSpec)
+
+
+def load_cluster(name_or_path: str, gpus: int | None = None) -> ClusterSpec:
+    """A cluster by name or path; ``gpus`` replaces the job size."""
+    cluster = _load("clusters", name_or_path, ClusterSpec)
+    if gpus is None:
+        return cluster
+    try:
+        return cluster.with_gpus(gpus)
+    except ValidationError as e:
+        raise SpecError(f"--gpus: {describe(e)}") from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    return parse(Plan, read_document(path), str(path))

@@ -1,0 +1,322 @@
+"""The Plan: the one contract between the planner and the runtime.
+
+A plan embeds the specs it was made for, so it is self-contained: the runtime needs nothing
+else, and a person can write one by hand. Every overlap, recomputation and precision choice is a
+field here so the planner can search it and the runtime can obey it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
+
+from plans.specs import ClusterSpec, Frozen, ModelSpec, Precision, TrainingSpec
+
+SCHEMA_VERSION = 1
+
+
+class MeshAxis(StrEnum):
+    """Named axes of the device mesh. Attention uses (pp, dp, cp, sp, tp); the FFN folds the same
+    non-pipeline ranks into (pp, edp, ep, etp)."""
+
+    pp = "pp"
+    dp = "dp"
+    cp = "cp"
+    sp = "sp"
+    tp = "tp"
+    edp = "edp"
+    ep = "ep"
+    etp = "etp"
+
+
+class Degrees(Frozen):
+    """Parallel degrees. Invariants: world = pp x dp x cp x sp x tp (attention view)
+    = pp x edp x ep x etp (FFN view), so ep x etp must divide dp x cp x sp x tp."""
+
+    pp: PositiveInt = 1
+    """Pipeline stages (physical)."""
+    vpp: PositiveInt = 1
+    """Virtual stages per physical stage (interleaved 1F1B); 1 otherwise."""
+    dp: PositiveInt = 1
+    """Data-parallel replicas of the attention (and dense) weights."""
+    sp: PositiveInt = 1
+    """Ulysses sequence-parallel degree of attention."""
+    tp: PositiveInt = 1
+    """Tensor-parallel degree of attention."""
+    cp: PositiveInt = 1
+    """Context-parallel degree of attention."""
+    ep: PositiveInt = 1
+    """Expert-parallel degree of the MoE FFN."""
+    etp: PositiveInt = 1
+    """Tensor-parallel degree inside each expert."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Degrees:
+        inner = self.dp * self.cp * self.sp * self.tp
+        if inner % (self.ep * self.etp):
+            raise ValueError(
+                f"ep x etp ({self.ep} x {self.etp} = {self.ep * self.etp}) must divide "
+                f"dp x cp x sp x tp ({self.dp} x {self.cp} x {self.sp} x {self.tp} = {inner})"
+            )
+        return self
+
+    @property
+    def attention_group(self) -> int:
+        """Ranks that share one sequence's attention: cp x sp x tp."""
+        return self.cp * self.sp * self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel degree, derived: dp x cp x sp x tp / (ep x etp)."""
+        return self.dp * self.attention_group // (self.ep * self.etp)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.attention_group
+
+    @property
+    def stages(self) -> int:
+        """Model chunks along the pipeline: pp x vpp."""
+        return self.pp * self.vpp
+
+
+# ---- attention strategies (tagged union on `kind`) ------------------------------------------
+
+
+class UlyssesAttention(Frozen):
+    """DeepSpeed-Ulysses SP: sequence-sharded activations, all-to-all to head-sharded for the
+    attention core and back (paper Sec. 3.1)."""
+
+    kind: Literal["ulysses_sp"] = "ulysses_sp"
+
+
+class TPAttention(Frozen):
+    """Megatron tensor parallelism with sequence parallelism in the norm regions:
+    all-gather before QKV, reduce-scatter after the output projection."""
+
+    kind: Literal["tp"] = "tp"
+
+
+class CPAttention(Frozen):
+    """Context parallelism: sequence-sharded attention exchanging K/V (ring)."""
+
+    kind: Literal["cp"] = "cp"
+    zigzag: bool = True
+    """Zig-zag chunk assignment to balance the causal mask."""
+
+
+AttentionStrategy = Annotated[
+    UlyssesAttention | TPAttention | CPAttention, Field(discriminator="kind")
+]
+
+
+# ---- FFN strategies ---------------------------------------------------------------------------
+
+
+class Dispatch(StrEnum):
+    """How tokens reach their experts across the EP group (paper Sec. 3.2)."""
+
+    all_to_all = "all_to_all"
+    """All-to-all(v) of routed tokens there and back."""
+    allgather_reduce_scatter = "allgather_reduce_scatter"
+    """All-gather + local scatter to dispatch; local gather + reduce-scatter to combine."""
+
+
+class EPFFN(Frozen):
+    """Expert parallelism: whole experts per rank, tokens moved by the dispatcher."""
+
+    kind: Literal["ep"] = "ep"
+    dispatch: Dispatch = Dispatch.all_to_all
+    capacity_factor: float | None = Field(None, gt=0)
+    """Tokens each expert accepts, as a multiple of the balanced share; None is dropless."""
+
+
+class TPFFN(Frozen):
+    """Tensor parallelism inside every expert (etp), all experts on every rank."""
+
+    kind: Literal["tp"] = "tp"
+
+
+FFNStrategy = Annotated[EPFFN | TPFFN, Field(discriminator="kind")]
+
+
+# ---- schedule, overlap, recomputation ---------------------------------------------------------
+
+
+class PipelineSchedule(StrEnum):
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+
+
+class Overlap(StrEnum):
+    """Communication-computation overlap inside a layer (paper Sec. 4)."""
+
+    none = "none"
+    inter_op = "inter_op"
+    """Independent operators' communication hidden behind compute (hand-scheduled layer)."""
+    inter_intra_op = "inter_intra_op"
+    """Plus tile-level fused communication inside GEMMs (copy engines)."""
+
+
+class Recompute(StrEnum):
+    none = "none"
+    selective = "selective"
+    """The paper's selective rematerialisation: keep about half the activations."""
+    full = "full"
+    """Keep only each layer's input; recompute the whole layer in backward."""
+
+
+class Prediction(Frozen):
+    """What the cost model predicts for a plan."""
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs (ModelSpec.flops_per_token) / (GPUs x peak x step time)."""
+    peak_memory_gib: float
+    breakdown_s: dict[str, float]
+    """Step-time components (compute, exposed communication by kind, bubble, grad sync)."""
+    memory_gib: dict[str, float] = {}
+    """Peak-memory components per GPU."""
+
+
+# ---- the plan -----------------------------------------------------------------------------------
+
+
+class Plan(Frozen):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    """Version of this schema; a plan of another version is refused."""
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    degrees: Degrees
+    attention: AttentionStrategy = UlyssesAttention()
+    ffn: FFNStrategy = EPFFN()
+    stage_layers: tuple[NonNegativeInt, ...]
+    """Transformer layers of each model chunk in pipeline order (pp x vpp entries)."""
+    micro_batch_size: PositiveInt = 1
+    """Sequences per micro-batch per data-parallel replica."""
+    schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
+    overlap: Overlap = Overlap.inter_intra_op
+    recompute: Recompute = Recompute.selective
+    grad_sync_precision: Precision = Precision.bf16
+    """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
+    prediction: Prediction | None = None
+
+    @field_validator("schema_version", mode="before")
+    @classmethod
+    def _version(cls, v: object) -> object:
+        if v != SCHEMA_VERSION:
+            raise ValueError(
+                f"this moeplan reads plans of schema_version {SCHEMA_VERSION}; the file has {v!r}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> Plan:
+        d, m, t = self.degrees, self.model, self.training
+        problems: list[str] = []
+        if d.world != self.cluster.gpus:
+            problems.append(
+                f"degrees: pp x dp x cp x sp x tp = {d.pp} x {d.dp} x {d.cp} x {d.sp} x {d.tp} "
+                f"= {d.world} must equal cluster.gpus ({self.cluster.gpus})"
+            )
+        problems += _attention_problems(self.attention, d, m, t)
+        problems += _ffn_problems(self.ffn, d, m)
+        if len(self.stage_layers) != d.stages:
+            problems.append(
+                f"stage_layers: {len(self.stage_layers)} entries, need pp x vpp = "
+                f"{d.pp} x {d.vpp} = {d.stages}"
+            )
+        elif sum(self.stage_layers) != m.layers:
+            problems.append(
+                f"stage_layers: sum {sum(self.stage_layers)} must equal model.layers ({m.layers})"
+            )
+        per_step = d.dp * self.micro_batch_size
+        if t.global_batch % per_step:
+            problems.append(
+                f"micro_batch_size: training.global_batch ({t.global_batch}) must be a multiple "
+                f"of dp x micro_batch_size ({d.dp} x {self.micro_batch_size} = {per_step})"
+            )
+        elif self.schedule == PipelineSchedule.interleaved_1f1b:
+            if d.vpp < 2:
+                problems.append(f"degrees.vpp: interleaved_1f1b needs vpp >= 2, got {d.vpp}")
+            if self.num_micro_batches % d.pp:
+                problems.append(
+                    f"micro_batch_size: interleaved_1f1b needs micro-batches "
+                    f"({self.num_micro_batches}) to be a multiple of pp ({d.pp})"
+                )
+        elif d.vpp != 1:
+            problems.append(f"degrees.vpp: schedule 1f1b needs vpp = 1, got {d.vpp}")
+        if self.grad_sync_precision == Precision.fp8 and t.precision != Precision.fp8:
+            problems.append(
+                "grad_sync_precision: fp8 gradient sync needs training.precision fp8, "
+                f"got {t.precision}"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    # ---- derived values -------------------------------------------------------------------------
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per step per pipeline: global_batch / (dp x micro_batch_size)."""
+        return self.training.global_batch // (self.degrees.dp * self.micro_batch_size)
+
+    @property
+    def local_seq_len(self) -> int:
+        """Tokens of one sequence held per rank outside attention (sharded by sp x cp)."""
+        return self.training.seq_len // (self.degrees.sp * self.degrees.cp)
+
+    def summary(self) -> str:
+        d = self.degrees
+        ffn = f"ep{d.ep}/{self.ffn.dispatch}" if isinstance(self.ffn, EPFFN) else f"etp{d.etp}"
+        return (
+            f"pp{d.pp} vpp{d.vpp} dp{d.dp} {self.attention.kind}"
+            f"{d.sp * d.tp * d.cp} {ffn} mbs{self.micro_batch_size} {self.schedule} "
+            f"overlap={self.overlap} recompute={self.recompute} sync={self.grad_sync_precision}"
+        )
+
+
+def _attention_problems(
+    a: AttentionStrategy, d: Degrees, m: ModelSpec, t: TrainingSpec
+) -> list[str]:
+    out: list[str] = []
+    others = {"ulysses_sp": ("tp", "cp"), "tp": ("sp", "cp"), "cp": ("sp", "tp")}[a.kind]
+    for axis in others:
+        if getattr(d, axis) != 1:
+            out.append(
+                f"degrees.{axis}: attention kind {a.kind} needs {axis} = 1, "
+                f"got {getattr(d, axis)}"
+            )
+    n = d.attention_group
+    if m.query_heads % n and a.kind != "cp":
+        out.append(f"degrees: attention degree {n} must divide model.query_heads ({m.query_heads})")
+    if a.kind != "cp" and n > m.kv_heads and n % m.kv_heads:
+        out.append(
+            f"degrees: attention degree {n} above model.kv_heads ({m.kv_heads}) must be a "
+            "multiple of it (KV heads are replicated)"
+        )
+    if a.kind != "cp" and n < m.kv_heads and m.kv_heads % n:
+        out.append(f"degrees: attention degree {n} must divide model.kv_heads ({m.kv_heads})")
+    shard = 2 * d.cp if isinstance(a, CPAttention) and a.zigzag else d.cp * d.sp * d.tp
+    if t.seq_len % shard:
+        out.append(f"training.seq_len ({t.seq_len}) must be a multiple of {shard} (sequence shards)")
+    return out
+
+
+def _ffn_problems(f: FFNStrategy, d: Degrees, m: ModelSpec) -> list[str]:
+    out: list[str] = []
+    if f.kind == "ep" and d.etp != 1:
+        out.append(f"degrees.etp: ffn kind ep needs etp = 1, got {d.etp}")
+    if f.kind == "tp" and d.ep != 1:
+        out.append(f"degrees.ep: ffn kind tp needs ep = 1, got {d.ep}")
+    if m.experts % d.ep:
+        out.append(f"degrees.ep ({d.ep}) must divide model.experts ({m.experts})")
+    if m.expert_ffn_hidden % d.etp:
+        out.append(
+            f"degrees.etp ({d.etp}) must divide model.expert_ffn_hidden ({m.expert_ffn_hidden})"
+        )
+    return out

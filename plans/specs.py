@@ -1,0 +1,311 @@
+"""Model, cluster and training specifications: the inputs every plan is made for.
+
+Units are in field names: ``_tflops`` (10^12 FLOP/s), ``_gb_s`` (10^9 bytes/s), ``_tb_s``
+(10^12 bytes/s), ``_gib`` (2^30 bytes), ``_us`` (microseconds).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import cached_property
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+
+class Frozen(BaseModel):
+    """Base of every contract type: immutable, unknown fields rejected, docstrings as docs."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, ignored_types=(cached_property,)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+class ModelSpec(Frozen):
+    """A decoder-only MoE transformer: GQA attention and SwiGLU (routed + shared) experts."""
+
+    name: str
+    """Name shown in reports."""
+    layers: PositiveInt
+    """Transformer layers, MoE and dense together."""
+    hidden: PositiveInt
+    """Model (residual stream) width h."""
+    query_heads: PositiveInt
+    """Attention query heads."""
+    kv_heads: PositiveInt
+    """Attention key/value heads (GQA); query_heads / kv_heads is the paper's m."""
+    head_dim: PositiveInt
+    """Width of one attention head (query_heads * head_dim need not equal hidden)."""
+    vocab: PositiveInt
+    """Vocabulary size."""
+    expert_ffn_hidden: PositiveInt
+    """Inner width of one routed SwiGLU expert (h_ffn)."""
+    experts: PositiveInt
+    """Routed experts per MoE layer."""
+    top_k: PositiveInt
+    """Routed experts each token is sent to."""
+    shared_experts: int = Field(0, ge=0)
+    """Always-active shared experts per MoE layer."""
+    shared_expert_ffn_hidden: int = Field(0, ge=0)
+    """Inner width of one shared expert (0 when there are none)."""
+    dense_layers: int = Field(0, ge=0)
+    """Leading layers whose FFN is a dense SwiGLU instead of MoE."""
+    dense_ffn_hidden: int = Field(0, ge=0)
+    """Inner width of the dense layers' FFN (0 when there are none)."""
+    tied_embeddings: bool = False
+    """Whether the LM head shares the token-embedding matrix."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.query_heads % self.kv_heads:
+            raise ValueError(
+                f"query_heads ({self.query_heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= experts ({self.experts})")
+        if self.dense_layers >= self.layers:
+            raise ValueError(
+                f"dense_layers ({self.dense_layers}) must be < layers ({self.layers})"
+            )
+        if (self.shared_experts > 0) != (self.shared_expert_ffn_hidden > 0):
+            raise ValueError(
+                f"shared_experts ({self.shared_experts}) and shared_expert_ffn_hidden "
+                f"({self.shared_expert_ffn_hidden}) must both be zero or both positive"
+            )
+        if (self.dense_layers > 0) != (self.dense_ffn_hidden > 0):
+            raise ValueError(
+                f"dense_layers ({self.dense_layers}) and dense_ffn_hidden "
+                f"({self.dense_ffn_hidden}) must both be zero or both positive"
+            )
+        return self
+
+    # ---- derived shape ----------------------------------------------------------------------
+    @property
+    def gqa_ratio(self) -> int:
+        """m = query heads per KV head (paper notation)."""
+        return self.query_heads // self.kv_heads
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    @property
+    def q_dim(self) -> int:
+        return self.query_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    # ---- parameter counts (norm weights included, biases absent) -----------------------------
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V and output projections of one layer."""
+        return self.hidden * (2 * self.q_dim + 2 * self.kv_dim)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed SwiGLU expert: fc1, gate (fc3) and fc2."""
+        return 3 * self.hidden * self.expert_ffn_hidden
+
+    @property
+    def shared_expert_params(self) -> int:
+        """All shared experts of one MoE layer."""
+        return self.shared_experts * 3 * self.hidden * self.shared_expert_ffn_hidden
+
+    @property
+    def router_params(self) -> int:
+        return self.hidden * self.experts
+
+    @property
+    def dense_ffn_params(self) -> int:
+        return 3 * self.hidden * self.dense_ffn_hidden
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embedding plus, when untied, the LM head."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    def _layer_params(self, routed_experts: int) -> int:
+        norms = 2 * self.hidden
+        moe = routed_experts * self.expert_params + self.shared_expert_params + self.router_params
+        dense = self.dense_ffn_params + norms + self.attention_params
+        return self.moe_layers * (self.attention_params + norms + moe) + self.dense_layers * dense
+
+    @property
+    def total_params(self) -> int:
+        return self._layer_params(self.experts) + self.embedding_params + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token touches: top_k routed experts per MoE layer."""
+        return self._layer_params(self.top_k) + self.embedding_params + self.hidden
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Weights used in matrix multiplies by one token: active parameters less norms and the
+        embedding lookup (the LM head is a GEMM and counts)."""
+        norms = (2 * self.layers + 1) * self.hidden
+        lookup = self.vocab * self.hidden
+        return self.active_params - norms - lookup
+
+    def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Model FLOPs per token as the paper's MFU counts them: GEMMs and FlashAttention only.
+
+        Forward = 2 x matmul weights (router and LM head included) + causal attention
+        (QK^T and AV: 2 x 2 x s x q_dim per layer, halved by the causal mask).
+        Training = 3 x forward (backward is twice the forward); recomputation is not counted.
+        """
+        gemm = 2 * self.matmul_params_per_token
+        attention = self.layers * 2 * 2 * seq_len * self.q_dim * 0.5
+        return (3 if training else 1) * (gemm + attention)
+
+
+# --------------------------------------------------------------------------------------------
+# Cluster
+# --------------------------------------------------------------------------------------------
+
+
+class GPUSpec(Frozen):
+    name: str
+    bf16_dense_tflops: float = Field(gt=0)
+    """Peak dense bf16 tensor-core throughput."""
+    fp8_dense_tflops: float = Field(gt=0)
+    """Peak dense fp8 tensor-core throughput."""
+    hbm_gib: float = Field(gt=0)
+    """HBM capacity."""
+    hbm_tb_s: float = Field(gt=0)
+    """HBM bandwidth."""
+    sms: PositiveInt = 132
+    """Streaming multiprocessors (wave quantisation of GEMM tiles)."""
+
+
+class NodeSpec(Frozen):
+    """One NVLink domain (a node, or a rack for NVL72)."""
+
+    gpus_per_node: PositiveInt
+    """GPUs sharing one NVLink domain."""
+    nvlink_gb_s: float = Field(gt=0)
+    """NVLink bandwidth per GPU per direction."""
+    nvlink_latency_us: float = Field(3.0, ge=0)
+    """Latency of one NVLink collective step."""
+
+
+class NetworkSpec(Frozen):
+    """The scale-out network between NVLink domains."""
+
+    name: str
+    nics_per_node: PositiveInt
+    nic_gb_s: float = Field(gt=0)
+    """Bandwidth of one NIC per direction."""
+    latency_us: float = Field(10.0, ge=0)
+    """Latency of one network collective step."""
+
+
+class Efficiency(Frozen):
+    """Achievable fractions of peak; calibration on real GPUs replaces these."""
+
+    gemm: float = Field(0.80, gt=0, le=1)
+    """Best dense GEMM throughput / peak, for large well-shaped GEMMs."""
+    grouped_gemm: float = Field(0.75, gt=0, le=1)
+    """Best grouped (expert) GEMM throughput / peak."""
+    attention: float = Field(0.60, gt=0, le=1)
+    """FlashAttention throughput / peak."""
+    hbm: float = Field(0.85, gt=0, le=1)
+    """Achieved HBM bandwidth / peak for memory-bound kernels."""
+    nvlink: float = Field(0.80, gt=0, le=1)
+    """Achieved NVLink bus bandwidth / peak for ring collectives."""
+    nvlink_all_to_all: float = Field(0.70, gt=0, le=1)
+    """Achieved NVLink bandwidth / peak for all-to-all (every peer at once)."""
+    network: float = Field(0.80, gt=0, le=1)
+    """Achieved network bandwidth / peak."""
+    overlap: float = Field(0.90, gt=0, le=1)
+    """Fraction of overlappable communication actually hidden when compute runs beside it."""
+    memory_usable: float = Field(0.92, gt=0, le=1)
+    """Fraction of HBM a plan may use (allocator fragmentation, CUDA context, workspace)."""
+
+
+class ClusterSpec(Frozen):
+    name: str
+    gpu: GPUSpec
+    node: NodeSpec
+    network: NetworkSpec
+    gpus: PositiveInt
+    """GPUs in the job: a multiple of gpus_per_node, or fewer than one node."""
+    efficiency: Efficiency = Efficiency()
+
+    @model_validator(mode="after")
+    def _check(self) -> ClusterSpec:
+        g = self.node.gpus_per_node
+        if self.gpus > g and self.gpus % g:
+            raise ValueError(
+                f"gpus ({self.gpus}) must be a multiple of node.gpus_per_node ({g}) "
+                f"or fewer than one node"
+            )
+        return self
+
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs that talk over NVLink: a node, or the whole job when it is smaller."""
+        return min(self.gpus, self.node.gpus_per_node)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.node.gpus_per_node)
+
+    @property
+    def network_gb_s_per_gpu(self) -> float:
+        """Scale-out bandwidth per GPU per direction."""
+        return self.network.nics_per_node * self.network.nic_gb_s / self.node.gpus_per_node
+
+    def with_gpus(self, gpus: int) -> ClusterSpec:
+        return ClusterSpec.model_validate({**self.model_dump(), "gpus": gpus})
+
+
+# --------------------------------------------------------------------------------------------
+# Training job
+# --------------------------------------------------------------------------------------------
+
+
+class Precision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+    @property
+    def bytes(self) -> int:
+        return {"fp32": 4, "bf16": 2, "fp8": 1}[self.value]
+
+
+class Optimizer(StrEnum):
+    adam = "adam"
+    sgd = "sgd"
+
+    @property
+    def state_bytes_per_param(self) -> int:
+        """fp32 master weights + optimizer moments (Adam: m and v)."""
+        return {"adam": 12, "sgd": 4}[self.value]
+
+
+class TrainingSpec(Frozen):
+    global_batch: PositiveInt = 720
+    """Sequences per optimizer step."""
+    seq_len: PositiveInt = 8192
+    """Tokens per sequence."""
+    precision: Precision = Precision.bf16
+    """Compute precision of GEMMs (bf16, or fp8 with bf16 elsewhere)."""
+    optimizer: Optimizer = Optimizer.adam
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingSpec:
+        if self.precision == Precision.fp32:
+            raise ValueError("precision must be bf16 or fp8 (mixed precision); got fp32")
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
