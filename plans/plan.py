@@ -203,6 +203,8 @@ class Plan(Frozen):
     recompute: Recompute = Recompute.selective
     grad_sync_precision: Precision = Precision.bf16
     """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
+    grad_sync_overlap: bool = True
+    """Overlap the data-parallel gradient sync with the backward pass (bucketed)."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")

@@ -219,7 +219,7 @@ class Efficiency(Frozen):
     """Achieved HBM bandwidth / peak for memory-bound kernels."""
     nvlink: float = Field(0.80, gt=0, le=1)
     """Achieved NVLink bus bandwidth / peak for ring collectives."""
-    nvlink_all_to_all: float = Field(0.70, gt=0, le=1)
+    nvlink_all_to_all: float = Field(0.65, gt=0, le=1)
     """Achieved NVLink bandwidth / peak for all-to-all (every peer at once)."""
     network: float = Field(0.80, gt=0, le=1)
     """Achieved network bandwidth / peak."""
