@@ -1,0 +1,1 @@
+"""Search, baselines, what-if and the moeplan CLI (imports plans and cost_models, never torch)."""

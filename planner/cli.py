@@ -1,0 +1,229 @@
+"""The `moeplan` command line: each command a thin typed function over library code.
+
+Bad input never shows a traceback: a SpecError (or a pydantic error turned into one) prints one
+line `error: <field>: <reason>` on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from plans import Overlap, Plan, Precision, Recompute, SpecError, TrainingSpec, catalog
+from plans.errors import describe
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Plan, explain and run Mixture-of-Experts training the MegaScale-MoE way.",
+)
+
+# ---- shared arguments and options, declared once ---------------------------------------------
+ModelArg = Annotated[str, typer.Argument(help="Catalog model name or a .yaml/.json ModelSpec.")]
+ClusterArg = Annotated[
+    str, typer.Argument(help="Catalog cluster name or a .yaml/.json ClusterSpec.")
+]
+PlanArg = Annotated[Path, typer.Argument(help="A plan JSON (from `moeplan search --out`).")]
+GpusOpt = Annotated[int, typer.Option("--gpus", min=1, help="GPUs in the job.")]
+BatchOpt = Annotated[int, typer.Option("--global-batch", min=1, help="Sequences per step.")]
+SeqOpt = Annotated[int, typer.Option("--seq-len", min=1, help="Tokens per sequence.")]
+PrecisionOpt = Annotated[
+    Precision, typer.Option("--precision", help="Training compute precision (bf16 or fp8).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")]
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn bad input into one line on stderr and exit status 2."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecError as e:
+            raise _fail(str(e)) from None
+
+    return wrapper
+
+
+def _training(global_batch: int, seq_len: int, precision: Precision) -> TrainingSpec:
+    try:
+        return TrainingSpec(global_batch=global_batch, seq_len=seq_len, precision=precision)
+    except Exception as e:  # pydantic ValidationError
+        raise SpecError(f"training: {describe(e)}") from None
+
+
+def _write_new(path: Path, text: str, force: bool) -> None:
+    """Write atomically; never replace a file the user made unless asked."""
+    if path.exists() and not force:
+        raise SpecError(f"--out: {path} exists; pass --force to replace it")
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SpecError(f"--out: cannot write {path} ({e.strerror})") from None
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+@app.command("catalog")
+@user_errors
+def catalog_cmd(json_out: JsonOpt = False) -> None:
+    """List the built-in models and clusters."""
+    models = {n: catalog.load_model(n) for n in catalog.names("models")}
+    clusters = {n: catalog.load_cluster(n) for n in catalog.names("clusters")}
+    if json_out:
+        typer.echo(json.dumps({
+            "models": {n: m.model_dump(mode="json") for n, m in models.items()},
+            "clusters": {n: c.model_dump(mode="json") for n, c in clusters.items()},
+        }, indent=2))
+        return
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title="Models", title_justify="left")
+    for col in ("name", "layers", "hidden", "heads q/kv", "experts", "top-k", "total", "active"):
+        t.add_column(col, justify="left" if col == "name" else "right")
+    for n, m in models.items():
+        t.add_row(n, str(m.layers), str(m.hidden), f"{m.query_heads}/{m.kv_heads}",
+                  str(m.experts), str(m.top_k), f"{m.total_params / 1e9:.1f}B",
+                  f"{m.active_params / 1e9:.1f}B")
+    console.print(t)
+    t = Table(title="Clusters", title_justify="left")
+    for col in ("name", "GPU", "bf16 TFLOP/s", "HBM GiB", "NVLink GB/s", "domain", "network",
+                "net GB/s/GPU"):
+        t.add_column(col, justify="left" if col in ("name", "GPU", "network") else "right")
+    for n, c in clusters.items():
+        t.add_row(n, c.gpu.name, f"{c.gpu.bf16_dense_tflops:g}", f"{c.gpu.hbm_gib:g}",
+                  f"{c.node.nvlink_gb_s:g}", str(c.node.gpus_per_node), c.network.name,
+                  f"{c.network_gb_s_per_gpu:g}")
+    console.print(t)
+
+
+@app.command()
+def schema() -> None:
+    """Print the Plan JSON Schema."""
+    typer.echo(json.dumps(Plan.model_json_schema(), indent=2))
+
+
+@app.command("search")
+@user_errors
+def search_cmd(
+    model: ModelArg,
+    cluster: ClusterArg,
+    gpus: GpusOpt,
+    global_batch: BatchOpt = 720,
+    seq_len: SeqOpt = 8192,
+    precision: PrecisionOpt = Precision.bf16,
+    top: Annotated[int, typer.Option("--top", min=1, help="Plans to keep.")] = 5,
+    overlap: Annotated[
+        list[Overlap] | None,
+        typer.Option("--overlap", help="Allowed overlap levels (repeat); default all."),
+    ] = None,
+    recompute: Annotated[
+        list[Recompute] | None,
+        typer.Option("--recompute", help="Allowed recomputation policies (repeat); default all."),
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Find the fastest plans that fit, beside the Megatron-LM-style layout."""
+    from planner.report import print_search, search_document
+    from planner.search import search
+    from planner.space import SearchSpace
+
+    spec_model = catalog.load_model(model)
+    spec_cluster = catalog.load_cluster(cluster, gpus=gpus)
+    training = _training(global_batch, seq_len, precision)
+    space = SearchSpace(
+        overlap=tuple(overlap) if overlap else tuple(Overlap),
+        recompute=tuple(recompute) if recompute else tuple(Recompute),
+    )
+    if json_out:
+        result = search(spec_model, spec_cluster, training, space, top=top)
+    else:
+        from rich.progress import Progress
+
+        with Progress(transient=True, console=Console(stderr=True)) as bar:
+            task = bar.add_task("searching layouts", total=None)
+            result = search(spec_model, spec_cluster, training, space, top=top,
+                            progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if result.best is None:
+        raise SpecError(
+            f"--gpus: no plan of {spec_model.name} fits {gpus} x {spec_cluster.gpu.name} "
+            f"(global batch {global_batch}, seq {seq_len}); "
+            f"{result.stats.pruned_memory} candidates out of memory, "
+            f"{result.stats.invalid} invalid"
+        )
+    if out is not None:
+        _write_new(out, result.best.plan.model_dump_json(indent=2), force)
+    if json_out:
+        typer.echo(json.dumps(search_document(result), indent=2))
+    else:
+        print_search(result, Console())
+        if out is not None:
+            typer.echo(f"best plan written to {out}")
+
+
+@app.command()
+@user_errors
+def explain(plan: PlanArg, json_out: JsonOpt = False) -> None:
+    """Time breakdown per layer and per step, memory breakdown and critical path of a plan."""
+    import cost_models
+    from planner.report import explain_document, print_explain
+
+    loaded = catalog.load_plan(plan)
+    evaluation = cost_models.evaluate(loaded)
+    if json_out:
+        typer.echo(json.dumps(explain_document(loaded, evaluation), indent=2))
+    else:
+        print_explain(loaded, evaluation, Console())
+
+
+@app.command()
+@user_errors
+def validate(plan: PlanArg) -> None:
+    """Re-check a plan, generated or hand-written, against its specs and memory."""
+    import cost_models
+
+    loaded = catalog.load_plan(plan)
+    evaluation = cost_models.evaluate(loaded)
+    if not evaluation.feasible:
+        raise SpecError(f"{plan}: does not fit: {evaluation.reason}")
+    typer.echo(f"ok: {loaded.summary()}")
+    typer.echo(f"predicted step {evaluation.step_time_s:.3f} s, {evaluation.tokens_per_s:,.0f} "
+               f"tokens/s, MFU {evaluation.mfu:.1%}, peak memory "
+               f"{evaluation.memory.peak_bytes / 2**30:.1f} GiB")
+    if loaded.prediction is not None:
+        stored = loaded.prediction.step_time_s
+        if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
+            typer.echo(f"note: the plan's stored prediction ({stored:.3f} s) differs from this "
+                       "cost model's; the specs or efficiency factors changed")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Human tables and JSON documents for search results and plan explanations."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from cost_models import Evaluation
+from planner.search import Ranked, SearchResult
+from plans import EPFFN, Plan
+
+GIB = 2**30
+
+
+def _ffn(plan: Plan) -> str:
+    d = plan.degrees
+    if isinstance(plan.ffn, EPFFN):
+        short = {"all_to_all": "a2a", "allgather_reduce_scatter": "ag+rs"}[plan.ffn.dispatch]
+        return f"ep{d.ep} {short}" if d.ep > 1 else "ep1"
+    return f"etp{d.etp}"
+
+
+def _attention(plan: Plan) -> str:
+    d = plan.degrees
+    n = d.attention_group
+    return {"ulysses_sp": f"sp{n}", "tp": f"tp{n}", "cp": f"cp{n}"}[plan.attention.kind]
+
+
+def plans_table(rows: list[tuple[str, Ranked]], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("", "pp", "vpp", "dp", "attn", "ffn", "mbs", "schedule", "overlap", "recompute",
+                "sync", "step s", "tokens/s", "MFU", "mem GiB"):
+        table.add_column(col, justify="right" if col not in ("", "schedule") else "left")
+    for label, r in rows:
+        p, e = r.plan, r.evaluation
+        table.add_row(
+            label, str(p.degrees.pp), str(p.degrees.vpp), str(p.degrees.dp), _attention(p),
+            _ffn(p), str(p.micro_batch_size), p.schedule.value, p.overlap.value,
+            p.recompute.value, p.grad_sync_precision.value, f"{e.step_time_s:.3f}",
+            f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.memory.peak_bytes / GIB:.1f}",
+        )
+    return table
+
+
+def print_search(result: SearchResult, console: Console) -> None:
+    rows = [(f"#{i + 1}", r) for i, r in enumerate(result.top)]
+    if result.baseline is not None:
+        rows.append(("megatron", result.baseline))
+    console.print(plans_table(rows, "Best plans (fastest first) and the Megatron-LM-style layout"))
+    s = result.stats
+    console.print(
+        f"searched {s.candidates:,} candidates in {s.seconds:.2f} s: {s.invalid:,} invalid, "
+        f"{s.pruned_memory:,} out of memory, {s.pruned_bound:,} bounded out, "
+        f"{s.evaluated:,} evaluated, {s.feasible:,} feasible"
+    )
+    if result.speedup is not None:
+        console.print(f"predicted speedup over the Megatron-LM-style layout: "
+                      f"[bold]{result.speedup:.2f}x[/bold]")
+    elif result.baseline is None:
+        console.print("the Megatron-LM-style layout does not fit this job")
+
+
+def search_document(result: SearchResult) -> dict:
+    s = result.stats
+    return {
+        "best": result.best.plan.model_dump(mode="json") if result.best else None,
+        "top": [r.plan.model_dump(mode="json") for r in result.top],
+        "baseline": result.baseline.plan.model_dump(mode="json") if result.baseline else None,
+        "speedup": result.speedup,
+        "search": {
+            "candidates": s.candidates, "feasible": s.feasible, "seconds": s.seconds,
+            "layouts": s.layouts, "invalid": s.invalid, "pruned_memory": s.pruned_memory,
+            "pruned_bound": s.pruned_bound, "evaluated": s.evaluated,
+        },
+    }
+
+
+def explain_document(plan: Plan, e: Evaluation) -> dict:
+    return {
+        "plan": plan.summary(),
+        "feasible": e.feasible,
+        "reason": e.reason,
+        "step": {"step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu,
+                 "breakdown_s": e.breakdown_s},
+        "layer": {
+            "forward_s": e.layer.fwd_s, "backward_s": e.layer.bwd_s,
+            "compute_s": e.layer.compute_s, "exposed_comm_s": e.layer.exposed_comm_s,
+            "critical_path": list(e.layer.critical_path),
+        },
+        "memory_gib": {k: v / GIB for k, v in e.memory.components_bytes.items()},
+        "peak_memory_gib": e.memory.peak_bytes / GIB,
+        "usable_memory_gib": e.memory.capacity_bytes / GIB,
+    }
+
+
+def print_explain(plan: Plan, e: Evaluation, console: Console) -> None:
+    console.print(f"[bold]{plan.model.name}[/bold] on {plan.cluster.gpus} x "
+                  f"{plan.cluster.gpu.name}: {plan.summary()}")
+    step = Table(title="Per step", title_justify="left")
+    step.add_column("component")
+    step.add_column("seconds", justify="right")
+    step.add_column("share", justify="right")
+    for k, v in e.breakdown_s.items():
+        step.add_row(k, f"{v:.4f}", f"{v / e.step_time_s:.1%}")
+    step.add_row("[bold]step[/bold]", f"{e.step_time_s:.4f}", "100%")
+    console.print(step)
+    console.print(f"tokens/s {e.tokens_per_s:,.0f}   MFU {e.mfu:.1%}")
+
+    layer = Table(title="One MoE layer, one micro-batch", title_justify="left")
+    layer.add_column("part")
+    layer.add_column("ms", justify="right")
+    layer.add_row("forward", f"{e.layer.fwd_s * 1e3:.3f}")
+    layer.add_row("backward", f"{e.layer.bwd_s * 1e3:.3f}")
+    layer.add_row("compute (fwd+bwd)", f"{e.layer.compute_s * 1e3:.3f}")
+    for k, v in e.layer.exposed_comm_s.items():
+        layer.add_row(f"exposed {k}", f"{v * 1e3:.3f}")
+    console.print(layer)
+    console.print("critical path: " + " -> ".join(e.layer.critical_path))
+
+    mem = Table(title="Memory per GPU (peak stage)", title_justify="left")
+    mem.add_column("component")
+    mem.add_column("GiB", justify="right")
+    for k, v in e.memory.components_bytes.items():
+        mem.add_row(k, f"{v / GIB:.2f}")
+    mem.add_row("[bold]peak[/bold]", f"{e.memory.peak_bytes / GIB:.2f}")
+    mem.add_row("usable", f"{e.memory.capacity_bytes / GIB:.2f}")
+    console.print(mem)
+    if not e.feasible:
+        console.print(f"[red]infeasible:[/red] {e.reason}")

@@ -1,0 +1,155 @@
+"""The search space: which layouts and options a search may choose from, and their enumeration.
+
+Enumeration rules (hard constraints only; the Plan's own invariants reject the rest):
+- the attention group (sp, tp or cp) and the expert group (ep or etp) stay inside the NVLink
+  domain;
+- pp divides the GPUs left after the attention group and is at most the layer count;
+- micro-batches must fill the global batch; interleaving needs micro-batches divisible by pp;
+- fp8 gradient sync only for fp8 training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+
+from plans import (
+    EPFFN,
+    TPFFN,
+    ClusterSpec,
+    CPAttention,
+    Degrees,
+    Dispatch,
+    ModelSpec,
+    Overlap,
+    PipelineSchedule,
+    Precision,
+    Recompute,
+    TPAttention,
+    TrainingSpec,
+    UlyssesAttention,
+)
+
+
+class AttentionKind(StrEnum):
+    ulysses_sp = "ulysses_sp"
+    tp = "tp"
+    cp = "cp"
+
+
+class FFNKind(StrEnum):
+    ep = "ep"
+    tp = "tp"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything that fixes the cost of one transformer layer and the mesh, less the options
+    (dispatch, overlap, recompute, sync precision) searched on top of it."""
+
+    degrees: Degrees
+    attention: AttentionKind
+    ffn: FFNKind
+    micro_batch_size: int
+    schedule: PipelineSchedule
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What a search may choose. Narrow it to what your runtime supports (e.g. overlap none)."""
+
+    attention: tuple[AttentionKind, ...] = tuple(AttentionKind)
+    ffn: tuple[FFNKind, ...] = tuple(FFNKind)
+    dispatch: tuple[Dispatch, ...] = tuple(Dispatch)
+    overlap: tuple[Overlap, ...] = tuple(Overlap)
+    recompute: tuple[Recompute, ...] = tuple(Recompute)
+    schedules: tuple[PipelineSchedule, ...] = tuple(PipelineSchedule)
+    grad_sync: tuple[Precision, ...] = tuple(Precision)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    max_vpp: int = 4
+    attention_degrees: tuple[int, ...] | None = None
+    """Allowed sp/tp/cp degrees; None = every divisor of the NVLink domain."""
+    expert_tp_degrees: tuple[int, ...] | None = None
+    """Allowed etp degrees for a TP FFN; None = every divisor of the NVLink domain above 1."""
+    pp: tuple[int, ...] | None = None
+    """Allowed pipeline degrees; None = any that fits."""
+
+    def layouts(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
+                ) -> Iterator[Layout]:
+        domain = cluster.nvlink_domain
+        for n in _divisors(domain):
+            if self.attention_degrees is not None and n not in self.attention_degrees:
+                continue
+            for kind in self._attention_kinds(n):
+                for pp in _divisors(cluster.gpus // n):
+                    if pp > model.layers or (self.pp is not None and pp not in self.pp):
+                        continue
+                    dp = cluster.gpus // (n * pp)
+                    yield from self._ffn_layouts(kind, n, pp, dp, model, training, domain)
+
+    def _attention_kinds(self, n: int) -> tuple[AttentionKind, ...]:
+        # with a group of one, every kind is the same plan: keep one
+        if n == 1:
+            return self.attention[:1]
+        return self.attention
+
+    def _ffn_layouts(self, kind: AttentionKind, n: int, pp: int, dp: int, model: ModelSpec,
+                     training: TrainingSpec, domain: int) -> Iterator[Layout]:
+        axes = {AttentionKind.ulysses_sp: "sp", AttentionKind.tp: "tp", AttentionKind.cp: "cp"}
+        attn = {axes[kind]: n}
+        inner = dp * n
+        for ffn in self.ffn:
+            if ffn == FFNKind.ep:
+                groups = [e for e in _divisors(model.experts) if inner % e == 0 and e <= domain]
+                degree_sets = [dict(ep=e) for e in groups]
+            else:
+                allowed = self.expert_tp_degrees or _divisors(domain)
+                groups = [t for t in _divisors(domain)
+                          if inner % t == 0 and t > 1 and t in allowed]
+                degree_sets = [dict(etp=t) for t in groups]
+            for ffn_degrees in degree_sets:
+                for mbs in self.micro_batch_sizes:
+                    if training.global_batch % (dp * mbs):
+                        continue
+                    micro_batches = training.global_batch // (dp * mbs)
+                    for schedule, vpp in self._schedules(pp, micro_batches, model.layers):
+                        degrees = Degrees(pp=pp, vpp=vpp, dp=dp, **attn, **ffn_degrees)
+                        yield Layout(degrees, kind, ffn, mbs, schedule)
+
+    def _schedules(self, pp: int, micro_batches: int, layers: int
+                   ) -> Iterator[tuple[PipelineSchedule, int]]:
+        if PipelineSchedule.one_f_one_b in self.schedules:
+            yield PipelineSchedule.one_f_one_b, 1
+        if PipelineSchedule.interleaved_1f1b in self.schedules and pp > 1:
+            if micro_batches % pp == 0:
+                for vpp in range(2, self.max_vpp + 1):
+                    if pp * vpp <= layers:
+                        yield PipelineSchedule.interleaved_1f1b, vpp
+
+    def options(self, layout: Layout, training: TrainingSpec
+                ) -> Iterator[tuple[Dispatch | None, Overlap, Recompute, Precision]]:
+        dispatches: tuple[Dispatch | None, ...] = (
+            self.dispatch if layout.ffn == FFNKind.ep and layout.degrees.ep > 1 else (None,)
+        )
+        syncs = tuple(p for p in self.grad_sync
+                      if p != Precision.fp8 or training.precision == Precision.fp8)
+        for dispatch in dispatches:
+            for overlap in self.overlap:
+                for recompute in self.recompute:
+                    for sync in syncs:
+                        yield dispatch, overlap, recompute, sync
+
+
+def attention_strategy(kind: AttentionKind):
+    return {AttentionKind.ulysses_sp: UlyssesAttention(), AttentionKind.tp: TPAttention(),
+            AttentionKind.cp: CPAttention()}[kind]
+
+
+def ffn_strategy(kind: FFNKind, dispatch: Dispatch | None):
+    return EPFFN(dispatch=dispatch or Dispatch.all_to_all) if kind == FFNKind.ep else TPFFN()
+

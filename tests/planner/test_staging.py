@@ -1,0 +1,54 @@
+"""The stage-split ILP against brute force on small cases."""
+
+import itertools
+
+import pytest
+
+from planner.staging import SplitCosts, split_layers
+
+
+def slowest(split, pp, costs):
+    chunks = len(split)
+    worst = 0.0
+    for s in range(pp):
+        mine = range(s, chunks, pp)
+        t = sum(split[c] for c in mine) * costs.layer_s
+        t += costs.embedding_s if 0 in mine else 0
+        t += costs.head_s if chunks - 1 in mine else 0
+        worst = max(worst, t)
+    return worst
+
+
+def brute_force(layers, pp, vpp, costs):
+    chunks = pp * vpp
+    best = None
+    for split in itertools.product(range(1, layers + 1), repeat=chunks):
+        if sum(split) == layers:
+            t = slowest(split, pp, costs)
+            best = t if best is None else min(best, t)
+    return best
+
+
+@pytest.mark.parametrize("layers,pp,vpp", [(8, 4, 1), (10, 3, 1), (12, 2, 2), (9, 4, 1), (8, 2, 3)])
+@pytest.mark.parametrize("head", [0.0, 1.0, 2.5])
+def test_ilp_is_optimal(layers, pp, vpp, head):
+    costs = SplitCosts(layer_s=1.0, embedding_s=0.2, head_s=head)
+    split = split_layers(layers, pp, vpp, costs)
+    assert len(split) == pp * vpp and sum(split) == layers and min(split) >= 1
+    assert slowest(split, pp, costs) == pytest.approx(brute_force(layers, pp, vpp, costs))
+
+
+def test_heavy_head_moves_layers_off_the_last_stage():
+    split = split_layers(60, 15, 1, SplitCosts(layer_s=1.0, embedding_s=0.1, head_s=2.0))
+    assert split[-1] < split[0]
+    assert sum(split) == 60
+
+
+def test_dense_layers_stay_in_the_first_chunk():
+    split = split_layers(8, 4, 1, SplitCosts(1.0, 0.0, 0.0, dense_extra_s=0.0), dense_layers=3)
+    assert split[0] >= 3
+
+
+def test_too_many_chunks_refused():
+    with pytest.raises(ValueError, match=r"pp x vpp \(4 x 3 = 12\) exceeds model.layers \(8\)"):
+        split_layers(8, 4, 3, SplitCosts(1.0, 0.0, 0.0))
