@@ -9,8 +9,8 @@ with a small second term that evens out chunk sizes so no chunk is left empty or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import warnings
+from dataclasses import dataclass
 from functools import cache
 
 import pulp

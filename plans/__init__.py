@@ -2,12 +2,13 @@
 
 from plans.errors import SpecError
 from plans.plan import (
+    EPFFN,
     SCHEMA_VERSION,
+    TPFFN,
     AttentionStrategy,
     CPAttention,
     Degrees,
     Dispatch,
-    EPFFN,
     FFNStrategy,
     MeshAxis,
     Overlap,
@@ -16,7 +17,6 @@ from plans.plan import (
     Prediction,
     Recompute,
     TPAttention,
-    TPFFN,
     UlyssesAttention,
 )
 from plans.specs import (

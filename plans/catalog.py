@@ -31,7 +31,8 @@ def read_document(path: Path) -> dict:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         reason = str(e).splitlines()[0]
-        raise SpecError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'} ({reason})") from None
+        kind = path.suffix.lstrip(".") or "yaml"
+        raise SpecError(f"{path}: not valid {kind} ({reason})") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
@@ -70,12 +71,15 @@ def load_model(name_or_path: str) -> ModelSpec:
 def load_cluster(name_or_path: str, gpus: int | None = None) -> ClusterSpec:
     """A cluster by name or path; ``gpus`` replaces the job size."""
     cluster = _load("clusters", name_or_path, ClusterSpec)
-    if gpus is None:
-        return cluster
+    return cluster if gpus is None else resize(cluster, gpus, "--gpus")
+
+
+def resize(cluster: ClusterSpec, gpus: int, where: str) -> ClusterSpec:
+    """The same cluster with another GPU count; errors name `where` (an option or field)."""
     try:
         return cluster.with_gpus(gpus)
     except ValidationError as e:
-        raise SpecError(f"--gpus: {describe(e)}") from None
+        raise SpecError(f"{where}: {describe(e)}") from None
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -305,7 +305,9 @@ def _attention_problems(
         out.append(f"degrees: attention degree {n} must divide model.kv_heads ({m.kv_heads})")
     shard = 2 * d.cp if isinstance(a, CPAttention) and a.zigzag else d.cp * d.sp * d.tp
     if t.seq_len % shard:
-        out.append(f"training.seq_len ({t.seq_len}) must be a multiple of {shard} (sequence shards)")
+        out.append(
+            f"training.seq_len ({t.seq_len}) must be a multiple of {shard} (sequence shards)"
+        )
     return out
 
 

@@ -4,10 +4,18 @@ import pytest
 from pydantic import ValidationError
 
 from plans import (
-    EPFFN, TPFFN, Degrees, Dispatch, PipelineSchedule, Plan, Precision, TPAttention,
-    TrainingSpec, UlyssesAttention,
+    EPFFN,
+    TPFFN,
+    Degrees,
+    Dispatch,
+    PipelineSchedule,
+    Plan,
+    Precision,
+    TPAttention,
+    TrainingSpec,
+    UlyssesAttention,
+    catalog,
 )
-from plans import catalog
 from plans.errors import describe
 
 

@@ -5,8 +5,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from plans import ClusterSpec, ModelSpec, SpecError, TrainingSpec
-from plans import catalog
+from plans import ClusterSpec, ModelSpec, SpecError, TrainingSpec, catalog
 from plans.errors import describe
 
 # Published totals / active parameters (billions); paper Table 2 for Internal-352B.

@@ -1,0 +1,54 @@
+"""Strong and weak scaling studies: the best plan and the baseline at several GPU counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.search import Ranked, SearchResult, search
+from planner.space import SearchSpace
+from plans import ClusterSpec, ModelSpec, SpecError, TrainingSpec, catalog
+
+SECONDS_PER_DAY = 86_400
+
+
+@dataclass(frozen=True)
+class ScalePoint:
+    gpus: int
+    training: TrainingSpec
+    result: SearchResult
+
+
+def row(ranked: Ranked | None, gpus: int) -> dict | None:
+    """tokens/s, per-GPU tokens/s, MFU and days per 1T tokens of one plan."""
+    if ranked is None:
+        return None
+    e = ranked.evaluation
+    return {
+        "plan": ranked.plan.summary(),
+        "step_time_s": e.step_time_s,
+        "tokens_per_s": e.tokens_per_s,
+        "tokens_per_s_per_gpu": e.tokens_per_s / gpus,
+        "mfu": e.mfu,
+        "days_per_1t_tokens": 1e12 / e.tokens_per_s / SECONDS_PER_DAY,
+    }
+
+
+def scale(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, gpu_counts: list[int],
+          weak_seqs_per_replica: int | None = None, space: SearchSpace | None = None,
+          progress=None) -> list[ScalePoint]:
+    """Strong scaling keeps the global batch; weak scaling gives every NVLink-domain replica
+    `weak_seqs_per_replica` sequences (global batch = that x gpus / domain size)."""
+    points = []
+    for i, gpus in enumerate(gpu_counts):
+        sized = catalog.resize(cluster, gpus, "--gpus")
+        job = training
+        if weak_seqs_per_replica is not None:
+            replicas = max(1, gpus // sized.nvlink_domain)
+            job = training.model_copy(update={"global_batch": weak_seqs_per_replica * replicas})
+        result = search(model, sized, job, space, top=1)
+        if result.best is None and result.baseline is None:
+            raise SpecError(f"--gpus: no plan of {model.name} fits {gpus} x {sized.gpu.name}")
+        points.append(ScalePoint(gpus, job, result))
+        if progress is not None:
+            progress(i + 1, len(gpu_counts))
+    return points
