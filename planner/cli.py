@@ -217,6 +217,185 @@ def validate(plan: PlanArg) -> None:
                        "cost model's; the specs or efficiency factors changed")
 
 
+# ---- what-if and scaling -------------------------------------------------------------------------
+
+PlotOpt = Annotated[
+    Path | None, typer.Option("--plot", help="Write a plot (.png or .svg; needs matplotlib).")
+]
+
+
+def _progress_search(json_out: bool, label: str):
+    """A progress bar on stderr (off under --json): yields a callback (done, total)."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def bar():
+        if json_out:
+            yield None
+            return
+        from rich.progress import Progress
+
+        with Progress(transient=True, console=Console(stderr=True)) as p:
+            task = p.add_task(label, total=None)
+            yield lambda i, n: p.update(task, completed=i, total=n)
+
+    return bar()
+
+
+@app.command("whatif")
+@user_errors
+def whatif_cmd(
+    model: ModelArg,
+    cluster: ClusterArg,
+    gpus: GpusOpt,
+    vary: Annotated[list[str], typer.Option(
+        "--vary", help="KNOB=V1,V2,... with values absolute or multipliers (2x); repeat for a "
+        "grid. Knobs: gpu_tflops, hbm_gib, hbm_tb_s, nvlink_gb_s, nvlink_domain, network_gb_s.")],
+    global_batch: BatchOpt = 720,
+    seq_len: SeqOpt = 8192,
+    precision: PrecisionOpt = Precision.bf16,
+    plot: PlotOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Change the hardware, re-plan at every point, and compare with the Megatron-style layout."""
+    from planner.report import print_whatif, whatif_document
+    from planner.whatif import parse_vary, whatif
+
+    spec_model = catalog.load_model(model)
+    spec_cluster = catalog.load_cluster(cluster, gpus=gpus)
+    training = _training(global_batch, seq_len, precision)
+    varies = [parse_vary(v) for v in vary]
+    with _progress_search(json_out, "re-planning") as progress:
+        points = whatif(spec_model, spec_cluster, training, varies, progress=progress)
+    if plot is not None:
+        from planner.plots import whatif_plot
+
+        whatif_plot(points, plot, f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}")
+    if json_out:
+        typer.echo(json.dumps(whatif_document(points), indent=2))
+    else:
+        print_whatif(points, Console())
+        if plot is not None:
+            typer.echo(f"plot written to {plot}")
+
+
+@app.command("scale")
+@user_errors
+def scale_cmd(
+    model: ModelArg,
+    cluster: ClusterArg,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPU counts, comma-separated.")],
+    global_batch: BatchOpt = 720,
+    weak: Annotated[int | None, typer.Option(
+        "--weak", min=1, help="Weak scaling: sequences per NVLink-domain replica "
+        "(global batch grows with the GPUs); without it, strong scaling.")] = None,
+    seq_len: SeqOpt = 8192,
+    precision: PrecisionOpt = Precision.bf16,
+    plot: PlotOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Strong or weak scaling of the best plan and the Megatron-style layout."""
+    from planner.report import print_scale, scale_document
+    from planner.scale import scale
+
+    counts = _int_list(gpus, "--gpus")
+    spec_model = catalog.load_model(model)
+    spec_cluster = catalog.load_cluster(cluster)
+    training = _training(global_batch, seq_len, precision)
+    with _progress_search(json_out, "scaling") as progress:
+        points = scale(spec_model, spec_cluster, training, counts, weak, progress=progress)
+    if plot is not None:
+        from planner.plots import scale_plot
+
+        kind = f"weak, {weak} seqs/replica" if weak else f"strong, global batch {global_batch}"
+        scale_plot(points, plot, f"{spec_model.name} on {spec_cluster.gpu.name} ({kind})")
+    if json_out:
+        typer.echo(json.dumps(scale_document(points), indent=2))
+    else:
+        print_scale(points, Console())
+        if plot is not None:
+            typer.echo(f"plot written to {plot}")
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SpecError(f"{option}: {text!r} must be comma-separated whole numbers") from None
+    if not values or min(values) < 1:
+        raise SpecError(f"{option}: {text!r} must list positive GPU counts")
+    return values
+
+
+# ---- export and training ------------------------------------------------------------------
+
+
+@app.command("export")
+@user_errors
+def export_cmd(
+    plan: PlanArg,
+    to: Annotated[str, typer.Option("--to", help="megatron, torchrun or slurm.")],
+    steps: Annotated[int | None, typer.Option("--steps", min=1)] = None,
+) -> None:
+    """Print the plan as Megatron-LM arguments, a torchrun command or an sbatch script."""
+    import shlex
+
+    from planner.export import Target, megatron_script, slurm_script, torchrun_command
+
+    try:
+        target = Target(to)
+    except ValueError:
+        raise SpecError(f"--to: unknown target {to!r}; one of: "
+                        f"{', '.join(t.value for t in Target)}") from None
+    loaded = catalog.load_plan(plan)
+    if target == Target.megatron:
+        typer.echo(megatron_script(loaded), nl=False)
+    elif target == Target.torchrun:
+        cmd = torchrun_command(loaded, str(plan), steps)
+        typer.echo(" ".join(a if "$" in a else shlex.quote(a) for a in cmd))
+    else:
+        typer.echo(slurm_script(loaded, str(plan), steps), nl=False)
+
+
+@app.command("train")
+@user_errors
+def train_cmd(
+    plan: PlanArg,
+    steps: Annotated[int, typer.Option("--steps", min=1)] = 10,
+    data: Annotated[Path | None, typer.Option("--data", help="Token file (.u16/.u32).")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option(
+        "--nproc-per-node", min=1, help="Processes on this machine; default the plan's world.")
+    ] = None,
+    log: Annotated[Path | None, typer.Option("--log", help="JSON-lines log file.")] = None,
+    ckpt_dir: Annotated[Path | None, typer.Option("--ckpt-dir")] = None,
+    ckpt_every: Annotated[int | None, typer.Option("--ckpt-every", min=1)] = None,
+    resume: Annotated[bool, typer.Option("--resume")] = False,
+) -> None:
+    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs)."""
+    import subprocess
+
+    loaded = catalog.load_plan(plan)
+    world = loaded.degrees.world
+    nproc = nproc_per_node or world
+    if nproc != world:
+        raise SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the plan's "
+                        f"world size is {world}; for several nodes use "
+                        "`moeplan export --to torchrun`")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "-m", "runtime.train", "--plan", str(plan),
+           "--steps", str(steps)]
+    for flag, value in (("--data", data), ("--log", log), ("--ckpt-dir", ckpt_dir),
+                        ("--ckpt-every", ckpt_every)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if resume:
+        cmd.append("--resume")
+    code = subprocess.call(cmd)
+    if code != 0:
+        typer.echo(f"error: training exited with status {code}", err=True)
+        raise typer.Exit(code if code != 1 else 1)
+
+
 def main() -> None:
     try:
         app()

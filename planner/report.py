@@ -127,3 +127,78 @@ def print_explain(plan: Plan, e: Evaluation, console: Console) -> None:
     console.print(mem)
     if not e.feasible:
         console.print(f"[red]infeasible:[/red] {e.reason}")
+
+
+# ---- what-if and scaling -------------------------------------------------------------------------
+
+
+def _tokens(r: Ranked | None) -> str:
+    return f"{r.evaluation.tokens_per_s:,.0f}" if r else "does not fit"
+
+
+def whatif_document(points) -> list[dict]:
+    from planner.whatif import plan_changes
+
+    reference = points[0].result.best.plan if points and points[0].result.best else None
+    out = []
+    for p in points:
+        best, base = p.result.best, p.result.baseline
+        out.append({
+            "settings": {s.knob.value: s.text for s in p.settings},
+            "best": best.plan.model_dump(mode="json") if best else None,
+            "tokens_per_s": best.evaluation.tokens_per_s if best else None,
+            "mfu": best.evaluation.mfu if best else None,
+            "baseline_tokens_per_s": base.evaluation.tokens_per_s if base else None,
+            "baseline_mfu": base.evaluation.mfu if base else None,
+            "speedup": p.result.speedup,
+            "changes": plan_changes(reference, best.plan if best else None),
+        })
+    return out
+
+
+def print_whatif(points, console: Console) -> None:
+    doc = whatif_document(points)
+    table = Table(title="What if: best plan at each setting vs the Megatron-LM-style layout",
+                  title_justify="left")
+    for col in ("setting", "best plan", "tokens/s", "MFU", "megatron tokens/s", "speedup",
+                "changed vs first"):
+        table.add_column(col, justify="right" if col in ("tokens/s", "MFU", "speedup",
+                                                          "megatron tokens/s") else "left")
+    for p, d in zip(points, doc, strict=True):
+        best = p.result.best
+        table.add_row(
+            p.label, best.plan.summary() if best else "-", _tokens(best),
+            f"{best.evaluation.mfu:.1%}" if best else "-", _tokens(p.result.baseline),
+            f"{d['speedup']:.2f}x" if d["speedup"] else "-", ", ".join(d["changes"]) or "-",
+        )
+    console.print(table)
+
+
+def scale_document(points) -> list[dict]:
+    from planner.scale import row
+
+    return [{
+        "gpus": p.gpus,
+        "global_batch": p.training.global_batch,
+        "best": row(p.result.best, p.gpus),
+        "baseline": row(p.result.baseline, p.gpus),
+        "speedup": p.result.speedup,
+    } for p in points]
+
+
+def print_scale(points, console: Console) -> None:
+    table = Table(title="Scaling: best plan and Megatron-LM-style layout", title_justify="left")
+    for col in ("GPUs", "batch", "plan", "tokens/s", "/GPU", "MFU", "days/1T", "megatron tokens/s",
+                "megatron MFU", "speedup"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for d in scale_document(points):
+        b, m = d["best"], d["baseline"]
+        table.add_row(
+            str(d["gpus"]), str(d["global_batch"]), b["plan"] if b else "-",
+            f"{b['tokens_per_s']:,.0f}" if b else "-",
+            f"{b['tokens_per_s_per_gpu']:,.0f}" if b else "-",
+            f"{b['mfu']:.1%}" if b else "-", f"{b['days_per_1t_tokens']:.1f}" if b else "-",
+            f"{m['tokens_per_s']:,.0f}" if m else "-", f"{m['mfu']:.1%}" if m else "-",
+            f"{d['speedup']:.2f}x" if d["speedup"] else "-",
+        )
+    console.print(table)
