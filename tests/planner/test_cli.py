@@ -1,0 +1,142 @@
+"""The CLI through typer's CliRunner: outputs, files, and bad input (exit 2, one line)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+from plans import Plan
+
+runner = CliRunner()
+SMALL = ["mixtral-8x7b", "h100", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096"]
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def one_line_error(result, *words):
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.output
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def small_search():
+    result = run("search", *SMALL, "--json", "--top", "3")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_catalog_lists_everything():
+    result = run("catalog")
+    assert result.exit_code == 0
+    for name in ("internal-352b", "mixtral-8x7b", "qwen3-235b-a22b", "h800", "gb200-nvl72"):
+        assert name in result.output
+    doc = json.loads(run("catalog", "--json").output)
+    assert doc["models"]["tiny-moe"]["experts"] == 4
+
+
+def test_schema_is_json_schema():
+    doc = json.loads(run("schema").output)
+    assert doc["title"] == "Plan" and "degrees" in doc["properties"]
+
+
+def test_search_json_document(small_search):
+    doc = small_search
+    assert set(doc) >= {"best", "top", "baseline", "search"}
+    best = Plan.model_validate(doc["best"])
+    pred = best.prediction
+    assert pred is not None and pred.step_time_s > 0 and 0 < pred.mfu < 1
+    assert pred.tokens_per_s == pytest.approx(32 * 4096 / pred.step_time_s)
+    assert pred.breakdown_s and pred.peak_memory_gib > 0
+    assert len(doc["top"]) == 3
+    steps = [t["prediction"]["step_time_s"] for t in doc["top"]]
+    assert steps == sorted(steps)
+    base = Plan.model_validate(doc["baseline"])
+    assert base.attention.kind == "tp" and base.ffn.kind == "tp"
+    assert doc["speedup"] == pytest.approx(base.prediction.step_time_s / pred.step_time_s)
+    assert doc["search"]["candidates"] >= doc["search"]["feasible"] > 0
+    assert doc["search"]["seconds"] > 0
+
+
+def test_search_is_deterministic(small_search):
+    again = json.loads(run("search", *SMALL, "--json", "--top", "3").output)
+    assert again["top"] == small_search["top"]
+
+
+def test_search_table_and_out_file(tmp_path):
+    out = tmp_path / "plan.json"
+    result = run("search", *SMALL, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "megatron" in result.output and "speedup" in result.output
+    plan = Plan.model_validate_json(out.read_text())
+    assert plan.cluster.gpus == 16
+    # an existing file is never replaced silently
+    before = out.read_text()
+    one_line_error(run("search", *SMALL, "--out", str(out)), "--out", "exists", "--force")
+    assert out.read_text() == before
+    assert run("search", *SMALL, "--out", str(out), "--force").exit_code == 0
+
+
+def test_explain_and_validate_a_written_plan(tmp_path):
+    out = tmp_path / "plan.json"
+    assert run("search", *SMALL, "--out", str(out)).exit_code == 0
+    result = run("validate", str(out))
+    assert result.exit_code == 0 and result.output.startswith("ok: ")
+    result = run("explain", str(out))
+    assert result.exit_code == 0
+    assert "critical path" in result.output and "peak" in result.output
+    doc = json.loads(run("explain", str(out), "--json").output)
+    assert doc["step"]["step_time_s"] == pytest.approx(sum(doc["step"]["breakdown_s"].values()))
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["search", "mixtral", "h100", "--gpus", "8"], ["model", "unknown name 'mixtral'"]),
+        (["search", "mixtral-8x7b", "h999", "--gpus", "8"], ["cluster", "unknown name 'h999'"]),
+        (["search", "mixtral-8x7b", "h100", "--gpus", "12"], ["--gpus", "multiple of"]),
+        (["search", "mixtral-8x7b", "h100", "--gpus", "8", "--precision", "fp32"],
+         ["training", "precision"]),
+        (["search", "mixtral-8x22b", "h100", "--gpus", "1", "--global-batch", "8"],
+         ["--gpus", "no plan"]),
+    ],
+)
+def test_bad_search_input(args, words):
+    one_line_error(run(*args), *words)
+
+
+def test_bad_plan_files(tmp_path):
+    missing = tmp_path / "none.json"
+    one_line_error(run("validate", str(missing)), "cannot read")
+    truncated = tmp_path / "cut.json"
+    truncated.write_text('{"schema_version": 1, "model": {')
+    one_line_error(run("validate", str(truncated)), "not valid json")
+    good = tmp_path / "plan.json"
+    assert run("search", *SMALL, "--out", str(good)).exit_code == 0
+    data = json.loads(good.read_text())
+    data["schema_version"] = 7
+    other = tmp_path / "v7.json"
+    other.write_text(json.dumps(data))
+    one_line_error(run("explain", str(other)), "schema_version", "7")
+    data = json.loads(good.read_text())
+    data["degrees"]["dp"] *= 2
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps(data))
+    one_line_error(run("validate", str(wrong)), "must equal cluster.gpus (16)")
+
+
+def test_plan_that_does_not_fit_is_refused(tmp_path):
+    good = tmp_path / "plan.json"
+    assert run("search", *SMALL, "--out", str(good)).exit_code == 0
+    data = json.loads(good.read_text())
+    data["cluster"]["gpu"]["hbm_gib"] = 1
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(data))
+    one_line_error(run("validate", str(small)), "does not fit")
