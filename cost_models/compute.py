@@ -1,0 +1,104 @@
+"""Kernel times on one GPU: GEMMs, grouped (expert) GEMMs, FlashAttention, memory-bound ops.
+
+Every time is a roofline: FLOPs over the achievable tensor-core rate, or bytes over the
+achievable HBM rate, whichever is longer. Achievable rates are peak x ``cluster.efficiency``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from plans.specs import ClusterSpec, Precision
+
+TILE = 128
+"""Output tile edge of Hopper bf16/fp8 GEMM kernels (CUTLASS/cuBLAS 128x128 tiles)."""
+FULL_SPEED_K = 256
+"""Reduction depth at which a tile's main loop hides its prologue and epilogue (about four
+64-deep k-blocks in flight in the Hopper TMA pipeline); shallower GEMMs slow down linearly."""
+ACT_BYTES = Precision.bf16.bytes
+"""Activations between kernels are bf16 (fp8 training casts only at GEMM inputs)."""
+FP32_BYTES = Precision.fp32.bytes
+ATTENTION_BWD_FLOP_RATIO = 2.5
+"""FlashAttention backward FLOPs / forward FLOPs: dQ, dK, dV, dP plus the recomputed S = QK^T
+(FlashAttention-2 paper, Sec. 3.1.2: 5 matmuls in backward against 2 in forward)."""
+CAUSAL_FRACTION = 0.5
+"""Share of the score matrix a causal mask leaves to compute."""
+
+
+def tensor_tflops(cluster: ClusterSpec, precision: Precision) -> float:
+    """Peak dense tensor-core rate for GEMMs: fp8 training runs them on the fp8 units."""
+    gpu = cluster.gpu
+    return gpu.fp8_dense_tflops if precision == Precision.fp8 else gpu.bf16_dense_tflops
+
+
+def memory_s(nbytes: float, cluster: ClusterSpec) -> float:
+    """A memory-bound kernel: bytes moved over achievable HBM bandwidth."""
+    return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.hbm)
+
+
+def tile_efficiency(m: float, n: float, sms: int, groups: int = 1) -> float:
+    """Useful share of the launched 128x128 output tiles, times the share of the last wave of
+    tiles over ``sms`` that is filled (tile and wave quantisation)."""
+    tiles = groups * math.ceil(m / TILE) * math.ceil(n / TILE)
+    if tiles == 0:
+        return 1.0
+    tile_eff = groups * m * n / (tiles * TILE * TILE)
+    waves = math.ceil(tiles / sms)
+    return tile_eff * tiles / (waves * sms)
+
+
+def depth_efficiency(k: float) -> float:
+    """Penalty for a shallow reduction dimension."""
+    return min(1.0, k / FULL_SPEED_K)
+
+
+def _gemm_s(
+    m: float, n: float, k: float, groups: int, peak_eff: float,
+    cluster: ClusterSpec, precision: Precision,
+) -> float:
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    shape_eff = tile_efficiency(m, n, cluster.gpu.sms, groups) * depth_efficiency(k)
+    flops = 2.0 * groups * m * n * k
+    compute_s = flops / (tensor_tflops(cluster, precision) * 1e12 * peak_eff * shape_eff)
+    in_bytes = precision.bytes if precision == Precision.fp8 else ACT_BYTES
+    traffic = groups * ((m * k + k * n) * in_bytes + m * n * ACT_BYTES)
+    return max(compute_s, memory_s(traffic, cluster))
+
+
+def gemm_s(m: float, n: float, k: float, cluster: ClusterSpec, precision: Precision) -> float:
+    """C[m, n] = A[m, k] B[k, n] at ``efficiency.gemm`` of peak, less shape losses."""
+    return _gemm_s(m, n, k, 1, cluster.efficiency.gemm, cluster, precision)
+
+
+def grouped_gemm_s(
+    groups: int, m_per_group: float, n: float, k: float,
+    cluster: ClusterSpec, precision: Precision,
+) -> float:
+    """``groups`` GEMMs of one shape in one persistent kernel (local experts), at
+    ``efficiency.grouped_gemm``; their tiles share the waves."""
+    return _gemm_s(m_per_group, n, k, groups, cluster.efficiency.grouped_gemm, cluster, precision)
+
+
+def expert_tokens(tokens: float, top_k: int, experts: int, capacity_factor: float | None) -> float:
+    """Tokens per expert under balanced routing: tokens x k / experts, padded to capacity when
+    a capacity factor is set (fixed-capacity buffers are computed in full)."""
+    balanced = tokens * top_k / experts
+    return balanced if capacity_factor is None else balanced * capacity_factor
+
+
+def attention_fwd_flops(
+    batch: int, q_len: float, kv_len: float, heads: float, head_dim: int, mask_fraction: float
+) -> float:
+    """QK^T and PV: 2 matmuls x 2 FLOPs x q x kv x head_dim per head, times the share of the
+    score matrix the mask keeps."""
+    return 4.0 * batch * q_len * kv_len * heads * head_dim * mask_fraction
+
+
+def flash_attention_fwd_s(flops: float, cluster: ClusterSpec) -> float:
+    """FlashAttention runs in bf16 (also under fp8 training) at ``efficiency.attention``."""
+    return flops / (cluster.gpu.bf16_dense_tflops * 1e12 * cluster.efficiency.attention)
+
+
+def flash_attention_bwd_s(fwd_flops: float, cluster: ClusterSpec) -> float:
+    return flash_attention_fwd_s(ATTENTION_BWD_FLOP_RATIO * fwd_flops, cluster)

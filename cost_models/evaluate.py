@@ -1,0 +1,164 @@
+"""A plan's step time, throughput, MFU and memory: the cost model's entry points."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+from types import MappingProxyType
+
+from cost_models import pipeline as pl
+from cost_models.compute import memory_s
+from cost_models.grad_sync import exposed_grad_sync_s, stage_grad_syncs
+from cost_models.layer import LayerTiming, layer_key, layer_timing_for
+from cost_models.memory import (
+    GIB,
+    WEIGHT_BYTES,
+    MemoryBreakdown,
+    grad_bytes_per_param,
+    memory_breakdown,
+)
+from cost_models.params import chunk_dense_layers, stage_params_of
+from plans.plan import Plan, Prediction
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Forward + backward seconds of one micro-batch, for splitting layers over stages."""
+
+    layer_s: float
+    """One MoE layer."""
+    dense_layer_s: float
+    """One dense-FFN layer (equal to layer_s when the model has none)."""
+    embedding_s: float
+    """Extra on the first stage."""
+    head_s: float
+    """Final norm + LM head + loss, extra on the last stage."""
+    p2p_s: float
+    """One stage-to-stage activation transfer."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    """model.flops_per_token(seq_len) x tokens per step / (GPUs x bf16 peak x step time)."""
+    breakdown_s: Mapping[str, float]
+    """Adds up to step_time_s. On the busiest pipeline stage, over all micro-batches:
+    ``compute`` (layer operators, embedding, LM head and loss), ``recompute`` (reruns in
+    backward and their exposed communication), ``exposed_comm.<kind>`` (layer communication no
+    compute hid, one key per CommKind that occurs); then ``pipeline_bubble`` (that stage's idle
+    fill and drain), ``pp_p2p`` (exposed stage-to-stage transfers), ``grad_sync`` (exposed DP
+    gradient reduce-scatter + parameter all-gather, worst stage) and ``optimizer`` (the
+    memory-bound ZeRO-1 update of the local shard, worst stage)."""
+    memory: MemoryBreakdown
+    layer: LayerTiming
+    """One MoE layer, one micro-batch."""
+    feasible: bool
+    reason: str | None
+
+    def prediction(self) -> Prediction:
+        return Prediction(
+            step_time_s=self.step_time_s,
+            tokens_per_s=self.tokens_per_s,
+            mfu=self.mfu,
+            peak_memory_gib=self.memory.peak_bytes / GIB,
+            breakdown_s=dict(self.breakdown_s),
+            memory_gib={k: v / GIB for k, v in self.memory.components_bytes.items()},
+        )
+
+
+def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
+    moe = layer_timing_for(layer_key(plan), plan.overlap)
+    if not plan.model.dense_layers:
+        return moe, moe
+    return moe, layer_timing_for(layer_key(plan, dense=True), plan.overlap)
+
+
+def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
+    d = plan.degrees
+    tokens = plan.micro_batch_size * plan.training.seq_len / (d.sp * d.cp * d.tp)
+    return (pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp),
+            pl.head_cost(plan.model, plan.cluster, tokens, d.tp))
+
+
+def stage_costs(plan: Plan) -> StageCosts:
+    moe, dense = _timings(plan)
+    emb, head = _edges(plan)
+    return StageCosts(moe.total_s, dense.total_s, emb.total_s, head.total_s,
+                      pl.p2p_transfer_s(plan))
+
+
+@lru_cache(maxsize=4096)
+def _stage_layers(stage_layers: tuple[int, ...], pp: int, dense_layers: int) -> tuple[
+        tuple[int, int], ...]:
+    """(MoE layers, dense layers) per physical stage (chunk c on stage c mod pp)."""
+    out = [[0, 0] for _ in range(pp)]
+    for c, (n, n_dense) in enumerate(
+        zip(stage_layers, chunk_dense_layers(stage_layers, dense_layers), strict=True)
+    ):
+        out[c % pp][0] += n - n_dense
+        out[c % pp][1] += n_dense
+    return tuple((a, b) for a, b in out)
+
+
+def evaluate(plan: Plan) -> Evaluation:
+    d, c, eff = plan.degrees, plan.cluster, plan.cluster.efficiency
+    moe, dense = _timings(plan)
+    emb, head = _edges(plan)
+    layers = _stage_layers(plan.stage_layers, d.pp, plan.model.dense_layers)
+    last = d.pp - 1
+    fwd = [n * moe.fwd_s + nd * dense.fwd_s for n, nd in layers]
+    bwd = [n * moe.bwd_s + nd * dense.bwd_s for n, nd in layers]
+    fwd[0] += emb.fwd_s
+    bwd[0] += emb.bwd_s
+    fwd[last] += head.fwd_s
+    bwd[last] += head.bwd_s
+    stage_s = [f + b for f, b in zip(fwd, bwd, strict=True)]
+    busiest = max(range(d.pp), key=stage_s.__getitem__)
+    m = plan.num_micro_batches
+    n_moe, n_dense = layers[busiest]
+
+    edge = (emb.total_s if busiest == 0 else 0.0) + (head.total_s if busiest == last else 0.0)
+    breakdown: dict[str, float] = {
+        "compute": m * (n_moe * moe.compute_s + n_dense * dense.compute_s + edge),
+        "recompute": m * (n_moe * moe.recompute_s + n_dense * dense.recompute_s),
+    }
+    for kind in sorted({*moe.exposed_comm_s, *dense.exposed_comm_s}):
+        breakdown[f"exposed_comm.{kind}"] = m * (
+            n_moe * moe.exposed_comm_s.get(kind, 0.0)
+            + n_dense * dense.exposed_comm_s.get(kind, 0.0))
+    breakdown["pipeline_bubble"] = pl.bubble_s(stage_s, d.vpp)
+    breakdown["pp_p2p"] = pl.exposed_p2p_s(plan, pl.p2p_transfer_s(plan))
+
+    # Stage i's last backward is followed by those of stages i-1 .. 0 (the drain), and the
+    # next step's first forward reaches it after stages 0 .. i-1: both widen its sync window.
+    syncs = stage_grad_syncs(plan.model, d, plan.stage_layers, c, plan.grad_sync_precision)
+    bwd_window, fwd_window = list(accumulate(bwd)), list(accumulate(fwd))
+    sync = max(exposed_grad_sync_s(gs, bwd_window[i], fwd_window[i], plan.grad_sync_overlap,
+                                   eff.overlap) for i, gs in syncs)
+    # Adam on the local ZeRO-1 shard: read and write states, read grads, write bf16 weights.
+    dense_ranks, edp = d.dp * d.cp * d.sp, d.edp
+    shard = max(p.dense / dense_ranks + p.expert / edp for p in stage_params_of(plan))
+    per_param = (2 * plan.training.optimizer.state_bytes_per_param
+                 + grad_bytes_per_param(plan.grad_sync_precision) + WEIGHT_BYTES)
+    opt = memory_s(shard * per_param, c)
+    breakdown["grad_sync"] = sync
+    breakdown["optimizer"] = opt
+
+    step = sum(breakdown.values())
+    tokens = plan.training.tokens_per_step
+    flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
+    mem = memory_breakdown(plan)
+    return Evaluation(
+        step_time_s=step,
+        tokens_per_s=tokens / step,
+        mfu=flops / (c.gpus * c.gpu.bf16_dense_tflops * 1e12 * step),
+        breakdown_s=MappingProxyType(breakdown),
+        memory=mem,
+        layer=moe,
+        feasible=mem.fits,
+        reason=mem.reason,
+    )

@@ -1,0 +1,140 @@
+"""One transformer layer's forward and backward time under a plan's overlap policy.
+
+Communication is scheduled by ``plan.overlap`` (paper Sec. 4):
+- none: every collective blocks compute (serial execution).
+- inter_op: a collective runs beside independent compute; a share ``1 - efficiency.overlap`` of
+  it still blocks compute (launch, synchronisation, contention).
+- inter_intra_op: collectives fused with their GEMM at tile level expose only
+  max(0, comm - gemm) plus the fill of one 128-row tile chunk; the others as in inter_op.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from types import MappingProxyType
+
+import networkx as nx
+
+from cost_models.layer_graph import LayerKey, Op, OpKind, backward_graph, forward_graph
+from cost_models.schedule import Stream, Task, list_schedule
+from plans.plan import Overlap, Plan
+
+BOTH = frozenset(Stream)
+COMPUTE = frozenset({Stream.compute})
+COMM = frozenset({Stream.comm})
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """Seconds of one layer for one micro-batch.
+
+    fwd_s + bwd_s = compute_s + recompute_s + sum(exposed_comm_s.values())."""
+
+    fwd_s: float
+    bwd_s: float
+    compute_s: float
+    """Compute-stream time of forward and backward operators (reruns excluded)."""
+    recompute_s: float
+    """Compute time of recomputed operators plus the exposed time of recomputed collectives."""
+    exposed_comm_s: Mapping[str, float]
+    """Communication time no compute hid, by CommKind value (backward under the forward kind)."""
+    critical_path: tuple[str, ...]
+    """Operators on the critical path, forward then backward."""
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
+    d = plan.degrees
+    return LayerKey(
+        plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
+        plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
+        plan.recompute, dense,
+    )
+
+
+def _tasks(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> list[tuple[Task, Op]]:
+    """Scheduler tasks in topological, then program, order; a collective may become a blocking
+    task followed by a communication-stream task."""
+    order = nx.lexicographical_topological_sort(graph, key=lambda n: graph.nodes[n]["order"])
+    last_task: dict[str, int] = {}
+    out: list[tuple[Task, Op]] = []
+
+    def emit(op: Op, duration: float, streams: frozenset, preds: tuple[int, ...]) -> int:
+        kind = op.comm.value if op.comm is not None else None
+        out.append((Task(op.name, duration, streams, preds, kind), op))
+        return len(out) - 1
+
+    for name in order:
+        op: Op = graph.nodes[name]["op"]
+        preds = tuple(last_task[p] for p in graph.predecessors(name))
+        if op.kind != OpKind.comm:
+            last_task[name] = emit(op, op.duration_s, COMPUTE, preds)
+        elif overlap == Overlap.none:
+            last_task[name] = emit(op, op.duration_s, BOTH, preds)
+        elif overlap == Overlap.inter_intra_op and op.fuse_with in graph:
+            partner = graph.nodes[op.fuse_with]["op"].duration_s
+            exposed = min(op.duration_s,
+                          max(0.0, op.duration_s - partner) + op.duration_s * op.fill_fraction)
+            last_task[name] = emit(op, exposed, BOTH, preds)
+        else:
+            blocking = emit(op, (1 - hidden_share) * op.duration_s, BOTH, preds)
+            last_task[name] = emit(op, hidden_share * op.duration_s, COMM, (blocking,))
+    return out
+
+
+@dataclass(frozen=True)
+class _Pass:
+    time_s: float
+    compute_s: float
+    recompute_s: float
+    exposed_s: dict[str, float]
+    critical_path: tuple[str, ...]
+
+
+def _run(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> _Pass:
+    pairs = _tasks(graph, overlap, hidden_share)
+    sched = list_schedule([t for t, _ in pairs])
+    compute = recompute = 0.0
+    exposed: dict[str, float] = defaultdict(float)
+    for (task, op), hidden_not in zip(pairs, sched.exposed_s, strict=True):
+        if task.comm_kind is None:
+            if op.recompute:
+                recompute += task.duration_s
+            else:
+                compute += task.duration_s
+        elif op.recompute:
+            recompute += hidden_not
+        else:
+            exposed[task.comm_kind] += hidden_not
+    return _Pass(sched.makespan_s, compute, recompute, dict(exposed), sched.critical_path)
+
+
+@lru_cache(maxsize=4096)
+def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
+    """Build the layer's graphs once per key and schedule them."""
+    fwd_graph = forward_graph(key)
+    bwd_graph = backward_graph(fwd_graph, key.recompute)
+    hidden_share = key.cluster.efficiency.overlap
+    fwd = _run(fwd_graph, overlap, hidden_share)
+    bwd = _run(bwd_graph, overlap, hidden_share)
+    exposed = {k: fwd.exposed_s.get(k, 0.0) + bwd.exposed_s.get(k, 0.0)
+               for k in sorted({*fwd.exposed_s, *bwd.exposed_s})}
+    return LayerTiming(
+        fwd_s=fwd.time_s,
+        bwd_s=bwd.time_s,
+        compute_s=fwd.compute_s + bwd.compute_s,
+        recompute_s=fwd.recompute_s + bwd.recompute_s,
+        exposed_comm_s=MappingProxyType(exposed),
+        critical_path=fwd.critical_path + bwd.critical_path,
+    )
+
+
+def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
+    """One MoE layer (or, with ``dense``, one dense-FFN layer) under ``plan``."""
+    return layer_timing_for(layer_key(plan, dense), plan.overlap)

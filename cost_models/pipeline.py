@@ -1,0 +1,101 @@
+"""Pipeline schedule time from per-stage micro-batch times, and the extra work of the first
+(embedding) and last (final norm, LM head, loss) stages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from cost_models import comm
+from cost_models import compute as cc
+from plans.plan import Plan
+from plans.specs import ClusterSpec, ModelSpec, Precision
+
+AB = cc.ACT_BYTES
+
+
+def step_s(stage_s: Sequence[float], micro_batches: int, vpp: int = 1) -> float:
+    """Forward + backward of all micro-batches through the pipeline, p2p excluded.
+
+    1F1B (Narayanan et al. 2021, Sec. 2.2; uneven stages): (m - 1) max_i t_i + sum_i t_i, with
+    t_i a stage's forward + backward time of one micro-batch. Interleaved 1F1B with vpp chunks
+    per stage divides the bubble by vpp (ibid., Sec. 2.2.2: bubble (p - 1)/v x t):
+    m max_i t_i + (sum_i t_i - max_i t_i) / vpp."""
+    return micro_batches * max(stage_s) + bubble_s(stage_s, vpp)
+
+
+def bubble_s(stage_s: Sequence[float], vpp: int = 1) -> float:
+    """Idle time of the busiest stage: (sum_i t_i - max_i t_i) / vpp."""
+    return (sum(stage_s) - max(stage_s)) / vpp
+
+
+@dataclass(frozen=True)
+class EdgeCost:
+    """Forward and backward seconds of one micro-batch's extra work on an end stage."""
+
+    fwd_s: float
+    bwd_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def _tokens(plan: Plan) -> float:
+    d = plan.degrees
+    return plan.micro_batch_size * plan.training.seq_len / (d.sp * d.cp * d.tp)
+
+
+@lru_cache(maxsize=1024)
+def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int) -> EdgeCost:
+    """Token lookup for ``tokens`` per rank (read and write tokens x h); backward scatter-adds
+    into an fp32 gradient (read dy, read and write the fp32 rows). Under TP the vocab-parallel
+    lookup's partial sums are reduce-scattered to sequence-parallel (all-gathered back)."""
+    c, h, t = cluster, model.hidden, tokens
+    layout = comm.group_layout(tp, 1, c.node.gpus_per_node)
+    rs = comm.reduce_scatter_s(t * tp * h * AB, layout, c)
+    fwd = cc.memory_s(2 * t * h * AB, c) + rs
+    bwd = cc.memory_s(t * h * (AB + 2 * cc.FP32_BYTES), c) + rs
+    return EdgeCost(fwd, bwd)
+
+
+@lru_cache(maxsize=1024)
+def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int) -> EdgeCost:
+    """Final RMSNorm, LM-head GEMM (bf16 also in fp8 training) over b s/(sp cp) rows and
+    vocab/tp columns, and the cross-entropy (read bf16 logits, write fp32 probabilities; the
+    backward reads them and writes bf16 logit gradients). Under TP the norm output is
+    all-gathered first (reduce-scattered back in backward)."""
+    c, m, t = cluster, model, tokens
+    rows, cols = t * tp, m.vocab / tp
+    ag = comm.all_gather_s(rows * m.hidden * AB, comm.group_layout(tp, 1, c.node.gpus_per_node), c)
+    logits = rows * cols * (AB + cc.FP32_BYTES)
+    fwd = (cc.memory_s(2 * t * m.hidden * AB, c) + ag
+           + cc.gemm_s(rows, cols, m.hidden, c, Precision.bf16) + cc.memory_s(logits, c))
+    bwd = (cc.memory_s(logits, c) + cc.gemm_s(rows, m.hidden, cols, c, Precision.bf16)
+           + cc.gemm_s(m.hidden, cols, rows, c, Precision.bf16) + ag
+           + cc.memory_s(3 * t * m.hidden * AB, c))
+    return EdgeCost(fwd, bwd)
+
+
+def p2p_transfer_s(plan: Plan) -> float:
+    """One stage-to-stage send of b x s/(sp cp) x h activations (sequence-parallel shards under
+    TP: tokens x h per rank); across nodes when the pp stride reaches a node."""
+    d, c = plan.degrees, plan.cluster
+    if d.pp == 1:
+        return 0.0
+    layout = comm.group_layout(d.pp, d.world // d.pp, c.node.gpus_per_node)
+    return comm.send_recv_s(_tokens(plan) * plan.model.hidden * AB, c, layout.nodes > 1)
+
+
+def exposed_p2p_s(plan: Plan, transfer_s: float) -> float:
+    """Fill and drain put 2 (pp vpp - 1) transfers on the critical path (activations down,
+    gradients up); in the steady state each stage sends 2 vpp per micro-batch, hidden behind
+    compute up to efficiency.overlap."""
+    d = plan.degrees
+    if d.pp == 1:
+        return 0.0
+    vpp = d.vpp
+    fill_drain = 2 * (d.pp * vpp - 1) * transfer_s
+    steady = 2 * vpp * (plan.num_micro_batches - 1) * transfer_s
+    return fill_drain + steady * (1 - plan.cluster.efficiency.overlap)

@@ -1,0 +1,121 @@
+"""Two-stream list scheduler for one layer's operator DAG.
+
+Tasks run on the compute stream, the communication stream, or both at once (a *blocking*
+task: communication that compute may not run beside). Each step starts the ready task that can
+start earliest once its predecessors are done and its streams are free; ties go to the task with
+the longest remaining path (bottom level, the classic list-scheduling priority), then to program
+order, so a collective on the critical path starts before a weight-gradient GEMM that can hide it.
+Exposed communication is the time a communication task runs while no compute task does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Stream(StrEnum):
+    compute = "compute"
+    comm = "comm"
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    """The operator this task belongs to (several tasks may share one)."""
+    duration_s: float
+    streams: frozenset[Stream]
+    preds: tuple[int, ...]
+    """Indices of tasks that must finish first (all earlier in the list)."""
+    comm_kind: str | None = None
+    """Set on communication tasks: the kind their exposed time is reported under."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    makespan_s: float
+    start_s: tuple[float, ...]
+    exposed_s: tuple[float, ...]
+    """Per task: for communication, the time no compute ran beside it; 0 for compute."""
+    critical_path: tuple[str, ...]
+
+
+def _uncovered(start: float, end: float, busy: Sequence[tuple[float, float]]) -> float:
+    """Length of [start, end) not covered by the disjoint sorted intervals ``busy``."""
+    covered = 0.0
+    for b0, b1 in busy:
+        if b1 <= start:
+            continue
+        if b0 >= end:
+            break
+        covered += min(end, b1) - max(start, b0)
+    return (end - start) - covered
+
+
+def list_schedule(tasks: Sequence[Task]) -> Schedule:
+    n = len(tasks)
+    start = [0.0] * n
+    finish = [0.0] * n
+    cause: list[int | None] = [None] * n
+    free = {s: 0.0 for s in Stream}
+    last_on = {s: None for s in Stream}
+    pending = list(range(n))
+    done = [False] * n
+    level = _bottom_levels(tasks)
+    while pending:
+        best = best_start = best_cause = None
+        for i in pending:
+            t = tasks[i]
+            if not all(done[p] for p in t.preds):
+                continue
+            at, why = 0.0, None
+            for p in t.preds:
+                if finish[p] > at:
+                    at, why = finish[p], p
+            for s in t.streams:
+                if free[s] > at:
+                    at, why = free[s], last_on[s]
+            if best is None or at < best_start or (at == best_start and level[i] > level[best]):
+                best, best_start, best_cause = i, at, why
+        start[best] = best_start
+        finish[best] = best_start + tasks[best].duration_s
+        cause[best] = best_cause
+        done[best] = True
+        pending.remove(best)
+        for s in tasks[best].streams:
+            free[s] = finish[best]
+            last_on[s] = best
+    compute_busy = sorted(
+        (start[i], finish[i]) for i, t in enumerate(tasks) if t.streams == {Stream.compute}
+    )
+    exposed = tuple(
+        _uncovered(start[i], finish[i], compute_busy) if t.comm_kind is not None else 0.0
+        for i, t in enumerate(tasks)
+    )
+    makespan = max(finish, default=0.0)
+    return Schedule(makespan, tuple(start), exposed, _critical_path(tasks, finish, cause))
+
+
+def _bottom_levels(tasks: Sequence[Task]) -> list[float]:
+    """Longest path from each task's start to the end of the graph."""
+    level = [t.duration_s for t in tasks]
+    for i in range(len(tasks) - 1, -1, -1):
+        for p in tasks[i].preds:
+            level[p] = max(level[p], tasks[p].duration_s + level[i])
+    return level
+
+
+def _critical_path(
+    tasks: Sequence[Task], finish: Sequence[float], cause: Sequence[int | None]
+) -> tuple[str, ...]:
+    """Operators on the chain of start-determining tasks ending at the last one to finish."""
+    if not tasks:
+        return ()
+    i: int | None = max(range(len(tasks)), key=lambda j: (finish[j], j))
+    names: list[str] = []
+    while i is not None:
+        if not names or names[-1] != tasks[i].name:
+            names.append(tasks[i].name)
+        i = cause[i]
+    return tuple(reversed(names))
