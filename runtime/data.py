@@ -1,0 +1,103 @@
+"""Training data: deterministic per step, so a resumed run sees the same batches.
+
+Every rank builds the step's global batch [global_batch, seq_len + 1] and keeps its part:
+micro-batch j of data replica d holds sequences (j x dp + d) x mbs ... + mbs, and attention
+rank a keeps sequence shard a of each.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from plans import Plan
+from runtime.parallel.mesh import Mesh
+from runtime.parallel.pipeline import MicroBatch
+
+
+class TokenDtype(StrEnum):
+    u16 = "u16"
+    u32 = "u32"
+
+    @property
+    def numpy(self) -> type:
+        return np.uint16 if self is TokenDtype.u16 else np.uint32
+
+    @classmethod
+    def from_path(cls, path: Path) -> TokenDtype | None:
+        suffix = path.suffix.lstrip(".")
+        return cls(suffix) if suffix in cls.__members__ else None
+
+
+class TokenSource(Protocol):
+    def batch(self, step: int) -> torch.Tensor:
+        """[global_batch, seq_len + 1] int64 tokens of ``step``."""
+        ...
+
+
+def _generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+class SyntheticTokens:
+    """Learnable synthetic text: each sequence is an arithmetic progression modulo the
+    vocabulary with a random start and stride."""
+
+    def __init__(self, global_batch: int, seq_len: int, vocab: int, seed: int):
+        self.shape = (global_batch, seq_len + 1)
+        self.vocab, self.seed = vocab, seed
+
+    def batch(self, step: int) -> torch.Tensor:
+        g = _generator(self.seed, step)
+        start = torch.randint(0, self.vocab, (self.shape[0], 1), generator=g)
+        stride = torch.randint(1, 8, (self.shape[0], 1), generator=g)
+        return (start + stride * torch.arange(self.shape[1])) % self.vocab
+
+
+class TokenFile:
+    """Raw little-endian uint16 or uint32 tokens; each sequence is a window at a position drawn
+    from (seed, step)."""
+
+    def __init__(self, path: Path, dtype: TokenDtype, global_batch: int, seq_len: int, seed: int):
+        self.tokens = np.memmap(path, dtype=dtype.numpy, mode="r")
+        self.global_batch, self.window, self.seed = global_batch, seq_len + 1, seed
+        if len(self.tokens) < self.window:
+            raise ValueError(
+                f"--data: {path} holds {len(self.tokens)} tokens, fewer than seq_len + 1 "
+                f"({self.window})"
+            )
+
+    def batch(self, step: int) -> torch.Tensor:
+        g = _generator(self.seed, step)
+        starts = torch.randint(0, len(self.tokens) - self.window + 1, (self.global_batch,),
+                               generator=g)
+        rows = [np.asarray(self.tokens[s : s + self.window], dtype=np.int64) for s in starts]
+        return torch.from_numpy(np.stack(rows))
+
+
+def write_byte_corpus(text: str, path: Path) -> int:
+    """Tokenise ``text`` as UTF-8 bytes (vocabulary 256) into a uint16 token file; returns the
+    token count."""
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+    data.tofile(path)
+    return len(data)
+
+
+def rank_micro_batches(
+    batch: torch.Tensor, plan: Plan, mesh: Mesh, device: torch.device
+) -> list[MicroBatch]:
+    d, mbs = plan.degrees, plan.micro_batch_size
+    a, n = mesh.coords.attn, d.attention_group
+    shard = plan.training.seq_len // n
+    out = []
+    for j in range(plan.num_micro_batches):
+        first = (j * d.dp + mesh.coords.dp) * mbs
+        seqs = batch[first : first + mbs]
+        inputs = seqs[:, :-1][:, a * shard : (a + 1) * shard]
+        labels = seqs[:, 1:][:, a * shard : (a + 1) * shard]
+        out.append(MicroBatch(inputs.to(device), labels.to(device)))
+    return out

@@ -1,0 +1,192 @@
+"""Decoder-only MoE transformer built from a ModelSpec, with no parallelism inside.
+
+Parameter names are global (``layers.<global index>...``) so a pipeline stage keeps the names
+the full model has, and initialisation derives each parameter from its name and the seed:
+every split of the model starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.moe import FeedForward, MoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) on [b, s, heads, d] at positions 0..s-1."""
+    s, d = x.shape[1], x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
+    cos = angles.cos()[None, :, None, :]
+    sin = angles.sin()[None, :, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class AttentionCore(nn.Module):
+    """RoPE + causal SDPA on full sequences: q [b, s, Hq, d], k/v [b, s, Hkv, d] -> [b, s, Hq, d].
+    Parallel transforms wrap this module (Ulysses moves heads and sequence around it)."""
+
+    def __init__(self, rope_theta: float):
+        super().__init__()
+        self.rope_theta = rope_theta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q = apply_rope(q, self.rope_theta)
+        k = apply_rope(k, self.rope_theta)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.spec
+        self.head_dim = m.head_dim
+        self.wq = nn.Linear(m.hidden, m.q_dim, bias=False)
+        self.wk = nn.Linear(m.hidden, m.kv_dim, bias=False)
+        self.wv = nn.Linear(m.hidden, m.kv_dim, bias=False)
+        self.wo = nn.Linear(m.q_dim, m.hidden, bias=False)
+        self.core = AttentionCore(cfg.options.rope_theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        out = self.core(q, k, v)
+        return self.wo(out.reshape(b, out.shape[1], -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        m, o = cfg.spec, cfg.options
+        self.attention_norm = RMSNorm(m.hidden, o.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(m.hidden, o.norm_eps)
+        self.moe: MoE | None = None
+        self.feed_forward: FeedForward | None = None
+        if layer_id < m.dense_layers:
+            self.feed_forward = FeedForward(m.hidden, m.dense_ffn_hidden)
+        else:
+            self.moe = MoE(
+                m.hidden,
+                m.experts,
+                m.top_k,
+                m.expert_ffn_hidden,
+                cfg.balance_groups,
+                m.shared_experts,
+                m.shared_expert_ffn_hidden,
+                o.capacity_factor,
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The whole model, or one pipeline stage of it once the pipeline transform has removed the
+    parts another stage owns: the input is tokens when the embedding is here, else the previous
+    stage's hidden states; the output is logits when the LM head is here, else hidden states."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.spec
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(m.vocab, m.hidden)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(m.layers)})
+        self.norm: RMSNorm | None = RMSNorm(m.hidden, cfg.options.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(m.hidden, m.vocab, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.cfg.spec.tied_embeddings and self.tok_embeddings and self.output:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.output is None:
+            return h
+        return self.output(self.norm(h))
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.moe for b in self.layers.values() if b.moe is not None]
+
+    def init_key(self, name: str) -> str:
+        """Global name a parameter is initialised (and checkpointed) under: a tied LM head kept
+        apart from the embedding on the last stage starts from the embedding's weights."""
+        if name == "output.weight" and self.cfg.spec.tied_embeddings:
+            return "tok_embeddings.weight"
+        return name
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of a parameter: ``parts`` equal pieces along ``dim``, piece ``index``."""
+
+    dim: int
+    index: int
+    parts: int
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(self.parts, dim=self.dim)[self.index]
+
+    def full_shape(self, local: torch.Size) -> tuple[int, ...]:
+        shape = list(local)
+        shape[self.dim] *= self.parts
+        return tuple(shape)
+
+
+def init_tensor(key: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    """Initial value of the full parameter ``key``: norms ones, matrices N(0, std), drawn from a
+    generator seeded by (seed, key) so it does not depend on how the model is split."""
+    if key.endswith("norm.weight"):
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=gen) * std
+
+
+def init_weights(
+    model: Transformer, seed: int, shards: Mapping[str, Shard], device: torch.device
+) -> None:
+    """Materialise a (meta or real) model on ``device`` with its deterministic weights."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    std = model.cfg.options.init_std
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shard = shards.get(name)
+            shape = shard.full_shape(p.shape) if shard else tuple(p.shape)
+            full = init_tensor(model.init_key(name), shape, seed, std)
+            p.copy_(shard.take(full) if shard else full)

@@ -1,0 +1,261 @@
+"""Mixture-of-Experts FFN: router, dispatch, grouped expert GEMMs, combine.
+
+The MoE module runs the four steps in order and hands token movement to a dispatcher object;
+it never knows whether experts are local or spread over an EP group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Routing:
+    indices: torch.Tensor
+    """[T, k] expert of each (token, slot); -1 where capacity dropped the slot."""
+    weights: torch.Tensor
+    """[T, k] combine weight of each slot (fp32, renormalised over the top-k)."""
+    aux_loss: torch.Tensor
+    """Load-balance loss of this layer (scalar)."""
+
+
+@dataclass
+class DispatchHandle:
+    """What a dispatcher needs to undo its dispatch; extra fields belong to the dispatcher."""
+
+    slots: torch.Tensor
+    """Flat (token * k + slot) index of each expert-input row, in expert order."""
+    weights: torch.Tensor
+    """[T', k] routing weights of the tokens the rows came from."""
+    num_tokens: int
+    top_k: int
+    extra: dict[str, Any]
+
+
+class Dispatcher(Protocol):
+    num_local_experts: int
+
+    def dispatch(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Return expert-input rows grouped by local expert, rows per local expert, handle."""
+        ...
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Weighted sum of the expert outputs back at each token: [T, h]."""
+        ...
+
+
+def identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+# ---- routing --------------------------------------------------------------------------------
+
+
+def balance_loss(
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    groups: int,
+    reduce_stats: Callable[[torch.Tensor], torch.Tensor] = identity,
+) -> torch.Tensor:
+    """G x sum_g F_g P_g over G groups of contiguous experts (Switch Transformer for G = E;
+    DeepSeek-V2 device-level loss when a group is one EP rank's experts). F_g is the fraction of
+    routed slots that go to group g, P_g its summed mean router probability; both are summed
+    over the ranks that share the micro-batch (``reduce_stats``) so the loss is that of the whole
+    micro-batch. Balanced routing gives 1."""
+    tokens, experts = probs.shape
+    k = indices.shape[1]
+    valid = indices.reshape(-1)
+    valid = valid[valid >= 0]
+    counts = torch.bincount(valid, minlength=experts).to(probs.dtype)
+    n = torch.tensor([float(tokens)], dtype=probs.dtype, device=probs.device)
+    stats = reduce_stats(torch.cat([counts, probs.sum(0), n]))
+    counts, prob_sum, total = stats[:experts], stats[experts : 2 * experts], stats[-1]
+    f = (counts / (total * k)).view(groups, -1).sum(1)
+    p = (prob_sum / total).view(groups, -1).sum(1)
+    return groups * (f * p).sum()
+
+
+def capacity_mask(indices: torch.Tensor, experts: int, capacity: int) -> torch.Tensor:
+    """Keep the first ``capacity`` slots of every expert in token order (GShard/Switch rule)."""
+    flat = indices.reshape(-1)
+    one_hot = F.one_hot(flat, experts)
+    position = (one_hot.cumsum(0) * one_hot).sum(1)
+    return (position <= capacity).view_as(indices)
+
+
+class Router(nn.Module):
+    """Softmax router with top-k; the kept weights are renormalised to sum to one."""
+
+    def __init__(
+        self,
+        hidden: int,
+        experts: int,
+        top_k: int,
+        balance_groups: int,
+        capacity_factor: float | None = None,
+    ):
+        super().__init__()
+        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.experts = experts
+        self.top_k = top_k
+        self.balance_groups = balance_groups
+        self.capacity_factor = capacity_factor
+        self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] = identity
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        aux = balance_loss(probs, indices, self.balance_groups, self.reduce_stats)
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.experts)
+            keep = capacity_mask(indices, self.experts, capacity)
+            indices = torch.where(keep, indices, -1)
+            weights = weights * keep
+        return Routing(indices=indices, weights=weights, aux_loss=aux)
+
+
+# ---- expert computation ---------------------------------------------------------------------
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert times each expert's ``w[e]`` ([E, out, in], Linear
+    layout): torch._grouped_mm on CUDA in bf16, an exact per-expert loop elsewhere."""
+    w = w.to(x.dtype)
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    chunks = torch.split(x, counts.tolist(), dim=0)
+    outs = [chunk @ w[e].transpose(0, 1) for e, chunk in enumerate(chunks)]
+    return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts."""
+
+    def __init__(self, experts: int, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        h = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
+        return grouped_mm(h, self.w2, counts)
+
+
+class FeedForward(nn.Module):
+    """Dense SwiGLU (dense layers and shared experts)."""
+
+    def __init__(self, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn_hidden, bias=False)
+        self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# ---- dispatch -------------------------------------------------------------------------------
+
+
+def sort_by_expert(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slot ids ordered by expert (stable, so token order inside an expert) and the number
+    of slots per expert; slots with index < 0 (dropped, or not ours) are left out."""
+    flat = indices.reshape(-1)
+    slots = torch.nonzero(flat >= 0).squeeze(1)
+    chosen = flat[slots]
+    order = torch.argsort(chosen, stable=True)
+    return slots[order], torch.bincount(chosen, minlength=experts)
+
+
+def weighted_scatter(
+    rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int, k: int
+) -> torch.Tensor:
+    """sum over slots of weight x row, back at each slot's token."""
+    w = weights.reshape(-1)[slots].to(rows.dtype).unsqueeze(1)
+    out = rows.new_zeros(num_tokens, rows.shape[1])
+    return out.index_add(0, torch.div(slots, k, rounding_mode="floor"), rows * w)
+
+
+class LocalDispatcher:
+    """All experts on this rank (ep = 1): a local permutation."""
+
+    def __init__(self, num_experts: int):
+        self.num_local_experts = num_experts
+
+    def dispatch(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        k = routing.indices.shape[1]
+        slots, counts = sort_by_expert(routing.indices, self.num_local_experts)
+        rows = tokens[torch.div(slots, k, rounding_mode="floor")]
+        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {})
+        return rows, counts, handle
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return weighted_scatter(
+            expert_out, handle.slots, handle.weights, handle.num_tokens, handle.top_k
+        )
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on the activation whose backward also starts the aux loss's backward with
+    gradient ``scale`` (Megatron's MoEAuxLossAutoScaler): the balance loss trains the router
+    without being carried to the end of the pipeline."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape = aux.shape
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_full(ctx.aux_shape, ctx.scale, dtype=torch.float32), None
+
+
+class MoE(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        experts: int,
+        top_k: int,
+        ffn_hidden: int,
+        balance_groups: int,
+        shared_experts: int = 0,
+        shared_ffn_hidden: int = 0,
+        capacity_factor: float | None = None,
+    ):
+        super().__init__()
+        self.router = Router(hidden, experts, top_k, balance_groups, capacity_factor)
+        self.experts = GroupedExperts(experts, hidden, ffn_hidden)
+        self.shared = (
+            FeedForward(hidden, shared_experts * shared_ffn_hidden) if shared_experts else None
+        )
+        self.dispatcher: Dispatcher = LocalDispatcher(experts)
+        self.aux_loss_scale = 0.0
+        """Gradient of the training loss with respect to this layer's balance loss."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        rows, counts, handle = self.dispatcher.dispatch(tokens, routing)
+        out = self.experts(rows, counts)
+        y = self.dispatcher.combine(out, handle)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        if self.training and self.aux_loss_scale:
+            y = AuxLossGrad.apply(y, routing.aux_loss, self.aux_loss_scale)
+        return y.view(shape)

@@ -1,0 +1,146 @@
+"""Expert parallelism: whole experts per rank of the EP group, tokens moved by a dispatcher
+(paper Sec. 3.2: all-to-all, or all-gather + local scatter / local gather + reduce-scatter).
+Experts are contiguous per rank: rank r holds experts [r E/n, (r+1) E/n)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plans import Dispatch
+from runtime.metrics import Component, Timers
+from runtime.model import Shard, Transformer
+from runtime.moe import DispatchHandle, Routing, sort_by_expert, weighted_scatter
+from runtime.parallel.comm import all_gather, all_to_all, reduce_scatter, sum_replicated
+from runtime.parallel.mesh import Group, Mesh
+
+
+class _Timed:
+    def __init__(self, timers: Timers | None):
+        self.timers = timers
+
+    def region(self, c: Component) -> AbstractContextManager[None]:
+        return nullcontext() if self.timers is None else self.timers.region(c)
+
+
+class AllToAllDispatcher(_Timed):
+    """Sort (token, slot) rows by expert, exchange the per-expert counts, all-to-all(v) the
+    rows, then regroup the received rows from (source rank, expert) to (expert, source rank)
+    order for the grouped GEMM. Combine runs the same steps backwards."""
+
+    def __init__(self, num_experts: int, group, size: int, timers: Timers | None = None):
+        super().__init__(timers)
+        self.group, self.size = group, size
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // size
+
+    def dispatch(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        with self.region(Component.dispatch):
+            n, el = self.size, self.num_local_experts
+            k = routing.indices.shape[1]
+            slots, counts = sort_by_expert(routing.indices, self.num_experts)
+            rows = tokens[torch.div(slots, k, rounding_mode="floor")]
+            send_counts = counts.view(n, el)
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+            in_splits = send_counts.sum(1).tolist()
+            out_splits = recv_counts.sum(1).tolist()
+            received = all_to_all(rows, out_splits, in_splits, self.group)
+            # chunk c = src * el + e; expert-major order is key e * n + src
+            chunk = torch.repeat_interleave(
+                torch.arange(n * el, device=rows.device), recv_counts.reshape(-1)
+            )
+            order = torch.argsort((chunk % el) * n + torch.div(chunk, el, rounding_mode="floor"),
+                                  stable=True)
+            extra = {"order": order, "in_splits": in_splits, "out_splits": out_splits}
+            handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, extra)
+            return received[order], recv_counts.sum(0), handle
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        with self.region(Component.combine):
+            order = handle.extra["order"]
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=order.device)
+            rows = all_to_all(
+                expert_out[inverse],
+                handle.extra["in_splits"],
+                handle.extra["out_splits"],
+                self.group,
+            )
+            return weighted_scatter(
+                rows, handle.slots, handle.weights, handle.num_tokens, handle.top_k
+            )
+
+
+class AllGatherDispatcher(_Timed):
+    """All-gather the EP group's tokens and routing, keep the rows routed to local experts
+    (local scatter); combine weights them, sums per token (local gather) and reduce-scatters
+    the partial sums back to the tokens' owners. Every rank holds the same token count."""
+
+    def __init__(
+        self, num_experts: int, group, size: int, index: int, timers: Timers | None = None
+    ):
+        super().__init__(timers)
+        self.group, self.size, self.index = group, size, index
+        self.num_local_experts = num_experts // size
+
+    def dispatch(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        with self.region(Component.dispatch):
+            el = self.num_local_experts
+            k = routing.indices.shape[1]
+            all_tokens = all_gather(tokens, self.group)
+            all_weights = all_gather(routing.weights, self.group)
+            all_indices = all_gather(routing.indices, self.group)
+            local = all_indices - self.index * el
+            local = torch.where((local >= 0) & (local < el), local, -1)
+            slots, counts = sort_by_expert(local, el)
+            rows = all_tokens[torch.div(slots, k, rounding_mode="floor")]
+            handle = DispatchHandle(slots, all_weights, all_tokens.shape[0], k, {})
+            return rows, counts, handle
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        with self.region(Component.combine):
+            partial = weighted_scatter(
+                expert_out, handle.slots, handle.weights, handle.num_tokens, handle.top_k
+            )
+            return reduce_scatter(partial, self.group)
+
+
+def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None):
+    group, n = mesh.groups[Group.ep], mesh.size(Group.ep)
+    if kind == Dispatch.all_to_all:
+        return AllToAllDispatcher(num_experts, group, n, timers)
+    return AllGatherDispatcher(num_experts, group, n, mesh.index(Group.ep), timers)
+
+
+def apply_expert_parallel(
+    model: Transformer,
+    mesh: Mesh,
+    kind: Dispatch,
+    shards: dict[str, Shard],
+    timers: Timers | None,
+) -> None:
+    """Keep this rank's experts and install the dispatcher; balance statistics are summed over
+    the attention group so the balance loss is the micro-batch's, whatever the sequence split."""
+    n, i = mesh.size(Group.ep), mesh.index(Group.ep)
+    attn_group = mesh.groups[Group.attn]
+    for lid, block in model.layers.items():
+        moe = block.moe
+        if moe is None:
+            continue
+        if attn_group is not None:
+            moe.router.reduce_stats = lambda t, g=attn_group: sum_replicated(t, g)
+        if n == 1:
+            continue
+        for w in ("w1", "w2", "w3"):
+            shard = Shard(0, i, n)
+            setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
+            shards[f"layers.{lid}.moe.experts.{w}"] = shard
+        moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers)

@@ -1,0 +1,92 @@
+"""The plan's parallelism as ordered transforms of the plain (meta-device) model:
+pipeline stage -> attention (Ulysses or TP) -> experts (EP) -> recomputation -> timers.
+Weights are materialised afterwards from the seed, so every layout starts identical."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from plans import EPFFN, TPFFN, CPAttention, Plan, Recompute, TPAttention, UlyssesAttention
+from runtime.metrics import Component, Timers
+from runtime.model import AttentionCore, Shard, Transformer
+from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
+from runtime.parallel.data_parallel import UnsupportedFeature, replication_groups
+from runtime.parallel.expert import apply_expert_parallel
+from runtime.parallel.mesh import Group, Mesh
+from runtime.parallel.pipeline import apply_pipeline
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module`` in backward instead of keeping its activations. The forward is
+    replaced on the instance, so parameter names stay those of the plain model."""
+    module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+
+
+def check_supported(plan: Plan) -> None:
+    """Refuse, before any work, plan fields this runtime does not implement."""
+    if plan.degrees.vpp != 1:
+        raise UnsupportedFeature(
+            f"schedule: {plan.schedule} with vpp {plan.degrees.vpp} is not supported by this "
+            "runtime yet (non-interleaved 1f1b is)"
+        )
+    if isinstance(plan.attention, CPAttention):
+        raise UnsupportedFeature("attention: cp attention is not supported by this runtime yet")
+    if isinstance(plan.ffn, TPFFN) and plan.degrees.etp != 1:
+        raise UnsupportedFeature(
+            "ffn: tp experts (etp > 1) are not supported by this runtime yet"
+        )
+
+
+def apply_recompute(model: Transformer, mode: Recompute) -> None:
+    """full: keep each layer's input only; selective: recompute the attention core (RoPE and
+    SDPA), whose activations grow with the sequence (Korthikanti et al., 2022)."""
+    if mode == Recompute.none:
+        return
+    for block in model.layers.values():
+        if mode == Recompute.full:
+            checkpoint_forward(block)
+            continue
+        for module in block.attention.modules():
+            if isinstance(module, AttentionCore):
+                checkpoint_forward(module)
+
+
+def apply_expert_timers(model: Transformer, timers: Timers) -> None:
+    for moe in model.moe_layers():
+        moe.experts.register_forward_pre_hook(
+            lambda *_: timers.start(Component.expert_compute)
+        )
+        moe.experts.register_forward_hook(lambda *_: timers.stop(Component.expert_compute))
+
+
+@dataclass
+class ParallelModel:
+    model: Transformer
+    mesh: Mesh
+    shards: dict[str, Shard]
+    """This rank's slice of every sharded parameter (by local parameter name)."""
+    replication: dict[str, tuple[Group, ...]]
+    """Groups each parameter's gradient is summed over."""
+
+
+def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | None) -> ParallelModel:
+    check_supported(plan)
+    shards: dict[str, Shard] = {}
+    apply_pipeline(model, mesh, plan.stage_layers)
+    if isinstance(plan.attention, UlyssesAttention):
+        apply_ulysses(model, mesh, timers)
+    elif isinstance(plan.attention, TPAttention):
+        apply_tensor_parallel_attention(model, mesh, shards, timers)
+    attention_shards = set(shards)
+    if isinstance(plan.ffn, EPFFN):
+        apply_expert_parallel(model, mesh, plan.ffn.dispatch, shards, timers)
+    expert_shards = set(shards) - attention_shards
+    apply_recompute(model, plan.recompute)
+    if timers is not None:
+        apply_expert_timers(model, timers)
+    groups = replication_groups(model, mesh, shards, expert_shards)
+    return ParallelModel(model, mesh, shards, groups)

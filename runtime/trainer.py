@@ -1,0 +1,195 @@
+"""One rank's training: model from the plan, parallel transforms, pipeline schedule, gradient
+sync and AdamW. Used by ``runtime.train`` and, with a one-rank plan, as the reference."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from plans import EPFFN, Degrees, Plan, UlyssesAttention
+from runtime.config import ModelConfig, ModelOptions
+from runtime.data import TokenSource, rank_micro_batches
+from runtime.metrics import Component, Timers, peak_memory_gib
+from runtime.model import Shard, Transformer, init_weights
+from runtime.parallel.data_parallel import GradSync
+from runtime.parallel.mesh import Mesh, build_mesh
+from runtime.parallel.parallelize import ParallelModel, parallelize
+from runtime.parallel.pipeline import OneFOneB
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    """Global mean cross-entropy of the step (balance loss not included)."""
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    peak_memory_gib: float
+    components_s: dict[str, float] = field(default_factory=dict)
+
+
+def model_options(plan: Plan, aux_loss_coeff: float = 0.01, per_expert_balance: bool = False):
+    """The runtime's model options for ``plan``: device-level balance over the EP ranks."""
+    return ModelOptions(
+        aux_loss_coeff=aux_loss_coeff,
+        balance_groups=None if per_expert_balance else plan.degrees.ep,
+        capacity_factor=plan.ffn.capacity_factor if isinstance(plan.ffn, EPFFN) else None,
+    )
+
+
+def reference_plan(plan: Plan) -> Plan:
+    """The same model, batch and micro-batching on one rank without parallelism."""
+    data = plan.model_dump()
+    data.update(
+        degrees=Degrees().model_dump(),
+        cluster=plan.cluster.with_gpus(1).model_dump(),
+        attention=UlyssesAttention().model_dump(),
+        stage_layers=(plan.model.layers,),
+        schedule="1f1b",
+        prediction=None,
+    )
+    return Plan.model_validate(data)
+
+
+class Trainer:
+    def __init__(
+        self,
+        plan: Plan,
+        mesh: Mesh,
+        device: torch.device,
+        seed: int,
+        data: TokenSource,
+        options: ModelOptions | None = None,
+        optim: OptimizerConfig = OptimizerConfig(),
+    ):
+        self.plan, self.mesh, self.device, self.data = plan, mesh, device, data
+        self.timers = Timers(device)
+        cfg = ModelConfig(plan.model, options or model_options(plan))
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers)
+        init_weights(model, seed, self.pm.shards, device)
+        model.train()
+        self.model = model
+        d = plan.degrees
+        scale = 1.0 / (plan.num_micro_batches * d.dp)
+        for moe in model.moe_layers():
+            moe.aux_loss_scale = cfg.options.aux_loss_coeff * scale
+        self.grad_sync = GradSync(model, mesh, self.pm.replication, plan.grad_sync_precision)
+        self.optimizer = self._make_optimizer(optim)
+        tokens = plan.training.tokens_per_step
+        self.loss_scale = 1.0 / tokens
+        shape = (plan.micro_batch_size, plan.local_seq_len, plan.model.hidden)
+        self.schedule = OneFOneB(
+            model, mesh, self._loss, shape, device, self._autocast, self.timers
+        )
+
+    # ---- pieces -------------------------------------------------------------------------------
+    def _make_optimizer(self, cfg: OptimizerConfig) -> torch.optim.AdamW:
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+        )
+        # states exist from the start so a checkpoint can be loaded into them in place
+        for p in self.model.parameters():
+            opt.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+        return opt
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy summed over this rank's tokens, divided by the step's global token
+        count: the replicas' gradient sum is then the gradient of the global mean."""
+        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+        return ce * self.loss_scale
+
+    # ---- a step ---------------------------------------------------------------------------------
+    def forward_backward(self, step: int) -> float:
+        """Gradients of step ``step`` before synchronisation; returns the global mean loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        micro = rank_micro_batches(self.data.batch(step), self.plan, self.mesh, self.device)
+        with self.timers.region(Component.forward_backward):
+            local = self.schedule.run(micro)
+        total = local.detach().float().reshape(1)
+        if self.mesh.world > 1:
+            dist.all_reduce(total)  # every token's loss is on exactly one last-stage rank
+        return float(total)
+
+    def sync_gradients(self) -> None:
+        with self.timers.region(Component.grad_sync):
+            self.grad_sync()
+
+    def optimizer_step(self) -> None:
+        with self.timers.region(Component.optimizer):
+            self.optimizer.step()
+
+    def train_step(self, step: int) -> StepMetrics:
+        t0 = time.perf_counter()
+        loss = self.forward_backward(step)
+        self.sync_gradients()
+        self.optimizer_step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        tokens = self.plan.training.tokens_per_step
+        flops = self.plan.model.flops_per_token(self.plan.training.seq_len) * tokens
+        peak = self.mesh.world * self.plan.cluster.gpu.bf16_dense_tflops * 1e12
+        return StepMetrics(
+            step=step,
+            loss=loss,
+            step_time_s=elapsed,
+            tokens_per_s=tokens / elapsed,
+            mfu=flops / elapsed / peak,
+            peak_memory_gib=peak_memory_gib(self.device),
+            components_s=self.timers.collect(),
+        )
+
+    def local_gradients(self) -> dict[str, tuple[torch.Tensor, Shard | None]]:
+        """Each parameter's gradient under its global (init) name, with this rank's shard."""
+        return {
+            self.model.init_key(name): (p.grad.detach().clone(), self.pm.shards.get(name))
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        }
+
+
+def build_trainer(
+    plan: Plan,
+    rank: int,
+    world: int,
+    device: torch.device,
+    seed: int,
+    data: TokenSource,
+    options: ModelOptions | None = None,
+    optim: OptimizerConfig = OptimizerConfig(),
+) -> Trainer:
+    mesh = build_mesh(plan, rank, world)
+    return Trainer(plan, mesh, device, seed, data, options, optim)

@@ -1,0 +1,100 @@
+"""A reusable pool of gloo worker processes: one process group per pool, tasks named by
+(module, function) so spawned workers import them from this directory."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).parent
+TASK_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, name, args = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            results.put((rank, True, fn(*args)))
+        except Exception:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world: int):
+        self.world = world
+        self.procs: list = []
+        self._start()
+
+    def _start(self) -> None:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results))
+            for r in range(self.world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, module: str, name: str, *args) -> list:
+        """Run ``module.name(*args)`` on every rank; results in rank order."""
+        if not self.procs or any(not p.is_alive() for p in self.procs):
+            self.close()
+            self._start()
+        for q in self.tasks:
+            q.put((module, name, args))
+        out: dict[int, object] = {}
+        errors = []
+        try:
+            for _ in range(self.world):
+                rank, ok, value = self.results.get(timeout=TASK_TIMEOUT_S)
+                (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+        except queue.Empty:
+            errors.append(f"timed out after {TASK_TIMEOUT_S} s; ranks done: {sorted(out)}")
+        if errors:
+            self.close()  # a failed collective leaves the group unusable
+            raise RuntimeError("\n".join(errors))
+        return [out[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs = []
