@@ -1,0 +1,64 @@
+"""Kernel times against hand arithmetic (H800: 989 TFLOP/s bf16, 3.35 TB/s, 132 SMs)."""
+
+import math
+
+import pytest
+
+from cost_models import compute as cc
+from plans import Precision
+
+
+def test_large_square_gemm_is_compute_bound_with_wave_quantisation(h800):
+    # 4096^3: 32 x 32 = 1024 tiles over 132 SMs -> 8 waves, 1024/1056 of them filled.
+    flops = 2 * 4096**3
+    expected = flops / (989e12 * 0.80 * 1024 / 1056)
+    assert cc.gemm_s(4096, 4096, 4096, h800, Precision.bf16) == pytest.approx(expected)
+
+
+def test_tile_quantisation_pads_partial_tiles(h800):
+    # m = 129 rows launch 2 tile rows: useful share 129 / 256; 2 x 32 = 64 tiles, one wave of
+    # 132 SMs: 64/132 filled.
+    eff = cc.tile_efficiency(129, 4096, 132)
+    assert eff == pytest.approx(129 / 256 * 64 / 132)
+
+
+def test_shallow_k_is_penalised_and_fp8_doubles_peak(h800):
+    # k = 64: a quarter of FULL_SPEED_K = 256 -> 4x the compute time of the rate-only bound.
+    deep = cc.gemm_s(4096, 4096, 4096, h800, Precision.bf16)
+    fp8 = cc.gemm_s(4096, 4096, 4096, h800, Precision.fp8)
+    assert fp8 == pytest.approx(deep * 989 / 1979)
+    assert cc.depth_efficiency(64) == pytest.approx(0.25)
+
+
+def test_skinny_gemm_hits_the_hbm_roofline(h800):
+    # m = 8 rows x 8192 x 8192: bytes (8*8192 + 8192^2 + 8*8192) x 2 over 3.35e12 x 0.85.
+    traffic = (8 * 8192 + 8192 * 8192 + 8 * 8192) * 2
+    assert cc.gemm_s(8, 8192, 8192, h800, Precision.bf16) == pytest.approx(
+        traffic / (3.35e12 * 0.85))
+
+
+def test_grouped_gemm_for_balanced_experts(h800):
+    # Mixtral on ep 8: 1024 tokens per rank x 8 ranks x top-2 / 8 experts = 2048 per expert.
+    per_expert = cc.expert_tokens(8 * 1024, 2, 8, None)
+    assert per_expert == 2048
+    # One local expert, fc1+gate: 2048 x 28672 x 4096. Tiles 16 x 224 = 3584 over 132 SMs:
+    # 28 waves, 3584/3696 filled; at grouped_gemm 0.75.
+    t = cc.grouped_gemm_s(1, per_expert, 2 * 14336, 4096, h800, Precision.bf16)
+    assert t == pytest.approx(2 * 2048 * 28672 * 4096 / (989e12 * 0.75 * 3584 / 3696))
+    assert cc.expert_tokens(8 * 1024, 2, 8, 1.25) == 2048 * 1.25
+
+
+def test_flash_attention_causal_forward_and_backward(h800):
+    # s = 8192, 4 heads of 128 (32 heads / sp 8): 4 x 8192^2 x 4 x 128 x 0.5 FLOPs.
+    flops = cc.attention_fwd_flops(1, 8192, 8192, 4, 128, cc.CAUSAL_FRACTION)
+    assert flops == 4 * 8192 * 8192 * 4 * 128 * 0.5
+    fwd = cc.flash_attention_fwd_s(flops, h800)
+    assert fwd == pytest.approx(flops / (989e12 * 0.60))
+    assert cc.flash_attention_bwd_s(flops, h800) == pytest.approx(2.5 * fwd)
+
+
+def test_memory_bound_op(h800):
+    # RMSNorm of 1024 tokens x 4096: read + write bf16 = 16 MiB at 3.35e12 x 0.85.
+    nbytes = 2 * 1024 * 4096 * 2
+    assert cc.memory_s(nbytes, h800) == pytest.approx(nbytes / 2.8475e12)
+    assert math.isclose(cc.memory_s(0, h800), 0.0)
