@@ -1,0 +1,56 @@
+"""End to end: the paper's Internal-352B plan against its Megatron-LM baseline."""
+
+import pytest
+
+from cost_models import evaluate, memory_breakdown, stage_costs
+from plans import Overlap, PipelineSchedule, Plan
+
+
+def test_paper_plan_is_sane_and_beats_megatron(plan_352b, megatron_352b):
+    ours, megatron = evaluate(plan_352b), evaluate(megatron_352b)
+    assert 0.2 < ours.mfu < 0.6
+    assert ours.feasible and ours.reason is None
+    assert megatron.step_time_s > ours.step_time_s
+    assert sum(ours.breakdown_s.values()) == pytest.approx(ours.step_time_s)
+    assert ours.tokens_per_s == pytest.approx(720 * 8192 / ours.step_time_s)
+    assert {"compute", "pipeline_bubble", "pp_p2p", "grad_sync", "recompute",
+            "exposed_comm.sp_all_to_all", "exposed_comm.ep_dispatch"} <= set(ours.breakdown_s)
+    assert "exposed_comm.tp_all_gather" in megatron.breakdown_s
+
+
+def test_mfu_definition(plan_352b):
+    ev = evaluate(plan_352b)
+    flops = plan_352b.model.flops_per_token(8192) * 720 * 8192
+    assert ev.mfu == pytest.approx(flops / (1440 * 989e12 * ev.step_time_s))
+
+
+def test_prediction_round_trips_into_a_plan(plan_352b):
+    ev = evaluate(plan_352b)
+    pred = ev.prediction()
+    assert pred.peak_memory_gib == pytest.approx(ev.memory.peak_bytes / 2**30)
+    assert pred.breakdown_s == dict(ev.breakdown_s)
+    with_pred = plan_352b.model_copy(update={"prediction": pred})
+    assert Plan.model_validate(with_pred.model_dump()).prediction == pred
+
+
+def test_bubble_and_stage_costs(plan_352b):
+    ev, sc = evaluate(plan_352b), stage_costs(plan_352b)
+    # Stage times: 4 layers each, the first adds the embedding, the last the head.
+    stages = [4 * sc.layer_s] * 15
+    stages[0] += sc.embedding_s
+    stages[-1] += sc.head_s
+    assert ev.breakdown_s["pipeline_bubble"] == pytest.approx(sum(stages) - max(stages))
+    assert sc.layer_s == pytest.approx(ev.layer.total_s)
+    assert memory_breakdown(plan_352b) == ev.memory
+
+
+def test_interleaving_and_overlap_knobs(plan_352b):
+    base = evaluate(plan_352b)
+    inter = plan_352b.model_copy(update={
+        "degrees": plan_352b.degrees.model_copy(update={"pp": 15, "vpp": 2}),
+        "stage_layers": (2,) * 30, "schedule": PipelineSchedule.interleaved_1f1b})
+    assert evaluate(inter).breakdown_s["pipeline_bubble"] < base.breakdown_s["pipeline_bubble"]
+    serial = evaluate(plan_352b.model_copy(update={"overlap": Overlap.none}))
+    assert serial.step_time_s > base.step_time_s
+    unsynced = evaluate(plan_352b.model_copy(update={"grad_sync_overlap": False}))
+    assert unsynced.breakdown_s["grad_sync"] > base.breakdown_s["grad_sync"]
