@@ -14,7 +14,11 @@ from plans import EPFFN, TPFFN, CPAttention, Plan, Recompute, TPAttention, Ulyss
 from runtime.metrics import Component, Timers
 from runtime.model import AttentionCore, Shard, Transformer
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
-from runtime.parallel.data_parallel import UnsupportedFeature, replication_groups
+from runtime.parallel.data_parallel import (
+    SYNC_DTYPES,
+    UnsupportedFeature,
+    replication_groups,
+)
 from runtime.parallel.expert import apply_expert_parallel
 from runtime.parallel.mesh import Group, Mesh
 from runtime.parallel.pipeline import apply_pipeline
@@ -35,6 +39,17 @@ def check_supported(plan: Plan) -> None:
         )
     if isinstance(plan.attention, CPAttention):
         raise UnsupportedFeature("attention: cp attention is not supported by this runtime yet")
+    if plan.grad_sync_precision not in SYNC_DTYPES:
+        raise UnsupportedFeature(
+            f"grad_sync_precision: {plan.grad_sync_precision} gradient sync is not supported "
+            "by this runtime yet (fp32 and bf16 are)"
+        )
+    kv, tp = plan.model.kv_heads, plan.degrees.tp
+    if isinstance(plan.attention, TPAttention) and kv % tp:
+        raise UnsupportedFeature(
+            f"degrees.tp: this runtime's TP attention needs tp ({tp}) to divide "
+            f"model.kv_heads ({kv})"
+        )
     if isinstance(plan.ffn, TPFFN) and plan.degrees.etp != 1:
         raise UnsupportedFeature(
             "ffn: tp experts (etp > 1) are not supported by this runtime yet"

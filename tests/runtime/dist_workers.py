@@ -76,3 +76,78 @@ def loss_curve(plan_json: str, steps: int) -> list[float]:
     plan = Plan.model_validate_json(plan_json)
     trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
     return [trainer.train_step(s).loss for s in range(steps)]
+
+
+def ulysses_round_trip():
+    """seq_to_head equals the head slice of the full sequence; head_to_seq inverts it."""
+    from runtime.parallel.comm import head_to_seq, seq_to_head
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    full = torch.randn(2, 8 * n, 4 * n, 3, generator=torch.Generator().manual_seed(0))
+    local = full.chunk(n, dim=1)[rank].clone().requires_grad_()
+    heads = seq_to_head(local, None)
+    assert torch.equal(heads, full.chunk(n, dim=2)[rank])
+    back = head_to_seq(heads, None)
+    assert torch.equal(back, local)
+    back.sum().backward()
+    assert torch.equal(local.grad, torch.ones_like(local))
+    return True
+
+
+def dispatcher_vs_local(kind: str):
+    """Expert inputs on each rank are the rows the one-rank permutation gives its experts, in
+    the same order; combine (through identity experts) and its gradient match the local one."""
+    from runtime.moe import LocalDispatcher, Routing
+    from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    experts, k, t, h = 4 * n, 2, 6, 5
+    g = torch.Generator().manual_seed(1)
+    x_all = torch.randn(n * t, h, generator=g)
+    idx_all = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n * t)])
+    w_all = torch.rand(n * t, k, generator=g)
+    scale = torch.randn(experts, generator=g)  # a per-expert "computation"
+
+    probe = torch.randn(n * t, h, generator=g)
+
+    def run(disp, x, idx, w, num_local, first, probe):
+        x = x.clone().requires_grad_()
+        w = w.clone().requires_grad_()
+        rows, counts, handle = disp.dispatch(x, Routing(idx, w, torch.zeros(())))
+        expert_of = torch.repeat_interleave(torch.arange(num_local) + first, counts)
+        y = disp.combine(rows * scale[expert_of, None], handle)
+        (y * probe).sum().backward()
+        return rows.detach(), counts, y.detach(), x.grad, w.grad
+
+    ref_rows, ref_counts, ref_y, ref_gx, ref_gw = run(
+        LocalDispatcher(experts), x_all, idx_all, w_all, experts, 0, probe
+    )
+    el = experts // n
+    if kind == "all_to_all":
+        disp = AllToAllDispatcher(experts, None, n)
+    else:
+        disp = AllGatherDispatcher(experts, None, n, rank)
+    sl = slice(rank * t, (rank + 1) * t)
+    rows, counts, y, gx, gw = run(
+        disp, x_all[sl], idx_all[sl], w_all[sl], el, rank * el, probe[sl]
+    )
+    before = int(ref_counts[: rank * el].sum())
+    mine = int(ref_counts[rank * el : (rank + 1) * el].sum())
+    assert torch.equal(counts, ref_counts[rank * el : (rank + 1) * el])
+    assert torch.equal(rows, ref_rows[before : before + mine])
+    torch.testing.assert_close(y, ref_y[sl])
+    torch.testing.assert_close(gx, ref_gx[sl])
+    torch.testing.assert_close(gw, ref_gw[sl])
+    return True
+
+
+def train_main(argv: list[str]) -> int:
+    """runtime.train.main inside the pool's process group."""
+    import os
+
+    from runtime.train import main
+
+    os.environ["RANK"] = str(dist.get_rank())
+    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    return main(argv)

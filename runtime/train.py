@@ -1,0 +1,133 @@
+"""Training entry point, run under torchrun:
+
+    torchrun --nproc-per-node N -m runtime.train --plan PLAN [--steps N] [--data PATH]
+        [--data-dtype u16|u32] [--log FILE | --log-file FILE]
+        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR]
+
+Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL and bf16 autocast on CUDA, gloo and fp32 on CPU.
+Bad input (plan missing or invalid, unsupported field, world size mismatch) prints one line
+naming the field and the reason and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plans import Plan, SpecError
+from plans.catalog import load_plan
+from runtime import checkpoint
+from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
+from runtime.parallel.data_parallel import UnsupportedFeature
+from runtime.parallel.mesh import WorldSizeMismatch
+from runtime.parallel.parallelize import check_supported
+from runtime.trainer import OptimizerConfig, StepMetrics, build_trainer
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.train", description=__doc__.split("\n")[0])
+    p.add_argument("--plan", required=True, type=Path, help="plan file (YAML or JSON)")
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps to reach")
+    p.add_argument("--data", type=Path, help="raw token file; synthetic tokens when absent")
+    p.add_argument("--data-dtype", type=TokenDtype, choices=list(TokenDtype),
+                   help="token width of --data (default: from the suffix .u16/.u32)")
+    # torchrun's own parser takes "--log" for an abbreviation of its --log-dir and refuses it;
+    # under torchrun spell it --log-file
+    p.add_argument("--log", "--log-file", dest="log", type=Path,
+                   help="JSON-lines metrics file written by rank 0")
+    p.add_argument("--ckpt-dir", type=Path, help="checkpoint directory")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=OptimizerConfig.lr)
+    return p.parse_args(argv)
+
+
+def make_data(args: argparse.Namespace, plan: Plan) -> TokenSource:
+    t = plan.training
+    if args.data is None:
+        return SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
+    dtype = args.data_dtype or TokenDtype.from_path(args.data)
+    if dtype is None:
+        raise SpecError(f"--data-dtype: needed for {args.data} (suffix is not .u16 or .u32)")
+    if not args.data.is_file():
+        raise SpecError(f"--data: {args.data} is not a file")
+    return TokenFile(args.data, dtype, t.global_batch, t.seq_len, args.seed)
+
+
+def validate(args: argparse.Namespace, world: int) -> tuple[Plan, TokenSource]:
+    plan = load_plan(args.plan)
+    check_supported(plan)
+    if plan.degrees.world != world:
+        d = plan.degrees
+        raise WorldSizeMismatch(
+            f"degrees: plan needs pp x dp x cp x sp x tp = {d.pp} x {d.dp} x {d.cp} x {d.sp} x "
+            f"{d.tp} = {d.world} processes, launched with WORLD_SIZE={world}"
+        )
+    if args.ckpt_every and args.ckpt_dir is None:
+        raise SpecError("--ckpt-every: needs --ckpt-dir")
+    if args.resume and args.ckpt_dir is None:
+        raise SpecError("--resume: needs --ckpt-dir")
+    return plan, make_data(args, plan)
+
+
+def report(m: StepMetrics, log: Path | None) -> None:
+    line = (
+        f"step {m.step + 1} loss {m.loss:.4f} tok/s {m.tokens_per_s:,.0f} mfu {m.mfu:.2%} "
+        f"step {m.step_time_s * 1e3:.0f} ms peak {m.peak_memory_gib:.2f} GiB"
+    )
+    print(line, flush=True)
+    if log is not None:
+        with log.open("a") as f:
+            f.write(json.dumps({**asdict(m), "step": m.step + 1}) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    try:
+        plan, data = validate(args, world)
+    except (SpecError, UnsupportedFeature, WorldSizeMismatch, ValueError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    trainer = build_trainer(
+        plan, rank, world, device, args.seed, data, optim=OptimizerConfig(lr=args.lr)
+    )
+    start = 0
+    if args.resume and (found := checkpoint.latest(args.ckpt_dir)) is not None:
+        start = checkpoint.load(trainer, found[0])
+        if rank == 0:
+            print(f"resumed from {found[0]} after step {start}", flush=True)
+    for step in range(start, args.steps):
+        metrics = trainer.train_step(step)
+        if rank == 0:
+            report(metrics, args.log)
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+            checkpoint.save(trainer, args.ckpt_dir, step + 1)
+    if owns_group:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""runtime.train: bad input exits 2 with one line, logging, token files, checkpoint/resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist_workers import make_plan
+
+from plans import Precision, TrainingSpec
+from runtime.data import write_byte_corpus
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train(*args: str, world: int = 1) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "runtime.train", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def _write(plan, path: Path) -> Path:
+    path.write_text(plan.model_dump_json())
+    return path
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> None:
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_missing_plan_file(tmp_path):
+    _one_line_error(_train("--plan", str(tmp_path / "none.json")), "none.json", "cannot read")
+
+
+def test_invalid_plan_names_the_field(tmp_path):
+    data = json.loads(make_plan(sp=2).model_dump_json())
+    data["degrees"]["sp"] = 3
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    _one_line_error(_train("--plan", str(bad)), "degrees")
+
+
+def test_world_size_mismatch(tmp_path):
+    plan = _write(make_plan(sp=2), tmp_path / "p.json")
+    _one_line_error(_train("--plan", str(plan), world=1), "degrees", "WORLD_SIZE=1")
+
+
+def test_unsupported_fp8_sync(tmp_path):
+    plan = make_plan().model_copy(
+        update={
+            "training": TrainingSpec(global_batch=4, seq_len=32, precision=Precision.fp8),
+            "grad_sync_precision": Precision.fp8,
+        }
+    )
+    _one_line_error(_train("--plan", str(_write(plan, tmp_path / "p.json"))),
+                    "grad_sync_precision", "not supported")
+
+
+def test_single_process_on_byte_corpus_logs_json(tmp_path):
+    corpus = tmp_path / "corpus.u16"
+    write_byte_corpus("the quick brown fox jumps over the lazy dog. " * 40, corpus)
+    plan = _write(make_plan(), tmp_path / "p.json")
+    log = tmp_path / "log.jsonl"
+    r = _train("--plan", str(plan), "--steps", "2", "--data", str(corpus), "--log", str(log))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    for key in ("loss", "tokens_per_s", "mfu", "peak_memory_gib", "components_s"):
+        assert key in rows[0]
+    assert "step 2 loss" in r.stdout
+
+
+@pytest.mark.parametrize("layout", [dict(sp=2, ep=2), dict(pp=2, stage_layers=(2, 2))])
+def test_resume_continues_the_same_run(pool2, tmp_path, layout):
+    plan = _write(make_plan(**layout), tmp_path / "p.json")
+    full_log, part_log = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
+    base = ["--plan", str(plan), "--lr", "1e-2"]
+    assert pool2.run("dist_workers", "train_main",
+                     [*base, "--steps", "4", "--log", str(full_log)]) == [0, 0]
+    ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2"]
+    assert pool2.run("dist_workers", "train_main", [*base, *ck, "--steps", "2"]) == [0, 0]
+    assert (tmp_path / "ck" / "step-2").is_dir()
+    assert not list((tmp_path / "ck").glob(".tmp-*"))
+    assert pool2.run("dist_workers", "train_main",
+                     [*base, *ck, "--steps", "4", "--resume", "--log", str(part_log)]) == [0, 0]
+    full = [json.loads(x)["loss"] for x in full_log.read_text().splitlines()]
+    part = [json.loads(x)["loss"] for x in part_log.read_text().splitlines()]
+    assert part == full[2:]

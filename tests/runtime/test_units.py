@@ -1,0 +1,98 @@
+"""Unit tests of the model pieces and of each collective building block."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runtime.moe import (
+    GroupedExperts,
+    LocalDispatcher,
+    Router,
+    balance_loss,
+    capacity_mask,
+    grouped_mm,
+)
+
+
+def test_router_topk_and_renormalised_weights():
+    torch.manual_seed(0)
+    r = Router(8, 6, 2, balance_groups=6)
+    x = torch.randn(10, 8)
+    out = r(x)
+    probs = torch.softmax(r.gate(x), -1)
+    top = probs.topk(2, -1)
+    assert torch.equal(out.indices, top.indices)
+    torch.testing.assert_close(out.weights, top.values / top.values.sum(-1, keepdim=True))
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(10))
+
+
+def test_balance_loss_is_one_when_balanced_and_groups_sum_experts():
+    probs = torch.full((4, 4), 0.25)
+    indices = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]])
+    for groups in (4, 2, 1):
+        assert balance_loss(probs, indices, groups).item() == pytest.approx(1.0)
+    probs = torch.softmax(torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), -1)
+    indices = probs.topk(2, -1).indices
+    f = torch.bincount(indices.flatten(), minlength=4).float() / 10
+    p = probs.mean(0)
+    expect_groups = 2 * ((f[:2].sum() * p[:2].sum()) + (f[2:].sum() * p[2:].sum()))
+    torch.testing.assert_close(balance_loss(probs, indices, 2), expect_groups)
+    torch.testing.assert_close(balance_loss(probs, indices, 4), 4 * (f * p).sum())
+
+
+def test_capacity_keeps_first_tokens_of_each_expert():
+    indices = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    keep = capacity_mask(indices, 4, capacity=2)
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+    r = Router(4, 4, 2, balance_groups=4, capacity_factor=1.0)
+    out = r(torch.randn(16, 4))
+    cap = math.ceil(1.0 * 16 * 2 / 4)
+    kept = out.indices[out.indices >= 0]
+    assert torch.bincount(kept, minlength=4).max() <= cap
+    assert (out.weights[out.indices < 0] == 0).all()
+
+
+def test_grouped_mm_fallback_matches_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 5, 4, generator=g)
+    counts = torch.tensor([2, 0, 3])
+    x = torch.randn(5, 4, generator=g)
+    expert = torch.repeat_interleave(torch.arange(3), counts)
+    expect = torch.stack([w[e] @ x[i] for i, e in enumerate(expert.tolist())])
+    torch.testing.assert_close(grouped_mm(x, w, counts), expect)
+
+
+def test_local_dispatch_combine_matches_dense_moe():
+    torch.manual_seed(0)
+    experts, k, t, h = 4, 2, 7, 6
+    ge = GroupedExperts(experts, h, 5)
+    for p in ge.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(t, h)
+    indices = torch.stack([torch.randperm(experts)[:k] for _ in range(t)])
+    weights = torch.rand(t, k)
+    from runtime.moe import Routing
+
+    d = LocalDispatcher(experts)
+    rows, counts, handle = d.dispatch(x, Routing(indices, weights, torch.zeros(())))
+    y = d.combine(ge(rows, counts), handle)
+
+    def expert(e, v):
+        return ge.w2[e] @ (torch.nn.functional.silu(ge.w1[e] @ v) * (ge.w3[e] @ v))
+
+    expect = torch.stack(
+        [sum(weights[i, j] * expert(indices[i, j], x[i]) for j in range(k)) for i in range(t)]
+    )
+    torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-5)
+
+
+def test_ulysses_all_to_all_round_trip(pool2):
+    assert all(pool2.run("dist_workers", "ulysses_round_trip"))
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "allgather_reduce_scatter"])
+def test_dispatcher_matches_local_permutation(pool2, kind):
+    assert all(pool2.run("dist_workers", "dispatcher_vs_local", kind))
