@@ -27,16 +27,11 @@ def _barrier() -> None:
 
 
 def state_dict(trainer: Trainer) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    opt = trainer.optimizer
-    for name, p in trainer.model.named_parameters():
-        key = trainer.model.init_key(name)
-        shard = trainer.pm.shards.get(name)
-        if shard is not None:
-            key += f".shard{shard.index}of{shard.parts}"
-        out[f"model.{key}"] = p.data
-        for field, value in opt.state[p].items():
-            out[f"optim.{key}.{field}"] = value
+    out = {
+        f"model.{trainer.checkpoint_key(name)}": p.data
+        for name, p in trainer.model.named_parameters()
+    }
+    out.update(trainer.optimizer.checkpoint_state(trainer.checkpoint_key))
     out["trainer.step"] = torch.zeros((), dtype=torch.int64)
     return out
 

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m runtime.train --plan PLAN [--steps N] [--data PATH]
         [--data-dtype u16|u32] [--log FILE | --log-file FILE]
-        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR]
+        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR] [--zero1]
 
 Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL and bf16 autocast on CUDA, gloo and fp32 on CPU.
 Bad input (plan missing or invalid, unsupported field, world size mismatch) prints one line
@@ -28,8 +28,9 @@ from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
 from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.mesh import WorldSizeMismatch
+from runtime.parallel.optimizer import OptimizerConfig
 from runtime.parallel.parallelize import check_supported
-from runtime.trainer import OptimizerConfig, StepMetrics, build_trainer
+from runtime.trainer import StepMetrics, build_trainer
 
 EXIT_BAD_INPUT = 2
 
@@ -50,6 +51,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=OptimizerConfig.lr)
+    p.add_argument("--zero1", action="store_true",
+                   help="shard AdamW states over each parameter's replicas (ZeRO stage 1)")
     return p.parse_args(argv)
 
 
@@ -111,7 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if owns_group:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     trainer = build_trainer(
-        plan, rank, world, device, args.seed, data, optim=OptimizerConfig(lr=args.lr)
+        plan, rank, world, device, args.seed, data, optim=OptimizerConfig(lr=args.lr),
+        zero1=args.zero1,
     )
     start = 0
     if args.resume and (found := checkpoint.latest(args.ckpt_dir)) is not None:

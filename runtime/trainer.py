@@ -16,18 +16,10 @@ from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
-from runtime.parallel.data_parallel import GradSync
 from runtime.parallel.mesh import Mesh, build_mesh
+from runtime.parallel.optimizer import OptimizerConfig, ReplicatedAdamW, ZeroAdamW
 from runtime.parallel.parallelize import ParallelModel, parallelize
 from runtime.parallel.pipeline import OneFOneB
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1
-    eps: float = 1e-8
 
 
 @dataclass
@@ -74,7 +66,8 @@ class Trainer:
         seed: int,
         data: TokenSource,
         options: ModelOptions | None = None,
-        optim: OptimizerConfig = OptimizerConfig(),
+        optim: OptimizerConfig | None = None,
+        zero1: bool = False,
     ):
         self.plan, self.mesh, self.device, self.data = plan, mesh, device, data
         self.timers = Timers(device)
@@ -89,8 +82,10 @@ class Trainer:
         scale = 1.0 / (plan.num_micro_batches * d.dp)
         for moe in model.moe_layers():
             moe.aux_loss_scale = cfg.options.aux_loss_coeff * scale
-        self.grad_sync = GradSync(model, mesh, self.pm.replication, plan.grad_sync_precision)
-        self.optimizer = self._make_optimizer(optim)
+        make = ZeroAdamW if zero1 else ReplicatedAdamW
+        self.optimizer = make(
+            model, mesh, self.pm.replication, plan.grad_sync_precision, optim or OptimizerConfig()
+        )
         tokens = plan.training.tokens_per_step
         self.loss_scale = 1.0 / tokens
         shape = (plan.micro_batch_size, plan.local_seq_len, plan.model.hidden)
@@ -99,27 +94,6 @@ class Trainer:
         )
 
     # ---- pieces -------------------------------------------------------------------------------
-    def _make_optimizer(self, cfg: OptimizerConfig) -> torch.optim.AdamW:
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=cfg.lr,
-            betas=cfg.betas,
-            eps=cfg.eps,
-        )
-        # states exist from the start so a checkpoint can be loaded into them in place
-        for p in self.model.parameters():
-            opt.state[p] = {
-                "step": torch.tensor(0.0),
-                "exp_avg": torch.zeros_like(p),
-                "exp_avg_sq": torch.zeros_like(p),
-            }
-        return opt
-
     def _autocast(self):
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -134,7 +108,7 @@ class Trainer:
     # ---- a step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> float:
         """Gradients of step ``step`` before synchronisation; returns the global mean loss."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         micro = rank_micro_batches(self.data.batch(step), self.plan, self.mesh, self.device)
         with self.timers.region(Component.forward_backward):
             local = self.schedule.run(micro)
@@ -145,7 +119,7 @@ class Trainer:
 
     def sync_gradients(self) -> None:
         with self.timers.region(Component.grad_sync):
-            self.grad_sync()
+            self.optimizer.sync_gradients()
 
     def optimizer_step(self) -> None:
         with self.timers.region(Component.optimizer):
@@ -172,6 +146,12 @@ class Trainer:
             components_s=self.timers.collect(),
         )
 
+    def checkpoint_key(self, name: str) -> str:
+        """Global name of a parameter plus the slice this rank holds, if any."""
+        key = self.model.init_key(name)
+        shard = self.pm.shards.get(name)
+        return key if shard is None else f"{key}.shard{shard.index}of{shard.parts}"
+
     def local_gradients(self) -> dict[str, tuple[torch.Tensor, Shard | None]]:
         """Each parameter's gradient under its global (init) name, with this rank's shard."""
         return {
@@ -189,7 +169,8 @@ def build_trainer(
     seed: int,
     data: TokenSource,
     options: ModelOptions | None = None,
-    optim: OptimizerConfig = OptimizerConfig(),
+    optim: OptimizerConfig | None = None,
+    zero1: bool = False,
 ) -> Trainer:
     mesh = build_mesh(plan, rank, world)
-    return Trainer(plan, mesh, device, seed, data, options, optim)
+    return Trainer(plan, mesh, device, seed, data, options, optim, zero1)

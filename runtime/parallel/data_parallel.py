@@ -46,9 +46,11 @@ def replication_groups(
 
 
 class GradSync:
+    """All-reduce of each bucket of gradients (parameters grouped by replication groups)."""
+
     def __init__(
         self,
-        model: nn.Module,
+        params: dict[str, nn.Parameter],
         mesh: Mesh,
         groups: dict[str, tuple[Group, ...]],
         precision: Precision,
@@ -60,7 +62,6 @@ class GradSync:
             )
         self.dtype = SYNC_DTYPES[precision]
         self.mesh = mesh
-        params = dict(model.named_parameters())
         # one flat bucket per (group sequence); parameters in name order on every replica
         self.buckets: dict[tuple[Group, ...], list[nn.Parameter]] = defaultdict(list)
         for name in sorted(params):

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from plans import EPFFN, Degrees, Dispatch, Plan, Precision, Recompute, TPAttention, TrainingSpec
 from plans.catalog import load_cluster, load_model
 from runtime.data import SyntheticTokens
-from runtime.trainer import OptimizerConfig, build_trainer, model_options, reference_plan
+from runtime.parallel.optimizer import OptimizerConfig
+from runtime.trainer import build_trainer, model_options, reference_plan
 
 SEED = 1234
 OPTIM = OptimizerConfig(lr=1e-2)
@@ -43,11 +44,11 @@ def make_plan(
     )
 
 
-def trainer_for(plan: Plan, rank: int, world: int):
+def trainer_for(plan: Plan, rank: int, world: int, zero1: bool = False):
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, SEED)
     return build_trainer(
-        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM
+        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM, zero1
     )
 
 
@@ -72,9 +73,9 @@ def one_step_gradients(plan_json: str):
     return loss, trainer.local_gradients()
 
 
-def loss_curve(plan_json: str, steps: int) -> list[float]:
+def loss_curve(plan_json: str, steps: int, zero1: bool = False) -> list[float]:
     plan = Plan.model_validate_json(plan_json)
-    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), zero1)
     return [trainer.train_step(s).loss for s in range(steps)]
 
 

@@ -79,10 +79,19 @@ def test_bf16_gradient_sync_is_close(pool2):
     check_one_step(pool2, make_plan(sp=2, ep=2, grad_sync_precision=Precision.bf16), 1e-2)
 
 
-def test_loss_curve_follows_reference(pool4):
-    plan = make_plan(pp=2, sp=2, ep=2, stage_layers=(2, 2), global_batch=4)
+@pytest.mark.parametrize(
+    "layout, zero1",
+    [
+        (dict(pp=2, sp=2, ep=2, stage_layers=(2, 2)), False),
+        (dict(sp=2, dp=2, ep=2), True),
+        (dict(model="tiny-moe-shared", pp=2, dp=2, ep=2, stage_layers=(2, 2)), True),
+    ],
+    ids=["pp2_sp2_ep2", "zero1_sp2_dp2_ep2", "zero1_pp2_dp2_tied"],
+)
+def test_loss_curve_follows_reference(pool4, layout, zero1):
+    plan = make_plan(global_batch=4, **layout)
     steps = 6
-    curve = pool4.run("dist_workers", "loss_curve", plan.model_dump_json(), steps)
+    curve = pool4.run("dist_workers", "loss_curve", plan.model_dump_json(), steps, zero1)
     ref = reference_trainer(plan)
     expect = [ref.train_step(s).loss for s in range(steps)]
     for rank_curve in curve:

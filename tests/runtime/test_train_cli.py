@@ -80,11 +80,15 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     assert "step 2 loss" in r.stdout
 
 
-@pytest.mark.parametrize("layout", [dict(sp=2, ep=2), dict(pp=2, stage_layers=(2, 2))])
-def test_resume_continues_the_same_run(pool2, tmp_path, layout):
+@pytest.mark.parametrize(
+    "layout, extra",
+    [(dict(sp=2, ep=2), []), (dict(pp=2, stage_layers=(2, 2)), []), (dict(dp=2), ["--zero1"])],
+    ids=["sp2_ep2", "pp2", "dp2_zero1"],
+)
+def test_resume_continues_the_same_run(pool2, tmp_path, layout, extra):
     plan = _write(make_plan(**layout), tmp_path / "p.json")
     full_log, part_log = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
-    base = ["--plan", str(plan), "--lr", "1e-2"]
+    base = ["--plan", str(plan), "--lr", "1e-2", *extra]
     assert pool2.run("dist_workers", "train_main",
                      [*base, "--steps", "4", "--log", str(full_log)]) == [0, 0]
     ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2"]
