@@ -75,14 +75,16 @@ class OneFOneB:
     ) -> torch.Tensor | None:
         if self.timers is not None:
             self.timers.start(Component.pipeline_comm)
+        # one batch so NCCL groups the send and the receive (no send-send deadlock)
         ops, buf = [], None
         for tensor, peer in send:
-            ops.append(dist.isend(tensor.contiguous(), peer))
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer))
         if recv_from is not None:
             buf = torch.empty(self.shape, device=self.device, dtype=torch.float32)
-            ops.append(dist.irecv(buf, recv_from))
-        for op in ops:
-            op.wait()
+            ops.append(dist.P2POp(dist.irecv, buf, recv_from))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         if self.timers is not None:
             self.timers.stop(Component.pipeline_comm)
         return buf
