@@ -3,6 +3,7 @@
     torchrun --nproc-per-node N -m runtime.train --plan PLAN [--steps N] [--data PATH]
         [--data-dtype u16|u32] [--log FILE | --log-file FILE]
         [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR] [--zero1]
+        [--aux-loss-coeff C] [--per-expert-balance]
 
 Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL and bf16 autocast on CUDA, gloo and fp32 on CPU.
 Bad input (plan missing or invalid, unsupported field, world size mismatch) prints one line
@@ -30,7 +31,7 @@ from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.mesh import WorldSizeMismatch
 from runtime.parallel.optimizer import OptimizerConfig
 from runtime.parallel.parallelize import check_supported
-from runtime.trainer import StepMetrics, build_trainer
+from runtime.trainer import StepMetrics, build_trainer, model_options
 
 EXIT_BAD_INPUT = 2
 
@@ -51,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=OptimizerConfig.lr)
+    p.add_argument("--aux-loss-coeff", type=float, default=0.01, help="balance-loss weight")
+    p.add_argument("--per-expert-balance", action="store_true",
+                   help="plain per-expert balance loss instead of one per EP rank")
     p.add_argument("--zero1", action="store_true",
                    help="shard AdamW states over each parameter's replicas (ZeRO stage 1)")
     return p.parse_args(argv)
@@ -114,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if owns_group:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     trainer = build_trainer(
-        plan, rank, world, device, args.seed, data, optim=OptimizerConfig(lr=args.lr),
+        plan, rank, world, device, args.seed, data,
+        options=model_options(plan, args.aux_loss_coeff, args.per_expert_balance),
+        optim=OptimizerConfig(lr=args.lr),
         zero1=args.zero1,
     )
     start = 0

@@ -34,7 +34,9 @@ class StepMetrics:
     components_s: dict[str, float] = field(default_factory=dict)
 
 
-def model_options(plan: Plan, aux_loss_coeff: float = 0.01, per_expert_balance: bool = False):
+def model_options(
+    plan: Plan, aux_loss_coeff: float = 0.01, per_expert_balance: bool = False
+) -> ModelOptions:
     """The runtime's model options for ``plan``: device-level balance over the EP ranks."""
     return ModelOptions(
         aux_loss_coeff=aux_loss_coeff,
