@@ -13,6 +13,7 @@ Sec. 4.1) would not, so each pass keeps the fastest schedule of the policies up 
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,10 +62,29 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     )
 
 
-def _tasks(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> list[tuple[Task, Op]]:
+def _program(graph: nx.DiGraph) -> list[tuple[str, Op, tuple[str, ...]]]:
+    """(name, op, predecessors) in topological order, ties in program order (Kahn's algorithm
+    with a heap on the program index; networkx's lexicographical sort, hand-rolled for speed)."""
+    nodes = graph.nodes
+    preds = {n: tuple(graph.predecessors(n)) for n in graph}
+    waiting = {n: len(p) for n, p in preds.items()}
+    ready = [(nodes[n]["order"], n) for n, w in waiting.items() if not w]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        out.append((n, nodes[n]["op"], preds[n]))
+        for s in graph.successors(n):
+            waiting[s] -= 1
+            if not waiting[s]:
+                heapq.heappush(ready, (nodes[s]["order"], s))
+    return out
+
+
+def _tasks(graph: nx.DiGraph, program: list[tuple[str, Op, tuple[str, ...]]], overlap: Overlap,
+           hidden_share: float) -> list[tuple[Task, Op]]:
     """Scheduler tasks in topological, then program, order; a collective may become a blocking
     task followed by a communication-stream task."""
-    order = nx.lexicographical_topological_sort(graph, key=lambda n: graph.nodes[n]["order"])
     last_task: dict[str, int] = {}
     out: list[tuple[Task, Op]] = []
 
@@ -73,9 +93,8 @@ def _tasks(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> list[tup
         out.append((Task(op.name, duration, streams, preds, kind), op))
         return len(out) - 1
 
-    for name in order:
-        op: Op = graph.nodes[name]["op"]
-        preds = tuple(last_task[p] for p in graph.predecessors(name))
+    for name, op, pred_names in program:
+        preds = tuple(last_task[p] for p in pred_names)
         if op.kind != OpKind.comm:
             last_task[name] = emit(op, op.duration_s, COMPUTE, preds)
         elif overlap == Overlap.none:
@@ -100,8 +119,8 @@ class _Pass:
     critical_path: tuple[str, ...]
 
 
-def _run(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> _Pass:
-    pairs = _tasks(graph, overlap, hidden_share)
+def _run(graph: nx.DiGraph, program, overlap: Overlap, hidden_share: float) -> _Pass:
+    pairs = _tasks(graph, program, overlap, hidden_share)
     sched = list_schedule([t for t, _ in pairs])
     compute = recompute = 0.0
     exposed: dict[str, float] = defaultdict(float)
@@ -120,7 +139,17 @@ def _run(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> _Pass:
 
 def _best(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> _Pass:
     policies = list(Overlap)[: list(Overlap).index(overlap) + 1]
-    return min((_run(graph, o, hidden_share) for o in policies), key=lambda p: p.time_s)
+    program = _program(graph)
+    best = _run(graph, program, policies[-1], hidden_share)
+    for weaker in reversed(policies[:-1]):
+        # with no overlap everything runs back to back: its makespan is the sum of the
+        # durations, known without scheduling; schedule it only if it could win
+        if weaker == Overlap.none and sum(op.duration_s for _, op, _ in program) >= best.time_s:
+            continue
+        candidate = _run(graph, program, weaker, hidden_share)
+        if candidate.time_s < best.time_s:
+            best = candidate
+    return best
 
 
 @lru_cache(maxsize=4096)

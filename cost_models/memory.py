@@ -132,22 +132,36 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         layers[c % d.pp][1] += n_dense
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
-    best: MemoryBreakdown | None = None
+    # per stage: weights + grads per parameter, optimizer states over the ZeRO-1 shard
+    state_bytes = WEIGHT_BYTES + grad_bytes_per_param(grad_precision)
+    opt_bytes = opt.state_bytes_per_param
+    dense_shard, expert_shard = d.dp * d.cp * d.sp, d.edp
+    logits = tokens * model.vocab * FP32_BYTES
+    peak_stage, peak = 0, -1.0
     for i in range(d.pp):
         moe, dense = layers[i]
+        p = params[i]
         stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
         working = per_layer[moe == 0, Recompute.none] - per_layer[moe == 0, policy]
-        parts = _state_bytes(params[i], d, grad_precision, opt)
-        parts["activations"] = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
-        parts["activation_working"] = working if moe + dense else 0.0
-        parts["comm_buffers"] = buffers
-        # fp32 logits of one micro-batch on the last stage: b s/(sp cp) rows x vocab/tp,
-        # which is tokens (b s / (sp cp tp)) x vocab.
-        parts["logits"] = tokens * model.vocab * FP32_BYTES if i == d.pp - 1 else 0.0
-        peak = sum(parts.values())
-        if best is None or peak > best.peak_bytes:
-            best = MemoryBreakdown(MappingProxyType(parts), peak, capacity, i)
-    return best
+        total = (state_bytes * p.total
+                 + opt_bytes * (p.dense / dense_shard + p.expert / expert_shard)
+                 + stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
+                 + (working if moe + dense else 0.0) + buffers
+                 + (logits if i == d.pp - 1 else 0.0))
+        if total > peak:
+            peak_stage, peak = i, total
+    i = peak_stage
+    moe, dense = layers[i]
+    stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
+    parts = _state_bytes(params[i], d, grad_precision, opt)
+    parts["activations"] = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
+    working = per_layer[moe == 0, Recompute.none] - per_layer[moe == 0, policy]
+    parts["activation_working"] = working if moe + dense else 0.0
+    parts["comm_buffers"] = buffers
+    # fp32 logits of one micro-batch on the last stage: b s/(sp cp) rows x vocab/tp,
+    # which is tokens (b s / (sp cp tp)) x vocab.
+    parts["logits"] = logits if i == d.pp - 1 else 0.0
+    return MemoryBreakdown(MappingProxyType(parts), sum(parts.values()), capacity, i)
 
 
 def memory_breakdown(plan: Plan) -> MemoryBreakdown:

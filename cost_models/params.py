@@ -26,6 +26,8 @@ class StageParams:
 
 def chunk_dense_layers(stage_layers: tuple[int, ...], dense_layers: int) -> tuple[int, ...]:
     """Dense-FFN layers in each model chunk: the model's first ``dense_layers`` layers."""
+    if not dense_layers:
+        return (0,) * len(stage_layers)
     out, first = [], 0
     for n in stage_layers:
         out.append(max(0, min(first + n, dense_layers) - first))

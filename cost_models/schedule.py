@@ -60,15 +60,17 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
     cause: list[int | None] = [None] * n
     free = {s: 0.0 for s in Stream}
     last_on = {s: None for s in Stream}
-    pending = list(range(n))
-    done = [False] * n
+    waiting = [len(t.preds) for t in tasks]
+    successors: list[list[int]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        for p in t.preds:
+            successors[p].append(i)
+    ready = [i for i in range(n) if not waiting[i]]
     level = _bottom_levels(tasks)
-    while pending:
+    while ready:
         best = best_start = best_cause = None
-        for i in pending:
+        for i in ready:
             t = tasks[i]
-            if not all(done[p] for p in t.preds):
-                continue
             at, why = 0.0, None
             for p in t.preds:
                 if finish[p] > at:
@@ -76,13 +78,18 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             for s in t.streams:
                 if free[s] > at:
                     at, why = free[s], last_on[s]
-            if best is None or at < best_start or (at == best_start and level[i] > level[best]):
+            if best is None or at < best_start or (
+                    at == best_start and (level[i] > level[best]
+                                          or level[i] == level[best] and i < best)):
                 best, best_start, best_cause = i, at, why
         start[best] = best_start
         finish[best] = best_start + tasks[best].duration_s
         cause[best] = best_cause
-        done[best] = True
-        pending.remove(best)
+        ready.remove(best)
+        for j in successors[best]:
+            waiting[j] -= 1
+            if not waiting[j]:
+                ready.append(j)
         for s in tasks[best].streams:
             free[s] = finish[best]
             last_on[s] = best

@@ -98,7 +98,7 @@ def catalog_cmd(json_out: JsonOpt = False) -> None:
     console = Console()
     t = Table(title="Models", title_justify="left")
     for col in ("name", "layers", "hidden", "heads q/kv", "experts", "top-k", "total", "active"):
-        t.add_column(col, justify="left" if col == "name" else "right")
+        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
     for n, m in models.items():
         t.add_row(n, str(m.layers), str(m.hidden), f"{m.query_heads}/{m.kv_heads}",
                   str(m.experts), str(m.top_k), f"{m.total_params / 1e9:.1f}B",
@@ -107,7 +107,8 @@ def catalog_cmd(json_out: JsonOpt = False) -> None:
     t = Table(title="Clusters", title_justify="left")
     for col in ("name", "GPU", "bf16 TFLOP/s", "HBM GiB", "NVLink GB/s", "domain", "network",
                 "net GB/s/GPU"):
-        t.add_column(col, justify="left" if col in ("name", "GPU", "network") else "right")
+        left = col in ("name", "GPU", "network")
+        t.add_column(col, justify="left" if left else "right", no_wrap=left)
     for n, c in clusters.items():
         t.add_row(n, c.gpu.name, f"{c.gpu.bf16_dense_tflops:g}", f"{c.gpu.hbm_gib:g}",
                   f"{c.node.nvlink_gb_s:g}", str(c.node.gpus_per_node), c.network.name,

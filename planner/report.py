@@ -26,19 +26,32 @@ def _attention(plan: Plan) -> str:
     return {"ulysses_sp": f"sp{n}", "tp": f"tp{n}", "cp": f"cp{n}"}[plan.attention.kind]
 
 
+def layout_text(plan: Plan) -> str:
+    d = plan.degrees
+    vpp = f" vpp{d.vpp}" if d.vpp > 1 else ""
+    return f"pp{d.pp}{vpp} dp{d.dp} {_attention(plan)} {_ffn(plan)} mbs{plan.micro_batch_size}"
+
+
+def options_text(plan: Plan) -> str:
+    overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
+    recompute = {"none": "none", "selective": "sel", "full": "full"}
+    sched = "1f1b" if plan.schedule.value == "1f1b" else "i1f1b"
+    return (f"{sched} ov:{overlap[plan.overlap.value]} rc:{recompute[plan.recompute.value]} "
+            f"sync:{plan.grad_sync_precision.value}")
+
+
 def plans_table(rows: list[tuple[str, Ranked]], title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("", "pp", "vpp", "dp", "attn", "ffn", "mbs", "schedule", "overlap", "recompute",
-                "sync", "step s", "tokens/s", "MFU", "mem GiB"):
-        table.add_column(col, justify="right" if col not in ("", "schedule") else "left")
+    table.add_column("", no_wrap=True)
+    table.add_column("layout", no_wrap=True)
+    table.add_column("options")
+    for col in ("step s", "tokens/s", "MFU", "GiB"):
+        table.add_column(col, justify="right", no_wrap=True)
     for label, r in rows:
         p, e = r.plan, r.evaluation
-        table.add_row(
-            label, str(p.degrees.pp), str(p.degrees.vpp), str(p.degrees.dp), _attention(p),
-            _ffn(p), str(p.micro_batch_size), p.schedule.value, p.overlap.value,
-            p.recompute.value, p.grad_sync_precision.value, f"{e.step_time_s:.3f}",
-            f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.memory.peak_bytes / GIB:.1f}",
-        )
+        table.add_row(label, layout_text(p), options_text(p), f"{e.step_time_s:.3f}",
+                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
+                      f"{e.memory.peak_bytes / GIB:.1f}")
     return table
 
 
@@ -51,7 +64,7 @@ def print_search(result: SearchResult, console: Console) -> None:
     console.print(
         f"searched {s.candidates:,} candidates in {s.seconds:.2f} s: {s.invalid:,} invalid, "
         f"{s.pruned_memory:,} out of memory, {s.pruned_bound:,} bounded out, "
-        f"{s.evaluated:,} evaluated, {s.feasible:,} feasible"
+        f"{s.dominated:,} dominated, {s.evaluated:,} evaluated, {s.feasible:,} feasible"
     )
     if result.speedup is not None:
         console.print(f"predicted speedup over the Megatron-LM-style layout: "
@@ -70,7 +83,7 @@ def search_document(result: SearchResult) -> dict:
         "search": {
             "candidates": s.candidates, "feasible": s.feasible, "seconds": s.seconds,
             "layouts": s.layouts, "invalid": s.invalid, "pruned_memory": s.pruned_memory,
-            "pruned_bound": s.pruned_bound, "evaluated": s.evaluated,
+            "pruned_bound": s.pruned_bound, "dominated": s.dominated, "evaluated": s.evaluated,
         },
     }
 
@@ -81,10 +94,10 @@ def explain_document(plan: Plan, e: Evaluation) -> dict:
         "feasible": e.feasible,
         "reason": e.reason,
         "step": {"step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu,
-                 "breakdown_s": e.breakdown_s},
+                 "breakdown_s": dict(e.breakdown_s)},
         "layer": {
             "forward_s": e.layer.fwd_s, "backward_s": e.layer.bwd_s,
-            "compute_s": e.layer.compute_s, "exposed_comm_s": e.layer.exposed_comm_s,
+            "compute_s": e.layer.compute_s, "exposed_comm_s": dict(e.layer.exposed_comm_s),
             "critical_path": list(e.layer.critical_path),
         },
         "memory_gib": {k: v / GIB for k, v in e.memory.components_bytes.items()},

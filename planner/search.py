@@ -2,12 +2,12 @@
 
 Exact branch and bound, deterministic:
 1. For every layout (degrees, attention and FFN kind, micro-batch, schedule) build a Plan with an
-   even stage split (the Plan invariants reject impossible layouts) and check memory with the
-   leanest options; a layout that cannot fit that way cannot fit at all.
-2. Lower-bound each layout's step time: the slowest stage processes every micro-batch in turn,
-   so step >= micro-batches x (layers / pp) x the fastest layer time over its options.
-3. Visit layouts in bound order; evaluate every option of a layout (ILP stage split, memory,
-   cost model) until the bound passes the K-th best step time found.
+   even stage split (the Plan invariants reject impossible layouts).
+2. Lower-bound each layout's step time from the fastest layer time over its options and the
+   pipeline formula (see _lower_bound).
+3. Visit layouts in bound order until the bound passes the K-th best step time found. Check a
+   layout's memory with its leanest options first (if that does not fit, nothing does), then
+   evaluate its options (ILP stage split, memory, cost model), skipping dominated ones.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 import cost_models
-from cost_models import Evaluation
+from cost_models import Evaluation, StageCosts
+from cost_models.pipeline import exposed_p2p_s, p2p_transfer_s
 from planner.space import (
     AttentionKind,
     FFNKind,
@@ -40,8 +41,10 @@ from plans import (
     TrainingSpec,
 )
 
-# Options that need the least memory, for the first-pass memory check.
-_LEANEST = (Recompute.full, Precision.fp8, Precision.bf16, Precision.fp32)
+# Options from the least memory to the most, for the first-pass memory check.
+_LEAN_RECOMPUTE = (Recompute.full, Recompute.selective, Recompute.none)
+_LEAN_SYNC = (Precision.fp8, Precision.bf16, Precision.fp32)
+_OVERLAP_STRENGTH = (Overlap.none, Overlap.inter_op, Overlap.inter_intra_op)
 
 
 @dataclass(frozen=True)
@@ -59,10 +62,13 @@ class SearchStats:
     invalid: int = 0
     """Layouts the Plan invariants reject."""
     pruned_memory: int = 0
-    """Candidates of layouts that do not fit even with the leanest options."""
+    """Candidates of visited layouts that do not fit even with the leanest options."""
     pruned_bound: int = 0
-    """Candidates never evaluated because their lower bound passed the K-th best."""
+    """Candidates never visited because their lower bound passed the K-th best."""
     evaluated: int = 0
+    dominated: int = 0
+    """Candidates skipped because an evaluated option of the same layout is at least as fast
+    and as lean (stronger overlap, lower sync precision, less recomputation that fits)."""
     feasible: int = 0
     """Evaluated candidates that fit in memory."""
     seconds: float = 0.0
@@ -138,14 +144,17 @@ class _Entry:
     order: int
     layout: Layout
     plan: Plan
+    options: int
 
 
-def _search(model, cluster, training, space, top, stats, progress) -> list[Ranked]:
+def _search(model, cluster, training, space, top, stats, progress, exhaustive=False
+            ) -> list[Ranked]:
     layouts = list(space.layouts(model, cluster, training))
     stats.layouts += len(layouts)
     entries: list[_Entry] = []
+    costs_by_shape: dict[tuple, StageCosts] = {}
     for i, layout in enumerate(layouts):
-        if progress is not None:
+        if progress is not None and (i % 64 == 0 or i + 1 == len(layouts)):
             progress(i + 1, len(layouts))
         options = list(space.options(layout, training))
         stats.candidates += len(options)
@@ -153,34 +162,68 @@ def _search(model, cluster, training, space, top, stats, progress) -> list[Ranke
         if plan is None:
             stats.invalid += len(options)
             continue
-        if not _fits_leanest(plan, space, options):
-            stats.pruned_memory += len(options)
-            continue
-        entries.append(_Entry(_lower_bound(plan, options), i, layout, plan))
+        # the layer costs depend on the layout's layer shape only, not on pp, vpp or dp
+        shape = (layout.attention, layout.ffn, layout.micro_batch_size, layout.degrees.sp,
+                 layout.degrees.tp, layout.degrees.cp, layout.degrees.ep, layout.degrees.etp)
+        if shape not in costs_by_shape:
+            costs_by_shape[shape] = _fastest_costs(plan, options)
+        bound = _lower_bound(plan, costs_by_shape[shape])
+        entries.append(_Entry(bound, i, layout, plan, len(options)))
 
     entries.sort(key=lambda e: (e.bound_s, e.order))
-    kept: list[tuple[float, int, Ranked]] = []  # max-heap on step time via negation
-    counter = 0
+    kept: list[tuple[float, int, Ranked]] = []  # heap of the K best, slowest on top
     for idx, entry in enumerate(entries):
-        options = list(space.options(entry.layout, training))
         if len(kept) == top and entry.bound_s >= -kept[0][0]:
-            stats.pruned_bound += sum(len(list(space.options(e.layout, training)))
-                                      for e in entries[idx:])
+            stats.pruned_bound += sum(e.options for e in entries[idx:])
             break
-        for option in options:
-            ranked = _evaluate_option(entry.plan, option)
-            stats.evaluated += 1
+        options = list(space.options(entry.layout, training))
+        if not _fits_leanest(entry.plan, options):
+            stats.pruned_memory += entry.options
+            continue
+        groups = _option_groups(options, exhaustive)
+        for group in groups:
+            ranked, tried = _best_of_group(entry.plan, group)
+            stats.evaluated += tried
+            stats.dominated += len(group) - tried
             if ranked is None:
                 continue
             stats.feasible += 1
-            counter += 1
-            item = (-ranked.evaluation.step_time_s, -counter, ranked)
+            item = (-ranked.evaluation.step_time_s, -(idx * 1000 + len(kept)), ranked)
             if len(kept) < top:
                 heapq.heappush(kept, item)
             elif item[0] > kept[0][0]:
                 heapq.heapreplace(kept, item)
     ordered = sorted(kept, key=lambda t: (-t[0], -t[1]))
     return [r for _, _, r in ordered]
+
+
+def _option_groups(options: list, exhaustive: bool) -> list[list]:
+    """Options of one layout in groups ordered fastest-first, where within a group each option
+    is never faster and never leaner than the one before it (dominance):
+    - stronger overlap hides more communication at the same memory;
+    - lower-precision gradient sync moves fewer bytes and keeps smaller gradient buffers;
+    - less recomputation is faster (more memory): the first that fits beats the rest.
+    Only the dispatcher choice trades time against memory, so it forms the groups."""
+    if exhaustive:
+        return [[o] for o in options]
+    overlap = max({o[1] for o in options}, key=_OVERLAP_STRENGTH.index)
+    sync = min({o[3] for o in options}, key=_LEAN_SYNC.index)
+    groups = []
+    for dispatch in dict.fromkeys(o[0] for o in options):
+        group = [o for o in options if o[0] == dispatch and o[1] == overlap and o[3] == sync]
+        group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
+        groups.append(group + [o for o in options if o[0] == dispatch and o not in group])
+    return groups
+
+
+def _best_of_group(plan: Plan, group: list) -> tuple[Ranked | None, int]:
+    """Evaluate a dominance group in order; the first feasible option is its best."""
+    lead = [o for o in group if o[1] == group[0][1] and o[3] == group[0][3]]
+    for tried, option in enumerate(lead, start=1):
+        ranked = _evaluate_option(plan, option)
+        if ranked is not None:
+            return ranked, tried
+    return None, len(lead)
 
 
 def _even_plan(model, cluster, training, layout: Layout, option) -> Plan | None:
@@ -211,9 +254,9 @@ def _with_option(plan: Plan, option) -> Plan:
     return plan.model_copy(update=update)
 
 
-def _fits_leanest(plan: Plan, space: SearchSpace, options) -> bool:
-    recomputes = sorted({o[2] for o in options}, key=_LEANEST.index)
-    syncs = sorted({o[3] for o in options}, key=_LEANEST.index)
+def _fits_leanest(plan: Plan, options) -> bool:
+    recomputes = sorted({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
+    syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)
     dispatches = {o[0] for o in options}
     for dispatch in dispatches:
         lean = _with_option(plan, (dispatch, options[0][1], recomputes[0], syncs[0]))
@@ -222,11 +265,28 @@ def _fits_leanest(plan: Plan, space: SearchSpace, options) -> bool:
     return False
 
 
-def _lower_bound(plan: Plan, options) -> float:
-    """micro-batches x (layers / pp) x fastest per-layer time among the options."""
-    layer_s = min(cost_models.stage_costs(_with_option(plan, o)).layer_s for o in
-                  {(d, ov, rc, options[0][3]) for d, ov, rc, _ in options})
-    return plan.num_micro_batches * plan.model.layers / plan.degrees.pp * layer_s
+def _fastest_costs(plan: Plan, options) -> StageCosts:
+    """Stage costs under the fastest options of a layout: the strongest overlap and the least
+    recomputation (see _option_groups), the faster dispatcher."""
+    overlap = max({o[1] for o in options}, key=_OVERLAP_STRENGTH.index)
+    recompute = max({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
+    fastest = {(d, overlap, recompute, options[0][3]) for d, _, _, _ in options}
+    return min((cost_models.stage_costs(_with_option(plan, o)) for o in fastest),
+               key=lambda c: c.layer_s)
+
+
+def _lower_bound(plan: Plan, costs: StageCosts) -> float:
+    """A step time no option of this layout can beat, from its fastest stage costs.
+
+    Every stage time t_i sums its layers (plus embedding / head), so
+    sum t >= W = L x layer + embedding + head and max t >= W / pp. The pipeline step is
+    m max t + (sum t - max t) / vpp (cost_models.pipeline.step_s), at least
+    m W / pp + W (1 - 1/pp) / vpp, plus the fill/drain transfers every split pays."""
+    d, m = plan.degrees, plan.num_micro_batches
+    work = plan.model.layers * min(costs.layer_s, costs.dense_layer_s) + costs.embedding_s \
+        + costs.head_s
+    p2p = exposed_p2p_s(plan, p2p_transfer_s(plan))
+    return m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp + p2p
 
 
 def _evaluate_option(plan: Plan, option) -> Ranked | None:

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from planner.cli import app
 from plans import Plan
 
-runner = CliRunner()
+runner = CliRunner(env={"COLUMNS": "250"})
 SMALL = ["mixtral-8x7b", "h100", "--gpus", "16", "--global-batch", "32", "--seq-len", "4096"]
 
 

@@ -46,8 +46,8 @@ def test_knobs_change_the_right_fields():
 def test_plan_changes_lists_differences():
     from plans import Degrees, Plan, TrainingSpec
 
-    base = dict(model=catalog.load_model("tiny-moe"), cluster=catalog.load_cluster("h100"),
-                training=TrainingSpec(global_batch=8, seq_len=64), stage_layers=(4,))
+    base = dict(model=catalog.load_model("mixtral-8x7b"), cluster=catalog.load_cluster("h100"),
+                training=TrainingSpec(global_batch=8, seq_len=64), stage_layers=(32,))
     a = Plan(**base, degrees=Degrees(dp=1, sp=8, ep=4))
     b = Plan(**base, degrees=Degrees(dp=2, sp=4, ep=4), micro_batch_size=2)
     assert plan_changes(a, b) == ["dp 1->2", "sp 8->4", "micro_batch_size 1->2"]
