@@ -1,0 +1,82 @@
+"""Search: pruning is exact, results are deterministic, the paper's layout wins where it should."""
+
+import pytest
+
+from planner.search import _fastest_costs, _lower_bound, megatron_space, search
+from planner.space import AttentionKind, FFNKind, SearchSpace
+from plans import Overlap, Precision, Recompute, TrainingSpec, catalog
+
+
+def small_job():
+    return (catalog.load_model("mixtral-8x7b"), catalog.load_cluster("h100", gpus=16),
+            TrainingSpec(global_batch=32, seq_len=4096))
+
+
+def test_pruned_search_finds_the_exhaustive_best():
+    model, cluster, training = small_job()
+    space = SearchSpace(micro_batch_sizes=(1, 2), max_vpp=2)
+    from planner.search import SearchStats, _search
+
+    fast = _search(model, cluster, training, space, 3, SearchStats(), None)
+    full = _search(model, cluster, training, space, 3, SearchStats(), None, exhaustive=True)
+    assert fast[0].evaluation.step_time_s == pytest.approx(full[0].evaluation.step_time_s)
+    assert fast[0].plan.summary() == full[0].plan.summary()
+
+
+def test_bound_never_exceeds_the_evaluated_step_time():
+    model, cluster, training = small_job()
+    result = search(model, cluster, training, top=10)
+    for ranked in [*result.top, result.baseline]:
+        plan = ranked.plan
+        options = [(plan.ffn.dispatch if plan.ffn.kind == "ep" and plan.degrees.ep > 1 else None,
+                    plan.overlap, plan.recompute, plan.grad_sync_precision)]
+        bound = _lower_bound(plan, _fastest_costs(plan, options))
+        assert bound <= ranked.evaluation.step_time_s * (1 + 1e-9)
+
+
+def test_results_are_sorted_distinct_and_valid():
+    model, cluster, training = small_job()
+    result = search(model, cluster, training, top=5)
+    steps = [r.evaluation.step_time_s for r in result.top]
+    assert steps == sorted(steps)
+    assert len({r.plan.summary() for r in result.top}) == 5
+    for r in result.top:
+        assert r.plan.prediction.step_time_s == r.evaluation.step_time_s
+        assert r.evaluation.memory.fits
+        assert r.plan == type(r.plan).model_validate(r.plan.model_dump())  # re-validates
+    s = result.stats
+    assert s.candidates == s.invalid + s.pruned_memory + s.pruned_bound + s.evaluated + s.dominated
+
+
+def test_megascale_layout_beats_megatron_on_the_paper_job():
+    result = search(catalog.load_model("internal-352b"), catalog.load_cluster("h800", gpus=1440),
+                    TrainingSpec(global_batch=720, seq_len=8192), top=1)
+    best = result.best.plan
+    assert best.attention.kind == "ulysses_sp" and best.ffn.kind == "ep"
+    assert best.degrees.sp == 8 and best.degrees.ep == 8
+    assert result.baseline.plan.attention.kind == "tp"
+    assert 1.3 < result.speedup < 2.5  # the paper measured 1.88x
+    assert 0.3 < result.best.evaluation.mfu < 0.6
+
+
+def test_baseline_space_is_megatron_like():
+    space = megatron_space(catalog.load_cluster("h800", gpus=64))
+    assert space.attention == (AttentionKind.tp,) and space.ffn == (FFNKind.tp,)
+    assert space.overlap == (Overlap.none,) and space.grad_sync == (Precision.fp32,)
+
+
+def test_narrowed_space_is_respected():
+    model, cluster, training = small_job()
+    space = SearchSpace(overlap=(Overlap.none,), recompute=(Recompute.full,),
+                        attention=(AttentionKind.ulysses_sp,))
+    result = search(model, cluster, training, space, top=3, with_baseline=False)
+    assert result.baseline is None
+    for r in result.top:
+        assert r.plan.overlap == Overlap.none and r.plan.recompute == Recompute.full
+        assert r.plan.attention.kind == "ulysses_sp"
+
+
+def test_nothing_fits():
+    result = search(catalog.load_model("internal-352b"), catalog.load_cluster("h800", gpus=8),
+                    TrainingSpec(global_batch=8, seq_len=8192), top=3)
+    assert result.best is None and result.baseline is None
