@@ -385,7 +385,7 @@ def train_cmd(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "-m", "runtime.train", "--plan", str(plan),
            "--steps", str(steps)]
-    for flag, value in (("--data", data), ("--log", log), ("--ckpt-dir", ckpt_dir),
+    for flag, value in (("--data", data), ("--log-file", log), ("--ckpt-dir", ckpt_dir),
                         ("--ckpt-every", ckpt_every)):
         if value is not None:
             cmd += [flag, str(value)]
