@@ -23,16 +23,20 @@ T = TypeVar("T", bound=BaseModel)
 
 def read_document(path: Path) -> dict:
     """Parse a YAML or JSON file into a mapping, with one-line errors."""
+    kind = path.suffix.lstrip(".") or "yaml"
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not valid {kind} (not UTF-8 text: byte {e.start})") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        reason = str(e).splitlines()[0]
-        kind = path.suffix.lstrip(".") or "yaml"
+    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError, and e.g. a bad YAML date
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise SpecError(f"{path}: not valid {kind} ({reason})") from None
+    except RecursionError:
+        raise SpecError(f"{path}: not valid {kind} (nested too deeply)") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
@@ -53,15 +57,23 @@ def names(kind: str) -> list[str]:
 @cache
 def _load(kind: str, name_or_path: str, spec: type[T]) -> T:
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml", ".json") or path.exists():
+    if path.suffix in (".yaml", ".yml", ".json") or _exists(path):
         return parse(spec, read_document(path), str(path))
     builtin = CATALOG_DIR / kind / f"{name_or_path.lower()}.yaml"
-    if not builtin.exists():
+    if not _exists(builtin):
         raise SpecError(
             f"{kind[:-1]}: unknown name {name_or_path!r}; built-in {kind}: {', '.join(names(kind))}"
             " (or give a path to a .yaml/.json file)"
         )
     return parse(spec, read_document(builtin), f"{kind[:-1]} {name_or_path}")
+
+
+def _exists(path: Path) -> bool:
+    """Like Path.exists, but a name the OS refuses (too long, say) is just not a file."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def load_model(name_or_path: str) -> ModelSpec:

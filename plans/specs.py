@@ -8,16 +8,37 @@ from __future__ import annotations
 
 from enum import StrEnum
 from functools import cached_property
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 
 class Frozen(BaseModel):
     """Base of every contract type: immutable, unknown fields rejected, docstrings as docs."""
 
     model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, ignored_types=(cached_property,)
+        frozen=True, extra="forbid", use_attribute_docstrings=True,
+        ignored_types=(cached_property,), allow_inf_nan=False,
     )
+
+
+# Hardware quantities outside this range (in each field's unit) are typing mistakes, and they make
+# the cost model's times overflow to inf or nan.
+HARDWARE_RANGE = (1e-6, 1e9)
+
+
+def _in_range(v: float) -> float:
+    lo, hi = HARDWARE_RANGE
+    if v != 0 and not lo <= v <= hi:
+        raise ValueError(f"{v:g} is out of range (nonzero values must lie in [{lo:g}, {hi:g}])")
+    return v
+
+
+Fraction = Annotated[float, Field(gt=0, le=1), AfterValidator(_in_range)]
+"""An efficiency: a fraction of peak in (0, 1]."""
+Rate = Annotated[float, Field(gt=0), AfterValidator(_in_range)]
+"""A positive hardware quantity (throughput, bandwidth, capacity)."""
+Latency = Annotated[float, Field(ge=0), AfterValidator(_in_range)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,13 +193,13 @@ class ModelSpec(Frozen):
 
 class GPUSpec(Frozen):
     name: str
-    bf16_dense_tflops: float = Field(gt=0)
+    bf16_dense_tflops: Rate
     """Peak dense bf16 tensor-core throughput."""
-    fp8_dense_tflops: float = Field(gt=0)
+    fp8_dense_tflops: Rate
     """Peak dense fp8 tensor-core throughput."""
-    hbm_gib: float = Field(gt=0)
+    hbm_gib: Rate
     """HBM capacity."""
-    hbm_tb_s: float = Field(gt=0)
+    hbm_tb_s: Rate
     """HBM bandwidth."""
     sms: PositiveInt = 132
     """Streaming multiprocessors (wave quantisation of GEMM tiles)."""
@@ -189,9 +210,9 @@ class NodeSpec(Frozen):
 
     gpus_per_node: PositiveInt
     """GPUs sharing one NVLink domain."""
-    nvlink_gb_s: float = Field(gt=0)
+    nvlink_gb_s: Rate
     """NVLink bandwidth per GPU per direction."""
-    nvlink_latency_us: float = Field(3.0, ge=0)
+    nvlink_latency_us: Latency = 3.0
     """Latency of one NVLink collective step."""
 
 
@@ -200,32 +221,32 @@ class NetworkSpec(Frozen):
 
     name: str
     nics_per_node: PositiveInt
-    nic_gb_s: float = Field(gt=0)
+    nic_gb_s: Rate
     """Bandwidth of one NIC per direction."""
-    latency_us: float = Field(10.0, ge=0)
+    latency_us: Latency = 10.0
     """Latency of one network collective step."""
 
 
 class Efficiency(Frozen):
     """Achievable fractions of peak; calibration on real GPUs replaces these."""
 
-    gemm: float = Field(0.80, gt=0, le=1)
+    gemm: Fraction = 0.80
     """Best dense GEMM throughput / peak, for large well-shaped GEMMs."""
-    grouped_gemm: float = Field(0.75, gt=0, le=1)
+    grouped_gemm: Fraction = 0.75
     """Best grouped (expert) GEMM throughput / peak."""
-    attention: float = Field(0.60, gt=0, le=1)
+    attention: Fraction = 0.60
     """FlashAttention throughput / peak."""
-    hbm: float = Field(0.85, gt=0, le=1)
+    hbm: Fraction = 0.85
     """Achieved HBM bandwidth / peak for memory-bound kernels."""
-    nvlink: float = Field(0.80, gt=0, le=1)
+    nvlink: Fraction = 0.80
     """Achieved NVLink bus bandwidth / peak for ring collectives."""
-    nvlink_all_to_all: float = Field(0.65, gt=0, le=1)
+    nvlink_all_to_all: Fraction = 0.65
     """Achieved NVLink bandwidth / peak for all-to-all (every peer at once)."""
-    network: float = Field(0.80, gt=0, le=1)
+    network: Fraction = 0.80
     """Achieved network bandwidth / peak."""
-    overlap: float = Field(0.90, gt=0, le=1)
+    overlap: Fraction = 0.90
     """Fraction of overlappable communication actually hidden when compute runs beside it."""
-    memory_usable: float = Field(0.92, gt=0, le=1)
+    memory_usable: Fraction = 0.92
     """Fraction of HBM a plan may use (allocator fragmentation, CUDA context, workspace)."""
 
 
