@@ -16,11 +16,57 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from plans import Overlap, Plan, Precision, Recompute, SpecError, TrainingSpec, catalog
 from plans.errors import describe
 
+try:  # typer 0.2x vendors its own click; older versions use click itself
+    from typer._click import exceptions as click
+except ImportError:  # pragma: no cover
+    from click import exceptions as click
+
+
+
+def usage_line(e: click.UsageError) -> str:
+    """A click usage error (bad or missing option, unknown command) as `name: reason`."""
+    param = getattr(e, "param", None)
+    if param is None:
+        text = e.format_message()
+    else:
+        name = param.opts[0] if param.param_type_name == "option" else param.name
+        if isinstance(e, click.MissingParameter):
+            text = f"{name}: required {param.param_type_name} is missing"
+        else:
+            text = f"{name}: {e.message.removeprefix('Value error, ')}"
+    return " ".join(text.split())
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors as one line `error: <option>: <reason>` (exit 2), like every other error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help() if e.ctx else e.format_message())
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            typer.echo(f"error: {usage_line(e)}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            typer.echo(f"error: {' '.join(e.format_message().split())}", err=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("aborted", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=OneLineErrors,
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Plan, explain and run Mixture-of-Experts training the MegaScale-MoE way.",
 )
@@ -376,6 +422,18 @@ def train_cmd(
     import subprocess
 
     loaded = catalog.load_plan(plan)
+    # check what the runtime would refuse before launching anything
+    if data is not None:
+        if data.suffix not in (".u16", ".u32"):
+            raise SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
+        if not data.is_file():
+            raise SpecError(f"--data: {data} is not a file")
+    if ckpt_every is not None and ckpt_dir is None:
+        raise SpecError("--ckpt-every: needs --ckpt-dir")
+    if resume and ckpt_dir is None:
+        raise SpecError("--resume: needs --ckpt-dir")
+    if ckpt_dir is not None and ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise SpecError(f"--ckpt-dir: {ckpt_dir} exists and is not a directory")
     world = loaded.degrees.world
     nproc = nproc_per_node or world
     if nproc != world:

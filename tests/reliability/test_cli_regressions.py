@@ -1,0 +1,54 @@
+"""Regressions of the CLI layer: click usage errors printed a multi-line box; train launched
+torchrun before checking its file and checkpoint options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import assert_one_line_error, run
+
+
+@pytest.mark.parametrize("args,words", [
+    ([], ["model: required argument"]),
+    (["tiny-moe", "h100"], ["--gpus: required option"]),
+    (["tiny-moe", "h100", "--gpus", "0"], ["--gpus:", "greater than or equal to 1"]),
+    (["tiny-moe", "h100", "--gpus", "two"], ["--gpus:", "integer"]),
+    (["tiny-moe", "h100", "--gpus", "8", "--precision", "fp16"], ["--precision:", "fp16"]),
+    (["tiny-moe", "h100", "--gpus", "8", "--top", "-1"], ["--top:"]),
+    (["tiny-moe", "h100", "--gpus", "8", "--bogus"], ["No such option: --bogus"]),
+    (["tiny-moe", "h100", "--gpus", "8", "surplus"], ["unexpected extra argument"]),
+    (["tiny-moe", "h100", "--gpus"], ["--gpus", "requires an argument"]),
+])
+def test_usage_errors_are_one_line(args, words):
+    # click's usage errors printed a boxed multi-line panel
+    assert_one_line_error(run("search", *args), *words)
+
+
+def test_unknown_command_is_one_line():
+    assert_one_line_error(run("serach", "tiny-moe"), "No such command")
+
+
+def test_help_still_works():
+    result = run("search", "--help")
+    assert result.exit_code == 0 and "--gpus" in result.output
+    assert run().exit_code == 2  # no command: help, as before
+
+
+def test_train_checks_inputs_before_launching(tmp_path, plan_doc, monkeypatch):
+    import subprocess
+
+    def no_launch(*a, **k):
+        raise AssertionError("train launched a process")
+
+    monkeypatch.setattr(subprocess, "call", no_launch)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(plan_doc))
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(b"\0" * 64)
+    assert_one_line_error(run("train", plan, "--data", tmp_path / "none.u16"), "--data")
+    assert_one_line_error(run("train", plan, "--data", tokens), "--data", ".u16")
+    assert_one_line_error(run("train", plan, "--resume"), "--resume", "--ckpt-dir")
+    assert_one_line_error(run("train", plan, "--ckpt-every", "2"), "--ckpt-every")
+    assert_one_line_error(run("train", plan, "--ckpt-dir", tokens), "--ckpt-dir")
