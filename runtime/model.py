@@ -140,6 +140,16 @@ class Transformer(nn.Module):
             return h
         return self.output(self.norm(h))
 
+    def forward_chunk(
+        self, x: torch.Tensor, layer_ids: range, embed: bool, head: bool
+    ) -> torch.Tensor:
+        """One model chunk of an interleaved pipeline: the embedding when ``embed``, layers
+        ``layer_ids`` in order, the final norm and LM head when ``head``."""
+        h = self.tok_embeddings(x) if embed else x
+        for i in layer_ids:
+            h = self.layers[str(i)](h)
+        return self.output(self.norm(h)) if head else h
+
     def moe_layers(self) -> list[MoE]:
         return [b.moe for b in self.layers.values() if b.moe is not None]
 

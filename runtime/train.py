@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m runtime.train --plan PLAN [--steps N] [--data PATH]
         [--data-dtype u16|u32] [--log FILE | --log-file FILE]
-        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR] [--zero1]
+        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR] [--no-zero1]
         [--aux-loss-coeff C] [--per-expert-balance]
 
 Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL and bf16 autocast on CUDA, gloo and fp32 on CPU.
@@ -55,8 +55,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--aux-loss-coeff", type=float, default=0.01, help="balance-loss weight")
     p.add_argument("--per-expert-balance", action="store_true",
                    help="plain per-expert balance loss instead of one per EP rank")
-    p.add_argument("--zero1", action="store_true",
-                   help="shard AdamW states over each parameter's replicas (ZeRO stage 1)")
+    p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
+                   help="shard AdamW states over each parameter's replicas (ZeRO stage 1; "
+                   "default on, --no-zero1 keeps full states on every replica)")
     return p.parse_args(argv)
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plans import EPFFN, Degrees, Plan, UlyssesAttention
+from plans import EPFFN, Degrees, PipelineSchedule, Plan, UlyssesAttention
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
 from runtime.metrics import Component, Timers, peak_memory_gib
@@ -19,7 +19,7 @@ from runtime.model import Shard, Transformer, init_weights
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.optimizer import OptimizerConfig, ReplicatedAdamW, ZeroAdamW
 from runtime.parallel.parallelize import ParallelModel, parallelize
-from runtime.parallel.pipeline import OneFOneB
+from runtime.parallel.pipeline import InterleavedOneFOneB, OneFOneB
 
 
 @dataclass
@@ -40,7 +40,9 @@ def model_options(
     """The runtime's model options for ``plan``: device-level balance over the EP ranks."""
     return ModelOptions(
         aux_loss_coeff=aux_loss_coeff,
-        balance_groups=None if per_expert_balance else plan.degrees.ep,
+        # device-level balance needs more than one EP rank; with one (or TP experts) every
+        # rank holds every expert and the per-expert loss applies
+        balance_groups=None if per_expert_balance or plan.degrees.ep == 1 else plan.degrees.ep,
         capacity_factor=plan.ffn.capacity_factor if isinstance(plan.ffn, EPFFN) else None,
     )
 
@@ -69,7 +71,7 @@ class Trainer:
         data: TokenSource,
         options: ModelOptions | None = None,
         optim: OptimizerConfig | None = None,
-        zero1: bool = False,
+        zero1: bool = True,
     ):
         self.plan, self.mesh, self.device, self.data = plan, mesh, device, data
         self.timers = Timers(device)
@@ -90,10 +92,19 @@ class Trainer:
         )
         tokens = plan.training.tokens_per_step
         self.loss_scale = 1.0 / tokens
-        shape = (plan.micro_batch_size, plan.local_seq_len, plan.model.hidden)
-        self.schedule = OneFOneB(
-            model, mesh, self._loss, shape, device, self._autocast, self.timers
-        )
+        # activations between stages are sequence-sharded over the whole attention group
+        # (Ulysses sp, or tp with sequence parallelism)
+        seq = plan.training.seq_len // plan.degrees.attention_group
+        shape = (plan.micro_batch_size, seq, plan.model.hidden)
+        if plan.schedule == PipelineSchedule.interleaved_1f1b:
+            self.schedule = InterleavedOneFOneB(
+                model, mesh, self._loss, shape, device, self._autocast, plan.stage_layers,
+                plan.num_micro_batches, self.timers,
+            )
+        else:
+            self.schedule = OneFOneB(
+                model, mesh, self._loss, shape, device, self._autocast, self.timers
+            )
 
     # ---- pieces -------------------------------------------------------------------------------
     def _autocast(self):
@@ -172,7 +183,7 @@ def build_trainer(
     data: TokenSource,
     options: ModelOptions | None = None,
     optim: OptimizerConfig | None = None,
-    zero1: bool = False,
+    zero1: bool = True,
 ) -> Trainer:
     mesh = build_mesh(plan, rank, world)
     return Trainer(plan, mesh, device, seed, data, options, optim, zero1)

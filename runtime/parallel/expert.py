@@ -113,6 +113,19 @@ class AllGatherDispatcher(_Timed):
             return reduce_scatter(partial, self.group)
 
 
+class ExpertTPDispatcher(AllGatherDispatcher):
+    """Expert tensor parallelism (Megatron-LM MoE with etp): every rank of the etp group holds
+    every expert, fc1/fc3 split by columns and fc2 by rows. Dispatch all-gathers the group's
+    tokens and routing and keeps every routed row; each rank's fc2 output is a partial sum over
+    its slice of the expert hidden width, and combine's reduce-scatter sums the partials and
+    returns each rank its own tokens. With TP attention and sequence parallelism the etp group
+    is the tp group and this is Megatron's all-gather before / reduce-scatter after the FFN."""
+
+    def __init__(self, num_experts: int, group, size: int, timers: Timers | None = None):
+        super().__init__(num_experts, group, size, 0, timers)
+        self.num_local_experts = num_experts
+
+
 def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None):
     group, n = mesh.groups[Group.ep], mesh.size(Group.ep)
     if kind == Dispatch.all_to_all:
@@ -144,3 +157,28 @@ def apply_expert_parallel(
             setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
             shards[f"layers.{lid}.moe.experts.{w}"] = shard
         moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers)
+
+
+def apply_expert_tensor_parallel(
+    model: Transformer, mesh: Mesh, shards: dict[str, Shard], timers: Timers | None
+) -> None:
+    """Split every expert over the etp group: w1 and w3 ([E, ffn, h]) by rows of the hidden
+    width (column parallel), w2 ([E, h, ffn]) by its columns (row parallel). Shared experts and
+    the router stay replicated and run on this rank's own tokens."""
+    n, i = mesh.size(Group.etp), mesh.index(Group.etp)
+    attn_group = mesh.groups[Group.attn]
+    for lid, block in model.layers.items():
+        moe = block.moe
+        if moe is None:
+            continue
+        if attn_group is not None:
+            moe.router.reduce_stats = lambda t, g=attn_group: sum_replicated(t, g)
+        if n == 1:
+            continue
+        for w, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+            shard = Shard(dim, i, n)
+            setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
+            shards[f"layers.{lid}.moe.experts.{w}"] = shard
+        moe.dispatcher = ExpertTPDispatcher(
+            model.cfg.spec.experts, mesh.groups[Group.etp], n, timers
+        )

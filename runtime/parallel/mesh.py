@@ -28,6 +28,8 @@ class Group(StrEnum):
     stage = "stage"
     """Every rank of a pipeline stage (dp x attention): replication group of dense weights."""
     ep = "ep"
+    etp = "etp"
+    """Ranks holding slices of the same experts (expert tensor parallelism)."""
     edp = "edp"
     """Same experts, other EP groups: replication group of expert weights."""
     embed = "embed"
@@ -76,6 +78,10 @@ def group_members(d: Degrees) -> dict[Group, list[list[int]]]:
                 out[Group.ep].append(
                     [base + (edp * d.ep + ep) * d.etp + etp for ep in range(d.ep)]
                 )
+        for edp in range(d.edp):
+            for ep in range(d.ep):
+                first = base + (edp * d.ep + ep) * d.etp
+                out[Group.etp].append([first + i for i in range(d.etp)])
         for i in range(d.ep * d.etp):
             out[Group.edp].append([base + edp * d.ep * d.etp + i for edp in range(d.edp)])
     last = (d.pp - 1) * stage_size

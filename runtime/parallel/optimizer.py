@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import Precision
-from runtime.parallel.data_parallel import SYNC_DTYPES, GradSync
+from runtime.parallel.data_parallel import GradSync, reduce_scatter_sum
 from runtime.parallel.mesh import Group, Mesh
 
 
@@ -109,9 +109,7 @@ class ZeroAdamW:
         precision: Precision,
         cfg: OptimizerConfig,
     ):
-        if precision not in SYNC_DTYPES:
-            raise ValueError(f"grad_sync_precision: {precision} is not supported")
-        self.dtype = SYNC_DTYPES[precision]
+        self.precision = precision
         params = dict(model.named_parameters())
         grouped: dict[tuple[tuple[Group, ...], bool], list[str]] = defaultdict(list)
         for name in sorted(params):
@@ -150,11 +148,9 @@ class ZeroAdamW:
         """Reduce-scatter each sharded bucket's gradients into its shard's ``grad``."""
         for b, _ in self.buckets:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-            flat = torch.cat([g.reshape(-1) for g in grads]).to(self.dtype)
+            flat = torch.cat([g.reshape(-1) for g in grads]).float()
             flat = torch.nn.functional.pad(flat, (0, b.padded - flat.numel()))
-            out = flat.new_empty(b.shard.numel())
-            dist.reduce_scatter_tensor(out, flat, group=b.group)
-            b.shard.grad = out.float()
+            b.shard.grad = reduce_scatter_sum(flat, b.group, self.precision)
         self.rest_sync()
 
     @torch.no_grad()

@@ -14,12 +14,8 @@ from plans import EPFFN, TPFFN, CPAttention, Plan, Recompute, TPAttention, Ulyss
 from runtime.metrics import Component, Timers
 from runtime.model import AttentionCore, Shard, Transformer
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
-from runtime.parallel.data_parallel import (
-    SYNC_DTYPES,
-    UnsupportedFeature,
-    replication_groups,
-)
-from runtime.parallel.expert import apply_expert_parallel
+from runtime.parallel.data_parallel import UnsupportedFeature, replication_groups
+from runtime.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
 from runtime.parallel.mesh import Group, Mesh
 from runtime.parallel.pipeline import apply_pipeline
 
@@ -32,27 +28,16 @@ def checkpoint_forward(module: nn.Module) -> None:
 
 def check_supported(plan: Plan) -> None:
     """Refuse, before any work, plan fields this runtime does not implement."""
-    if plan.degrees.vpp != 1:
-        raise UnsupportedFeature(
-            f"schedule: {plan.schedule} with vpp {plan.degrees.vpp} is not supported by this "
-            "runtime yet (non-interleaved 1f1b is)"
-        )
     if isinstance(plan.attention, CPAttention):
-        raise UnsupportedFeature("attention: cp attention is not supported by this runtime yet")
-    if plan.grad_sync_precision not in SYNC_DTYPES:
         raise UnsupportedFeature(
-            f"grad_sync_precision: {plan.grad_sync_precision} gradient sync is not supported "
-            "by this runtime yet (fp32 and bf16 are)"
+            "attention: cp attention is not supported by this runtime (the planner uses it "
+            "for comparison only; use ulysses_sp or tp)"
         )
     kv, tp = plan.model.kv_heads, plan.degrees.tp
     if isinstance(plan.attention, TPAttention) and kv % tp:
         raise UnsupportedFeature(
             f"degrees.tp: this runtime's TP attention needs tp ({tp}) to divide "
             f"model.kv_heads ({kv})"
-        )
-    if isinstance(plan.ffn, TPFFN) and plan.degrees.etp != 1:
-        raise UnsupportedFeature(
-            "ffn: tp experts (etp > 1) are not supported by this runtime yet"
         )
 
 
@@ -99,6 +84,8 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     attention_shards = set(shards)
     if isinstance(plan.ffn, EPFFN):
         apply_expert_parallel(model, mesh, plan.ffn.dispatch, shards, timers)
+    elif isinstance(plan.ffn, TPFFN):
+        apply_expert_tensor_parallel(model, mesh, shards, timers)
     expert_shards = set(shards) - attention_shards
     apply_recompute(model, plan.recompute)
     if timers is not None:

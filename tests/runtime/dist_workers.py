@@ -5,7 +5,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from plans import EPFFN, Degrees, Dispatch, Plan, Precision, Recompute, TPAttention, TrainingSpec
+from plans import (
+    EPFFN,
+    TPFFN,
+    Degrees,
+    Dispatch,
+    PipelineSchedule,
+    Plan,
+    Precision,
+    Recompute,
+    TPAttention,
+    TrainingSpec,
+)
 from plans.catalog import load_cluster, load_model
 from runtime.data import SyntheticTokens
 from runtime.parallel.optimizer import OptimizerConfig
@@ -25,17 +36,22 @@ def make_plan(
     stage_layers: tuple[int, ...] | None = None,
     grad_sync_precision: Precision = Precision.fp32,
     recompute: Recompute = Recompute.none,
+    tp_ffn: bool = False,
     **degrees: int,
 ) -> Plan:
     d = Degrees(**degrees)
     spec = load_model(model)
-    extra = {"attention": TPAttention()} if tp_attention else {}
+    extra: dict = {"attention": TPAttention()} if tp_attention else {}
+    if d.vpp > 1:
+        extra["schedule"] = PipelineSchedule.interleaved_1f1b
+    # fp8 gradient sync is only valid in a plan that trains in fp8
+    precision = Precision.fp8 if grad_sync_precision == Precision.fp8 else Precision.bf16
     return Plan(
         model=spec,
         cluster=load_cluster("h200", gpus=d.world),
-        training=TrainingSpec(global_batch=global_batch, seq_len=seq_len),
+        training=TrainingSpec(global_batch=global_batch, seq_len=seq_len, precision=precision),
         degrees=d,
-        ffn=EPFFN(dispatch=dispatch),
+        ffn=TPFFN() if tp_ffn else EPFFN(dispatch=dispatch),
         stage_layers=stage_layers or (spec.layers,),
         micro_batch_size=micro_batch_size,
         grad_sync_precision=grad_sync_precision,
@@ -77,6 +93,25 @@ def loss_curve(plan_json: str, steps: int, zero1: bool = False) -> list[float]:
     plan = Plan.model_validate_json(plan_json)
     trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), zero1)
     return [trainer.train_step(s).loss for s in range(steps)]
+
+
+def fp8_collectives():
+    """Relative errors of fp8 all-reduce and reduce-scatter against fp32 on a gradient-like
+    tensor (values spread over decades), and whether every rank got the same all-reduce."""
+    from runtime.parallel.data_parallel import fp8_all_reduce, fp8_reduce_scatter
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1000, generator=g) * torch.logspace(-3, 0, 1000)
+    full = x.clone()
+    dist.all_reduce(full)
+    ar = fp8_all_reduce(x, None)
+    rs = fp8_reduce_scatter(x, None)
+    mine = full.chunk(n)[rank]
+    gathered = [torch.empty_like(ar) for _ in range(n)]
+    dist.all_gather(gathered, ar)
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    return rel(ar, full), rel(rs, mine), all(torch.equal(t, ar) for t in gathered)
 
 
 def ulysses_round_trip():

@@ -46,6 +46,13 @@ TWO = {
     "tp2": dict(tp=2, tp_attention=True),
     "pp2_shared_tied": dict(model="tiny-moe-shared", pp=2, stage_layers=(1, 3)),
     "sp2_ep2_full_recompute": dict(sp=2, ep=2, recompute=Recompute.full),
+    "pp2_vpp2_interleaved": dict(pp=2, vpp=2, stage_layers=(1, 1, 1, 1), global_batch=4),
+    "pp2_vpp2_interleaved_tied_m2": dict(
+        model="tiny-moe-shared", pp=2, vpp=2, stage_layers=(2, 0, 1, 1), global_batch=2,
+        recompute=Recompute.full,
+    ),
+    "tp2_etp2_megatron": dict(tp=2, etp=2, tp_attention=True, tp_ffn=True),
+    "dp2_etp2": dict(model="tiny-moe-shared", dp=2, etp=2, tp_ffn=True),
     "pp2_selective_recompute_mbs2": dict(
         pp=2, stage_layers=(3, 1), recompute=Recompute.selective, micro_batch_size=2,
         global_batch=8,
@@ -61,6 +68,12 @@ FOUR = {
         model="tiny-moe-shared", pp=2, dp=2, ep=2, stage_layers=(2, 2), micro_batch_size=1
     ),
     "tp2_dp2_ep4": dict(tp=2, dp=2, ep=4, tp_attention=True),
+    "pp2_tp2_ep2": dict(pp=2, tp=2, ep=2, tp_attention=True, stage_layers=(2, 2)),
+    "pp2_vpp2_sp2_ep2": dict(pp=2, vpp=2, sp=2, ep=2, stage_layers=(1, 1, 1, 1)),
+    "tp2_dp2_etp4": dict(tp=2, dp=2, etp=4, tp_attention=True, tp_ffn=True),
+    "pp2_tp2_etp2_vpp2": dict(
+        pp=2, vpp=2, tp=2, etp=2, tp_attention=True, tp_ffn=True, stage_layers=(1, 1, 1, 1)
+    ),
 }
 
 
@@ -79,14 +92,37 @@ def test_bf16_gradient_sync_is_close(pool2):
     check_one_step(pool2, make_plan(sp=2, ep=2, grad_sync_precision=Precision.bf16), 1e-2)
 
 
+FP8_GRAD_RTOL = 0.08
+"""E4M3 keeps 3 mantissa bits: round-to-nearest errs by at most 2^-4 of a value, RMS
+2^-4 / sqrt(3) = 3.6%; the tensor-norm error of a sum of quantised replicas is below that, and
+blocks whose values sit far under their amax lose a little more to subnormals. 8% is about twice
+the RMS bound; a sync that dropped or doubled a replica errs by 50% or more."""
+
+
+def test_fp8_gradient_sync_is_close(pool2):
+    check_one_step(pool2, make_plan(dp=2, ep=2, grad_sync_precision=Precision.fp8),
+                   FP8_GRAD_RTOL)
+
+
+def test_fp8_reduce_scatter_and_all_reduce_match_fp32(pool2):
+    """The quantised collectives against fp32 sums of the same tensors, and exactly equal on
+    every rank for the all-reduce."""
+    errors = pool2.run("dist_workers", "fp8_collectives")
+    for err_ar, err_rs, same in errors:
+        assert err_ar < 0.05 and err_rs < 0.05 and same, errors
+
+
 @pytest.mark.parametrize(
     "layout, zero1",
     [
         (dict(pp=2, sp=2, ep=2, stage_layers=(2, 2)), False),
         (dict(sp=2, dp=2, ep=2), True),
         (dict(model="tiny-moe-shared", pp=2, dp=2, ep=2, stage_layers=(2, 2)), True),
+        (dict(pp=2, vpp=2, dp=2, ep=2, stage_layers=(1, 1, 1, 1)), True),
+        (dict(tp=2, dp=2, etp=2, tp_attention=True, tp_ffn=True), True),
     ],
-    ids=["pp2_sp2_ep2", "zero1_sp2_dp2_ep2", "zero1_pp2_dp2_tied"],
+    ids=["pp2_sp2_ep2", "zero1_sp2_dp2_ep2", "zero1_pp2_dp2_tied", "zero1_pp2_vpp2_dp2",
+         "zero1_tp2_dp2_etp2"],
 )
 def test_loss_curve_follows_reference(pool4, layout, zero1):
     plan = make_plan(global_batch=4, **layout)
