@@ -317,6 +317,12 @@ def _ffn_problems(f: FFNStrategy, d: Degrees, m: ModelSpec) -> list[str]:
         out.append(f"degrees.etp: ffn kind ep needs etp = 1, got {d.etp}")
     if f.kind == "tp" and d.ep != 1:
         out.append(f"degrees.ep: ffn kind tp needs ep = 1, got {d.ep}")
+    cf = getattr(f, "capacity_factor", None)
+    if cf is not None and cf > m.experts / m.top_k:
+        out.append(
+            f"ffn.capacity_factor ({cf:g}) must be at most model.experts / model.top_k "
+            f"({m.experts} / {m.top_k}), where no token is dropped; null means dropless"
+        )
     if m.experts % d.ep:
         out.append(f"degrees.ep ({d.ep}) must divide model.experts ({m.experts})")
     if m.expert_ffn_hidden % d.etp:

@@ -81,3 +81,22 @@ def test_cluster_file_with_yaml_inf_is_one_line(tmp_path):
         catalog.load_cluster(str(path))
     assert str(e.value).startswith(f"{path}: gpu.hbm_gib:")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("factor", [1e308, 1e6, 2.5])
+def test_huge_capacity_factor_is_refused(tmp_path, plan_doc, factor):
+    # capacity_factor 1e308 made the expert token count inf: OverflowError in validate/explain
+    doc = json.loads(json.dumps(plan_doc))
+    doc["ffn"] = {"kind": "ep", "capacity_factor": factor}  # tiny-moe: 4 experts, top-2
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    for cmd in ("validate", "explain"):
+        assert_one_line_error(run(cmd, path), "ffn.capacity_factor", "at most")
+
+
+def test_capacity_factor_at_the_limit_is_accepted(tmp_path, plan_doc):
+    doc = json.loads(json.dumps(plan_doc))
+    doc["ffn"] = {"kind": "ep", "capacity_factor": 2.0}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    assert run("validate", path).exit_code == 0
