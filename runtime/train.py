@@ -7,7 +7,9 @@
 
 Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL and bf16 autocast on CUDA, gloo and fp32 on CPU.
 Bad input (plan missing or invalid, unsupported field, world size mismatch) prints one line
-naming the field and the reason and exits with status 2.
+naming the field and the reason and exits with status 2. A failed or timed-out collective (a
+peer died, ``--timeout-s`` passed) prints one line and exits with status 1; SIGTERM (torchrun
+stopping the other ranks after one failed) prints one line and exits with status 143.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from plans import Plan, SpecError
+from plans import Plan, Precision, SpecError
 from plans.catalog import load_plan
 from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
@@ -34,6 +38,8 @@ from runtime.parallel.parallelize import check_supported
 from runtime.trainer import StepMetrics, build_trainer, model_options
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+EXIT_SIGTERM = 128 + signal.SIGTERM
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -58,6 +64,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
                    help="shard AdamW states over each parameter's replicas (ZeRO stage 1; "
                    "default on, --no-zero1 keeps full states on every replica)")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="collective timeout: a rank waiting longer on a dead peer fails")
     return p.parse_args(argv)
 
 
@@ -100,6 +108,31 @@ def report(m: StepMetrics, log: Path | None) -> None:
             f.write(json.dumps({**asdict(m), "step": m.step + 1}) + "\n")
 
 
+def resume_point(ckpt_dir: Path, rank: int) -> tuple[Path, int] | None:
+    """Rank 0 picks the newest valid checkpoint (reporting damaged ones); every rank gets it."""
+    choice: list = [None]
+    if rank == 0:
+        choice[0] = checkpoint.find_resumable(
+            ckpt_dir, lambda line: print(line, file=sys.stderr, flush=True)
+        )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+class _Progress:
+    step = 0
+
+
+def _on_sigterm(rank: int, progress: type[_Progress]):
+    def handler(_signum, _frame):
+        print(f"error: rank {rank}: stopped by SIGTERM during step {progress.step + 1} "
+              "(the launcher stops every rank when one fails)", file=sys.stderr, flush=True)
+        os._exit(EXIT_SIGTERM)
+
+    return handler
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
@@ -117,7 +150,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(device)
     owns_group = world > 1 and not dist.is_initialized()
     if owns_group:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+        # NCCL's watchdog aborts the communicator on an error or timeout instead of hanging
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.timeout_s))
+        signal.signal(signal.SIGTERM, _on_sigterm(rank, _Progress))
+    if rank == 0 and plan.training.precision == Precision.fp8:
+        print("note: training.precision fp8: this runtime runs the GEMMs in bf16 "
+              "(fp8 applies to the gradient sync only)", file=sys.stderr, flush=True)
+    try:
+        return _train(args, plan, data, rank, world, device, owns_group)
+    except (dist.DistError, RuntimeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: rank {rank}: training stopped during step {_Progress.step + 1}: "
+              f"a collective failed (a peer died or --timeout-s passed): {reason}",
+              file=sys.stderr, flush=True)
+        return EXIT_FAILED
+
+
+def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
+           device: torch.device, owns_group: bool) -> int:
     trainer = build_trainer(
         plan, rank, world, device, args.seed, data,
         options=model_options(plan, args.aux_loss_coeff, args.per_expert_balance),
@@ -125,11 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         zero1=args.zero1,
     )
     start = 0
-    if args.resume and (found := checkpoint.latest(args.ckpt_dir)) is not None:
+    if args.resume and (found := resume_point(args.ckpt_dir, rank)) is not None:
         start = checkpoint.load(trainer, found[0])
         if rank == 0:
             print(f"resumed from {found[0]} after step {start}", flush=True)
     for step in range(start, args.steps):
+        _Progress.step = step
         metrics = trainer.train_step(step)
         if rank == 0:
             report(metrics, args.log)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 from dist_workers import make_plan
 
-from plans import Precision, TrainingSpec
+from plans import CPAttention
 from runtime.data import write_byte_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,15 +56,10 @@ def test_world_size_mismatch(tmp_path):
     _one_line_error(_train("--plan", str(plan), world=1), "degrees", "WORLD_SIZE=1")
 
 
-def test_unsupported_fp8_sync(tmp_path):
-    plan = make_plan().model_copy(
-        update={
-            "training": TrainingSpec(global_batch=4, seq_len=32, precision=Precision.fp8),
-            "grad_sync_precision": Precision.fp8,
-        }
-    )
+def test_cp_attention_is_refused(tmp_path):
+    plan = make_plan().model_copy(update={"attention": CPAttention()})
     _one_line_error(_train("--plan", str(_write(plan, tmp_path / "p.json"))),
-                    "grad_sync_precision", "not supported")
+                    "attention", "cp")
 
 
 def test_single_process_on_byte_corpus_logs_json(tmp_path):
@@ -71,8 +67,11 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     write_byte_corpus("the quick brown fox jumps over the lazy dog. " * 40, corpus)
     plan = _write(make_plan(), tmp_path / "p.json")
     log = tmp_path / "log.jsonl"
+    digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (corpus, plan)}
     r = _train("--plan", str(plan), "--steps", "2", "--data", str(corpus), "--log", str(log))
     assert r.returncode == 0, r.stderr
+    # the runtime never writes its inputs
+    assert digests == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digests}
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2]
     for key in ("loss", "tokens_per_s", "mfu", "peak_memory_gib", "components_s"):
