@@ -180,7 +180,8 @@ def print_whatif(points, console: Console) -> None:
     for p, d in zip(points, doc, strict=True):
         best = p.result.best
         table.add_row(
-            p.label, best.plan.summary() if best else "-", _tokens(best),
+            p.label, f"{layout_text(best.plan)} {options_text(best.plan)}" if best else "-",
+            _tokens(best),
             f"{best.evaluation.mfu:.1%}" if best else "-", _tokens(p.result.baseline),
             f"{d['speedup']:.2f}x" if d["speedup"] else "-", ", ".join(d["changes"]) or "-",
         )

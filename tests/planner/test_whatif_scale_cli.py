@@ -1,0 +1,119 @@
+"""What-if and scaling through the CLI: the paper's thesis, plots, JSON; exports end to end."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.cli import app
+
+runner = CliRunner(env={"COLUMNS": "250"})
+JOB = ["mixtral-8x7b", "h800", "--global-batch", "256", "--seq-len", "4096"]
+
+
+def run(*args):
+    result = runner.invoke(app, list(args))
+    return result
+
+
+@pytest.fixture(scope="module")
+def compute_sweep():
+    result = run("whatif", *JOB, "--gpus", "64", "--vary", "gpu_tflops=1x,4x", "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_tp_layout_falls_behind_as_compute_outgrows_bandwidth(compute_sweep):
+    slow, fast = compute_sweep
+    assert slow["settings"] == {"gpu_tflops": "1x"} and fast["settings"] == {"gpu_tflops": "4x"}
+    assert fast["tokens_per_s"] > slow["tokens_per_s"]
+    assert fast["speedup"] > slow["speedup"] > 1  # the paper's thesis
+    assert fast["best"]["degrees"]["tp"] == 1
+    assert slow["changes"] == []
+
+
+def test_nvlink_domain_and_bandwidth_knobs():
+    result = run("whatif", *JOB, "--gpus", "144", "--vary", "nvlink_domain=8,72",
+                 "--vary", "nvlink_gb_s=1x,2x", "--json")
+    assert result.exit_code == 0, result.output
+    points = json.loads(result.output)
+    assert len(points) == 4
+    assert {p["settings"]["nvlink_domain"] for p in points} == {"8", "72"}
+    assert all(p["tokens_per_s"] for p in points)
+
+
+@pytest.mark.parametrize("suffix", ["png", "svg"])
+def test_plots_are_written(tmp_path, suffix):
+    out = tmp_path / f"plot.{suffix}"
+    result = run("whatif", *JOB, "--gpus", "64", "--vary", "network_gb_s=0.5x,1x",
+                 "--plot", str(out))
+    assert result.exit_code == 0, result.output
+    data = out.read_bytes()
+    assert data[:4] == b"\x89PNG" if suffix == "png" else b"<svg" in data[:500]
+
+
+def test_bad_plot_suffix_and_knob():
+    result = run("whatif", *JOB, "--gpus", "64", "--vary", "hbm_gib=1x", "--plot", "x.pdf")
+    assert result.exit_code == 2 and "must end in .png or .svg" in result.output
+    result = run("whatif", *JOB, "--gpus", "64", "--vary", "warp=2x")
+    assert result.exit_code == 2 and "unknown knob 'warp'" in result.output
+
+
+def test_strong_and_weak_scaling(tmp_path):
+    result = run("scale", *JOB, "--gpus", "64,128", "--json")
+    assert result.exit_code == 0, result.output
+    strong = json.loads(result.output)
+    assert [p["gpus"] for p in strong] == [64, 128]
+    assert {p["global_batch"] for p in strong} == {256}
+    for p in strong:
+        b = p["best"]
+        assert b["tokens_per_s_per_gpu"] == pytest.approx(b["tokens_per_s"] / p["gpus"])
+        assert b["days_per_1t_tokens"] == pytest.approx(1e12 / b["tokens_per_s"] / 86400)
+        assert p["speedup"] > 1
+    assert strong[1]["best"]["tokens_per_s"] > strong[0]["best"]["tokens_per_s"]
+    plot = tmp_path / "scale.png"
+    result = run("scale", *JOB, "--gpus", "64,128", "--weak", "32", "--json", "--plot",
+                 str(plot))
+    weak = json.loads(result.output)
+    assert [p["global_batch"] for p in weak] == [256, 512]  # 32 sequences per 8-GPU domain
+    assert plot.exists()
+    bad = run("scale", *JOB, "--gpus", "64,x")
+    assert bad.exit_code == 2 and "comma-separated" in bad.output
+
+
+def test_export_commands(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert run("search", *JOB, "--gpus", "64", "--out", str(plan)).exit_code == 0
+    meg = run("export", str(plan), "--to", "megatron")
+    assert meg.exit_code == 0 and "--expert-model-parallel-size" in meg.output
+    slurm = run("export", str(plan), "--to", "slurm", "--steps", "10")
+    assert "#SBATCH --nodes=8" in slurm.output
+    bad = run("export", str(plan), "--to", "deepspeed")
+    assert bad.exit_code == 2 and "unknown target 'deepspeed'" in bad.output
+
+
+def test_exported_torchrun_command_trains(tmp_path):
+    """The torchrun export of a small plan, run on this machine, trains."""
+    from plans import Degrees, Dispatch, EPFFN, Plan, TrainingSpec, catalog
+
+    plan = Plan(model=catalog.load_model("tiny-moe"), cluster=catalog.load_cluster("h200", gpus=2),
+                training=TrainingSpec(global_batch=4, seq_len=32), degrees=Degrees(sp=2, ep=2),
+                ffn=EPFFN(dispatch=Dispatch.all_to_all), stage_layers=(4,))
+    path = tmp_path / "tiny.json"
+    path.write_text(plan.model_dump_json())
+    result = run("export", str(path), "--to", "torchrun", "--steps", "2")
+    assert result.exit_code == 0, result.output
+    cmd = shlex.split(result.output.strip())
+    assert cmd[0] == "torchrun" and "--standalone" in cmd
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:],
+                           "--log-file", str(log)], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["loss"] > 0 for s in steps)
