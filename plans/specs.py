@@ -38,7 +38,8 @@ Fraction = Annotated[float, Field(gt=0, le=1), AfterValidator(_in_range)]
 """An efficiency: a fraction of peak in (0, 1]."""
 Rate = Annotated[float, Field(gt=0), AfterValidator(_in_range)]
 """A positive hardware quantity (throughput, bandwidth, capacity)."""
-Latency = Annotated[float, Field(ge=0), AfterValidator(_in_range)]
+Latency = Annotated[float, Field(ge=0, le=HARDWARE_RANGE[1])]
+"""A latency: zero or more, finite."""
 
 
 # --------------------------------------------------------------------------------------------
