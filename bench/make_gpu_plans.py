@@ -1,5 +1,5 @@
-"""Write the plans (bench/gpu_plans/) the GPU benchmarks run: a reduced Mixtral-8x7B (2 layers, full width) on
-one and two H200s, in the layouts worth comparing. Plans are data: regenerate with
+"""Write the plans (bench/gpu_plans/) the GPU benchmarks run: a reduced Mixtral-8x7B (2 layers,
+full width) on one and two H200s, in the layouts worth comparing. Plans are data: regenerate with
 
     python bench/make_gpu_plans.py
 """
@@ -9,8 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from plans import (
-    EPFFN, Degrees, Dispatch, Overlap, Plan, Precision, Recompute, TPAttention, TrainingSpec,
-    UlyssesAttention, catalog,
+    EPFFN,
+    Degrees,
+    Dispatch,
+    Overlap,
+    Plan,
+    Precision,
+    Recompute,
+    TPAttention,
+    TrainingSpec,
+    UlyssesAttention,
+    catalog,
 )
 
 OUT = Path(__file__).parent / "gpu_plans"

@@ -98,7 +98,7 @@ def test_export_commands(tmp_path):
 
 def test_exported_torchrun_command_trains(tmp_path):
     """The torchrun export of a small plan, run on this machine, trains."""
-    from plans import Degrees, Dispatch, EPFFN, Plan, TrainingSpec, catalog
+    from plans import EPFFN, Degrees, Dispatch, Plan, TrainingSpec, catalog
 
     plan = Plan(model=catalog.load_model("tiny-moe"), cluster=catalog.load_cluster("h200", gpus=2),
                 training=TrainingSpec(global_batch=4, seq_len=32), degrees=Degrees(sp=2, ep=2),
