@@ -1,6 +1,6 @@
-"""Write the plans (bench/gpu_plans/) the GPU benchmarks run: a reduced Mixtral-8x7B (2 layers,
-full width) on one and two H200s, in the layouts worth comparing. Plans are data: regenerate with
-
+"""Write the plans (bench/gpu_plans/) the GPU benchmarks run: a reduced Mixtral-8x7B
+(2 layers, full width) on one and two H200s, in the layouts worth comparing. Plans are data:
+regenerate with
     python bench/make_gpu_plans.py
 """
 
