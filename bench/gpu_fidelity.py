@@ -1,0 +1,91 @@
+"""Hold measured GPU training runs against the cost model's predictions for the same plans.
+
+    python bench/gpu_fidelity.py --runs bench/results/gpu_runs --plans bench/gpu_plans \
+        --name gpu_fidelity_h200
+
+Reads each `train_<plan>.jsonl` (the runtime's per-step log), averages the steps after the
+first `--skip` (warm-up), evaluates `<plan>.json` with the cost model, and writes the step-time
+and peak-memory errors per plan to bench/results/<name>.json. The cost model never imports
+torch, so this runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+from _meta import write  # noqa: E402
+
+import cost_models  # noqa: E402
+from plans import catalog  # noqa: E402
+
+GIB = 2**30
+
+
+def compare(log: Path, plan_path: Path, skip: int) -> dict:
+    steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    steady = steps[skip:] or steps
+    measured_s = statistics.median(s["step_time_s"] for s in steady)
+    measured_gib = max(s["peak_memory_gib"] for s in steps)
+    plan = catalog.load_plan(plan_path)
+    e = cost_models.evaluate(plan)
+    components = {}
+    for s in steady:
+        for k, v in s.get("components_s", {}).items():
+            components.setdefault(k, []).append(v)
+    return {
+        "plan": plan_path.stem,
+        "layout": plan.summary(),
+        "gpus": plan.cluster.gpus,
+        "measured_step_s": measured_s,
+        "predicted_step_s": e.step_time_s,
+        "step_error": e.step_time_s / measured_s - 1,
+        "measured_tokens_per_s": plan.training.tokens_per_step / measured_s,
+        "measured_mfu": statistics.median(s["mfu"] for s in steady),
+        "predicted_mfu": e.mfu,
+        "measured_peak_gib": measured_gib,
+        "predicted_peak_gib": e.memory.peak_bytes / GIB,
+        "memory_error": e.memory.peak_bytes / GIB / measured_gib - 1,
+        "measured_components_s": {k: statistics.median(v) for k, v in components.items()},
+        "predicted_breakdown_s": dict(e.breakdown_s),
+        "steps_used": len(steady),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=Path, default=Path("bench/results/gpu_runs"))
+    ap.add_argument("--plans", type=Path, default=Path("bench/gpu_plans"))
+    ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
+    ap.add_argument("--name", default="gpu_fidelity_h200")
+    args = ap.parse_args()
+    rows = []
+    for log in sorted(args.runs.glob("train_*.jsonl")):
+        plan = args.plans / f"{log.stem.removeprefix('train_')}.json"
+        if plan.exists():
+            rows.append(compare(log, plan, args.skip))
+    if not rows:
+        sys.exit(f"no train_*.jsonl logs with matching plans under {args.runs}")
+    path = write(args.name, {
+        "benchmark": "measured GPU training steps vs cost-model predictions",
+        "rows": rows,
+        "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in rows),
+        "worst_memory_underprediction": min(r["memory_error"] for r in rows),
+    })
+    print(f"{'plan':26s} {'meas ms':>8s} {'pred ms':>8s} {'err':>6s} {'meas GiB':>9s} "
+          f"{'pred GiB':>9s} {'err':>6s}")
+    for r in rows:
+        ms = (r["measured_step_s"] * 1e3, r["predicted_step_s"] * 1e3)
+        print(f"{r['plan']:26s} {ms[0]:8.1f} {ms[1]:8.1f} {r['step_error']:+6.0%} "
+              f"{r['measured_peak_gib']:9.1f} {r['predicted_peak_gib']:9.1f} "
+              f"{r['memory_error']:+6.0%}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
