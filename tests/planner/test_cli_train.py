@@ -1,0 +1,36 @@
+"""A plan written by `moeplan search` for a small cluster trains end to end under `moeplan
+train` (torchrun, gloo on this CPU machine)."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_search_then_train(tmp_path):
+    plan = tmp_path / "tiny.json"
+    log = tmp_path / "metrics.jsonl"
+    moeplan = [sys.executable, "-m", "planner.cli"]
+    found = subprocess.run([*moeplan, "search", "tiny-moe", "h200", "--gpus", "4",
+                            "--global-batch", "8", "--seq-len", "256", "--out", str(plan)],
+                           capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    trained = subprocess.run([*moeplan, "train", str(plan), "--steps", "2", "--log", str(log)],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["loss"] > 0 and s["tokens_per_s"] > 0 for s in steps)
+
+
+def test_train_refuses_a_launch_that_does_not_match_the_plan(tmp_path):
+    plan = tmp_path / "tiny.json"
+    subprocess.run([sys.executable, "-m", "planner.cli", "search", "tiny-moe", "h200", "--gpus",
+                    "2", "--global-batch", "8", "--seq-len", "256", "--out", str(plan)],
+                   check=True, capture_output=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "planner.cli", "train", str(plan),
+                             "--nproc-per-node", "3"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: --nproc-per-node: 3 processes")
+    assert "Traceback" not in result.stderr
