@@ -42,10 +42,27 @@ def read_document(path: Path) -> dict:
     return data
 
 
+KINDS: dict[str, type[BaseModel]] = {"model": ModelSpec, "cluster": ClusterSpec, "plan": Plan}
+
+
+def _kind_of(data: dict) -> str | None:
+    """Which document kind has every required field of `data` and no field it lacks."""
+    keys = set(data)
+    for name, spec in KINDS.items():
+        required = {n for n, f in spec.model_fields.items() if f.is_required()}
+        if required <= keys <= set(spec.model_fields):
+            return name
+    return None
+
+
 def parse(kind: type[T], data: dict, where: str) -> T:
     try:
         return kind.model_validate(data)
     except ValidationError as e:
+        expected = next((n for n, k in KINDS.items() if k is kind), None)
+        found = _kind_of(data)
+        if expected and found and found != expected:
+            raise SpecError(f"{where}: this is a {found} document, not a {expected}") from None
         raise SpecError(f"{where}: {describe(e)}") from None
 
 
