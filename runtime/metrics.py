@@ -2,7 +2,10 @@
 
 On CUDA a region is a pair of CUDA events on the current stream (read once per step, after a
 synchronize), so timing adds no synchronisation inside the step; on CPU it is wall time.
-Regions measure forward-pass work only (backward runs inside autograd).
+A region measures forward work; its backward is timed as ``<component>_bwd`` by two identity
+autograd nodes around the operation (``backward_from`` on its output starts the clock when the
+gradient arrives, ``backward_to`` on its input stops it when the input's gradient is made).
+With recomputation the recomputed forward counts again in the forward components.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from contextlib import contextmanager
 from enum import StrEnum
 
 import torch
+from torch.autograd import Function
 
 
 class Component(StrEnum):
@@ -30,8 +34,22 @@ class Component(StrEnum):
     backward = "backward"
     """Backward of the pipeline schedule (includes the ``_bwd`` regions)."""
     forward_backward = "forward_backward"
+    """The whole pipeline schedule of a step (forward, backward, pipeline communication)."""
     grad_sync = "grad_sync"
     optimizer = "optimizer"
+
+
+TIMED_BACKWARD = (
+    Component.attention_comm,
+    Component.attention_core,
+    Component.dispatch,
+    Component.expert_compute,
+    Component.combine,
+)
+"""Components whose backward is also timed, as ``<component>_bwd``."""
+
+COMPONENT_KEYS = tuple(c.value for c in Component) + tuple(f"{c.value}_bwd" for c in TIMED_BACKWARD)
+"""Every key of a step's ``components_s`` (0.0 when the layout has no such work)."""
 
 
 class Timers:
@@ -54,27 +72,45 @@ class Timers:
             yield
             self._cpu[name.value] += time.perf_counter() - t0
 
-    def start(self, name: Component) -> None:
+    def start(self, name: Component | str) -> None:
         """Open a region closed by ``stop`` (for module hooks, which cannot hold a context)."""
+        key = name if isinstance(name, str) else name.value
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self._open[name.value] = event
+            self._open[key] = event
         else:
-            self._open[name.value] = time.perf_counter()
+            self._open[key] = time.perf_counter()
 
-    def stop(self, name: Component) -> None:
-        began = self._open.pop(name.value)
+    def backward_from(self, y: torch.Tensor, name: Component) -> torch.Tensor:
+        """``y`` unchanged; its gradient's arrival starts region ``<name>_bwd``."""
+        if not y.requires_grad:
+            return y
+        return _BackwardMark.apply(y, self, f"{name.value}_bwd", True)
+
+    def backward_to(self, x: torch.Tensor, name: Component) -> torch.Tensor:
+        """``x`` unchanged; the making of its gradient stops region ``<name>_bwd``."""
+        if not x.requires_grad:
+            return x
+        return _BackwardMark.apply(x, self, f"{name.value}_bwd", False)
+
+    def stop(self, name: Component | str) -> None:
+        key = name if isinstance(name, str) else name.value
+        began = self._open.pop(key, None)
+        if began is None:  # a backward region whose start node did not run (no gradient)
+            return
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((name.value, began, end))
+            self._events.append((key, began, end))
         else:
-            self._cpu[name.value] += time.perf_counter() - began
+            self._cpu[key] += time.perf_counter() - began
 
     def collect(self) -> dict[str, float]:
-        """Seconds per component since the last collect, and reset."""
-        out = dict(self._cpu)
+        """Seconds per component (every COMPONENT_KEYS entry) since the last collect, and
+        reset."""
+        out = dict.fromkeys(COMPONENT_KEYS, 0.0)
+        out.update(self._cpu)
         if self._events:
             torch.cuda.synchronize()
             for name, start, end in self._events:
@@ -82,6 +118,28 @@ class Timers:
         self._cpu.clear()
         self._events.clear()
         return out
+
+
+class _BackwardMark(Function):
+    @staticmethod
+    def forward(ctx, x, timers, key, opens):
+        ctx.timers, ctx.key, ctx.opens = timers, key, opens
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ctx.timers.start if ctx.opens else ctx.timers.stop)(ctx.key)
+        return grad, None, None, None
+
+
+def timed(timers: Timers | None, name: Component, fn, x: torch.Tensor, *args):
+    """``fn(x, *args)`` with its forward timed as ``name`` and its backward as ``name_bwd``."""
+    if timers is None:
+        return fn(x, *args)
+    x = timers.backward_to(x, name)
+    with timers.region(name):
+        y = fn(x, *args)
+    return timers.backward_from(y, name)
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.metrics import Component, Timers
+from runtime.metrics import Component, Timers, timed
 from runtime.model import Attention, Shard, Transformer
 from runtime.parallel.comm import gather_sequence, head_to_seq, scatter_sequence, seq_to_head
 from runtime.parallel.mesh import Group, Mesh
@@ -26,10 +26,15 @@ class UlyssesCore(nn.Module):
         self.timers = timers
 
     def _a2a(self, fn, x: torch.Tensor) -> torch.Tensor:
+        return timed(self.timers, Component.attention_comm, fn, x, self.group)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.timers is None:
-            return fn(x, self.group)
-        with self.timers.region(Component.attention_comm):
-            return fn(x, self.group)
+            return self.inner(q, k, v)
+        q, k, v = (self.timers.backward_to(t, Component.attention_core) for t in (q, k, v))
+        with self.timers.region(Component.attention_core):
+            out = self.inner(q, k, v)
+        return self.timers.backward_from(out, Component.attention_core)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if k.shape[2] < self.size:
@@ -37,12 +42,7 @@ class UlyssesCore(nn.Module):
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
         q, k, v = (self._a2a(seq_to_head, t) for t in (q, k, v))
-        if self.timers is None:
-            out = self.inner(q, k, v)
-        else:
-            with self.timers.region(Component.attention_core):
-                out = self.inner(q, k, v)
-        return self._a2a(head_to_seq, out)
+        return self._a2a(head_to_seq, self._core(q, k, v))
 
 
 def apply_ulysses(model: Transformer, mesh: Mesh, timers: Timers | None) -> None:
@@ -70,16 +70,10 @@ def apply_tensor_parallel_attention(
         )
 
     def enter(_module, args):
-        if timers is None:
-            return (gather_sequence(args[0], group),)
-        with timers.region(Component.attention_comm):
-            return (gather_sequence(args[0], group),)
+        return (timed(timers, Component.attention_comm, gather_sequence, args[0], group),)
 
     def leave(_module, _args, out):
-        if timers is None:
-            return scatter_sequence(out, group)
-        with timers.region(Component.attention_comm):
-            return scatter_sequence(out, group)
+        return timed(timers, Component.attention_comm, scatter_sequence, out, group)
 
     for lid, block in model.layers.items():
         attn: Attention = block.attention

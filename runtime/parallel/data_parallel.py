@@ -57,11 +57,12 @@ def fp8_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     rank gets the same bits). Payloads travel as uint8 (collectives lack float8 support)."""
     n, numel = dist.get_world_size(group), flat.numel()
     q, scale = quantize_fp8(_pad_to(flat.float(), FP8_BLOCK))
-    qs = q.new_empty((n, *q.shape)).view(torch.uint8)
-    dist.all_gather_into_tensor(qs, q.view(torch.uint8).contiguous(), group=group)
-    scales = scale.new_empty((n, *scale.shape))
+    wire = q.view(torch.uint8).reshape(-1)
+    qs = wire.new_empty(n * wire.numel())
+    dist.all_gather_into_tensor(qs, wire, group=group)
+    scales = scale.new_empty(n * scale.numel())
     dist.all_gather_into_tensor(scales, scale, group=group)
-    parts = dequantize_fp8(qs.view(FP8), scales)
+    parts = dequantize_fp8(qs.view(FP8).view(n, -1, FP8_BLOCK), scales.view(n, -1))
     out = parts[0].clone()
     for r in range(1, n):
         out += parts[r]

@@ -25,6 +25,26 @@ class _Timed:
     def region(self, c: Component) -> AbstractContextManager[None]:
         return nullcontext() if self.timers is None else self.timers.region(c)
 
+    def bwd_to(self, x: torch.Tensor, c: Component) -> torch.Tensor:
+        return x if self.timers is None else self.timers.backward_to(x, c)
+
+    def bwd_from(self, y: torch.Tensor, c: Component) -> torch.Tensor:
+        return y if self.timers is None else self.timers.backward_from(y, c)
+
+    def dispatch(
+        self, tokens: torch.Tensor, routing: Routing
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        tokens = self.bwd_to(tokens, Component.dispatch)
+        with self.region(Component.dispatch):
+            rows, counts, handle = self._dispatch(tokens, routing)
+        return self.bwd_from(rows, Component.dispatch), counts, handle
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        expert_out = self.bwd_to(expert_out, Component.combine)
+        with self.region(Component.combine):
+            y = self._combine(expert_out, handle)
+        return self.bwd_from(y, Component.combine)
+
 
 class AllToAllDispatcher(_Timed):
     """Sort (token, slot) rows by expert, exchange the per-expert counts, all-to-all(v) the
@@ -37,44 +57,42 @@ class AllToAllDispatcher(_Timed):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // size
 
-    def dispatch(
+    def _dispatch(
         self, tokens: torch.Tensor, routing: Routing
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        with self.region(Component.dispatch):
-            n, el = self.size, self.num_local_experts
-            k = routing.indices.shape[1]
-            slots, counts = sort_by_expert(routing.indices, self.num_experts)
-            rows = tokens[torch.div(slots, k, rounding_mode="floor")]
-            send_counts = counts.view(n, el)
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-            in_splits = send_counts.sum(1).tolist()
-            out_splits = recv_counts.sum(1).tolist()
-            received = all_to_all(rows, out_splits, in_splits, self.group)
-            # chunk c = src * el + e; expert-major order is key e * n + src
-            chunk = torch.repeat_interleave(
-                torch.arange(n * el, device=rows.device), recv_counts.reshape(-1)
-            )
-            order = torch.argsort((chunk % el) * n + torch.div(chunk, el, rounding_mode="floor"),
-                                  stable=True)
-            extra = {"order": order, "in_splits": in_splits, "out_splits": out_splits}
-            handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, extra)
-            return received[order], recv_counts.sum(0), handle
+        n, el = self.size, self.num_local_experts
+        k = routing.indices.shape[1]
+        slots, counts = sort_by_expert(routing.indices, self.num_experts)
+        rows = tokens[torch.div(slots, k, rounding_mode="floor")]
+        send_counts = counts.view(n, el)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        in_splits = send_counts.sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        received = all_to_all(rows, out_splits, in_splits, self.group)
+        # chunk c = src * el + e; expert-major order is key e * n + src
+        chunk = torch.repeat_interleave(
+            torch.arange(n * el, device=rows.device), recv_counts.reshape(-1)
+        )
+        order = torch.argsort((chunk % el) * n + torch.div(chunk, el, rounding_mode="floor"),
+                              stable=True)
+        extra = {"order": order, "in_splits": in_splits, "out_splits": out_splits}
+        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, extra)
+        return received[order], recv_counts.sum(0), handle
 
-    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        with self.region(Component.combine):
-            order = handle.extra["order"]
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=order.device)
-            rows = all_to_all(
-                expert_out[inverse],
-                handle.extra["in_splits"],
-                handle.extra["out_splits"],
-                self.group,
-            )
-            return weighted_scatter(
-                rows, handle.slots, handle.weights, handle.num_tokens, handle.top_k
-            )
+    def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        order = handle.extra["order"]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        rows = all_to_all(
+            expert_out[inverse],
+            handle.extra["in_splits"],
+            handle.extra["out_splits"],
+            self.group,
+        )
+        return weighted_scatter(
+            rows, handle.slots, handle.weights, handle.num_tokens, handle.top_k
+        )
 
 
 class AllGatherDispatcher(_Timed):
@@ -89,28 +107,26 @@ class AllGatherDispatcher(_Timed):
         self.group, self.size, self.index = group, size, index
         self.num_local_experts = num_experts // size
 
-    def dispatch(
+    def _dispatch(
         self, tokens: torch.Tensor, routing: Routing
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        with self.region(Component.dispatch):
-            el = self.num_local_experts
-            k = routing.indices.shape[1]
-            all_tokens = all_gather(tokens, self.group)
-            all_weights = all_gather(routing.weights, self.group)
-            all_indices = all_gather(routing.indices, self.group)
-            local = all_indices - self.index * el
-            local = torch.where((local >= 0) & (local < el), local, -1)
-            slots, counts = sort_by_expert(local, el)
-            rows = all_tokens[torch.div(slots, k, rounding_mode="floor")]
-            handle = DispatchHandle(slots, all_weights, all_tokens.shape[0], k, {})
-            return rows, counts, handle
+        el = self.num_local_experts
+        k = routing.indices.shape[1]
+        all_tokens = all_gather(tokens, self.group)
+        all_weights = all_gather(routing.weights, self.group)
+        all_indices = all_gather(routing.indices, self.group)
+        local = all_indices - self.index * el
+        local = torch.where((local >= 0) & (local < el), local, -1)
+        slots, counts = sort_by_expert(local, el)
+        rows = all_tokens[torch.div(slots, k, rounding_mode="floor")]
+        handle = DispatchHandle(slots, all_weights, all_tokens.shape[0], k, {})
+        return rows, counts, handle
 
-    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        with self.region(Component.combine):
-            partial = weighted_scatter(
-                expert_out, handle.slots, handle.weights, handle.num_tokens, handle.top_k
-            )
-            return reduce_scatter(partial, self.group)
+    def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        partial = weighted_scatter(
+            expert_out, handle.slots, handle.weights, handle.num_tokens, handle.top_k
+        )
+        return reduce_scatter(partial, self.group)
 
 
 class ExpertTPDispatcher(AllGatherDispatcher):

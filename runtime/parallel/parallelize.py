@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from plans import EPFFN, TPFFN, CPAttention, Plan, Recompute, TPAttention, UlyssesAttention
-from runtime.metrics import Component, Timers
+from runtime.metrics import Component, Timers, timed
 from runtime.model import AttentionCore, Shard, Transformer
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
 from runtime.parallel.data_parallel import UnsupportedFeature, replication_groups
@@ -56,11 +56,12 @@ def apply_recompute(model: Transformer, mode: Recompute) -> None:
 
 
 def apply_expert_timers(model: Transformer, timers: Timers) -> None:
+    """Time each layer's grouped expert GEMMs, forward and backward."""
     for moe in model.moe_layers():
-        moe.experts.register_forward_pre_hook(
-            lambda *_: timers.start(Component.expert_compute)
+        inner = moe.experts.forward
+        moe.experts.forward = functools.partial(
+            lambda x, counts, f: timed(timers, Component.expert_compute, f, x, counts), f=inner
         )
-        moe.experts.register_forward_hook(lambda *_: timers.stop(Component.expert_compute))
 
 
 @dataclass

@@ -1,0 +1,145 @@
+"""Measured training-step time of a plan, for comparison with the cost model's prediction.
+
+    torchrun --nproc-per-node N bench/train_step.py --plan PLAN --steps S --warmup W \
+        --out bench/results/NAME.json
+
+Runs W warm-up steps, then S measured steps of the runtime on synthetic tokens (NCCL and bf16
+autocast on CUDA, gloo and fp32 on CPU). Step time is the slowest rank's wall time of each
+step, averaged over the measured steps; MFU counts ModelSpec.flops_per_token (the cost model's
+count) against world x the plan's GPU bf16 peak. Rank 0 writes JSON: metadata (GPU, torch,
+commit, date), the plan summary, the measurement, per-component times (mean over steps and
+ranks, and per rank), peak memory per rank and the plan's prediction when it has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from _meta import metadata  # noqa: E402
+
+from plans import SpecError  # noqa: E402
+from plans.catalog import load_plan  # noqa: E402
+from runtime.data import SyntheticTokens  # noqa: E402
+from runtime.metrics import COMPONENT_KEYS  # noqa: E402
+from runtime.parallel.data_parallel import UnsupportedFeature  # noqa: E402
+from runtime.parallel.parallelize import check_supported  # noqa: E402
+from runtime.trainer import build_trainer  # noqa: E402
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--plan", required=True, type=Path)
+    p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    p.add_argument("--out", required=True, type=Path, help="JSON result (written by rank 0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-zero1", dest="zero1", action="store_false",
+                   help="replicated AdamW states instead of ZeRO-1")
+    return p.parse_args(argv)
+
+
+def setup(plan_path: Path):
+    """(plan, rank, world, device) with the process group initialised; exits 2 on bad input."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        plan = load_plan(plan_path)
+        check_supported(plan)
+        if plan.degrees.world != world:
+            raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
+                            f"WORLD_SIZE={world}")
+    except (SpecError, UnsupportedFeature, ValueError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+                                timeout=timedelta(minutes=10))
+    return plan, rank, world, device
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    plan, rank, world, device = setup(args.plan)
+    t = plan.training
+    data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
+    trainer = build_trainer(plan, rank, world, device, args.seed, data, zero1=args.zero1)
+    for step in range(args.warmup):
+        trainer.train_step(step)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    components = dict.fromkeys(COMPONENT_KEYS, 0.0)
+    for step in range(args.warmup, args.warmup + args.steps):
+        m = trainer.train_step(step)
+        elapsed = torch.tensor([m.step_time_s], dtype=torch.float64)
+        if world > 1:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed))
+        losses.append(m.loss)
+        for k, v in m.components_s.items():
+            components[k] = components.get(k, 0.0) + v / args.steps
+    peak = m.peak_memory_gib
+    per_rank: list = [(components, peak)]
+    if world > 1:
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, (components, peak))
+    if rank == 0:
+        step_time = sum(times) / len(times)
+        tokens = t.tokens_per_step
+        flops = plan.model.flops_per_token(t.seq_len) * tokens
+        peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
+        keys = sorted({k for c, _ in per_rank for k in c})
+        result = {
+            **metadata(),
+            "world": world,
+            "backend": dist.get_backend() if world > 1 else "none",
+            "plan": str(args.plan),
+            "plan_summary": plan.summary(),
+            "zero1": args.zero1,
+            "warmup_steps": args.warmup,
+            "measured_steps": args.steps,
+            "step_time_s": step_time,
+            "step_times_s": times,
+            "tokens_per_step": tokens,
+            "tokens_per_s": tokens / step_time,
+            "flops_per_token": plan.model.flops_per_token(t.seq_len),
+            "mfu": flops / step_time / peak_flops,
+            "losses": losses,
+            "peak_memory_gib_per_rank": [p for _, p in per_rank],
+            "components_s": {k: sum(c.get(k, 0.0) for c, _ in per_rank) / world for k in keys},
+            "components_s_per_rank": [c for c, _ in per_rank],
+            "prediction": plan.prediction.model_dump() if plan.prediction else None,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"{plan.summary()}: step {step_time * 1e3:.1f} ms, "
+              f"{result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.2%} -> {args.out}")
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

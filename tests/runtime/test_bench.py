@@ -1,0 +1,50 @@
+"""bench/train_step.py and bench/parity_gpu.py run on CPU with gloo (smoke tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dist_workers import make_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", str(ROOT / "bench" / script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_train_step_writes_measurement(tmp_path):
+    plan = tmp_path / "p.json"
+    plan.write_text(make_plan(sp=2, ep=2).model_dump_json())
+    out = tmp_path / "r.json"
+    r = _torchrun("train_step.py", "--plan", str(plan), "--steps", "2", "--warmup", "1",
+                  "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    for key in ("commit", "date", "torch", "gpu", "step_time_s", "tokens_per_s", "mfu",
+                "peak_memory_gib_per_rank", "components_s", "components_s_per_rank",
+                "flops_per_token", "measured_steps"):
+        assert key in res, key
+    assert len(res["peak_memory_gib_per_rank"]) == 2 and res["measured_steps"] == 2
+    for key in ("attention_comm", "attention_comm_bwd", "dispatch", "combine_bwd",
+                "expert_compute", "grad_sync", "optimizer", "forward", "backward"):
+        assert key in res["components_s"], key
+    assert res["components_s"]["dispatch"] > 0 and res["components_s"]["attention_comm_bwd"] > 0
+
+
+def test_parity_script_passes_in_fp32(tmp_path):
+    plan = tmp_path / "p.json"
+    plan.write_text(make_plan(pp=2, vpp=2, stage_layers=(1, 1, 1, 1)).model_dump_json())
+    out = tmp_path / "r.json"
+    r = _torchrun("parity_gpu.py", "--plan", str(plan), "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["pass"] and res["precision"] == "fp32"
+    assert res["loss_rel_err"] < 1e-5 and res["grad_max_rel_err"] < 1e-4
