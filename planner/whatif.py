@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -74,6 +75,8 @@ class Setting:
         except ValueError:
             raise SpecError(f"--vary {self.knob}: {self.text!r} is not a number or a "
                             "multiplier like 2x") from None
+        if not math.isfinite(number):
+            raise SpecError(f"--vary {self.knob}: {self.text!r} must be a finite number")
         if number <= 0:
             raise SpecError(f"--vary {self.knob}: {self.text!r} must be positive")
         return current * number if text.endswith("x") else number
