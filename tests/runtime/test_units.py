@@ -96,3 +96,30 @@ def test_ulysses_all_to_all_round_trip(pool2):
 @pytest.mark.parametrize("kind", ["all_to_all", "allgather_reduce_scatter"])
 def test_dispatcher_matches_local_permutation(pool2, kind):
     assert all(pool2.run("dist_workers", "dispatcher_vs_local", kind))
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 4, 6), (1, 3, 2)])
+def test_interleaved_timeline_runs_every_chunk_once_in_megatron_order(pp, vpp, m):
+    from runtime.parallel.pipeline import interleaved_order, interleaved_ticks
+
+    ticks = interleaved_ticks(pp, vpp, m)
+    for stage in range(pp):
+        order = interleaved_order(pp, vpp, m, stage)
+        assert [t[0][stage] for t in ticks if stage in t[0]] == order
+        chunks = range(stage, pp * vpp, pp)
+        for forward in (True, False):
+            done = sorted((a.chunk, a.micro) for a in order if a.forward == forward)
+            assert done == sorted((c, i) for c in chunks for i in range(m))
+        # Megatron's warm-up forwards; the first backward follows one more (steady) forward
+        warmup = vpp * m if m == pp else min((pp - stage - 1) * 2 + (vpp - 1) * pp, vpp * m)
+        first_backward = next(i for i, a in enumerate(order) if not a.forward)
+        assert first_backward == (warmup if warmup == vpp * m else warmup + 1)
+    # a message is consumed no earlier than the tick after it is sent
+    sent = {}
+    for t, (actions, messages) in enumerate(ticks):
+        for a in actions.values():
+            need = ("act", a.chunk - 1, a.micro) if a.forward else ("grad", a.chunk + 1, a.micro)
+            if need in sent:
+                assert sent[need] < t
+        for msg in messages:
+            sent[msg.key] = t
