@@ -222,7 +222,8 @@ def test_search_no_plan_fits_writes_nothing(tmp_path):
     ("nvlink_domain=1.5", ["--vary nvlink_domain:", "whole GPU count"]),
     ("nvlink_domain=3", ["--vary nvlink_domain=3:", "multiple of node.gpus_per_node (3)"]),
     ("gpu_tflops=1e-30", ["--vary gpu_tflops=1e-30: gpu.bf16_dense_tflops:", "out of range"]),
-    ("hbm_tb_s=inf", ["--vary hbm_tb_s=inf: gpu.hbm_tb_s:", "finite"]),
+    ("hbm_tb_s=inf", ["--vary hbm_tb_s:", "'inf' must be a finite number"]),
+    ("hbm_tb_s=1e300", ["--vary hbm_tb_s=1e300: gpu.hbm_tb_s:", "out of range"]),
 ])
 def test_bad_whatif_vary(vary, words, tmp_path):
     plot = tmp_path / "whatif.png"
