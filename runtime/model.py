@@ -188,10 +188,16 @@ def init_tensor(key: str, shape: tuple[int, ...], seed: int, std: float) -> torc
 
 
 def init_weights(
-    model: Transformer, seed: int, shards: Mapping[str, Shard], device: torch.device
+    model: Transformer,
+    seed: int,
+    shards: Mapping[str, Shard],
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Materialise a (meta or real) model on ``device`` with its deterministic weights."""
+    """Materialise a (meta or real) model on ``device`` with its deterministic weights, held in
+    ``dtype`` (drawn in fp32, then rounded)."""
     model.to_empty(device=device)
+    model.to(dtype=dtype)
     model.tie_weights()
     std = model.cfg.options.init_std
     with torch.no_grad():

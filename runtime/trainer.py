@@ -3,7 +3,6 @@ sync and AdamW. Used by ``runtime.train`` and, with a one-rank plan, as the refe
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +46,11 @@ def model_options(
     )
 
 
+def default_param_dtype(device: torch.device) -> torch.dtype:
+    """bf16 parameters and compute on CUDA (fp32 masters in the optimizer), fp32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def reference_plan(plan: Plan) -> Plan:
     """The same model, batch and micro-batching on one rank without parallelism."""
     data = plan.model_dump()
@@ -72,14 +76,16 @@ class Trainer:
         options: ModelOptions | None = None,
         optim: OptimizerConfig | None = None,
         zero1: bool = True,
+        param_dtype: torch.dtype | None = None,
     ):
         self.plan, self.mesh, self.device, self.data = plan, mesh, device, data
+        self.param_dtype = param_dtype or default_param_dtype(device)
         self.timers = Timers(device)
         cfg = ModelConfig(plan.model, options or model_options(plan))
         with torch.device("meta"):
             model = Transformer(cfg)
         self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers)
-        init_weights(model, seed, self.pm.shards, device)
+        init_weights(model, seed, self.pm.shards, device, self.param_dtype)
         model.train()
         self.model = model
         d = plan.degrees
@@ -98,20 +104,15 @@ class Trainer:
         shape = (plan.micro_batch_size, seq, plan.model.hidden)
         if plan.schedule == PipelineSchedule.interleaved_1f1b:
             self.schedule = InterleavedOneFOneB(
-                model, mesh, self._loss, shape, device, self._autocast, plan.stage_layers,
+                model, mesh, self._loss, shape, device, self.param_dtype, plan.stage_layers,
                 plan.num_micro_batches, self.timers,
             )
         else:
             self.schedule = OneFOneB(
-                model, mesh, self._loss, shape, device, self._autocast, self.timers
+                model, mesh, self._loss, shape, device, self.param_dtype, self.timers
             )
 
     # ---- pieces -------------------------------------------------------------------------------
-    def _autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy summed over this rank's tokens, divided by the step's global token
         count: the replicas' gradient sum is then the gradient of the global mean."""
@@ -166,12 +167,19 @@ class Trainer:
         return key if shard is None else f"{key}.shard{shard.index}of{shard.parts}"
 
     def local_gradients(self) -> dict[str, tuple[torch.Tensor, Shard | None]]:
-        """Each parameter's gradient under its global (init) name, with this rank's shard."""
+        """Each parameter's main gradient (in fp32) under its global (init) name, with this
+        rank's shard: all-reduced after ``sync_gradients`` with replicated AdamW; with ZeRO-1
+        this rank's own sum (the reduce-scattered slices live in the optimizer)."""
         return {
-            self.model.init_key(name): (p.grad.detach().clone(), self.pm.shards.get(name))
+            self.model.init_key(name): (
+                p.main_grad.detach().to(torch.float32, copy=True), self.pm.shards.get(name)
+            )
             for name, p in self.model.named_parameters()
-            if p.grad is not None
         }
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, main gradients and optimizer states on this rank."""
+        return self.optimizer.state_bytes()
 
 
 def build_trainer(
@@ -184,6 +192,7 @@ def build_trainer(
     options: ModelOptions | None = None,
     optim: OptimizerConfig | None = None,
     zero1: bool = True,
+    param_dtype: torch.dtype | None = None,
 ) -> Trainer:
     mesh = build_mesh(plan, rank, world)
-    return Trainer(plan, mesh, device, seed, data, options, optim, zero1)
+    return Trainer(plan, mesh, device, seed, data, options, optim, zero1, param_dtype)

@@ -107,15 +107,42 @@ def replication_groups(
     return out
 
 
-def all_reduce_sum(
-    flat: torch.Tensor, group: dist.ProcessGroup, precision: Precision
-) -> torch.Tensor:
-    """fp32 sum over ``group`` of ``flat`` sent in ``precision``."""
+def grad_dtype(param_dtype: torch.dtype, precision: Precision) -> torch.dtype:
+    """Main-gradient dtype (Megatron-LM DDP grad buffer): fp32 for an fp32 sync or fp32
+    parameters, else bf16 (bf16 sync; fp8 sync quantises the bf16 buffer when it sends)."""
+    if param_dtype == torch.float32 or precision == Precision.fp32:
+        return torch.float32
+    return torch.bfloat16
+
+
+def _accumulate(p: torch.Tensor) -> None:
+    p.main_grad.add_(p.grad)
+    p.grad = None
+
+
+def attach_main_grads(params: list[nn.Parameter], buffer: torch.Tensor) -> None:
+    """Make each parameter's ``main_grad`` a view of ``buffer`` (in order) and add every
+    micro-batch's gradient into it as soon as autograd has accumulated it (Megatron-LM
+    ``param.main_grad`` with a post-accumulate hook; ``.grad`` is freed at once)."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.main_grad = buffer[offset : offset + n].view_as(p)
+        p.register_post_accumulate_grad_hook(_accumulate)
+        offset += n
+
+
+def all_reduce_(
+    buffer: torch.Tensor, group: dist.ProcessGroup, precision: Precision
+) -> None:
+    """In-place sum over ``group`` of ``buffer`` sent in ``precision``."""
     if precision == Precision.fp8:
-        return fp8_all_reduce(flat, group)
-    wire = flat.to(SYNC_DTYPES[precision])
+        buffer.copy_(fp8_all_reduce(buffer, group))
+        return
+    wire = buffer.to(SYNC_DTYPES[precision])
     dist.all_reduce(wire, group=group)
-    return wire.to(torch.float32)
+    if wire is not buffer:
+        buffer.copy_(wire)
 
 
 def reduce_scatter_sum(
@@ -131,7 +158,8 @@ def reduce_scatter_sum(
 
 
 class GradSync:
-    """All-reduce of each bucket of gradients (parameters grouped by replication groups)."""
+    """Main gradients of replicated parameters in one flat buffer per replication-group
+    sequence, all-reduced in place over each live group of the sequence."""
 
     def __init__(
         self,
@@ -139,32 +167,29 @@ class GradSync:
         mesh: Mesh,
         groups: dict[str, tuple[Group, ...]],
         precision: Precision,
+        dtype: torch.dtype,
     ):
         self.precision = precision
         self.mesh = mesh
         # one flat bucket per (group sequence); parameters in name order on every replica
-        self.buckets: dict[tuple[Group, ...], list[nn.Parameter]] = defaultdict(list)
+        members: dict[tuple[Group, ...], list[nn.Parameter]] = defaultdict(list)
         for name in sorted(params):
-            self.buckets[groups[name]].append(params[name])
+            members[groups[name]].append(params[name])
+        self.buckets: list[tuple[tuple[Group, ...], torch.Tensor]] = []
+        for group_seq, ps in members.items():
+            buffer = torch.zeros(
+                sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device
+            )
+            attach_main_grads(ps, buffer)
+            self.buckets.append((group_seq, buffer))
+
+    def zero_(self) -> None:
+        for _, buffer in self.buckets:
+            buffer.zero_()
 
     @torch.no_grad()
     def __call__(self) -> None:
-        for group_seq, params in self.buckets.items():
-            live = [g for g in group_seq if self.mesh.groups.get(g) is not None]
-            if not live:
-                continue
-            grads = [
-                p.grad if p.grad is not None else torch.zeros_like(p) for p in params
-            ]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            for g in live:
-                flat = all_reduce_sum(flat, self.mesh.groups[g], self.precision)
-            offset = 0
-            for p, g in zip(params, grads, strict=True):
-                n = g.numel()
-                value = flat[offset : offset + n].view_as(g).to(p.dtype)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
-                offset += n
+        for group_seq, buffer in self.buckets:
+            for g in group_seq:
+                if (pg := self.mesh.groups.get(g)) is not None:
+                    all_reduce_(buffer, pg, self.precision)

@@ -1,8 +1,19 @@
-"""AdamW over the parallel model: replicated (every replica keeps full optimizer states) or
-ZeRO stage 1 (Rajbhandari et al., SC'20): each replica of a bucket keeps the AdamW states of
-1/n of it; gradients are reduce-scattered, each rank updates its slice, and the updated slices
-are all-gathered back into the parameters. AdamW is elementwise, so both give the same
-weights."""
+"""Mixed-precision AdamW over the parallel model (Megatron-LM distributed optimizer).
+
+Model parameters are held in the compute dtype (bf16 on CUDA, fp32 on CPU). Gradients are
+accumulated over the micro-batches into main-gradient buffers (fp32 for an fp32 gradient sync,
+bf16 for a bf16 or fp8 one; ``data_parallel.grad_dtype``). AdamW updates fp32 master weights;
+with bf16 parameters the masters are separate fp32 copies (initialised from the bf16 weights,
+as Megatron-LM does) and the updated masters are cast back into the parameters, with fp32
+parameters the parameter is its own master.
+
+Replicated (``--no-zero1``): every replica keeps the masters and AdamW states of all its
+parameters. ZeRO stage 1 (Rajbhandari et al., SC'20): the parameters of a bucket (same
+replication group, same weight decay) are views of one flat parameter buffer and their main
+gradients of one flat gradient buffer; gradients are reduce-scattered, each replica keeps
+master, m and v of 1/n of the bucket (12 B per parameter of its slice) and updates it, and the
+updated slices, cast to the parameter dtype, are all-gathered straight into the parameter
+buffer. AdamW is elementwise, so both give the same weights."""
 
 from __future__ import annotations
 
@@ -15,8 +26,15 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import Precision
-from runtime.parallel.data_parallel import GradSync, reduce_scatter_sum
+from runtime.parallel.data_parallel import (
+    GradSync,
+    attach_main_grads,
+    grad_dtype,
+    reduce_scatter_sum,
+)
 from runtime.parallel.mesh import Group, Mesh
+
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -47,8 +65,85 @@ def _adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Optimiz
     return opt
 
 
+def _master(p: nn.Parameter) -> torch.Tensor:
+    """fp32 master weight of a parameter: the parameter itself when it is fp32."""
+    if p.dtype == torch.float32:
+        return p
+    return p.detach().to(torch.float32, copy=True)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 KeyOf = Callable[[str], str]
 """Checkpoint key of a parameter name (global name plus this rank's shard)."""
+
+
+class _Replicated:
+    """Masters and AdamW states of parameters every replica updates in full."""
+
+    def __init__(
+        self,
+        params: dict[str, nn.Parameter],
+        mesh: Mesh,
+        replication: dict[str, tuple[Group, ...]],
+        precision: Precision,
+        dtype: torch.dtype,
+    ):
+        self.params = params
+        self.sync = GradSync(params, mesh, replication, precision, dtype)
+        self.masters = {name: _master(p) for name, p in params.items()}
+
+    def decay_split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        ms = [(self.params[n].ndim >= 2, m) for n, m in self.masters.items()]
+        return [m for d, m in ms if d], [m for d, m in ms if not d]
+
+    def load_grads(self) -> None:
+        for name, p in self.params.items():
+            self.masters[name].grad = p.main_grad.float()
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        for name, p in self.params.items():
+            m = self.masters[name]
+            m.grad = None
+            if m is not p:
+                p.copy_(m)
+
+    def checkpoint_state(self, adam, key_of: KeyOf) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.params.items():
+            m = self.masters[name]
+            if m is not p:
+                out[f"optim.{key_of(name)}.master"] = m
+            for field, value in adam.state[m].items():
+                out[f"optim.{key_of(name)}.{field}"] = value
+        return out
+
+
+def state_bytes(
+    params: list[nn.Parameter],
+    masters: list[torch.Tensor],
+    grad_buffers: list[torch.Tensor],
+    adam: torch.optim.Optimizer,
+) -> dict[str, int]:
+    """Bytes held per rank, counted by tensor storage: parameters, main gradients, and
+    optimizer states (fp32 masters that are not the parameters themselves, AdamW m and v): the
+    cost model's params, grads and optimizer components (``cost_models.memory``)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    own = [m for m in masters if m.untyped_storage().data_ptr() not in param_ptrs]
+    states = [adam.state[m][f] for m in masters for f in ADAM_STATES]
+    return {
+        "params": _storage_bytes(params),
+        "grads": _storage_bytes(grad_buffers),
+        "optimizer": _storage_bytes([*own, *states]),
+    }
 
 
 class ReplicatedAdamW:
@@ -61,25 +156,28 @@ class ReplicatedAdamW:
         cfg: OptimizerConfig,
     ):
         self.params = dict(model.named_parameters())
-        self.grad_sync = GradSync(self.params, mesh, replication, precision)
-        ps = list(self.params.values())
-        self.adam = _adamw([p for p in ps if p.ndim >= 2], [p for p in ps if p.ndim < 2], cfg)
+        dtype = grad_dtype(next(iter(self.params.values())).dtype, precision)
+        self.replicated = _Replicated(self.params, mesh, replication, precision, dtype)
+        self.adam = _adamw(*self.replicated.decay_split(), cfg)
+
+    def state_bytes(self) -> dict[str, int]:
+        r = self.replicated
+        return state_bytes(list(self.params.values()), list(r.masters.values()),
+                           [b for _, b in r.sync.buckets], self.adam)
 
     def zero_grad(self) -> None:
-        self.adam.zero_grad(set_to_none=True)
+        self.replicated.sync.zero_()
 
     def sync_gradients(self) -> None:
-        self.grad_sync()
+        self.replicated.sync()
 
     def step(self) -> None:
+        self.replicated.load_grads()
         self.adam.step()
+        self.replicated.write_back()
 
     def checkpoint_state(self, key_of: KeyOf) -> dict[str, torch.Tensor]:
-        return {
-            f"optim.{key_of(name)}.{field}": value
-            for name, p in self.params.items()
-            for field, value in self.adam.state[p].items()
-        }
+        return self.replicated.checkpoint_state(self.adam, key_of)
 
 
 @dataclass
@@ -89,8 +187,13 @@ class _Bucket:
     group: dist.ProcessGroup
     size: int
     index: int
+    param_buffer: torch.Tensor
+    """The flat (padded) parameters of the bucket; each parameter is a view of it."""
+    grad_buffer: torch.Tensor
+    """The flat (padded) main gradients of the bucket."""
     shard: torch.Tensor
-    """This rank's fp32 slice of the flattened (padded) bucket: the tensor AdamW updates."""
+    """This rank's fp32 master slice of the bucket: the tensor AdamW updates."""
+    shard_grad: torch.Tensor | None = None
 
     @property
     def padded(self) -> int:
@@ -111,6 +214,8 @@ class ZeroAdamW:
     ):
         self.precision = precision
         params = dict(model.named_parameters())
+        param_dtype = next(iter(params.values())).dtype
+        dtype = grad_dtype(param_dtype, precision)
         grouped: dict[tuple[tuple[Group, ...], bool], list[str]] = defaultdict(list)
         for name in sorted(params):
             grouped[(replication[name], params[name].ndim >= 2)].append(name)
@@ -123,46 +228,64 @@ class ZeroAdamW:
                 continue
             g = live[0]
             size, index = mesh.size(g), mesh.index(g)
-            total = sum(params[n].numel() for n in names)
+            ps = [params[n] for n in names]
+            total = sum(p.numel() for p in ps)
             per_rank = -(-total // size)
-            flat = torch.cat([params[n].detach().reshape(-1).float() for n in names])
-            flat = torch.nn.functional.pad(flat, (0, per_rank * size - total))
-            shard = flat[index * per_rank : (index + 1) * per_rank].clone()
-            bucket = _Bucket(names, [params[n] for n in names], mesh.groups[g], size, index, shard)
+            device = ps[0].device
+            param_buffer = torch.zeros(per_rank * size, dtype=param_dtype, device=device)
+            offset = 0
+            with torch.no_grad():
+                for p in ps:
+                    view = param_buffer[offset : offset + p.numel()].view_as(p)
+                    view.copy_(p)
+                    p.data = view
+                    offset += p.numel()
+            grad_buffer = torch.zeros(per_rank * size, dtype=dtype, device=device)
+            attach_main_grads(ps, grad_buffer)
+            mine = param_buffer[index * per_rank : (index + 1) * per_rank]
+            shard = mine.to(torch.float32, copy=True)
+            bucket = _Bucket(names, ps, mesh.groups[g], size, index, param_buffer,
+                             grad_buffer, shard)
             self.buckets.append((bucket, decay))
-        self.rest = rest
-        self.rest_sync = GradSync(rest, mesh, replication, precision)
-        decay = [b.shard for b, d in self.buckets if d] + [p for p in rest.values() if p.ndim >= 2]
-        no_decay = [b.shard for b, d in self.buckets if not d] + [
-            p for p in rest.values() if p.ndim < 2
-        ]
         self.params = params
+        self.rest = _Replicated(rest, mesh, replication, precision, dtype)
+        rest_decay, rest_no_decay = self.rest.decay_split()
+        decay = [b.shard for b, d in self.buckets if d] + rest_decay
+        no_decay = [b.shard for b, d in self.buckets if not d] + rest_no_decay
         self.adam = _adamw(decay, no_decay, cfg)
 
+    def state_bytes(self) -> dict[str, int]:
+        masters = [b.shard for b, _ in self.buckets] + list(self.rest.masters.values())
+        grads = [b.grad_buffer for b, _ in self.buckets] + [
+            buf for _, buf in self.rest.sync.buckets
+        ]
+        return state_bytes(list(self.params.values()), masters, grads, self.adam)
+
     def zero_grad(self) -> None:
-        for p in self.params.values():
-            p.grad = None
+        for b, _ in self.buckets:
+            b.grad_buffer.zero_()
+        self.rest.sync.zero_()
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Reduce-scatter each sharded bucket's gradients into its shard's ``grad``."""
+        """Reduce-scatter each sharded bucket's main gradients into its fp32 shard gradient."""
         for b, _ in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-            flat = torch.cat([g.reshape(-1) for g in grads]).float()
-            flat = torch.nn.functional.pad(flat, (0, b.padded - flat.numel()))
-            b.shard.grad = reduce_scatter_sum(flat, b.group, self.precision)
-        self.rest_sync()
+            b.shard_grad = reduce_scatter_sum(b.grad_buffer, b.group, self.precision)
+        self.rest.sync()
 
     @torch.no_grad()
     def step(self) -> None:
-        self.adam.step()
         for b, _ in self.buckets:
-            full = b.shard.new_empty(b.padded)
-            dist.all_gather_into_tensor(full, b.shard, group=b.group)
-            offset = 0
-            for p in b.params:
-                p.copy_(full[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            b.shard.grad, b.shard_grad = b.shard_grad, None
+        self.rest.load_grads()
+        self.adam.step()
+        self.rest.write_back()
+        for b, _ in self.buckets:
+            b.shard.grad = None
+            # parameter all-gather in the parameter dtype (bf16 on CUDA), into the views
+            dist.all_gather_into_tensor(
+                b.param_buffer, b.shard.to(b.param_buffer.dtype), group=b.group
+            )
 
     def checkpoint_state(self, key_of: KeyOf) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -171,7 +294,5 @@ class ZeroAdamW:
             out[f"{base}.master"] = b.shard
             for field, value in self.adam.state[b.shard].items():
                 out[f"{base}.{field}"] = value
-        for name, p in self.rest.items():
-            for field, value in self.adam.state[p].items():
-                out[f"optim.{key_of(name)}.{field}"] = value
+        out.update(self.rest.checkpoint_state(self.adam, key_of))
         return out

@@ -5,7 +5,7 @@ min(pp - i - 1, M) warm-up forwards, then alternates one forward and one backwar
 the remaining backwards. ``InterleavedOneFOneB`` is Megatron-LM's interleaved 1F1B (same paper,
 Sec. 2.2): model chunk c of pp x vpp lives on stage c mod pp, and each stage runs its chunks'
 forwards and backwards in Megatron's order (``interleaved_order``). Activations and their
-gradients move with batched isend/irecv.
+gradients move with batched isend/irecv in the parameter dtype (Megatron's pipeline dtype).
 """
 
 from __future__ import annotations
@@ -67,13 +67,12 @@ class OneFOneB:
         loss_fn: LossFn,
         activation_shape: tuple[int, ...],
         device: torch.device,
-        forward_context: Callable,
+        dtype: torch.dtype,
         timers: Timers | None = None,
     ):
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
         self.shape = activation_shape
-        self.device = device
-        self.forward_context = forward_context
+        self.device, self.dtype = device, dtype
         self.timers = timers
         self.prev = None if mesh.first_stage else mesh.stage_peer(-1)
         self.next = None if mesh.last_stage else mesh.stage_peer(1)
@@ -89,7 +88,7 @@ class OneFOneB:
         for tensor, peer in send:
             ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer))
         if recv_from is not None:
-            buf = torch.empty(self.shape, device=self.device, dtype=torch.float32)
+            buf = torch.empty(self.shape, device=self.device, dtype=self.dtype)
             ops.append(dist.P2POp(dist.irecv, buf, recv_from))
         if ops:
             for work in dist.batch_isend_irecv(ops):
@@ -102,12 +101,10 @@ class OneFOneB:
     def _forward(self, mb: MicroBatch, x: torch.Tensor | None):
         inp = mb.inputs if x is None else x.requires_grad_()
         timed = self.timers.region(Component.forward) if self.timers else contextlib.nullcontext()
-        with timed, self.forward_context():
+        with timed:
             out = self.model(inp)
             if self.next is None:
                 out = self.loss_fn(out, mb.labels)
-            else:
-                out = out.float()
         return inp, out
 
     def _backward(self, inp: torch.Tensor, out: torch.Tensor, grad: torch.Tensor | None):
@@ -252,14 +249,13 @@ class InterleavedOneFOneB:
         loss_fn: LossFn,
         activation_shape: tuple[int, ...],
         device: torch.device,
-        forward_context: Callable,
+        dtype: torch.dtype,
         stage_layers: Sequence[int],
         num_micro_batches: int,
         timers: Timers | None = None,
     ):
         self.model, self.mesh, self.loss_fn = model, mesh, loss_fn
-        self.shape, self.device = activation_shape, device
-        self.forward_context = forward_context
+        self.shape, self.device, self.dtype = activation_shape, device, dtype
         self.timers = timers
         self.stage_layers = tuple(stage_layers)
         d = mesh.degrees
@@ -282,7 +278,7 @@ class InterleavedOneFOneB:
             elif msg.src == me:
                 ops.append(dist.P2POp(dist.isend, outgoing.contiguous(), self._peer(msg.dst)))
             elif msg.dst == me:
-                buf = torch.empty(self.shape, device=self.device, dtype=torch.float32)
+                buf = torch.empty(self.shape, device=self.device, dtype=self.dtype)
                 inbox[msg.key] = buf
                 ops.append(dist.P2POp(dist.irecv, buf, self._peer(msg.src)))
         if not ops:
@@ -311,12 +307,13 @@ class InterleavedOneFOneB:
                 inp = mb.inputs if a.chunk == 0 else inbox.pop(("act", a.chunk - 1, a.micro))
                 if a.chunk > 0:
                     inp.requires_grad_()
-                with self._region(Component.forward), self.forward_context():
+                with self._region(Component.forward):
                     out = self.model.forward_chunk(
                         inp, stage_layer_ids(self.stage_layers, a.chunk),
                         embed=a.chunk == 0, head=a.chunk == last,
                     )
-                    out = self.loss_fn(out, mb.labels) if a.chunk == last else out.float()
+                    if a.chunk == last:
+                        out = self.loss_fn(out, mb.labels)
                 stash[(a.chunk, a.micro)] = (inp, out)
                 if a.chunk == last:
                     total = total + out.detach()
