@@ -60,39 +60,93 @@ def make_plan(
     )
 
 
-def trainer_for(plan: Plan, rank: int, world: int, zero1: bool = False):
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""Parameter dtypes by name (worker arguments travel pickled; names keep them plain)."""
+
+
+def trainer_for(plan: Plan, rank: int, world: int, zero1: bool = False, dtype: str = "fp32"):
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, SEED)
     return build_trainer(
-        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM, zero1
+        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM, zero1,
+        DTYPES[dtype],
     )
 
 
-def reference_trainer(plan: Plan):
+def reference_trainer(plan: Plan, dtype: str = "fp32", zero1: bool = True):
     """The one-rank model the parallel ``plan`` must reproduce (same balance groups)."""
     ref = reference_plan(plan)
     t = ref.training
     data = SyntheticTokens(t.global_batch, t.seq_len, ref.model.vocab, SEED)
     return build_trainer(
-        ref, 0, 1, torch.device("cpu"), SEED, data, model_options(plan), OPTIM
+        ref, 0, 1, torch.device("cpu"), SEED, data, model_options(plan), OPTIM, zero1,
+        DTYPES[dtype],
     )
 
 
 # ---- run on every rank ---------------------------------------------------------------------
 
 
-def one_step_gradients(plan_json: str):
+def one_step_gradients(plan_json: str, dtype: str = "fp32"):
     plan = Plan.model_validate_json(plan_json)
-    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), dtype=dtype)
     loss = trainer.forward_backward(0)
     trainer.sync_gradients()
     return loss, trainer.local_gradients()
 
 
-def loss_curve(plan_json: str, steps: int, zero1: bool = False) -> list[float]:
+def loss_curve(plan_json: str, steps: int, zero1: bool = False, dtype: str = "fp32"):
     plan = Plan.model_validate_json(plan_json)
-    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), zero1)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), zero1, dtype)
     return [trainer.train_step(s).loss for s in range(steps)]
+
+
+def state_bytes(cases: list[tuple[str, bool]]) -> list[dict]:
+    """Per (plan, zero1): this rank's storage bytes of parameters, main gradients and
+    optimizer states with bf16 parameters after one step, and the dtypes found."""
+    out = []
+    for plan_json, zero1 in cases:
+        plan = Plan.model_validate_json(plan_json)
+        trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), zero1, "bf16")
+        trainer.train_step(0)
+        params = list(trainer.model.parameters())
+        out.append({
+            **trainer.state_bytes(),
+            "numel": sum(p.numel() for p in params),
+            "param_dtypes": {str(p.dtype) for p in params},
+            "grad_dtypes": {str(p.main_grad.dtype) for p in params},
+            "grads_freed": all(p.grad is None for p in params),
+        })
+    return out
+
+
+def resume_is_exact(ckpt_dir: str, dtype: str) -> tuple[list[float], list[float], dict]:
+    """ZeRO-1 training for 4 steps, and 2 steps + checkpoint + a fresh trainer resumed for
+    2 more: the losses of steps 3-4 of both, and the dtypes of the stored state."""
+    from pathlib import Path
+
+    from runtime import checkpoint
+
+    plan = make_plan(dp=2, grad_sync_precision=Precision.bf16)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = trainer_for(plan, rank, world, True, dtype)
+    losses = [full.train_step(s).loss for s in range(4)]
+    first = trainer_for(plan, rank, world, True, dtype)
+    for s in range(2):
+        first.train_step(s)
+    path = checkpoint.save(first, Path(ckpt_dir), 2)
+    resumed = trainer_for(plan, rank, world, True, dtype)
+    start = checkpoint.load(resumed, path)
+    after = [resumed.train_step(s).loss for s in range(start, 4)]
+    kinds = {
+        "model": {str(v.dtype) for k, v in checkpoint.state_dict(resumed).items()
+                  if k.startswith("model.")},
+        "master": {str(v.dtype) for k, v in checkpoint.state_dict(resumed).items()
+                   if k.endswith(".master")},
+        "moments": {str(v.dtype) for k, v in checkpoint.state_dict(resumed).items()
+                    if k.endswith((".exp_avg", ".exp_avg_sq"))},
+    }
+    return losses[2:], after, kinds
 
 
 def fp8_collectives():
