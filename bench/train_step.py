@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     components = dict.fromkeys(COMPONENT_KEYS, 0.0)
     for step in range(args.warmup, args.warmup + args.steps):
         m = trainer.train_step(step)
-        elapsed = torch.tensor([m.step_time_s], dtype=torch.float64)
+        elapsed = torch.tensor([m.step_time_s], dtype=torch.float64, device=device)
         if world > 1:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
