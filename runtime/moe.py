@@ -129,11 +129,8 @@ class Router(nn.Module):
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` grouped by expert times each expert's ``w[e]`` ([E, out, in], Linear
-    layout): torch._grouped_mm on CUDA in bf16, an exact per-expert loop elsewhere. Autocast
-    does not cover grouped GEMMs, so its dtype is applied here."""
-    if torch.is_autocast_enabled(x.device.type):
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    w = w.to(x.dtype)
+    layout): torch._grouped_mm on CUDA in bf16 (parameters and activations are bf16 there),
+    an exact per-expert loop elsewhere."""
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)

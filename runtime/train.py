@@ -5,7 +5,8 @@
         [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR] [--no-zero1]
         [--aux-loss-coeff C] [--per-expert-balance]
 
-Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL and bf16 autocast on CUDA, gloo and fp32 on CPU.
+Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL with bf16 parameters (fp32 AdamW masters) on CUDA,
+gloo and fp32 on CPU.
 Bad input (plan missing or invalid, unsupported field, world size mismatch) prints one line
 naming the field and the reason and exits with status 2. A failed or timed-out collective (a
 peer died, ``--timeout-s`` passed) prints one line and exits with status 1; SIGTERM (torchrun

@@ -6,6 +6,10 @@ a stage (dp x sp x cp); TP-sharded attention weights over dp; expert weights ove
 sharded over ep). Tied embeddings split over pipeline stages are also summed between the first
 and last stage. Each rank's loss is already divided by the global token count, so the sum of
 the replicas' gradients is the gradient of the global mean loss.
+
+Gradients are accumulated over the micro-batches into flat main-gradient buffers
+(Megatron-LM DDP): fp32 for an fp32 sync, bf16 for a bf16 or fp8 sync when the parameters are
+bf16 (``grad_dtype``), and synchronised from there.
 """
 
 from __future__ import annotations
@@ -120,16 +124,31 @@ def _accumulate(p: torch.Tensor) -> None:
     p.grad = None
 
 
-def attach_main_grads(params: list[nn.Parameter], buffer: torch.Tensor) -> None:
-    """Make each parameter's ``main_grad`` a view of ``buffer`` (in order) and add every
+PARAM_ALIGN = 64
+"""Each parameter of a flat buffer starts at a multiple of 64 elements (Megatron-LM
+ParamAndGradBuffer with the distributed optimizer), so parameter views stay aligned for GEMM
+kernels (torch._grouped_mm needs 16-byte aligned operands)."""
+
+
+def buffer_layout(params: list[nn.Parameter]) -> tuple[list[int], int]:
+    """Start offset of each parameter in a flat buffer, and the elements it spans."""
+    offsets, end = [], 0
+    for p in params:
+        start = -(-end // PARAM_ALIGN) * PARAM_ALIGN
+        offsets.append(start)
+        end = start + p.numel()
+    return offsets, end
+
+
+def attach_main_grads(
+    params: list[nn.Parameter], buffer: torch.Tensor, offsets: list[int]
+) -> None:
+    """Make each parameter's ``main_grad`` the view of ``buffer`` at its offset and add every
     micro-batch's gradient into it as soon as autograd has accumulated it (Megatron-LM
     ``param.main_grad`` with a post-accumulate hook; ``.grad`` is freed at once)."""
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.main_grad = buffer[offset : offset + n].view_as(p)
+    for p, offset in zip(params, offsets, strict=True):
+        p.main_grad = buffer[offset : offset + p.numel()].view_as(p)
         p.register_post_accumulate_grad_hook(_accumulate)
-        offset += n
 
 
 def all_reduce_(
@@ -177,10 +196,9 @@ class GradSync:
             members[groups[name]].append(params[name])
         self.buckets: list[tuple[tuple[Group, ...], torch.Tensor]] = []
         for group_seq, ps in members.items():
-            buffer = torch.zeros(
-                sum(p.numel() for p in ps), dtype=dtype, device=ps[0].device
-            )
-            attach_main_grads(ps, buffer)
+            offsets, end = buffer_layout(ps)
+            buffer = torch.zeros(end, dtype=dtype, device=ps[0].device)
+            attach_main_grads(ps, buffer, offsets)
             self.buckets.append((group_seq, buffer))
 
     def zero_(self) -> None:

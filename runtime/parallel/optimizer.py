@@ -29,6 +29,7 @@ from plans import Precision
 from runtime.parallel.data_parallel import (
     GradSync,
     attach_main_grads,
+    buffer_layout,
     grad_dtype,
     reduce_scatter_sum,
 )
@@ -229,19 +230,17 @@ class ZeroAdamW:
             g = live[0]
             size, index = mesh.size(g), mesh.index(g)
             ps = [params[n] for n in names]
-            total = sum(p.numel() for p in ps)
+            offsets, total = buffer_layout(ps)
             per_rank = -(-total // size)
             device = ps[0].device
             param_buffer = torch.zeros(per_rank * size, dtype=param_dtype, device=device)
-            offset = 0
             with torch.no_grad():
-                for p in ps:
+                for p, offset in zip(ps, offsets, strict=True):
                     view = param_buffer[offset : offset + p.numel()].view_as(p)
                     view.copy_(p)
                     p.data = view
-                    offset += p.numel()
             grad_buffer = torch.zeros(per_rank * size, dtype=dtype, device=device)
-            attach_main_grads(ps, grad_buffer)
+            attach_main_grads(ps, grad_buffer, offsets)
             mine = param_buffer[index * per_rank : (index + 1) * per_rank]
             shard = mine.to(torch.float32, copy=True)
             bucket = _Bucket(names, ps, mesh.groups[g], size, index, param_buffer,

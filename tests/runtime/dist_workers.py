@@ -116,6 +116,7 @@ def state_bytes(cases: list[tuple[str, bool]]) -> list[dict]:
             "param_dtypes": {str(p.dtype) for p in params},
             "grad_dtypes": {str(p.main_grad.dtype) for p in params},
             "grads_freed": all(p.grad is None for p in params),
+            "aligned": all(p.data_ptr() % 16 == 0 for p in params),
         })
     return out
 

@@ -5,6 +5,7 @@ parameter of the ZeRO-1 shard), and parallel layouts follow the one-rank bf16 ru
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_workers import make_plan, reference_trainer
 from test_parity import A2A, AG, _rel
 
@@ -41,6 +42,7 @@ def test_state_bytes_match_cost_model(pool2):
             assert got["grad_dtypes"] == {"torch.float32" if grad_bytes == 4 else
                                           "torch.bfloat16"}, (name, got)
             assert got["grads_freed"], name
+            assert got["aligned"], name  # 64-element starts in the ZeRO-1 parameter buffers
             assert got["params"] == 2 * numel == model["params"], (name, rank, got, model)
             assert got["grads"] == grad_bytes * numel == model["grads"], (name, rank, got)
             # ZeRO-1 shards over each parameter's replicas; replicated AdamW keeps it all
@@ -95,3 +97,22 @@ def test_bf16_zero1_resume_is_exact(pool2, tmp_path):
         assert full == resumed, (full, resumed)
         assert kinds == {"model": {"torch.bfloat16"}, "master": {"torch.float32"},
                          "moments": {"torch.float32"}}, kinds
+
+
+def test_buffer_layout_starts_parameters_at_64_elements():
+    from torch import nn
+
+    from runtime.parallel.data_parallel import attach_main_grads, buffer_layout
+
+    ps = [nn.Parameter(torch.zeros(n)) for n in (3, 64, 65)]
+    offsets, end = buffer_layout(ps)
+    assert (offsets, end) == ([0, 64, 128], 193)
+    buffer = torch.zeros(end)
+    attach_main_grads(ps, buffer, offsets)
+    for _ in range(2):  # two micro-batches accumulate; .grad is freed after each
+        sum((p * (i + 1)).sum() for i, p in enumerate(ps)).backward()
+    assert all(p.grad is None for p in ps)
+    for i, (p, offset) in enumerate(zip(ps, offsets, strict=True)):
+        expect = torch.full((p.numel(),), 2.0 * (i + 1))
+        assert torch.equal(buffer[offset : offset + p.numel()], expect)
+    assert buffer[3:64].eq(0).all()  # the alignment gap after the first parameter
