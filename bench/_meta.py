@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -16,7 +17,9 @@ def metadata() -> dict:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        # a tree copied without .git (e.g. `git archive` sent to a GPU machine) names its
+        # commit in MOEPLAN_COMMIT
+        commit = os.environ.get("MOEPLAN_COMMIT", "unknown")
     try:
         import torch
 

@@ -1,11 +1,12 @@
 """Hold measured GPU training runs against the cost model's predictions for the same plans.
 
-    python bench/gpu_fidelity.py --runs bench/results/gpu_runs --plans bench/gpu_plans \
+    python bench/gpu_fidelity.py --runs bench/results/h200 --plans bench/gpu_plans \
         --name gpu_fidelity_h200
 
-Reads each `train_<plan>.jsonl` (the runtime's per-step log), averages the steps after the
-first `--skip` (warm-up), evaluates `<plan>.json` with the cost model, and writes the step-time
-and peak-memory errors per plan to bench/results/<name>.json. The cost model never imports
+Reads each `train_step_<plan>.json` (bench/train_step.py) or `train_<plan>.jsonl` (the
+runtime's per-step log, steps after the first `--skip` averaged), evaluates `<plan>.json`
+with the cost model, and writes the step-time and peak-memory errors per plan to
+bench/results/<name>.json. The cost model never imports
 torch, so this runs anywhere.
 """
 
@@ -27,17 +28,33 @@ from plans import catalog  # noqa: E402
 GIB = 2**30
 
 
-def compare(log: Path, plan_path: Path, skip: int) -> dict:
-    steps = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+def measured(path: Path, skip: int) -> dict:
+    """Step time, MFU, peak memory and component times from a bench/train_step.py result
+    (.json) or from the runtime's per-step log (.jsonl, first `skip` steps left out)."""
+    if path.suffix == ".json":
+        r = json.loads(path.read_text())
+        return {"step_s": r["step_time_s"], "mfu": r["mfu"],
+                "peak_gib": max(r["peak_memory_gib_per_rank"]),
+                "components_s": r["components_s"], "steps": r["measured_steps"],
+                "commit": r.get("commit")}
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steady = steps[skip:] or steps
-    measured_s = statistics.median(s["step_time_s"] for s in steady)
-    measured_gib = max(s["peak_memory_gib"] for s in steps)
-    plan = catalog.load_plan(plan_path)
-    e = cost_models.evaluate(plan)
-    components = {}
+    components: dict[str, list[float]] = {}
     for s in steady:
         for k, v in s.get("components_s", {}).items():
             components.setdefault(k, []).append(v)
+    return {"step_s": statistics.median(s["step_time_s"] for s in steady),
+            "mfu": statistics.median(s["mfu"] for s in steady),
+            "peak_gib": max(s["peak_memory_gib"] for s in steps),
+            "components_s": {k: statistics.median(v) for k, v in components.items()},
+            "steps": len(steady), "commit": None}
+
+
+def compare(run: Path, plan_path: Path, skip: int) -> dict:
+    m = measured(run, skip)
+    measured_s, measured_gib = m["step_s"], m["peak_gib"]
+    plan = catalog.load_plan(plan_path)
+    e = cost_models.evaluate(plan)
     return {
         "plan": plan_path.stem,
         "layout": plan.summary(),
@@ -46,29 +63,33 @@ def compare(log: Path, plan_path: Path, skip: int) -> dict:
         "predicted_step_s": e.step_time_s,
         "step_error": e.step_time_s / measured_s - 1,
         "measured_tokens_per_s": plan.training.tokens_per_step / measured_s,
-        "measured_mfu": statistics.median(s["mfu"] for s in steady),
+        "measured_mfu": m["mfu"],
         "predicted_mfu": e.mfu,
         "measured_peak_gib": measured_gib,
         "predicted_peak_gib": e.memory.peak_bytes / GIB,
         "memory_error": e.memory.peak_bytes / GIB / measured_gib - 1,
-        "measured_components_s": {k: statistics.median(v) for k, v in components.items()},
+        "measured_components_s": m["components_s"],
         "predicted_breakdown_s": dict(e.breakdown_s),
-        "steps_used": len(steady),
+        "steps_used": m["steps"],
+        "run": str(run),
+        "run_commit": m["commit"],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=Path, default=Path("bench/results/gpu_runs"))
+    ap.add_argument("--runs", type=Path, default=Path("bench/results/h200"),
+                    help="folder of train_step_<plan>.json results or train_<plan>.jsonl logs")
     ap.add_argument("--plans", type=Path, default=Path("bench/gpu_plans"))
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     ap.add_argument("--name", default="gpu_fidelity_h200")
     args = ap.parse_args()
     rows = []
-    for log in sorted(args.runs.glob("train_*.jsonl")):
-        plan = args.plans / f"{log.stem.removeprefix('train_')}.json"
+    for run in sorted([*args.runs.glob("train_step_*.json"), *args.runs.glob("train_*.jsonl")]):
+        name = run.stem.removeprefix("train_step_").removeprefix("train_")
+        plan = args.plans / f"{name}.json"
         if plan.exists():
-            rows.append(compare(log, plan, args.skip))
+            rows.append(compare(run, plan, args.skip))
     if not rows:
         sys.exit(f"no train_*.jsonl logs with matching plans under {args.runs}")
     path = write(args.name, {

@@ -101,6 +101,9 @@ def main(argv=None) -> int:
               f"({precision}) {'pass' if ok else 'FAIL'} -> {args.out}")
         status = 0 if ok else 1
     if world > 1:
+        # every rank past its last collective before any tears down (gloo aborts a peer
+        # whose pair closes under it)
+        dist.barrier()
         dist.destroy_process_group()
     return status
 

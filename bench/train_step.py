@@ -137,6 +137,9 @@ def main(argv=None) -> int:
         print(f"{plan.summary()}: step {step_time * 1e3:.1f} ms, "
               f"{result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.2%} -> {args.out}")
     if world > 1:
+        # every rank past its last collective before any tears down (gloo aborts a peer
+        # whose pair closes under it)
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 

@@ -18,6 +18,11 @@ from plans.specs import ModelSpec, Optimizer, Precision
 GIB = 2**30
 WEIGHT_BYTES = Precision.bf16.bytes
 """Model weights are held in bf16."""
+OPTIMIZER_STEP_WORKSPACE_BYTES = 8
+"""Per parameter of the local ZeRO-1 shard, alive only during the optimizer step: the fp32
+gradient slice the reduce-scatter lands in (4 B) and the fused AdamW's fp32 temporaries
+(about 4 B). Measured on H200 (bench/results/gpu_fidelity_h200.json): without it the
+predicted peak of a 2-GPU sp2 x ep2 Mixtral run fell 30% short."""
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,10 @@ class MemoryBreakdown:
     """Bytes per GPU on the stage with the highest peak."""
 
     components_bytes: Mapping[str, float]
-    """params, grads, optimizer, activations, activation_working (the layer being recomputed
-    or back-propagated), comm_buffers, logits."""
+    """params, grads, optimizer (always resident); activations, activation_working (the layer
+    being recomputed or back-propagated), comm_buffers, logits (during forward/backward); and
+    optimizer_step_workspace (during the optimizer step). The peak is the resident states plus
+    the larger of the two phases, so these do not add up to it."""
     peak_bytes: float
     capacity_bytes: float
     """gpu.hbm_gib x 2^30 x efficiency.memory_usable."""
@@ -132,7 +139,9 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         layers[c % d.pp][1] += n_dense
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
-    # per stage: weights + grads per parameter, optimizer states over the ZeRO-1 shard
+    # per stage: weights + grads per parameter, optimizer states over the ZeRO-1 shard; on top,
+    # the larger of the forward/backward transients and the optimizer-step workspace (they
+    # are never alive at once)
     state_bytes = WEIGHT_BYTES + grad_bytes_per_param(grad_precision)
     opt_bytes = opt.state_bytes_per_param
     dense_shard, expert_shard = d.dp * d.cp * d.sp, d.edp
@@ -143,11 +152,12 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         p = params[i]
         stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
         working = per_layer[moe == 0, Recompute.none] - per_layer[moe == 0, policy]
-        total = (state_bytes * p.total
-                 + opt_bytes * (p.dense / dense_shard + p.expert / expert_shard)
-                 + stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
-                 + (working if moe + dense else 0.0) + buffers
-                 + (logits if i == d.pp - 1 else 0.0))
+        shard = p.dense / dense_shard + p.expert / expert_shard
+        training = (stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
+                    + (working if moe + dense else 0.0) + buffers
+                    + (logits if i == d.pp - 1 else 0.0))
+        total = (state_bytes * p.total + opt_bytes * shard
+                 + max(training, OPTIMIZER_STEP_WORKSPACE_BYTES * shard))
         if total > peak:
             peak_stage, peak = i, total
     i = peak_stage
@@ -161,7 +171,12 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     # fp32 logits of one micro-batch on the last stage: b s/(sp cp) rows x vocab/tp,
     # which is tokens (b s / (sp cp tp)) x vocab.
     parts["logits"] = logits if i == d.pp - 1 else 0.0
-    return MemoryBreakdown(MappingProxyType(parts), sum(parts.values()), capacity, i)
+    p = params[i]
+    step = OPTIMIZER_STEP_WORKSPACE_BYTES * (p.dense / dense_shard + p.expert / expert_shard)
+    states = parts["params"] + parts["grads"] + parts["optimizer"]
+    training = sum(parts.values()) - states
+    parts["optimizer_step_workspace"] = step
+    return MemoryBreakdown(MappingProxyType(parts), states + max(training, step), capacity, i)
 
 
 def memory_breakdown(plan: Plan) -> MemoryBreakdown:

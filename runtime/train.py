@@ -190,6 +190,7 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             checkpoint.save(trainer, args.ckpt_dir, step + 1)
     if owns_group:
+        dist.barrier()  # no rank tears down while a peer is still in a collective
         dist.destroy_process_group()
     return 0
 
