@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from planner.space import AttentionKind, SearchSpace
 from plans import Overlap, Plan, Precision, Recompute, SpecError, TrainingSpec, catalog
 from plans.errors import describe
 
@@ -186,6 +187,12 @@ def search_cmd(
         list[Recompute] | None,
         typer.Option("--recompute", help="Allowed recomputation policies (repeat); default all."),
     ] = None,
+    attention: Annotated[
+        list[AttentionKind] | None,
+        typer.Option("--attention", help="Allowed attention strategies (repeat); default "
+                     "ulysses_sp and tp (cp is for comparing predictions: the runtime does not "
+                     "run it)."),
+    ] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     json_out: JsonOpt = False,
@@ -193,7 +200,6 @@ def search_cmd(
     """Find the fastest plans that fit, beside the Megatron-LM-style layout."""
     from planner.report import print_search, search_document
     from planner.search import search
-    from planner.space import SearchSpace
 
     spec_model = catalog.load_model(model)
     spec_cluster = catalog.load_cluster(cluster, gpus=gpus)
@@ -201,6 +207,7 @@ def search_cmd(
     space = SearchSpace(
         overlap=tuple(overlap) if overlap else tuple(Overlap),
         recompute=tuple(recompute) if recompute else tuple(Recompute),
+        **({"attention": tuple(attention)} if attention else {}),
     )
     if json_out:
         result = search(spec_model, spec_cluster, training, space, top=top)

@@ -92,11 +92,13 @@ class SearchResult:
         return self.baseline.evaluation.step_time_s / self.best.evaluation.step_time_s
 
 
-def megatron_space(cluster: ClusterSpec) -> SearchSpace:
+def megatron_space(model: ModelSpec, cluster: ClusterSpec) -> SearchSpace:
     """The layout a Megatron-LM user would run: TP inside the node for attention and FFN
-    (tp = etp = the node, at most 8), PP and DP outside, fp32 gradient sync, no intra-layer
-    overlap (DP and PP communication still overlap), its best micro-batch and schedule."""
-    tp = min(8, cluster.nvlink_domain)
+    (tp = etp = the node, at most 8, dividing the KV heads), PP and DP outside, fp32 gradient
+    sync, no intra-layer overlap (DP and PP communication still overlap), its best micro-batch
+    and schedule."""
+    tp = max(t for t in range(1, min(8, cluster.nvlink_domain) + 1)
+             if cluster.nvlink_domain % t == 0 and model.kv_heads % t == 0)
     return SearchSpace(
         attention=(AttentionKind.tp,),
         ffn=(FFNKind.tp,),
@@ -123,7 +125,8 @@ def search(
     best = _search(model, cluster, training, space, top, stats, progress)
     baseline = None
     if with_baseline:
-        found = _search(model, cluster, training, megatron_space(cluster), 1, SearchStats(), None)
+        found = _search(model, cluster, training, megatron_space(model, cluster), 1, SearchStats(),
+                        None)
         baseline = found[0] if found else None
     stats.seconds = time.perf_counter() - start
     return SearchResult(best, baseline, stats)

@@ -296,7 +296,12 @@ def _attention_problems(
     n = d.attention_group
     if m.query_heads % n and a.kind != "cp":
         out.append(f"degrees: attention degree {n} must divide model.query_heads ({m.query_heads})")
-    if a.kind != "cp" and n > m.kv_heads and n % m.kv_heads:
+    if a.kind == "tp" and m.kv_heads % n:
+        out.append(
+            f"degrees.tp ({n}) must divide model.kv_heads ({m.kv_heads}): TP attention splits "
+            "whole KV heads (Megatron-LM's rule; Ulysses SP replicates them instead)"
+        )
+    elif a.kind != "cp" and n > m.kv_heads and n % m.kv_heads:
         out.append(
             f"degrees: attention degree {n} above model.kv_heads ({m.kv_heads}) must be a "
             "multiple of it (KV heads are replicated)"

@@ -60,7 +60,8 @@ def test_megascale_layout_beats_megatron_on_the_paper_job():
 
 
 def test_baseline_space_is_megatron_like():
-    space = megatron_space(catalog.load_cluster("h800", gpus=64))
+    model = catalog.load_model("mixtral-8x7b")
+    space = megatron_space(model, catalog.load_cluster("h800", gpus=64))
     assert space.attention == (AttentionKind.tp,) and space.ffn == (FFNKind.tp,)
     assert space.overlap == (Overlap.none,) and space.grad_sync == (Precision.fp32,)
 
@@ -80,3 +81,17 @@ def test_nothing_fits():
     result = search(catalog.load_model("internal-352b"), catalog.load_cluster("h800", gpus=8),
                     TrainingSpec(global_batch=8, seq_len=8192), top=3)
     assert result.best is None and result.baseline is None
+
+
+def test_megatron_tp_divides_kv_heads():
+    space = megatron_space(catalog.load_model("qwen3-30b-a3b"), catalog.load_cluster("h100"))
+    assert space.attention_degrees == (4,)  # 4 KV heads: Megatron cannot split them 8 ways
+
+
+def test_cp_only_on_request():
+    model, cluster, training = small_job()
+    result = search(model, cluster, training, top=5, with_baseline=False)
+    assert all(r.plan.attention.kind != "cp" for r in result.top)
+    cp = SearchSpace(attention=(AttentionKind.cp,))
+    found = search(model, cluster, training, cp, top=1, with_baseline=False)
+    assert found.best.plan.attention.kind == "cp"

@@ -1,0 +1,59 @@
+"""Plans `search` emits never fail at launch: every one passes the runtime's own checks, and a
+sample trains for real on this CPU (gloo, torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from plans import Plan
+from runtime.parallel.parallelize import check_supported
+
+from .conftest import run
+
+rng = random.Random(7)
+JOBS = [
+    (rng.choice(["tiny-moe", "tiny-moe-shared"]), rng.choice(["h100", "h200"]),
+     rng.choice([2, 4, 8]), rng.choice([8, 16, 32]), rng.choice([64, 128, 256]))
+    for _ in range(5)
+]
+
+
+def emitted(model, cluster, gpus, batch, seq) -> list[Plan]:
+    result = run("search", model, cluster, "--gpus", gpus, "--global-batch", batch,
+                 "--seq-len", seq, "--top", "5", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    return [Plan.model_validate(p) for p in doc["top"] + [doc["baseline"]] if p]
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_every_emitted_plan_passes_the_runtime_checks(job):
+    for plan in emitted(*job):
+        check_supported(plan)  # raises UnsupportedFeature with a field path otherwise
+
+
+@pytest.mark.parametrize("job,pick", [
+    (("tiny-moe", "h200", 4, 8, 64), 0),          # the best plan
+    (("tiny-moe-shared", "h100", 2, 8, 64), -1),  # the Megatron-style baseline
+])
+def test_a_sample_of_emitted_plans_trains(tmp_path, job, pick):
+    plan = emitted(*job)[pick]
+    if pick == -1:
+        assert plan.attention.kind == "tp" and plan.ffn.kind == "tp"
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    log = tmp_path / "log.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(plan.degrees.world), "-m", "runtime.train", "--plan", str(path), "--steps", "2",
+         "--log-file", str(log)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, (plan.summary(), proc.stderr[-3000:])
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses)
