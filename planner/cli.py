@@ -315,6 +315,10 @@ def whatif_cmd(
     from planner.report import print_whatif, whatif_document
     from planner.whatif import parse_vary, whatif
 
+    if plot is not None:
+        from planner.plots import check_plot_path
+
+        check_plot_path(plot)
     spec_model = catalog.load_model(model)
     spec_cluster = catalog.load_cluster(cluster, gpus=gpus)
     training = _training(global_batch, seq_len, precision)
@@ -353,6 +357,10 @@ def scale_cmd(
     from planner.scale import scale
 
     counts = _int_list(gpus, "--gpus")
+    if plot is not None:
+        from planner.plots import check_plot_path
+
+        check_plot_path(plot)
     spec_model = catalog.load_model(model)
     spec_cluster = catalog.load_cluster(cluster)
     training = _training(global_batch, seq_len, precision)

@@ -20,9 +20,14 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: Path) -> None:
+def check_plot_path(path: Path) -> None:
+    """Refuse a plot path before any work is done."""
     if path.suffix.lower() not in (".png", ".svg"):
         raise SpecError(f"--plot: {path.name} must end in .png or .svg")
+
+
+def _save(fig, path: Path) -> None:
+    check_plot_path(path)
     try:
         fig.savefig(path, dpi=120, bbox_inches="tight")
     except OSError as e:
