@@ -123,7 +123,7 @@ class Mesh:
 
 
 class WorldSizeMismatch(ValueError):
-    pass
+    """The launch's world size differs from the plan's."""
 
 
 def build_mesh(plan: Plan, rank: int, world: int) -> Mesh:
