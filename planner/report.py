@@ -135,7 +135,8 @@ def print_explain(plan: Plan, e: Evaluation, console: Console) -> None:
     mem.add_column("GiB", justify="right")
     for k, v in e.memory.components_bytes.items():
         mem.add_row(k, f"{v / GIB:.2f}")
-    mem.add_row("[bold]peak[/bold]", f"{e.memory.peak_bytes / GIB:.2f}")
+    mem.add_row("[bold]peak[/bold] = states + max(fwd/bwd transients, optimizer step)",
+                f"{e.memory.peak_bytes / GIB:.2f}")
     mem.add_row("usable", f"{e.memory.capacity_bytes / GIB:.2f}")
     console.print(mem)
     if not e.feasible:
