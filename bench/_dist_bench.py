@@ -1,0 +1,108 @@
+"""Shared pieces of the torchrun micro-benchmarks (dispatch_gpu.py, layers_gpu.py): process
+group set-up, median timing after warm-up (CUDA events on GPU, wall clock on CPU), the slowest
+rank's value, and raw collectives of the sizes the cost model's Transfers name. Imports torch
+and cost_models only (never planner)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cost_models.compute import ACT_BYTES
+from cost_models.volumes import Collective, Transfer
+
+
+def init() -> tuple[int, int, torch.device, torch.dtype]:
+    """(rank, world, device, dtype): NCCL and bf16 on CUDA, gloo and fp32 on CPU."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dtype, backend = torch.bfloat16, "nccl"
+    else:
+        device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
+    if world > 1:
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(minutes=5), **kw)
+    return rank, world, device, dtype
+
+
+def finish(world: int) -> None:
+    if world > 1:
+        # every rank past its last collective before any tears down
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn`` on this rank after ``warmup`` calls. Ranks line up at a barrier
+    before each repeat, so a collective's time does not include waiting for a late peer."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        _sync(device)
+        if device.type == "cuda":
+            a = torch.cuda.Event(enable_timing=True)
+            b = torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def slowest(value: float, device: torch.device) -> float:
+    """The maximum of ``value`` over ranks (a step waits for its slowest rank)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def elements(transfer: Transfer, n: int) -> int:
+    """Elements of one buffer of ``transfer`` (ACT_BYTES each), rounded up to a multiple of n."""
+    count = int(round(transfer.buffer_bytes / ACT_BYTES))
+    return -(-count // n) * n
+
+
+def collective_fn(transfer: Transfer, device: torch.device, dtype: torch.dtype
+                  ) -> Callable[[], object]:
+    """The collective ``transfer`` describes over the default group, with its buffer sizes:
+    one rank's send buffer for all-to-all, the full gathered buffer for all-gather and
+    reduce-scatter. (On CPU the buffers are fp32, twice the bytes the cost model counts.)"""
+    n = dist.get_world_size()
+    count = elements(transfer, n)
+    full = torch.randn(count, device=device, dtype=dtype)
+    shard = torch.randn(count // n, device=device, dtype=dtype)
+    match transfer.collective:
+        case Collective.all_to_all:
+            out = torch.empty_like(full)
+            return lambda: dist.all_to_all_single(out, full)
+        case Collective.all_gather:
+            return lambda: dist.all_gather_into_tensor(full, shard)
+        case Collective.reduce_scatter:
+            return lambda: dist.reduce_scatter_tensor(shard, full)
+    raise ValueError(f"no timing for {transfer.collective}")

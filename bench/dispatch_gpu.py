@@ -1,0 +1,340 @@
+"""EP dispatch + combine of the runtime's two dispatchers against top-k, measured next to the
+cost model, with the dispatcher `moeplan search` picks.
+
+    torchrun --nproc-per-node N bench/dispatch_gpu.py --out $OUT/dispatch_xN.json \
+        [--picks bench/results/dispatch_planner_xN.json]
+    python bench/dispatch_gpu.py --planner-only --gpus N \
+        --out bench/results/dispatch_planner_xN.json
+
+Measured (N ranks = the EP group): for each top-k, tokens per rank = seq / N (micro-batch 1,
+sequence-sharded as under Ulysses SP = EP = N), random routing (k distinct experts per token,
+random softmax weights), the runtime's AllToAllDispatcher and AllGatherDispatcher run dispatch
+then combine (identity experts), forward alone and forward + backward; CUDA-event medians after
+warm-up (wall clock on CPU), the slowest rank's median. The raw collectives of the cost model's
+transfers (one per dispatch and one per combine) are timed too.
+
+Predicted, two ways (both from cost_models, no planner):
+- ``collectives``: cost_models.volumes.ep_ffn transfers priced by volumes.transfer_s (comm.py);
+  backward moves the same bytes reversed, so forward + backward = 2 x forward.
+- ``layer_ops``: the operators of the cost model's layer graph (layer_graph.forward_graph of a
+  Plan with EPFFN(dispatch=...), sp = ep = N, overlap none, no recomputation) that the
+  dispatchers execute: the permutation / local scatter and gather memory passes and the two
+  collectives, forward durations and backward durations; plus layer_timing(plan)'s exposed
+  ep_dispatch + ep_combine time (forward + backward, which under overlap none is the collectives').
+
+The crossover top-k is the first k at which all-gather + reduce-scatter is faster than
+all-to-all. ``--planner-only`` (imports planner, so pulp / highspy; run on the CPU machine)
+searches one node of N H200s for Mixtral-8x7B with each top-k, narrowed to Ulysses SP attention
+and EP FFN layouts, global batch 64, seq 8192, and records the dispatch of the best plan and the
+best predicted step time with each dispatch. Where no plan fits the node's memory (the full
+32-layer Mixtral-8x7B does not fit 8 H200s with AdamW states) the depth is halved until one
+does; the depth used is recorded. ``--picks`` merges that file into the GPU result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from _meta import metadata  # noqa: E402
+
+from cost_models import volumes as vol  # noqa: E402
+from cost_models.layer import layer_key, layer_timing  # noqa: E402
+from cost_models.layer_graph import forward_graph  # noqa: E402
+from plans import (  # noqa: E402
+    EPFFN,
+    Degrees,
+    Dispatch,
+    Overlap,
+    Plan,
+    Recompute,
+    TrainingSpec,
+    UlyssesAttention,
+    catalog,
+)
+from plans.specs import ModelSpec  # noqa: E402
+
+DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
+SHORT = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag_rs"}
+# the layer-graph operators each dispatcher executes (cost_models/layer_graph.py, _moe_ffn)
+LAYER_OPS = {
+    Dispatch.all_to_all: ("dispatch_permute", "ep_dispatch", "ep_combine", "combine_unpermute"),
+    Dispatch.allgather_reduce_scatter: ("ep_dispatch", "dispatch_scatter", "combine_gather",
+                                        "ep_combine"),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="JSON result (rank 0 writes it)")
+    p.add_argument("--model", default="mixtral-8x7b")
+    p.add_argument("--cluster", default="h200")
+    p.add_argument("--hidden", type=int, help="override the model's hidden size (smoke tests)")
+    p.add_argument("--experts", type=int, help="override the model's expert count")
+    p.add_argument("--seq", type=int, default=8192, help="sequence length (micro-batch 1)")
+    p.add_argument("--max-top-k", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--picks", type=Path, help="a --planner-only result to merge in")
+    p.add_argument("--planner-only", action="store_true",
+                   help="no measurement: record moeplan search's dispatcher per top-k")
+    p.add_argument("--gpus", type=int, default=8, help="node size for --planner-only")
+    p.add_argument("--global-batch", type=int, default=64, help="for --planner-only")
+    return p.parse_args(argv)
+
+
+def model_spec(args, top_k: int) -> ModelSpec:
+    base = catalog.load_model(args.model)
+    update = {"top_k": top_k}
+    if args.hidden:
+        update["hidden"] = args.hidden
+    if args.experts:
+        update["experts"] = args.experts
+    return ModelSpec.model_validate({**base.model_dump(), **update})
+
+
+def top_ks(args) -> list[int]:
+    experts = args.experts or catalog.load_model(args.model).experts
+    return list(range(1, min(args.max_top_k, experts) + 1))
+
+
+def crossover(rows: list[dict], key: str) -> int | None:
+    """First top-k at which all-gather + reduce-scatter takes less time than all-to-all."""
+    for r in rows:
+        a2a, ag = (_get(r, SHORT[d], key) for d in DISPATCHES)
+        if ag < a2a:
+            return r["top_k"]
+    return None
+
+
+def _get(row: dict, dispatcher: str, key: str) -> float:
+    node = row[dispatcher]
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+# ---- cost model -----------------------------------------------------------------------------
+
+
+def bench_plan(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dispatch
+               ) -> Plan:
+    """One node of n GPUs, Ulysses SP = EP = n, micro-batch 1, run as the runtime runs it
+    (no overlap, no recomputation)."""
+    return Plan(
+        model=model.model_copy(update={"layers": 1, "dense_layers": 0}),
+        cluster=catalog.load_cluster(cluster_name, gpus=n),
+        training=TrainingSpec(global_batch=1, seq_len=seq), degrees=Degrees(sp=n, ep=n),
+        attention=UlyssesAttention(), ffn=EPFFN(dispatch=dispatch), stage_layers=(1,),
+        micro_batch_size=1, overlap=Overlap.none, recompute=Recompute.none,
+    )
+
+
+def predict(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dispatch) -> dict:
+    cluster = catalog.load_cluster(cluster_name, gpus=n)
+    tokens = seq / n
+    transfers = vol.ep_ffn(model, tokens, n, dispatch)
+    coll = [vol.transfer_s(t, cluster) for t in transfers]
+    plan = bench_plan(model, cluster_name, n, seq, dispatch)
+    graph = forward_graph(layer_key(plan))
+    ops = [graph.nodes[name]["op"] for name in LAYER_OPS[dispatch]]
+    fwd = sum(op.duration_s for op in ops)
+    bwd = sum(sum(op.bwd) for op in ops)
+    timing = layer_timing(plan)
+    return {
+        "transfers": [{"kind": t.kind.value, "collective": t.collective.value,
+                       "buffer_bytes": t.buffer_bytes, "wire_bytes_per_rank": t.wire_bytes,
+                       "predicted_s": s} for t, s in zip(transfers, coll, strict=True)],
+        "collectives": {"fwd_s": sum(coll), "fwd_bwd_s": 2 * sum(coll)},
+        "layer_ops": {"ops": list(LAYER_OPS[dispatch]), "fwd_s": fwd, "fwd_bwd_s": fwd + bwd},
+        "layer_timing_exposed_s": sum(timing.exposed_comm_s.get(k, 0.0)
+                                      for k in ("ep_dispatch", "ep_combine")),
+    }
+
+
+# ---- measurement ----------------------------------------------------------------------------
+
+
+def measure(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from _dist_bench import collective_fn, finish, init, slowest, timed
+
+    from runtime.moe import Routing
+    from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
+
+    rank, n, device, dtype = init()
+    if n < 2:
+        print("error: run under torchrun with at least 2 processes (the EP group)",
+              file=sys.stderr)
+        return 2
+    base = model_spec(args, 1)
+    h, experts = base.hidden, base.experts
+    if experts % n or args.seq % n:
+        print(f"error: {n} ranks must divide the experts ({experts}) and --seq ({args.seq})",
+              file=sys.stderr)
+        return 2
+    tokens = args.seq // n
+    group = dist.group.WORLD
+    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
+    x = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen)
+    grad_out = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen)
+    rows = []
+    for k in top_ks(args):
+        model = model_spec(args, k)
+        scores = torch.rand(tokens, experts, device=device, generator=gen)
+        indices = scores.topk(k, dim=-1).indices
+        logits = torch.randn(tokens, k, device=device, generator=gen)
+        row: dict = {"top_k": k, "tokens_per_rank": tokens}
+        for d in DISPATCHES:
+            if d == Dispatch.all_to_all:
+                disp = AllToAllDispatcher(experts, group, n)
+            else:
+                disp = AllGatherDispatcher(experts, group, n, rank)
+
+            def step(backward: bool, disp=disp, logits=logits, indices=indices):
+                xs = x.detach().requires_grad_(backward)
+                w = torch.softmax(logits, -1).requires_grad_(backward)
+                routing = Routing(indices, w, torch.zeros((), device=device))
+                rows_, _, handle = disp.dispatch(xs, routing)
+                y = disp.combine(rows_, handle)
+                if backward:
+                    y.backward(grad_out)
+
+            fwd = timed(lambda step=step: step(False), device, args.warmup, args.repeats)
+            fwd_bwd = timed(lambda step=step: step(True), device, args.warmup, args.repeats)
+            pred = predict(model, args.cluster, n, args.seq, d)
+            raw = [slowest(timed(collective_fn(t, device, dtype), device, args.warmup,
+                                 args.repeats), device) for t in vol.ep_ffn(model, tokens, n, d)]
+            for t, s in zip(pred["transfers"], raw, strict=True):
+                t["measured_s"] = s
+            row[SHORT[d]] = {
+                "measured": {"fwd_s": slowest(fwd, device), "fwd_bwd_s": slowest(fwd_bwd, device),
+                             "collectives_fwd_s": sum(raw)},
+                "predicted": pred,
+            }
+        rows.append(row)
+        if rank == 0:
+            a, g = row["a2a"], row["ag_rs"]
+            print(f"top-{k}: a2a {a['measured']['fwd_bwd_s'] * 1e3:8.3f} ms (pred "
+                  f"{a['predicted']['layer_ops']['fwd_bwd_s'] * 1e3:7.3f})  ag+rs "
+                  f"{g['measured']['fwd_bwd_s'] * 1e3:8.3f} ms (pred "
+                  f"{g['predicted']['layer_ops']['fwd_bwd_s'] * 1e3:7.3f})  fwd+bwd", flush=True)
+    if rank == 0:
+        picks = json.loads(args.picks.read_text()) if args.picks and args.picks.exists() else None
+        result = {
+            **metadata(),
+            "benchmark": "EP dispatch + combine vs top-k: runtime dispatchers vs cost model",
+            "world": n,
+            "backend": dist.get_backend(),
+            "dtype": str(dtype).removeprefix("torch."),
+            "model": args.model, "cluster_spec": args.cluster, "hidden": h, "experts": experts,
+            "seq_len": args.seq, "micro_batch": 1, "tokens_per_rank": tokens,
+            "warmup": args.warmup, "repeats": args.repeats,
+            "prediction_sources": {
+                "collectives": "cost_models.volumes.ep_ffn + volumes.transfer_s (comm.py); "
+                               "fwd_bwd = 2 x fwd",
+                "layer_ops": "operators of cost_models.layer_graph.forward_graph for a Plan "
+                             "with EPFFN(dispatch), sp = ep = N, overlap none, recompute none: "
+                             "forward durations + backward durations",
+                "layer_timing_exposed_s": "cost_models.layer.layer_timing(plan).exposed_comm_s"
+                                          "[ep_dispatch + ep_combine], forward + backward",
+            },
+            "rows": rows,
+            "crossover_top_k": {
+                "measured_fwd": crossover(rows, "measured.fwd_s"),
+                "measured_fwd_bwd": crossover(rows, "measured.fwd_bwd_s"),
+                "measured_collectives_fwd": crossover(rows, "measured.collectives_fwd_s"),
+                "predicted_collectives": crossover(rows, "predicted.collectives.fwd_s"),
+                "predicted_layer_ops_fwd_bwd": crossover(rows, "predicted.layer_ops.fwd_bwd_s"),
+            },
+            "planner_picks": picks,
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"crossover top-k: {result['crossover_top_k']} -> {args.out}")
+    finish(n)
+    return 0
+
+
+# ---- planner (CPU machine) ------------------------------------------------------------------
+
+
+def planner_picks(args) -> int:
+    from planner.search import search
+    from planner.space import AttentionKind, FFNKind, SearchSpace
+
+    cluster = catalog.load_cluster(args.cluster, gpus=args.gpus)
+    training = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq)
+
+    def best(model: ModelSpec, dispatches: tuple[Dispatch, ...],
+             degrees: tuple[int, ...] | None = None) -> dict | None:
+        space = SearchSpace(attention=(AttentionKind.ulysses_sp,), ffn=(FFNKind.ep,),
+                            dispatch=dispatches, attention_degrees=degrees)
+        found = search(model, cluster, training, space, top=1, with_baseline=False).best
+        return None if found is None else {
+            "summary": found.plan.summary(),
+            "dispatch": found.plan.ffn.dispatch.value,
+            "degrees": found.plan.degrees.model_dump(),
+            "micro_batch_size": found.plan.micro_batch_size,
+            "step_time_s": found.evaluation.step_time_s,
+            "mfu": found.plan.prediction.mfu,
+        }
+
+    rows = []
+    for k in top_ks(args):
+        # the full depth may not fit one node (Mixtral-8x7B's AdamW states do not fit 8 H200s):
+        # halve the layers until a plan fits; the layer shape, which sets the dispatch, stays
+        model = model_spec(args, k)
+        infeasible = []
+        while (any_best := best(model, DISPATCHES)) is None and model.layers > 1:
+            infeasible.append(model.layers)
+            model = model.model_copy(update={"layers": model.layers // 2})
+        row: dict = {"top_k": k, "layers": model.layers, "layers_without_a_plan": infeasible,
+                     "any": any_best}
+        for d in DISPATCHES:
+            row[SHORT[d]] = best(model, (d,))
+        # the benchmark's layout family: Ulysses SP over the whole node
+        row[f"sp{args.gpus}"] = best(model, DISPATCHES, (args.gpus,))
+        for d in DISPATCHES:
+            row[f"sp{args.gpus}_{SHORT[d]}"] = best(model, (d,), (args.gpus,))
+        row["pick"] = any_best["dispatch"] if any_best else None
+        row["pick_ep"] = any_best["degrees"]["ep"] if any_best else None
+        row[f"pick_sp{args.gpus}"] = (row[f"sp{args.gpus}"] or {}).get("dispatch")
+        rows.append(row)
+        print(f"top-{k}: {model.layers} layers: search picks {row['pick']} "
+              f"({any_best and any_best['summary']}); with sp{args.gpus}: "
+              f"{row[f'pick_sp{args.gpus}']}", flush=True)
+    result = {
+        **metadata(),
+        "benchmark": "moeplan search's EP dispatcher per top-k",
+        "model": args.model, "cluster_spec": args.cluster, "gpus": args.gpus,
+        "global_batch": args.global_batch, "seq_len": args.seq,
+        "space": "SearchSpace(attention=(ulysses_sp,), ffn=(ep,)); 'any' searches both "
+                 "dispatchers, 'a2a' / 'ag_rs' one each, 'spN*' the same with "
+                 "attention_degrees=(N,) (the benchmark's layout family); pick_ep 1 makes the "
+                 "dispatch moot; 'layers' is the depth searched (the "
+                 "model's, halved while no plan fits the node's memory)",
+        "rows": rows,
+        "picks": {str(r["top_k"]): r["pick"] for r in rows},
+        f"picks_sp{args.gpus}": {str(r["top_k"]): r[f"pick_sp{args.gpus}"] for r in rows},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"-> {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    return planner_picks(args) if args.planner_only else measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
