@@ -1,11 +1,19 @@
 """Write the plans (bench/gpu_plans/) the GPU benchmarks run: a reduced Mixtral-8x7B
-(2 layers, full width) on one and two H200s, in the layouts worth comparing. Plans are data:
-regenerate with
-    python bench/make_gpu_plans.py
+(2 layers, full width) on one and two H200s, in the layouts worth comparing; and, per node size
+N (8 and 2), under bench/gpu_plans/xN/: Ulysses SP = EP = N with each dispatcher (for
+bench/parity_gpu.py), and with ``--search`` the best plan `moeplan search` finds for one node
+of N H200s for the reduced model and the Megatron-style baseline it compares against (for
+bench/train_step.py: measured speedup against predicted). Plans are data: regenerate with
+    python bench/make_gpu_plans.py [--search]
+``--search`` imports the planner (pulp / highspy): run it on the CPU machine. The search is
+narrowed to overlap none, since this runtime runs every collective blocking; the baseline is
+megatron_space's (TP = etp = the node, fp32 gradient sync, no overlap).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 from plans import (
@@ -62,11 +70,71 @@ PLANS = {
 }
 
 
-def main() -> None:
-    OUT.mkdir(exist_ok=True)
-    for name, p in PLANS.items():
-        (OUT / f"{name}.json").write_text(p.model_dump_json(indent=2) + "\n")
-        print(name, p.summary())
+NODE_SIZES = (8, 2)
+SEARCH_LAYERS = 2
+SEARCH_TRAINING = TrainingSpec(global_batch=16, seq_len=8192)
+
+
+def node_plans(n: int) -> dict[str, Plan]:
+    """Ulysses SP = EP = n, both dispatchers (bf16 parity against the one-GPU reference)."""
+    return {
+        f"mixtral2l_sp{n}_ep{n}_a2a": plan(n, Degrees(sp=n, ep=n)),
+        f"mixtral2l_sp{n}_ep{n}_ag": plan(n, Degrees(sp=n, ep=n),
+                                          ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
+    }
+
+
+def searched_plans(n: int) -> tuple[dict[str, Plan], dict]:
+    """The best plan `moeplan search` finds for one node of n H200s (overlap none) and the
+    Megatron-style baseline, both with their predictions, and a summary."""
+    from planner.search import search
+    from planner.space import SearchSpace
+
+    cluster = catalog.load_cluster("h200", gpus=n)
+    result = search(model(SEARCH_LAYERS), cluster, SEARCH_TRAINING,
+                    SearchSpace(overlap=(Overlap.none,)), top=1)
+    if result.best is None or result.baseline is None:
+        raise SystemExit(f"error: no plan found for {n} GPUs")
+    name = f"mixtral{SEARCH_LAYERS}l"
+    found = {f"{name}_search_best": result.best.plan,
+             f"{name}_megatron": result.baseline.plan}
+    summary = {
+        "model": model(SEARCH_LAYERS).name, "cluster": "h200", "gpus": n,
+        "training": SEARCH_TRAINING.model_dump(mode="json"),
+        "space": "SearchSpace(overlap=(none,)) (the runtime's execution); baseline: "
+                 "planner.search.megatron_space",
+        "plans": {k: {"summary": p.summary(), "predicted_step_time_s": p.prediction.step_time_s,
+                      "predicted_mfu": p.prediction.mfu,
+                      "predicted_peak_memory_gib": p.prediction.peak_memory_gib}
+                  for k, p in found.items()},
+        "predicted_speedup": result.speedup,
+        "stats": {"layouts": result.stats.layouts, "evaluated": result.stats.evaluated,
+                  "feasible": result.stats.feasible},
+    }
+    return found, summary
+
+
+def _write(directory: Path, plans: dict[str, Plan]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, p in plans.items():
+        (directory / f"{name}.json").write_text(p.model_dump_json(indent=2) + "\n")
+        print(f"{directory.name}/{name}", p.summary())
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--search", action="store_true",
+                    help="also write moeplan search's best plan and the Megatron baseline per "
+                         "node size (imports the planner)")
+    args = ap.parse_args(argv)
+    _write(OUT, PLANS)
+    for n in NODE_SIZES:
+        _write(OUT / f"x{n}", node_plans(n))
+        if args.search:
+            found, summary = searched_plans(n)
+            _write(OUT / f"x{n}", found)
+            (OUT / f"x{n}" / "search.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print(f"x{n}: predicted speedup {summary['predicted_speedup']:.3f}")
 
 
 if __name__ == "__main__":
