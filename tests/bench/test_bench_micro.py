@@ -1,0 +1,105 @@
+"""bench/dispatch_gpu.py, bench/layers_gpu.py and bench/speedup_report.py on CPU: gloo,
+2 processes, tiny shapes via flags (smoke tests of the scripts the GPU campaign runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--hidden", "64", "--experts", "4", "--seq", "128", "--warmup", "1", "--repeats", "2"]
+
+
+def _run(*cmd: str, procs: int = 2) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+              str(procs)] if procs > 1 else [sys.executable]
+    return subprocess.run([*launch, *cmd], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=120)
+
+
+def test_dispatch_script(tmp_path):
+    picks = tmp_path / "picks.json"
+    r = _run("bench/dispatch_gpu.py", "--planner-only", "--gpus", "2", "--max-top-k", "2",
+             "--out", str(picks), procs=1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    p = json.loads(picks.read_text())
+    assert set(p["picks"]) == {"1", "2"} and len(p["rows"]) == 2
+    for row in p["rows"]:
+        assert row["pick"] in ("all_to_all", "allgather_reduce_scatter")
+        # a search narrowed to one dispatcher keeps it, unless its best plan has no EP (ep 1)
+        for label, d in (("a2a", "all_to_all"), ("ag_rs", "allgather_reduce_scatter")):
+            assert row[label]["dispatch"] == d or row[label]["degrees"]["ep"] == 1
+    out = tmp_path / "d.json"
+    r = _run("bench/dispatch_gpu.py", *TINY, "--out", str(out), "--picks", str(picks))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    for key in ("commit", "date", "torch", "gpu", "world", "backend", "dtype", "rows",
+                "crossover_top_k", "planner_picks", "prediction_sources", "tokens_per_rank"):
+        assert key in res, key
+    assert res["world"] == 2 and res["dtype"] == "float32" and res["tokens_per_rank"] == 64
+    assert [row["top_k"] for row in res["rows"]] == [1, 2, 3, 4]
+    assert res["planner_picks"]["picks"] == p["picks"]
+    for key in ("measured_fwd", "measured_fwd_bwd", "predicted_collectives",
+                "predicted_layer_ops_fwd_bwd"):
+        assert key in res["crossover_top_k"], key
+    for row in res["rows"]:
+        for d in ("a2a", "ag_rs"):
+            m, pred = row[d]["measured"], row[d]["predicted"]
+            assert m["fwd_s"] > 0 and m["fwd_bwd_s"] > 0 and m["collectives_fwd_s"] > 0
+            assert pred["collectives"]["fwd_s"] > 0 and pred["layer_ops"]["fwd_bwd_s"] > 0
+            assert len(pred["transfers"]) == 2
+            assert all(t["measured_s"] > 0 for t in pred["transfers"])
+        # all-to-all carries k x tokens rows; all-gather n x tokens, whatever k
+        a2a = row["a2a"]["predicted"]["transfers"][0]["buffer_bytes"]
+        ag = row["ag_rs"]["predicted"]["transfers"][0]["buffer_bytes"]
+        assert a2a == 64 * row["top_k"] * 64 * 2 and ag == 2 * 64 * 64 * 2
+
+
+def test_layers_script(tmp_path):
+    out = tmp_path / "l.json"
+    r = _run("bench/layers_gpu.py", "--hidden", "64", "--ffn-hidden", "128", "--experts", "4",
+             "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "128",
+             "--seq", "64", "--warmup", "1", "--repeats", "2", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    for key in ("commit", "date", "torch", "gpu", "world", "backend", "blocks", "layers",
+                "time_ratio_tp_over_ulysses", "time_ratio_etp_over_ep_a2a",
+                "time_ratio_ep_ag_rs_over_ep_a2a"):
+        assert key in res, key
+    assert set(res["blocks"]) == {"ulysses_sp", "tp", "ep_a2a", "ep_ag_rs", "etp"}
+    for b in res["blocks"].values():
+        assert b["measured"]["fwd_s"] > 0 and b["measured"]["fwd_bwd_s"] > 0
+        assert b["measured"]["collectives_fwd_s"] > 0
+        pred = b["predicted"]
+        assert pred["comm_bytes_per_rank_fwd"] > 0 and pred["fwd_bwd_s"] > pred["fwd_s"] > 0
+    assert set(res["layers"]) == {"sp_ep_a2a", "sp_ep_ag", "tp_etp"}
+    # under overlap none the layer's forward is the sum of its two blocks' operators
+    a, f = res["blocks"]["ulysses_sp"]["predicted"], res["blocks"]["ep_a2a"]["predicted"]
+    layer = res["layers"]["sp_ep_a2a"]["predicted"]
+    assert abs(a["fwd_s"] + f["fwd_s"] - layer["fwd_s"]) < 1e-9 * max(1.0, layer["fwd_s"])
+    # Ulysses moves (q + 2 kv heads sent) + q per token shard; TP all-gathers / reduce-scatters
+    # the full b s h twice, (n-1)/n of it leaving a rank
+    assert res["blocks"]["ulysses_sp"]["predicted"]["comm_bytes_per_rank_fwd"] == \
+        32 * ((64 + 2 * 32) + 64) * 2 / 2
+    assert res["blocks"]["tp"]["predicted"]["comm_bytes_per_rank_fwd"] == 2 * 64 * 64 * 2 / 2
+
+
+def test_speedup_report(tmp_path):
+    def run_json(step: float, pred: float) -> dict:
+        return {"plan": "p", "plan_summary": "s", "step_time_s": step, "mfu": 0.5,
+                "peak_memory_gib_per_rank": [1.0, 2.0],
+                "prediction": {"step_time_s": pred, "mfu": 0.6}}
+
+    best, base = tmp_path / "b.json", tmp_path / "m.json"
+    best.write_text(json.dumps(run_json(1.0, 1.0)))
+    base.write_text(json.dumps(run_json(1.5, 2.0)))
+    out = tmp_path / "s.json"
+    r = _run("bench/speedup_report.py", "--best", str(best), "--baseline", str(base),
+             "--out", str(out), procs=1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["measured_speedup"] == 1.5 and res["predicted_speedup"] == 2.0
+    assert res["measured_over_predicted"] == 0.75 and "commit" in res
