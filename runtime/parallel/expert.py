@@ -159,20 +159,27 @@ def apply_expert_parallel(
     """Keep this rank's experts and install the dispatcher; balance statistics are summed over
     the attention group so the balance loss is the micro-batch's, whatever the sequence split."""
     n, i = mesh.size(Group.ep), mesh.index(Group.ep)
-    attn_group = mesh.groups[Group.attn]
+    sum_balance_stats_over_attention(model, mesh)
     for lid, block in model.layers.items():
         moe = block.moe
-        if moe is None:
-            continue
-        if attn_group is not None:
-            moe.router.reduce_stats = lambda t, g=attn_group: sum_replicated(t, g)
-        if n == 1:
+        if moe is None or n == 1:
             continue
         for w in ("w1", "w2", "w3"):
             shard = Shard(0, i, n)
             setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
             shards[f"layers.{lid}.moe.experts.{w}"] = shard
         moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers)
+
+
+def sum_balance_stats_over_attention(model: Transformer, mesh: Mesh) -> None:
+    """Sum the routers' balance statistics over the attention group, so the balance loss is the
+    micro-batch's whatever the sequence split."""
+    attn_group = mesh.groups[Group.attn]
+    if attn_group is None:
+        return
+    for block in model.layers.values():
+        if block.moe is not None:
+            block.moe.router.reduce_stats = lambda t, g=attn_group: sum_replicated(t, g)
 
 
 def apply_expert_tensor_parallel(
@@ -182,14 +189,10 @@ def apply_expert_tensor_parallel(
     width (column parallel), w2 ([E, h, ffn]) by its columns (row parallel). Shared experts and
     the router stay replicated and run on this rank's own tokens."""
     n, i = mesh.size(Group.etp), mesh.index(Group.etp)
-    attn_group = mesh.groups[Group.attn]
+    sum_balance_stats_over_attention(model, mesh)
     for lid, block in model.layers.items():
         moe = block.moe
-        if moe is None:
-            continue
-        if attn_group is not None:
-            moe.router.reduce_stats = lambda t, g=attn_group: sum_replicated(t, g)
-        if n == 1:
+        if moe is None or n == 1:
             continue
         for w, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
             shard = Shard(dim, i, n)
