@@ -315,26 +315,16 @@ def whatif_cmd(
     from planner.report import print_whatif, whatif_document
     from planner.whatif import parse_vary, whatif
 
-    if plot is not None:
-        from planner.plots import check_plot_path
-
-        check_plot_path(plot)
+    _check_plot(plot)
     spec_model = catalog.load_model(model)
     spec_cluster = catalog.load_cluster(cluster, gpus=gpus)
     training = _training(global_batch, seq_len, precision)
     varies = [parse_vary(v) for v in vary]
     with _progress_search(json_out, "re-planning") as progress:
         points = whatif(spec_model, spec_cluster, training, varies, progress=progress)
-    if plot is not None:
-        from planner.plots import whatif_plot
-
-        whatif_plot(points, plot, f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}")
-    if json_out:
-        typer.echo(json.dumps(whatif_document(points), indent=2))
-    else:
-        print_whatif(points, Console())
-        if plot is not None:
-            typer.echo(f"plot written to {plot}")
+    title = f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}"
+    _finish(points, json_out, plot, whatif_document, print_whatif,
+            lambda pts, path: _plots().whatif_plot(pts, path, title))
 
 
 @app.command("scale")
@@ -357,26 +347,40 @@ def scale_cmd(
     from planner.scale import scale
 
     counts = _int_list(gpus, "--gpus")
-    if plot is not None:
-        from planner.plots import check_plot_path
-
-        check_plot_path(plot)
+    _check_plot(plot)
     spec_model = catalog.load_model(model)
     spec_cluster = catalog.load_cluster(cluster)
     training = _training(global_batch, seq_len, precision)
     with _progress_search(json_out, "scaling") as progress:
         points = scale(spec_model, spec_cluster, training, counts, weak, progress=progress)
-    if plot is not None:
-        from planner.plots import scale_plot
+    kind = f"weak, {weak} seqs/replica" if weak else f"strong, global batch {global_batch}"
+    title = f"{spec_model.name} on {spec_cluster.gpu.name} ({kind})"
+    _finish(points, json_out, plot, scale_document, print_scale,
+            lambda pts, path: _plots().scale_plot(pts, path, title))
 
-        kind = f"weak, {weak} seqs/replica" if weak else f"strong, global batch {global_batch}"
-        scale_plot(points, plot, f"{spec_model.name} on {spec_cluster.gpu.name} ({kind})")
+
+def _plots():
+    import planner.plots
+
+    return planner.plots
+
+
+def _check_plot(plot: Path | None) -> None:
+    """Refuse a bad --plot path before any work."""
+    if plot is not None:
+        _plots().check_plot_path(plot)
+
+
+def _finish(points, json_out: bool, plot: Path | None, document, printer, draw) -> None:
+    """Draw the plot if asked, then print one JSON document or the table."""
+    if plot is not None:
+        draw(points, plot)
     if json_out:
-        typer.echo(json.dumps(scale_document(points), indent=2))
-    else:
-        print_scale(points, Console())
-        if plot is not None:
-            typer.echo(f"plot written to {plot}")
+        typer.echo(json.dumps(document(points), indent=2))
+        return
+    printer(points, Console())
+    if plot is not None:
+        typer.echo(f"plot written to {plot}")
 
 
 def _int_list(text: str, option: str) -> list[int]:
