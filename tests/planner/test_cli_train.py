@@ -34,3 +34,13 @@ def test_train_refuses_a_launch_that_does_not_match_the_plan(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: --nproc-per-node: 3 processes")
     assert "Traceback" not in result.stderr
+
+
+def test_json_stdout_is_pure_json_in_a_real_process():
+    """The ILP solver's native banner must not reach stdout (it writes to fd 1 from C++)."""
+    result = subprocess.run([sys.executable, "-m", "planner.cli", "search", "mixtral-8x7b", "h100",
+                             "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
+                             "--top", "2", "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["best"]["prediction"]["step_time_s"] > 0
