@@ -54,6 +54,9 @@ def plan(gpus: int, degrees: Degrees, layers: int = 2, **kw) -> Plan:
 
 PLANS = {
     "mixtral2l_1gpu": plan(1, Degrees()),
+    "mixtral2l_1gpu_recompute_selective": plan(1, Degrees(), recompute=Recompute.selective),
+    "mixtral2l_1gpu_recompute_full": plan(1, Degrees(), recompute=Recompute.full),
+    "mixtral2l_1gpu_mbs2": plan(1, Degrees(), micro_batch_size=2),
     "mixtral2l_sp2_ep2_a2a": plan(2, Degrees(sp=2, ep=2)),
     "mixtral2l_sp2_ep2_ag": plan(2, Degrees(sp=2, ep=2),
                                  ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),

@@ -43,8 +43,10 @@ def main(argv=None) -> int:
     p.add_argument("--plan", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--share-gpu", action="store_true",
+                   help="ranks share the visible GPUs over gloo (more ranks than GPUs)")
     args = p.parse_args(argv)
-    plan, rank, world, device = setup(args.plan)
+    plan, rank, world, device = setup(args.plan, args.share_gpu)
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
     options = model_options(plan)
@@ -56,14 +58,24 @@ def main(argv=None) -> int:
     del trainer
     # Every rank runs the reference on its own GPU and compares its own slices, so only a few
     # numbers cross ranks (gathering whole gradients of a full-width model takes minutes).
-    ref = build_trainer(reference_plan(plan), 0, 1, device, args.seed, data, options,
-                        zero1=False)
-    ref_loss = ref.forward_backward(0)
-    ref.sync_gradients()
-    ref_grads = {k: g for k, (g, _) in ref.local_gradients().items()}
-    per_param = {name: _rel(g, shard.take(ref_grads[name]) if shard else ref_grads[name])
-                 for name, (g, shard) in grads.items()}
-    mine = (abs(loss - ref_loss) / abs(ref_loss), per_param, set(ref_grads), loss, ref_loss)
+    # Ranks sharing a GPU take turns, so one reference model is alive at a time.
+    turns = range(world) if args.share_gpu and world > 1 else [rank]
+    for turn in turns:
+        if turn == rank:
+            ref = build_trainer(reference_plan(plan), 0, 1, device, args.seed, data, options,
+                                zero1=False)
+            ref_loss = ref.forward_backward(0)
+            ref.sync_gradients()
+            ref_grads = {k: g for k, (g, _) in ref.local_gradients().items()}
+            per_param = {name: _rel(g, shard.take(ref_grads[name]) if shard else ref_grads[name])
+                         for name, (g, shard) in grads.items()}
+            names = set(ref_grads)
+            del ref, ref_grads
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if len(turns) > 1:
+            dist.barrier()
+    mine = (abs(loss - ref_loss) / abs(ref_loss), per_param, names, loss, ref_loss)
     gathered = [mine]
     if world > 1:
         gathered = [None] * world
@@ -85,6 +97,8 @@ def main(argv=None) -> int:
             "plan": str(args.plan),
             "plan_summary": plan.summary(),
             "world": world,
+            "backend": dist.get_backend() if world > 1 else "none",
+            "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
             "precision": precision,
             "loss": gathered[0][3],
             "reference_loss": gathered[0][4],

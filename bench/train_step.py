@@ -50,28 +50,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup(plan_path: Path):
-    """(plan, rank, world, device) with the process group initialised; exits 2 on bad input."""
+def setup(plan_path: Path, share_gpu: bool = False):
+    """(plan, rank, world, device) with the process group initialised; exits 2 on bad input.
+
+    NCCL with one GPU per rank on CUDA, gloo on CPU. ``share_gpu``: ranks share the visible
+    GPUs round-robin and talk over gloo (CUDA tensors staged through host memory), which NCCL
+    refuses; for checking numerics of a layout with more ranks than GPUs, never for timing."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
     try:
         plan = load_plan(plan_path)
         check_supported(plan)
         if plan.degrees.world != world:
             raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
                             f"WORLD_SIZE={world}")
+        if cuda and not share_gpu and local_rank >= torch.cuda.device_count():
+            raise SpecError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) "
+                            f"are visible (one rank per GPU; --share-gpu to check numerics)")
     except (SpecError, UnsupportedFeature, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
+        backend = "nccl" if cuda and not share_gpu else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=10))
     return plan, rank, world, device
 

@@ -24,6 +24,9 @@ class Routing:
     """[T, k] combine weight of each slot (fp32, renormalised over the top-k)."""
     aux_loss: torch.Tensor
     """Load-balance loss of this layer (scalar)."""
+    dropless: bool = True
+    """No slot was dropped (no index is -1), so dispatch needs no device-to-host sync to
+    filter them."""
 
 
 @dataclass
@@ -73,9 +76,7 @@ def balance_loss(
     micro-batch. Balanced routing gives 1."""
     tokens, experts = probs.shape
     k = indices.shape[1]
-    valid = indices.reshape(-1)
-    valid = valid[valid >= 0]
-    counts = torch.bincount(valid, minlength=experts).to(probs.dtype)
+    counts = count_per_expert(indices, experts).to(probs.dtype)
     n = torch.tensor([float(tokens)], dtype=probs.dtype, device=probs.device)
     stats = reduce_stats(torch.cat([counts, probs.sum(0), n]))
     counts, prob_sum, total = stats[:experts], stats[experts : 2 * experts], stats[-1]
@@ -121,6 +122,7 @@ class Router(nn.Module):
             keep = capacity_mask(indices, self.experts, capacity)
             indices = torch.where(keep, indices, -1)
             weights = weights * keep
+            return Routing(indices=indices, weights=weights, aux_loss=aux, dropless=False)
         return Routing(indices=indices, weights=weights, aux_loss=aux)
 
 
@@ -169,14 +171,28 @@ class FeedForward(nn.Module):
 # ---- dispatch -------------------------------------------------------------------------------
 
 
-def sort_by_expert(indices: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat slot ids ordered by expert (stable, so token order inside an expert) and the number
-    of slots per expert; slots with index < 0 (dropped, or not ours) are left out."""
+def count_per_expert(indices: torch.Tensor, experts: int) -> torch.Tensor:
+    """Slots per expert ([experts], int64); indices < 0 are not counted. A scatter-add, not
+    torch.bincount, whose CUDA kernel reads the maximum index back to the host."""
     flat = indices.reshape(-1)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat.clamp_min(-1) + 1, torch.ones_like(flat))
+    return counts[1:]
+
+
+def sort_by_expert(
+    indices: torch.Tensor, experts: int, dropless: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slot ids ordered by expert (stable, so token order inside an expert) and the number
+    of slots per expert; slots with index < 0 (dropped, or not ours) are left out. With
+    ``dropless`` (no index is < 0) nothing is filtered and nothing waits on the host."""
+    flat = indices.reshape(-1)
+    counts = count_per_expert(flat, experts)
+    if dropless:
+        return torch.argsort(flat, stable=True), counts
     slots = torch.nonzero(flat >= 0).squeeze(1)
-    chosen = flat[slots]
-    order = torch.argsort(chosen, stable=True)
-    return slots[order], torch.bincount(chosen, minlength=experts)
+    order = torch.argsort(flat[slots], stable=True)
+    return slots[order], counts
 
 
 def weighted_scatter(
@@ -198,7 +214,8 @@ class LocalDispatcher:
         self, tokens: torch.Tensor, routing: Routing
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         k = routing.indices.shape[1]
-        slots, counts = sort_by_expert(routing.indices, self.num_local_experts)
+        slots, counts = sort_by_expert(routing.indices, self.num_local_experts,
+                                       routing.dropless)
         rows = tokens[torch.div(slots, k, rounding_mode="floor")]
         handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {})
         return rows, counts, handle

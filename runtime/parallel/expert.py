@@ -62,17 +62,18 @@ class AllToAllDispatcher(_Timed):
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         n, el = self.size, self.num_local_experts
         k = routing.indices.shape[1]
-        slots, counts = sort_by_expert(routing.indices, self.num_experts)
+        slots, counts = sort_by_expert(routing.indices, self.num_experts, routing.dropless)
         rows = tokens[torch.div(slots, k, rounding_mode="floor")]
         send_counts = counts.view(n, el)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        in_splits = send_counts.sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
+        # the one device-to-host sync of the dispatch: all-to-all(v) needs its splits on the host
+        in_splits, out_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         received = all_to_all(rows, out_splits, in_splits, self.group)
         # chunk c = src * el + e; expert-major order is key e * n + src
         chunk = torch.repeat_interleave(
-            torch.arange(n * el, device=rows.device), recv_counts.reshape(-1)
+            torch.arange(n * el, device=rows.device), recv_counts.reshape(-1),
+            output_size=sum(out_splits),
         )
         order = torch.argsort((chunk % el) * n + torch.div(chunk, el, rounding_mode="floor"),
                               stable=True)

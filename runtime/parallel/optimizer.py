@@ -47,6 +47,10 @@ class OptimizerConfig:
 
 
 def _adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimizerConfig):
+    # one fused kernel per tensor list on CUDA (a single pass over master, grad, m and v, no
+    # temporaries); the default foreach path elsewhere
+    tensors = [*decay, *no_decay]
+    fused = bool(tensors) and all(t.is_cuda for t in tensors)
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": cfg.weight_decay},
@@ -55,11 +59,12 @@ def _adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: Optimiz
         lr=cfg.lr,
         betas=cfg.betas,
         eps=cfg.eps,
+        fused=fused or None,
     )
     # states exist from the start so a checkpoint can be loaded into them in place
     for p in [*decay, *no_decay]:
         opt.state[p] = {
-            "step": torch.tensor(0.0),
+            "step": torch.tensor(0.0, device=p.device if fused else None),
             "exp_avg": torch.zeros_like(p),
             "exp_avg_sq": torch.zeros_like(p),
         }
@@ -185,7 +190,8 @@ class ReplicatedAdamW:
 class _Bucket:
     names: list[str]
     params: list[nn.Parameter]
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
+    """None for a bucket on one rank."""
     size: int
     index: int
     param_buffer: torch.Tensor
@@ -202,8 +208,11 @@ class _Bucket:
 
 
 class ZeroAdamW:
-    """Buckets replicated over exactly one group of more than one rank are sharded; the rest
-    (tied embeddings summed over two groups, parameters on one rank) stay replicated."""
+    """Parameters are bucketed by (replication group, weight decay). A bucket replicated over
+    exactly one group of more than one rank is sharded over it; a bucket on one rank only
+    (experts with edp = 1, everything at dp = sp = 1) is a shard of size one, so AdamW still
+    runs on one flat tensor and no collective is issued. Tied embeddings summed over two groups
+    stay replicated."""
 
     def __init__(
         self,
@@ -224,11 +233,11 @@ class ZeroAdamW:
         rest: dict[str, nn.Parameter] = {}
         for (groups, decay), names in grouped.items():
             live = [g for g in groups if mesh.groups.get(g) is not None]
-            if len(live) != 1:
+            if len(live) > 1:
                 rest.update({n: params[n] for n in names})
                 continue
-            g = live[0]
-            size, index = mesh.size(g), mesh.index(g)
+            group = mesh.groups[live[0]] if live else None
+            size, index = (mesh.size(live[0]), mesh.index(live[0])) if live else (1, 0)
             ps = [params[n] for n in names]
             offsets, total = buffer_layout(ps)
             per_rank = -(-total // size)
@@ -242,9 +251,10 @@ class ZeroAdamW:
             grad_buffer = torch.zeros(per_rank * size, dtype=dtype, device=device)
             attach_main_grads(ps, grad_buffer, offsets)
             mine = param_buffer[index * per_rank : (index + 1) * per_rank]
-            shard = mine.to(torch.float32, copy=True)
-            bucket = _Bucket(names, ps, mesh.groups[g], size, index, param_buffer,
-                             grad_buffer, shard)
+            # fp32 parameters on one rank are their own masters
+            shard = (mine if group is None and param_dtype == torch.float32
+                     else mine.to(torch.float32, copy=True))
+            bucket = _Bucket(names, ps, group, size, index, param_buffer, grad_buffer, shard)
             self.buckets.append((bucket, decay))
         self.params = params
         self.rest = _Replicated(rest, mesh, replication, precision, dtype)
@@ -267,9 +277,13 @@ class ZeroAdamW:
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
-        """Reduce-scatter each sharded bucket's main gradients into its fp32 shard gradient."""
+        """Reduce-scatter each sharded bucket's main gradients into its fp32 shard gradient
+        (a bucket on one rank: its main gradients, as fp32)."""
         for b, _ in self.buckets:
-            b.shard_grad = reduce_scatter_sum(b.grad_buffer, b.group, self.precision)
+            if b.group is None:
+                b.shard_grad = b.grad_buffer.float()
+            else:
+                b.shard_grad = reduce_scatter_sum(b.grad_buffer, b.group, self.precision)
         self.rest.sync()
 
     @torch.no_grad()
@@ -281,6 +295,10 @@ class ZeroAdamW:
         self.rest.write_back()
         for b, _ in self.buckets:
             b.shard.grad = None
+            if b.group is None:
+                if b.shard.data_ptr() != b.param_buffer.data_ptr():
+                    b.param_buffer.copy_(b.shard)
+                continue
             # parameter all-gather in the parameter dtype (bf16 on CUDA), into the views
             dist.all_gather_into_tensor(
                 b.param_buffer, b.shard.to(b.param_buffer.dtype), group=b.group

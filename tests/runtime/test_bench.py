@@ -48,3 +48,15 @@ def test_parity_script_passes_in_fp32(tmp_path):
     res = json.loads(out.read_text())
     assert res["pass"] and res["precision"] == "fp32"
     assert res["loss_rel_err"] < 1e-5 and res["grad_max_rel_err"] < 1e-4
+
+
+def test_parity_script_ranks_taking_turns_on_a_shared_device(tmp_path):
+    # --share-gpu: both ranks on one device over gloo, references run one rank at a time
+    plan = tmp_path / "p.json"
+    plan.write_text(make_plan(sp=2, ep=2).model_dump_json())
+    out = tmp_path / "r.json"
+    r = _torchrun("parity_gpu.py", "--plan", str(plan), "--out", str(out), "--share-gpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["pass"] and res["backend"] == "gloo" and res["world"] == 2
+    assert res["loss_rel_err"] < 1e-5 and res["grad_max_rel_err"] < 1e-4
