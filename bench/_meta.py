@@ -13,13 +13,16 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def metadata() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        # a tree copied without .git (e.g. `git archive` sent to a GPU machine) names its
-        # commit in MOEPLAN_COMMIT
-        commit = os.environ.get("MOEPLAN_COMMIT", "unknown")
+    # a tree sent to a GPU machine (`git archive`) names its commit in MOEPLAN_COMMIT; the
+    # git repository around it, if any, is not the one it came from
+    commit = os.environ.get("MOEPLAN_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                check=True, cwd=Path(__file__).parent).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     try:
         import torch
 

@@ -2,7 +2,8 @@
 # One device call on one H200: bench/train_step.py for the 1-GPU plans (bench/gpu_plans/
 # mixtral2l_1gpu*.json, or those named in TRAIN), then the bf16 parity check of 2-rank layouts
 # with both ranks on the one GPU over gloo (--share-gpu: the layouts' numerics on the GPU
-# kernels; NCCL on two GPUs is bench/gpu_campaign2.sh's), for the plans named in PARITY.
+# kernels; NCCL on two GPUs is bench/gpu_campaign2.sh's), for the plans named in PARITY;
+# bench/profile_step.py for the 1-GPU plans named in PROFILE (none by default).
 # Results go to bench/results/h200 and are re-packed into $OUT/results.tgz after every run, so
 # a timeout loses nothing. A whole-run budget (BUDGET s, default 540) caps each run's timeout.
 set -uo pipefail
@@ -29,6 +30,10 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 for name in $TRAIN; do
   step "train_step_$name" 150 python3 bench/train_step.py --plan "bench/gpu_plans/$name.json" \
     --steps "${STEPS:-5}" --warmup 2 --out "$RES/train_step_$name.json"
+done
+for name in ${PROFILE:-}; do
+  step "profile_$name" 120 python3 bench/profile_step.py --plan "bench/gpu_plans/$name.json" \
+    --out "$RES/profile_$name.json"
 done
 for name in $PARITY; do
   step "parity_shared_$name" 200 torchrun --standalone --nproc-per-node 2 bench/parity_gpu.py \

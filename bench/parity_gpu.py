@@ -16,6 +16,7 @@ every layer of the step). Exit status 1 when the check fails.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -32,6 +33,14 @@ from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.trainer import build_trainer, model_options, reference_plan  # noqa: E402
 
 TOLERANCE = {"fp32": {"loss": 1e-5, "grad": 1e-4}, "bf16": {"loss": 2e-2, "grad": 1e-1}}
+
+
+def _release(device: torch.device) -> None:
+    """Return a dropped trainer's memory (autograd hooks keep reference cycles) to the device,
+    so ranks sharing a GPU have room for the reference in turn."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,6 +65,7 @@ def main(argv=None) -> int:
     trainer.sync_gradients()
     grads = {k: (g.detach().clone(), s) for k, (g, s) in trainer.local_gradients().items()}
     del trainer
+    _release(device)
     # Every rank runs the reference on its own GPU and compares its own slices, so only a few
     # numbers cross ranks (gathering whole gradients of a full-width model takes minutes).
     # Ranks sharing a GPU take turns, so one reference model is alive at a time.
@@ -71,8 +81,7 @@ def main(argv=None) -> int:
                          for name, (g, shard) in grads.items()}
             names = set(ref_grads)
             del ref, ref_grads
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _release(device)
         if len(turns) > 1:
             dist.barrier()
     mine = (abs(loss - ref_loss) / abs(ref_loss), per_param, names, loss, ref_loss)

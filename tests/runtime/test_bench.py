@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dist_workers import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,3 +61,18 @@ def test_parity_script_ranks_taking_turns_on_a_shared_device(tmp_path):
     res = json.loads(out.read_text())
     assert res["pass"] and res["backend"] == "gloo" and res["world"] == 2
     assert res["loss_rel_err"] < 1e-5 and res["grad_max_rel_err"] < 1e-4
+
+
+def test_profile_step_splits_the_step_into_kernel_classes(tmp_path):
+    plan = tmp_path / "p.json"
+    plan.write_text(make_plan().model_dump_json())
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--plan",
+                        str(plan), "--out", str(out), "--steps", "1", "--warmup", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert 0 < res["device_busy_s"] and res["step_wall_s"] > 0
+    assert sum(res["class_s"].values()) == pytest.approx(res["device_busy_s"])
+    assert res["slowest"] and {"name", "class", "calls_per_step", "s_per_step"} <= set(
+        res["slowest"][0])
