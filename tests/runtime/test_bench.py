@@ -76,3 +76,18 @@ def test_profile_step_splits_the_step_into_kernel_classes(tmp_path):
     assert sum(res["class_s"].values()) == pytest.approx(res["device_busy_s"])
     assert res["slowest"] and {"name", "class", "calls_per_step", "s_per_step"} <= set(
         res["slowest"][0])
+
+
+def test_parity_script_bf16_criterion_is_relative_to_bf16_itself(tmp_path):
+    # the GPU check, on CPU: bf16 layout and reference, both against an fp32 reference
+    plan = tmp_path / "p.json"
+    plan.write_text(make_plan(sp=2, ep=2).model_dump_json())
+    out = tmp_path / "r.json"
+    r = _torchrun("parity_gpu.py", "--plan", str(plan), "--out", str(out), "--bf16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["precision"] == "bf16" and res["pass"] and not res["failed"]
+    assert 0 < res["grad_max_bf16_reference_vs_fp32"] < 0.1
+    assert res["grad_max_layout_vs_fp32"] <= 2 * res["grad_max_bf16_reference_vs_fp32"] + 1e-3
+    for entry in res["closest_to_limit"].values():
+        assert entry["share_of_limit"] <= 1.0
