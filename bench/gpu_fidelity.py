@@ -5,7 +5,8 @@
 
 Reads each `train_step_<plan>.json` (bench/train_step.py) or `train_<plan>.jsonl` (the
 runtime's per-step log, steps after the first `--skip` averaged), evaluates `<plan>.json`
-with the cost model, and writes the step-time and peak-memory errors per plan to
+with the cost model as the runtime executed it (runtime.deviations: no overlap, gradient sync
+after the backward, bf16 GEMMs), and writes the step-time and peak-memory errors per plan to
 bench/results/<name>.json. The cost model never imports
 torch, so this runs anywhere.
 """
@@ -24,6 +25,7 @@ from _meta import write  # noqa: E402
 
 import cost_models  # noqa: E402
 from plans import catalog  # noqa: E402
+from runtime.deviations import deviations, executed_plan  # noqa: E402 (no torch)
 
 GIB = 2**30
 
@@ -54,10 +56,12 @@ def compare(run: Path, plan_path: Path, skip: int) -> dict:
     m = measured(run, skip)
     measured_s, measured_gib = m["step_s"], m["peak_gib"]
     plan = catalog.load_plan(plan_path)
-    e = cost_models.evaluate(plan)
+    # the prediction for what ran: the runtime's deviations from the plan applied
+    e = cost_models.evaluate(executed_plan(plan))
     return {
         "plan": plan_path.stem,
         "layout": plan.summary(),
+        "evaluated_as_executed": [f"{d.field}={d.executed}" for d in deviations(plan)],
         "gpus": plan.cluster.gpus,
         "measured_step_s": measured_s,
         "predicted_step_s": e.step_time_s,

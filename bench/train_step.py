@@ -30,6 +30,7 @@ from _meta import metadata  # noqa: E402
 from plans import SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
+from runtime.deviations import deviations  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.data_parallel import UnsupportedFeature  # noqa: E402
 from runtime.parallel.parallelize import check_supported  # noqa: E402
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
             "components_s": {k: sum(c.get(k, 0.0) for c, _ in per_rank) / world for k in keys},
             "components_s_per_rank": [c for c, _ in per_rank],
             "prediction": plan.prediction.model_dump() if plan.prediction else None,
+            "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
+                           for d in deviations(plan)],
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

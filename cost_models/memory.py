@@ -18,11 +18,12 @@ from plans.specs import ModelSpec, Optimizer, Precision
 GIB = 2**30
 WEIGHT_BYTES = Precision.bf16.bytes
 """Model weights are held in bf16."""
-OPTIMIZER_STEP_WORKSPACE_BYTES = 8
+OPTIMIZER_STEP_WORKSPACE_BYTES = 4
 """Per parameter of the local ZeRO-1 shard, alive only during the optimizer step: the fp32
-gradient slice the reduce-scatter lands in (4 B) and the fused AdamW's fp32 temporaries
-(about 4 B). Measured on H200 (bench/results/gpu_fidelity_h200.json): without it the
-predicted peak of a 2-GPU sp2 x ep2 Mixtral run fell 30% short."""
+gradient slice the reduce-scatter (or, on one rank, the bf16-to-fp32 cast) lands in; the fused
+AdamW needs no temporaries. Measured on H200 (bench/results/gpu_fidelity_h200.json): 1-GPU
+Mixtral-2L peak 59.0 GiB, 11.8 GiB of it this workspace; without it the predictions of 2-GPU
+runs fall up to 30% short."""
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from plans import Plan, Precision, SpecError
+from plans import Plan, SpecError
 from plans.catalog import load_plan
 from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
+from runtime.deviations import deviations
 from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.mesh import WorldSizeMismatch
 from runtime.parallel.optimizer import OptimizerConfig
@@ -156,9 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=args.timeout_s))
         signal.signal(signal.SIGTERM, _on_sigterm(rank, _Progress))
-    if rank == 0 and plan.training.precision == Precision.fp8:
-        print("note: training.precision fp8: this runtime runs the GEMMs in bf16 "
-              "(fp8 applies to the gradient sync only)", file=sys.stderr, flush=True)
+    if rank == 0:
+        for d in deviations(plan):
+            print(d.note(), file=sys.stderr, flush=True)
     try:
         return _train(args, plan, data, rank, world, device, owns_group)
     except (dist.DistError, RuntimeError) as e:
