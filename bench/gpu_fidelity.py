@@ -52,10 +52,13 @@ def measured(path: Path, skip: int) -> dict:
             "steps": len(steady), "commit": None}
 
 
-def compare(run: Path, plan_path: Path, skip: int) -> dict:
+def compare(run: Path, plan_path: Path, skip: int, cluster=None) -> dict:
     m = measured(run, skip)
     measured_s, measured_gib = m["step_s"], m["peak_gib"]
     plan = catalog.load_plan(plan_path)
+    if cluster is not None:  # the same job on a calibrated spec of the same machines
+        plan = plan.model_copy(update={"cluster": catalog.resize(cluster, plan.cluster.gpus,
+                                                                 "--cluster")})
     # the prediction for what ran: the runtime's deviations from the plan applied
     e = cost_models.evaluate(executed_plan(plan))
     return {
@@ -87,29 +90,44 @@ def main() -> None:
     ap.add_argument("--plans", type=Path, default=Path("bench/gpu_plans"))
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     ap.add_argument("--name", default="gpu_fidelity_h200")
+    ap.add_argument("--cluster", help="price every plan on this cluster (name or YAML, e.g. a "
+                                      "bench/calibrate_runtime.py output) instead of its own")
+    ap.add_argument("--calibrated-on", nargs="*", default=[],
+                    help="plans whose runs set the cluster's factors (left out of the held-out "
+                         "error)")
     args = ap.parse_args()
+    cluster = catalog.load_cluster(args.cluster) if args.cluster else None
     rows = []
     for run in sorted([*args.runs.glob("train_step_*.json"), *args.runs.glob("train_*.jsonl")]):
         name = run.stem.removeprefix("train_step_").removeprefix("train_")
         plan = args.plans / f"{name}.json"
         if plan.exists():
-            rows.append(compare(run, plan, args.skip))
+            row = compare(run, plan, args.skip, cluster)
+            row["used_for_calibration"] = name in args.calibrated_on
+            rows.append(row)
     if not rows:
         sys.exit(f"no train_*.jsonl logs with matching plans under {args.runs}")
+    held_out = [r for r in rows if not r["used_for_calibration"]] or rows
     path = write(args.name, {
         "benchmark": "measured GPU training steps vs cost-model predictions",
+        "cluster": args.cluster or "each plan's own",
+        "calibrated_on": args.calibrated_on,
         "rows": rows,
-        "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in rows),
+        "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in held_out),
+        "max_abs_step_error": max(abs(r["step_error"]) for r in held_out),
         "worst_memory_underprediction": min(r["memory_error"] for r in rows),
     })
-    print(f"{'plan':26s} {'meas ms':>8s} {'pred ms':>8s} {'err':>6s} {'meas GiB':>9s} "
+    print(f"{'plan':34s} {'meas ms':>8s} {'pred ms':>8s} {'err':>6s} {'meas GiB':>9s} "
           f"{'pred GiB':>9s} {'err':>6s}")
     for r in rows:
         ms = (r["measured_step_s"] * 1e3, r["predicted_step_s"] * 1e3)
-        print(f"{r['plan']:26s} {ms[0]:8.1f} {ms[1]:8.1f} {r['step_error']:+6.0%} "
+        mark = " (calibration)" if r["used_for_calibration"] else ""
+        print(f"{r['plan'] + mark:34s} {ms[0]:8.1f} {ms[1]:8.1f} {r['step_error']:+6.0%} "
               f"{r['measured_peak_gib']:9.1f} {r['predicted_peak_gib']:9.1f} "
               f"{r['memory_error']:+6.0%}")
-    print(f"wrote {path}")
+    errors = [abs(r["step_error"]) for r in held_out]
+    print(f"held-out step-time error: median {statistics.median(errors):.1%}, "
+          f"max {max(errors):.1%}; wrote {path}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from runtime.trainer import build_trainer  # noqa: E402
 KERNEL_CLASSES = (
     # first match wins; patterns over CUDA kernel names (cuBLAS / CUTLASS / flash / ATen)
     ("communication", r"nccl|all_to_all|allgather|reducescatter"),
-    ("grouped_gemm", r"grouped|_grouped_mm|GroupedGemm|group_gemm"),
+    ("grouped_gemm", r"grouped|GroupProblemShape|group_gemm"),
     ("attention", r"flash|fmha|attention|sdpa|cudnn_generated"),
     ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|ampere_|matmul|wgmma|cublas"),
     ("copy", r"memcpy|memset|copy|cat|CatArrayBatched|fill"),

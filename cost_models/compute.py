@@ -36,6 +36,12 @@ def memory_s(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.hbm)
 
 
+def elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:
+    """A layer's memory-bound operator, ``nbytes`` its fused-kernel traffic, at
+    ``efficiency.elementwise`` of peak HBM bandwidth."""
+    return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.elementwise)
+
+
 def tile_efficiency(m: float, n: float, sms: int, groups: int = 1) -> float:
     """Useful share of the launched 128x128 output tiles, times the share of the last wave of
     tiles over ``sms`` that is filled (tile and wave quantisation)."""

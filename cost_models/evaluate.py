@@ -9,7 +9,7 @@ from itertools import accumulate
 from types import MappingProxyType
 
 from cost_models import pipeline as pl
-from cost_models.compute import memory_s
+from cost_models.compute import FP32_BYTES, memory_s
 from cost_models.grad_sync import exposed_grad_sync_s, stage_grad_syncs
 from cost_models.layer import LayerTiming, layer_key, layer_timing_for
 from cost_models.memory import (
@@ -19,7 +19,7 @@ from cost_models.memory import (
     grad_bytes_per_param,
     memory_breakdown,
 )
-from cost_models.params import chunk_dense_layers, stage_params_of
+from cost_models.params import chunk_dense_layers, part_params, stage_params_of
 from plans.plan import Plan, Prediction
 
 
@@ -48,11 +48,12 @@ class Evaluation:
     breakdown_s: Mapping[str, float]
     """Adds up to step_time_s. On the busiest pipeline stage, over all micro-batches:
     ``compute`` (layer operators, embedding, LM head and loss), ``recompute`` (reruns in
-    backward and their exposed communication), ``exposed_comm.<kind>`` (layer communication no
-    compute hid, one key per CommKind that occurs); then ``pipeline_bubble`` (that stage's idle
-    fill and drain), ``pp_p2p`` (exposed stage-to-stage transfers), ``grad_sync`` (exposed DP
-    gradient reduce-scatter + parameter all-gather, worst stage) and ``optimizer`` (the
-    memory-bound ZeRO-1 update of the local shard, worst stage)."""
+    backward and their exposed communication), ``grad_accumulation`` (adding each micro-batch's
+    weight gradients into the main-gradient buffers), ``exposed_comm.<kind>`` (layer
+    communication no compute hid, one key per CommKind that occurs); then ``pipeline_bubble``
+    (that stage's idle fill and drain), ``pp_p2p`` (exposed stage-to-stage transfers),
+    ``grad_sync`` (exposed DP gradient reduce-scatter + parameter all-gather, worst stage) and
+    ``optimizer`` (the memory-bound ZeRO-1 update of the local shard, worst stage)."""
     memory: MemoryBreakdown
     layer: LayerTiming
     """One MoE layer, one micro-batch."""
@@ -84,11 +85,27 @@ def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
             pl.head_cost(plan.model, plan.cluster, tokens, d.tp))
 
 
+def _accumulate_s(params: float, plan: Plan) -> float:
+    """Adding one micro-batch's gradients of ``params`` weights into the main-gradient buffers
+    without gradient-accumulation fusion: read the bf16 gradient, read and write the main
+    gradient (on the compute stream). Fused into the weight-gradient GEMMs it costs nothing."""
+    if plan.grad_accumulation_fusion:
+        return 0.0
+    per_param = WEIGHT_BYTES + 2 * grad_bytes_per_param(plan.grad_sync_precision)
+    return memory_s(params * per_param, plan.cluster)
+
+
 def stage_costs(plan: Plan) -> StageCosts:
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
-    return StageCosts(moe.total_s, dense.total_s, emb.total_s, head.total_s,
-                      pl.p2p_transfer_s(plan))
+    parts = part_params(plan.model, plan.degrees)
+    return StageCosts(
+        moe.total_s + _accumulate_s(parts.moe_layer.total, plan),
+        dense.total_s + _accumulate_s(parts.dense_layer.total, plan),
+        emb.total_s + _accumulate_s(parts.embedding.total, plan),
+        head.total_s + _accumulate_s(parts.head.total, plan),
+        pl.p2p_transfer_s(plan),
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -116,6 +133,8 @@ def evaluate(plan: Plan) -> Evaluation:
     bwd[0] += emb.bwd_s
     fwd[last] += head.fwd_s
     bwd[last] += head.bwd_s
+    accumulate_s = [_accumulate_s(p.total, plan) for p in stage_params_of(plan)]
+    bwd = [b + a for b, a in zip(bwd, accumulate_s, strict=True)]
     stage_s = [f + b for f, b in zip(fwd, bwd, strict=True)]
     busiest = max(range(d.pp), key=stage_s.__getitem__)
     m = plan.num_micro_batches
@@ -125,6 +144,7 @@ def evaluate(plan: Plan) -> Evaluation:
     breakdown: dict[str, float] = {
         "compute": m * (n_moe * moe.compute_s + n_dense * dense.compute_s + edge),
         "recompute": m * (n_moe * moe.recompute_s + n_dense * dense.recompute_s),
+        "grad_accumulation": m * accumulate_s[busiest],
     }
     for kind in sorted({*moe.exposed_comm_s, *dense.exposed_comm_s}):
         breakdown[f"exposed_comm.{kind}"] = m * (
@@ -139,11 +159,15 @@ def evaluate(plan: Plan) -> Evaluation:
     bwd_window, fwd_window = list(accumulate(bwd)), list(accumulate(fwd))
     sync = max(exposed_grad_sync_s(gs, bwd_window[i], fwd_window[i], plan.grad_sync_overlap,
                                    eff.overlap) for i, gs in syncs)
-    # Adam on the local ZeRO-1 shard: read and write states, read grads, write bf16 weights.
+    # AdamW on the local ZeRO-1 shard: cast the synchronised gradient slice to fp32 (unless it
+    # is fp32), read it, read and write master weights and states, read the masters and write
+    # the bf16 weights.
     dense_ranks, edp = d.dp * d.cp * d.sp, d.edp
     shard = max(p.dense / dense_ranks + p.expert / edp for p in stage_params_of(plan))
-    per_param = (2 * plan.training.optimizer.state_bytes_per_param
-                 + grad_bytes_per_param(plan.grad_sync_precision) + WEIGHT_BYTES)
+    grad_bytes = grad_bytes_per_param(plan.grad_sync_precision)
+    cast = grad_bytes + FP32_BYTES if grad_bytes != FP32_BYTES else 0
+    per_param = (cast + FP32_BYTES + 2 * plan.training.optimizer.state_bytes_per_param
+                 + FP32_BYTES + WEIGHT_BYTES)
     opt = memory_s(shard * per_param, c)
     breakdown["grad_sync"] = sync
     breakdown["optimizer"] = opt

@@ -129,8 +129,8 @@ class _Builder:
     def memory(self, name: str, fwd_bytes: float, bwd_bytes: float, *after: str | None,
                selective: bool = False) -> str:
         c = self.key.cluster
-        op = Op(name, OpKind.memory, cc.memory_s(fwd_bytes, c), (cc.memory_s(bwd_bytes, c),),
-                selective=selective)
+        op = Op(name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
+                (cc.elementwise_s(bwd_bytes, c),), selective=selective)
         return self.add(op, *after)
 
     def attention(self, name: str, flops: float, *after: str | None) -> str:

@@ -35,26 +35,46 @@ def chunk_dense_layers(stage_layers: tuple[int, ...], dense_layers: int) -> tupl
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class PartParams:
+    """Parameters on one GPU per model part: (dense-group, expert-group) pairs."""
+
+    moe_layer: StageParams
+    dense_layer: StageParams
+    embedding: StageParams
+    head: StageParams
+    """Final norm and LM head (a tied embedding's copy counts only with pp > 1)."""
+
+
+def part_params(model: ModelSpec, degrees: Degrees) -> PartParams:
+    d, m = degrees, model
+    attention = m.attention_params / d.tp + 2 * m.hidden
+    moe_dense = attention + m.router_params + m.shared_expert_params / d.etp
+    experts = m.experts // d.ep * m.expert_params / d.etp
+    vocab = m.vocab * m.hidden / d.tp
+    return PartParams(
+        moe_layer=StageParams(moe_dense, experts),
+        dense_layer=StageParams(attention + m.dense_ffn_params / d.tp, 0.0),
+        embedding=StageParams(vocab, 0.0),
+        head=StageParams(m.hidden + (vocab if d.pp > 1 or not m.tied_embeddings else 0), 0.0),
+    )
+
+
 @lru_cache(maxsize=4096)
 def stage_params(model: ModelSpec, degrees: Degrees, stage_layers: tuple[int, ...]) -> tuple[
         StageParams, ...]:
     """Per physical stage; chunk c of an interleaved schedule lives on stage c mod pp."""
-    d, m = degrees, model
-    attention = m.attention_params / d.tp + 2 * m.hidden
-    moe_dense = attention + m.router_params + m.shared_expert_params / d.etp
-    dense_layer = attention + m.dense_ffn_params / d.tp
-    experts = m.experts // d.ep * m.expert_params / d.etp
-    vocab = m.vocab * m.hidden / d.tp
-    dense = [0.0] * d.pp
-    expert = [0.0] * d.pp
+    parts = part_params(model, degrees)
+    dense = [0.0] * degrees.pp
+    expert = [0.0] * degrees.pp
     for c, (n, n_dense) in enumerate(
-        zip(stage_layers, chunk_dense_layers(stage_layers, m.dense_layers), strict=True)
+        zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
     ):
-        dense[c % d.pp] += n_dense * dense_layer + (n - n_dense) * moe_dense
-        expert[c % d.pp] += (n - n_dense) * experts
-    dense[0] += vocab
-    # The last stage holds the LM head (a copy of a tied embedding when pp > 1) and final norm.
-    dense[-1] += m.hidden + (vocab if d.pp > 1 or not m.tied_embeddings else 0)
+        i = c % degrees.pp
+        dense[i] += n_dense * parts.dense_layer.dense + (n - n_dense) * parts.moe_layer.dense
+        expert[i] += (n - n_dense) * parts.moe_layer.expert
+    dense[0] += parts.embedding.dense
+    dense[-1] += parts.head.dense
     return tuple(StageParams(a, b) for a, b in zip(dense, expert, strict=True))
 
 

@@ -102,6 +102,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args += ["--fp8-format", "hybrid"]
     if plan.grad_sync_overlap:
         args += ["--overlap-grad-reduce", "--overlap-param-gather"]
+    if not plan.grad_accumulation_fusion:
+        args.append("--no-gradient-accumulation-fusion")
     if plan.grad_sync_precision == Precision.bf16:
         args.append("--grad-reduce-in-bf16")
     elif plan.grad_sync_precision == Precision.fp8:

@@ -205,6 +205,10 @@ class Plan(Frozen):
     """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
     grad_sync_overlap: bool = True
     """Overlap the data-parallel gradient sync with the backward pass (bucketed)."""
+    grad_accumulation_fusion: bool = True
+    """Weight-gradient GEMMs add into the main gradients in their epilogue (Megatron-LM's
+    gradient-accumulation fusion); false: each micro-batch's gradients are added by a separate
+    memory-bound pass."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")

@@ -238,7 +238,12 @@ class Efficiency(Frozen):
     attention: Fraction = 0.60
     """FlashAttention throughput / peak."""
     hbm: Fraction = 0.85
-    """Achieved HBM bandwidth / peak for memory-bound kernels."""
+    """Achieved HBM bandwidth / peak for memory-bound kernels streaming large buffers
+    (optimizer step, gradient accumulation, casts, copies)."""
+    elementwise: Fraction = 0.85
+    """Achieved HBM bandwidth / peak of a layer's memory-bound operators (norms, SwiGLU,
+    routing, permutations, residual adds), counted at their fused-kernel bytes: an unfused
+    implementation makes extra passes over the activations and lands well below ``hbm``."""
     nvlink: Fraction = 0.80
     """Achieved NVLink bus bandwidth / peak for ring collectives."""
     nvlink_all_to_all: Fraction = 0.65

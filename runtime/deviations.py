@@ -33,6 +33,10 @@ def deviations(plan: Plan) -> list[Deviation]:
     if plan.grad_sync_overlap:
         out.append(Deviation("grad_sync_overlap", "true", "false",
                              "gradients are synchronised after the last backward"))
+    if plan.grad_accumulation_fusion:
+        out.append(Deviation("grad_accumulation_fusion", "true", "false",
+                             "each micro-batch's gradients are added to the main gradients in "
+                             "a separate pass"))
     if plan.training.precision == Precision.fp8:
         out.append(Deviation("training.precision", "fp8", "bf16",
                              "GEMMs run in bf16; fp8 applies to the gradient sync only"))
@@ -46,4 +50,5 @@ def executed_plan(plan: Plan) -> Plan:
     if plan.training.precision == Precision.fp8:
         training = training.model_copy(update={"precision": Precision.bf16})
     return plan.model_copy(update={"overlap": Overlap.none, "grad_sync_overlap": False,
-                                   "training": training, "prediction": None})
+                                   "grad_accumulation_fusion": False, "training": training,
+                                   "prediction": None})

@@ -42,6 +42,7 @@ MEGATRON_FLAGS = {
     "--recompute-method": True, "--recompute-num-layers": True, "--bf16": False,
     "--use-distributed-optimizer": False, "--fp8-format": True, "--overlap-grad-reduce": False,
     "--overlap-param-gather": False, "--grad-reduce-in-bf16": False,
+    "--no-gradient-accumulation-fusion": False,
 }
 CHOICES = {
     "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
@@ -168,6 +169,9 @@ def test_megatron_uneven_and_precision():
     parsed = parse_megatron(megatron_args(PLANS["megatron"])[0])
     assert "--grad-reduce-in-bf16" not in parsed and parsed["--recompute-granularity"] == "full"
     assert parsed["--sequence-parallel"] is True
+    assert "--no-gradient-accumulation-fusion" not in parsed  # Megatron fuses by default
+    unfused = PLANS["megatron"].model_copy(update={"grad_accumulation_fusion": False})
+    assert parse_megatron(megatron_args(unfused)[0])["--no-gradient-accumulation-fusion"] is True
 
 
 def test_torchrun_single_and_multi_node():

@@ -15,13 +15,15 @@ from runtime.deviations import deviations, executed_plan
 def test_a_searched_plan_lists_each_field_the_runtime_runs_differently():
     plan = make_plan(grad_sync_precision=Precision.fp8)  # overlap and sync overlap on
     found = {d.field: d for d in deviations(plan)}
-    assert set(found) == {"overlap", "grad_sync_overlap", "training.precision"}
+    assert set(found) == {"overlap", "grad_sync_overlap", "grad_accumulation_fusion",
+                          "training.precision"}
     assert found["overlap"].planned == "inter_intra_op" and found["overlap"].executed == "none"
     assert all(d.note().startswith(f"note: {d.field}: planned ") for d in found.values())
 
 
 def test_a_plan_written_for_this_runtime_has_no_deviation():
-    plan = make_plan().model_copy(update={"overlap": Overlap.none, "grad_sync_overlap": False})
+    plan = make_plan().model_copy(update={"overlap": Overlap.none, "grad_sync_overlap": False,
+                                          "grad_accumulation_fusion": False})
     assert deviations(plan) == []
     assert executed_plan(plan).model_dump(exclude={"prediction"}) == plan.model_dump(
         exclude={"prediction"})
