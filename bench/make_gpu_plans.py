@@ -76,6 +76,8 @@ PLANS = {
 NODE_SIZES = (8, 2)
 SEARCH_LAYERS = 2
 SEARCH_TRAINING = TrainingSpec(global_batch=16, seq_len=8192)
+SEARCH_CLUSTER = "h200-runtime"
+"""H200 with the efficiency factors fitted to this runtime (bench/calibrate_runtime.py)."""
 
 
 def node_plans(n: int) -> dict[str, Plan]:
@@ -87,30 +89,43 @@ def node_plans(n: int) -> dict[str, Plan]:
     }
 
 
+def _as_run(p: Plan) -> Plan:
+    """The plan with the fields this runtime executes differently set as it runs them (no
+    gradient-sync overlap, no gradient-accumulation fusion), re-priced."""
+    import cost_models
+
+    ran = Plan.model_validate({**p.model_dump(), "grad_sync_overlap": False,
+                               "grad_accumulation_fusion": False, "prediction": None})
+    return ran.model_copy(update={"prediction": cost_models.evaluate(ran).prediction()})
+
+
 def searched_plans(n: int) -> tuple[dict[str, Plan], dict]:
-    """The best plan `moeplan search` finds for one node of n H200s (overlap none) and the
-    Megatron-style baseline, both with their predictions, and a summary."""
+    """The best plan `moeplan search` finds for one node of n H200s (overlap none), priced
+    with the factors calibrated to this runtime (catalog h200-runtime), and the Megatron-style
+    baseline, both as the runtime runs them, with their predictions, and a summary."""
     from planner.search import search
     from planner.space import SearchSpace
 
-    cluster = catalog.load_cluster("h200", gpus=n)
+    cluster = catalog.load_cluster(SEARCH_CLUSTER, gpus=n)
     result = search(model(SEARCH_LAYERS), cluster, SEARCH_TRAINING,
                     SearchSpace(overlap=(Overlap.none,)), top=1)
     if result.best is None or result.baseline is None:
         raise SystemExit(f"error: no plan found for {n} GPUs")
     name = f"mixtral{SEARCH_LAYERS}l"
-    found = {f"{name}_search_best": result.best.plan,
-             f"{name}_megatron": result.baseline.plan}
+    found = {f"{name}_search_best": _as_run(result.best.plan),
+             f"{name}_megatron": _as_run(result.baseline.plan)}
+    best, base = found.values()
     summary = {
-        "model": model(SEARCH_LAYERS).name, "cluster": "h200", "gpus": n,
+        "model": model(SEARCH_LAYERS).name, "cluster": SEARCH_CLUSTER, "gpus": n,
         "training": SEARCH_TRAINING.model_dump(mode="json"),
         "space": "SearchSpace(overlap=(none,)) (the runtime's execution); baseline: "
-                 "planner.search.megatron_space",
+                 "planner.search.megatron_space; both re-priced without gradient-sync overlap "
+                 "and gradient-accumulation fusion (runtime.deviations)",
         "plans": {k: {"summary": p.summary(), "predicted_step_time_s": p.prediction.step_time_s,
                       "predicted_mfu": p.prediction.mfu,
                       "predicted_peak_memory_gib": p.prediction.peak_memory_gib}
                   for k, p in found.items()},
-        "predicted_speedup": result.speedup,
+        "predicted_speedup": base.prediction.step_time_s / best.prediction.step_time_s,
         "stats": {"layouts": result.stats.layouts, "evaluated": result.stats.evaluated,
                   "feasible": result.stats.feasible},
     }
