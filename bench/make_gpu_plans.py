@@ -77,7 +77,7 @@ NODE_SIZES = (8, 2)
 SEARCH_LAYERS = 2
 SEARCH_TRAINING = TrainingSpec(global_batch=16, seq_len=8192)
 SEARCH_CLUSTER = "h200-runtime"
-"""H200 with the efficiency factors fitted to this runtime (bench/calibrate_runtime.py)."""
+"""H200 with the efficiency factors fitted to this runtime (moeplan calibrate)."""
 
 
 def node_plans(n: int) -> dict[str, Plan]:

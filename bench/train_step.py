@@ -29,8 +29,8 @@ from _meta import metadata  # noqa: E402
 
 from plans import SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
+from plans.execution import deviations  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
-from runtime.deviations import deviations  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.data_parallel import UnsupportedFeature  # noqa: E402
 from runtime.parallel.parallelize import check_supported  # noqa: E402

@@ -396,6 +396,82 @@ def _int_list(text: str, option: str) -> list[int]:
 # ---- export and training ------------------------------------------------------------------
 
 
+@app.command("calibrate")
+@user_errors
+def calibrate_cmd(
+    profile: Annotated[Path, typer.Argument(
+        help="One profiled 1-GPU step: bench/profile_step.py's JSON.")],
+    plan: Annotated[Path, typer.Option("--plan", help="The 1-GPU plan that was profiled.")],
+    out: Annotated[Path, typer.Option("--out", help="Calibrated cluster YAML to write.")],
+    collectives: Annotated[Path | None, typer.Option(
+        "--collectives", help="bench/calibrate_gpu.py's sweep (copies, NCCL collectives).")
+    ] = None,
+    base: Annotated[str, typer.Option(
+        "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",
+    name: Annotated[str | None, typer.Option(
+        "--name", help="Name of the calibrated cluster; default <base name>-calibrated.")
+    ] = None,
+    runs: Annotated[Path | None, typer.Option(
+        "--runs", help="Folder of measured steps (train_step_<plan>.json) to test against.")
+    ] = None,
+    plans: Annotated[Path, typer.Option(
+        "--plans", help="Folder of the measured runs' <plan>.json files.")
+    ] = Path("bench/gpu_plans"),
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Fit the cost model's efficiency factors to this runtime on your GPUs, and show how well
+    the calibrated model predicts measured steps it never saw."""
+    import yaml
+
+    from planner import calibrate as cal
+
+    base_cluster = catalog.load_cluster(base)
+    measured_profile = cal.read_json(profile, "profile")
+    sweep = cal.read_json(collectives, "--collectives") if collectives else None
+    if runs is not None and not runs.is_dir():
+        raise SpecError(f"--runs: {runs} is not a folder")
+    result = cal.calibrate(measured_profile, catalog.load_plan(plan), base_cluster,
+                           name or f"{base_cluster.name}-calibrated", sweep)
+    rows = []
+    for run, plan_path in cal.runs_with_plans(runs, plans) if runs else []:
+        row = cal.fidelity_row(run, plan_path, result.cluster)
+        before = cal.fidelity_row(run, plan_path)
+        rows.append({**row, "step_error_before": before["step_error"],
+                     "held_out": plan_path.resolve() != plan.resolve()})
+    header = (f"# {result.cluster.name}: {base_cluster.name} with efficiency factors fitted to "
+              f"moeplan's runtime by `moeplan calibrate`\n# (profile {profile.name}, commit "
+              f"{measured_profile.get('commit')}"
+              + (f"; collectives {collectives.name}, commit {sweep.get('commit')}" if sweep
+                 else "") + ").\n")
+    _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),
+                                            sort_keys=False), force)
+    held = [r for r in rows if r["held_out"]]
+    summary = {
+        "median_abs_step_error": _median_abs(held, "step_error"),
+        "median_abs_step_error_before": _median_abs(held, "step_error_before"),
+    }
+    if json_out:
+        typer.echo(json.dumps({"cluster": result.cluster.model_dump(mode="json"),
+                               "factors": result.factors, "out": str(out), "runs": rows,
+                               "held_out": summary}, indent=2))
+        return
+    from planner.report import calibration_tables
+
+    Console().print(*calibration_tables(base_cluster, result, rows))
+    if held:
+        before = summary["median_abs_step_error_before"]
+        typer.echo(f"held-out step-time error: median {summary['median_abs_step_error']:.1%} "
+                   f"(with {base_cluster.name}'s factors {before:.1%}) over {len(held)} runs")
+    typer.echo(f"wrote {out}")
+
+
+def _median_abs(rows: list[dict], key: str) -> float | None:
+    import statistics
+
+    return statistics.median(abs(r[key]) for r in rows) if rows else None
+
+
 @app.command("export")
 @user_errors
 def export_cmd(

@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from plans import Plan, SpecError
 from plans.catalog import load_plan
+from plans.execution import deviations
 from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
-from runtime.deviations import deviations
 from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.mesh import WorldSizeMismatch
 from runtime.parallel.optimizer import OptimizerConfig

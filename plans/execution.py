@@ -1,6 +1,6 @@
-"""Plan fields this runtime runs differently from what the plan says. No torch here: a
-benchmark holding a measurement against the cost model imports this to evaluate the plan as
-it was executed."""
+"""What moeplan's runtime (``runtime/``) executes of a plan: the plan fields it runs differently
+from what the plan says. Part of the contract, so the runtime can say it at launch and the
+planner can price a measured run as it was executed (calibration, fidelity checks)."""
 
 from __future__ import annotations
 
