@@ -6,8 +6,9 @@ of N H200s for the reduced model and the Megatron-style baseline it compares aga
 bench/train_step.py: measured speedup against predicted). Plans are data: regenerate with
     python bench/make_gpu_plans.py [--search]
 ``--search`` imports the planner (pulp / highspy): run it on the CPU machine. The search is
-narrowed to overlap none, since this runtime runs every collective blocking; the baseline is
-megatron_space's (TP = etp = the node, fp32 gradient sync, no overlap).
+`moeplan search --runnable`'s (what this runtime executes: no overlap, no gradient-sync overlap,
+no gradient-accumulation fusion) on the calibrated h200-runtime cluster; the baseline is
+megatron_space's (TP = etp = the node, fp32 gradient sync), run the same way.
 """
 
 from __future__ import annotations
@@ -89,43 +90,31 @@ def node_plans(n: int) -> dict[str, Plan]:
     }
 
 
-def _as_run(p: Plan) -> Plan:
-    """The plan with the fields this runtime executes differently set as it runs them (no
-    gradient-sync overlap, no gradient-accumulation fusion), re-priced."""
-    import cost_models
-
-    ran = Plan.model_validate({**p.model_dump(), "grad_sync_overlap": False,
-                               "grad_accumulation_fusion": False, "prediction": None})
-    return ran.model_copy(update={"prediction": cost_models.evaluate(ran).prediction()})
-
-
 def searched_plans(n: int) -> tuple[dict[str, Plan], dict]:
-    """The best plan `moeplan search` finds for one node of n H200s (overlap none), priced
-    with the factors calibrated to this runtime (catalog h200-runtime), and the Megatron-style
-    baseline, both as the runtime runs them, with their predictions, and a summary."""
+    """The best plan `moeplan search --runnable` finds for one node of n H200s, priced with
+    the factors calibrated to this runtime (catalog h200-runtime), and the Megatron-style
+    baseline, with their predictions, and a summary."""
     from planner.search import search
     from planner.space import SearchSpace
 
     cluster = catalog.load_cluster(SEARCH_CLUSTER, gpus=n)
-    result = search(model(SEARCH_LAYERS), cluster, SEARCH_TRAINING,
-                    SearchSpace(overlap=(Overlap.none,)), top=1)
+    result = search(model(SEARCH_LAYERS), cluster, SEARCH_TRAINING, SearchSpace().runnable(),
+                    top=1)
     if result.best is None or result.baseline is None:
         raise SystemExit(f"error: no plan found for {n} GPUs")
     name = f"mixtral{SEARCH_LAYERS}l"
-    found = {f"{name}_search_best": _as_run(result.best.plan),
-             f"{name}_megatron": _as_run(result.baseline.plan)}
-    best, base = found.values()
+    found = {f"{name}_search_best": result.best.plan,
+             f"{name}_megatron": result.baseline.plan}
     summary = {
         "model": model(SEARCH_LAYERS).name, "cluster": SEARCH_CLUSTER, "gpus": n,
         "training": SEARCH_TRAINING.model_dump(mode="json"),
-        "space": "SearchSpace(overlap=(none,)) (the runtime's execution); baseline: "
-                 "planner.search.megatron_space; both re-priced without gradient-sync overlap "
-                 "and gradient-accumulation fusion (runtime.deviations)",
+        "space": "SearchSpace().runnable() (what the runtime executes: plans.execution); "
+                 "baseline: planner.search.megatron_space, run the same way",
         "plans": {k: {"summary": p.summary(), "predicted_step_time_s": p.prediction.step_time_s,
                       "predicted_mfu": p.prediction.mfu,
                       "predicted_peak_memory_gib": p.prediction.peak_memory_gib}
                   for k, p in found.items()},
-        "predicted_speedup": base.prediction.step_time_s / best.prediction.step_time_s,
+        "predicted_speedup": result.speedup,
         "stats": {"layouts": result.stats.layouts, "evaluated": result.stats.evaluated,
                   "feasible": result.stats.feasible},
     }

@@ -193,6 +193,10 @@ def search_cmd(
                      "ulysses_sp and tp (cp is for comparing predictions: the runtime does not "
                      "run it)."),
     ] = None,
+    runnable: Annotated[bool, typer.Option(
+        "--runnable", help="Only what moeplan's runtime executes today (no overlap, gradient "
+        "sync after the backward, no gradient-accumulation fusion, bf16 GEMMs): predictions "
+        "for the run `moeplan train` makes.")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     json_out: JsonOpt = False,
@@ -209,6 +213,11 @@ def search_cmd(
         recompute=tuple(recompute) if recompute else tuple(Recompute),
         **({"attention": tuple(attention)} if attention else {}),
     )
+    if runnable:
+        if precision != Precision.bf16:
+            raise SpecError(f"--precision: the runtime runs GEMMs in bf16, not {precision}; "
+                            "drop --runnable or use bf16")
+        space = space.runnable()
     if json_out:
         result = search(spec_model, spec_cluster, training, space, top=top)
     else:

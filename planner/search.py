@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
 
@@ -125,8 +125,11 @@ def search(
     best = _search(model, cluster, training, space, top, stats, progress)
     baseline = None
     if with_baseline:
-        found = _search(model, cluster, training, megatron_space(model, cluster), 1, SearchStats(),
-                        None)
+        # the baseline runs with the same execution features as the searched plans
+        baseline_space = replace(megatron_space(model, cluster),
+                                 grad_sync_overlap=space.grad_sync_overlap,
+                                 grad_accumulation_fusion=space.grad_accumulation_fusion)
+        found = _search(model, cluster, training, baseline_space, 1, SearchStats(), None)
         baseline = found[0] if found else None
     stats.seconds = time.perf_counter() - start
     return SearchResult(best, baseline, stats)
@@ -161,7 +164,7 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             progress(i + 1, len(layouts))
         options = list(space.options(layout, training))
         stats.candidates += len(options)
-        plan = _even_plan(model, cluster, training, layout, options[0])
+        plan = _even_plan(model, cluster, training, layout, options[0], space)
         if plan is None:
             stats.invalid += len(options)
             continue
@@ -229,7 +232,8 @@ def _best_of_group(plan: Plan, group: list) -> tuple[Ranked | None, int]:
     return None, len(lead)
 
 
-def _even_plan(model, cluster, training, layout: Layout, option) -> Plan | None:
+def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSpace
+               ) -> Plan | None:
     chunks = layout.degrees.stages
     base, extra = divmod(model.layers, chunks)
     stage_layers = tuple(base + (1 if c < extra else 0) for c in range(chunks))
@@ -241,7 +245,8 @@ def _even_plan(model, cluster, training, layout: Layout, option) -> Plan | None:
             ffn=ffn_strategy(layout.ffn, dispatch),
             stage_layers=stage_layers, micro_batch_size=layout.micro_batch_size,
             schedule=layout.schedule, overlap=overlap, recompute=recompute,
-            grad_sync_precision=sync,
+            grad_sync_precision=sync, grad_sync_overlap=space.grad_sync_overlap,
+            grad_accumulation_fusion=space.grad_accumulation_fusion,
         )
     except ValidationError:
         return None

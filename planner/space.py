@@ -11,7 +11,7 @@ Enumeration rules (hard constraints only; the Plan's own invariants reject the r
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from plans import (
@@ -26,10 +26,12 @@ from plans import (
     PipelineSchedule,
     Precision,
     Recompute,
+    SpecError,
     TPAttention,
     TrainingSpec,
     UlyssesAttention,
 )
+from plans.execution import EXECUTED
 
 
 class AttentionKind(StrEnum):
@@ -80,6 +82,26 @@ class SearchSpace:
     """Allowed etp degrees for a TP FFN; None = every divisor of the NVLink domain above 1."""
     pp: tuple[int, ...] | None = None
     """Allowed pipeline degrees; None = any that fits."""
+    grad_sync_overlap: bool = True
+    """Every plan overlaps its DP gradient sync with the backward."""
+    grad_accumulation_fusion: bool = True
+    """Every plan fuses gradient accumulation into the weight-gradient GEMMs."""
+
+    def runnable(self) -> SearchSpace:
+        """This space narrowed to what moeplan's runtime executes today (plans.execution), so
+        every prediction is for the run `moeplan train` will make; SpecError naming the
+        option when nothing is left."""
+        overlap = tuple(o for o in self.overlap if o == EXECUTED["overlap"][0])
+        attention = tuple(a for a in self.attention if a != AttentionKind.cp)
+        if not overlap:
+            raise SpecError(f"--overlap: the runtime runs overlap {EXECUTED['overlap'][0]} only "
+                            f"({EXECUTED['overlap'][1]}); drop --runnable or allow it")
+        if not attention:
+            raise SpecError("--attention: the runtime does not run cp attention; drop "
+                            "--runnable or allow ulysses_sp / tp")
+        return replace(self, overlap=overlap, attention=attention,
+                       grad_sync_overlap=EXECUTED["grad_sync_overlap"][0],
+                       grad_accumulation_fusion=EXECUTED["grad_accumulation_fusion"][0])
 
     def layouts(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 ) -> Iterator[Layout]:

@@ -23,32 +23,36 @@ class Deviation:
         return f"note: {self.field}: planned {self.planned}, runs {self.executed}: {self.reason}"
 
 
+EXECUTED: dict[str, tuple[object, str]] = {
+    "overlap": (Overlap.none, "every collective runs blocking, in program order"),
+    "grad_sync_overlap": (False, "gradients are synchronised after the last backward"),
+    "grad_accumulation_fusion": (False, "each micro-batch's gradients are added to the main "
+                                        "gradients in a separate pass"),
+}
+"""Plan fields the runtime always runs one way: field -> (the value it runs, why)."""
+EXECUTED_PRECISION = (Precision.bf16, "GEMMs run in bf16; fp8 applies to the gradient sync only")
+"""training.precision: what the runtime's GEMMs run in."""
+
+
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def deviations(plan: Plan) -> list[Deviation]:
     """The plan fields this runtime does not execute as written (check_supported refuses the
     ones it cannot run at all). Hold a measurement against the plan as executed."""
-    out = []
-    if plan.overlap != Overlap.none:
-        out.append(Deviation("overlap", plan.overlap.value, Overlap.none.value,
-                             "every collective runs blocking, in program order"))
-    if plan.grad_sync_overlap:
-        out.append(Deviation("grad_sync_overlap", "true", "false",
-                             "gradients are synchronised after the last backward"))
-    if plan.grad_accumulation_fusion:
-        out.append(Deviation("grad_accumulation_fusion", "true", "false",
-                             "each micro-batch's gradients are added to the main gradients in "
-                             "a separate pass"))
-    if plan.training.precision == Precision.fp8:
-        out.append(Deviation("training.precision", "fp8", "bf16",
-                             "GEMMs run in bf16; fp8 applies to the gradient sync only"))
+    out = [Deviation(name, _text(getattr(plan, name)), _text(runs), why)
+           for name, (runs, why) in EXECUTED.items() if getattr(plan, name) != runs]
+    precision, why = EXECUTED_PRECISION
+    if plan.training.precision != precision:
+        out.append(Deviation("training.precision", plan.training.precision.value,
+                             precision.value, why))
     return out
 
 
 def executed_plan(plan: Plan) -> Plan:
     """The plan as this runtime runs it (for the cost model; not re-validated, since fp8
     gradient sync over bf16 GEMMs is a combination plans do not offer)."""
-    training = plan.training
-    if plan.training.precision == Precision.fp8:
-        training = training.model_copy(update={"precision": Precision.bf16})
-    return plan.model_copy(update={"overlap": Overlap.none, "grad_sync_overlap": False,
-                                   "grad_accumulation_fusion": False, "training": training,
-                                   "prediction": None})
+    training = plan.training.model_copy(update={"precision": EXECUTED_PRECISION[0]})
+    runs = {name: value for name, (value, _) in EXECUTED.items()}
+    return plan.model_copy(update={**runs, "training": training, "prediction": None})

@@ -140,3 +140,30 @@ def test_plan_that_does_not_fit_is_refused(tmp_path):
     small = tmp_path / "small.json"
     small.write_text(json.dumps(data))
     one_line_error(run("validate", str(small)), "does not fit")
+
+
+def test_runnable_search_emits_plans_the_runtime_runs_as_written(tmp_path):
+    from plans.execution import deviations
+
+    out = tmp_path / "p.json"
+    result = run("search", *SMALL, "--runnable", "--json", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    best = Plan.model_validate_json(out.read_text())
+    assert deviations(best) == []
+    baseline = Plan.model_validate(doc["baseline"])
+    assert deviations(baseline) == []
+    # the unrestricted search is faster on paper: it counts on features the runtime lacks
+    free = json.loads(run("search", *SMALL, "--json").output)
+    assert free["best"]["prediction"]["step_time_s"] < best.prediction.step_time_s
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--overlap", "inter_op"], ["--overlap", "runtime"]),
+    (["--attention", "cp"], ["--attention", "cp"]),
+    (["--precision", "fp8"], ["--precision", "bf16"]),
+])
+def test_runnable_search_refuses_what_the_runtime_cannot_run(extra, words, tmp_path):
+    out = tmp_path / "p.json"
+    one_line_error(run("search", *SMALL, "--runnable", *extra, "--out", str(out)), *words)
+    assert not out.exists()
