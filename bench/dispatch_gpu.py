@@ -3,7 +3,7 @@ cost model, with the dispatcher `moeplan search` picks.
 
     torchrun --nproc-per-node N bench/dispatch_gpu.py --out $OUT/dispatch_xN.json \
         [--picks bench/results/dispatch_planner_xN.json]
-    python bench/dispatch_gpu.py --planner-only --gpus N \
+    python bench/dispatch_gpu.py --planner-only --gpus N --cluster h200-runtime --runnable \
         --out bench/results/dispatch_planner_xN.json
 
 Measured (N ranks = the EP group): for each top-k, tokens per rank = seq / N (micro-batch 1,
@@ -86,6 +86,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="no measurement: record moeplan search's dispatcher per top-k")
     p.add_argument("--gpus", type=int, default=8, help="node size for --planner-only")
     p.add_argument("--global-batch", type=int, default=64, help="for --planner-only")
+    p.add_argument("--runnable", action="store_true",
+                   help="for --planner-only: search only what the runtime executes (as "
+                        "`moeplan search --runnable`)")
     return p.parse_args(argv)
 
 
@@ -277,6 +280,8 @@ def planner_picks(args) -> int:
              degrees: tuple[int, ...] | None = None) -> dict | None:
         space = SearchSpace(attention=(AttentionKind.ulysses_sp,), ffn=(FFNKind.ep,),
                             dispatch=dispatches, attention_degrees=degrees)
+        if args.runnable:
+            space = space.runnable()
         found = search(model, cluster, training, space, top=1, with_baseline=False).best
         return None if found is None else {
             "summary": found.plan.summary(),
@@ -316,7 +321,9 @@ def planner_picks(args) -> int:
         "benchmark": "moeplan search's EP dispatcher per top-k",
         "model": args.model, "cluster_spec": args.cluster, "gpus": args.gpus,
         "global_batch": args.global_batch, "seq_len": args.seq,
-        "space": "SearchSpace(attention=(ulysses_sp,), ffn=(ep,)); 'any' searches both "
+        "runnable": args.runnable,
+        "space": "SearchSpace(attention=(ulysses_sp,), ffn=(ep,)) (.runnable() when runnable: "
+                 "what the runtime executes); 'any' searches both "
                  "dispatchers, 'a2a' / 'ag_rs' one each, 'spN*' the same with "
                  "attention_degrees=(N,) (the benchmark's layout family); pick_ep 1 makes the "
                  "dispatch moot; 'layers' is the depth searched (the "

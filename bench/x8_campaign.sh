@@ -17,8 +17,9 @@ echo "N=$N budget=${BUDGET}s"
 TR="torchrun --standalone --nproc-per-node $N"
 
 PICKS=bench/results/dispatch_planner_x$N.json
-step dispatch 120 $TR bench/dispatch_gpu.py --out "$RES/dispatch_x$N.json" --picks "$PICKS"
-step layers 130 $TR bench/layers_gpu.py --out "$RES/layers_x$N.json"
+step dispatch 120 $TR bench/dispatch_gpu.py --cluster h200-runtime --out "$RES/dispatch_x$N.json" \
+  --picks "$PICKS"
+step layers 130 $TR bench/layers_gpu.py --cluster h200-runtime --out "$RES/layers_x$N.json"
 
 if [ -d "$PLANS" ]; then
   for name in mixtral2l_search_best mixtral2l_megatron; do
