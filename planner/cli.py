@@ -264,6 +264,7 @@ def explain(plan: PlanArg, json_out: JsonOpt = False) -> None:
 def validate(plan: PlanArg) -> None:
     """Re-check a plan, generated or hand-written, against its specs and memory."""
     import cost_models
+    from plans.execution import deviations, executed_plan
 
     loaded = catalog.load_plan(plan)
     evaluation = cost_models.evaluate(loaded)
@@ -278,6 +279,13 @@ def validate(plan: PlanArg) -> None:
         if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
             typer.echo(f"note: the plan's stored prediction ({stored:.3f} s) differs from this "
                        "cost model's; the specs or efficiency factors changed")
+    found = deviations(loaded)
+    if found:
+        ran = cost_models.evaluate(executed_plan(loaded))
+        runs = ", ".join(f"{d.field} {d.executed}" for d in found)
+        typer.echo(f"moeplan train runs it with {runs} (plans.execution): predicted step "
+                   f"{ran.step_time_s:.3f} s, MFU {ran.mfu:.1%}; `moeplan search --runnable` "
+                   "plans for that")
 
 
 # ---- what-if and scaling -------------------------------------------------------------------------

@@ -167,3 +167,14 @@ def test_runnable_search_refuses_what_the_runtime_cannot_run(extra, words, tmp_p
     out = tmp_path / "p.json"
     one_line_error(run("search", *SMALL, "--runnable", *extra, "--out", str(out)), *words)
     assert not out.exists()
+
+
+def test_validate_says_how_the_runtime_would_run_the_plan(tmp_path):
+    out = tmp_path / "p.json"
+    assert run("search", *SMALL, "--json", "--out", str(out)).exit_code == 0
+    result = run("validate", str(out))
+    assert result.exit_code == 0, result.output
+    assert "moeplan train runs it with overlap none" in result.output
+    runnable = tmp_path / "r.json"
+    assert run("search", *SMALL, "--runnable", "--json", "--out", str(runnable)).exit_code == 0
+    assert "moeplan train runs it" not in run("validate", str(runnable)).output
