@@ -41,6 +41,10 @@ from planner.cli import app  # noqa: E402
 from plans import SpecError, catalog  # noqa: E402
 
 MODELS = ["tiny-moe", "tiny-moe-shared"]
+RESULTS = ROOT / "bench" / "results"
+PROFILE = RESULTS / "h200" / "profile_mixtral2l_1gpu.json"
+SWEEP = RESULTS / "calibration_h200.json"
+GPU_PLANS = ROOT / "bench" / "gpu_plans"
 CLUSTERS = ["h100", "h200", "a100", "b200"]
 BAD_NAMES = ["", "tiny", "TINY-MOE", "h999", "mixtral", "../models/tiny-moe", "x" * 300,
              "tiny-moe.yaml", "-", "nul\x01name", "h100 ", "ümlaut"]
@@ -182,6 +186,87 @@ class Inputs:
         return self.document_file(doc)
 
 
+class Results:
+    """Benchmark result files for `calibrate`, as committed or mutated."""
+
+    def __init__(self, inputs: Inputs):
+        self.inputs = inputs
+        self.profile_doc = json.loads(PROFILE.read_text())
+        self.sweep_doc = json.loads(SWEEP.read_text())
+        self.step_doc = json.loads((RESULTS / "h200" / "train_step_mixtral2l_1gpu.json")
+                                   .read_text())
+
+    def _doc(self, committed: Path, doc: dict) -> tuple[str, str]:
+        rng, inputs = self.inputs.rng, self.inputs
+        r = rng.random()
+        if r < 0.5:
+            return str(committed), "committed"
+        if r < 0.6:
+            return str(inputs.dir / "missing.json"), "missing"
+        if r < 0.65:
+            return str(inputs.dir), "directory"
+        return inputs.document_file(doc)
+
+    def profile(self) -> tuple[str, str]:
+        return self._doc(PROFILE, self.profile_doc)
+
+    def sweep(self) -> tuple[str, str]:
+        return self._doc(SWEEP, self.sweep_doc)
+
+    def runs(self) -> tuple[str, str]:
+        rng, inputs = self.inputs.rng, self.inputs
+        r = rng.random()
+        if r < 0.5:
+            return str(RESULTS / "h200"), "committed"
+        if r < 0.6:
+            return str(inputs.dir / "nowhere"), "missing"
+        if r < 0.7:
+            return str(PROFILE), "file"
+        # a folder with one (possibly broken) measured step of a committed plan
+        folder = inputs.path("")
+        folder.mkdir()
+        path, what = inputs.document_file(self.step_doc)
+        Path(path).rename(folder / "train_step_mixtral2l_1gpu.json")
+        return str(folder), f"one step {what}"
+
+
+def _calibrate_case(rng: random.Random, inputs: Inputs, results: Results
+                    ) -> tuple[list[str], str, Path]:
+    profile, pw = results.profile()
+    r = rng.random()
+    if r < 0.7:
+        plan, plw = str(GPU_PLANS / "mixtral2l_1gpu.json"), "1-GPU plan"
+    elif r < 0.85:
+        plan, plw = str(GPU_PLANS / "mixtral2l_sp2_ep2_a2a.json"), "2-GPU plan"
+    else:
+        plan, plw = inputs.plan()
+    argv = ["calibrate", profile, "--plan", plan]
+    what = [f"profile {pw}", f"plan {plw}"]
+    if rng.random() < 0.25:
+        sweep, sw = results.sweep()
+        argv += ["--collectives", sweep]
+        what.append(f"collectives {sw}")
+    if rng.random() < 0.2:
+        base, bw = inputs.cluster()
+        argv += ["--base", base]
+        what.append(f"base {bw}")
+    if rng.random() < 0.1:
+        argv += ["--name", rng.choice(["", "x" * 300, "my-h200", " "])]
+    if rng.random() < 0.3:
+        runs, rw = results.runs()
+        argv += ["--runs", runs]
+        what.append(f"runs {rw}")
+    if rng.random() < 0.3:
+        argv.append("--json")
+    watch = inputs.path(".yaml")
+    if rng.random() < 0.3:
+        watch.write_text("precious\n")
+        if rng.random() < 0.5:
+            argv.append("--force")
+    argv += ["--out", str(watch)]
+    return argv, "; ".join(what), watch
+
+
 def _leaves(doc, prefix=()):
     if isinstance(doc, dict):
         for k, v in doc.items():
@@ -212,11 +297,14 @@ def _job_options(rng: random.Random, gpus: bool = True) -> list[str]:
     return args
 
 
-def case(rng: random.Random, inputs: Inputs) -> tuple[str, list[str], str, Path | None]:
+def case(rng: random.Random, inputs: Inputs, results: Results
+         ) -> tuple[str, list[str], str, Path | None]:
     """(command, argv, what the inputs were, an output path to watch)."""
     cmd = rng.choices(["search", "explain", "validate", "export", "whatif", "scale", "train",
-                       "misc"], weights=[20, 12, 16, 12, 8, 8, 10, 4])[0]
+                       "calibrate", "misc"], weights=[20, 12, 16, 12, 8, 8, 10, 8, 4])[0]
     watch = None
+    if cmd == "calibrate":
+        return ("calibrate", *_calibrate_case(rng, inputs, results))
     if cmd == "search":
         (model, mw), (cluster, cw) = inputs.model(), inputs.cluster()
         argv = ["search", model, cluster, *_job_options(rng)]
@@ -226,6 +314,8 @@ def case(rng: random.Random, inputs: Inputs) -> tuple[str, list[str], str, Path 
             argv += ["--overlap", rng.choice(["none", "inter_op", "inter_intra_op", "bogus"])]
         if rng.random() < 0.2:
             argv += ["--recompute", rng.choice(["none", "selective", "full", "half"])]
+        if rng.random() < 0.2:
+            argv.append("--runnable")
         if rng.random() < 0.5:
             argv.append("--json")
         if rng.random() < 0.5:
@@ -377,8 +467,9 @@ def main() -> None:
             plans.append(json.loads(out.read_text()))
         inputs = Inputs(rng, workdir / "cases", plans)
         inputs.dir.mkdir()
+        results = Results(inputs)
         for n in range(args.cases):
-            cmd, argv, what, watch = case(rng, inputs)
+            cmd, argv, what, watch = case(rng, inputs, results)
             before = watch.read_bytes() if watch is not None and watch.exists() else None
             launched_before = len(launches)
             t0 = time.perf_counter()
@@ -421,6 +512,7 @@ def main() -> None:
         "command": f"python bench/fuzz_cli.py --cases {args.cases} --seed {args.seed}",
     }
     print(json.dumps(payload["outcomes"]), f"in {seconds:.0f} s")
+    print(json.dumps(payload["by_command"]))
     for outcome, kept in failures.items():
         for f in kept[:2]:
             print(f"--- {outcome}: {f['argv']} ({f['inputs']})\n{f['exception'] or f['output']}")

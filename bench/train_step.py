@@ -67,6 +67,9 @@ def setup(plan_path: Path, share_gpu: bool = False):
         if plan.degrees.world != world:
             raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
                             f"WORLD_SIZE={world}")
+        if share_gpu and cuda and plan.degrees.pp > 1:
+            raise SpecError("degrees.pp: --share-gpu runs over gloo, which cannot send CUDA "
+                            "tensors between pipeline stages; use one GPU per rank")
         if cuda and not share_gpu and local_rank >= torch.cuda.device_count():
             raise SpecError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) "
                             f"are visible (one rank per GPU; --share-gpu to check numerics)")

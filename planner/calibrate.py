@@ -23,6 +23,17 @@ import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+)
 
 import cost_models
 from cost_models import comm
@@ -30,6 +41,7 @@ from cost_models import compute as cc
 from cost_models.layer import layer_key
 from cost_models.layer_graph import OpKind, backward_graph, forward_graph
 from plans import ClusterSpec, Plan, Precision, SpecError, catalog
+from plans.errors import describe
 from plans.execution import deviations, executed_plan
 
 GIB = 2**30
@@ -39,22 +51,98 @@ MEMORY_CLASSES = ("elementwise", "copy", "reduction_index_sort", "other")
 COMPUTE_FACTORS = ("gemm", "grouped_gemm", "attention")
 
 
-def read_json(path: Path, what: str) -> dict:
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    SOURCE: ClassVar[str] = ""
+    """What writes documents of this kind."""
+
+
+class KernelRow(_Doc):
+    name: str
+    kind: str = Field(alias="class")
+    s_per_step: NonNegativeFloat
+
+
+class Profile(_Doc):
+    """Device seconds per kernel class of one step."""
+
+    SOURCE: ClassVar[str] = "bench/profile_step.py"
+
+    step_wall_s: PositiveFloat
+    class_s: dict[str, NonNegativeFloat]
+    slowest: list[KernelRow]
+    commit: str | None = None
+
+
+class SweepRow(_Doc):
+    name: str
+    measured_s: PositiveFloat
+    achieved_tb_s: PositiveFloat | None = None
+
+
+class Sweep(_Doc):
+    """Kernels, copies and collectives, measured."""
+
+    SOURCE: ClassVar[str] = "bench/calibrate_gpu.py"
+
+    world: int = Field(ge=2)
+    rows: list[SweepRow]
+    commit: str | None = None
+
+
+class TrainStep(_Doc):
+    """A measured training step."""
+
+    SOURCE: ClassVar[str] = "bench/train_step.py"
+
+    step_time_s: PositiveFloat
+    mfu: NonNegativeFloat
+    peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
+    components_s: dict[str, float] = {}
+    measured_steps: PositiveInt
+    commit: str | None = None
+
+
+class LogStep(_Doc):
+    """One step of the runtime's JSON-lines log."""
+
+    SOURCE: ClassVar[str] = "the runtime's --log-file"
+
+    step_time_s: PositiveFloat
+    mfu: NonNegativeFloat
+    peak_memory_gib: PositiveFloat
+    components_s: dict[str, float] = {}
+
+
+D = TypeVar("D", bound=_Doc)
+
+
+def _text(path: Path, what: str) -> str:
+    if not path.exists():
+        raise SpecError(f"{what}: {path} does not exist")
+    if not path.is_file():
+        raise SpecError(f"{what}: {path} is not a file")
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(f"{what}: {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{what}: cannot read {path} ({e})") from None
+
+
+def _parse(kind: type[D], text: str, what: str, path: Path) -> D:
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise SpecError(f"{what}: {path} is not a JSON document ({e})") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{what}: {path} is not a JSON object")
-    return data
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(f"{what}: {path}: {describe(e)} (is it {kind.SOURCE}'s output?)"
+                        ) from None
 
 
-def _field(doc: dict, key: str, what: str):
-    if key not in doc:
-        raise SpecError(f"{what}: no {key!r} in the file (not a result of the right benchmark?)")
-    return doc[key]
+def read(kind: type[D], path: Path, what: str) -> D:
+    """A benchmark result file as ``kind``; one-line SpecError naming the field otherwise."""
+    return _parse(kind, _text(path, what), what, path)
 
 
 def with_efficiency(cluster: ClusterSpec, **factors: float) -> ClusterSpec:
@@ -70,12 +158,12 @@ def on(plan: Plan, cluster: ClusterSpec) -> Plan:
 # ---- compute factors from a profiled step ---------------------------------------------------
 
 
-def measured_classes(profile: dict) -> dict[str, float]:
+def measured_classes(profile: Profile) -> dict[str, float]:
     """Device seconds per step of grouped GEMMs, dense GEMMs, attention and memory-bound
     kernels; grouped GEMM kernels filed under GEMM are picked out by name."""
-    classes = dict(_field(profile, "class_s", "profile"))
-    moved = sum(k["s_per_step"] for k in _field(profile, "slowest", "profile")
-                if GROUPED.search(k["name"]) and k["class"] != "grouped_gemm")
+    classes = profile.class_s
+    moved = sum(k.s_per_step for k in profile.slowest
+                if GROUPED.search(k.name) and k.kind != "grouped_gemm")
     return {
         "grouped_gemm": classes.get("grouped_gemm", 0.0) + moved,
         "gemm": classes.get("gemm", 0.0) - moved,
@@ -105,11 +193,11 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
     return out
 
 
-def fit_compute(profile: dict, plan: Plan, base: ClusterSpec) -> dict[str, float]:
+def fit_compute(profile: Profile, plan: Plan, base: ClusterSpec) -> dict[str, float]:
     if plan.degrees.world != 1:
         raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
                         f"communication); this one runs on {plan.degrees.world} GPUs")
-    wall = _field(profile, "step_wall_s", "profile")
+    wall = profile.step_wall_s
     plan = executed_plan(on(plan, base))
     meas, pred = measured_classes(profile), predicted_classes(plan)
     factors = {k: min(1.0, getattr(base.efficiency, k) * pred[k] / meas[k])
@@ -134,27 +222,30 @@ def _mib(name: str) -> float:
     found = re.search(r"(\d+) MiB", name)
     if found is None:
         raise SpecError(f"--collectives: row {name!r} names no size in MiB")
+    if float(found.group(1)) <= 0:
+        raise SpecError(f"--collectives: row {name!r}: the size must be positive")
     return float(found.group(1)) * 2**20
 
 
-def fit_hbm(sweep: dict, base: ClusterSpec) -> float | None:
-    achieved = [r["achieved_tb_s"] for r in _field(sweep, "rows", "--collectives")
-                if r["name"].startswith("copy")]
+def fit_hbm(sweep: Sweep, base: ClusterSpec) -> float | None:
+    achieved = [r.achieved_tb_s for r in sweep.rows
+                if r.name.startswith("copy") and r.achieved_tb_s is not None]
     return min(1.0, statistics.median(achieved) / base.gpu.hbm_tb_s) if achieved else None
 
 
-def fit_links(sweep: dict, base: ClusterSpec) -> dict[str, float]:
+def fit_links(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
     """NVLink latency (us) and ring / all-to-all efficiencies that best fit the sweep."""
-    rows = _field(sweep, "rows", "--collectives")
-    layout = comm.group_layout(int(_field(sweep, "world", "--collectives")), 1,
-                               base.node.gpus_per_node)
+    if sweep.world > base.node.gpus_per_node:
+        raise SpecError(f"--collectives: the sweep ran on {sweep.world} GPUs, more than one "
+                        f"{base.name} node ({base.node.gpus_per_node}): NVLink only is fitted")
+    layout = comm.group_layout(sweep.world, 1, base.node.gpus_per_node)
     timed = []
-    for r in rows:
+    for r in sweep.rows:
         for prefix, fn in (("all_gather", comm.all_gather_s),
                            ("reduce_scatter", comm.reduce_scatter_s),
                            ("all_to_all", comm.all_to_all_s)):
-            if r["name"].startswith(prefix):
-                timed.append((fn, _mib(r["name"]), r["measured_s"]))
+            if r.name.startswith(prefix):
+                timed.append((fn, _mib(r.name), r.measured_s))
     if not timed:
         raise SpecError("--collectives: no all_gather / reduce_scatter / all_to_all rows")
 
@@ -181,8 +272,8 @@ class Calibration:
     """Each fitted value by name (efficiency fields, and nvlink_latency_us)."""
 
 
-def calibrate(profile: dict, plan: Plan, base: ClusterSpec, name: str,
-              sweep: dict | None = None) -> Calibration:
+def calibrate(profile: Profile, plan: Plan, base: ClusterSpec, name: str,
+              sweep: Sweep | None = None) -> Calibration:
     factors = fit_compute(profile, plan, base)
     node = base.node
     if sweep is not None:
@@ -192,8 +283,11 @@ def calibrate(profile: dict, plan: Plan, base: ClusterSpec, name: str,
         node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
     efficiency = {k: round(v, 3) for k, v in factors.items() if k != "nvlink_latency_us"}
     cluster = with_efficiency(base, **efficiency)
-    cluster = ClusterSpec.model_validate({**cluster.model_dump(), "name": name,
-                                          "node": node.model_dump()})
+    try:
+        cluster = ClusterSpec.model_validate({**cluster.model_dump(), "name": name,
+                                              "node": node.model_dump()})
+    except ValidationError as e:
+        raise SpecError(f"--name: {describe(e)}") from None
     return Calibration(cluster, factors)
 
 
@@ -214,18 +308,21 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
     """A bench/train_step.py result (.json) or the runtime's per-step log (.jsonl, the first
     ``skip`` steps left out, medians of the rest)."""
     if path.suffix == ".json":
-        r = read_json(path, "--runs")
-        return Measured(r["step_time_s"], r["mfu"], max(r["peak_memory_gib_per_rank"]),
-                        r["components_s"], r["measured_steps"], r.get("commit"))
-    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        r = read(TrainStep, path, "--runs")
+        return Measured(r.step_time_s, r.mfu, max(r.peak_memory_gib_per_rank), r.components_s,
+                        r.measured_steps, r.commit)
+    lines = [ln for ln in _text(path, "--runs").splitlines() if ln.strip()]
+    steps = [_parse(LogStep, ln, "--runs", path) for ln in lines]
+    if not steps:
+        raise SpecError(f"--runs: {path} has no steps")
     steady = steps[skip:] or steps
     components: dict[str, list[float]] = {}
     for s in steady:
-        for k, v in s.get("components_s", {}).items():
+        for k, v in s.components_s.items():
             components.setdefault(k, []).append(v)
-    return Measured(statistics.median(s["step_time_s"] for s in steady),
-                    statistics.median(s["mfu"] for s in steady),
-                    max(s["peak_memory_gib"] for s in steps),
+    return Measured(statistics.median(s.step_time_s for s in steady),
+                    statistics.median(s.mfu for s in steady),
+                    max(s.peak_memory_gib for s in steps),
                     {k: statistics.median(v) for k, v in components.items()}, len(steady), None)
 
 

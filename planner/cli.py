@@ -444,8 +444,8 @@ def calibrate_cmd(
     from planner import calibrate as cal
 
     base_cluster = catalog.load_cluster(base)
-    measured_profile = cal.read_json(profile, "profile")
-    sweep = cal.read_json(collectives, "--collectives") if collectives else None
+    measured_profile = cal.read(cal.Profile, profile, "profile")
+    sweep = cal.read(cal.Sweep, collectives, "--collectives") if collectives else None
     if runs is not None and not runs.is_dir():
         raise SpecError(f"--runs: {runs} is not a folder")
     result = cal.calibrate(measured_profile, catalog.load_plan(plan), base_cluster,
@@ -458,8 +458,8 @@ def calibrate_cmd(
                      "held_out": plan_path.resolve() != plan.resolve()})
     header = (f"# {result.cluster.name}: {base_cluster.name} with efficiency factors fitted to "
               f"moeplan's runtime by `moeplan calibrate`\n# (profile {profile.name}, commit "
-              f"{measured_profile.get('commit')}"
-              + (f"; collectives {collectives.name}, commit {sweep.get('commit')}" if sweep
+              f"{measured_profile.commit}"
+              + (f"; collectives {collectives.name}, commit {sweep.commit}" if sweep
                  else "") + ").\n")
     _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),
                                             sort_keys=False), force)

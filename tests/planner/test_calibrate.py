@@ -79,9 +79,14 @@ def test_bad_inputs_write_nothing(tmp_path):
     one_line_error(calibrate(bad, "--plan", PLAN, "--out", out), "profile", "not a JSON")
     one_line_error(calibrate(PROFILE, "--plan", ROOT / "bench" / "gpu_plans" /
                              "mixtral2l_pp2.json", "--out", out), "--plan", "1-GPU")
-    one_line_error(calibrate(SWEEP, "--plan", PLAN, "--out", out), "profile", "right benchmark")
+    one_line_error(calibrate(SWEEP, "--plan", PLAN, "--out", out), "profile", "step_wall_s",
+                   "bench/profile_step.py")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--collectives", PROFILE, "--out", out),
-                   "--collectives", "rows")
+                   "--collectives", "world", "bench/calibrate_gpu.py")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**json.loads(PROFILE.read_text()), "class_s": {"gemm": "x"}}))
+    one_line_error(calibrate(wrong, "--plan", PLAN, "--out", out), "profile", "class_s.gemm")
+    one_line_error(calibrate(tmp_path, "--plan", PLAN, "--out", out), "profile", "not a file")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--base", "nope", "--out", out), "nope")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--runs", bad, "--out", out), "--runs")
     assert not out.exists()
