@@ -10,6 +10,7 @@ Enumeration rules (hard constraints only; the Plan's own invariants reject the r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -46,7 +47,9 @@ class FFNKind(StrEnum):
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Ascending divisors of n, in O(sqrt n) (model and cluster sizes come from user files)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ class SearchSpace:
         inner = dp * n
         for ffn in self.ffn:
             if ffn == FFNKind.ep:
-                groups = [e for e in _divisors(model.experts) if inner % e == 0 and e <= domain]
+                groups = [e for e in _divisors(inner) if model.experts % e == 0 and e <= domain]
                 degree_sets = [dict(ep=e) for e in groups]
             else:
                 allowed = self.expert_tp_degrees or _divisors(domain)

@@ -52,3 +52,20 @@ def test_train_checks_inputs_before_launching(tmp_path, plan_doc, monkeypatch):
     assert_one_line_error(run("train", plan, "--resume"), "--resume", "--ckpt-dir")
     assert_one_line_error(run("train", plan, "--ckpt-every", "2"), "--ckpt-every")
     assert_one_line_error(run("train", plan, "--ckpt-dir", tokens), "--ckpt-dir")
+
+
+def test_a_model_with_a_billion_experts_is_searched_at_once(tmp_path):
+    # the EP degrees were the divisors of the expert count, enumerated one by one: the search
+    # of a model file with experts = 10^9 never ended (bench/fuzz_cli.py, seed 0)
+    import time
+
+    from plans import catalog
+
+    doc = catalog.load_model("tiny-moe").model_dump(mode="json")
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**doc, "experts": 10**9}))
+    start = time.perf_counter()
+    result = run("search", str(path), "a100", "--gpus", "2", "--global-batch", "32",
+                 "--seq-len", "256", "--top", "1")
+    assert time.perf_counter() - start < 10
+    assert result.exit_code in (0, 2) and "Traceback" not in result.output
