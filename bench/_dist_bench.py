@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from cost_models.compute import ACT_BYTES
 from cost_models.volumes import Collective, Transfer
+from runtime.parallel.comm import all_gather_into, reduce_scatter_into
 
 
 def init() -> tuple[int, int, torch.device, torch.dtype]:
@@ -102,7 +103,7 @@ def collective_fn(transfer: Transfer, device: torch.device, dtype: torch.dtype
             out = torch.empty_like(full)
             return lambda: dist.all_to_all_single(out, full)
         case Collective.all_gather:
-            return lambda: dist.all_gather_into_tensor(full, shard)
+            return lambda: all_gather_into(full, shard)
         case Collective.reduce_scatter:
-            return lambda: dist.reduce_scatter_tensor(shard, full)
+            return lambda: reduce_scatter_into(shard, full)
     raise ValueError(f"no timing for {transfer.collective}")

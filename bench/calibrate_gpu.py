@@ -30,6 +30,7 @@ from _meta import write  # noqa: E402
 from cost_models import comm as cm  # noqa: E402
 from cost_models import compute as cc  # noqa: E402
 from plans import Precision, catalog  # noqa: E402
+from runtime.parallel.comm import all_gather_into, reduce_scatter_into  # noqa: E402
 
 GEMMS = [  # (m, n, k): square, Mixtral expert fc1 / fc2, attention projections, a thin one
     (8192, 8192, 8192), (16384, 14336, 4096), (16384, 4096, 14336), (8192, 4096, 4096),
@@ -120,10 +121,10 @@ def collectives(cluster, world: int) -> list[dict]:
                        full * (world - 1) / world / 1e9, "gb_s"))
         shard = torch.randn(full // 2 // world, device=dev, dtype=torch.bfloat16)
         gathered = torch.empty(shard.numel() * world, device=dev, dtype=torch.bfloat16)
-        t = timed(lambda s=shard, g=gathered: dist.all_gather_into_tensor(g, s), repeats=10)
+        t = timed(lambda s=shard, g=gathered: all_gather_into(g, s), repeats=10)
         out.append(row(f"all_gather {mib} MiB full", t, cm.all_gather_s(full, layout, cluster),
                        full * (world - 1) / world / 1e9, "gb_s"))
-        t = timed(lambda g=gathered, s=shard: dist.reduce_scatter_tensor(s, g), repeats=10)
+        t = timed(lambda g=gathered, s=shard: reduce_scatter_into(s, g), repeats=10)
         out.append(row(f"reduce_scatter {mib} MiB full", t,
                        cm.reduce_scatter_s(full, layout, cluster),
                        full * (world - 1) / world / 1e9, "gb_s"))

@@ -9,6 +9,11 @@ from torch.autograd import Function
 
 ProcessGroup = dist.ProcessGroup
 
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""dist.reduce_scatter_tensor and all_gather_into_tensor, renamed *_single in torch 2.13 (the
+GPU machines run 2.11, which has only the old names)."""
+
 
 def _all_to_all(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup
@@ -41,14 +46,14 @@ def all_to_all(
 def _gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    all_gather_into(out, x.contiguous(), group=group)
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    reduce_scatter_into(out, x.contiguous(), group=group)
     return out
 
 

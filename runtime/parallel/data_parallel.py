@@ -22,6 +22,7 @@ from torch import nn
 
 from plans import Precision
 from runtime.model import Shard, Transformer
+from runtime.parallel.comm import all_gather_into, reduce_scatter_into
 from runtime.parallel.mesh import Group, Mesh
 
 SYNC_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
@@ -63,9 +64,9 @@ def fp8_all_reduce(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     q, scale = quantize_fp8(_pad_to(flat.float(), FP8_BLOCK))
     wire = q.view(torch.uint8).reshape(-1)
     qs = wire.new_empty(n * wire.numel())
-    dist.all_gather_into_tensor(qs, wire, group=group)
+    all_gather_into(qs, wire, group=group)
     scales = scale.new_empty(n * scale.numel())
-    dist.all_gather_into_tensor(scales, scale, group=group)
+    all_gather_into(scales, scale, group=group)
     parts = dequantize_fp8(qs.view(FP8).view(n, -1, FP8_BLOCK), scales.view(n, -1))
     out = parts[0].clone()
     for r in range(1, n):
@@ -172,7 +173,7 @@ def reduce_scatter_sum(
         return fp8_reduce_scatter(flat, group)
     wire = flat.to(SYNC_DTYPES[precision])
     out = wire.new_empty(wire.numel() // dist.get_world_size(group))
-    dist.reduce_scatter_tensor(out, wire, group=group)
+    reduce_scatter_into(out, wire, group=group)
     return out.float()
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import Precision
+from runtime.parallel.comm import all_gather_into
 from runtime.parallel.data_parallel import (
     GradSync,
     attach_main_grads,
@@ -300,7 +301,7 @@ class ZeroAdamW:
                     b.param_buffer.copy_(b.shard)
                 continue
             # parameter all-gather in the parameter dtype (bf16 on CUDA), into the views
-            dist.all_gather_into_tensor(
+            all_gather_into(
                 b.param_buffer, b.shard.to(b.param_buffer.dtype), group=b.group
             )
 
