@@ -287,7 +287,7 @@ def calibrate(profile: Profile, plan: Plan, base: ClusterSpec, name: str,
         cluster = ClusterSpec.model_validate({**cluster.model_dump(), "name": name,
                                               "node": node.model_dump()})
     except ValidationError as e:
-        raise SpecError(f"--name: {describe(e)}") from None
+        raise SpecError(f"the calibrated cluster is not valid: {describe(e)}") from None
     return Calibration(cluster, factors)
 
 

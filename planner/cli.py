@@ -450,8 +450,12 @@ def calibrate_cmd(
         raise SpecError(f"--runs: {runs} is not a folder")
     result = cal.calibrate(measured_profile, catalog.load_plan(plan), base_cluster,
                            name or f"{base_cluster.name}-calibrated", sweep)
+    pairs = cal.runs_with_plans(runs, plans) if runs else []
+    if runs is not None and not pairs:
+        raise SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json in "
+                        f"{plans} (--plans)")
     rows = []
-    for run, plan_path in cal.runs_with_plans(runs, plans) if runs else []:
+    for run, plan_path in pairs:
         row = cal.fidelity_row(run, plan_path, result.cluster)
         before = cal.fidelity_row(run, plan_path)
         rows.append({**row, "step_error_before": before["step_error"],

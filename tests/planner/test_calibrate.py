@@ -89,6 +89,8 @@ def test_bad_inputs_write_nothing(tmp_path):
     one_line_error(calibrate(tmp_path, "--plan", PLAN, "--out", out), "profile", "not a file")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--base", "nope", "--out", out), "nope")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--runs", bad, "--out", out), "--runs")
+    one_line_error(calibrate(PROFILE, "--plan", PLAN, "--runs", tmp_path, "--out", out),
+                   "--runs", "no train_step")
     assert not out.exists()
 
 
