@@ -1,7 +1,7 @@
 """Calibration: a cluster's efficiency factors fitted to measurements of moeplan's runtime on
 its GPUs, and the error table of the cost model against measured training steps.
 
-Inputs are the benchmark JSON files: one profiled 1-GPU step (bench/profile_step.py: device
+Inputs are the benchmark JSON files: one profiled 1-GPU step (`moeplan profile`: device
 seconds per kernel class), optionally the collective sweep of bench/calibrate_gpu.py, and
 measured steps (bench/train_step.py). Every measured run is priced as the runtime executed it
 (plans.execution). The factors:
@@ -66,7 +66,7 @@ class KernelRow(_Doc):
 class Profile(_Doc):
     """Device seconds per kernel class of one step."""
 
-    SOURCE: ClassVar[str] = "bench/profile_step.py"
+    SOURCE: ClassVar[str] = "moeplan profile"
 
     step_wall_s: PositiveFloat
     class_s: dict[str, NonNegativeFloat]
@@ -281,7 +281,8 @@ def calibrate(profile: Profile, plan: Plan, base: ClusterSpec, name: str,
             factors["hbm"] = hbm
         factors.update(fit_links(sweep, base))
         node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
-    efficiency = {k: round(v, 3) for k, v in factors.items() if k != "nvlink_latency_us"}
+    # three significant digits: a factor is a measurement, and a small one must stay above 0
+    efficiency = {k: float(f"{v:.3g}") for k, v in factors.items() if k != "nvlink_latency_us"}
     cluster = with_efficiency(base, **efficiency)
     try:
         cluster = ClusterSpec.model_validate({**cluster.model_dump(), "name": name,

@@ -413,11 +413,36 @@ def _int_list(text: str, option: str) -> list[int]:
 # ---- export and training ------------------------------------------------------------------
 
 
+@app.command("profile")
+@user_errors
+def profile_cmd(
+    plan: PlanArg,
+    out: Annotated[Path, typer.Option("--out", help="Profile JSON to write.")],
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Profiled steps.")] = 2,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps run first.")] = 2,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Profile a 1-GPU plan's training step kernel by kernel (the input of `calibrate`)."""
+    import subprocess
+
+    loaded = catalog.load_plan(plan)
+    if loaded.degrees.world != 1:
+        raise SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
+                        f"{loaded.degrees.world} GPUs")
+    if out.exists() and not force:
+        raise SpecError(f"--out: {out} exists; pass --force to replace it")
+    code = subprocess.call([sys.executable, "-m", "runtime.profile", "--plan", str(plan),
+                            "--out", str(out), "--steps", str(steps), "--warmup", str(warmup)])
+    if code != 0:
+        typer.echo(f"error: profiling exited with status {code}", err=True)
+        raise typer.Exit(code)
+
+
 @app.command("calibrate")
 @user_errors
 def calibrate_cmd(
     profile: Annotated[Path, typer.Argument(
-        help="One profiled 1-GPU step: bench/profile_step.py's JSON.")],
+        help="One profiled 1-GPU step: `moeplan profile`'s JSON.")],
     plan: Annotated[Path, typer.Option("--plan", help="The 1-GPU plan that was profiled.")],
     out: Annotated[Path, typer.Option("--out", help="Calibrated cluster YAML to write.")],
     collectives: Annotated[Path | None, typer.Option(

@@ -80,7 +80,7 @@ def test_bad_inputs_write_nothing(tmp_path):
     one_line_error(calibrate(PROFILE, "--plan", ROOT / "bench" / "gpu_plans" /
                              "mixtral2l_pp2.json", "--out", out), "--plan", "1-GPU")
     one_line_error(calibrate(SWEEP, "--plan", PLAN, "--out", out), "profile", "step_wall_s",
-                   "bench/profile_step.py")
+                   "moeplan profile")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--collectives", PROFILE, "--out", out),
                    "--collectives", "world", "bench/calibrate_gpu.py")
     wrong = tmp_path / "wrong.json"
@@ -100,3 +100,31 @@ def test_an_existing_out_file_is_kept(tmp_path):
     before = out.read_text()
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--out", out), "--out", "--force")
     assert out.read_text() == before
+
+
+def test_profile_then_calibrate_then_search_on_this_machine(tmp_path):
+    # the user's flow end to end (on CPU the profiled "kernels" are CPU operators)
+    plan = tmp_path / "tiny.json"
+    r = runner.invoke(app, ["search", "tiny-moe", "h200", "--gpus", "1", "--global-batch", "2",
+                            "--seq-len", "64", "--runnable", "--out", str(plan)])
+    assert r.exit_code == 0, r.output
+    prof = tmp_path / "prof.json"
+    r = runner.invoke(app, ["profile", str(plan), "--out", str(prof), "--steps", "1",
+                            "--warmup", "1"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(prof.read_text())["step_wall_s"] > 0
+    one_line_error(runner.invoke(app, ["profile", str(plan), "--out", str(prof)]), "--force")
+    cal = tmp_path / "mine.yaml"
+    r = calibrate(prof, "--plan", plan, "--base", "h200", "--name", "mine", "--out", cal)
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["search", "tiny-moe", str(cal), "--gpus", "1", "--global-batch",
+                            "2", "--seq-len", "64", "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_profile_refuses_a_plan_for_several_gpus(tmp_path):
+    out = tmp_path / "p.json"
+    one_line_error(runner.invoke(app, ["profile", str(ROOT / "bench" / "gpu_plans" /
+                                                       "mixtral2l_pp2.json"), "--out", str(out)]),
+                   "degrees", "2 GPUs")
+    assert not out.exists()
