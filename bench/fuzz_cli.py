@@ -11,7 +11,8 @@ Each case runs under typer's CliRunner with a per-case deadline (SIGALRM) and is
 - wrote:       a failing case created or changed a file (`--out`, `--plot`), or `train` launched
 
 Zero tracebacks, hangs, bad errors and writes is the target. `train` gets only cases that must
-fail before launching (its launcher is replaced by one that records the launch).
+fail before launching (its launcher is replaced by one that records the launch), and so does
+`profile`.
 
     python bench/fuzz_cli.py [--cases 10000] [--seed 0] [--timeout 20]
 """
@@ -301,8 +302,11 @@ def case(rng: random.Random, inputs: Inputs, results: Results
          ) -> tuple[str, list[str], str, Path | None]:
     """(command, argv, what the inputs were, an output path to watch)."""
     cmd = rng.choices(["search", "explain", "validate", "export", "whatif", "scale", "train",
-                       "calibrate", "misc"], weights=[20, 12, 16, 12, 8, 8, 10, 8, 4])[0]
+                       "calibrate", "profile", "misc"],
+                      weights=[20, 12, 16, 12, 8, 8, 10, 8, 4, 4])[0]
     watch = None
+    if cmd == "profile":
+        return ("profile", *_profile_case(rng, inputs))
     if cmd == "calibrate":
         return ("calibrate", *_calibrate_case(rng, inputs, results))
     if cmd == "search":
@@ -368,6 +372,28 @@ def case(rng: random.Random, inputs: Inputs, results: Results
                        ["validate"], ["export", inputs.plans and str(inputs.dir / "p0.json")],
                        ["whatif", "tiny-moe", "h100", "--gpus", "8"], ["--version"]])
     return "misc", argv, "usage", None
+
+
+def _profile_case(rng: random.Random, inputs: Inputs) -> tuple[list[str], str, Path]:
+    """Arguments that must make `profile` fail before it launches anything."""
+    out = inputs.path(".json")
+    what = rng.choice(["plan", "world", "exists", "steps"])
+    if what == "plan":
+        while True:  # only invalid plans: a valid 1-GPU plan would launch
+            plan, desc = inputs.plan()
+            try:
+                catalog.load_plan(plan)
+            except SpecError:
+                break
+        return ["profile", plan, "--out", str(out)], f"plan {desc}", out
+    if what == "world":
+        return ["profile", str(GPU_PLANS / "mixtral2l_sp2_ep2_a2a.json"), "--out", str(out)], \
+            what, out
+    if what == "exists":
+        out.write_text("precious\n")
+        return ["profile", str(GPU_PLANS / "mixtral2l_1gpu.json"), "--out", str(out)], what, out
+    return ["profile", str(GPU_PLANS / "mixtral2l_1gpu.json"), "--out", str(out), "--steps",
+            rng.choice(["0", "-1", "x"])], what, out
 
 
 def _train_case(rng: random.Random, inputs: Inputs) -> tuple[list[str], str]:
