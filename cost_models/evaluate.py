@@ -79,8 +79,7 @@ def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
 
 
 def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
-    d = plan.degrees
-    tokens = plan.micro_batch_size * plan.training.seq_len / (d.sp * d.cp * d.tp)
+    d, tokens = plan.degrees, pl.micro_batch_tokens(plan)
     return (pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp),
             pl.head_cost(plan.model, plan.cluster, tokens, d.tp))
 

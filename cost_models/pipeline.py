@@ -42,7 +42,8 @@ class EdgeCost:
         return self.fwd_s + self.bwd_s
 
 
-def _tokens(plan: Plan) -> float:
+def micro_batch_tokens(plan: Plan) -> float:
+    """Tokens of one micro-batch per rank outside attention: b s / (sp cp tp)."""
     d = plan.degrees
     return plan.micro_batch_size * plan.training.seq_len / (d.sp * d.cp * d.tp)
 
@@ -67,15 +68,24 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int) ->
     backward reads them and writes bf16 logit gradients). Under TP the norm output is
     all-gathered first (reduce-scattered back in backward)."""
     c, m, t = cluster, model, tokens
-    rows, cols = t * tp, m.vocab / tp
+    rows = t * tp
     ag = comm.all_gather_s(rows * m.hidden * AB, comm.group_layout(tp, 1, c.node.gpus_per_node), c)
-    logits = rows * cols * (AB + cc.FP32_BYTES)
-    fwd = (cc.memory_s(2 * t * m.hidden * AB, c) + ag
-           + cc.gemm_s(rows, cols, m.hidden, c, Precision.bf16) + cc.memory_s(logits, c))
-    bwd = (cc.memory_s(logits, c) + cc.gemm_s(rows, m.hidden, cols, c, Precision.bf16)
-           + cc.gemm_s(m.hidden, cols, rows, c, Precision.bf16) + ag
-           + cc.memory_s(3 * t * m.hidden * AB, c))
+    logits = rows * m.vocab / tp * (AB + cc.FP32_BYTES)
+    gemm_fwd, gemm_bwd = head_gemm_s(model, cluster, tokens, tp)
+    fwd = cc.memory_s(2 * t * m.hidden * AB, c) + ag + gemm_fwd + cc.memory_s(logits, c)
+    bwd = cc.memory_s(logits, c) + gemm_bwd + ag + cc.memory_s(3 * t * m.hidden * AB, c)
     return EdgeCost(fwd, bwd)
+
+
+def head_gemm_s(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int
+                ) -> tuple[float, float]:
+    """The LM head's GEMMs over b s/(sp cp) rows and vocab/tp columns (bf16 also in fp8
+    training): forward logits; backward data and weight gradients."""
+    rows, cols, h = tokens * tp, model.vocab / tp, model.hidden
+    fwd = cc.gemm_s(rows, cols, h, cluster, Precision.bf16)
+    bwd = (cc.gemm_s(rows, h, cols, cluster, Precision.bf16)
+           + cc.gemm_s(h, cols, rows, cluster, Precision.bf16))
+    return fwd, bwd
 
 
 def p2p_transfer_s(plan: Plan) -> float:
@@ -85,7 +95,7 @@ def p2p_transfer_s(plan: Plan) -> float:
     if d.pp == 1:
         return 0.0
     layout = comm.group_layout(d.pp, d.world // d.pp, c.node.gpus_per_node)
-    return comm.send_recv_s(_tokens(plan) * plan.model.hidden * AB, c, layout.nodes > 1)
+    return comm.send_recv_s(micro_batch_tokens(plan) * plan.model.hidden * AB, c, layout.nodes > 1)
 
 
 def exposed_p2p_s(plan: Plan, transfer_s: float) -> float:

@@ -37,10 +37,10 @@ from pydantic import (
 
 import cost_models
 from cost_models import comm
-from cost_models import compute as cc
+from cost_models import pipeline as pl
 from cost_models.layer import layer_key
 from cost_models.layer_graph import OpKind, backward_graph, forward_graph
-from plans import ClusterSpec, Plan, Precision, SpecError, catalog
+from plans import ClusterSpec, Plan, SpecError, catalog
 from plans.errors import describe
 from plans.execution import deviations, executed_plan
 
@@ -184,12 +184,10 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
         for _, data in graph.nodes(data=True):
             if (label := kinds.get(data["op"].kind)) is not None:
                 per_layer[label] += data["duration_s"]
-    m, c, h, v = plan.num_micro_batches, plan.cluster, plan.model.hidden, plan.model.vocab
+    m = plan.num_micro_batches
     out = {k: t * plan.model.layers * m for k, t in per_layer.items()}
-    rows = plan.micro_batch_size * plan.training.seq_len
-    head = sum(cc.gemm_s(a, b, k, c, Precision.bf16)
-               for a, b, k in ((rows, v, h), (rows, h, v), (h, v, rows)))
-    out["gemm"] += head * m
+    head = pl.head_gemm_s(plan.model, plan.cluster, pl.micro_batch_tokens(plan), plan.degrees.tp)
+    out["gemm"] += sum(head) * m
     return out
 
 

@@ -4,7 +4,7 @@
     python -m runtime.profile --plan PLAN --out PROFILE.json [--steps 2] [--warmup 2]
     (or: moeplan profile PLAN --out PROFILE.json)
 
-Writes JSON: what ran (torch, GPU, date, the commit in MOEPLAN_COMMIT or git when known), the
+Writes JSON: what ran (runtime.provenance: commit, date, torch, GPU), the
 plan summary, wall time per step, device busy time per step (sum of kernel durations: one
 stream, so they do not overlap) and the idle fraction (launch and host overheads), device time
 per kernel class (GEMM, grouped GEMM, attention, elementwise, reduction / indexing / sorting,
@@ -15,12 +15,9 @@ top-level CPU operators. Bad input: one line naming the field, exit status 2.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -35,6 +32,7 @@ from plans.catalog import load_plan
 from runtime.data import SyntheticTokens
 from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.parallelize import check_supported
+from runtime.provenance import metadata
 from runtime.trainer import Trainer, build_trainer
 
 EXIT_BAD_INPUT = 2
@@ -76,17 +74,6 @@ def kernel_times(prof, cuda: bool) -> dict[str, tuple[int, float]]:
     return {k: (c, s) for k, (c, s) in out.items()}
 
 
-def _commit() -> str | None:
-    if commit := os.environ.get("MOEPLAN_COMMIT"):
-        return commit
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=Path(__file__).parent,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def profile_steps(trainer: Trainer, plan: Plan, steps: int, warmup: int, top: int = 25
                   ) -> dict:
     """Run ``warmup`` steps, then profile ``steps`` more; the measurement as a JSON document."""
@@ -106,11 +93,7 @@ def profile_steps(trainer: Trainer, plan: Plan, steps: int, warmup: int, top: in
         classes[classify(name)] += s / steps
     slowest = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     return {
-        "commit": _commit(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if cuda else None,
+        **metadata(),
         "plan_summary": plan.summary(),
         "profiled_steps": steps,
         "step_wall_s": wall,

@@ -1,0 +1,42 @@
+"""What a measurement ran on: commit, date, Python, machine, torch, GPU. torch is imported only
+when this is called, so torch-free benchmark scripts can stamp their results too."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def commit() -> str:
+    """MOEPLAN_COMMIT when set (a tree sent to a GPU machine by `git archive`: the repository
+    around it, if any, is not the one it came from), else git's short HEAD, else "unknown"."""
+    if named := os.environ.get("MOEPLAN_COMMIT"):
+        return named
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=Path(__file__).parent,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def metadata() -> dict:
+    try:
+        import torch
+
+        torch_version = torch.__version__
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except ImportError:
+        torch_version, gpu = None, None
+    return {
+        "commit": commit(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "torch": torch_version,
+        "gpu": gpu,
+    }
