@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 
@@ -33,6 +33,9 @@ class Component(StrEnum):
     """Forward compute of the pipeline schedule (includes the forward regions above)."""
     backward = "backward"
     """Backward of the pipeline schedule (includes the ``_bwd`` regions)."""
+    loss = "loss"
+    """The loss of the last stage's micro-batches (inside ``forward``): logits to float32 and
+    cross-entropy."""
     forward_backward = "forward_backward"
     """The whole pipeline schedule of a step (forward, backward, pipeline communication)."""
     grad_sync = "grad_sync"
@@ -52,15 +55,31 @@ COMPONENT_KEYS = tuple(c.value for c in Component) + tuple(f"{c.value}_bwd" for 
 """Every key of a step's ``components_s`` (0.0 when the layout has no such work)."""
 
 
+RegionObserver = Callable[[str, bool], None]
+"""Called with a region's name when it opens (True) and closes (False)."""
+
+
 class Timers:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, observers: tuple[RegionObserver, ...] = ()):
         self.cuda = device.type == "cuda"
+        self.observers = observers
         self._cpu: dict[str, float] = defaultdict(float)
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._open: dict[str, object] = {}
 
+    def _notify(self, key: str, opening: bool) -> None:
+        for observe in self.observers:
+            observe(key, opening)
+
     @contextmanager
     def region(self, name: Component) -> Iterator[None]:
+        self._notify(name.value, True)
+        try:
+            yield from self._timed(name)
+        finally:
+            self._notify(name.value, False)
+
+    def _timed(self, name: Component) -> Iterator[None]:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -75,6 +94,7 @@ class Timers:
     def start(self, name: Component | str) -> None:
         """Open a region closed by ``stop`` (for module hooks, which cannot hold a context)."""
         key = name if isinstance(name, str) else name.value
+        self._notify(key, True)
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -99,6 +119,7 @@ class Timers:
         began = self._open.pop(key, None)
         if began is None:  # a backward region whose start node did not run (no gradient)
             return
+        self._notify(key, False)
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -116,8 +116,9 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy summed over this rank's tokens, divided by the step's global token
         count: the replicas' gradient sum is then the gradient of the global mean."""
-        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-        return ce * self.loss_scale
+        with self.timers.region(Component.loss):
+            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            return ce * self.loss_scale
 
     # ---- a step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> float:

@@ -1,0 +1,118 @@
+"""Device memory of a run: the allocator set-up, the check of a plan's predicted peak against the
+device before the first step, the one-line report of an out-of-memory error, and the per-phase
+peaks the memory benchmark records (bench/memory_suite.py).
+
+The plan carries the cost model's predicted peak (``prediction.peak_memory_gib``, the caching
+allocator's reserved bytes at the step's peak); the runtime never prices a plan itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from plans import Plan
+from runtime.metrics import Component
+
+GIB = 2**30
+
+ALLOCATOR_CONF = "expandable_segments:True"
+"""PyTorch's caching allocator with expandable segments: blocks of a freed size class are grown
+in place instead of left as fragments, so the reserved peak stays close to the allocated peak
+(the cost model's allocator reserve assumes it)."""
+
+
+def configure_allocator() -> None:
+    """Expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF; call before CUDA's first
+    allocation."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)
+
+
+class InsufficientMemory(ValueError):
+    """The plan's predicted peak does not fit the device's free memory."""
+
+
+def check_fits(plan: Plan, device: torch.device) -> None:
+    """Refuse, before the first step, a plan whose predicted peak exceeds the device's free
+    memory (CUDA only: on CPU the launcher checks host memory). A plan without a prediction
+    (hand-written) is not checked."""
+    if device.type != "cuda" or plan.prediction is None:
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    need = plan.prediction.peak_memory_gib * GIB
+    if need > free:
+        raise InsufficientMemory(
+            f"prediction.peak_memory_gib: the plan needs {need / GIB:.1f} GiB per GPU, "
+            f"{torch.cuda.get_device_name(device)} {device.index} has {free / GIB:.1f} GiB free "
+            f"of {total / GIB:.1f} GiB (re-plan for this GPU, e.g. moeplan search with a "
+            f"smaller --micro-batch or recomputation)"
+        )
+
+
+def out_of_memory_line(plan: Plan, device: torch.device, rank: int, step: int) -> str:
+    """What a rank prints when the allocator fails: predicted and measured peaks, no traceback."""
+    predicted = (f"{plan.prediction.peak_memory_gib:.1f} GiB" if plan.prediction
+                 else "none (plan has no prediction)")
+    measured = ""
+    if device.type == "cuda":
+        measured = (f", measured peak {torch.cuda.max_memory_allocated(device) / GIB:.1f} GiB "
+                    f"allocated / {torch.cuda.max_memory_reserved(device) / GIB:.1f} GiB reserved"
+                    f" of {torch.cuda.get_device_properties(device).total_memory / GIB:.1f} GiB")
+    return (f"error: rank {rank}: out of memory during step {step + 1}: predicted peak "
+            f"{predicted}{measured}")
+
+
+PHASES = (Component.forward, Component.loss, Component.backward, Component.grad_sync,
+          Component.optimizer)
+"""The phases of a step the memory benchmark reports a peak for (``loss`` is inside
+``forward`` on the last stage; a pipeline schedule opens forward and backward once per
+micro-batch and chunk)."""
+
+
+@dataclass
+class MemoryPhases:
+    """Peak and closing allocated bytes of every phase of a step, and the step's overall peak
+    allocated and reserved bytes. A ``Timers`` observer: each phase boundary reads the
+    allocator's peak since the previous boundary, credits it to the phases open, and resets it
+    (so a phase's peak is its own even when phases alternate, as forward and backward do in
+    1F1B)."""
+
+    device: torch.device
+    peak: dict[str, int] = field(default_factory=dict)
+    end: dict[str, int] = field(default_factory=dict)
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    _open: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak.clear()
+        self.end.clear()
+        self._open.clear()
+        self.peak_allocated = self.peak_reserved = 0
+
+    def _read(self) -> None:
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        self.peak_allocated = max(self.peak_allocated, allocated)
+        self.peak_reserved = max(self.peak_reserved, torch.cuda.max_memory_reserved(self.device))
+        for name in self._open:
+            self.peak[name] = max(self.peak.get(name, 0), allocated)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __call__(self, name: str, entering: bool) -> None:
+        if name not in {p.value for p in PHASES}:
+            return
+        torch.cuda.synchronize(self.device)
+        self._read()
+        if entering:
+            self._open.append(name)
+            return
+        self._open.remove(name)
+        self.end[name] = max(self.end.get(name, 0), torch.cuda.memory_allocated(self.device))
+
+    def finish(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._read()
