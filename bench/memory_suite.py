@@ -46,6 +46,8 @@ import torch.distributed as dist  # noqa: E402
 from _meta import metadata  # noqa: E402
 from memory_cases import CASES  # noqa: E402
 
+from plans import Plan  # noqa: E402
+from plans.catalog import load_plan  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
@@ -83,8 +85,8 @@ def module_probes(model: torch.nn.Module, device: torch.device, armed: list[bool
     return {"kept": kept, "handles": handles}
 
 
-def run_case(name: str, rank: int, world: int, device: torch.device, seed: int) -> dict:
-    plan = CASES[name]()
+def run_case(name: str, plan: Plan, rank: int, world: int, device: torch.device,
+             seed: int) -> dict:
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, seed)
     out: dict = {"case": name, "plan_summary": plan.summary(),
@@ -140,6 +142,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, required=True, help="run the cases of this many GPUs")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    p.add_argument("--plan-files", type=Path, nargs="*", default=[],
+                   help="plan files to run as cases too, named by their file stem "
+                        "(with --plan-files only, no built-in case runs unless --cases names it)")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -149,22 +154,24 @@ def main(argv=None) -> int:
     if world != args.world:
         print(f"error: --world {args.world} but WORLD_SIZE={world}", file=sys.stderr)
         return 2
-    names = [n for n in (args.cases.split(",") if args.cases else CASES) if n]
+    names = [n for n in (args.cases.split(",") if args.cases or args.plan_files else CASES)
+             if n]
     unknown = [n for n in names if n not in CASES]
     if unknown:
         print(f"error: --cases: unknown {', '.join(unknown)}", file=sys.stderr)
         return 2
+    plans = {n: CASES[n]() for n in names}
+    plans.update({f.stem: load_plan(f) for f in args.plan_files})
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     if world > 1:
         dist.init_process_group("nccl", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=5), device_id=device)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        plan = CASES[name]()
+    for name, plan in plans.items():
         if plan.degrees.world != world:
             continue
-        result = run_case(name, rank, world, device, args.seed)
+        result = run_case(name, plan, rank, world, device, args.seed)
         ranks = [result]
         if world > 1:
             ranks = [None] * world

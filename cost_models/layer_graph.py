@@ -82,7 +82,8 @@ class Op:
     fuse_rows: float = 0.0
     """Rows of that GEMM; the collective's first 128-row tile chunk is the pipeline fill."""
     selective: bool = False
-    """Recomputed in backward under Recompute.selective (paper Sec. 4.1)."""
+    """Recomputed in backward under Recompute.selective: the attention core (RoPE and
+    FlashAttention), as the runtime reruns it (runtime.parallel.parallelize.apply_recompute)."""
     recompute: bool = False
     """This is a backward-pass rerun of a forward operator."""
 
@@ -134,9 +135,10 @@ class _Builder:
         return self.add(op, *after)
 
     def attention(self, name: str, flops: float, *after: str | None) -> str:
+        """The attention core (RoPE and FlashAttention): what Recompute.selective reruns."""
         c = self.key.cluster
         op = Op(name, OpKind.attention, cc.flash_attention_fwd_s(flops, c),
-                (cc.flash_attention_bwd_s(flops, c),))
+                (cc.flash_attention_bwd_s(flops, c),), selective=True)
         return self.add(op, *after)
 
     def comm(self, name: str, t: Transfer, *after: str | None, fuse_with: str | None = None,
@@ -152,7 +154,7 @@ class _Builder:
 def _attention(g: _Builder, x: str | None) -> str:
     k, m = g.key, g.key.model
     h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
-    norm = g.memory("attn_norm", 2 * t * h * AB, 3 * t * h * AB, x, selective=True)
+    norm = g.memory("attn_norm", 2 * t * h * AB, 3 * t * h * AB, x)
     match k.attention:
         case UlyssesAttention():
             a2a_qkv, a2a_out = vol.ulysses_attention(m, b, s, k.sp)
@@ -167,8 +169,7 @@ def _attention(g: _Builder, x: str | None) -> str:
         case TPAttention():
             ag, rs = vol.tp_attention(m, b, s, k.tp)
             kv_dim = vol.kv_heads_sent(m, k.tp) * m.head_dim
-            gathered = g.comm("tp_all_gather", ag, norm, fuse_with="qkv_gemm", rows=b * s,
-                              selective=True)
+            gathered = g.comm("tp_all_gather", ag, norm, fuse_with="qkv_gemm", rows=b * s)
             qkv = g.gemm("qkv_gemm", b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
@@ -190,8 +191,7 @@ def _attention(g: _Builder, x: str | None) -> str:
 
 def _swiglu(g: _Builder, prefix: str, rows: float, width: float, fc13: str) -> str:
     """SwiGLU: read fc1 and gate outputs, write the product; backward reads 3, writes 2."""
-    return g.memory(f"{prefix}swiglu", 3 * rows * width * AB, 5 * rows * width * AB, fc13,
-                    selective=True)
+    return g.memory(f"{prefix}swiglu", 3 * rows * width * AB, 5 * rows * width * AB, fc13)
 
 
 def _dense_ffn(g: _Builder, norm: str) -> str:
@@ -203,8 +203,7 @@ def _dense_ffn(g: _Builder, norm: str) -> str:
         return g.gemm("dense_fc2", t, h, f, act)
     ag, rs = vol.tp_attention(m, k.batch, k.seq_len, k.tp)
     rows = k.batch * k.seq_len
-    gathered = g.comm("dense_all_gather", ag, norm, fuse_with="dense_fc13", rows=rows,
-                      selective=True)
+    gathered = g.comm("dense_all_gather", ag, norm, fuse_with="dense_fc13", rows=rows)
     fc13 = g.gemm("dense_fc13", rows, 2 * f / k.tp, h, gathered)
     act = _swiglu(g, "dense_", rows, f / k.tp, fc13)
     fc2 = g.gemm("dense_fc2", rows, h, f / k.tp, act)
@@ -237,18 +236,16 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
     if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
         send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
         perm = g.memory("dispatch_permute", (t + rows) * row_bytes, (t + rows) * row_bytes,
-                        norm, topk, selective=True)
-        ready = g.comm("ep_dispatch", send, perm, fuse_with="expert_fc13", rows=rows,
-                       selective=True)
+                        norm, topk)
+        ready = g.comm("ep_dispatch", send, perm, fuse_with="expert_fc13", rows=rows)
         shared = _shared_experts(g, norm, t, 1)
     else:
         send, back = (vol.ep_ffn(m, t, n, Dispatch.allgather_reduce_scatter)
                       if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
         # All-gather every rank's tokens, then pick the rows routed to local experts.
-        arrived = g.comm(send.kind.value, send, norm, fuse_with="expert_fc13", rows=rows,
-                         selective=True)
+        arrived = g.comm(send.kind.value, send, norm, fuse_with="expert_fc13", rows=rows)
         ready = g.memory("dispatch_scatter", 2 * rows * row_bytes,
-                         (rows + n * t) * row_bytes, arrived, topk, selective=True)
+                         (rows + n * t) * row_bytes, arrived, topk)
         # Shared experts are replicated under EP (local tokens), split by etp under TP.
         shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens, k.etp)
     fc13 = g.grouped("expert_fc13", local, per_expert, 2 * width, h, ready)
@@ -270,7 +267,7 @@ def forward_graph(key: LayerKey) -> nx.DiGraph:
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
     attn = _attention(g, None)
-    norm = g.memory("ffn_norm", 2 * t * h * AB, 3 * t * h * AB, attn, selective=True)
+    norm = g.memory("ffn_norm", 2 * t * h * AB, 3 * t * h * AB, attn)
     outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm)
     g.memory("ffn_residual", 3 * t * h * AB, 0.0, attn, *outs)
     return g.graph

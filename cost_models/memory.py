@@ -31,10 +31,11 @@ class MemoryBreakdown:
     """Bytes per GPU on the stage with the highest peak."""
 
     components_bytes: Mapping[str, float]
-    """params, grads, optimizer (always resident); activations, activation_working (the layer
-    being recomputed or back-propagated), comm_buffers, logits (during forward/backward); and
-    optimizer_step_workspace (during the optimizer step). The peak is the resident states plus
-    the larger of the two phases, so these do not add up to it."""
+    """params, grads, optimizer (always resident); activations, comm_buffers, and either
+    activation_working (the layer being recomputed or back-propagated) or logits (the loss),
+    during forward/backward; optimizer_step_workspace (during the optimizer step); and the
+    caching allocator's reserve. The peak is the resident states plus the larger of the two
+    phases plus the reserve, so these do not add up to it."""
     peak_bytes: float
     capacity_bytes: float
     """gpu.hbm_gib x 2^30 x efficiency.memory_usable."""
@@ -53,32 +54,99 @@ class MemoryBreakdown:
                 f"{self.capacity_bytes / GIB:.1f} GiB on stage {self.stage}")
 
 
+EP_LOAD = 1.1
+"""Rows an EP rank receives, over the balanced share (k x tokens / ep), averaged over a
+stage's layers: the memory suite measured up to 1.074 on a rank (single layers up to 1.22)
+with the runtime's freshly initialised routers (bench/results/h200/memory, *_ep2_*)."""
+BACKWARD_WORKING = 0.2
+"""Back-propagating a layer holds, beside its activations, the gradients of its largest
+operators' outputs: measured 1.18x the layer's activations at the backward peak of a
+fully recomputed layer (mixtral2l_1gpu_mbs8_full)."""
+
+
+def layer_activation_terms(
+    model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
+    dense: bool, micro_batch: int = 1,
+) -> dict[str, float]:
+    """Bytes one layer keeps for backward per micro-batch, ``tokens`` per rank, by the tensor
+    this runtime's autograd graph saves (runtime/model.py, runtime/moe.py, runtime/parallel/);
+    each term checked against the bytes each module keeps on H200 (bench/memory_suite.py,
+    module_kept_bytes; tests/cost_models/test_cm_memory.py holds them to it).
+
+    - norms: each RMSNorm keeps its fp32 input copy and fp32 normalised value and hands a bf16
+      output to the next operator: 10 h per norm;
+    - attention_input (TP attention): the all-gathered sequence, one batch-major copy per
+      Q/K/V projection when the micro-batch has more than one sequence: 2 tp h each;
+    - attention_core: RoPE'd q, k and v expanded to the query heads (GQA repeat) and the SDPA
+      output, 8 q_dim, plus the fp32 log-sum-exp; Ulysses adds the all-to-all'd output the out
+      projection keeps (2 q_dim). Selective recomputation keeps the projections' outputs
+      (q, k, v) and the core's output instead;
+    - router: fp32 probabilities (4 E) and the top-k indices and weights (12 k);
+    - expert rows: the dispatched rows the grouped GEMMs keep (2 k h) and the SwiGLU
+      intermediates (fc1, silu, fc3, product: 8 k F), times the EP rank's load; combine keeps
+      the returned rows (2 k h) and the weighted rows its scatter-add keeps (2 k h); the
+      all-gather dispatcher keeps both at the rank's load; expert TP at etp;
+    - dense_ffn: dense layers and shared experts, 8 F (the input is the norm's output);
+    - layer_output: the residual stream handed to the next layer (2 h).
+    Full recomputation keeps the layer input (2 h) only."""
+    h = model.hidden
+    if policy == Recompute.full:
+        return {"layer_input": 2.0 * h * tokens}
+    terms = {"norms": 2 * 10.0 * h}
+    if degrees.tp > 1:
+        copies = 3 if micro_batch > 1 else 1
+        terms["attention_input"] = copies * 2.0 * degrees.tp * h
+    if policy == Recompute.selective:
+        terms["attention_core"] = 2.0 * (model.q_dim + 2 * model.kv_dim) + 2.0 * model.q_dim
+    else:
+        ulysses_out = 2.0 * model.q_dim if degrees.sp > 1 else 0.0
+        terms["attention_core"] = 8.0 * model.q_dim + 4.0 * model.query_heads + ulysses_out
+    if dense:
+        terms["dense_ffn"] = 8.0 * model.dense_ffn_hidden
+    else:
+        k = model.top_k * (ffn.capacity_factor if isinstance(ffn, EPFFN)
+                           and ffn.capacity_factor else 1.0)
+        terms["router"] = 4.0 * model.experts + 12.0 * model.top_k
+        f = model.expert_ffn_hidden
+        if isinstance(ffn, EPFFN):
+            load = EP_LOAD if degrees.ep > 1 else 1.0
+            per_row = 2.0 * h + 8.0 * f
+            if ffn.dispatch == Dispatch.all_to_all:
+                terms["expert_rows"] = k * per_row * load + 4.0 * k * h
+            else:
+                terms["expert_rows"] = k * (per_row + 4.0 * h) * load
+        else:
+            terms["expert_rows"] = 6.0 * k * h * degrees.etp + 8.0 * k * f
+        if model.shared_experts:
+            terms["dense_ffn"] = 8.0 * model.shared_experts * model.shared_expert_ffn_hidden
+    terms["layer_output"] = 2.0 * h
+    return {name: b * tokens for name, b in terms.items()}
+
+
 def layer_activation_bytes(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
-    dense: bool,
+    dense: bool, micro_batch: int = 1,
 ) -> float:
-    """Activations one layer keeps for backward per micro-batch, ``tokens`` per rank.
+    """The sum of ``layer_activation_terms``."""
+    return sum(layer_activation_terms(model, tokens, degrees, ffn, policy, dense,
+                                      micro_batch).values())
 
-    Paper Sec. 4.1 (read as bytes, in units of b s h / n = tokens x h):
-    before selective (2n + 2k + 3kf + 12 + 5/m), after (2kf + 4 + 2/m), where 2n is the
-    all-gathered FFN input (n = ep) and 4 + 2/m are Q, K, V and the attention output.
-    TP layouts (Megatron with sequence parallelism, Korthikanti et al. 2022, Sec. 4.1): 11 for
-    attention (flash attention drops the 5as/h score term) + 4 for the two norm inputs, with the
-    FFN input kept sharded and re-gathered in backward (2 instead of 2n).
-    Dense layers: k = 1, f = dense_ffn_hidden / h, no dispatch copies.
-    Full recomputation keeps only the layer input (2)."""
-    if policy == Recompute.full:
-        return 2 * tokens * model.hidden
-    m = model.gqa_ratio
-    cf = ffn.capacity_factor if isinstance(ffn, EPFFN) and ffn.capacity_factor else 1.0
-    k, f = (1, model.dense_ffn_hidden / model.hidden) if dense else (
-        model.top_k * cf, model.expert_ffn_hidden / model.hidden)
-    if policy == Recompute.selective:
-        return (2 * k * f + 4 + 2 / m) * tokens * model.hidden
-    tp_layout = degrees.tp > 1 or degrees.etp > 1
-    attention = 15 if tp_layout else 12 + 5 / m
-    ffn_in = 2 if dense else (2 if tp_layout else 2 * degrees.ep) + 2 * k
-    return (attention + ffn_in + 3 * k * f) * tokens * model.hidden
+
+LOSS_BYTES_PER_LOGIT = 12
+"""Peak bytes per logit of the loss (runtime.trainer._loss: bf16 logits, float(),
+cross_entropy): in forward the bf16 logits, their fp32 copy and the fp32 log-probabilities
+(10); in backward the saved log-probabilities, their gradient and the logits' fp32 gradient
+(12). Measured: 11.9 per logit on H200 (qwen4l_1gpu_mbs4)."""
+SAVED_BYTES_PER_LOGIT = 4
+"""The fp32 log-probabilities each micro-batch keeps from its loss to its backward."""
+HEAD_BYTES_PER_TOKEN_H = 10 + 2
+"""The final RMSNorm's kept tensors (10 h) and the embedding's output (2 h)."""
+ALLOCATOR_RESERVE = 0.16
+"""Reserved over allocated bytes of the caching allocator (expandable segments,
+runtime.memory.configure_allocator), as a fraction of the step's transient bytes (above the
+resident states): 9% to 12% in the memory suite, 23% under full recomputation at a large
+vocabulary (qwen4l_1gpu_mbs8_full); 0.16 keeps every plan of the suite within -3% .. +10%
+(docs/memory.md)."""
 
 
 def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -> float:
@@ -129,7 +197,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     tokens = batch * seq_len / (d.sp * d.cp * d.tp)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     per_layer = {
-        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense)
+        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch)
         for dense in (False, True) for pol in (policy, Recompute.none)
     }
     layers = [[0, 0] for _ in range(d.pp)]
@@ -140,44 +208,37 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         layers[c % d.pp][1] += n_dense
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
-    # per stage: weights + grads per parameter, optimizer states over the ZeRO-1 shard; on top,
-    # the larger of the forward/backward transients and the optimizer-step workspace (they
-    # are never alive at once)
-    state_bytes = WEIGHT_BYTES + grad_bytes_per_param(grad_precision)
-    opt_bytes = opt.state_bytes_per_param
+    # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
+    logits = tokens * (LOSS_BYTES_PER_LOGIT * model.vocab + HEAD_BYTES_PER_TOKEN_H * model.hidden)
     dense_shard, expert_shard = d.dp * d.cp * d.sp, d.edp
-    logits = tokens * model.vocab * FP32_BYTES
-    peak_stage, peak = 0, -1.0
-    for i in range(d.pp):
+
+    def stage(i: int) -> tuple[dict[str, float], float]:
+        """Components of stage i and its peak: the resident states plus the larger of the
+        training transients and the optimizer-step workspace (never alive at once), plus the
+        allocator's reserve on that. In training, the loss (last stage) and the recomputed or
+        back-propagated layer's working set come one after the other, so the larger counts."""
         moe, dense = layers[i]
         p = params[i]
+        parts = _state_bytes(p, d, grad_precision, opt)
         stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
-        working = per_layer[moe == 0, Recompute.none] - per_layer[moe == 0, policy]
-        shard = p.dense / dense_shard + p.expert / expert_shard
-        training = (stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
-                    + (working if moe + dense else 0.0) + buffers
-                    + (logits if i == d.pp - 1 else 0.0))
-        total = (state_bytes * p.total + opt_bytes * shard
-                 + max(training, OPTIMIZER_STEP_WORKSPACE_BYTES * shard))
-        if total > peak:
-            peak_stage, peak = i, total
-    i = peak_stage
-    moe, dense = layers[i]
-    stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
-    parts = _state_bytes(params[i], d, grad_precision, opt)
-    parts["activations"] = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
-    working = per_layer[moe == 0, Recompute.none] - per_layer[moe == 0, policy]
-    parts["activation_working"] = working if moe + dense else 0.0
-    parts["comm_buffers"] = buffers
-    # fp32 logits of one micro-batch on the last stage: b s/(sp cp) rows x vocab/tp,
-    # which is tokens (b s / (sp cp tp)) x vocab.
-    parts["logits"] = logits if i == d.pp - 1 else 0.0
-    p = params[i]
-    step = OPTIMIZER_STEP_WORKSPACE_BYTES * (p.dense / dense_shard + p.expert / expert_shard)
-    states = parts["params"] + parts["grads"] + parts["optimizer"]
-    training = sum(parts.values()) - states
-    parts["optimizer_step_workspace"] = step
-    return MemoryBreakdown(MappingProxyType(parts), states + max(training, step), capacity, i)
+        parts["activations"] = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
+        working = ((1 + BACKWARD_WORKING) * per_layer[moe == 0, Recompute.none]
+                   - per_layer[moe == 0, policy])
+        parts["activation_working"] = working if moe + dense else 0.0
+        parts["comm_buffers"] = buffers
+        parts["logits"] = logits if i == d.pp - 1 else 0.0
+        training = (parts["activations"] + parts["comm_buffers"]
+                    + max(parts["activation_working"], parts["logits"]))
+        step = OPTIMIZER_STEP_WORKSPACE_BYTES * (p.dense / dense_shard + p.expert / expert_shard)
+        parts["optimizer_step_workspace"] = step
+        transient = max(training, step)
+        parts["allocator_reserve"] = ALLOCATOR_RESERVE * transient
+        states = parts["params"] + parts["grads"] + parts["optimizer"]
+        return parts, states + transient + parts["allocator_reserve"]
+
+    peak_stage = max(range(d.pp), key=lambda i: stage(i)[1])
+    parts, peak = stage(peak_stage)
+    return MemoryBreakdown(MappingProxyType(parts), peak, capacity, peak_stage)
 
 
 def memory_breakdown(plan: Plan) -> MemoryBreakdown:

@@ -7,8 +7,10 @@
 
 Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL with bf16 parameters (fp32 AdamW masters) on CUDA,
 gloo and fp32 on CPU.
-Bad input (plan missing or invalid, unsupported field, world size mismatch) prints one line
-naming the field and the reason and exits with status 2. A failed or timed-out collective (a
+Bad input (plan missing or invalid, unsupported field, world size mismatch, a predicted peak
+memory above the GPU's free memory) prints one line naming the field and the reason and exits
+with status 2. Running out of device memory prints one line with the predicted and measured
+peaks and exits with status 1. A failed or timed-out collective (a
 peer died, ``--timeout-s`` passed) prints one line and exits with status 1; SIGTERM (torchrun
 stopping the other ranks after one failed) prints one line and exits with status 143.
 """
@@ -33,6 +35,7 @@ from plans.catalog import load_plan
 from plans.execution import deviations
 from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
+from runtime.memory import InsufficientMemory, check_fits, configure_allocator, out_of_memory_line
 from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.mesh import WorldSizeMismatch
 from runtime.parallel.optimizer import OptimizerConfig
@@ -146,10 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    configure_allocator()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        try:
+            check_fits(plan, device)
+        except InsufficientMemory as e:
+            print(f"error: rank {rank}: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     owns_group = world > 1 and not dist.is_initialized()
     if owns_group:
         # NCCL's watchdog aborts the communicator on an error or timeout instead of hanging
@@ -162,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(d.note(), file=sys.stderr, flush=True)
     try:
         return _train(args, plan, data, rank, world, device, owns_group)
+    except torch.OutOfMemoryError:
+        print(out_of_memory_line(plan, device, rank, _Progress.step), file=sys.stderr,
+              flush=True)
+        return EXIT_FAILED
     except (dist.DistError, RuntimeError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"error: rank {rank}: training stopped during step {_Progress.step + 1}: "

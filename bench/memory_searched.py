@@ -1,0 +1,47 @@
+"""The plans `moeplan search --runnable` picks for the memory issue's jobs: reduced-depth
+Qwen3-30B-A3B and DeepSeekMoE shapes (4 layers), global batch 16 x 4096, on 1 and 2 H200s of the
+calibrated cluster h200-runtime. Written to bench/gpu_plans/memory/ for bench/memory_suite.py
+(``--plan-files``), which checks on the device that they run without running out of memory and
+records their peaks for bench/memory_report.py (held out: chosen by the cost model before they
+were measured).
+
+    python bench/memory_searched.py        # imports the planner: run on the CPU machine
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+from memory_cases import SHAPES, TRAINING  # noqa: E402
+
+from planner.search import search  # noqa: E402
+from planner.space import SearchSpace  # noqa: E402
+from plans import catalog  # noqa: E402
+
+OUT = HERE / "gpu_plans" / "memory"
+JOBS = [(shape, gpus) for shape in ("qwen4l", "deepseek4l") for gpus in (1, 2)]
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for shape, gpus in JOBS:
+        name, layers = SHAPES[shape]
+        full = catalog.load_model(name)
+        model = full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
+        result = search(model, catalog.load_cluster("h200-runtime", gpus=gpus), TRAINING,
+                        SearchSpace().runnable(), top=1)
+        if result.best is None:
+            raise SystemExit(f"error: no plan fits for {shape} on {gpus} GPUs")
+        plan = result.best.plan
+        path = OUT / f"searched_{shape}_{gpus}gpu.json"
+        path.write_text(plan.model_dump_json(indent=2) + "\n")
+        print(f"{path.name}: {plan.summary()} predicted peak "
+              f"{plan.prediction.peak_memory_gib:.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
