@@ -103,6 +103,7 @@ def explain_document(plan: Plan, e: Evaluation) -> dict:
         "memory_gib": {k: v / GIB for k, v in e.memory.components_bytes.items()},
         "peak_memory_gib": e.memory.peak_bytes / GIB,
         "usable_memory_gib": e.memory.capacity_bytes / GIB,
+        "memory_safety_margin": 1 - plan.cluster.efficiency.memory_usable,
     }
 
 
@@ -135,9 +136,13 @@ def print_explain(plan: Plan, e: Evaluation, console: Console) -> None:
     mem.add_column("GiB", justify="right")
     for k, v in e.memory.components_bytes.items():
         mem.add_row(k, f"{v / GIB:.2f}")
-    mem.add_row("[bold]peak[/bold] = states + max(fwd/bwd transients, optimizer step)",
-                f"{e.memory.peak_bytes / GIB:.2f}")
-    mem.add_row("usable", f"{e.memory.capacity_bytes / GIB:.2f}")
+    mem.add_row("[bold]peak[/bold] = states + max(fwd/bwd transients, optimizer step) "
+                "+ allocator reserve", f"{e.memory.peak_bytes / GIB:.2f}")
+    gpu, usable = plan.cluster.gpu, plan.cluster.efficiency.memory_usable
+    mem.add_row(f"usable = {gpu.hbm_gib:g} GiB HBM x {usable:g} (safety margin "
+                f"{1 - usable:.0%}: CUDA context, NCCL buffers, prediction error)",
+                f"{e.memory.capacity_bytes / GIB:.2f}")
+    mem.add_row("headroom", f"{(e.memory.capacity_bytes - e.memory.peak_bytes) / GIB:.2f}")
     console.print(mem)
     if not e.feasible:
         console.print(f"[red]infeasible:[/red] {e.reason}")

@@ -207,18 +207,20 @@ def _option_groups(options: list, exhaustive: bool) -> list[list]:
     """Options of one layout in groups ordered fastest-first, where within a group each option
     is never faster and never leaner than the one before it (dominance):
     - stronger overlap hides more communication at the same memory;
-    - lower-precision gradient sync moves fewer bytes and keeps smaller gradient buffers;
     - less recomputation is faster (more memory): the first that fits beats the rest.
-    Only the dispatcher choice trades time against memory, so it forms the groups."""
+    The dispatcher and the gradient-sync precision trade time against memory (a bf16 or fp8
+    sync keeps smaller buffers but its optimizer step casts the gradient slice to fp32), so
+    each pair of them forms a group."""
     if exhaustive:
         return [[o] for o in options]
     overlap = max({o[1] for o in options}, key=_OVERLAP_STRENGTH.index)
-    sync = min({o[3] for o in options}, key=_LEAN_SYNC.index)
     groups = []
     for dispatch in dict.fromkeys(o[0] for o in options):
-        group = [o for o in options if o[0] == dispatch and o[1] == overlap and o[3] == sync]
-        group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
-        groups.append(group + [o for o in options if o[0] == dispatch and o not in group])
+        for sync in dict.fromkeys(o[3] for o in options):
+            same = [o for o in options if o[0] == dispatch and o[3] == sync]
+            group = [o for o in same if o[1] == overlap]
+            group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
+            groups.append(group + [o for o in same if o not in group])
     return groups
 
 
@@ -266,10 +268,14 @@ def _fits_leanest(plan: Plan, options) -> bool:
     recomputes = sorted({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
     syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)
     dispatches = {o[0] for o in options}
+    # no recomputation policy is leanest everywhere: full recomputation back-propagates a
+    # whole recomputed layer, which can exceed what selective keeps when a stage holds one
+    # layer of one micro-batch (cost_models.memory)
     for dispatch in dispatches:
-        lean = _with_option(plan, (dispatch, options[0][1], recomputes[0], syncs[0]))
-        if cost_models.memory_breakdown(lean).fits:
-            return True
+        for recompute in recomputes:
+            lean = _with_option(plan, (dispatch, options[0][1], recompute, syncs[0]))
+            if cost_models.memory_breakdown(lean).fits:
+                return True
     return False
 
 

@@ -95,3 +95,25 @@ def test_cp_only_on_request():
     cp = SearchSpace(attention=(AttentionKind.cp,))
     found = search(model, cluster, training, cp, top=1, with_baseline=False)
     assert found.best.plan.attention.kind == "cp"
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_emitted_plans_fit_with_the_safety_margin(gpus):
+    # the memory issue's job (Qwen3-30B-A3B shape, 4 layers, 16 x 4096, 150k vocabulary):
+    # every plan the search emits, and the baseline, fits the usable memory (HBM x
+    # memory_usable); the best 2-GPU plan ran on H200 at 122.1 GiB of a predicted 127.6
+    from planner.space import SearchSpace
+    from plans import TrainingSpec
+
+    full = catalog.load_model("qwen3-30b-a3b")
+    model = full.model_copy(update={"layers": 4})
+    cluster = catalog.load_cluster("h200-runtime", gpus=gpus)
+    result = search(model, cluster, TrainingSpec(global_batch=16, seq_len=4096),
+                    SearchSpace().runnable(), top=8)
+    usable = cluster.gpu.hbm_gib * cluster.efficiency.memory_usable
+    emitted = [r.plan for r in result.top] + ([result.baseline.plan] if result.baseline else [])
+    assert emitted
+    for plan in emitted:
+        assert plan.prediction.peak_memory_gib <= usable
+        # a micro-batch of 8 on one GPU needs the loss's 55 GiB on top of 46 GiB of states
+        assert not (gpus == 1 and plan.micro_batch_size == 8 and plan.recompute == "none")
