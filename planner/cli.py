@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from planner.export import Target as ExportTarget
 from planner.space import AttentionKind, SearchSpace
 from plans import Overlap, Plan, Precision, Recompute, SpecError, TrainingSpec, catalog
 from plans.errors import describe
@@ -522,25 +523,28 @@ def _median_abs(rows: list[dict], key: str) -> float | None:
 @user_errors
 def export_cmd(
     plan: PlanArg,
-    to: Annotated[str, typer.Option("--to", help="megatron, torchrun or slurm.")],
-    steps: Annotated[int | None, typer.Option("--steps", min=1)] = None,
+    to: Annotated[ExportTarget, typer.Option("--to", help="What to launch with.")],
+    steps: Annotated[int | None, typer.Option(
+        "--steps", min=1, help="Optimizer steps (megatron: --train-iters; else the runtime's "
+        "--steps); default: megatron's script asks for TRAIN_ITERS, the runtime runs 10.")
+    ] = None,
 ) -> None:
-    """Print the plan as Megatron-LM arguments, a torchrun command or an sbatch script."""
-    import shlex
+    """Print a launch script for the plan: Megatron-LM's pretrain_gpt.py, or moeplan's runtime
+    under torchrun or Slurm. A plan Megatron cannot express is refused with the reason.
 
-    from planner.export import Target, megatron_script, slurm_script, torchrun_command
+    Examples: moeplan export plan.json --to megatron --steps 1000 > megatron.sh
+    """
+    import cost_models
+    from planner.export import megatron_script, slurm_script, torchrun_script
 
-    try:
-        target = Target(to)
-    except ValueError:
-        raise SpecError(f"--to: unknown target {to!r}; one of: "
-                        f"{', '.join(t.value for t in Target)}") from None
     loaded = catalog.load_plan(plan)
-    if target == Target.megatron:
-        typer.echo(megatron_script(loaded), nl=False)
-    elif target == Target.torchrun:
-        cmd = torchrun_command(loaded, str(plan), steps)
-        typer.echo(" ".join(a if "$" in a else shlex.quote(a) for a in cmd))
+    evaluation = cost_models.evaluate(loaded)
+    if not evaluation.feasible:
+        typer.echo(f"warning: {plan}: the plan does not fit: {evaluation.reason}", err=True)
+    if to == ExportTarget.megatron:
+        typer.echo(megatron_script(loaded, steps), nl=False)
+    elif to == ExportTarget.torchrun:
+        typer.echo(torchrun_script(loaded, str(plan), steps), nl=False)
     else:
         typer.echo(slurm_script(loaded, str(plan), steps), nl=False)
 

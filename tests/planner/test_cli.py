@@ -178,3 +178,21 @@ def test_validate_says_how_the_runtime_would_run_the_plan(tmp_path):
     runnable = tmp_path / "r.json"
     assert run("search", *SMALL, "--runnable", "--json", "--out", str(runnable)).exit_code == 0
     assert "moeplan train runs it" not in run("validate", str(runnable)).output
+
+
+def test_export_refuses_with_one_line_and_warns_on_infeasible_plans(small_search, tmp_path):
+    doc = small_search["best"]
+    fp8 = {**doc, "training": {**doc["training"], "precision": "fp8"},
+           "grad_sync_precision": "fp8"}
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(fp8))
+    one_line_error(run("export", str(path), "--to", "megatron"), "--to megatron",
+                   "fp8 gradient sync")
+    assert run("export", str(path), "--to", "torchrun").exit_code == 0
+    small_gpu = {**doc, "cluster": {**doc["cluster"], "gpu": {**doc["cluster"]["gpu"],
+                                                              "hbm_gib": 1}}}
+    path.write_text(json.dumps(small_gpu))
+    result = CliRunner().invoke(app, ["export", str(path), "--to", "megatron"])
+    assert result.exit_code == 0
+    assert "warning:" in result.stderr and "does not fit" in result.stderr
+    assert "MEGATRON_ARGS=(" in result.stdout
