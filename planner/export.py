@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from enum import StrEnum
 
 from plans import EPFFN, Dispatch, Plan, Precision, Recompute, SpecError
 
 RDZV_PORT = 29500
-
-
-class Target(StrEnum):
-    megatron = "megatron"
-    torchrun = "torchrun"
-    slurm = "slurm"
 
 
 def megatron_layout(plan: Plan) -> str:

@@ -12,6 +12,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from plans.enums import Precision
+
 
 class Frozen(BaseModel):
     """Base of every contract type: immutable, unknown fields rejected, docstrings as docs."""
@@ -309,16 +311,6 @@ class ClusterSpec(Frozen):
 # --------------------------------------------------------------------------------------------
 # Training job
 # --------------------------------------------------------------------------------------------
-
-
-class Precision(StrEnum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp8 = "fp8"
-
-    @property
-    def bytes(self) -> int:
-        return {"fp32": 4, "bf16": 2, "fp8": 1}[self.value]
 
 
 class Optimizer(StrEnum):
