@@ -71,7 +71,7 @@ class OneLineErrors(TyperGroup):
 
 app = typer.Typer(
     cls=OneLineErrors,
-    no_args_is_help=True, pretty_exceptions_enable=False,
+    no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Plan, explain and run Mixture-of-Experts training the MegaScale-MoE way.\n\n"
     "\b\nExamples:\n"
@@ -188,7 +188,13 @@ def _write_new(path: Path, text: str, force: bool) -> None:
 @app.command("catalog")
 @user_errors
 def catalog_cmd(json_out: JsonOpt = False) -> None:
-    """List the built-in models and clusters."""
+    """List the built-in models and clusters.
+
+    \b
+    Examples:
+      moeplan catalog
+      moeplan catalog --json
+    """
     models = {n: plans.catalog.load_model(n) for n in plans.catalog.names("models")}
     clusters = {n: plans.catalog.load_cluster(n) for n in plans.catalog.names("clusters")}
     if json_out:
@@ -292,7 +298,13 @@ def search_cmd(
 @app.command()
 @user_errors
 def explain(plan: PlanArg, json_out: JsonOpt = False) -> None:
-    """Time breakdown per layer and per step, memory breakdown and critical path of a plan."""
+    """Time breakdown per layer and per step, memory breakdown and critical path of a plan.
+
+    \b
+    Examples:
+      moeplan explain plan.json
+      moeplan explain plan.json --json
+    """
     import cost_models
     from planner.report import explain_document, print_explain
 
@@ -307,7 +319,12 @@ def explain(plan: PlanArg, json_out: JsonOpt = False) -> None:
 @app.command()
 @user_errors
 def validate(plan: PlanArg) -> None:
-    """Re-check a plan, generated or hand-written, against its specs and memory."""
+    """Re-check a plan, generated or hand-written, against its specs and memory.
+
+    \b
+    Example:
+      moeplan validate plan.json
+    """
     import cost_models
     from plans.execution import deviations, executed_plan
 
@@ -341,12 +358,13 @@ PlotOpt = Annotated[
 
 
 def _progress_search(json_out: bool, label: str):
-    """A progress bar on stderr (off under --json): yields a callback (done, total)."""
+    """A progress bar on a terminal's stderr (off under --json, piped or in CI logs): yields a
+    callback (done, total)."""
     from contextlib import contextmanager
 
     @contextmanager
     def bar():
-        if json_out:
+        if json_out or not sys.stderr.isatty():
             yield None
             return
         from rich.console import Console
@@ -497,7 +515,12 @@ def profile_cmd(
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps run first.")] = 2,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
 ) -> None:
-    """Profile a 1-GPU plan's training step kernel by kernel (the input of `calibrate`)."""
+    """Profile a 1-GPU plan's training step kernel by kernel (the input of `calibrate`).
+
+    \b
+    Example:
+      moeplan profile bench/gpu_plans/mixtral2l_1gpu.json --out profile.json
+    """
     import subprocess
 
     loaded = plans.catalog.load_plan(plan)
@@ -538,7 +561,13 @@ def calibrate_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Fit the cost model's efficiency factors to this runtime on your GPUs, and show how well
-    the calibrated model predicts measured steps it never saw."""
+    the calibrated model predicts measured steps it never saw.
+
+    \b
+    Example:
+      moeplan calibrate profile.json --plan bench/gpu_plans/mixtral2l_1gpu.json \\
+          --out my-h200.yaml
+    """
     import yaml
 
     from planner import calibrate as cal
@@ -608,7 +637,11 @@ def export_cmd(
     """Print a launch script for the plan: Megatron-LM's pretrain_gpt.py, or moeplan's runtime
     under torchrun or Slurm. A plan Megatron cannot express is refused with the reason.
 
-    Examples: moeplan export plan.json --to megatron --steps 1000 > megatron.sh
+    \b
+    Examples:
+      moeplan export plan.json --to megatron --steps 1000 > megatron.sh
+      moeplan export plan.json --to slurm --steps 1000 > job.sbatch
+      moeplan export plan.json --to torchrun > run.sh
     """
     import cost_models
     from planner.export import megatron_script, slurm_script, torchrun_script
@@ -639,7 +672,13 @@ def train_cmd(
     ckpt_every: Annotated[int | None, typer.Option("--ckpt-every", min=1)] = None,
     resume: Annotated[bool, typer.Option("--resume")] = False,
 ) -> None:
-    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs)."""
+    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs).
+
+    \b
+    Example:
+      moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 --out tiny.json
+      moeplan train tiny.json --steps 20 --log metrics.jsonl
+    """
     import subprocess
 
     loaded = plans.catalog.load_plan(plan)
