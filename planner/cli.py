@@ -10,17 +10,20 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from enum import StrEnum
 from functools import wraps
 from pathlib import Path
 from typing import Annotated
 
-import typer
-from rich.console import Console
-from typer.core import TyperGroup
+# Help in click's plain format: it reads the same piped, in CI logs and at 80 columns, and
+# `moeplan --help` does not import rich (typer reads this when it is imported).
+os.environ.setdefault("TYPER_USE_RICH", "0")
 
-from planner.space import AttentionKind, SearchSpace
-from plans import Overlap, Plan, Precision, Recompute, SpecError, TrainingSpec, catalog
-from plans.errors import describe
+import typer  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
+
+import plans  # noqa: E402  (lazy: pydantic and the models load inside the commands)
+from plans.enums import AttentionKind, Overlap, Precision, Recompute  # noqa: E402
 
 try:  # typer 0.2x vendors its own click; older versions use click itself
     from typer._click import exceptions as click
@@ -51,9 +54,9 @@ class OneLineErrors(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
-        except click.NoArgsIsHelpError as e:
+        except click.NoArgsIsHelpError as e:  # bare `moeplan` or a bare command: help, status 0
             typer.echo(e.ctx.get_help() if e.ctx else e.format_message())
-            sys.exit(e.exit_code)
+            sys.exit(0)
         except click.UsageError as e:
             typer.echo(f"error: {usage_line(e)}", err=True)
             sys.exit(e.exit_code)
@@ -68,9 +71,46 @@ class OneLineErrors(TyperGroup):
 
 app = typer.Typer(
     cls=OneLineErrors,
-    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-    help="Plan, explain and run Mixture-of-Experts training the MegaScale-MoE way.",
+    no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Plan, explain and run Mixture-of-Experts training the MegaScale-MoE way.\n\n"
+    "\b\nExamples:\n"
+    "  moeplan catalog\n"
+    "  moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 --out plan.json\n"
+    "  moeplan explain plan.json\n"
+    "  moeplan export plan.json --to megatron --steps 1000 > megatron.sh",
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from planner.version import moeplan_version
+
+        typer.echo(f"moeplan {moeplan_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Plan, explain and run Mixture-of-Experts training the MegaScale-MoE way."""
+
+
+class TrainingPrecision(StrEnum):
+    """Compute precisions a training job may use (fp32 is a gradient-sync precision only)."""
+
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class ExportTarget(StrEnum):
+    megatron = "megatron"
+    torchrun = "torchrun"
+    slurm = "slurm"
+
 
 # ---- shared arguments and options, declared once ---------------------------------------------
 ModelArg = Annotated[str, typer.Argument(help="Catalog model name or a .yaml/.json ModelSpec.")]
@@ -79,10 +119,12 @@ ClusterArg = Annotated[
 ]
 PlanArg = Annotated[Path, typer.Argument(help="A plan JSON (from `moeplan search --out`).")]
 GpusOpt = Annotated[int, typer.Option("--gpus", min=1, help="GPUs in the job.")]
-BatchOpt = Annotated[int, typer.Option("--global-batch", min=1, help="Sequences per step.")]
+BatchOpt = Annotated[int | None, typer.Option(
+    "--global-batch", min=1, help="Sequences per step; default half the GPU count (the "
+    "paper's 720 sequences of 8,192 tokens on 1,440 GPUs: 4,096 tokens per GPU).")]
 SeqOpt = Annotated[int, typer.Option("--seq-len", min=1, help="Tokens per sequence.")]
 PrecisionOpt = Annotated[
-    Precision, typer.Option("--precision", help="Training compute precision (bf16 or fp8).")
+    TrainingPrecision, typer.Option("--precision", help="Training compute precision.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")]
 
@@ -99,30 +141,45 @@ def user_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except SpecError as e:
+        except plans.SpecError as e:
             raise _fail(str(e)) from None
 
     return wrapper
 
 
-def _training(global_batch: int, seq_len: int, precision: Precision) -> TrainingSpec:
+def default_global_batch(gpus: int) -> int:
+    """--global-batch when not given: half a sequence per GPU, the paper's 720 sequences on
+    1,440 GPUs, sized to the job instead of applying that job to every GPU count."""
+    return max(1, gpus // 2)
+
+
+def _training(global_batch: int | None, seq_len: int, precision: TrainingPrecision,
+              gpus: int) -> tuple[plans.TrainingSpec, str]:
+    """The job's TrainingSpec, and a note for the job header when the batch was defaulted."""
+    from plans.errors import describe
+
+    note = ""
+    if global_batch is None:
+        global_batch, note = default_global_batch(gpus), " (default: GPUs / 2)"
     try:
-        return TrainingSpec(global_batch=global_batch, seq_len=seq_len, precision=precision)
+        spec = plans.TrainingSpec(global_batch=global_batch, seq_len=seq_len,
+                                  precision=Precision(precision.value))
     except Exception as e:  # pydantic ValidationError
-        raise SpecError(f"training: {describe(e)}") from None
+        raise plans.SpecError(f"training: {describe(e)}") from None
+    return spec, note
 
 
 def _write_new(path: Path, text: str, force: bool) -> None:
     """Write atomically; never replace a file the user made unless asked."""
     if path.exists() and not force:
-        raise SpecError(f"--out: {path} exists; pass --force to replace it")
+        raise plans.SpecError(f"--out: {path} exists; pass --force to replace it")
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise SpecError(f"--out: cannot write {path} ({e.strerror})") from None
+        raise plans.SpecError(f"--out: cannot write {path} ({e.strerror})") from None
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -131,42 +188,30 @@ def _write_new(path: Path, text: str, force: bool) -> None:
 @app.command("catalog")
 @user_errors
 def catalog_cmd(json_out: JsonOpt = False) -> None:
-    """List the built-in models and clusters."""
-    models = {n: catalog.load_model(n) for n in catalog.names("models")}
-    clusters = {n: catalog.load_cluster(n) for n in catalog.names("clusters")}
+    """List the built-in models and clusters.
+
+    \b
+    Examples:
+      moeplan catalog
+      moeplan catalog --json
+    """
+    models = {n: plans.catalog.load_model(n) for n in plans.catalog.names("models")}
+    clusters = {n: plans.catalog.load_cluster(n) for n in plans.catalog.names("clusters")}
     if json_out:
         typer.echo(json.dumps({
             "models": {n: m.model_dump(mode="json") for n, m in models.items()},
             "clusters": {n: c.model_dump(mode="json") for n, c in clusters.items()},
         }, indent=2))
         return
-    from rich.table import Table
+    from planner.report import print_catalog
 
-    console = Console()
-    t = Table(title="Models", title_justify="left")
-    for col in ("name", "layers", "hidden", "heads q/kv", "experts", "top-k", "total", "active"):
-        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
-    for n, m in models.items():
-        t.add_row(n, str(m.layers), str(m.hidden), f"{m.query_heads}/{m.kv_heads}",
-                  str(m.experts), str(m.top_k), f"{m.total_params / 1e9:.1f}B",
-                  f"{m.active_params / 1e9:.1f}B")
-    console.print(t)
-    t = Table(title="Clusters", title_justify="left")
-    for col in ("name", "GPU", "bf16 TFLOP/s", "HBM GiB", "NVLink GB/s", "domain", "network",
-                "net GB/s/GPU"):
-        left = col in ("name", "GPU", "network")
-        t.add_column(col, justify="left" if left else "right", no_wrap=left)
-    for n, c in clusters.items():
-        t.add_row(n, c.gpu.name, f"{c.gpu.bf16_dense_tflops:g}", f"{c.gpu.hbm_gib:g}",
-                  f"{c.node.nvlink_gb_s:g}", str(c.node.gpus_per_node), c.network.name,
-                  f"{c.network_gb_s_per_gpu:g}")
-    console.print(t)
+    print_catalog(models, clusters)
 
 
 @app.command()
 def schema() -> None:
     """Print the Plan JSON Schema."""
-    typer.echo(json.dumps(Plan.model_json_schema(), indent=2))
+    typer.echo(json.dumps(plans.Plan.model_json_schema(), indent=2))
 
 
 @app.command("search")
@@ -175,9 +220,9 @@ def search_cmd(
     model: ModelArg,
     cluster: ClusterArg,
     gpus: GpusOpt,
-    global_batch: BatchOpt = 720,
+    global_batch: BatchOpt = None,
     seq_len: SeqOpt = 8192,
-    precision: PrecisionOpt = Precision.bf16,
+    precision: PrecisionOpt = TrainingPrecision.bf16,
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to keep.")] = 5,
     overlap: Annotated[
         list[Overlap] | None,
@@ -201,45 +246,51 @@ def search_cmd(
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Find the fastest plans that fit, beside the Megatron-LM-style layout."""
-    from planner.report import print_search, search_document
-    from planner.search import search
+    """Find the fastest plans that fit, beside the Megatron-LM-style layout.
 
-    spec_model = catalog.load_model(model)
-    spec_cluster = catalog.load_cluster(cluster, gpus=gpus)
-    training = _training(global_batch, seq_len, precision)
+    \b
+    Examples:
+      moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 --seq-len 4096
+      moeplan search internal-352b h800 --gpus 1440 --global-batch 720 --json
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.json
+    """
+    from planner.report import job_document, job_text, print_search, search_document
+    from planner.search import search
+    from planner.space import SearchSpace
+
+    spec_model = plans.catalog.load_model(model)
+    spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
+    training, batch_note = _training(global_batch, seq_len, precision, gpus)
     space = SearchSpace(
         overlap=tuple(overlap) if overlap else tuple(Overlap),
         recompute=tuple(recompute) if recompute else tuple(Recompute),
         **({"attention": tuple(attention)} if attention else {}),
     )
     if runnable:
-        if precision != Precision.bf16:
-            raise SpecError(f"--precision: the runtime runs GEMMs in bf16, not {precision}; "
-                            "drop --runnable or use bf16")
+        if precision != TrainingPrecision.bf16:
+            raise plans.SpecError(f"--precision: the runtime runs GEMMs in bf16, not "
+                                  f"{precision}; drop --runnable or use bf16")
         space = space.runnable()
     if json_out:
         result = search(spec_model, spec_cluster, training, space, top=top)
     else:
-        from rich.progress import Progress
-
-        with Progress(transient=True, console=Console(stderr=True)) as bar:
-            task = bar.add_task("searching layouts", total=None)
+        with _progress_search(False, "searching layouts") as progress:
             result = search(spec_model, spec_cluster, training, space, top=top,
-                            progress=lambda i, n: bar.update(task, completed=i, total=n))
+                            progress=progress)
     if result.best is None:
-        raise SpecError(
+        raise plans.SpecError(
             f"--gpus: no plan of {spec_model.name} fits {gpus} x {spec_cluster.gpu.name} "
-            f"(global batch {global_batch}, seq {seq_len}); "
+            f"(global batch {training.global_batch}, seq {seq_len}); "
             f"{result.stats.pruned_memory} candidates out of memory, "
             f"{result.stats.invalid} invalid"
         )
     if out is not None:
         _write_new(out, result.best.plan.model_dump_json(indent=2), force)
     if json_out:
-        typer.echo(json.dumps(search_document(result), indent=2))
+        job = job_document(spec_model, spec_cluster, training)
+        typer.echo(json.dumps(search_document(result, job), indent=2))
     else:
-        print_search(result, Console())
+        print_search(result, job_text(spec_model, spec_cluster, training, batch_note))
         if out is not None:
             typer.echo(f"best plan written to {out}")
 
@@ -247,29 +298,40 @@ def search_cmd(
 @app.command()
 @user_errors
 def explain(plan: PlanArg, json_out: JsonOpt = False) -> None:
-    """Time breakdown per layer and per step, memory breakdown and critical path of a plan."""
+    """Time breakdown per layer and per step, memory breakdown and critical path of a plan.
+
+    \b
+    Examples:
+      moeplan explain plan.json
+      moeplan explain plan.json --json
+    """
     import cost_models
     from planner.report import explain_document, print_explain
 
-    loaded = catalog.load_plan(plan)
+    loaded = plans.catalog.load_plan(plan)
     evaluation = cost_models.evaluate(loaded)
     if json_out:
         typer.echo(json.dumps(explain_document(loaded, evaluation), indent=2))
     else:
-        print_explain(loaded, evaluation, Console())
+        print_explain(loaded, evaluation)
 
 
 @app.command()
 @user_errors
 def validate(plan: PlanArg) -> None:
-    """Re-check a plan, generated or hand-written, against its specs and memory."""
+    """Re-check a plan, generated or hand-written, against its specs and memory.
+
+    \b
+    Example:
+      moeplan validate plan.json
+    """
     import cost_models
     from plans.execution import deviations, executed_plan
 
-    loaded = catalog.load_plan(plan)
+    loaded = plans.catalog.load_plan(plan)
     evaluation = cost_models.evaluate(loaded)
     if not evaluation.feasible:
-        raise SpecError(f"{plan}: does not fit: {evaluation.reason}")
+        raise plans.SpecError(f"{plan}: does not fit: {evaluation.reason}")
     typer.echo(f"ok: {loaded.summary()}")
     typer.echo(f"predicted step {evaluation.step_time_s:.3f} s, {evaluation.tokens_per_s:,.0f} "
                f"tokens/s, MFU {evaluation.mfu:.1%}, peak memory "
@@ -296,14 +358,16 @@ PlotOpt = Annotated[
 
 
 def _progress_search(json_out: bool, label: str):
-    """A progress bar on stderr (off under --json): yields a callback (done, total)."""
+    """A progress bar on a terminal's stderr (off under --json, piped or in CI logs): yields a
+    callback (done, total)."""
     from contextlib import contextmanager
 
     @contextmanager
     def bar():
-        if json_out:
+        if json_out or not sys.stderr.isatty():
             yield None
             return
+        from rich.console import Console
         from rich.progress import Progress
 
         with Progress(transient=True, console=Console(stderr=True)) as p:
@@ -322,25 +386,35 @@ def whatif_cmd(
     vary: Annotated[list[str], typer.Option(
         "--vary", help="KNOB=V1,V2,... with values absolute or multipliers (2x); repeat for a "
         "grid. Knobs: gpu_tflops, hbm_gib, hbm_tb_s, nvlink_gb_s, nvlink_domain, network_gb_s.")],
-    global_batch: BatchOpt = 720,
+    global_batch: BatchOpt = None,
     seq_len: SeqOpt = 8192,
-    precision: PrecisionOpt = Precision.bf16,
+    precision: PrecisionOpt = TrainingPrecision.bf16,
     plot: PlotOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Change the hardware, re-plan at every point, and compare with the Megatron-style layout."""
-    from planner.report import print_whatif, whatif_document
+    """Change the hardware, re-plan at every point, and compare with the Megatron-style layout.
+
+    \b
+    Examples:
+      moeplan whatif mixtral-8x7b h800 --gpus 64 --global-batch 256 --vary gpu_tflops=1x,2x,4x
+      moeplan whatif internal-352b h800 --gpus 1440 --global-batch 720 \\
+          --vary nvlink_gb_s=400,900 --vary network_gb_s=25,50 --plot whatif.png
+    """
+    from planner.report import job_document, job_text, print_whatif, whatif_document
     from planner.whatif import parse_vary, whatif
 
     _check_plot(plot)
-    spec_model = catalog.load_model(model)
-    spec_cluster = catalog.load_cluster(cluster, gpus=gpus)
-    training = _training(global_batch, seq_len, precision)
+    spec_model = plans.catalog.load_model(model)
+    spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
+    training, batch_note = _training(global_batch, seq_len, precision, gpus)
     varies = [parse_vary(v) for v in vary]
     with _progress_search(json_out, "re-planning") as progress:
         points = whatif(spec_model, spec_cluster, training, varies, progress=progress)
     title = f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}"
-    _finish(points, json_out, plot, whatif_document, print_whatif,
+    _finish(points, json_out, plot,
+            lambda pts: whatif_document(pts, job_document(spec_model, spec_cluster, training)),
+            lambda pts: print_whatif(pts, job_text(spec_model, spec_cluster, training,
+                                                   batch_note)),
             lambda pts, path: _plots().whatif_plot(pts, path, title))
 
 
@@ -350,29 +424,48 @@ def scale_cmd(
     model: ModelArg,
     cluster: ClusterArg,
     gpus: Annotated[str, typer.Option("--gpus", help="GPU counts, comma-separated.")],
-    global_batch: BatchOpt = 720,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step (strong scaling); default half the "
+        "largest GPU count.")] = None,
     weak: Annotated[int | None, typer.Option(
         "--weak", min=1, help="Weak scaling: sequences per NVLink-domain replica "
         "(global batch grows with the GPUs); without it, strong scaling.")] = None,
     seq_len: SeqOpt = 8192,
-    precision: PrecisionOpt = Precision.bf16,
+    precision: PrecisionOpt = TrainingPrecision.bf16,
     plot: PlotOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Strong or weak scaling of the best plan and the Megatron-style layout."""
-    from planner.report import print_scale, scale_document
+    """Strong or weak scaling of the best plan and the Megatron-style layout.
+
+    \b
+    Examples:
+      moeplan scale internal-352b h800 --gpus 240,480,720,960,1440 --global-batch 720
+      moeplan scale internal-352b h800 --gpus 240,480,960 --weak 24 --plot scale.svg
+    """
+    from planner.report import job_document, print_scale, scale_document
     from planner.scale import scale
 
     counts = _int_list(gpus, "--gpus")
     _check_plot(plot)
-    spec_model = catalog.load_model(model)
-    spec_cluster = catalog.load_cluster(cluster)
-    training = _training(global_batch, seq_len, precision)
+    spec_model = plans.catalog.load_model(model)
+    spec_cluster = plans.catalog.load_cluster(cluster)
+    training, batch_note = _training(global_batch, seq_len, precision, max(counts))
     with _progress_search(json_out, "scaling") as progress:
         points = scale(spec_model, spec_cluster, training, counts, weak, progress=progress)
-    kind = f"weak, {weak} seqs/replica" if weak else f"strong, global batch {global_batch}"
+    kind = (f"weak, {weak} seqs/replica" if weak
+            else f"strong, global batch {training.global_batch}")
     title = f"{spec_model.name} on {spec_cluster.gpu.name} ({kind})"
-    _finish(points, json_out, plot, scale_document, print_scale,
+    header = (f"{spec_model.name} on {spec_cluster.gpu.name} x "
+              f"{', '.join(f'{c:,}' for c in counts)} GPUs: "
+              + (f"weak scaling, {weak} sequences per NVLink-domain replica" if weak else
+                 f"strong scaling, global batch {training.global_batch:,}{batch_note}")
+              + f" x {seq_len:,} tokens, {training.precision.value}")
+    job = {**job_document(spec_model, spec_cluster, training, gpus=counts),
+           "weak_seqs_per_replica": weak}
+    if weak:
+        job["global_batch"] = None
+    _finish(points, json_out, plot, lambda pts: scale_document(pts, job),
+            lambda pts: print_scale(pts, header),
             lambda pts, path: _plots().scale_plot(pts, path, title))
 
 
@@ -395,7 +488,7 @@ def _finish(points, json_out: bool, plot: Path | None, document, printer, draw) 
     if json_out:
         typer.echo(json.dumps(document(points), indent=2))
         return
-    printer(points, Console())
+    printer(points)
     if plot is not None:
         typer.echo(f"plot written to {plot}")
 
@@ -404,9 +497,9 @@ def _int_list(text: str, option: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SpecError(f"{option}: {text!r} must be comma-separated whole numbers") from None
+        raise plans.SpecError(f"{option}: {text!r} must be comma-separated whole numbers") from None
     if not values or min(values) < 1:
-        raise SpecError(f"{option}: {text!r} must list positive GPU counts")
+        raise plans.SpecError(f"{option}: {text!r} must list positive GPU counts")
     return values
 
 
@@ -422,15 +515,20 @@ def profile_cmd(
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Steps run first.")] = 2,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
 ) -> None:
-    """Profile a 1-GPU plan's training step kernel by kernel (the input of `calibrate`)."""
+    """Profile a 1-GPU plan's training step kernel by kernel (the input of `calibrate`).
+
+    \b
+    Example:
+      moeplan profile bench/gpu_plans/mixtral2l_1gpu.json --out profile.json
+    """
     import subprocess
 
-    loaded = catalog.load_plan(plan)
+    loaded = plans.catalog.load_plan(plan)
     if loaded.degrees.world != 1:
-        raise SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
+        raise plans.SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
                         f"{loaded.degrees.world} GPUs")
     if out.exists() and not force:
-        raise SpecError(f"--out: {out} exists; pass --force to replace it")
+        raise plans.SpecError(f"--out: {out} exists; pass --force to replace it")
     code = subprocess.call([sys.executable, "-m", "runtime.profile", "--plan", str(plan),
                             "--out", str(out), "--steps", str(steps), "--warmup", str(warmup)])
     if code != 0:
@@ -456,29 +554,35 @@ def calibrate_cmd(
     runs: Annotated[Path | None, typer.Option(
         "--runs", help="Folder of measured steps (train_step_<plan>.json) to test against.")
     ] = None,
-    plans: Annotated[Path, typer.Option(
+    plans_dir: Annotated[Path, typer.Option(
         "--plans", help="Folder of the measured runs' <plan>.json files.")
     ] = Path("bench/gpu_plans"),
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Fit the cost model's efficiency factors to this runtime on your GPUs, and show how well
-    the calibrated model predicts measured steps it never saw."""
+    the calibrated model predicts measured steps it never saw.
+
+    \b
+    Example:
+      moeplan calibrate profile.json --plan bench/gpu_plans/mixtral2l_1gpu.json \\
+          --out my-h200.yaml
+    """
     import yaml
 
     from planner import calibrate as cal
 
-    base_cluster = catalog.load_cluster(base)
+    base_cluster = plans.catalog.load_cluster(base)
     measured_profile = cal.read(cal.Profile, profile, "profile")
     sweep = cal.read(cal.Sweep, collectives, "--collectives") if collectives else None
     if runs is not None and not runs.is_dir():
-        raise SpecError(f"--runs: {runs} is not a folder")
-    result = cal.calibrate(measured_profile, catalog.load_plan(plan), base_cluster,
+        raise plans.SpecError(f"--runs: {runs} is not a folder")
+    result = cal.calibrate(measured_profile, plans.catalog.load_plan(plan), base_cluster,
                            name or f"{base_cluster.name}-calibrated", sweep)
-    pairs = cal.runs_with_plans(runs, plans) if runs else []
+    pairs = cal.runs_with_plans(runs, plans_dir) if runs else []
     if runs is not None and not pairs:
-        raise SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json in "
-                        f"{plans} (--plans)")
+        raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
+                              f"in {plans_dir} (--plans)")
     rows = []
     for run, plan_path in pairs:
         row = cal.fidelity_row(run, plan_path, result.cluster)
@@ -502,6 +606,8 @@ def calibrate_cmd(
                                "factors": result.factors, "out": str(out), "runs": rows,
                                "held_out": summary}, indent=2))
         return
+    from rich.console import Console
+
     from planner.report import calibration_tables
 
     Console().print(*calibration_tables(base_cluster, result, rows))
@@ -522,25 +628,32 @@ def _median_abs(rows: list[dict], key: str) -> float | None:
 @user_errors
 def export_cmd(
     plan: PlanArg,
-    to: Annotated[str, typer.Option("--to", help="megatron, torchrun or slurm.")],
-    steps: Annotated[int | None, typer.Option("--steps", min=1)] = None,
+    to: Annotated[ExportTarget, typer.Option("--to", help="What to launch with.")],
+    steps: Annotated[int | None, typer.Option(
+        "--steps", min=1, help="Optimizer steps (megatron: --train-iters; else the runtime's "
+        "--steps); default: megatron's script asks for TRAIN_ITERS, the runtime runs 10.")
+    ] = None,
 ) -> None:
-    """Print the plan as Megatron-LM arguments, a torchrun command or an sbatch script."""
-    import shlex
+    """Print a launch script for the plan: Megatron-LM's pretrain_gpt.py, or moeplan's runtime
+    under torchrun or Slurm. A plan Megatron cannot express is refused with the reason.
 
-    from planner.export import Target, megatron_script, slurm_script, torchrun_command
+    \b
+    Examples:
+      moeplan export plan.json --to megatron --steps 1000 > megatron.sh
+      moeplan export plan.json --to slurm --steps 1000 > job.sbatch
+      moeplan export plan.json --to torchrun > run.sh
+    """
+    import cost_models
+    from planner.export import megatron_script, slurm_script, torchrun_script
 
-    try:
-        target = Target(to)
-    except ValueError:
-        raise SpecError(f"--to: unknown target {to!r}; one of: "
-                        f"{', '.join(t.value for t in Target)}") from None
-    loaded = catalog.load_plan(plan)
-    if target == Target.megatron:
-        typer.echo(megatron_script(loaded), nl=False)
-    elif target == Target.torchrun:
-        cmd = torchrun_command(loaded, str(plan), steps)
-        typer.echo(" ".join(a if "$" in a else shlex.quote(a) for a in cmd))
+    loaded = plans.catalog.load_plan(plan)
+    evaluation = cost_models.evaluate(loaded)
+    if not evaluation.feasible:
+        typer.echo(f"warning: {plan}: the plan does not fit: {evaluation.reason}", err=True)
+    if to == ExportTarget.megatron:
+        typer.echo(megatron_script(loaded, steps), nl=False)
+    elif to == ExportTarget.torchrun:
+        typer.echo(torchrun_script(loaded, str(plan), steps), nl=False)
     else:
         typer.echo(slurm_script(loaded, str(plan), steps), nl=False)
 
@@ -559,26 +672,32 @@ def train_cmd(
     ckpt_every: Annotated[int | None, typer.Option("--ckpt-every", min=1)] = None,
     resume: Annotated[bool, typer.Option("--resume")] = False,
 ) -> None:
-    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs)."""
+    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs).
+
+    \b
+    Example:
+      moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 --out tiny.json
+      moeplan train tiny.json --steps 20 --log metrics.jsonl
+    """
     import subprocess
 
-    loaded = catalog.load_plan(plan)
+    loaded = plans.catalog.load_plan(plan)
     # check what the runtime would refuse before launching anything
     if data is not None:
         if data.suffix not in (".u16", ".u32"):
-            raise SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
+            raise plans.SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
         if not data.is_file():
-            raise SpecError(f"--data: {data} is not a file")
+            raise plans.SpecError(f"--data: {data} is not a file")
     if ckpt_every is not None and ckpt_dir is None:
-        raise SpecError("--ckpt-every: needs --ckpt-dir")
+        raise plans.SpecError("--ckpt-every: needs --ckpt-dir")
     if resume and ckpt_dir is None:
-        raise SpecError("--resume: needs --ckpt-dir")
+        raise plans.SpecError("--resume: needs --ckpt-dir")
     if ckpt_dir is not None and ckpt_dir.exists() and not ckpt_dir.is_dir():
-        raise SpecError(f"--ckpt-dir: {ckpt_dir} exists and is not a directory")
+        raise plans.SpecError(f"--ckpt-dir: {ckpt_dir} exists and is not a directory")
     world = loaded.degrees.world
     nproc = nproc_per_node or world
     if nproc != world:
-        raise SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the plan's "
+        raise plans.SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the plan's "
                         f"world size is {world}; for several nodes use "
                         "`moeplan export --to torchrun`")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",

@@ -3,22 +3,84 @@
 from __future__ import annotations
 
 import shlex
-from enum import StrEnum
+from dataclasses import dataclass
 
-from plans import EPFFN, Dispatch, Plan, Precision, Recompute
+from plans import EPFFN, Dispatch, Plan, Precision, Recompute, SpecError
 
 RDZV_PORT = 29500
 
 
-class Target(StrEnum):
-    megatron = "megatron"
-    torchrun = "torchrun"
-    slurm = "slurm"
+def megatron_layout(plan: Plan) -> str:
+    """The plan's exact stage split as Megatron-LM's --pipeline-model-parallel-layout: chunks in
+    pipeline order (chunk c on stage c mod pp, Megatron's flattening too) separated by "|",
+    "E" the embedding on the first chunk, "t" a transformer layer, "L" the LM head and loss on
+    the last chunk (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    last = len(plan.stage_layers) - 1
+    chunks = []
+    for c, n in enumerate(plan.stage_layers):
+        body = "t" * n if n < 2 else f"t*{n}"
+        chunks.append(("E" if c == 0 else "") + body + ("L" if c == last else ""))
+    return "|".join(chunks)
 
 
-def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
-    """`pretrain_gpt.py` arguments for the plan, and comments on what Megatron expresses
-    differently (the nearest equivalent is used)."""
+def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
+    """Megatron-LM recomputation flags for the operators the plan recomputes, and notes.
+
+    selective (cost_models.layer_graph: ops marked ``selective``): both norms, the SwiGLU
+    activations, the EP dispatch (permutation and all-to-all / all-gather) and the TP
+    all-gathers. Megatron's --recompute-modules: ``layernorm`` covers the norms; it has no
+    module for the dispatch alone, so ``moe`` recomputes the whole MoE layer (dispatch,
+    activation and expert GEMMs) and ``mlp`` the whole dense FFN: memory is at most the
+    plan's, the step slower than predicted. full: every layer from its input."""
+    if plan.recompute == Recompute.none:
+        return [], []
+    if plan.recompute == Recompute.full:
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                "--recompute-num-layers", "1"], []
+    modules = ["layernorm", "moe"] + (["mlp"] if plan.model.dense_layers else [])
+    note = ("selective recomputation: Megatron has no module for the MoE dispatch alone; "
+            "--recompute-modules moe recomputes the whole MoE layer (expert GEMMs too), so "
+            "the step is slower than predicted and memory at most the plan's")
+    return ["--recompute-granularity", "selective", "--recompute-modules", *modules], [note]
+
+
+def megatron_env(plan: Plan) -> dict[str, str]:
+    """Environment Megatron-LM needs: validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1
+    whenever TP or CP > 1 on GPUs before Blackwell (one connection keeps the sequence-parallel
+    collectives in issue order); later GPUs accept it."""
+    d = plan.degrees
+    if d.tp > 1 or d.cp > 1 or d.sp > 1:
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
+
+
+def megatron_refusal(plan: Plan) -> str | None:
+    """Why Megatron-LM cannot run this plan as planned, or None."""
+    m, d = plan.model, plan.degrees
+    if plan.attention.kind == "ulysses_sp" and d.sp > m.kv_heads:
+        return (f"Ulysses degree {d.sp} is above model.kv_heads ({m.kv_heads}): Megatron "
+                "expresses Ulysses as a2a context parallelism, whose attention "
+                "(TransformerEngine) needs the KV heads to divide by the CP size")
+    if plan.attention.kind == "cp" and not plan.attention.zigzag:
+        return ("cp attention without zigzag: Megatron's context parallelism always balances "
+                "the causal mask (zigzag chunks)")
+    if plan.grad_sync_precision == Precision.fp8:
+        return "fp8 gradient sync: Megatron-LM reduces gradients in fp32 or bf16 only"
+    if m.top_k == 1 and not m.router_pre_softmax:
+        return ("top-1 routing with renormalised weights: Megatron's TransformerConfig needs "
+                "--moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
+    if m.rope_theta != int(m.rope_theta):
+        return f"model.rope_theta {m.rope_theta:g}: Megatron's --rotary-base is a whole number"
+    return None
+
+
+def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
+    """`pretrain_gpt.py` arguments that run the plan (training iterations when ``steps``; the
+    learning rate and data are the user's), and notes on what Megatron runs differently.
+    Raises SpecError when Megatron cannot express the plan."""
+    why = megatron_refusal(plan)
+    if why is not None:
+        raise SpecError(f"--to megatron: {why}")
     m, d, t = plan.model, plan.degrees, plan.training
     notes: list[str] = []
     args: list[str] = [
@@ -27,12 +89,22 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         "--group-query-attention", "--num-query-groups", str(m.kv_heads),
         "--seq-length", str(t.seq_len), "--max-position-embeddings", str(t.seq_len),
         "--vocab-size", str(m.vocab), "--tokenizer-type", "NullTokenizer",
-        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+        "--normalization", "RMSNorm", "--norm-epsilon", f"{m.norm_eps:g}", "--swiglu",
+        "--position-embedding-type", "rope", "--rotary-base", str(int(m.rope_theta)),
         "--disable-bias-linear",
+        "--attention-dropout", f"{m.dropout:g}", "--hidden-dropout", f"{m.dropout:g}",
         "--num-experts", str(m.experts), "--moe-router-topk", str(m.top_k),
         "--moe-ffn-hidden-size", str(m.expert_ffn_hidden), "--moe-grouped-gemm",
-        "--moe-router-load-balancing-type", "aux_loss",
     ]
+    if m.qk_norm:
+        args.append("--qk-layernorm")
+    if m.router_pre_softmax:
+        args.append("--moe-router-pre-softmax")
+    if m.aux_loss_coeff > 0:
+        args += ["--moe-router-load-balancing-type", "aux_loss",
+                 "--moe-aux-loss-coeff", f"{m.aux_loss_coeff:g}"]
+    else:
+        args += ["--moe-router-load-balancing-type", "none"]
     if not m.tied_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     if m.shared_experts:
@@ -64,20 +136,8 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
         args.append("--sequence-parallel")
     if plan.attention.kind == "cp" and d.cp > 1:
         args += ["--cp-comm-type", "p2p"]
-    if d.vpp > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(m.layers // d.stages)]
-        if len(set(plan.stage_layers)) > 1:
-            notes.append(f"stage split {list(plan.stage_layers)} is uneven; Megatron's virtual "
-                         "pipeline needs equal chunks, so it runs an even split")
-    elif d.pp > 1 and len(set(plan.stage_layers)) > 1:
-        first, last = plan.stage_layers[0], plan.stage_layers[-1]
-        middle = plan.stage_layers[1:-1]
-        if len(set(middle)) <= 1:
-            args += ["--decoder-first-pipeline-num-layers", str(first),
-                     "--decoder-last-pipeline-num-layers", str(last)]
-        else:
-            notes.append(f"stage split {list(plan.stage_layers)} has unequal middle stages; "
-                         "Megatron sets only the first and last stage sizes")
+    if d.pp > 1:  # the exact split, interleaved or not; vpp = chunks / pp
+        args += ["--pipeline-model-parallel-layout", megatron_layout(plan)]
     if isinstance(plan.ffn, EPFFN):
         dispatcher = {Dispatch.all_to_all: "alltoall",
                       Dispatch.allgather_reduce_scatter: "allgather"}[plan.ffn.dispatch]
@@ -90,77 +150,125 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     # ---- batch, schedule, recomputation, precision ------------------------------------------
     args += ["--micro-batch-size", str(plan.micro_batch_size),
              "--global-batch-size", str(t.global_batch)]
-    if plan.recompute == Recompute.selective:
-        args += ["--recompute-granularity", "selective"]
-        notes.append("selective recomputation: Megatron recomputes core attention; the paper's "
-                     "MoE-layer selective rematerialisation is a MegaScale-MoE kernel feature")
-    elif plan.recompute == Recompute.full:
-        args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--recompute-num-layers", "1"]
+    recompute, recompute_notes = megatron_recompute(plan)
+    args += recompute
+    notes += recompute_notes
     args += ["--bf16", "--use-distributed-optimizer"]
     if t.precision == Precision.fp8:
-        args += ["--fp8-format", "hybrid"]
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     if plan.grad_sync_overlap:
         args += ["--overlap-grad-reduce", "--overlap-param-gather"]
     if not plan.grad_accumulation_fusion:
         args.append("--no-gradient-accumulation-fusion")
     if plan.grad_sync_precision == Precision.bf16:
         args.append("--grad-reduce-in-bf16")
-    elif plan.grad_sync_precision == Precision.fp8:
-        args.append("--grad-reduce-in-bf16")
-        notes.append("fp8 gradient communication has no Megatron-LM flag: bf16 reduction is used")
     if plan.overlap.value != "none":
         notes.append(f"overlap {plan.overlap.value}: Megatron's nearest is "
                      "--overlap-moe-expert-parallel-comm (EP a2a overlap) where available; "
                      "tile-level fused kernels are MegaScale-MoE's own")
+    if steps is not None:
+        args += ["--train-iters", str(steps)]
     return args, notes
 
 
-def megatron_script(plan: Plan) -> str:
-    args, notes = megatron_args(plan)
-    lines = [f"# moeplan export: {plan.summary()}"]
-    lines += [f"# note: {n}" for n in notes]
-    per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
-    lines.append(
-        f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs"
-    )
+def _pairs(args: list[str]) -> list[str]:
+    """Flags with their values on one line each, values quoted for the shell."""
     pairs: list[str] = []
     i = 0
     while i < len(args):
-        if i + 1 < len(args) and not args[i + 1].startswith("--"):
-            pairs.append(f"{args[i]} {shlex.quote(args[i + 1])}")
-            i += 2
-        else:
-            pairs.append(args[i])
-            i += 1
-    lines.append("MEGATRON_ARGS=(\n" + "\n".join(f"  {p}" for p in pairs) + "\n)")
-    lines.append('torchrun ... pretrain_gpt.py "${MEGATRON_ARGS[@]}"')
+        j = i + 1
+        while j < len(args) and not args[j].startswith("--"):
+            j += 1
+        pairs.append(" ".join([args[i], *(shlex.quote(v) for v in args[i + 1:j])]))
+        i = j
+    return pairs
+
+
+def megatron_script(plan: Plan, steps: int | None = None) -> str:
+    """A bash script launching Megatron-LM's pretrain_gpt.py with the plan on every node."""
+    args, notes = megatron_args(plan, steps)
+    per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
+    lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}"]
+    lines += [f"# note: {n}" for n in notes]
+    lines += [
+        f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
+        "run this script once on every node",
+        "set -euo pipefail",
+        ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (holding pretrain_gpt.py)}"',
+    ]
+    lines += [f"export {k}={v}" for k, v in megatron_env(plan).items()]
+    lines.append("MEGATRON_ARGS=(\n" + "\n".join(f"  {p}" for p in _pairs(args)) + "\n)")
+    lines.append("# training flags the plan does not set: the optimizer steps (export with "
+                 "--steps), the learning rate and the data")
+    user = [] if steps is not None else [
+        '  --train-iters "${TRAIN_ITERS:?set TRAIN_ITERS, the optimizer steps}"']
+    user += ['  --lr "${LR:?set LR, the peak learning rate}"',
+             '  --data-path "${DATA_PATH:?set DATA_PATH, a Megatron indexed-dataset prefix}"']
+    lines.append("TRAINING_ARGS=(\n" + "\n".join(user) + "\n)")
+    launch = _torchrun_launch(plan)
+    lines += launch.checks
+    lines.append(" ".join([*launch.words, '"$MEGATRON_LM/pretrain_gpt.py"',
+                           '"${MEGATRON_ARGS[@]}"', '"${TRAINING_ARGS[@]}"']))
     return "\n".join(lines) + "\n"
 
 
-def torchrun_command(plan: Plan, plan_path: str, steps: int | None = None,
-                     endpoint: str = "$MASTER_ADDR") -> list[str]:
-    """Run our runtime with this plan on the plan's cluster: single node standalone, multi-node
-    with a c10d rendezvous on `endpoint`."""
+@dataclass(frozen=True)
+class Launch:
+    """A torchrun launch as shell text: lines checking the variables it needs, then its words
+    (already quoted for the shell)."""
+
+    checks: list[str]
+    words: list[str]
+
+
+MASTER_ADDR_CHECK = (': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node '
+                     '(the rendezvous host)}"')
+
+
+def _torchrun_launch(plan: Plan) -> Launch:
+    """torchrun on one node of the plan's cluster: standalone on one node, a c10d rendezvous
+    at $MASTER_ADDR otherwise; each worker bound to the CPUs nearest its GPU
+    (torchrun --numa-binding, torch >= 2.9)."""
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
-    cmd = ["torchrun"]
+    words = ["torchrun"]
+    checks: list[str] = []
     if plan.cluster.nodes == 1:
-        cmd += ["--standalone", "--nnodes", "1"]
+        words += ["--standalone", "--nnodes", "1"]
     else:
-        cmd += ["--nnodes", str(plan.cluster.nodes), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{endpoint}:{RDZV_PORT}", "--rdzv-id", "moeplan"]
-    cmd += ["--nproc-per-node", str(per_node), "-m", "runtime.train", "--plan", plan_path]
+        checks.append(MASTER_ADDR_CHECK)
+        words += ["--nnodes", str(plan.cluster.nodes), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f'"$MASTER_ADDR:{RDZV_PORT}"', "--rdzv-id", "moeplan"]
+    words += ["--nproc-per-node", str(per_node), "--numa-binding", "node"]
+    return Launch(checks, words)
+
+
+def torchrun_command(plan: Plan, plan_path: str, steps: int | None = None) -> list[str]:
+    """Shell words running our runtime with this plan on one node of the plan's cluster."""
+    words = _torchrun_launch(plan).words
+    words += ["-m", "runtime.train", "--plan", shlex.quote(plan_path)]
     if steps is not None:
-        cmd += ["--steps", str(steps)]
-    return cmd
+        words += ["--steps", str(steps)]
+    return words
+
+
+def torchrun_script(plan: Plan, plan_path: str, steps: int | None = None) -> str:
+    """A bash script running our runtime with the plan; run it on every node."""
+    launch = _torchrun_launch(plan)
+    return "\n".join([
+        "#!/bin/bash",
+        f"# moeplan export: {plan.summary()}",
+        f"# run on each of the {plan.cluster.nodes} node(s)",
+        "set -euo pipefail",
+        *launch.checks,
+        " ".join(torchrun_command(plan, plan_path, steps)),
+        "",
+    ])
 
 
 def slurm_script(plan: Plan, plan_path: str, steps: int | None = None) -> str:
+    """An sbatch script: one task per node owning all the node's CPUs, running torchrun, which
+    binds each worker to the CPUs nearest its GPU."""
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
-    run = torchrun_command(plan, plan_path, steps, endpoint="$MASTER_ADDR")
-    if plan.cluster.nodes == 1:
-        run = torchrun_command(plan, plan_path, steps)
-    quoted = " ".join(a if a.startswith("$") or "$" in a else shlex.quote(a) for a in run)
     return "\n".join([
         "#!/bin/bash",
         f"# moeplan export: {plan.summary()}",
@@ -170,8 +278,12 @@ def slurm_script(plan: Plan, plan_path: str, steps: int | None = None) -> str:
         f"#SBATCH --gpus-per-node={per_node}",
         "#SBATCH --exclusive",
         "set -euo pipefail",
+        ': "${SLURM_JOB_NODELIST:?submit this script with sbatch}"',
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export MASTER_ADDR",
-        f"srun {quoted}",
+        "# one task per node with every CPU of the node (srun no longer inherits "
+        "--cpus-per-task from sbatch)",
+        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none '
+        + " ".join(torchrun_command(plan, plan_path, steps)),
         "",
     ])

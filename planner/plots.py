@@ -34,13 +34,6 @@ def _save(fig, path: Path) -> None:
         raise SpecError(f"--plot: cannot write {path} ({e.strerror})") from None
 
 
-def _short(plan) -> str:
-    d = plan.degrees
-    attn = {"ulysses_sp": "SP", "tp": "TP", "cp": "CP"}[plan.attention.kind]
-    ffn = f"EP{d.ep}" if plan.ffn.kind == "ep" else f"ETP{d.etp}"
-    return f"PP{d.pp} {attn}{d.attention_group} {ffn}"
-
-
 def whatif_plot(points: list[Point], path: Path, title: str) -> None:
     plt = _pyplot()
     knobs = {s.knob for p in points for s in p.settings}
@@ -56,7 +49,7 @@ def whatif_plot(points: list[Point], path: Path, title: str) -> None:
     ax.plot(xs, base, marker="s", label="Megatron-LM-style (TP in node)")
     for x, p, y in zip(xs, points, best, strict=True):
         if p.result.best is not None:
-            ax.annotate(_short(p.result.best.plan), (x, y), textcoords="offset points",
+            ax.annotate(p.result.best.plan.layout_notation(), (x, y), textcoords="offset points",
                         xytext=(0, 8), ha="center", fontsize=7)
     ax.set_xticks(xs, labels, rotation=30 if not single else 0)
     ax.set_xlabel(next(iter(knobs)).value if single else "setting")

@@ -1,151 +1,299 @@
-"""Human tables and JSON documents for search results and plan explanations."""
+"""Human tables and JSON documents for search, scale, what-if, catalog and explain.
+
+Tables never cut a value: rows are plain text, aligned, as wide as their values (piped output,
+CI logs); where the output width is known (COLUMNS, or a terminal) and a row does not fit, each
+row becomes a record whose values wrap between values, never inside one. JSON documents share
+one envelope (schema version, moeplan version, command, job) and one ranked-plan object.
+"""
 
 from __future__ import annotations
 
-from rich.console import Console
-from rich.table import Table
+import os
+import shutil
+import sys
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cost_models import Evaluation
 from planner.search import Ranked, SearchResult
-from plans import EPFFN, Plan
+from plans import ClusterSpec, ModelSpec, Plan, TrainingSpec
 
 GIB = 2**30
+JSON_SCHEMA_VERSION = 1
+"""Version of the --json documents' shape (envelope and ranked-plan object)."""
+HEADROOM_WARNING = 0.05
+"""Plans with less than this share of usable memory left get a warning: allocator
+fragmentation and workspace the model does not count can exceed it."""
 
 
-def _ffn(plan: Plan) -> str:
-    d = plan.degrees
-    if isinstance(plan.ffn, EPFFN):
-        short = {"all_to_all": "a2a", "allgather_reduce_scatter": "ag+rs"}[plan.ffn.dispatch]
-        return f"ep{d.ep} {short}" if d.ep > 1 else "ep1"
-    return f"etp{d.etp}"
+# ---- tables ---------------------------------------------------------------------------------
 
 
-def _attention(plan: Plan) -> str:
-    d = plan.degrees
-    n = d.attention_group
-    return {"ulysses_sp": f"sp{n}", "tp": f"tp{n}", "cp": f"cp{n}"}[plan.attention.kind]
+@dataclass(frozen=True)
+class Column:
+    name: str
+    numeric: bool = True
+    """Right-aligned; in a record shown as `name value`. Text columns (left-aligned) are
+    shown in a record on their own line, without their name."""
 
 
-def layout_text(plan: Plan) -> str:
-    d = plan.degrees
-    vpp = f" vpp{d.vpp}" if d.vpp > 1 else ""
-    return f"pp{d.pp}{vpp} dp{d.dp} {_attention(plan)} {_ffn(plan)} mbs{plan.micro_batch_size}"
+def output_width() -> int | None:
+    """Width to fit tables in: $COLUMNS when set, the terminal's width on a terminal, else
+    none (piped: rows as wide as their values)."""
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
 
 
-def options_text(plan: Plan) -> str:
-    overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
-    recompute = {"none": "none", "selective": "sel", "full": "full"}
-    sched = "1f1b" if plan.schedule.value == "1f1b" else "i1f1b"
-    return (f"{sched} ov:{overlap[plan.overlap.value]} rc:{recompute[plan.recompute.value]} "
-            f"sync:{plan.grad_sync_precision.value}")
+def render_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]],
+                 width: int | None = None) -> str:
+    """Aligned rows under a header, or, when they do not fit ``width``, one record per row:
+    the first value, then each text value on its own line and the numeric values as
+    `name value` pairs wrapped between pairs."""
+    widths = [max([len(c.name), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+    table_width = sum(widths) + 2 * (len(columns) - 1)
+    lines = [title]
+    if width is None or table_width <= width:
+        def line(cells: Sequence[str]) -> str:
+            return "  ".join(cell.rjust(w) if c.numeric else cell.ljust(w)
+                             for c, cell, w in zip(columns, cells, widths, strict=True)).rstrip()
+        lines += [line([c.name for c in columns]), line(["-" * w for w in widths])]
+        lines += [line(r) for r in rows]
+        return "\n".join(lines)
+    label_width = widths[0]
+    for r in rows:
+        head = r[0].ljust(label_width)
+        pairs: list[str] = []
+        for c, cell in zip(columns[1:], r[1:], strict=True):
+            if not c.numeric:
+                if cell in ("", "-"):
+                    continue
+                if head is not None and len(head) + 2 + len(cell) <= width:
+                    lines.append(f"{head}  {cell}")
+                else:
+                    if head is not None:
+                        lines.append(head.rstrip())
+                    lines += textwrap.wrap(cell, width, initial_indent=" " * (label_width + 2),
+                                           subsequent_indent=" " * (label_width + 4),
+                                           break_long_words=False, break_on_hyphens=False)
+                head = None
+            elif cell:
+                pairs.append(f"{c.name} {cell}" if c.name else cell)
+        if head is not None:
+            lines.append(head.rstrip())
+        indent = " " * (label_width + 2)
+        current = ""
+        for pair in pairs:
+            if current and len(indent) + len(current) + 3 + len(pair) > width:
+                lines.append(indent + current)
+                current = ""
+            current += (" | " if current else "") + pair
+        if current:
+            lines.append(indent + current)
+    return "\n".join(lines)
 
 
-def plans_table(rows: list[tuple[str, Ranked]], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
-    table.add_column("", no_wrap=True)
-    table.add_column("layout", no_wrap=True)
-    table.add_column("options")
-    for col in ("step s", "tokens/s", "MFU", "GiB"):
-        table.add_column(col, justify="right", no_wrap=True)
-    for label, r in rows:
-        p, e = r.plan, r.evaluation
-        table.add_row(label, layout_text(p), options_text(p), f"{e.step_time_s:.3f}",
-                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
-                      f"{e.memory.peak_bytes / GIB:.1f}")
-    return table
+def echo_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> None:
+    print(render_table(title, columns, rows, output_width()))
 
 
-def print_search(result: SearchResult, console: Console) -> None:
+def echo(text: str) -> None:
+    """A line of prose, wrapped between words to the output width when there is one."""
+    width = output_width()
+    print(textwrap.fill(text, width, break_long_words=False, break_on_hyphens=False,
+                        subsequent_indent="  ") if width else text)
+
+
+# ---- the job, the ranked plan, the envelope ---------------------------------------------------
+
+
+def job_text(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+             batch_note: str = "") -> str:
+    """The job in one line: model, GPUs, batch, sequence, precision."""
+    gpus = f"{cluster.gpus:,} x {cluster.gpu.name}"
+    if cluster.gpus > cluster.node.gpus_per_node:
+        gpus += f" ({cluster.nodes} nodes of {cluster.node.gpus_per_node})"
+    return (f"{model.name} on {gpus}: global batch {training.global_batch:,}{batch_note} x "
+            f"{training.seq_len:,} tokens = {training.tokens_per_step:,} tokens/step, "
+            f"{training.precision.value}")
+
+
+def job_document(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                 gpus: int | list[int] | None = None) -> dict:
+    return {"model": model.name, "cluster": cluster.name,
+            "gpus": cluster.gpus if gpus is None else gpus,
+            "global_batch": training.global_batch, "seq_len": training.seq_len,
+            "precision": training.precision.value}
+
+
+def envelope(command: str, job: dict, **payload) -> dict:
+    """Every --json document: {schema_version, moeplan_version, command, job, ...payload}."""
+    from planner.version import moeplan_version
+
+    return {"schema_version": JSON_SCHEMA_VERSION, "moeplan_version": moeplan_version(),
+            "command": command, "job": job, **payload}
+
+
+def headroom(e: Evaluation) -> float:
+    """Share of usable memory a plan leaves free (negative: it does not fit)."""
+    return 1 - e.memory.peak_bytes / e.memory.capacity_bytes
+
+
+def ranked_document(label: str, plan: Plan, e: Evaluation) -> dict:
+    """One ranked plan, the same object in search, scale, whatif and explain."""
+    return {
+        "label": label,
+        "notation": plan.summary(),
+        "step_time_s": e.step_time_s,
+        "tokens_per_s": e.tokens_per_s,
+        "tokens_per_s_per_gpu": e.tokens_per_s / plan.cluster.gpus,
+        "mfu": e.mfu,
+        "peak_memory_gib": e.memory.peak_bytes / GIB,
+        "usable_memory_gib": e.memory.capacity_bytes / GIB,
+        "memory_headroom": headroom(e),
+        "feasible": e.feasible,
+        "plan": plan.model_dump(mode="json"),
+    }
+
+
+def _ranked(label: str, r: Ranked | None) -> dict | None:
+    return None if r is None else ranked_document(label, r.plan, r.evaluation)
+
+
+def _gib(n_bytes: float) -> str:
+    gib = n_bytes / GIB
+    return f"{gib:.1f}" if gib >= 1 else f"{gib:.2g}"
+
+
+def memory_text(e: Evaluation) -> str:
+    return f"{_gib(e.memory.peak_bytes)}/{_gib(e.memory.capacity_bytes)}"
+
+
+def seconds_text(t: float) -> str:
+    """Step time: milliseconds shown below a second, three significant digits at least."""
+    return f"{t:.3f}" if t >= 1 else f"{t:.3g}"
+
+
+def headroom_warnings(rows: Sequence[tuple[str, Evaluation]]) -> list[str]:
+    tight = [f"{label} ({headroom(e):.1%})" for label, e in rows
+             if 0 <= headroom(e) < HEADROOM_WARNING]
+    if not tight:
+        return []
+    return [f"warning: {', '.join(tight)} leave less than {HEADROOM_WARNING:.0%} of usable "
+            "memory free: allocator fragmentation can run them out of memory"]
+
+
+# ---- search ---------------------------------------------------------------------------------
+
+PLAN_COLUMNS = (Column("", numeric=False), Column("layout", numeric=False),
+                Column("options", numeric=False), Column("step s"), Column("tokens/s"),
+                Column("MFU"), Column("peak/usable GiB"))
+
+
+def plan_row(label: str, p: Plan, e: Evaluation) -> list[str]:
+    return [label, p.layout_notation(), p.options_notation(), seconds_text(e.step_time_s),
+            f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", memory_text(e)]
+
+
+def print_search(result: SearchResult, job: str) -> None:
     rows = [(f"#{i + 1}", r) for i, r in enumerate(result.top)]
     if result.baseline is not None:
         rows.append(("megatron", result.baseline))
-    console.print(plans_table(rows, "Best plans (fastest first) and the Megatron-LM-style layout"))
+    echo(job)
+    echo_table("Best plans (fastest first) and the Megatron-LM-style layout", PLAN_COLUMNS,
+               [plan_row(label, r.plan, r.evaluation) for label, r in rows])
+    for w in headroom_warnings([(label, r.evaluation) for label, r in rows]):
+        echo(w)
     s = result.stats
-    console.print(
-        f"searched {s.candidates:,} candidates in {s.seconds:.2f} s: {s.invalid:,} invalid, "
-        f"{s.pruned_memory:,} out of memory, {s.pruned_bound:,} bounded out, "
-        f"{s.dominated:,} dominated, {s.evaluated:,} evaluated, {s.feasible:,} feasible"
-    )
+    echo(f"searched {s.candidates:,} candidates in {s.seconds:.2f} s: {s.invalid:,} invalid, "
+          f"{s.pruned_memory:,} out of memory, {s.pruned_bound:,} bounded out, "
+          f"{s.dominated:,} dominated, {s.evaluated:,} evaluated, {s.feasible:,} feasible")
     if result.speedup is not None:
-        console.print(f"predicted speedup over the Megatron-LM-style layout: "
-                      f"[bold]{result.speedup:.2f}x[/bold]")
+        echo(f"predicted speedup over the Megatron-LM-style layout: {result.speedup:.2f}x")
     elif result.baseline is None:
-        console.print("the Megatron-LM-style layout does not fit this job")
+        echo("the Megatron-LM-style layout does not fit this job")
 
 
-def search_document(result: SearchResult) -> dict:
+def search_document(result: SearchResult, job: dict) -> dict:
     s = result.stats
-    return {
-        "best": result.best.plan.model_dump(mode="json") if result.best else None,
-        "top": [r.plan.model_dump(mode="json") for r in result.top],
-        "baseline": result.baseline.plan.model_dump(mode="json") if result.baseline else None,
-        "speedup": result.speedup,
-        "search": {
+    return envelope(
+        "search", job,
+        top=[_ranked(f"#{i + 1}", r) for i, r in enumerate(result.top)],
+        baseline=_ranked("megatron", result.baseline),
+        speedup=result.speedup,
+        search={
             "candidates": s.candidates, "feasible": s.feasible, "seconds": s.seconds,
             "layouts": s.layouts, "invalid": s.invalid, "pruned_memory": s.pruned_memory,
             "pruned_bound": s.pruned_bound, "dominated": s.dominated, "evaluated": s.evaluated,
         },
-    }
+    )
+
+
+# ---- explain --------------------------------------------------------------------------------
 
 
 def explain_document(plan: Plan, e: Evaluation) -> dict:
-    return {
-        "plan": plan.summary(),
-        "feasible": e.feasible,
-        "reason": e.reason,
-        "step": {"step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu,
-                 "breakdown_s": dict(e.breakdown_s)},
-        "layer": {
+    return envelope(
+        "explain", job_document(plan.model, plan.cluster, plan.training),
+        plan=ranked_document("plan", plan, e),
+        reason=e.reason,
+        step={"breakdown_s": dict(e.breakdown_s)},
+        layer={
             "forward_s": e.layer.fwd_s, "backward_s": e.layer.bwd_s,
             "compute_s": e.layer.compute_s, "exposed_comm_s": dict(e.layer.exposed_comm_s),
             "critical_path": list(e.layer.critical_path),
         },
-        "memory_gib": {k: v / GIB for k, v in e.memory.components_bytes.items()},
-        "peak_memory_gib": e.memory.peak_bytes / GIB,
-        "usable_memory_gib": e.memory.capacity_bytes / GIB,
-        "memory_safety_margin": 1 - plan.cluster.efficiency.memory_usable,
-    }
+        memory_gib={k: v / GIB for k, v in e.memory.components_bytes.items()},
+        memory_safety_margin=1 - plan.cluster.efficiency.memory_usable,
+    )
 
 
-def print_explain(plan: Plan, e: Evaluation, console: Console) -> None:
-    console.print(f"[bold]{plan.model.name}[/bold] on {plan.cluster.gpus} x "
-                  f"{plan.cluster.gpu.name}: {plan.summary()}")
-    step = Table(title="Per step", title_justify="left")
-    step.add_column("component")
-    step.add_column("seconds", justify="right")
-    step.add_column("share", justify="right")
-    for k, v in e.breakdown_s.items():
-        step.add_row(k, f"{v:.4f}", f"{v / e.step_time_s:.1%}")
-    step.add_row("[bold]step[/bold]", f"{e.step_time_s:.4f}", "100%")
-    console.print(step)
-    console.print(f"tokens/s {e.tokens_per_s:,.0f}   MFU {e.mfu:.1%}")
-
-    layer = Table(title="One MoE layer, one micro-batch", title_justify="left")
-    layer.add_column("part")
-    layer.add_column("ms", justify="right")
-    layer.add_row("forward", f"{e.layer.fwd_s * 1e3:.3f}")
-    layer.add_row("backward", f"{e.layer.bwd_s * 1e3:.3f}")
-    layer.add_row("compute (fwd+bwd)", f"{e.layer.compute_s * 1e3:.3f}")
-    for k, v in e.layer.exposed_comm_s.items():
-        layer.add_row(f"exposed {k}", f"{v * 1e3:.3f}")
-    console.print(layer)
-    console.print("critical path: " + " -> ".join(e.layer.critical_path))
-
-    mem = Table(title="Memory per GPU (peak stage)", title_justify="left")
-    mem.add_column("component")
-    mem.add_column("GiB", justify="right")
-    for k, v in e.memory.components_bytes.items():
-        mem.add_row(k, f"{v / GIB:.2f}")
-    mem.add_row("[bold]peak[/bold] = states + max(fwd/bwd transients, optimizer step) "
-                "+ allocator reserve", f"{e.memory.peak_bytes / GIB:.2f}")
+def print_explain(plan: Plan, e: Evaluation) -> None:
+    echo(job_text(plan.model, plan.cluster, plan.training))
+    echo(f"plan: {plan.summary()}")
+    rows = [[k, f"{v:.4g}", f"{v / e.step_time_s:.1%}"] for k, v in e.breakdown_s.items()]
+    rows.append(["step", f"{e.step_time_s:.4g}", "100%"])
+    echo_table("Per step", (Column("component", False), Column("seconds"), Column("share")),
+               rows)
+    print(f"tokens/s {e.tokens_per_s:,.0f}   MFU {e.mfu:.1%}")
+    rows = [["forward", f"{e.layer.fwd_s * 1e3:.3f}"], ["backward", f"{e.layer.bwd_s * 1e3:.3f}"],
+            ["compute (fwd+bwd)", f"{e.layer.compute_s * 1e3:.3f}"]]
+    rows += [[f"exposed {k}", f"{v * 1e3:.3f}"] for k, v in e.layer.exposed_comm_s.items()]
+    echo_table("One MoE layer, one micro-batch", (Column("part", False), Column("ms")), rows)
+    echo("critical path: " + " -> ".join(e.layer.critical_path))
+    rows = [[k, f"{v / GIB:.3g}"] for k, v in e.memory.components_bytes.items()]
     gpu, usable = plan.cluster.gpu, plan.cluster.efficiency.memory_usable
-    mem.add_row(f"usable = {gpu.hbm_gib:g} GiB HBM x {usable:g} (safety margin "
-                f"{1 - usable:.0%}: CUDA context, NCCL buffers, prediction error)",
-                f"{e.memory.capacity_bytes / GIB:.2f}")
-    mem.add_row("headroom", f"{(e.memory.capacity_bytes - e.memory.peak_bytes) / GIB:.2f}")
-    console.print(mem)
+    # the safety margin (1 - memory_usable) stays free for the CUDA context, NCCL's buffers
+    # and the prediction's error
+    rows += [["peak (states + transients + reserve)", f"{e.memory.peak_bytes / GIB:.3g}"],
+             [f"usable ({gpu.hbm_gib:g} GiB x {usable:g}, {1 - usable:.0%} margin)",
+              f"{e.memory.capacity_bytes / GIB:.3g}"],
+             ["headroom", f"{(e.memory.capacity_bytes - e.memory.peak_bytes) / GIB:.3g}"]]
+    echo_table("Memory per GPU (peak stage)", (Column("component", False), Column("GiB")), rows)
     if not e.feasible:
-        console.print(f"[red]infeasible:[/red] {e.reason}")
+        echo(f"infeasible: {e.reason}")
+    for w in headroom_warnings([("this plan", e)]):
+        echo(w)
+
+
+# ---- catalog --------------------------------------------------------------------------------
+
+
+def print_catalog(models: dict[str, ModelSpec], clusters: dict[str, ClusterSpec]) -> None:
+    echo_table("Models", [Column("name", False), *map(Column, (
+        "layers", "hidden", "heads q/kv", "experts", "top-k", "total", "active"))],
+        [[n, str(m.layers), str(m.hidden), f"{m.query_heads}/{m.kv_heads}", str(m.experts),
+          str(m.top_k), f"{m.total_params / 1e9:.1f}B", f"{m.active_params / 1e9:.1f}B"]
+         for n, m in models.items()])
+    print()
+    echo_table("Clusters", [Column("name", False), Column("GPU", False), *map(Column, (
+        "bf16 TFLOP/s", "HBM GiB", "NVLink GB/s", "domain")), Column("network", False),
+        Column("net GB/s/GPU")],
+        [[n, c.gpu.name, f"{c.gpu.bf16_dense_tflops:g}", f"{c.gpu.hbm_gib:g}",
+          f"{c.node.nvlink_gb_s:g}", str(c.node.gpus_per_node), c.network.name,
+          f"{c.network_gb_s_per_gpu:g}"] for n, c in clusters.items()])
 
 
 # ---- what-if and scaling -------------------------------------------------------------------------
@@ -155,78 +303,91 @@ def _tokens(r: Ranked | None) -> str:
     return f"{r.evaluation.tokens_per_s:,.0f}" if r else "does not fit"
 
 
-def whatif_document(points) -> list[dict]:
+def whatif_document(points, job: dict) -> dict:
     from planner.whatif import plan_changes
 
     reference = points[0].result.best.plan if points and points[0].result.best else None
     out = []
     for p in points:
-        best, base = p.result.best, p.result.baseline
+        best = p.result.best
         out.append({
             "settings": {s.knob.value: s.text for s in p.settings},
-            "best": best.plan.model_dump(mode="json") if best else None,
-            "tokens_per_s": best.evaluation.tokens_per_s if best else None,
-            "mfu": best.evaluation.mfu if best else None,
-            "baseline_tokens_per_s": base.evaluation.tokens_per_s if base else None,
-            "baseline_mfu": base.evaluation.mfu if base else None,
+            "best": _ranked("best", best),
+            "baseline": _ranked("megatron", p.result.baseline),
             "speedup": p.result.speedup,
             "changes": plan_changes(reference, best.plan if best else None),
         })
-    return out
+    return envelope("whatif", job, points=out)
 
 
-def print_whatif(points, console: Console) -> None:
-    doc = whatif_document(points)
-    table = Table(title="What if: best plan at each setting vs the Megatron-LM-style layout",
-                  title_justify="left")
-    for col in ("setting", "best plan", "tokens/s", "MFU", "megatron tokens/s", "speedup",
-                "changed vs first"):
-        table.add_column(col, justify="right" if col in ("tokens/s", "MFU", "speedup",
-                                                          "megatron tokens/s") else "left")
+def print_whatif(points, job: str) -> None:
+    doc = whatif_document(points, {})["points"]
+    echo(job)
+    rows, evaluations = [], []
     for p, d in zip(points, doc, strict=True):
         best = p.result.best
-        table.add_row(
-            p.label, f"{layout_text(best.plan)} {options_text(best.plan)}" if best else "-",
-            _tokens(best),
-            f"{best.evaluation.mfu:.1%}" if best else "-", _tokens(p.result.baseline),
+        rows.append([
+            p.label, best.plan.summary() if best else "-", _tokens(best),
+            f"{best.evaluation.mfu:.1%}" if best else "-",
+            memory_text(best.evaluation) if best else "-", _tokens(p.result.baseline),
             f"{d['speedup']:.2f}x" if d["speedup"] else "-", ", ".join(d["changes"]) or "-",
-        )
-    console.print(table)
+        ])
+        if best:
+            evaluations.append((p.label, best.evaluation))
+    echo_table("What if: best plan at each setting vs the Megatron-LM-style layout",
+               (Column("setting", False), Column("best plan", False), Column("tokens/s"),
+                Column("MFU"), Column("peak/usable GiB"), Column("megatron tokens/s"),
+                Column("speedup"), Column("changed vs first", False)), rows)
+    for w in headroom_warnings(evaluations):
+        echo(w)
 
 
-def scale_document(points) -> list[dict]:
-    from planner.scale import row
+def scale_document(points, job: dict) -> dict:
+    from planner.scale import SECONDS_PER_DAY
 
-    return [{
+    def days(r: Ranked | None) -> float | None:
+        return 1e12 / r.evaluation.tokens_per_s / SECONDS_PER_DAY if r else None
+
+    return envelope("scale", job, points=[{
         "gpus": p.gpus,
         "global_batch": p.training.global_batch,
-        "best": row(p.result.best, p.gpus),
-        "baseline": row(p.result.baseline, p.gpus),
+        "best": _ranked("best", p.result.best),
+        "baseline": _ranked("megatron", p.result.baseline),
+        "best_days_per_1t_tokens": days(p.result.best),
         "speedup": p.result.speedup,
-    } for p in points]
+    } for p in points])
 
 
-def print_scale(points, console: Console) -> None:
-    table = Table(title="Scaling: best plan and Megatron-LM-style layout", title_justify="left")
-    for col in ("GPUs", "batch", "plan", "tokens/s", "/GPU", "MFU", "days/1T", "megatron tokens/s",
-                "megatron MFU", "speedup"):
-        table.add_column(col, justify="left" if col == "plan" else "right")
-    for d in scale_document(points):
+def print_scale(points, job: str) -> None:
+    echo(job)
+    rows, evaluations = [], []
+    for d, p in zip(scale_document(points, {})["points"], points, strict=True):
         b, m = d["best"], d["baseline"]
-        table.add_row(
-            str(d["gpus"]), str(d["global_batch"]), b["plan"] if b else "-",
+        rows.append([
+            f"{d['gpus']:,}", f"{d['global_batch']:,}", b["notation"] if b else "-",
             f"{b['tokens_per_s']:,.0f}" if b else "-",
             f"{b['tokens_per_s_per_gpu']:,.0f}" if b else "-",
-            f"{b['mfu']:.1%}" if b else "-", f"{b['days_per_1t_tokens']:.1f}" if b else "-",
+            f"{b['mfu']:.1%}" if b else "-",
+            f"{d['best_days_per_1t_tokens']:.1f}" if b else "-",
+            memory_text(p.result.best.evaluation) if b else "-",
             f"{m['tokens_per_s']:,.0f}" if m else "-", f"{m['mfu']:.1%}" if m else "-",
             f"{d['speedup']:.2f}x" if d["speedup"] else "-",
-        )
-    console.print(table)
+        ])
+        if p.result.best:
+            evaluations.append((f"{d['gpus']} GPUs", p.result.best.evaluation))
+    echo_table("Scaling: best plan and Megatron-LM-style layout",
+               (Column("GPUs"), Column("batch"), Column("plan", False), Column("tokens/s"),
+                Column("/GPU"), Column("MFU"), Column("days/1T"), Column("peak/usable GiB"),
+                Column("megatron tokens/s"), Column("megatron MFU"), Column("speedup")), rows)
+    for w in headroom_warnings(evaluations):
+        echo(w)
 
 
-def calibration_tables(base, result, rows: list[dict]) -> list[Table]:
+def calibration_tables(base, result, rows: list[dict]) -> list:
     """The fitted factors against the base cluster's, and measured runs against predictions
     before and after (``held_out`` runs were not used for fitting)."""
+    from rich.table import Table
+
     factors = Table(title=f"{result.cluster.name}: fitted factors")
     for col in ("factor", base.name, "fitted"):
         factors.add_column(col, justify="right" if col != "factor" else "left")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.search import Ranked, SearchResult, search
+from planner.search import SearchResult, search
 from planner.space import SearchSpace
 from plans import ClusterSpec, ModelSpec, SpecError, TrainingSpec, catalog
 
@@ -16,21 +16,6 @@ class ScalePoint:
     gpus: int
     training: TrainingSpec
     result: SearchResult
-
-
-def row(ranked: Ranked | None, gpus: int) -> dict | None:
-    """tokens/s, per-GPU tokens/s, MFU and days per 1T tokens of one plan."""
-    if ranked is None:
-        return None
-    e = ranked.evaluation
-    return {
-        "plan": ranked.plan.summary(),
-        "step_time_s": e.step_time_s,
-        "tokens_per_s": e.tokens_per_s,
-        "tokens_per_s_per_gpu": e.tokens_per_s / gpus,
-        "mfu": e.mfu,
-        "days_per_1t_tokens": 1e12 / e.tokens_per_s / SECONDS_PER_DAY,
-    }
 
 
 def scale(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, gpu_counts: list[int],

@@ -32,13 +32,8 @@ from plans import (
     TrainingSpec,
     UlyssesAttention,
 )
+from plans.enums import AttentionKind
 from plans.execution import EXECUTED
-
-
-class AttentionKind(StrEnum):
-    ulysses_sp = "ulysses_sp"
-    tp = "tp"
-    cp = "cp"
 
 
 class FFNKind(StrEnum):

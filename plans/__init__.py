@@ -1,39 +1,75 @@
-"""The contract between planner and runtime: specs, the Plan schema and the catalog."""
+"""The contract between planner and runtime: specs, the Plan schema and the catalog.
 
-from plans.errors import SpecError
-from plans.plan import (
-    EPFFN,
-    SCHEMA_VERSION,
-    TPFFN,
-    AttentionStrategy,
-    CPAttention,
-    Degrees,
-    Dispatch,
-    FFNStrategy,
-    MeshAxis,
-    Overlap,
-    PipelineSchedule,
-    Plan,
-    Prediction,
-    Recompute,
-    TPAttention,
-    UlyssesAttention,
-)
-from plans.specs import (
-    ClusterSpec,
-    Efficiency,
-    GPUSpec,
-    ModelSpec,
-    NetworkSpec,
-    NodeSpec,
-    Optimizer,
-    Precision,
-    TrainingSpec,
-)
+Names are imported on first use (PEP 562), so `plans.enums` (the CLI's option types) loads
+without pydantic and the models."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_WHERE = {
+    "SpecError": "plans.errors",
+    "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
+    "Recompute": "plans.enums",
+    **dict.fromkeys((
+        "EPFFN", "SCHEMA_VERSION", "TPFFN", "AttentionStrategy", "CPAttention", "Degrees",
+        "Dispatch", "FFNStrategy", "MeshAxis", "PipelineSchedule", "Plan", "Prediction",
+        "TPAttention", "UlyssesAttention"), "plans.plan"),
+    **dict.fromkeys((
+        "ClusterSpec", "Efficiency", "GPUSpec", "ModelSpec", "NetworkSpec", "NodeSpec",
+        "Optimizer", "TrainingSpec"), "plans.specs"),
+}
 
 __all__ = [
-    "SCHEMA_VERSION", "AttentionStrategy", "CPAttention", "ClusterSpec", "Degrees", "Dispatch",
-    "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "MeshAxis", "ModelSpec", "NetworkSpec",
-    "NodeSpec", "Optimizer", "Overlap", "PipelineSchedule", "Plan", "Precision", "Prediction",
-    "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec", "UlyssesAttention",
+    "SCHEMA_VERSION", "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec",
+    "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "MeshAxis",
+    "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "Overlap", "PipelineSchedule", "Plan",
+    "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec",
+    "UlyssesAttention",
 ]
+
+
+SUBMODULES = ("catalog", "errors", "execution", "enums")
+
+
+def __getattr__(name: str):
+    if name in SUBMODULES:
+        return importlib.import_module(f"plans.{name}")
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'plans' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from plans.enums import AttentionKind, Overlap, Precision, Recompute
+    from plans.errors import SpecError
+    from plans.plan import (
+        EPFFN,
+        SCHEMA_VERSION,
+        TPFFN,
+        AttentionStrategy,
+        CPAttention,
+        Degrees,
+        Dispatch,
+        FFNStrategy,
+        MeshAxis,
+        PipelineSchedule,
+        Plan,
+        Prediction,
+        TPAttention,
+        UlyssesAttention,
+    )
+    from plans.specs import (
+        ClusterSpec,
+        Efficiency,
+        GPUSpec,
+        ModelSpec,
+        NetworkSpec,
+        NodeSpec,
+        Optimizer,
+        TrainingSpec,
+    )

@@ -5,6 +5,7 @@ Anywhere a catalog name is accepted, a path to a YAML or JSON file of the same s
 
 from __future__ import annotations
 
+import difflib
 import json
 from functools import cache
 from pathlib import Path
@@ -78,9 +79,11 @@ def _load(kind: str, name_or_path: str, spec: type[T]) -> T:
         return parse(spec, read_document(path), str(path))
     builtin = CATALOG_DIR / kind / f"{name_or_path.lower()}.yaml"
     if not _exists(builtin):
+        close = difflib.get_close_matches(name_or_path.lower(), names(kind), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise SpecError(
-            f"{kind[:-1]}: unknown name {name_or_path!r}; built-in {kind}: {', '.join(names(kind))}"
-            " (or give a path to a .yaml/.json file)"
+            f"{kind[:-1]}: unknown name {name_or_path!r}; {hint}built-in {kind}: "
+            f"{', '.join(names(kind))} (or give a path to a .yaml/.json file)"
         )
     return parse(spec, read_document(builtin), f"{kind[:-1]} {name_or_path}")
 

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
+from plans.enums import Overlap, Recompute
 from plans.specs import ClusterSpec, Frozen, ModelSpec, Precision, TrainingSpec
 
 SCHEMA_VERSION = 1
@@ -150,24 +151,6 @@ class PipelineSchedule(StrEnum):
     interleaved_1f1b = "interleaved_1f1b"
 
 
-class Overlap(StrEnum):
-    """Communication-computation overlap inside a layer (paper Sec. 4)."""
-
-    none = "none"
-    inter_op = "inter_op"
-    """Independent operators' communication hidden behind compute (hand-scheduled layer)."""
-    inter_intra_op = "inter_intra_op"
-    """Plus tile-level fused communication inside GEMMs (copy engines)."""
-
-
-class Recompute(StrEnum):
-    none = "none"
-    selective = "selective"
-    """The paper's selective rematerialisation: keep about half the activations."""
-    full = "full"
-    """Keep only each layer's input; recompute the whole layer in backward."""
-
-
 class Prediction(Frozen):
     """What the cost model predicts for a plan."""
 
@@ -276,14 +259,40 @@ class Plan(Frozen):
         """Tokens of one sequence held per rank outside attention (sharded by sp x cp)."""
         return self.training.seq_len // (self.degrees.sp * self.degrees.cp)
 
-    def summary(self) -> str:
+    # ---- the one plan notation (tables, exports, logs) --------------------------------------
+    def layout_notation(self) -> str:
+        """Degrees and strategies: `pp4 vpp2 dp2 sp8 ep8 a2a mbs1` (vpp shown when > 1; the
+        attention group as sp / tp / cp; the FFN as `epN a2a`, `epN ag+rs` or `etpN`)."""
         d = self.degrees
-        ffn = f"ep{d.ep}/{self.ffn.dispatch}" if isinstance(self.ffn, EPFFN) else f"etp{d.etp}"
-        return (
-            f"pp{d.pp} vpp{d.vpp} dp{d.dp} {self.attention.kind}"
-            f"{d.sp * d.tp * d.cp} {ffn} mbs{self.micro_batch_size} {self.schedule} "
-            f"overlap={self.overlap} recompute={self.recompute} sync={self.grad_sync_precision}"
-        )
+        vpp = f" vpp{d.vpp}" if d.vpp > 1 else ""
+        attention = f"{self.attention.kind.removeprefix('ulysses_')}{d.attention_group}"
+        if isinstance(self.ffn, EPFFN):
+            dispatch = {"all_to_all": "a2a", "allgather_reduce_scatter": "ag+rs"}
+            ffn = f"ep{d.ep} {dispatch[self.ffn.dispatch]}"
+            if self.ffn.capacity_factor is not None:
+                ffn += f" cf{self.ffn.capacity_factor:g}"
+        else:
+            ffn = f"etp{d.etp}"
+        return f"pp{d.pp}{vpp} dp{d.dp} {attention} {ffn} mbs{self.micro_batch_size}"
+
+    def options_notation(self) -> str:
+        """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
+        sync:bf16`, plus `sync-after-bwd` / `no-gaf` where the gradient sync is not overlapped
+        or gradient accumulation not fused."""
+        overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
+        recompute = {"none": "none", "selective": "sel", "full": "full"}
+        sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
+        out = (f"{sched} ov:{overlap[self.overlap.value]} rc:{recompute[self.recompute.value]} "
+               f"sync:{self.grad_sync_precision.value}")
+        if not self.grad_sync_overlap:
+            out += " sync-after-bwd"
+        if not self.grad_accumulation_fusion:
+            out += " no-gaf"
+        return out
+
+    def summary(self) -> str:
+        """The plan in one line: layout_notation() then options_notation()."""
+        return f"{self.layout_notation()} {self.options_notation()}"
 
 
 def _attention_problems(

@@ -12,6 +12,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
+from plans.enums import Precision
+
 
 class Frozen(BaseModel):
     """Base of every contract type: immutable, unknown fields rejected, docstrings as docs."""
@@ -80,6 +82,19 @@ class ModelSpec(Frozen):
     """Inner width of the dense layers' FFN (0 when there are none)."""
     tied_embeddings: bool = False
     """Whether the LM head shares the token-embedding matrix."""
+    rope_theta: float = Field(10000.0, gt=0, le=1e12)
+    """RoPE base (theta) of the rotary position embedding."""
+    norm_eps: float = Field(1e-6, gt=0, lt=1)
+    """Epsilon of every RMSNorm."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3, Hunyuan-Large)."""
+    router_pre_softmax: bool = False
+    """Routing weights are the softmax over all experts taken at the top-k (DeepSeekMoE,
+    top-1 routers); false: the kept top-k weights are renormalised to sum to one (Mixtral)."""
+    aux_loss_coeff: float = Field(0.01, ge=0, le=1)
+    """Weight of the load-balancing loss (0 disables it)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Attention and hidden dropout probability (every catalog model trains without)."""
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -298,16 +313,6 @@ class ClusterSpec(Frozen):
 # --------------------------------------------------------------------------------------------
 # Training job
 # --------------------------------------------------------------------------------------------
-
-
-class Precision(StrEnum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp8 = "fp8"
-
-    @property
-    def bytes(self) -> int:
-        return {"fp32": 4, "bf16": 2, "fp8": 1}[self.value]
 
 
 class Optimizer(StrEnum):

@@ -1,4 +1,5 @@
-"""Runtime options of the model that the ModelSpec does not carry."""
+"""Runtime options of the model that the ModelSpec does not carry (RoPE base, norm epsilon,
+QK norm and routing come from the spec)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ from plans import ModelSpec
 @dataclass(frozen=True)
 class ModelOptions:
     aux_loss_coeff: float = 0.01
-    """Weight of the load-balance loss (Switch Transformer uses 0.01)."""
+    """Weight of the load-balance loss (the trainer passes ModelSpec.aux_loss_coeff)."""
     balance_groups: int | None = None
     """Virtual experts of the balance loss: the experts of one EP rank count as one
     (DeepSeek-V2 device-level loss, paper Sec. 3.2); None is the plain per-expert loss."""
     capacity_factor: float | None = None
     """Tokens each expert accepts per source rank, as a multiple of the balanced share;
     None is dropless."""
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
     init_std: float = 0.02
 
 

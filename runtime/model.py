@@ -73,13 +73,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(m.hidden, m.kv_dim, bias=False)
         self.wv = nn.Linear(m.hidden, m.kv_dim, bias=False)
         self.wo = nn.Linear(m.q_dim, m.hidden, bias=False)
-        self.core = AttentionCore(cfg.options.rope_theta)
+        # QK norm (Qwen3): one RMSNorm over head_dim shared by every query (key) head, before RoPE
+        self.q_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
+        self.k_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
+        self.core = AttentionCore(m.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         out = self.core(q, k, v)
         return self.wo(out.reshape(b, out.shape[1], -1))
 
@@ -88,9 +93,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         m, o = cfg.spec, cfg.options
-        self.attention_norm = RMSNorm(m.hidden, o.norm_eps)
+        self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(m.hidden, o.norm_eps)
+        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
         self.moe: MoE | None = None
         self.feed_forward: FeedForward | None = None
         if layer_id < m.dense_layers:
@@ -105,6 +110,7 @@ class TransformerBlock(nn.Module):
                 m.shared_experts,
                 m.shared_expert_ffn_hidden,
                 o.capacity_factor,
+                pre_softmax=m.router_pre_softmax,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,7 +130,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(m.vocab, m.hidden)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(m.layers)})
-        self.norm: RMSNorm | None = RMSNorm(m.hidden, cfg.options.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
         self.output: nn.Linear | None = nn.Linear(m.hidden, m.vocab, bias=False)
         self.tie_weights()
 

@@ -94,7 +94,9 @@ def capacity_mask(indices: torch.Tensor, experts: int, capacity: int) -> torch.T
 
 
 class Router(nn.Module):
-    """Softmax router with top-k; the kept weights are renormalised to sum to one."""
+    """Softmax router with top-k. The kept weights are renormalised to sum to one (Mixtral,
+    Qwen3), or with ``pre_softmax`` kept as the softmax over all experts (DeepSeekMoE, top-1:
+    Megatron-LM's --moe-router-pre-softmax)."""
 
     def __init__(
         self,
@@ -103,9 +105,11 @@ class Router(nn.Module):
         top_k: int,
         balance_groups: int,
         capacity_factor: float | None = None,
+        pre_softmax: bool = False,
     ):
         super().__init__()
         self.gate = nn.Linear(hidden, experts, bias=False)
+        self.pre_softmax = pre_softmax
         self.experts = experts
         self.top_k = top_k
         self.balance_groups = balance_groups
@@ -115,7 +119,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, indices = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        if not self.pre_softmax:
+            weights = weights / weights.sum(-1, keepdim=True)
         aux = balance_loss(probs, indices, self.balance_groups, self.reduce_stats)
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.experts)
@@ -253,9 +258,10 @@ class MoE(nn.Module):
         shared_experts: int = 0,
         shared_ffn_hidden: int = 0,
         capacity_factor: float | None = None,
+        pre_softmax: bool = False,
     ):
         super().__init__()
-        self.router = Router(hidden, experts, top_k, balance_groups, capacity_factor)
+        self.router = Router(hidden, experts, top_k, balance_groups, capacity_factor, pre_softmax)
         self.experts = GroupedExperts(experts, hidden, ffn_hidden)
         self.shared = (
             FeedForward(hidden, shared_experts * shared_ffn_hidden) if shared_experts else None

@@ -63,7 +63,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=OptimizerConfig.lr)
-    p.add_argument("--aux-loss-coeff", type=float, default=0.01, help="balance-loss weight")
+    p.add_argument("--aux-loss-coeff", type=float, default=None,
+                   help="balance-loss weight; default the model's (ModelSpec.aux_loss_coeff)")
     p.add_argument("--per-expert-balance", action="store_true",
                    help="plain per-expert balance loss instead of one per EP rank")
     p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,

@@ -33,6 +33,11 @@ def check_supported(plan: Plan) -> None:
             "attention: cp attention is not supported by this runtime (the planner uses it "
             "for comparison only; use ulysses_sp or tp)"
         )
+    if plan.model.dropout:
+        raise UnsupportedFeature(
+            f"model.dropout: this runtime trains without dropout; the model asks for "
+            f"{plan.model.dropout:g}"
+        )
     kv, tp = plan.model.kv_heads, plan.degrees.tp
     if isinstance(plan.attention, TPAttention) and kv % tp:
         raise UnsupportedFeature(

@@ -49,16 +49,23 @@ def test_schema_is_json_schema():
 
 def test_search_json_document(small_search):
     doc = small_search
-    assert set(doc) >= {"best", "top", "baseline", "search"}
-    best = Plan.model_validate(doc["best"])
+    assert set(doc) >= {"schema_version", "moeplan_version", "command", "job", "top",
+                        "baseline", "search"}
+    assert doc["command"] == "search" and doc["schema_version"] == 1
+    assert doc["job"] == {"model": "Mixtral-8x7B", "cluster": "H100-SXM", "gpus": 16,
+                          "global_batch": 32, "seq_len": 4096, "precision": "bf16"}
+    best = Plan.model_validate(doc["top"][0]["plan"])
+    assert doc["top"][0]["notation"] == best.summary()
+    assert doc["top"][0]["step_time_s"] == best.prediction.step_time_s
+    assert doc["top"][0]["peak_memory_gib"] <= doc["top"][0]["usable_memory_gib"]
     pred = best.prediction
     assert pred is not None and pred.step_time_s > 0 and 0 < pred.mfu < 1
     assert pred.tokens_per_s == pytest.approx(32 * 4096 / pred.step_time_s)
     assert pred.breakdown_s and pred.peak_memory_gib > 0
     assert len(doc["top"]) == 3
-    steps = [t["prediction"]["step_time_s"] for t in doc["top"]]
+    steps = [t["step_time_s"] for t in doc["top"]]
     assert steps == sorted(steps)
-    base = Plan.model_validate(doc["baseline"])
+    base = Plan.model_validate(doc["baseline"]["plan"])
     assert base.attention.kind == "tp" and base.ffn.kind == "tp"
     assert doc["speedup"] == pytest.approx(base.prediction.step_time_s / pred.step_time_s)
     assert doc["search"]["candidates"] >= doc["search"]["feasible"] > 0
@@ -93,7 +100,8 @@ def test_explain_and_validate_a_written_plan(tmp_path):
     assert result.exit_code == 0
     assert "critical path" in result.output and "peak" in result.output
     doc = json.loads(run("explain", str(out), "--json").output)
-    assert doc["step"]["step_time_s"] == pytest.approx(sum(doc["step"]["breakdown_s"].values()))
+    assert doc["command"] == "explain" and doc["plan"]["label"] == "plan"
+    assert doc["plan"]["step_time_s"] == pytest.approx(sum(doc["step"]["breakdown_s"].values()))
 
 
 @pytest.mark.parametrize(
@@ -103,7 +111,9 @@ def test_explain_and_validate_a_written_plan(tmp_path):
         (["search", "mixtral-8x7b", "h999", "--gpus", "8"], ["cluster", "unknown name 'h999'"]),
         (["search", "mixtral-8x7b", "h100", "--gpus", "12"], ["--gpus", "multiple of"]),
         (["search", "mixtral-8x7b", "h100", "--gpus", "8", "--precision", "fp32"],
-         ["training", "precision"]),
+         ["--precision", "'fp32' is not one of 'bf16', 'fp8'"]),
+        (["search", "mixtral8x7b", "h100", "--gpus", "8"], ["did you mean 'mixtral-8x7b'?"]),
+        (["search", "mixtral-8x7b", "h10", "--gpus", "8"], ["did you mean 'h100'?"]),
         (["search", "mixtral-8x22b", "h100", "--gpus", "1", "--global-batch", "8"],
          ["--gpus", "no plan"]),
     ],
@@ -151,11 +161,11 @@ def test_runnable_search_emits_plans_the_runtime_runs_as_written(tmp_path):
     doc = json.loads(result.output)
     best = Plan.model_validate_json(out.read_text())
     assert deviations(best) == []
-    baseline = Plan.model_validate(doc["baseline"])
+    baseline = Plan.model_validate(doc["baseline"]["plan"])
     assert deviations(baseline) == []
     # the unrestricted search is faster on paper: it counts on features the runtime lacks
     free = json.loads(run("search", *SMALL, "--json").output)
-    assert free["best"]["prediction"]["step_time_s"] < best.prediction.step_time_s
+    assert free["top"][0]["step_time_s"] < best.prediction.step_time_s
 
 
 @pytest.mark.parametrize("extra, words", [
@@ -178,3 +188,21 @@ def test_validate_says_how_the_runtime_would_run_the_plan(tmp_path):
     runnable = tmp_path / "r.json"
     assert run("search", *SMALL, "--runnable", "--json", "--out", str(runnable)).exit_code == 0
     assert "moeplan train runs it" not in run("validate", str(runnable)).output
+
+
+def test_export_refuses_with_one_line_and_warns_on_infeasible_plans(small_search, tmp_path):
+    doc = small_search["top"][0]["plan"]
+    fp8 = {**doc, "training": {**doc["training"], "precision": "fp8"},
+           "grad_sync_precision": "fp8"}
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(fp8))
+    one_line_error(run("export", str(path), "--to", "megatron"), "--to megatron",
+                   "fp8 gradient sync")
+    assert run("export", str(path), "--to", "torchrun").exit_code == 0
+    small_gpu = {**doc, "cluster": {**doc["cluster"], "gpu": {**doc["cluster"]["gpu"],
+                                                              "hbm_gib": 1}}}
+    path.write_text(json.dumps(small_gpu))
+    result = CliRunner().invoke(app, ["export", str(path), "--to", "megatron"])
+    assert result.exit_code == 0
+    assert "warning:" in result.stderr and "does not fit" in result.stderr
+    assert "MEGATRON_ARGS=(" in result.stdout

@@ -2,10 +2,19 @@
 torchrun and Slurm launches."""
 
 import shlex
+import shutil
+import subprocess
 
 import pytest
 
-from planner.export import megatron_args, megatron_script, slurm_script, torchrun_command
+from planner.export import (
+    megatron_args,
+    megatron_env,
+    megatron_script,
+    slurm_script,
+    torchrun_command,
+    torchrun_script,
+)
 from plans import (
     EPFFN,
     TPFFN,
@@ -15,6 +24,7 @@ from plans import (
     Plan,
     Precision,
     Recompute,
+    SpecError,
     TPAttention,
     TrainingSpec,
     UlyssesAttention,
@@ -42,7 +52,11 @@ MEGATRON_FLAGS = {
     "--recompute-method": True, "--recompute-num-layers": True, "--bf16": False,
     "--use-distributed-optimizer": False, "--fp8-format": True, "--overlap-grad-reduce": False,
     "--overlap-param-gather": False, "--grad-reduce-in-bf16": False,
-    "--no-gradient-accumulation-fusion": False,
+    "--no-gradient-accumulation-fusion": False, "--norm-epsilon": True, "--rotary-base": True,
+    "--attention-dropout": True, "--hidden-dropout": True, "--qk-layernorm": False,
+    "--moe-router-pre-softmax": False, "--moe-aux-loss-coeff": True,
+    "--pipeline-model-parallel-layout": True, "--recompute-modules": True,
+    "--fp8-recipe": True, "--train-iters": True,
 }
 CHOICES = {
     "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
@@ -63,9 +77,12 @@ def parse_megatron(args: list[str]) -> dict[str, str | bool]:
         assert flag in MEGATRON_FLAGS, f"unknown Megatron flag {flag}"
         assert flag not in out, f"{flag} given twice"
         if MEGATRON_FLAGS[flag]:
-            out[flag] = args[i + 1]
-            assert flag not in CHOICES or args[i + 1] in CHOICES[flag], (flag, args[i + 1])
-            i += 2
+            j = i + 2
+            while flag == "--recompute-modules" and j < len(args) and not args[j].startswith("-"):
+                j += 1
+            out[flag] = " ".join(args[i + 1:j])
+            assert flag not in CHOICES or out[flag] in CHOICES[flag], (flag, out[flag])
+            i = j
         else:
             out[flag] = True
             i += 1
@@ -89,15 +106,14 @@ def check_megatron_constraints(a: dict, world: int) -> None:
     if tp > 1 and n("--num-experts") > 0:
         assert "--sequence-parallel" in a, "MoE with TP needs sequence parallelism"
     layers = n("--num-layers")
-    if "--num-layers-per-virtual-pipeline-stage" in a:
-        assert pp > 2 or pp == 2
-        assert layers % (pp * n("--num-layers-per-virtual-pipeline-stage")) == 0
-    elif "--decoder-first-pipeline-num-layers" in a:
-        rest = layers - n("--decoder-first-pipeline-num-layers") - n(
-            "--decoder-last-pipeline-num-layers")
-        assert pp > 2 and rest % (pp - 2) == 0 or pp == 2 and rest == 0
-    else:
-        assert layers % pp == 0
+    if pp > 1:
+        chunks = a["--pipeline-model-parallel-layout"].split("|")
+        assert len(chunks) % pp == 0
+        assert a["--pipeline-model-parallel-layout"].startswith("E")
+        assert a["--pipeline-model-parallel-layout"].endswith("L")
+        count = sum(int(c.split("t*")[1].rstrip("L")) if "t*" in c else c.count("t")
+                    for c in chunks)
+        assert count == layers
     assert n("--seq-length") % (2 * cp if cp > 1 else 1) == 0
     if "--fp8-format" in a:
         assert "--bf16" in a
@@ -123,7 +139,7 @@ PLANS = {
     "interleaved": plan(degrees=Degrees(pp=4, vpp=2, dp=2, sp=8, ep=8), stage_layers=(4,) * 8,
                         schedule=PipelineSchedule.interleaved_1f1b),
     "uneven": plan(stage_layers=(9, 8, 8, 7), training=TrainingSpec(
-        global_batch=256, seq_len=4096, precision="fp8"), grad_sync_precision=Precision.fp8),
+        global_batch=256, seq_len=4096, precision="fp8")),
     "shared": plan(model=catalog.load_model("tiny-moe-shared"),
                    cluster=catalog.load_cluster("h100", gpus=8),
                    degrees=Degrees(pp=2, dp=2, sp=2, ep=4), stage_layers=(2, 2)),
@@ -163,9 +179,11 @@ def test_the_checker_catches_a_wrong_layout():
 
 def test_megatron_uneven_and_precision():
     parsed = parse_megatron(megatron_args(PLANS["uneven"])[0])
-    assert parsed["--decoder-first-pipeline-num-layers"] == "9"
-    assert parsed["--decoder-last-pipeline-num-layers"] == "7"
+    assert parsed["--pipeline-model-parallel-layout"] == "Et*9|t*8|t*8|t*7L"
     assert parsed["--fp8-format"] == "hybrid"
+    interleaved = PLANS["interleaved"].model_copy(update={"stage_layers": (5, 4, 4, 4, 4, 4, 4, 3)})
+    layout = parse_megatron(megatron_args(interleaved)[0])["--pipeline-model-parallel-layout"]
+    assert layout == "Et*5|t*4|t*4|t*4|t*4|t*4|t*4|t*3L"
     parsed = parse_megatron(megatron_args(PLANS["megatron"])[0])
     assert "--grad-reduce-in-bf16" not in parsed and parsed["--recompute-granularity"] == "full"
     assert parsed["--sequence-parallel"] is True
@@ -180,15 +198,95 @@ def test_torchrun_single_and_multi_node():
     cmd = torchrun_command(single, "plan.json", steps=5)
     assert cmd[:3] == ["torchrun", "--standalone", "--nnodes"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    assert cmd[cmd.index("--numa-binding") + 1] == "node"  # CPUs near each worker's GPU
     assert cmd[-4:] == ["--plan", "plan.json", "--steps", "5"]
     multi = torchrun_command(PLANS["megascale"], "plan.json")
     assert multi[multi.index("--nnodes") + 1] == "8"
-    assert multi[multi.index("--rdzv-endpoint") + 1] == "$MASTER_ADDR:29500"
+    assert multi[multi.index("--rdzv-endpoint") + 1] == '"$MASTER_ADDR:29500"'
 
 
 def test_slurm_script():
-    script = slurm_script(PLANS["megascale"], "plan.json", steps=100)
+    script = slurm_script(PLANS["megascale"], "my plans/$x.json", steps=100)
     assert "#SBATCH --nodes=8" in script and "#SBATCH --gpus-per-node=8" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in srun
     words = shlex.split(srun.replace("$MASTER_ADDR", "host"))
-    assert words[1] == "torchrun" and "runtime.train" in words
+    assert "torchrun" in words and "runtime.train" in words
+    assert words[words.index("--plan") + 1] == "my plans/$x.json"  # quoted, not expanded
+
+
+SCRIPTS = {
+    "megatron": lambda p, path: megatron_script(p),
+    "torchrun": torchrun_script,
+    "slurm": slurm_script,
+}
+
+
+@pytest.mark.parametrize("target", SCRIPTS)
+def test_scripts_stop_with_a_clear_message_when_a_variable_is_unset(target, tmp_path):
+    """Run the script under bash with the launchers faked: an unset MASTER_ADDR (or training
+    setting) stops it with a message naming the variable, before anything is launched."""
+    script = tmp_path / "run.sh"
+    script.write_text(SCRIPTS[target](PLANS["megascale"], "plan.json"))
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool in ("torchrun", "srun", "scontrol"):
+        (fake / tool).write_text("#!/bin/sh\necho launched\n")
+        (fake / tool).chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "MEGATRON_LM": "/m", "LR": "1e-4",
+           "TRAIN_ITERS": "10", "DATA_PATH": "/d"}
+    if target == "slurm":
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+        assert done.returncode != 0 and "submit this script with sbatch" in done.stderr
+        env["SLURM_JOB_NODELIST"], env["SLURM_CPUS_ON_NODE"] = "n[1-8]", "64"
+    else:
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+        assert done.returncode != 0 and "set MASTER_ADDR" in done.stderr
+        assert "launched" not in done.stdout
+        env["MASTER_ADDR"] = "n1"
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "launched" in done.stdout, done.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+@pytest.mark.parametrize("target", SCRIPTS)
+def test_scripts_are_shellcheck_clean(target, tmp_path):
+    for name, p in PLANS.items():
+        script = tmp_path / f"{name}.sh"
+        script.write_text(SCRIPTS[target](p, "my plan.json"))
+        done = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout
+
+
+def test_megatron_model_environment_recompute_and_steps():
+    qwen = plan(model=catalog.load_model("qwen3-30b-a3b"), degrees=Degrees(pp=4, dp=4, sp=4,
+                ep=8), stage_layers=(12, 12, 12, 12))
+    parsed = parse_megatron(megatron_args(qwen, steps=7)[0])
+    assert parsed["--rotary-base"] == "1000000" and parsed["--qk-layernorm"] is True
+    assert parsed["--moe-aux-loss-coeff"] == "0.001" and parsed["--norm-epsilon"] == "1e-06"
+    assert parsed["--attention-dropout"] == parsed["--hidden-dropout"] == "0"
+    assert parsed["--recompute-modules"] == "layernorm moe"
+    assert parsed["--train-iters"] == "7"
+    assert megatron_env(qwen) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # CP (Ulysses) > 1
+    no_sp = plan(degrees=Degrees(pp=4, dp=16, ep=8))
+    assert megatron_env(no_sp) == {}
+    script = megatron_script(no_sp)
+    assert "TRAIN_ITERS" in script and "set LR" in script and "DATA_PATH" in script
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in script
+    assert "TRAIN_ITERS" not in megatron_script(no_sp, steps=3)
+    hunyuan = catalog.load_model("hunyuan-large")
+    top1 = plan(model=hunyuan, degrees=Degrees(pp=4, dp=2, sp=8, ep=8), stage_layers=(16,) * 4)
+    assert parse_megatron(megatron_args(top1)[0])["--moe-router-pre-softmax"] is True
+
+
+@pytest.mark.parametrize("update, reason", [
+    ({"grad_sync_precision": Precision.fp8}, "fp8 gradient sync"),
+    ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={"top_k": 1})},
+     "pre-softmax"),
+    ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={"kv_heads": 4})},
+     "above model.kv_heads"),
+])
+def test_megatron_refuses_what_it_cannot_express(update, reason):
+    p = PLANS["uneven"].model_copy(update=update)
+    with pytest.raises(SpecError, match=reason):
+        megatron_args(p)

@@ -180,7 +180,7 @@ JOB_CASES = [
     (["--gpus", "4096"], ["--gpus: no plan of tiny-moe fits 4096"]),
     (["--gpus", "8", "--global-batch", "0"], ["--global-batch:"]),
     (["--gpus", "8", "--seq-len", "-256"], ["--seq-len:"]),
-    (["--gpus", "8", "--precision", "fp32"], ["training: precision must be bf16 or fp8"]),
+    (["--gpus", "8", "--precision", "fp32"], ["--precision:", "'fp32' is not one of"]),
     (["--gpus", "8", "--precision", "int4"], ["--precision:", "int4"]),
 ]
 

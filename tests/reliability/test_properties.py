@@ -46,6 +46,12 @@ def model_dicts(draw) -> dict:
         "dense_layers": dense,
         "dense_ffn_hidden": draw(st.integers(1, 16384)) if dense else 0,
         "tied_embeddings": draw(st.booleans()),
+        "rope_theta": draw(st.sampled_from([10000.0, 500000.0, 1e6])),
+        "norm_eps": draw(st.sampled_from([1e-6, 1e-5])),
+        "qk_norm": draw(st.booleans()),
+        "router_pre_softmax": draw(st.booleans()),
+        "aux_loss_coeff": draw(st.sampled_from([0.0, 0.001, 0.01])),
+        "dropout": 0.0,
     }
 
 

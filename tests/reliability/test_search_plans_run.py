@@ -29,7 +29,7 @@ def emitted(model, cluster, gpus, batch, seq) -> list[Plan]:
                  "--seq-len", seq, "--top", "5", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    return [Plan.model_validate(p) for p in doc["top"] + [doc["baseline"]] if p]
+    return [Plan.model_validate(p["plan"]) for p in doc["top"] + [doc["baseline"]] if p]
 
 
 @pytest.mark.parametrize("job", JOBS)

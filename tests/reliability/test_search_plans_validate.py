@@ -27,8 +27,9 @@ def test_emitted_plans_validate(tmp_path, model, cluster, gpus, batch, seq, prec
                  "--seq-len", seq, "--precision", precision, "--top", "3", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    plans = list(doc["top"]) + ([doc["baseline"]] if doc["baseline"] else [])
-    assert doc["top"] and doc["best"] == doc["top"][0]
+    plans = [r["plan"] for r in doc["top"]] + ([doc["baseline"]["plan"]] if doc["baseline"]
+                                               else [])
+    assert doc["top"] and doc["top"][0]["label"] == "#1"
     for i, plan in enumerate(plans):
         parsed = Plan.model_validate(plan)
         assert (parsed.cluster.gpus, parsed.training.global_batch) == (gpus, batch)

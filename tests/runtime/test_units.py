@@ -123,3 +123,34 @@ def test_interleaved_timeline_runs_every_chunk_once_in_megatron_order(pp, vpp, m
                 assert sent[need] < t
         for msg in messages:
             sent[msg.key] = t
+
+
+def test_model_spec_fields_reach_the_model():
+    """RoPE base, norm epsilon, QK norm and pre-softmax routing come from the ModelSpec."""
+    from plans import catalog
+    from runtime.config import ModelConfig
+    from runtime.model import Transformer
+
+    spec = catalog.load_model("tiny-moe-shared").model_copy(
+        update={"rope_theta": 5e5, "norm_eps": 1e-5})
+    block = Transformer(ModelConfig(spec)).layers["1"]
+    assert block.attention.core.rope_theta == 5e5
+    assert block.attention_norm.eps == 1e-5
+    assert block.attention.q_norm.weight.shape == (spec.head_dim,)
+    assert block.moe.router.pre_softmax
+    plain = Transformer(ModelConfig(catalog.load_model("tiny-moe"))).layers["0"]
+    assert plain.attention.q_norm is None and not plain.moe.router.pre_softmax
+
+
+def test_pre_softmax_router_keeps_the_softmax_weights():
+    from runtime.moe import Router
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    for pre in (False, True):
+        router = Router(8, 4, 2, 4, pre_softmax=pre)
+        torch.nn.init.normal_(router.gate.weight)
+        w = router(x).weights
+        probs = torch.softmax(router.gate(x), -1).topk(2, -1).values
+        expected = probs if pre else probs / probs.sum(-1, keepdim=True)
+        torch.testing.assert_close(w, expected)

@@ -1,0 +1,119 @@
+"""The CLI's surface, frozen (torchtitan style): every command with its arguments and options
+(choices included). A change here is a change users see: update SURFACE on purpose."""
+
+import subprocess
+import sys
+
+import typer.main
+
+from planner.cli import app
+
+SURFACE = {
+    '': ['--version <bool>', '--install-completion <bool>', '--show-completion <bool>'],
+    'catalog': ['--json <bool>'],
+    'schema': [],
+    'search': [   'MODEL',
+                  'CLUSTER',
+                  '--gpus <int range>',
+                  '--global-batch <int range>',
+                  '--seq-len <int range>',
+                  '--precision <bf16|fp8>',
+                  '--top <int range>',
+                  '--overlap <list[none|inter_op|inter_intra_op]>',
+                  '--recompute <list[none|selective|full]>',
+                  '--attention <list[ulysses_sp|tp|cp]>',
+                  '--runnable <bool>',
+                  '--out <path>',
+                  '--force <bool>',
+                  '--json <bool>'],
+    'explain': ['PLAN', '--json <bool>'],
+    'validate': ['PLAN'],
+    'whatif': [   'MODEL',
+                  'CLUSTER',
+                  '--gpus <int range>',
+                  '--vary <list[str]>',
+                  '--global-batch <int range>',
+                  '--seq-len <int range>',
+                  '--precision <bf16|fp8>',
+                  '--plot <path>',
+                  '--json <bool>'],
+    'scale': [   'MODEL',
+                 'CLUSTER',
+                 '--gpus <str>',
+                 '--global-batch <int range>',
+                 '--weak <int range>',
+                 '--seq-len <int range>',
+                 '--precision <bf16|fp8>',
+                 '--plot <path>',
+                 '--json <bool>'],
+    'profile': [   'PLAN',
+                   '--out <path>',
+                   '--steps <int range>',
+                   '--warmup <int range>',
+                   '--force <bool>'],
+    'calibrate': [   'PROFILE',
+                     '--plan <path>',
+                     '--out <path>',
+                     '--collectives <path>',
+                     '--base <str>',
+                     '--name <str>',
+                     '--runs <path>',
+                     '--plans <path>',
+                     '--force <bool>',
+                     '--json <bool>'],
+    'export': ['PLAN', '--to <megatron|torchrun|slurm>', '--steps <int range>'],
+    'train': [   'PLAN',
+                 '--steps <int range>',
+                 '--data <path>',
+                 '--nproc-per-node <int range>',
+                 '--log <path>',
+                 '--ckpt-dir <path>',
+                 '--ckpt-every <int range>',
+                 '--resume <bool>'],
+}
+
+
+def cli_surface() -> dict[str, list[str]]:
+    group = typer.main.get_command(app)
+    ctx = group.make_context("moeplan", [], resilient_parsing=True)
+
+    def text(p) -> str:
+        if p.param_type_name != "option":
+            return p.name.upper()
+        return " ".join([*p.opts, *p.secondary_opts, p.display_type(ctx)]).strip()
+
+    return {name: [text(p) for p in cmd.params]
+            for name, cmd in {"": group, **group.commands}.items()}
+
+
+def test_cli_surface_is_frozen():
+    assert cli_surface() == SURFACE
+
+
+def test_help_imports_no_models_and_no_cost_model():
+    """`moeplan --help` stays fast: the pydantic models, rich, the cost model and the planner
+    load inside the commands, never for help."""
+    code = ("import sys; sys.argv = ['moeplan', '--help']\n"
+            "import planner.cli\n"
+            "try:\n    planner.cli.main()\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('pydantic', 'rich', 'cost_models', 'planner.search', "
+            "'plans.plan', 'torch') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "HEAVY []" in done.stdout, done.stdout[-300:]
+    assert "Commands:" in done.stdout and "-h, --help" in done.stdout
+
+
+def test_version_and_completion():
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.startswith("moeplan ")
+    completion = runner.invoke(app, ["--show-completion", "bash"])
+    assert completion.exit_code == 0 and "complete" in completion.output
+    short = runner.invoke(app, ["search", "-h"])
+    assert short.exit_code == 0 and "--precision <bf16|fp8>" in short.output
+    assert "Examples:" in short.output

@@ -1,0 +1,194 @@
+"""Megatron-LM's own checks on exports: every catalog job's best plans and its Megatron-style
+baseline, exported, then run through Megatron's `parse_args`, `validate_args` and
+`core_transformer_config_from_args` (which builds and validates `TransformerConfig`), and read
+back: the parallel degrees, the exact per-chunk stage split and the model are the plan's.
+
+Megatron-LM release: megatron-core 0.15.3 (PyPI; its wheel imports on Python 3.11 and CPU-only
+torch) for megatron.core, and megatron/training/arguments.py of the same release (git tag
+core_v0.15.3, commit 309ffca6) vendored unchanged in tests/planner/megatron_fixture, since the
+wheel does not ship megatron/training. Runs on Python 3.11 (CI installs megatron-core through
+the dev extra); skipped when megatron-core is not installed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install "
+                    "'megatron-core==0.15.3', part of the dev extra)")
+
+from planner.export import megatron_args, megatron_env, megatron_refusal  # noqa: E402
+from planner.search import search  # noqa: E402
+from plans import Plan, SpecError, TrainingSpec, catalog  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "megatron_fixture"
+ARCH = {"a100": 8, "h100": 9, "h800": 9, "h200": 9, "b200": 10, "gb200-nvl72": 10}
+"""Major compute capability of each catalog cluster's GPU."""
+
+# (model, cluster, GPUs, global batch, sequence): 13 jobs x (top 8 + baseline)
+JOBS = [
+    ("mixtral-8x7b", "h100", 64, 256, 4096),
+    ("mixtral-8x7b", "h800", 32, 128, 4096),
+    ("mixtral-8x22b", "h800", 128, 256, 4096),
+    ("phi-3.5-moe", "a100", 64, 256, 4096),
+    ("qwen3-30b-a3b", "h200", 16, 128, 4096),
+    ("qwen3-30b-a3b", "b200", 32, 128, 8192),
+    ("qwen3-235b-a22b", "h800", 256, 512, 4096),
+    ("deepseekmoe", "h100", 16, 256, 4096),
+    ("hunyuan-large", "h800", 256, 512, 4096),
+    ("internal-352b", "h800", 240, 240, 8192),
+    ("internal-352b", "gb200-nvl72", 144, 288, 8192),
+    ("tiny-moe-shared", "h100", 16, 64, 1024),
+    ("tiny-moe", "h200", 8, 32, 512),
+]
+TOP = 8
+
+
+def _megatron():
+    """Megatron's argument functions, the fixture's megatron.training beside megatron.core
+    (megatron is a namespace package)."""
+    if str(FIXTURE) not in sys.path:
+        sys.path.insert(0, str(FIXTURE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.training import arguments
+    return arguments
+
+
+def _plans() -> list[tuple[str, Plan, int]]:
+    out = []
+    for name, cluster, gpus, batch, seq in JOBS:
+        result = search(catalog.load_model(name), catalog.load_cluster(cluster, gpus=gpus),
+                        TrainingSpec(global_batch=batch, seq_len=seq), top=TOP)
+        job = f"{name}/{cluster}x{gpus}"
+        out += [(f"{job}#{i + 1}", r.plan, ARCH[cluster]) for i, r in enumerate(result.top)]
+        if result.baseline is not None:
+            out.append((f"{job}/megatron", result.baseline.plan, ARCH[cluster]))
+    return out
+
+
+def _gpu(monkeypatch, arch: int) -> None:
+    """The GPU architecture validate_args reads: the fixture's get_device_arch_version and
+    torch.cuda.get_device_capability (the grouped-GEMM check), on this CPU-only machine."""
+    import torch
+
+    monkeypatch.setenv("MOEPLAN_TEST_GPU_ARCH", str(arch))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (arch, 0))
+    # a GPU machine has TransformerEngine: TransformerConfig's checks of its version and of the
+    # fused RoPE kernel (default on) read as they would there
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import transformer_config
+
+    monkeypatch.setattr(transformer_config, "is_te_min_version", lambda *a, **k: True)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
+
+
+def run_megatron(plan: Plan, arch: int, arguments, monkeypatch) -> tuple[object, object]:
+    """Parse, validate and build TransformerConfig from the export as pretrain_gpt.py would,
+    in the environment the export sets, on ranks of the plan's world size."""
+    args, _ = megatron_args(plan, steps=10)
+    user = ["--lr", "1e-4", "--mock-data"]  # what the script's TRAINING_ARGS ask the user for
+    for k, v in megatron_env(plan).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("WORLD_SIZE", str(plan.degrees.world))
+    monkeypatch.setenv("RANK", "0")
+    _gpu(monkeypatch, arch)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args, *user])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        parsed = arguments.parse_args()
+        arguments.validate_args(parsed)
+        config = arguments.core_transformer_config_from_args(parsed)
+    return parsed, config
+
+
+def check_is_the_plan(plan: Plan, parsed, config) -> None:
+    """Megatron runs the plan's layout and model, read back from Megatron's own objects."""
+    d, m = plan.degrees, plan.model
+    cp = d.sp if plan.attention.kind == "ulysses_sp" else d.cp
+    assert (parsed.tensor_model_parallel_size, parsed.pipeline_model_parallel_size,
+            parsed.context_parallel_size, parsed.data_parallel_size) == (d.tp, d.pp, cp, d.dp)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (
+        d.ep, d.etp)
+    assert (parsed.virtual_pipeline_model_parallel_size or 1) == d.vpp
+    if d.pp > 1:  # the exact per-chunk split, in Megatron's (pp rank, vpp rank) order
+        layout = config.pipeline_model_parallel_layout.layout
+        chunks = [sum(1 for x in layout[c % d.pp][c // d.pp] if x.name == "decoder")
+                  for c in range(d.stages)]
+        assert tuple(chunks) == plan.stage_layers
+    else:
+        assert plan.stage_layers == (m.layers,)
+    assert parsed.micro_batch_size == plan.micro_batch_size
+    assert parsed.global_batch_size == plan.training.global_batch
+    assert parsed.rotary_base == m.rope_theta and config.layernorm_epsilon == m.norm_eps
+    assert config.qk_layernorm == m.qk_norm
+    assert config.moe_router_pre_softmax == m.router_pre_softmax
+    aux = config.moe_aux_loss_coeff
+    assert (aux if isinstance(aux, float) else sum(aux)) == m.aux_loss_coeff
+    assert config.attention_dropout == config.hidden_dropout == m.dropout
+    assert (config.num_moe_experts, config.moe_router_topk) == (m.experts, m.top_k)
+    assert config.num_query_groups == m.kv_heads and config.kv_channels == m.head_dim
+    assert parsed.train_iters == 10
+    recompute = {"none": None, "selective": "selective", "full": "full"}[plan.recompute.value]
+    assert config.recompute_granularity == recompute
+
+
+def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys):
+    arguments = _megatron()
+    plans = _plans()
+    assert len(plans) >= 100
+    passed, refused = 0, Counter()
+    for label, plan, arch in plans:
+        why = megatron_refusal(plan)
+        if why is not None:
+            with pytest.raises(SpecError, match="--to megatron"):
+                megatron_args(plan)
+            refused[re.sub(r"\d+", "N", why.split(":")[0])] += 1
+            continue
+        try:
+            parsed, config = run_megatron(plan, arch, arguments, monkeypatch)
+        except (AssertionError, ValueError) as e:
+            pytest.fail(f"{label} ({plan.summary()}): Megatron rejects the export: {e}")
+        check_is_the_plan(plan, parsed, config)
+        passed += 1
+    with capsys.disabled():
+        print(f"\nMegatron sweep: {len(plans)} exports, {passed} pass Megatron's checks, "
+              f"{sum(refused.values())} refused: {dict(refused)}")
+    assert passed >= 0.8 * len(plans)
+
+
+def test_the_check_catches_an_export_megatron_rejects(monkeypatch):
+    """The harness is not vacuous: a wrong export fails Megatron's own validation."""
+    arguments = _megatron()
+    plan = _uneven_interleaved()
+    args, _ = megatron_args(plan, steps=10)
+    i = args.index("--pipeline-model-parallel-layout")
+    broken = [*args[:i], *args[i + 2:], "--num-layers-per-virtual-pipeline-stage", "3"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *broken, "--lr", "1e-4", "--mock-data"])
+    monkeypatch.setenv("WORLD_SIZE", str(plan.degrees.world))
+    _gpu(monkeypatch, 9)
+    for k, v in megatron_env(plan).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(AssertionError):
+        arguments.validate_args(arguments.parse_args())
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *args, "--lr", "1e-4", "--mock-data"])
+    with pytest.raises(AssertionError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        arguments.validate_args(arguments.parse_args())
+
+
+def _uneven_interleaved() -> Plan:
+    """An interleaved Ulysses plan with an uneven split (9 layers over pp 2 x vpp 2)."""
+    from plans import Degrees, PipelineSchedule, UlyssesAttention
+
+    model = catalog.load_model("tiny-moe").model_copy(update={"layers": 9})
+    return Plan(model=model, cluster=catalog.load_cluster("h100", gpus=16),
+                 training=TrainingSpec(global_batch=16, seq_len=512),
+                 degrees=Degrees(pp=2, vpp=2, dp=4, sp=2, ep=4), attention=UlyssesAttention(),
+                 stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b)
