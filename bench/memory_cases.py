@@ -18,6 +18,7 @@ from collections.abc import Callable
 from plans import (
     EPFFN,
     TPFFN,
+    CrossEntropy,
     Degrees,
     Dispatch,
     Overlap,
@@ -60,6 +61,7 @@ def case(shape: str, degrees: Degrees = ONE_GPU, mbs: int = 1,
 
 
 AG = Dispatch.allgather_reduce_scatter
+MATERIALIZED = CrossEntropy.materialized
 SEL, FULL = Recompute.selective, Recompute.full
 INTERLEAVED = PipelineSchedule.interleaved_1f1b
 
@@ -74,7 +76,12 @@ CASES: dict[str, Callable[[], Plan]] = {
     "deepseek4l_1gpu_mbs4_sel": case("deepseek4l", mbs=4, recompute=SEL),
     "mixtral2l_1gpu_mbs4": case("mixtral2l", mbs=4),
     "mixtral2l_1gpu_mbs8_full": case("mixtral2l", mbs=8, recompute=FULL),
+    # the materialized loss (12 bytes per logit) beside the default chunked one
+    "qwen4l_1gpu_mbs4_materialized": case("qwen4l", mbs=4, cross_entropy=MATERIALIZED),
+    "deepseek4l_1gpu_mbs8_materialized": case("deepseek4l", mbs=8, cross_entropy=MATERIALIZED),
     # two GPUs
+    "qwen4l_sp2_ep2_a2a_mbs8_materialized": case("qwen4l", Degrees(sp=2, ep=2), mbs=8,
+                                                 cross_entropy=MATERIALIZED),
     "qwen4l_dp2_ep2_mbs4": case("qwen4l", Degrees(dp=2, ep=2), mbs=4),
     "qwen4l_sp2_ep2_a2a_mbs8": case("qwen4l", Degrees(sp=2, ep=2), mbs=8),
     "qwen4l_sp2_ep2_ag_mbs8": case("qwen4l", Degrees(sp=2, ep=2), mbs=8, dispatch=AG),

@@ -12,6 +12,7 @@ from types import MappingProxyType
 
 from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import StageParams, chunk_dense_layers, stage_params
+from plans.enums import CHUNK_LOGITS, CrossEntropy
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
 
@@ -77,6 +78,8 @@ def layer_activation_terms(
       output to the next operator: 10 h per norm;
     - attention_input (TP attention): the all-gathered sequence, one batch-major copy per
       Q/K/V projection when the micro-batch has more than one sequence: 2 tp h each;
+    - qk_norm (Qwen3): the per-head RMSNorms of q and k keep their fp32 input and normalised
+      copies, 8 (q_dim + kv_dim);
     - attention_core: RoPE'd q, k and v expanded to the query heads (GQA repeat) and the SDPA
       output, 8 q_dim, plus the fp32 log-sum-exp; Ulysses adds the all-to-all'd output the out
       projection keeps (2 q_dim). Selective recomputation keeps the projections' outputs
@@ -96,6 +99,8 @@ def layer_activation_terms(
     if degrees.tp > 1:
         copies = 3 if micro_batch > 1 else 1
         terms["attention_input"] = copies * 2.0 * degrees.tp * h
+    if model.qk_norm:
+        terms["qk_norm"] = 8.0 * (model.q_dim + model.kv_dim)
     if policy == Recompute.selective:
         terms["attention_core"] = 2.0 * (model.q_dim + 2 * model.kv_dim) + 2.0 * model.q_dim
     else:
@@ -133,14 +138,30 @@ def layer_activation_bytes(
 
 
 LOSS_BYTES_PER_LOGIT = 12
-"""Peak bytes per logit of the loss (runtime.trainer._loss: bf16 logits, float(),
-cross_entropy): in forward the bf16 logits, their fp32 copy and the fp32 log-probabilities
-(10); in backward the saved log-probabilities, their gradient and the logits' fp32 gradient
-(12). Measured: 11.9 per logit on H200 (qwen4l_1gpu_mbs4)."""
-SAVED_BYTES_PER_LOGIT = 4
-"""The fp32 log-probabilities each micro-batch keeps from its loss to its backward."""
+"""Peak bytes per logit of the materialized loss (runtime.loss.materialized_cross_entropy:
+bf16 logits, float(), cross_entropy): in forward the bf16 logits, their fp32 copy and the fp32
+log-probabilities (10); in backward the saved log-probabilities, their gradient and the
+logits' fp32 gradient (12). Measured: 11.9 per logit on H200 (qwen4l_1gpu_mbs4)."""
+CHUNK_BYTES_PER_LOGIT = 10
+"""Peak bytes per logit of one chunk of the chunked loss (runtime.loss): its logits in the
+parameter dtype and in fp32, the fp32 gradient computed in place, cast back (2)."""
 HEAD_BYTES_PER_TOKEN_H = 10 + 2
 """The final RMSNorm's kept tensors (10 h) and the embedding's output (2 h)."""
+
+
+def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy) -> float:
+    """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
+
+    materialized: 12 bytes per logit. chunked: the gradients it computes in forward and keeps
+    to backward, of the hidden states (2 T h) and of the head's weight (fp32, 4 V h), plus at
+    its peak one chunk's weight-gradient GEMM output and its fp32 copy (6 V h) and one chunk's
+    logits (CHUNK_BYTES_PER_LOGIT x min(T V, CHUNK_LOGITS))."""
+    v, h = model.vocab, model.hidden
+    if kind == CrossEntropy.materialized:
+        head = LOSS_BYTES_PER_LOGIT * tokens * v
+    else:
+        head = 2 * tokens * h + 10 * v * h + CHUNK_BYTES_PER_LOGIT * min(tokens * v, CHUNK_LOGITS)
+    return head + HEAD_BYTES_PER_TOKEN_H * tokens * h
 ALLOCATOR_RESERVE = 0.16
 """Reserved over allocated bytes of the caching allocator (expandable segments,
 runtime.memory.configure_allocator), as a fraction of the step's transient bytes (above the
@@ -192,7 +213,7 @@ def _state_bytes(p: StageParams, d: Degrees, grad_precision: Precision, opt: Opt
 def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: tuple[int, ...],
             seq_len: int, batch: int, micro_batches: int, schedule: PipelineSchedule,
             policy: Recompute, grad_precision: Precision, opt: Optimizer, capacity: float,
-            ) -> MemoryBreakdown:
+            cross_entropy: CrossEntropy) -> MemoryBreakdown:
     d = degrees
     tokens = batch * seq_len / (d.sp * d.cp * d.tp)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
@@ -209,7 +230,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
     # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
-    logits = tokens * (LOSS_BYTES_PER_LOGIT * model.vocab + HEAD_BYTES_PER_TOKEN_H * model.hidden)
+    logits = loss_bytes(model, tokens, cross_entropy)
     dense_shard, expert_shard = d.dp * d.cp * d.sp, d.edp
 
     def stage(i: int) -> tuple[dict[str, float], float]:
@@ -248,5 +269,5 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
     return _memory(
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
-        t.optimizer, capacity,
+        t.optimizer, capacity, plan.cross_entropy,
     )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 _WHERE = {
     "SpecError": "plans.errors",
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
-    "Recompute": "plans.enums",
+    "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
     **dict.fromkeys((
         "EPFFN", "SCHEMA_VERSION", "TPFFN", "AttentionStrategy", "CPAttention", "Degrees",
         "Dispatch", "FFNStrategy", "MeshAxis", "PipelineSchedule", "Plan", "Prediction",
@@ -23,6 +23,7 @@ _WHERE = {
 
 __all__ = [
     "SCHEMA_VERSION", "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec",
+    "CrossEntropy",
     "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "MeshAxis",
     "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "Overlap", "PipelineSchedule", "Plan",
     "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec",

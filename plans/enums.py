@@ -29,7 +29,8 @@ class Overlap(StrEnum):
 class Recompute(StrEnum):
     none = "none"
     selective = "selective"
-    """The paper's selective rematerialisation: keep about half the activations."""
+    """Recompute the attention core (RoPE and SDPA) in backward, keeping its inputs: what the
+    runtime reruns and the cost model prices (cost_models.memory, layer_graph)."""
     full = "full"
     """Keep only each layer's input; recompute the whole layer in backward."""
 
@@ -40,3 +41,21 @@ class AttentionKind(StrEnum):
     ulysses_sp = "ulysses_sp"
     tp = "tp"
     cp = "cp"
+
+
+class CrossEntropy(StrEnum):
+    """How the last stage computes the LM head and the loss."""
+
+    chunked = "chunked"
+    """LM head and cross-entropy over chunks of tokens, gradients computed in the forward: at
+    most a chunk of logits exists at once (runtime.loss)."""
+    materialized = "materialized"
+    """The whole micro-batch's logits, their fp32 copy and log-probabilities (12 bytes per
+    logit at the backward peak)."""
+
+
+CHUNK_LOGITS = 2**28
+"""Logits per chunk of the chunked cross-entropy (runtime.loss; priced by cost_models.memory):
+a chunk holds them in the parameter dtype and in fp32 (about 10 bytes each at its peak:
+2.5 GiB), few enough chunks that the fp32 accumulation of the head's weight gradient (a pass
+over vocab x hidden per chunk) stays small beside the GEMMs."""

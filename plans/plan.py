@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from plans.enums import Overlap, Recompute
+from plans.enums import CrossEntropy, Overlap, Recompute
 from plans.specs import ClusterSpec, Frozen, ModelSpec, Precision, TrainingSpec
 
 SCHEMA_VERSION = 1
@@ -184,6 +184,8 @@ class Plan(Frozen):
     schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     overlap: Overlap = Overlap.inter_intra_op
     recompute: Recompute = Recompute.selective
+    cross_entropy: CrossEntropy = CrossEntropy.chunked
+    """How the last stage computes the LM head and loss (memory: cost_models.memory)."""
     grad_sync_precision: Precision = Precision.bf16
     """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
     grad_sync_overlap: bool = True

@@ -132,6 +132,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(m.layers)})
         self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
         self.output: nn.Linear | None = nn.Linear(m.hidden, m.vocab, bias=False)
+        self.head_logits = True
+        """The last stage returns logits; false: the final norm's output, for a loss that
+        applies the LM head itself (runtime.loss.chunked_cross_entropy)."""
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -144,7 +147,11 @@ class Transformer(nn.Module):
             h = layer(h)
         if self.output is None:
             return h
-        return self.output(self.norm(h))
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        return self.output(h) if self.head_logits else h
 
     def forward_chunk(
         self, x: torch.Tensor, layer_ids: range, embed: bool, head: bool
@@ -154,7 +161,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(x) if embed else x
         for i in layer_ids:
             h = self.layers[str(i)](h)
-        return self.output(self.norm(h)) if head else h
+        return self._head(h) if head else h
 
     def moe_layers(self) -> list[MoE]:
         return [b.moe for b in self.layers.values() if b.moe is not None]
@@ -184,13 +191,17 @@ class Shard:
         return tuple(shape)
 
 
-def init_tensor(key: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+def init_tensor(key: str, shape: tuple[int, ...], seed: int, std: float,
+                device: torch.device | None = None) -> torch.Tensor:
     """Initial value of the full parameter ``key``: norms ones, matrices N(0, std), drawn from a
-    generator seeded by (seed, key) so it does not depend on how the model is split."""
+    generator of ``device``'s type seeded by (seed, key), so it does not depend on how the model
+    is split. On CUDA the draw runs on the GPU (a CPU draw of a 3B-parameter model takes
+    seconds per rank); CPU and CUDA runs start from different (each deterministic) weights."""
+    device = device or torch.device("cpu")
     if key.endswith("norm.weight"):
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-    return torch.randn(shape, generator=gen) * std
+        return torch.ones(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=gen, device=device) * std
 
 
 def init_weights(
@@ -210,5 +221,5 @@ def init_weights(
         for name, p in model.named_parameters():
             shard = shards.get(name)
             shape = shard.full_shape(p.shape) if shard else tuple(p.shape)
-            full = init_tensor(model.init_key(name), shape, seed, std)
+            full = init_tensor(model.init_key(name), shape, seed, std, device)
             p.copy_(shard.take(full) if shard else full)

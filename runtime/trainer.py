@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from plans import EPFFN, Degrees, PipelineSchedule, Plan, UlyssesAttention
+from plans import EPFFN, CrossEntropy, Degrees, PipelineSchedule, Plan, UlyssesAttention
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
+from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
 from runtime.parallel.mesh import Mesh, build_mesh
@@ -88,6 +88,7 @@ class Trainer:
         self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers)
         init_weights(model, seed, self.pm.shards, device, self.param_dtype)
         model.train()
+        model.head_logits = plan.cross_entropy == CrossEntropy.materialized
         self.model = model
         d = plan.degrees
         scale = 1.0 / (plan.num_micro_batches * d.dp)
@@ -114,12 +115,17 @@ class Trainer:
             )
 
     # ---- pieces -------------------------------------------------------------------------------
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy summed over this rank's tokens, divided by the step's global token
-        count: the replicas' gradient sum is then the gradient of the global mean."""
+        count: the replicas' gradient sum is then the gradient of the global mean. ``out`` is
+        the logits (materialized) or the final norm's output (chunked: the loss applies the LM
+        head chunk by chunk, runtime.loss)."""
         with self.timers.region(Component.loss):
-            ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-            return ce * self.loss_scale
+            if self.plan.cross_entropy == CrossEntropy.chunked:
+                return chunked_cross_entropy(out.flatten(0, 1), self.model.output.weight,
+                                             labels.flatten(), self.loss_scale)
+            return materialized_cross_entropy(out.flatten(0, 1), labels.flatten(),
+                                              self.loss_scale)
 
     # ---- a step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> float:

@@ -1,0 +1,67 @@
+"""The LM head and cross-entropy of the last stage (plan.cross_entropy).
+
+``materialized``: logits = h W^T for the whole micro-batch, cast to fp32, F.cross_entropy; at
+its backward peak it holds 12 bytes per logit (the saved fp32 log-probabilities, their gradient
+and the logits' fp32 gradient): 55 GiB for 32k tokens of a 152k vocabulary.
+
+``chunked``: the same sum over chunks of at most ``CHUNK_LOGITS / vocab`` tokens, with the
+gradients computed in the forward (the loss is the end of the graph: its backward only scales
+them), so one chunk's logits exist at a time and nothing of them is kept for backward. Kept
+instead: the gradient of the hidden states (tokens x hidden, the parameter dtype) and of the
+head's weight (vocab x hidden, fp32, accumulated over chunks). Same FLOPs as the materialized
+loss (Liger-Kernel's fused linear cross-entropy computes it the same way).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import Function
+
+from plans.enums import CHUNK_LOGITS
+
+
+def chunk_tokens(vocab: int) -> int:
+    return max(1, CHUNK_LOGITS // vocab)
+
+
+class _ChunkedLinearCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
+                chunk: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk):
+            hc, yc = h[start:start + chunk], labels[start:start + chunk]
+            logits = (hc @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
+            # d(sum of cross-entropies) / d logits = softmax - one-hot
+            grad = logits.sub_(lse[:, None]).exp_()
+            grad[torch.arange(yc.shape[0], device=h.device), yc] -= 1.0
+            grad = grad.to(h.dtype)
+            grad_h[start:start + chunk] = grad @ weight
+            grad_w += (grad.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.scale, ctx.weight_dtype = scale, weight.dtype
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        g = grad_out * ctx.scale
+        return grad_h * g.to(grad_h.dtype), (grad_w * g).to(ctx.weight_dtype), None, None, None
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """scale x sum over tokens of cross_entropy(h W^T, labels): h [T, hidden], weight
+    [vocab, hidden], labels [T]."""
+    return _ChunkedLinearCrossEntropy.apply(h, weight, labels, scale, chunk_tokens(weight.shape[0]))
+
+
+def materialized_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """scale x sum over tokens of cross_entropy(logits, labels) on the whole logits in fp32."""
+    return F.cross_entropy(logits.float(), labels, reduction="sum") * scale
