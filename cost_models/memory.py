@@ -11,7 +11,7 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from cost_models.compute import ACT_BYTES, FP32_BYTES
-from cost_models.params import StageParams, chunk_dense_layers, stage_params
+from cost_models.params import chunk_dense_layers, stage_params
 from plans.enums import CHUNK_LOGITS, CrossEntropy
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
@@ -198,17 +198,6 @@ def grad_bytes_per_param(grad_precision: Precision) -> int:
     return FP32_BYTES if grad_precision == Precision.fp32 else Precision.bf16.bytes
 
 
-def _state_bytes(p: StageParams, d: Degrees, grad_precision: Precision, opt: Optimizer) -> dict:
-    grad_bytes = grad_bytes_per_param(grad_precision)
-    # ZeRO-1: optimizer states sharded over the ranks holding the same weights.
-    sharded = p.dense / (d.dp * d.cp * d.sp) + p.expert / d.edp
-    return {
-        "params": WEIGHT_BYTES * p.total,
-        "grads": grad_bytes * p.total,
-        "optimizer": opt.state_bytes_per_param * sharded,
-    }
-
-
 @lru_cache(maxsize=65536)
 def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: tuple[int, ...],
             seq_len: int, batch: int, micro_batches: int, schedule: PipelineSchedule,
@@ -233,33 +222,36 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     logits = loss_bytes(model, tokens, cross_entropy)
     dense_shard, expert_shard = d.dp * d.cp * d.sp, d.edp
 
-    def stage(i: int) -> tuple[dict[str, float], float]:
-        """Components of stage i and its peak: the resident states plus the larger of the
-        training transients and the optimizer-step workspace (never alive at once), plus the
-        allocator's reserve on that. In training, the loss (last stage) and the recomputed or
-        back-propagated layer's working set come one after the other, so the larger counts."""
+    grad_bytes = grad_bytes_per_param(grad_precision)
+    names = ("params", "grads", "optimizer", "activations", "activation_working", "comm_buffers",
+             "logits", "optimizer_step_workspace", "allocator_reserve")
+
+    def stage(i: int) -> tuple[float, tuple[float, ...]]:
+        """Peak of stage i and its components (``names``): the resident states plus the larger
+        of the training transients and the optimizer-step workspace (never alive at once),
+        plus the allocator's reserve on that. In training, the loss (last stage) and the
+        recomputed or back-propagated layer's working set come one after the other, so the
+        larger counts."""
         moe, dense = layers[i]
         p = params[i]
-        parts = _state_bytes(p, d, grad_precision, opt)
+        shard = p.dense / dense_shard + p.expert / expert_shard  # ZeRO-1 states
+        states = (WEIGHT_BYTES * p.total, grad_bytes * p.total, opt.state_bytes_per_param * shard)
         stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
-        parts["activations"] = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
+        activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
         working = ((1 + BACKWARD_WORKING) * per_layer[moe == 0, Recompute.none]
-                   - per_layer[moe == 0, policy])
-        parts["activation_working"] = working if moe + dense else 0.0
-        parts["comm_buffers"] = buffers
-        parts["logits"] = logits if i == d.pp - 1 else 0.0
-        training = (parts["activations"] + parts["comm_buffers"]
-                    + max(parts["activation_working"], parts["logits"]))
-        step = OPTIMIZER_STEP_WORKSPACE_BYTES * (p.dense / dense_shard + p.expert / expert_shard)
-        parts["optimizer_step_workspace"] = step
-        transient = max(training, step)
-        parts["allocator_reserve"] = ALLOCATOR_RESERVE * transient
-        states = parts["params"] + parts["grads"] + parts["optimizer"]
-        return parts, states + transient + parts["allocator_reserve"]
+                   - per_layer[moe == 0, policy]) if moe + dense else 0.0
+        loss = logits if i == d.pp - 1 else 0.0
+        step = OPTIMIZER_STEP_WORKSPACE_BYTES * shard
+        transient = max(activations + buffers + max(working, loss), step)
+        reserve = ALLOCATOR_RESERVE * transient
+        return (sum(states) + transient + reserve,
+                (*states, activations, working, buffers, loss, step, reserve))
 
-    peak_stage = max(range(d.pp), key=lambda i: stage(i)[1])
-    parts, peak = stage(peak_stage)
-    return MemoryBreakdown(MappingProxyType(parts), peak, capacity, peak_stage)
+    stages = [stage(i) for i in range(d.pp)]
+    peak_stage = max(range(d.pp), key=lambda i: stages[i][0])  # the first on a tie
+    peak, parts = stages[peak_stage]
+    return MemoryBreakdown(MappingProxyType(dict(zip(names, parts, strict=True))), peak,
+                           capacity, peak_stage)
 
 
 def memory_breakdown(plan: Plan) -> MemoryBreakdown:
