@@ -57,7 +57,7 @@ from plans.specs import ModelSpec  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.model import Transformer  # noqa: E402
 from runtime.parallel.mesh import build_mesh  # noqa: E402
-from runtime.parallel.parallelize import parallelize  # noqa: E402
+from runtime.parallel.parallelize import backend_of, parallelize  # noqa: E402
 from runtime.trainer import model_options  # noqa: E402
 
 OVERRIDES = {  # flag -> ModelSpec field (smoke tests shrink the model)
@@ -163,7 +163,7 @@ def build_block(plan: Plan, rank: int, world: int, device, dtype, seed: int):
     mesh = build_mesh(plan, rank, world)
     with torch.device("meta"):
         model = Transformer(ModelConfig(plan.model, model_options(plan)))
-    parallelize(model, plan, mesh, timers=None)
+    parallelize(model, plan, mesh, None, backend_of(device))
     model.to_empty(device=device)
     model.to(dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)

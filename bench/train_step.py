@@ -29,11 +29,10 @@ from _meta import metadata  # noqa: E402
 
 from plans import SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
-from plans.execution import deviations  # noqa: E402
+from plans.execution import UnsupportedFeature, deviations  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
-from runtime.parallel.data_parallel import UnsupportedFeature  # noqa: E402
-from runtime.parallel.parallelize import check_supported  # noqa: E402
+from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
 EXIT_BAD_INPUT = 2
@@ -63,7 +62,7 @@ def setup(plan_path: Path, share_gpu: bool = False):
     cuda = torch.cuda.is_available()
     try:
         plan = load_plan(plan_path)
-        check_supported(plan)
+        check_supported(plan, launch_backend())
         if plan.degrees.world != world:
             raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
                             f"WORLD_SIZE={world}")
@@ -145,7 +144,7 @@ def main(argv=None) -> int:
             "components_s_per_rank": [c for c, _ in per_rank],
             "prediction": plan.prediction.model_dump() if plan.prediction else None,
             "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
-                           for d in deviations(plan)],
+                           for d in deviations(plan, backend_of(device))],
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

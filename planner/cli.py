@@ -214,9 +214,11 @@ def search_cmd(
         **({"attention": tuple(attention)} if attention else {}),
     )
     if runnable:
-        if precision != Precision.bf16:
-            raise SpecError(f"--precision: the runtime runs GEMMs in bf16, not {precision}; "
-                            "drop --runnable or use bf16")
+        from plans.execution import executes
+
+        if not executes("training.precision", precision):
+            raise SpecError(f"--precision: the runtime does not run {precision} GEMMs as "
+                            "written (plans.execution); drop --runnable or use bf16")
         space = space.runnable()
     if json_out:
         result = search(spec_model, spec_cluster, training, space, top=top)
@@ -264,7 +266,7 @@ def explain(plan: PlanArg, json_out: JsonOpt = False) -> None:
 def validate(plan: PlanArg) -> None:
     """Re-check a plan, generated or hand-written, against its specs and memory."""
     import cost_models
-    from plans.execution import deviations, executed_plan
+    from plans.execution import Backend, deviations, executed_plan, refusals
 
     loaded = catalog.load_plan(plan)
     evaluation = cost_models.evaluate(loaded)
@@ -279,6 +281,9 @@ def validate(plan: PlanArg) -> None:
         if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
             typer.echo(f"note: the plan's stored prediction ({stored:.3f} s) differs from this "
                        "cost model's; the specs or efficiency factors changed")
+    if refused := refusals(loaded, Backend.cuda_nccl):
+        typer.echo(f"moeplan train refuses it: {refused[0]}")
+        return
     found = deviations(loaded)
     if found:
         ran = cost_models.evaluate(executed_plan(loaded))

@@ -30,13 +30,12 @@ import torch.distributed as dist
 
 from plans import Plan, SpecError
 from plans.catalog import load_plan
-from plans.execution import deviations
+from plans.execution import UnsupportedFeature, deviations
 from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
-from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.mesh import WorldSizeMismatch
 from runtime.parallel.optimizer import OptimizerConfig
-from runtime.parallel.parallelize import check_supported
+from runtime.parallel.parallelize import backend_of, check_supported, launch_backend
 from runtime.trainer import StepMetrics, build_trainer, model_options
 
 EXIT_BAD_INPUT = 2
@@ -85,7 +84,7 @@ def make_data(args: argparse.Namespace, plan: Plan) -> TokenSource:
 
 def validate(args: argparse.Namespace, world: int) -> tuple[Plan, TokenSource]:
     plan = load_plan(args.plan)
-    check_supported(plan)
+    check_supported(plan, launch_backend())
     if plan.degrees.world != world:
         d = plan.degrees
         raise WorldSizeMismatch(
@@ -158,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 timeout=timedelta(seconds=args.timeout_s))
         signal.signal(signal.SIGTERM, _on_sigterm(rank, _Progress))
     if rank == 0:
-        for d in deviations(plan):
+        for d in deviations(plan, backend_of(device)):
             print(d.note(), file=sys.stderr, flush=True)
     try:
         return _train(args, plan, data, rank, world, device, owns_group)

@@ -17,7 +17,7 @@ from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.optimizer import OptimizerConfig, ReplicatedAdamW, ZeroAdamW
-from runtime.parallel.parallelize import ParallelModel, parallelize
+from runtime.parallel.parallelize import ParallelModel, backend_of, parallelize
 from runtime.parallel.pipeline import InterleavedOneFOneB, OneFOneB
 
 
@@ -84,7 +84,7 @@ class Trainer:
         cfg = ModelConfig(plan.model, options or model_options(plan))
         with torch.device("meta"):
             model = Transformer(cfg)
-        self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers)
+        self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers, backend_of(device))
         init_weights(model, seed, self.pm.shards, device, self.param_dtype)
         model.train()
         self.model = model

@@ -36,10 +36,6 @@ FP8_BLOCK = 128
 fine-grained quantisation)."""
 
 
-class UnsupportedFeature(ValueError):
-    """A plan field this runtime does not implement yet."""
-
-
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat fp32 ``x`` (length a multiple of FP8_BLOCK) -> E4M3 payload [blocks, FP8_BLOCK]
     and one fp32 scale per block, amax / 448, so each block uses the full E4M3 range."""
