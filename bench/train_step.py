@@ -45,8 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     p.add_argument("--out", required=True, type=Path, help="JSON result (written by rank 0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-zero1", dest="zero1", action="store_false",
-                   help="replicated AdamW states instead of ZeRO-1")
     return p.parse_args(argv)
 
 
@@ -96,7 +94,7 @@ def main(argv=None) -> int:
     plan, rank, world, device = setup(args.plan)
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
-    trainer = build_trainer(plan, rank, world, device, args.seed, data, zero1=args.zero1)
+    trainer = build_trainer(plan, rank, world, device, args.seed, data)
     for step in range(args.warmup):
         trainer.train_step(step)
     if device.type == "cuda":
@@ -129,7 +127,7 @@ def main(argv=None) -> int:
             "backend": dist.get_backend() if world > 1 else "none",
             "plan": str(args.plan),
             "plan_summary": plan.summary(),
-            "zero1": args.zero1,
+            "optimizer_sharding": plan.optimizer_sharding.value,
             "warmup_steps": args.warmup,
             "measured_steps": args.steps,
             "step_time_s": step_time,

@@ -158,11 +158,10 @@ def evaluate(plan: Plan) -> Evaluation:
     bwd_window, fwd_window = list(accumulate(bwd)), list(accumulate(fwd))
     sync = max(exposed_grad_sync_s(gs, bwd_window[i], fwd_window[i], plan.grad_sync_overlap,
                                    eff.overlap) for i, gs in syncs)
-    # AdamW on the local ZeRO-1 shard: cast the synchronised gradient slice to fp32 (unless it
-    # is fp32), read it, read and write master weights and states, read the masters and write
-    # the bf16 weights.
-    dense_ranks, edp = d.dp * d.cp * d.sp, d.edp
-    shard = max(p.dense / dense_ranks + p.expert / edp for p in stage_params_of(plan))
+    # The optimizer on the parameters whose states this GPU holds (its ZeRO-1 shard, or all
+    # of them): cast the synchronised gradient slice to fp32 (unless it is fp32), read it,
+    # read and write master weights and states, read the masters and write the bf16 weights.
+    shard = max(p.optimizer_shard(d, plan.optimizer_sharding) for p in stage_params_of(plan))
     grad_bytes = grad_bytes_per_param(plan.grad_sync_precision)
     cast = grad_bytes + FP32_BYTES if grad_bytes != FP32_BYTES else 0
     per_param = (cast + FP32_BYTES + 2 * plan.training.optimizer.state_bytes_per_param

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.plan import Degrees, Plan
+from plans.plan import Degrees, OptimizerSharding, Plan
 from plans.specs import ModelSpec
 
 
@@ -22,6 +22,14 @@ class StageParams:
     @property
     def total(self) -> float:
         return self.dense + self.expert
+
+    def optimizer_shard(self, d: Degrees, sharding: OptimizerSharding) -> float:
+        """Parameters whose optimizer states (and update) this GPU holds: with ZeRO-1 a
+        1/replicas slice of each group (dense over dp x cp x sp, experts over edp), else
+        all of them (Plan.optimizer_sharding)."""
+        if sharding == OptimizerSharding.none:
+            return self.total
+        return self.dense / (d.dp * d.cp * d.sp) + self.expert / d.edp
 
 
 def chunk_dense_layers(stage_layers: tuple[int, ...], dense_layers: int) -> tuple[int, ...]:

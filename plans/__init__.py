@@ -11,6 +11,7 @@ from plans.plan import (
     Dispatch,
     FFNStrategy,
     MeshAxis,
+    OptimizerSharding,
     Overlap,
     PipelineSchedule,
     Plan,
@@ -34,6 +35,7 @@ from plans.specs import (
 __all__ = [
     "SCHEMA_VERSION", "AttentionStrategy", "CPAttention", "ClusterSpec", "Degrees", "Dispatch",
     "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "MeshAxis", "ModelSpec", "NetworkSpec",
-    "NodeSpec", "Optimizer", "Overlap", "PipelineSchedule", "Plan", "Precision", "Prediction",
-    "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec", "UlyssesAttention",
+    "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap", "PipelineSchedule", "Plan",
+    "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec",
+    "UlyssesAttention",
 ]

@@ -168,6 +168,17 @@ class Recompute(StrEnum):
     """Keep only each layer's input; recompute the whole layer in backward."""
 
 
+class OptimizerSharding(StrEnum):
+    """Where the optimizer states (fp32 master weights and moments) live."""
+
+    none = "none"
+    """Every replica of a parameter keeps its full states and updates it in full."""
+    zero1 = "zero1"
+    """ZeRO stage 1 (Rajbhandari et al., SC'20): the states are sharded over each parameter's
+    replicas; gradients are reduce-scattered, each replica updates its slice and the updated
+    weights are all-gathered."""
+
+
 class Prediction(Frozen):
     """What the cost model predicts for a plan."""
 
@@ -209,6 +220,8 @@ class Plan(Frozen):
     """Weight-gradient GEMMs add into the main gradients in their epilogue (Megatron-LM's
     gradient-accumulation fusion); false: each micro-batch's gradients are added by a separate
     memory-bound pass."""
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
+    """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")

@@ -2,10 +2,10 @@
 
     torchrun --nproc-per-node N -m runtime.train --plan PLAN [--steps N] [--data PATH]
         [--data-dtype u16|u32] [--log FILE | --log-file FILE]
-        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR] [--no-zero1]
+        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR]
         [--aux-loss-coeff C] [--per-expert-balance]
 
-Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL with bf16 parameters (fp32 AdamW masters) on CUDA,
+Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL with bf16 parameters (fp32 optimizer masters) on CUDA,
 gloo and fp32 on CPU.
 Bad input (plan missing or invalid, unsupported field, world size mismatch) prints one line
 naming the field and the reason and exits with status 2. A failed or timed-out collective (a
@@ -62,9 +62,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--aux-loss-coeff", type=float, default=0.01, help="balance-loss weight")
     p.add_argument("--per-expert-balance", action="store_true",
                    help="plain per-expert balance loss instead of one per EP rank")
-    p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
-                   help="shard AdamW states over each parameter's replicas (ZeRO stage 1; "
-                   "default on, --no-zero1 keeps full states on every replica)")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="collective timeout: a rank waiting longer on a dead peer fails")
     return p.parse_args(argv)
@@ -175,7 +172,6 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
         plan, rank, world, device, args.seed, data,
         options=model_options(plan, args.aux_loss_coeff, args.per_expert_balance),
         optim=OptimizerConfig(lr=args.lr),
-        zero1=args.zero1,
     )
     start = 0
     if args.resume and (found := resume_point(args.ckpt_dir, rank)) is not None:

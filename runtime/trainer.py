@@ -16,7 +16,7 @@ from runtime.data import TokenSource, rank_micro_batches
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
 from runtime.parallel.mesh import Mesh, build_mesh
-from runtime.parallel.optimizer import OptimizerConfig, ReplicatedAdamW, ZeroAdamW
+from runtime.parallel.optimizer import OptimizerConfig, build_optimizer
 from runtime.parallel.parallelize import ParallelModel, backend_of, parallelize
 from runtime.parallel.pipeline import InterleavedOneFOneB, OneFOneB
 
@@ -75,7 +75,6 @@ class Trainer:
         data: TokenSource,
         options: ModelOptions | None = None,
         optim: OptimizerConfig | None = None,
-        zero1: bool = True,
         param_dtype: torch.dtype | None = None,
     ):
         self.plan, self.mesh, self.device, self.data = plan, mesh, device, data
@@ -92,9 +91,8 @@ class Trainer:
         scale = 1.0 / (plan.num_micro_batches * d.dp)
         for moe in model.moe_layers():
             moe.aux_loss_scale = cfg.options.aux_loss_coeff * scale
-        make = ZeroAdamW if zero1 else ReplicatedAdamW
-        self.optimizer = make(
-            model, mesh, self.pm.replication, plan.grad_sync_precision, optim or OptimizerConfig()
+        self.optimizer = build_optimizer(
+            model, mesh, self.pm.replication, plan, optim or OptimizerConfig()
         )
         tokens = plan.training.tokens_per_step
         self.loss_scale = 1.0 / tokens
@@ -191,8 +189,7 @@ def build_trainer(
     data: TokenSource,
     options: ModelOptions | None = None,
     optim: OptimizerConfig | None = None,
-    zero1: bool = True,
     param_dtype: torch.dtype | None = None,
 ) -> Trainer:
     mesh = build_mesh(plan, rank, world)
-    return Trainer(plan, mesh, device, seed, data, options, optim, zero1, param_dtype)
+    return Trainer(plan, mesh, device, seed, data, options, optim, param_dtype)

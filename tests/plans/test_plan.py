@@ -124,3 +124,16 @@ def test_json_schema_has_docs():
     schema = Plan.model_json_schema()
     assert "degrees" in schema["properties"]
     assert schema["$defs"]["Degrees"]["properties"]["ep"]["description"]
+
+
+def test_optimizer_sharding_is_a_validated_plan_field():
+    from pydantic import ValidationError
+
+    from plans import OptimizerSharding
+    from plans.errors import describe
+
+    assert make().optimizer_sharding == OptimizerSharding.zero1
+    assert make(optimizer_sharding="none").optimizer_sharding == OptimizerSharding.none
+    with pytest.raises(ValidationError) as e:
+        make(optimizer_sharding="zero3")
+    assert describe(e.value).startswith("optimizer_sharding: ")
