@@ -20,6 +20,7 @@ from cost_models.memory import (
     memory_breakdown,
 )
 from cost_models.params import chunk_dense_layers, part_params, stage_params_of
+from plans.layout import stage_of_chunk
 from plans.plan import Plan, Prediction
 
 
@@ -115,8 +116,8 @@ def _stage_layers(stage_layers: tuple[int, ...], pp: int, dense_layers: int) -> 
     for c, (n, n_dense) in enumerate(
         zip(stage_layers, chunk_dense_layers(stage_layers, dense_layers), strict=True)
     ):
-        out[c % pp][0] += n - n_dense
-        out[c % pp][1] += n_dense
+        out[stage_of_chunk(c, pp)][0] += n - n_dense
+        out[stage_of_chunk(c, pp)][1] += n_dense
     return tuple((a, b) for a, b in out)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from plans.layout import stage_of_chunk
 from plans.plan import Degrees, OptimizerSharding, Plan
 from plans.specs import ModelSpec
 
@@ -78,7 +79,7 @@ def stage_params(model: ModelSpec, degrees: Degrees, stage_layers: tuple[int, ..
     for c, (n, n_dense) in enumerate(
         zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
     ):
-        i = c % degrees.pp
+        i = stage_of_chunk(c, degrees.pp)
         dense[i] += n_dense * parts.dense_layer.dense + (n - n_dense) * parts.moe_layer.dense
         expert[i] += (n - n_dense) * parts.moe_layer.expert
     dense[0] += parts.embedding.dense

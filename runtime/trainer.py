@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plans import EPFFN, Degrees, PipelineSchedule, Plan, UlyssesAttention
+from plans.layout import tokens_per_rank
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
 from runtime.metrics import Component, Timers, peak_memory_gib
@@ -98,7 +99,7 @@ class Trainer:
         self.loss_scale = 1.0 / tokens
         # activations between stages are sequence-sharded over the whole attention group
         # (Ulysses sp, or tp with sequence parallelism)
-        seq = plan.training.seq_len // plan.degrees.attention_group
+        seq = int(tokens_per_rank(1, plan.training.seq_len, plan.degrees.attention_group))
         shape = (plan.micro_batch_size, seq, plan.model.hidden)
         if plan.schedule == PipelineSchedule.interleaved_1f1b:
             self.schedule = InterleavedOneFOneB(
@@ -191,5 +192,5 @@ def build_trainer(
     optim: OptimizerConfig | None = None,
     param_dtype: torch.dtype | None = None,
 ) -> Trainer:
-    mesh = build_mesh(plan, rank, world)
+    mesh = build_mesh(plan, rank, world, device.type)
     return Trainer(plan, mesh, device, seed, data, options, optim, param_dtype)

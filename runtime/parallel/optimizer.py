@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plans import Optimizer, OptimizerSharding, Plan, Precision
+from plans import MeshAxis, Optimizer, OptimizerSharding, Plan, Precision
 from runtime.parallel.comm import all_gather_into
 from runtime.parallel.data_parallel import (
     GradSync,
@@ -37,7 +37,7 @@ from runtime.parallel.data_parallel import (
     grad_dtype,
     reduce_scatter_sum,
 )
-from runtime.parallel.mesh import Group, Mesh
+from runtime.parallel.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class _Replicated:
         self,
         params: dict[str, nn.Parameter],
         mesh: Mesh,
-        replication: dict[str, tuple[Group, ...]],
+        replication: dict[str, tuple[MeshAxis, ...]],
         precision: Precision,
         dtype: torch.dtype,
     ):
@@ -161,7 +161,7 @@ class ReplicatedOptimizer:
         self,
         model: nn.Module,
         mesh: Mesh,
-        replication: dict[str, tuple[Group, ...]],
+        replication: dict[str, tuple[MeshAxis, ...]],
         precision: Precision,
         kind: Optimizer,
         cfg: OptimizerConfig,
@@ -223,7 +223,7 @@ class ShardedOptimizer:
         self,
         model: nn.Module,
         mesh: Mesh,
-        replication: dict[str, tuple[Group, ...]],
+        replication: dict[str, tuple[MeshAxis, ...]],
         precision: Precision,
         kind: Optimizer,
         cfg: OptimizerConfig,
@@ -232,7 +232,7 @@ class ShardedOptimizer:
         params = dict(model.named_parameters())
         param_dtype = next(iter(params.values())).dtype
         dtype = grad_dtype(param_dtype, precision)
-        grouped: dict[tuple[tuple[Group, ...], bool], list[str]] = defaultdict(list)
+        grouped: dict[tuple[tuple[MeshAxis, ...], bool], list[str]] = defaultdict(list)
         for name in sorted(params):
             grouped[(replication[name], params[name].ndim >= 2)].append(name)
         self.buckets: list[tuple[_Bucket, bool]] = []
@@ -324,7 +324,7 @@ class ShardedOptimizer:
 def build_optimizer(
     model: nn.Module,
     mesh: Mesh,
-    replication: dict[str, tuple[Group, ...]],
+    replication: dict[str, tuple[MeshAxis, ...]],
     plan: Plan,
     cfg: OptimizerConfig,
 ) -> ReplicatedOptimizer | ShardedOptimizer:

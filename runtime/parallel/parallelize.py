@@ -11,14 +11,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plans import EPFFN, TPFFN, Plan, Recompute, TPAttention, UlyssesAttention
+from plans import EPFFN, TPFFN, MeshAxis, Plan, Recompute, TPAttention, UlyssesAttention
 from plans.execution import Backend, check
 from runtime.metrics import Component, Timers, timed
 from runtime.model import AttentionCore, Shard, Transformer
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
 from runtime.parallel.data_parallel import replication_groups
 from runtime.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
-from runtime.parallel.mesh import Group, Mesh
+from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import apply_pipeline
 
 
@@ -72,7 +72,7 @@ class ParallelModel:
     mesh: Mesh
     shards: dict[str, Shard]
     """This rank's slice of every sharded parameter (by local parameter name)."""
-    replication: dict[str, tuple[Group, ...]]
+    replication: dict[str, tuple[MeshAxis, ...]]
     """Groups each parameter's gradient is summed over."""
 
 

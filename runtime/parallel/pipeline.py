@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from plans.layout import chunks_of_stage, stage_of_chunk
 from runtime.metrics import Component, Timers
 from runtime.model import Transformer
 from runtime.parallel.mesh import Mesh
@@ -30,10 +31,9 @@ def stage_layer_ids(stage_layers: Sequence[int], stage: int) -> range:
 def apply_pipeline(model: Transformer, mesh: Mesh, stage_layers: Sequence[int]) -> None:
     """Keep the layers of this stage's chunks (chunk c on stage c mod pp); the embedding stays
     on the first stage (chunk 0), final norm and LM head on the last (chunk pp x vpp - 1)."""
-    pp = mesh.degrees.pp
     keep = {
         str(i)
-        for c in range(mesh.coords.pp, len(stage_layers), pp)
+        for c in chunks_of_stage(mesh.stage, mesh.degrees)
         for i in stage_layer_ids(stage_layers, c)
     }
     for lid in list(model.layers.keys()):
@@ -115,7 +115,7 @@ class OneFOneB:
 
     def run(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         m = len(micro_batches)
-        pp, stage = self.mesh.degrees.pp, self.mesh.coords.pp
+        pp, stage = self.mesh.degrees.pp, self.mesh.stage
         warmup = min(pp - stage - 1, m)
         total = torch.zeros((), device=self.device)
         inflight: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -229,9 +229,11 @@ def interleaved_ticks(
         messages = []
         for s, a in actions.items():
             if a.forward and a.chunk < chunks - 1:
-                messages.append(Message(s, (a.chunk + 1) % pp, ("act", a.chunk, a.micro)))
+                messages.append(Message(s, stage_of_chunk(a.chunk + 1, pp),
+                                        ("act", a.chunk, a.micro)))
             elif not a.forward and a.chunk > 0:
-                messages.append(Message(s, (a.chunk - 1) % pp, ("grad", a.chunk, a.micro)))
+                messages.append(Message(s, stage_of_chunk(a.chunk - 1, pp),
+                                        ("grad", a.chunk, a.micro)))
         for msg in messages:
             have[msg.dst].add(msg.key)
         ticks.append((actions, messages))
@@ -263,14 +265,12 @@ class InterleavedOneFOneB:
         self.ticks = interleaved_ticks(d.pp, d.vpp, num_micro_batches)
 
     def _peer(self, stage: int) -> int:
-        return self.mesh.rank + (stage - self.mesh.coords.pp) * (
-            self.mesh.degrees.dp * self.mesh.degrees.attention_group
-        )
+        return self.mesh.stage_peer(stage - self.mesh.stage)
 
     def _exchange(
         self, messages: list[Message], outgoing: torch.Tensor | None, inbox: dict
     ) -> None:
-        me = self.mesh.coords.pp
+        me = self.mesh.stage
         ops = []
         for msg in messages:
             if msg.src == me and msg.dst == me:
@@ -294,7 +294,7 @@ class InterleavedOneFOneB:
         return self.timers.region(c) if self.timers is not None else contextlib.nullcontext()
 
     def run(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
-        me = self.mesh.coords.pp
+        me = self.mesh.stage
         last = self.chunks - 1
         total = torch.zeros((), device=self.device)
         inbox: dict[tuple[str, int, int], torch.Tensor] = {}

@@ -44,7 +44,10 @@ def test_derived_values():
     assert p.num_micro_batches == 128
     assert p.degrees.edp == 2
     assert p.degrees.world == 64
-    assert p.local_seq_len == 512
+    from plans.layout import tokens_per_rank
+
+    assert tokens_per_rank(p.micro_batch_size, p.training.seq_len,
+                           p.degrees.attention_group) == 512
 
 
 def test_round_trip_json():
