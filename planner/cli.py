@@ -472,10 +472,11 @@ def calibrate_cmd(
     import yaml
 
     from planner import calibrate as cal
+    from plans.results import ProfileResult, Sweep, read
 
     base_cluster = catalog.load_cluster(base)
-    measured_profile = cal.read(cal.Profile, profile, "profile")
-    sweep = cal.read(cal.Sweep, collectives, "--collectives") if collectives else None
+    measured_profile = read(ProfileResult, profile, "profile")
+    sweep = read(Sweep, collectives, "--collectives") if collectives else None
     if runs is not None and not runs.is_dir():
         raise SpecError(f"--runs: {runs} is not a folder")
     result = cal.calibrate(measured_profile, catalog.load_plan(plan), base_cluster,
