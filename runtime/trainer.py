@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from plans import EPFFN, Degrees, PipelineSchedule, Plan, UlyssesAttention
+from plans import EPFFN, Degrees, Plan, UlyssesAttention
 from plans.layout import tokens_per_rank
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
@@ -19,7 +19,7 @@ from runtime.model import Shard, Transformer, init_weights
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.optimizer import OptimizerConfig, build_optimizer
 from runtime.parallel.parallelize import ParallelModel, backend_of, parallelize
-from runtime.parallel.pipeline import InterleavedOneFOneB, OneFOneB
+from runtime.parallel.pipeline import ActionSchedule
 
 
 @dataclass
@@ -101,15 +101,11 @@ class Trainer:
         # (Ulysses sp, or tp with sequence parallelism)
         seq = int(tokens_per_rank(1, plan.training.seq_len, plan.degrees.attention_group))
         shape = (plan.micro_batch_size, seq, plan.model.hidden)
-        if plan.schedule == PipelineSchedule.interleaved_1f1b:
-            self.schedule = InterleavedOneFOneB(
-                model, mesh, self._loss, shape, device, self.param_dtype, plan.stage_layers,
-                plan.num_micro_batches, self.timers,
-            )
-        else:
-            self.schedule = OneFOneB(
-                model, mesh, self._loss, shape, device, self.param_dtype, self.timers
-            )
+        # 1F1B is the vpp = 1 case of the action lists (runtime.parallel.pipeline)
+        self.schedule = ActionSchedule(
+            model, mesh, self._loss, shape, device, self.param_dtype, plan.stage_layers,
+            plan.num_micro_batches, self.timers,
+        )
 
     # ---- pieces -------------------------------------------------------------------------------
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -251,3 +251,10 @@ def train_main(argv: list[str]) -> int:
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     return main(argv)
+
+
+def step_components(plan_json: str) -> dict[str, float]:
+    """This rank's per-component seconds of one training step."""
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    return trainer.train_step(0).components_s
