@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from enum import StrEnum
 
-from plans import EPFFN, Dispatch, Plan, Precision, Recompute
+from plans import EPFFN, Dispatch, Optimizer, OptimizerSharding, Plan, Precision, Recompute
 
 RDZV_PORT = 29500
 
@@ -97,11 +97,16 @@ def megatron_args(plan: Plan) -> tuple[list[str], list[str]]:
     elif plan.recompute == Recompute.full:
         args += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"]
-    args += ["--bf16", "--use-distributed-optimizer"]
+    args.append("--bf16")
+    if t.optimizer == Optimizer.sgd:
+        args += ["--optimizer", "sgd"]
+    zero1 = plan.optimizer_sharding == OptimizerSharding.zero1
+    if zero1:  # Megatron's distributed optimizer shards the states over data parallelism
+        args.append("--use-distributed-optimizer")
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid"]
-    if plan.grad_sync_overlap:
-        args += ["--overlap-grad-reduce", "--overlap-param-gather"]
+    if plan.grad_sync_overlap:  # overlapping the parameter gather needs the sharded states
+        args += ["--overlap-grad-reduce", *(["--overlap-param-gather"] if zero1 else [])]
     if not plan.grad_accumulation_fusion:
         args.append("--no-gradient-accumulation-fusion")
     if plan.grad_sync_precision == Precision.bf16:

@@ -42,7 +42,7 @@ MEGATRON_FLAGS = {
     "--recompute-method": True, "--recompute-num-layers": True, "--bf16": False,
     "--use-distributed-optimizer": False, "--fp8-format": True, "--overlap-grad-reduce": False,
     "--overlap-param-gather": False, "--grad-reduce-in-bf16": False,
-    "--no-gradient-accumulation-fusion": False,
+    "--no-gradient-accumulation-fusion": False, "--optimizer": True,
 }
 CHOICES = {
     "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
@@ -51,6 +51,7 @@ CHOICES = {
     "--recompute-method": {"uniform", "block"},
     "--normalization": {"LayerNorm", "RMSNorm"},
     "--fp8-format": {"e4m3", "hybrid"},
+    "--optimizer": {"adam", "sgd"},
 }
 
 
@@ -86,6 +87,8 @@ def check_megatron_constraints(a: dict, world: int) -> None:
         tp % n("--num-query-groups") == 0)
     if "--sequence-parallel" in a:
         assert tp > 1
+    if "--overlap-param-gather" in a:
+        assert "--use-distributed-optimizer" in a, "param gather overlap needs the dist. opt."
     if tp > 1 and n("--num-experts") > 0:
         assert "--sequence-parallel" in a, "MoE with TP needs sequence parallelism"
     layers = n("--num-layers")
@@ -192,3 +195,17 @@ def test_slurm_script():
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     words = shlex.split(srun.replace("$MASTER_ADDR", "host"))
     assert words[1] == "torchrun" and "runtime.train" in words
+
+
+def test_megatron_optimizer_and_its_sharding_follow_the_plan():
+    from plans import Optimizer, OptimizerSharding
+
+    plan = PLANS["megascale"]
+    parsed = parse_megatron(megatron_args(plan)[0])
+    assert parsed["--use-distributed-optimizer"] is True and "--optimizer" not in parsed
+    full = plan.model_copy(update={
+        "optimizer_sharding": OptimizerSharding.none,
+        "training": plan.training.model_copy(update={"optimizer": Optimizer.sgd})})
+    parsed = parse_megatron(megatron_args(full)[0])
+    assert "--use-distributed-optimizer" not in parsed and parsed["--optimizer"] == "sgd"
+    assert "--overlap-param-gather" not in parsed
