@@ -214,7 +214,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         finish(n)
         return 2
-    h, tokens = model.hidden, args.seq // n
+    h, tokens = model.hidden, int(tokens_per_rank(1, args.seq, n))
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
     x = torch.randn(1, tokens, h, device=device, dtype=dtype, generator=gen)
     grad = torch.randn(1, tokens, h, device=device, dtype=dtype, generator=gen)
