@@ -101,8 +101,8 @@ TABLE: tuple[Capability, ...] = (
     *_executed("micro_batch_size", ANY),
     *_executed("attention.kind", "ulysses_sp", "tp"),
     Capability("attention.kind", "cp", Support.refused,
-               "the runtime has no context-parallel attention (the planner prices it for "
-               "comparison only); use ulysses_sp or tp"),
+               "no context-parallel attention (priced for comparison only); use ulysses_sp "
+               "or tp"),
     Capability("attention.zigzag", ANY, Support.refused, "context-parallel attention only"),
     *_executed("ffn.kind", "ep", "tp"),
     *_executed("ffn.dispatch", "all_to_all", "allgather_reduce_scatter"),
@@ -180,7 +180,7 @@ class UnsupportedFeature(SpecError):
 
 def refusals(plan: Plan, backend: Backend) -> list[str]:
     """One line per plan field the runtime cannot run on ``backend``."""
-    return [f"{row.field}: {_text(value)} is not run by this runtime on {backend}: {row.reason}"
+    return [f"{row.field}: {_text(value)} is not run by this runtime ({backend}): {row.reason}"
             for row, value in _answers(plan, backend) if row.support == Support.refused]
 
 

@@ -178,3 +178,11 @@ def test_validate_says_how_the_runtime_would_run_the_plan(tmp_path):
     runnable = tmp_path / "r.json"
     assert run("search", *SMALL, "--runnable", "--json", "--out", str(runnable)).exit_code == 0
     assert "moeplan train runs it" not in run("validate", str(runnable)).output
+
+
+def test_validate_says_the_runtime_refuses_a_cp_plan(tmp_path):
+    out = tmp_path / "cp.json"
+    assert run("search", *SMALL, "--attention", "cp", "--json", "--out", str(out)).exit_code == 0
+    result = run("validate", str(out))
+    assert result.exit_code == 0, result.output
+    assert "moeplan train refuses it: attention.kind: cp " in result.output
