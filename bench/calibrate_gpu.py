@@ -30,6 +30,7 @@ from _meta import write  # noqa: E402
 from cost_models import comm as cm  # noqa: E402
 from cost_models import compute as cc  # noqa: E402
 from plans import Precision, catalog  # noqa: E402
+from plans.results import SweepOp  # noqa: E402
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into  # noqa: E402
 
 GEMMS = [  # (m, n, k): square, Mixtral expert fc1 / fc2, attention projections, a thin one
@@ -61,9 +62,14 @@ def timed(fn, repeats: int = 20, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def row(name: str, measured: float, predicted: float, work: float, unit: str) -> dict:
-    return {"name": name, "measured_s": measured, "predicted_s": predicted,
-            "predicted_over_measured": predicted / measured, f"achieved_{unit}": work / measured}
+def row(op: SweepOp, name: str, measured: float, predicted: float, work: float, unit: str,
+        nbytes: int | None = None) -> dict:
+    """One sweep row (plans.results.SweepRow): what ran as op and buffer bytes, the name a
+    label for people."""
+    sized = {} if nbytes is None else {"bytes": nbytes}
+    return {"name": name, "op": op.value, **sized, "measured_s": measured,
+            "predicted_s": predicted, "predicted_over_measured": predicted / measured,
+            f"achieved_{unit}": work / measured}
 
 
 def kernels(cluster) -> list[dict]:
@@ -73,15 +79,16 @@ def kernels(cluster) -> list[dict]:
         a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
         t = timed(lambda a=a, b=b: a @ b)
-        out.append(row(f"gemm {m}x{n}x{k}", t, cc.gemm_s(m, n, k, cluster, Precision.bf16),
-                       2 * m * n * k / 1e12, "tflops"))
+        out.append(row(SweepOp.gemm, f"gemm {m}x{n}x{k}", t,
+                       cc.gemm_s(m, n, k, cluster, Precision.bf16), 2 * m * n * k / 1e12,
+                       "tflops"))
     for e, tpe, h, f in GROUPED:
         x = torch.randn(e * tpe, h, device=dev, dtype=torch.bfloat16)
         w = torch.randn(e, h, f, device=dev, dtype=torch.bfloat16)
         offs = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * tpe
         t = timed(lambda x=x, w=w, offs=offs: torch._grouped_mm(x, w, offs=offs))
         pred = cc.grouped_gemm_s(e, tpe, f, h, cluster, Precision.bf16)
-        out.append(row(f"grouped_mm {e}x({tpe}x{h} @ {h}x{f})", t, pred,
+        out.append(row(SweepOp.grouped_mm, f"grouped_mm {e}x({tpe}x{h} @ {h}x{f})", t, pred,
                        2 * e * tpe * h * f / 1e12, "tflops"))
     for bsz, s, heads, hd in ATTENTION:
         q, k_, v = (torch.randn(bsz, heads, s, hd, device=dev, dtype=torch.bfloat16,
@@ -92,18 +99,20 @@ def kernels(cluster) -> list[dict]:
         g = torch.randn_like(fwd())
         t_fb = timed(lambda q=q, k_=k_, v=v, g=g, fwd=fwd: torch.autograd.grad(
             fwd(q, k_, v), (q, k_, v), g))
-        out.append(row(f"flash_attn fwd b{bsz} s{s} h{heads} d{hd}", t_f,
+        out.append(row(SweepOp.flash_attn, f"flash_attn fwd b{bsz} s{s} h{heads} d{hd}", t_f,
                        cc.flash_attention_fwd_s(flops, cluster), flops / 1e12, "tflops"))
         pred_fb = cc.flash_attention_fwd_s(flops, cluster) + cc.flash_attention_bwd_s(
             flops, cluster)
-        out.append(row(f"flash_attn fwd+bwd b{bsz} s{s} h{heads} d{hd}", t_fb, pred_fb,
-                       (1 + cc.ATTENTION_BWD_FLOP_RATIO) * flops / 1e12, "tflops"))
+        out.append(row(SweepOp.flash_attn, f"flash_attn fwd+bwd b{bsz} s{s} h{heads} d{hd}",
+                       t_fb, pred_fb, (1 + cc.ATTENTION_BWD_FLOP_RATIO) * flops / 1e12,
+                       "tflops"))
     for mib in (256, 1024, 4096):
         x = torch.randn(mib * 2**20 // 2, device=dev, dtype=torch.bfloat16)
         y = torch.empty_like(x)
         t = timed(lambda x=x, y=y: y.copy_(x))
         moved = 2 * x.numel() * 2  # read + write
-        out.append(row(f"copy {mib} MiB", t, cc.memory_s(moved, cluster), moved / 1e12, "tb_s"))
+        out.append(row(SweepOp.copy, f"copy {mib} MiB", t, cc.memory_s(moved, cluster),
+                       moved / 1e12, "tb_s", mib * 2**20))
     return out
 
 
@@ -117,17 +126,19 @@ def collectives(cluster, world: int) -> list[dict]:
         y = torch.empty_like(x)
         t = timed(lambda x=x, y=y: dist.all_to_all_single(y, x), repeats=10)
         # all_to_all_s: rank_bytes sent per rank, (n-1)/n of it to peers
-        out.append(row(f"all_to_all {mib} MiB/rank", t, cm.all_to_all_s(full, layout, cluster),
-                       full * (world - 1) / world / 1e9, "gb_s"))
+        out.append(row(SweepOp.all_to_all, f"all_to_all {mib} MiB/rank", t,
+                       cm.all_to_all_s(full, layout, cluster),
+                       full * (world - 1) / world / 1e9, "gb_s", full))
         shard = torch.randn(full // 2 // world, device=dev, dtype=torch.bfloat16)
         gathered = torch.empty(shard.numel() * world, device=dev, dtype=torch.bfloat16)
         t = timed(lambda s=shard, g=gathered: all_gather_into(g, s), repeats=10)
-        out.append(row(f"all_gather {mib} MiB full", t, cm.all_gather_s(full, layout, cluster),
-                       full * (world - 1) / world / 1e9, "gb_s"))
+        out.append(row(SweepOp.all_gather, f"all_gather {mib} MiB full", t,
+                       cm.all_gather_s(full, layout, cluster),
+                       full * (world - 1) / world / 1e9, "gb_s", full))
         t = timed(lambda g=gathered, s=shard: reduce_scatter_into(s, g), repeats=10)
-        out.append(row(f"reduce_scatter {mib} MiB full", t,
+        out.append(row(SweepOp.reduce_scatter, f"reduce_scatter {mib} MiB full", t,
                        cm.reduce_scatter_s(full, layout, cluster),
-                       full * (world - 1) / world / 1e9, "gb_s"))
+                       full * (world - 1) / world / 1e9, "gb_s", full))
     return out
 
 

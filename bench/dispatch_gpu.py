@@ -57,6 +57,7 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
+from plans.layout import tokens_per_rank  # noqa: E402
 from plans.specs import ModelSpec  # noqa: E402
 
 DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
@@ -141,7 +142,7 @@ def bench_plan(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: 
 
 def predict(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dispatch) -> dict:
     cluster = catalog.load_cluster(cluster_name, gpus=n)
-    tokens = seq / n
+    tokens = tokens_per_rank(1, seq, n)  # the sequence sharded over sp = ep = n
     transfers = vol.ep_ffn(model, tokens, n, dispatch)
     coll = [vol.transfer_s(t, cluster) for t in transfers]
     plan = bench_plan(model, cluster_name, n, seq, dispatch)
@@ -183,7 +184,7 @@ def measure(args) -> int:
         print(f"error: {n} ranks must divide the experts ({experts}) and --seq ({args.seq})",
               file=sys.stderr)
         return 2
-    tokens = args.seq // n
+    tokens = int(tokens_per_rank(1, args.seq, n))
     group = dist.group.WORLD
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
     x = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen)

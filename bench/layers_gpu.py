@@ -53,11 +53,12 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
+from plans.layout import tokens_per_rank  # noqa: E402
 from plans.specs import ModelSpec  # noqa: E402
 from runtime.config import ModelConfig  # noqa: E402
 from runtime.model import Transformer  # noqa: E402
 from runtime.parallel.mesh import build_mesh  # noqa: E402
-from runtime.parallel.parallelize import parallelize  # noqa: E402
+from runtime.parallel.parallelize import backend_of, parallelize  # noqa: E402
 from runtime.trainer import model_options  # noqa: E402
 
 OVERRIDES = {  # flag -> ModelSpec field (smoke tests shrink the model)
@@ -114,7 +115,7 @@ def plans(model: ModelSpec, cluster_name: str, n: int, seq: int) -> dict[str, Pl
 
 def block_transfers(plan: Plan, block: str) -> tuple[vol.Transfer, ...]:
     m, d, s = plan.model, plan.degrees, plan.training.seq_len
-    tokens = plan.micro_batch_size * s / d.attention_group
+    tokens = tokens_per_rank(plan.micro_batch_size, s, d.attention_group)
     if block == "attention":
         if isinstance(plan.attention, UlyssesAttention):
             return vol.ulysses_attention(m, plan.micro_batch_size, s, d.sp)
@@ -160,10 +161,10 @@ def predict_layer(plan: Plan) -> dict:
 def build_block(plan: Plan, rank: int, world: int, device, dtype, seed: int):
     """The runtime's parallelised one-layer model on this rank; weights drawn on the device
     (the same seed on every rank), since their values do not matter for timing."""
-    mesh = build_mesh(plan, rank, world)
+    mesh = build_mesh(plan, rank, world, torch.device(device).type)
     with torch.device("meta"):
         model = Transformer(ModelConfig(plan.model, model_options(plan)))
-    parallelize(model, plan, mesh, timers=None)
+    parallelize(model, plan, mesh, None, backend_of(device))
     model.to_empty(device=device)
     model.to(dtype=dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         finish(n)
         return 2
-    h, tokens = model.hidden, args.seq // n
+    h, tokens = model.hidden, int(tokens_per_rank(1, args.seq, n))
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
     x = torch.randn(1, tokens, h, device=device, dtype=dtype, generator=gen)
     grad = torch.randn(1, tokens, h, device=device, dtype=dtype, generator=gen)

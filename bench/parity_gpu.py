@@ -34,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from _meta import metadata  # noqa: E402
 from train_step import setup  # noqa: E402
 
+from plans import OptimizerSharding  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.trainer import build_trainer, model_options, reference_plan  # noqa: E402
 
@@ -56,7 +57,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _reference(plan, device, seed, data, options, dtype):
     """Loss and fp32 gradients of the one-process reference with parameters in ``dtype``."""
-    ref = build_trainer(reference_plan(plan), 0, 1, device, seed, data, options, zero1=False,
+    ref = build_trainer(reference_plan(plan), 0, 1, device, seed, data, options,
                         param_dtype=dtype)
     loss = ref.forward_backward(0)
     ref.sync_gradients()
@@ -147,8 +148,10 @@ def main(argv=None) -> int:
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
     options = model_options(plan)
-    # replicated AdamW: synchronised gradients are left in every parameter's .grad
-    trainer = build_trainer(plan, rank, world, device, args.seed, data, options, zero1=False,
+    # replicated optimizer states: the synchronised gradients stay in every parameter's
+    # main gradient (ZeRO-1 reduce-scatters them into the optimizer's slices)
+    plan = plan.model_copy(update={"optimizer_sharding": OptimizerSharding.none})
+    trainer = build_trainer(plan, rank, world, device, args.seed, data, options,
                             param_dtype=torch.bfloat16 if bf16 else torch.float32)
     loss = trainer.forward_backward(0)
     trainer.sync_gradients()

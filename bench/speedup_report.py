@@ -18,6 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _meta import metadata  # noqa: E402
 
+from plans import SpecError  # noqa: E402
+from plans.results import TrainStepResult, read  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -25,15 +28,20 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
-    runs = {k: json.loads(p.read_text()) for k, p in (("best", args.best),
-                                                      ("baseline", args.baseline))}
+    try:
+        runs = {k: read(TrainStepResult, p, f"--{k}")
+                for k, p in (("best", args.best), ("baseline", args.baseline))}
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows = {}
     for k, r in runs.items():
-        pred = r.get("prediction") or {}
-        rows[k] = {"plan": r["plan"], "summary": r["plan_summary"],
-                   "measured_step_s": r["step_time_s"], "measured_mfu": r["mfu"],
-                   "predicted_step_s": pred.get("step_time_s"), "predicted_mfu": pred.get("mfu"),
-                   "peak_memory_gib": max(r["peak_memory_gib_per_rank"])}
+        pred = r.prediction
+        rows[k] = {"plan": r.plan, "summary": r.plan_summary,
+                   "measured_step_s": r.step_time_s, "measured_mfu": r.mfu,
+                   "predicted_step_s": pred.step_time_s if pred else None,
+                   "predicted_mfu": pred.mfu if pred else None,
+                   "peak_memory_gib": max(r.peak_memory_gib_per_rank)}
     measured = rows["baseline"]["measured_step_s"] / rows["best"]["measured_step_s"]
     have_pred = all(rows[k]["predicted_step_s"] for k in rows)
     predicted = (rows["baseline"]["predicted_step_s"] / rows["best"]["predicted_step_s"]

@@ -29,11 +29,10 @@ from _meta import metadata  # noqa: E402
 
 from plans import SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
-from plans.execution import deviations  # noqa: E402
+from plans.execution import UnsupportedFeature, deviations  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
-from runtime.parallel.data_parallel import UnsupportedFeature  # noqa: E402
-from runtime.parallel.parallelize import check_supported  # noqa: E402
+from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
 EXIT_BAD_INPUT = 2
@@ -46,8 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     p.add_argument("--out", required=True, type=Path, help="JSON result (written by rank 0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-zero1", dest="zero1", action="store_false",
-                   help="replicated AdamW states instead of ZeRO-1")
     return p.parse_args(argv)
 
 
@@ -63,7 +60,7 @@ def setup(plan_path: Path, share_gpu: bool = False):
     cuda = torch.cuda.is_available()
     try:
         plan = load_plan(plan_path)
-        check_supported(plan)
+        check_supported(plan, launch_backend())
         if plan.degrees.world != world:
             raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
                             f"WORLD_SIZE={world}")
@@ -97,7 +94,7 @@ def main(argv=None) -> int:
     plan, rank, world, device = setup(args.plan)
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
-    trainer = build_trainer(plan, rank, world, device, args.seed, data, zero1=args.zero1)
+    trainer = build_trainer(plan, rank, world, device, args.seed, data)
     for step in range(args.warmup):
         trainer.train_step(step)
     if device.type == "cuda":
@@ -130,7 +127,7 @@ def main(argv=None) -> int:
             "backend": dist.get_backend() if world > 1 else "none",
             "plan": str(args.plan),
             "plan_summary": plan.summary(),
-            "zero1": args.zero1,
+            "optimizer_sharding": plan.optimizer_sharding.value,
             "warmup_steps": args.warmup,
             "measured_steps": args.steps,
             "step_time_s": step_time,
@@ -145,7 +142,7 @@ def main(argv=None) -> int:
             "components_s_per_rank": [c for c, _ in per_rank],
             "prediction": plan.prediction.model_dump() if plan.prediction else None,
             "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
-                           for d in deviations(plan)],
+                           for d in deviations(plan, backend_of(device))],
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

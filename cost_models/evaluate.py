@@ -20,6 +20,7 @@ from cost_models.memory import (
     memory_breakdown,
 )
 from cost_models.params import chunk_dense_layers, part_params, stage_params_of
+from plans.layout import stage_of_chunk
 from plans.plan import Plan, Prediction
 
 
@@ -115,8 +116,8 @@ def _stage_layers(stage_layers: tuple[int, ...], pp: int, dense_layers: int) -> 
     for c, (n, n_dense) in enumerate(
         zip(stage_layers, chunk_dense_layers(stage_layers, dense_layers), strict=True)
     ):
-        out[c % pp][0] += n - n_dense
-        out[c % pp][1] += n_dense
+        out[stage_of_chunk(c, pp)][0] += n - n_dense
+        out[stage_of_chunk(c, pp)][1] += n_dense
     return tuple((a, b) for a, b in out)
 
 
@@ -158,11 +159,10 @@ def evaluate(plan: Plan) -> Evaluation:
     bwd_window, fwd_window = list(accumulate(bwd)), list(accumulate(fwd))
     sync = max(exposed_grad_sync_s(gs, bwd_window[i], fwd_window[i], plan.grad_sync_overlap,
                                    eff.overlap) for i, gs in syncs)
-    # AdamW on the local ZeRO-1 shard: cast the synchronised gradient slice to fp32 (unless it
-    # is fp32), read it, read and write master weights and states, read the masters and write
-    # the bf16 weights.
-    dense_ranks, edp = d.dp * d.cp * d.sp, d.edp
-    shard = max(p.dense / dense_ranks + p.expert / edp for p in stage_params_of(plan))
+    # The optimizer on the parameters whose states this GPU holds (its ZeRO-1 shard, or all
+    # of them): cast the synchronised gradient slice to fp32 (unless it is fp32), read it,
+    # read and write master weights and states, read the masters and write the bf16 weights.
+    shard = max(p.optimizer_shard(d, plan.optimizer_sharding) for p in stage_params_of(plan))
     grad_bytes = grad_bytes_per_param(plan.grad_sync_precision)
     cast = grad_bytes + FP32_BYTES if grad_bytes != FP32_BYTES else 0
     per_param = (cast + FP32_BYTES + 2 * plan.training.optimizer.state_bytes_per_param

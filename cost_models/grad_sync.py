@@ -7,7 +7,8 @@ from functools import lru_cache
 
 from cost_models import comm
 from cost_models.params import StageParams, stage_params
-from plans.plan import Degrees
+from plans.layout import stride
+from plans.plan import Degrees, MeshAxis
 from plans.specs import ClusterSpec, ModelSpec, Precision
 
 
@@ -33,7 +34,7 @@ def grad_sync(params: StageParams, degrees: Degrees, cluster: ClusterSpec,
     span nodes per that order, so the sync is hierarchical: NVLink inside, network across."""
     d, g = degrees, cluster.node.gpus_per_node
     dense = comm.group_layout(d.dp * d.cp * d.sp, d.tp, g)
-    expert = comm.group_layout(d.edp, d.ep * d.etp, g)
+    expert = comm.group_layout(d.edp, stride(d, MeshAxis.edp), g)
     dense_bytes = params.dense * precision.bytes
     expert_bytes = params.expert * precision.bytes
     rs = (comm.reduce_scatter_s(dense_bytes, dense, cluster)

@@ -20,6 +20,7 @@ from cost_models import compute as cc
 from cost_models import volumes as vol
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
+from plans.layout import tokens_per_rank
 from plans.plan import (
     EPFFN,
     AttentionStrategy,
@@ -66,7 +67,7 @@ class LayerKey:
     @property
     def tokens(self) -> float:
         """Tokens per rank outside attention: b x s / (sp x cp x tp)."""
-        return self.batch * self.seq_len / (self.sp * self.cp * self.tp)
+        return tokens_per_rank(self.batch, self.seq_len, self.sp * self.cp * self.tp)
 
 
 @dataclass(frozen=True)

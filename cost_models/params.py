@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.plan import Degrees, Plan
+from plans.layout import stage_of_chunk
+from plans.plan import Degrees, OptimizerSharding, Plan
 from plans.specs import ModelSpec
 
 
@@ -22,6 +23,14 @@ class StageParams:
     @property
     def total(self) -> float:
         return self.dense + self.expert
+
+    def optimizer_shard(self, d: Degrees, sharding: OptimizerSharding) -> float:
+        """Parameters whose optimizer states (and update) this GPU holds: with ZeRO-1 a
+        1/replicas slice of each group (dense over dp x cp x sp, experts over edp), else
+        all of them (Plan.optimizer_sharding)."""
+        if sharding == OptimizerSharding.none:
+            return self.total
+        return self.dense / (d.dp * d.cp * d.sp) + self.expert / d.edp
 
 
 def chunk_dense_layers(stage_layers: tuple[int, ...], dense_layers: int) -> tuple[int, ...]:
@@ -70,7 +79,7 @@ def stage_params(model: ModelSpec, degrees: Degrees, stage_layers: tuple[int, ..
     for c, (n, n_dense) in enumerate(
         zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
     ):
-        i = c % degrees.pp
+        i = stage_of_chunk(c, degrees.pp)
         dense[i] += n_dense * parts.dense_layer.dense + (n - n_dense) * parts.moe_layer.dense
         expert[i] += (n - n_dense) * parts.moe_layer.expert
     dense[0] += parts.embedding.dense

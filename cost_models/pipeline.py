@@ -9,7 +9,8 @@ from functools import lru_cache
 
 from cost_models import comm
 from cost_models import compute as cc
-from plans.plan import Plan
+from plans.layout import stride, tokens_per_rank
+from plans.plan import MeshAxis, Plan
 from plans.specs import ClusterSpec, ModelSpec, Precision
 
 AB = cc.ACT_BYTES
@@ -44,8 +45,8 @@ class EdgeCost:
 
 def micro_batch_tokens(plan: Plan) -> float:
     """Tokens of one micro-batch per rank outside attention: b s / (sp cp tp)."""
-    d = plan.degrees
-    return plan.micro_batch_size * plan.training.seq_len / (d.sp * d.cp * d.tp)
+    return tokens_per_rank(plan.micro_batch_size, plan.training.seq_len,
+                           plan.degrees.attention_group)
 
 
 @lru_cache(maxsize=1024)
@@ -94,7 +95,7 @@ def p2p_transfer_s(plan: Plan) -> float:
     d, c = plan.degrees, plan.cluster
     if d.pp == 1:
         return 0.0
-    layout = comm.group_layout(d.pp, d.world // d.pp, c.node.gpus_per_node)
+    layout = comm.group_layout(d.pp, stride(d, MeshAxis.pp), c.node.gpus_per_node)
     return comm.send_recv_s(micro_batch_tokens(plan) * plan.model.hidden * AB, c, layout.nodes > 1)
 
 

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from cost_models import comm
 from cost_models.compute import ACT_BYTES
+from plans.layout import tokens_per_rank
 from plans.plan import Dispatch
 from plans.specs import ClusterSpec, ModelSpec
 
@@ -75,7 +76,7 @@ def ulysses_attention(model: ModelSpec, batch: int, seq_len: int, sp: int) -> tu
     """Forward of Ulysses SP (paper Eq. 2): all-to-all of Q, K, V from sequence- to
     head-sharded, and of the attention output back. Per rank: b s/n tokens of q_dim for Q and
     the output, kv_dim (1/m of Q) each for K and V. Backward moves the same bytes reversed."""
-    tokens = batch * seq_len / sp
+    tokens = tokens_per_rank(batch, seq_len, sp)
     kv_dim = kv_heads_sent(model, sp) * model.head_dim
     qkv = tokens * (model.q_dim + 2 * kv_dim) * ACT_BYTES
     out = tokens * model.q_dim * ACT_BYTES

@@ -17,23 +17,13 @@ measured steps (bench/train_step.py). Every measured run is priced as the runtim
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, TypeVar
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeFloat,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-)
+from pydantic import ValidationError
 
 import cost_models
 from cost_models import comm
@@ -43,106 +33,13 @@ from cost_models.layer_graph import OpKind, backward_graph, forward_graph
 from plans import ClusterSpec, Plan, SpecError, catalog
 from plans.errors import describe
 from plans.execution import deviations, executed_plan
+from plans.results import ProfileResult, Sweep, SweepOp, TrainStepResult, read, read_log
 
 GIB = 2**30
 GROUPED = re.compile(r"grouped|GroupProblemShape|group_gemm", re.IGNORECASE)
 """CUTLASS grouped GEMM kernels are named after their GroupProblemShape."""
 MEMORY_CLASSES = ("elementwise", "copy", "reduction_index_sort", "other")
 COMPUTE_FACTORS = ("gemm", "grouped_gemm", "attention")
-
-
-class _Doc(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    SOURCE: ClassVar[str] = ""
-    """What writes documents of this kind."""
-
-
-class KernelRow(_Doc):
-    name: str
-    kind: str = Field(alias="class")
-    s_per_step: NonNegativeFloat
-
-
-class Profile(_Doc):
-    """Device seconds per kernel class of one step."""
-
-    SOURCE: ClassVar[str] = "moeplan profile"
-
-    step_wall_s: PositiveFloat
-    class_s: dict[str, NonNegativeFloat]
-    slowest: list[KernelRow]
-    commit: str | None = None
-
-
-class SweepRow(_Doc):
-    name: str
-    measured_s: PositiveFloat
-    achieved_tb_s: PositiveFloat | None = None
-
-
-class Sweep(_Doc):
-    """Kernels, copies and collectives, measured."""
-
-    SOURCE: ClassVar[str] = "bench/calibrate_gpu.py"
-
-    world: int = Field(ge=2)
-    rows: list[SweepRow]
-    commit: str | None = None
-
-
-class TrainStep(_Doc):
-    """A measured training step."""
-
-    SOURCE: ClassVar[str] = "bench/train_step.py"
-
-    step_time_s: PositiveFloat
-    mfu: NonNegativeFloat
-    peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
-    components_s: dict[str, float] = {}
-    measured_steps: PositiveInt
-    commit: str | None = None
-
-
-class LogStep(_Doc):
-    """One step of the runtime's JSON-lines log."""
-
-    SOURCE: ClassVar[str] = "the runtime's --log-file"
-
-    step_time_s: PositiveFloat
-    mfu: NonNegativeFloat
-    peak_memory_gib: PositiveFloat
-    components_s: dict[str, float] = {}
-
-
-D = TypeVar("D", bound=_Doc)
-
-
-def _text(path: Path, what: str) -> str:
-    if not path.exists():
-        raise SpecError(f"{what}: {path} does not exist")
-    if not path.is_file():
-        raise SpecError(f"{what}: {path} is not a file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"{what}: cannot read {path} ({e})") from None
-
-
-def _parse(kind: type[D], text: str, what: str, path: Path) -> D:
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise SpecError(f"{what}: {path} is not a JSON document ({e})") from None
-    try:
-        return kind.model_validate(data)
-    except ValidationError as e:
-        raise SpecError(f"{what}: {path}: {describe(e)} (is it {kind.SOURCE}'s output?)"
-                        ) from None
-
-
-def read(kind: type[D], path: Path, what: str) -> D:
-    """A benchmark result file as ``kind``; one-line SpecError naming the field otherwise."""
-    return _parse(kind, _text(path, what), what, path)
 
 
 def with_efficiency(cluster: ClusterSpec, **factors: float) -> ClusterSpec:
@@ -158,7 +55,7 @@ def on(plan: Plan, cluster: ClusterSpec) -> Plan:
 # ---- compute factors from a profiled step ---------------------------------------------------
 
 
-def measured_classes(profile: Profile) -> dict[str, float]:
+def measured_classes(profile: ProfileResult) -> dict[str, float]:
     """Device seconds per step of grouped GEMMs, dense GEMMs, attention and memory-bound
     kernels; grouped GEMM kernels filed under GEMM are picked out by name."""
     classes = profile.class_s
@@ -191,7 +88,7 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
     return out
 
 
-def fit_compute(profile: Profile, plan: Plan, base: ClusterSpec) -> dict[str, float]:
+def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[str, float]:
     if plan.degrees.world != 1:
         raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
                         f"communication); this one runs on {plan.degrees.world} GPUs")
@@ -216,18 +113,9 @@ def fit_compute(profile: Profile, plan: Plan, base: ClusterSpec) -> dict[str, fl
 # ---- memory and link factors from the collective sweep --------------------------------------
 
 
-def _mib(name: str) -> float:
-    found = re.search(r"(\d+) MiB", name)
-    if found is None:
-        raise SpecError(f"--collectives: row {name!r} names no size in MiB")
-    if float(found.group(1)) <= 0:
-        raise SpecError(f"--collectives: row {name!r}: the size must be positive")
-    return float(found.group(1)) * 2**20
-
-
 def fit_hbm(sweep: Sweep, base: ClusterSpec) -> float | None:
     achieved = [r.achieved_tb_s for r in sweep.rows
-                if r.name.startswith("copy") and r.achieved_tb_s is not None]
+                if r.op == SweepOp.copy and r.achieved_tb_s is not None]
     return min(1.0, statistics.median(achieved) / base.gpu.hbm_tb_s) if achieved else None
 
 
@@ -237,13 +125,9 @@ def fit_links(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
         raise SpecError(f"--collectives: the sweep ran on {sweep.world} GPUs, more than one "
                         f"{base.name} node ({base.node.gpus_per_node}): NVLink only is fitted")
     layout = comm.group_layout(sweep.world, 1, base.node.gpus_per_node)
-    timed = []
-    for r in sweep.rows:
-        for prefix, fn in (("all_gather", comm.all_gather_s),
-                           ("reduce_scatter", comm.reduce_scatter_s),
-                           ("all_to_all", comm.all_to_all_s)):
-            if r.name.startswith(prefix):
-                timed.append((fn, _mib(r.name), r.measured_s))
+    model = {SweepOp.all_gather: comm.all_gather_s, SweepOp.reduce_scatter: comm.reduce_scatter_s,
+             SweepOp.all_to_all: comm.all_to_all_s}
+    timed = [(model[r.op], float(r.bytes), r.measured_s) for r in sweep.rows if r.op in model]
     if not timed:
         raise SpecError("--collectives: no all_gather / reduce_scatter / all_to_all rows")
 
@@ -270,7 +154,7 @@ class Calibration:
     """Each fitted value by name (efficiency fields, and nvlink_latency_us)."""
 
 
-def calibrate(profile: Profile, plan: Plan, base: ClusterSpec, name: str,
+def calibrate(profile: ProfileResult, plan: Plan, base: ClusterSpec, name: str,
               sweep: Sweep | None = None) -> Calibration:
     factors = fit_compute(profile, plan, base)
     node = base.node
@@ -307,11 +191,10 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
     """A bench/train_step.py result (.json) or the runtime's per-step log (.jsonl, the first
     ``skip`` steps left out, medians of the rest)."""
     if path.suffix == ".json":
-        r = read(TrainStep, path, "--runs")
+        r = read(TrainStepResult, path, "--runs")
         return Measured(r.step_time_s, r.mfu, max(r.peak_memory_gib_per_rank), r.components_s,
                         r.measured_steps, r.commit)
-    lines = [ln for ln in _text(path, "--runs").splitlines() if ln.strip()]
-    steps = [_parse(LogStep, ln, "--runs", path) for ln in lines]
+    steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
     steady = steps[skip:] or steps

@@ -267,9 +267,11 @@ def search_cmd(
         **({"attention": tuple(attention)} if attention else {}),
     )
     if runnable:
-        if precision != TrainingPrecision.bf16:
-            raise plans.SpecError(f"--precision: the runtime runs GEMMs in bf16, not "
-                                  f"{precision}; drop --runnable or use bf16")
+        from plans.execution import executes
+
+        if not executes("training.precision", precision):
+            raise plans.SpecError(f"--precision: the runtime does not run {precision} GEMMs as "
+                                  "written (plans.execution); drop --runnable or use bf16")
         space = space.runnable()
     if json_out:
         result = search(spec_model, spec_cluster, training, space, top=top)
@@ -326,7 +328,7 @@ def validate(plan: PlanArg) -> None:
       moeplan validate plan.json
     """
     import cost_models
-    from plans.execution import deviations, executed_plan
+    from plans.execution import Backend, deviations, executed_plan, refusals
 
     loaded = plans.catalog.load_plan(plan)
     evaluation = cost_models.evaluate(loaded)
@@ -341,6 +343,9 @@ def validate(plan: PlanArg) -> None:
         if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
             typer.echo(f"note: the plan's stored prediction ({stored:.3f} s) differs from this "
                        "cost model's; the specs or efficiency factors changed")
+    if refused := refusals(loaded, Backend.cuda_nccl):
+        typer.echo(f"moeplan train refuses it: {refused[0]}")
+        return
     found = deviations(loaded)
     if found:
         ran = cost_models.evaluate(executed_plan(loaded))
@@ -571,10 +576,11 @@ def calibrate_cmd(
     import yaml
 
     from planner import calibrate as cal
+    from plans.results import ProfileResult, Sweep, read
 
     base_cluster = plans.catalog.load_cluster(base)
-    measured_profile = cal.read(cal.Profile, profile, "profile")
-    sweep = cal.read(cal.Sweep, collectives, "--collectives") if collectives else None
+    measured_profile = read(ProfileResult, profile, "profile")
+    sweep = read(Sweep, collectives, "--collectives") if collectives else None
     if runs is not None and not runs.is_dir():
         raise plans.SpecError(f"--runs: {runs} is not a folder")
     result = cal.calibrate(measured_profile, plans.catalog.load_plan(plan), base_cluster,

@@ -5,7 +5,16 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from plans import EPFFN, Dispatch, Plan, Precision, Recompute, SpecError
+from plans import (
+    EPFFN,
+    Dispatch,
+    Optimizer,
+    OptimizerSharding,
+    Plan,
+    Precision,
+    Recompute,
+    SpecError,
+)
 
 RDZV_PORT = 29500
 
@@ -26,22 +35,15 @@ def megatron_layout(plan: Plan) -> str:
 def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
     """Megatron-LM recomputation flags for the operators the plan recomputes, and notes.
 
-    selective (cost_models.layer_graph: ops marked ``selective``): both norms, the SwiGLU
-    activations, the EP dispatch (permutation and all-to-all / all-gather) and the TP
-    all-gathers. Megatron's --recompute-modules: ``layernorm`` covers the norms; it has no
-    module for the dispatch alone, so ``moe`` recomputes the whole MoE layer (dispatch,
-    activation and expert GEMMs) and ``mlp`` the whole dense FFN: memory is at most the
-    plan's, the step slower than predicted. full: every layer from its input."""
+    selective (plans.Recompute: what the runtime reruns and the cost model prices): the
+    attention core, RoPE and the attention kernel, which is Megatron's ``core_attn`` module.
+    full: every layer from its input."""
     if plan.recompute == Recompute.none:
         return [], []
     if plan.recompute == Recompute.full:
         return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", "1"], []
-    modules = ["layernorm", "moe"] + (["mlp"] if plan.model.dense_layers else [])
-    note = ("selective recomputation: Megatron has no module for the MoE dispatch alone; "
-            "--recompute-modules moe recomputes the whole MoE layer (expert GEMMs too), so "
-            "the step is slower than predicted and memory at most the plan's")
-    return ["--recompute-granularity", "selective", "--recompute-modules", *modules], [note]
+    return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"], []
 
 
 def megatron_env(plan: Plan) -> dict[str, str]:
@@ -153,11 +155,16 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     recompute, recompute_notes = megatron_recompute(plan)
     args += recompute
     notes += recompute_notes
-    args += ["--bf16", "--use-distributed-optimizer"]
+    args.append("--bf16")
+    if t.optimizer == Optimizer.sgd:
+        args += ["--optimizer", "sgd"]
+    zero1 = plan.optimizer_sharding == OptimizerSharding.zero1
+    if zero1:  # Megatron's distributed optimizer shards the states over data parallelism
+        args.append("--use-distributed-optimizer")
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
-    if plan.grad_sync_overlap:
-        args += ["--overlap-grad-reduce", "--overlap-param-gather"]
+    if plan.grad_sync_overlap:  # overlapping the parameter gather needs the sharded states
+        args += ["--overlap-grad-reduce", *(["--overlap-param-gather"] if zero1 else [])]
     if not plan.grad_accumulation_fusion:
         args.append("--no-gradient-accumulation-fusion")
     if plan.grad_sync_precision == Precision.bf16:

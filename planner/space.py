@@ -33,7 +33,7 @@ from plans import (
     UlyssesAttention,
 )
 from plans.enums import AttentionKind
-from plans.execution import EXECUTED
+from plans.execution import Backend, executes
 
 
 class FFNKind(StrEnum):
@@ -57,6 +57,14 @@ class Layout:
     ffn: FFNKind
     micro_batch_size: int
     schedule: PipelineSchedule
+
+
+RUNNABLE_FIELDS = {
+    "attention": "attention.kind", "ffn": "ffn.kind", "dispatch": "ffn.dispatch",
+    "overlap": "overlap", "recompute": "recompute", "schedules": "schedule",
+    "grad_sync": "grad_sync_precision",
+}
+"""SearchSpace option -> the plan field whose values it chooses."""
 
 
 @dataclass(frozen=True)
@@ -85,21 +93,23 @@ class SearchSpace:
     grad_accumulation_fusion: bool = True
     """Every plan fuses gradient accumulation into the weight-gradient GEMMs."""
 
-    def runnable(self) -> SearchSpace:
-        """This space narrowed to what moeplan's runtime executes today (plans.execution), so
-        every prediction is for the run `moeplan train` will make; SpecError naming the
-        option when nothing is left."""
-        overlap = tuple(o for o in self.overlap if o == EXECUTED["overlap"][0])
-        attention = tuple(a for a in self.attention if a != AttentionKind.cp)
-        if not overlap:
-            raise SpecError(f"--overlap: the runtime runs overlap {EXECUTED['overlap'][0]} only "
-                            f"({EXECUTED['overlap'][1]}); drop --runnable or allow it")
-        if not attention:
-            raise SpecError("--attention: the runtime does not run cp attention; drop "
-                            "--runnable or allow ulysses_sp / tp")
-        return replace(self, overlap=overlap, attention=attention,
-                       grad_sync_overlap=EXECUTED["grad_sync_overlap"][0],
-                       grad_accumulation_fusion=EXECUTED["grad_accumulation_fusion"][0])
+    def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
+        """This space narrowed to what moeplan's runtime executes as written on ``backend``
+        (the capability table, plans.execution), so every prediction is for the run `moeplan
+        train` will make; SpecError naming the option when nothing is left of one."""
+        kept: dict[str, tuple] = {}
+        for option, field in RUNNABLE_FIELDS.items():
+            values = tuple(v for v in getattr(self, option) if executes(field, v, backend))
+            if not values:
+                raise SpecError(f"--{option}: the runtime runs none of "
+                                f"{', '.join(map(str, getattr(self, option)))} as written "
+                                f"(plans.execution: {field}); drop --runnable or allow others")
+            kept[option] = values
+        sync_overlap = self.grad_sync_overlap and executes("grad_sync_overlap", True, backend)
+        fusion = self.grad_accumulation_fusion and executes("grad_accumulation_fusion", True,
+                                                            backend)
+        return replace(self, **kept, grad_sync_overlap=sync_overlap,
+                       grad_accumulation_fusion=fusion)
 
     def layouts(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 ) -> Iterator[Layout]:

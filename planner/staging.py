@@ -23,6 +23,8 @@ from functools import cache
 
 import pulp
 
+from plans.layout import stage_of_chunk
+
 # Costs are rounded to this fraction of a layer before solving, so that near-identical
 # candidates share one solve (the result is cached on the rounded key).
 _COST_GRAIN = 0.25
@@ -88,7 +90,7 @@ def _solve(layers: int, pp: int, vpp: int, dense_layers: int, first_extra: int, 
     stage_chunks = [_deal(count, vpp, dense_layers if s == 0 else 0)
                     for s, count in enumerate(per_stage)]
     # chunk c lives on stage c mod pp, as its (c // pp)-th chunk
-    return tuple(stage_chunks[c % pp][c // pp] for c in range(pp * vpp))
+    return tuple(stage_chunks[stage_of_chunk(c, pp)][c // pp] for c in range(pp * vpp))
 
 
 def _solver() -> pulp.LpSolver:

@@ -12,6 +12,7 @@ _WHERE = {
     "SpecError": "plans.errors",
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
     "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
+    "OptimizerSharding": "plans.enums",
     **dict.fromkeys((
         "EPFFN", "SCHEMA_VERSION", "TPFFN", "AttentionStrategy", "CPAttention", "Degrees",
         "Dispatch", "FFNStrategy", "MeshAxis", "PipelineSchedule", "Plan", "Prediction",
@@ -25,13 +26,14 @@ __all__ = [
     "SCHEMA_VERSION", "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec",
     "CrossEntropy",
     "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "MeshAxis",
-    "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "Overlap", "PipelineSchedule", "Plan",
+    "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
+    "PipelineSchedule", "Plan",
     "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec",
     "UlyssesAttention",
 ]
 
 
-SUBMODULES = ("catalog", "errors", "execution", "enums")
+SUBMODULES = ("catalog", "errors", "execution", "enums", "layout", "results")
 
 
 def __getattr__(name: str):

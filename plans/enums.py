@@ -59,3 +59,14 @@ CHUNK_LOGITS = 2**28
 a chunk holds them in the parameter dtype and in fp32 (about 10 bytes each at its peak:
 2.5 GiB), few enough chunks that the fp32 accumulation of the head's weight gradient (a pass
 over vocab x hidden per chunk) stays small beside the GEMMs."""
+
+
+class OptimizerSharding(StrEnum):
+    """Where the optimizer states (fp32 master weights and moments) live."""
+
+    none = "none"
+    """Every replica of a parameter keeps its full states and updates it in full."""
+    zero1 = "zero1"
+    """ZeRO stage 1 (Rajbhandari et al., SC'20): the states are sharded over each parameter's
+    replicas; gradients are reduce-scattered, each replica updates its slice and the updated
+    weights are all-gathered."""

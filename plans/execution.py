@@ -1,18 +1,206 @@
-"""What moeplan's runtime (``runtime/``) executes of a plan: the plan fields it runs differently
-from what the plan says. Part of the contract, so the runtime can say it at launch and the
-planner can price a measured run as it was executed (calibration, fidelity checks)."""
+"""What moeplan's runtime (``runtime/``) executes of a plan: the one capability table.
+
+For every plan field and value, per backend, one of three answers:
+
+- ``executed``: the runtime runs it as written;
+- ``runs_as``: the runtime runs another value of the field with the same maths (a slower
+  schedule, not other numbers): the launch prints it, results record it, and the cost model
+  prices the run as executed (``executed_plan``), never as written;
+- ``refused``: the runtime cannot run it; the launch fails before any work with one line
+  naming the field (``check``).
+
+The runtime's launch check, ``moeplan search --runnable`` and the pricing of measured runs
+(calibration, fidelity) read this table; nothing else decides. A test checks that it covers
+every field of the Plan schema and every value of its enum and boolean fields.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum, StrEnum
 
-from plans import Overlap, Plan, Precision
+from pydantic import BaseModel
+
+from plans.errors import SpecError
+from plans.plan import Plan
+
+
+class Backend(StrEnum):
+    """Where the runtime runs: the parameter dtype and the collectives differ."""
+
+    cpu_gloo = "cpu_gloo"
+    """CPU processes over gloo: fp32 parameters and compute (the parity reference)."""
+    cuda_nccl = "cuda_nccl"
+    """CUDA GPUs over NCCL: bf16 parameters and compute, fp32 optimizer masters."""
+
+
+class Support(StrEnum):
+    executed = "executed"
+    runs_as = "runs_as"
+    refused = "refused"
+
+
+class _Any:
+    """Every value of a field (sizes, specs, degrees): what the rule says holds for all."""
+
+    def __repr__(self) -> str:
+        return "*"
+
+
+ANY = _Any()
+
+
+@dataclass(frozen=True)
+class Capability:
+    field: str
+    """Dotted path of the plan field, e.g. ``attention.kind`` or ``training.precision``."""
+    value: object
+    """The planned value (an enum member, a bool, a string tag, or ANY)."""
+    support: Support
+    reason: str = ""
+    runs: object = None
+    """For ``runs_as``: the value the runtime executes instead."""
+    backends: tuple[Backend, ...] = tuple(Backend)
+
+    def matches(self, value: object, backend: Backend) -> bool:
+        return backend in self.backends and (self.value is ANY or self.value == value)
+
+
+def _executed(field: str, *values: object, reason: str = "",
+              backends: tuple[Backend, ...] = tuple(Backend)) -> tuple[Capability, ...]:
+    return tuple(Capability(field, v, Support.executed, reason, backends=backends)
+                 for v in values)
+
+
+_OVERLAP_WHY = "every collective runs blocking, in program order"
+_BF16_WHY = "GEMMs run in bf16; fp8 applies to the gradient sync only"
+_CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
+
+TABLE: tuple[Capability, ...] = (
+    # the job: the model and batch are built as written; the cluster is the launch's
+    *_executed("model", ANY, reason="every ModelSpec the schema accepts, dropout aside"),
+    Capability("model.dropout", False, Support.executed),
+    Capability("model.dropout", True, Support.refused,
+               "the model asks for dropout; this runtime trains without (set model.dropout 0)"),
+    *_executed("cluster", ANY, reason="the launch's GPUs; the spec gives peak FLOP/s for MFU"),
+    *_executed("training.global_batch", ANY),
+    *_executed("training.seq_len", ANY),
+    *_executed("training.optimizer", "adam", reason="AdamW (decoupled weight decay) on fp32 "
+               "masters"),
+    *_executed("training.optimizer", "sgd", reason="plain SGD (no momentum) on fp32 masters"),
+    Capability("training.precision", "bf16", Support.executed, backends=(Backend.cuda_nccl,)),
+    Capability("training.precision", "fp8", Support.runs_as, _BF16_WHY, "bf16",
+               (Backend.cuda_nccl,)),
+    Capability("training.precision", "bf16", Support.runs_as, _CPU_WHY, "fp32",
+               (Backend.cpu_gloo,)),
+    Capability("training.precision", "fp8", Support.runs_as, _CPU_WHY, "fp32",
+               (Backend.cpu_gloo,)),
+    Capability("training.precision", "fp32", Support.refused,
+               "training is mixed precision (bf16 or fp8)"),
+    # the layout
+    *_executed("degrees", ANY, reason="pp, vpp, dp, sp, tp, ep, etp; cp only with cp attention"),
+    *_executed("stage_layers", ANY),
+    *_executed("micro_batch_size", ANY),
+    *_executed("attention.kind", "ulysses_sp", "tp"),
+    Capability("attention.kind", "cp", Support.refused,
+               "no context-parallel attention (priced for comparison only); use ulysses_sp "
+               "or tp"),
+    Capability("attention.zigzag", ANY, Support.refused, "context-parallel attention only"),
+    *_executed("ffn.kind", "ep", "tp"),
+    *_executed("ffn.dispatch", "all_to_all", "allgather_reduce_scatter"),
+    *_executed("ffn.capacity_factor", ANY, reason="null is dropless"),
+    *_executed("schedule", "1f1b", "interleaved_1f1b"),
+    # how a step runs
+    Capability("overlap", "none", Support.executed),
+    Capability("overlap", "inter_op", Support.runs_as, _OVERLAP_WHY, "none"),
+    Capability("overlap", "inter_intra_op", Support.runs_as, _OVERLAP_WHY, "none"),
+    *_executed("recompute", "none", "selective", "full",
+               reason="selective reruns the attention core (RoPE and SDPA)"),
+    *_executed("cross_entropy", "chunked", "materialized"),
+    *_executed("optimizer_sharding", "none", "zero1"),
+    *_executed("grad_sync_precision", "fp32", "bf16", "fp8",
+               reason="fp8: E4M3 payloads in 1 x 128 blocks, fp32 sums"),
+    Capability("grad_sync_overlap", False, Support.executed),
+    Capability("grad_sync_overlap", True, Support.runs_as,
+               "gradients are synchronised after the last backward", False),
+    Capability("grad_accumulation_fusion", False, Support.executed),
+    Capability("grad_accumulation_fusion", True, Support.runs_as,
+               "each micro-batch's gradients are added to the main gradients in a separate "
+               "pass", False),
+)
+"""The capability table: every plan field, every value, per backend."""
+
+NOT_EXECUTED = ("schema_version", "prediction")
+"""Plan fields that describe the plan and instruct nothing."""
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value.value if isinstance(value, Enum) else str(value)
+
+
+def lookup(field: str, value: object, backend: Backend) -> Capability:
+    """The table's answer for ``field`` = ``value`` on ``backend`` (first matching row)."""
+    text = value if isinstance(value, bool) or value is ANY else _text(value)
+    for row in TABLE:
+        if row.field == field and row.matches(text, backend):
+            return row
+    raise KeyError(f"plans.execution.TABLE has no row for {field} = {_text(value)} on {backend}")
+
+
+def executes(field: str, value: object, backend: Backend = Backend.cuda_nccl) -> bool:
+    """Whether the runtime runs ``field`` = ``value`` as written."""
+    return lookup(field, value, backend).support == Support.executed
+
+
+def plan_fields(plan: Plan) -> Iterator[tuple[str, object]]:
+    """(dotted field, value) of every instruction in ``plan``: the specs whole, the strategies
+    and the training spec field by field."""
+    for name in type(plan).model_fields:
+        if name in NOT_EXECUTED:
+            continue
+        value = getattr(plan, name)
+        if name in ("attention", "ffn", "training"):
+            for sub in type(value).model_fields:
+                yield f"{name}.{sub}", getattr(value, sub)
+        else:
+            yield name, value
+        if name == "model":
+            yield "model.dropout", value.dropout > 0  # whether the model asks for dropout
+
+
+def _answers(plan: Plan, backend: Backend) -> Iterator[tuple[Capability, object]]:
+    for field, value in plan_fields(plan):
+        if isinstance(value, BaseModel | tuple) or value is None:
+            yield lookup(field, ANY, backend), value
+        elif isinstance(value, Enum | bool | str):
+            yield lookup(field, value, backend), value
+        else:
+            yield lookup(field, ANY, backend), value
+
+
+class UnsupportedFeature(SpecError):
+    """A plan field this runtime cannot run: one line naming the field and the reason."""
+
+
+def refusals(plan: Plan, backend: Backend) -> list[str]:
+    """One line per plan field the runtime cannot run on ``backend``."""
+    return [f"{row.field}: {_text(value)} is not run by this runtime ({backend}): {row.reason}"
+            for row, value in _answers(plan, backend) if row.support == Support.refused]
+
+
+def check(plan: Plan, backend: Backend) -> None:
+    """Refuse, before any work, a plan with a field the runtime cannot run (the first one)."""
+    if found := refusals(plan, backend):
+        raise UnsupportedFeature(found[0])
 
 
 @dataclass(frozen=True)
 class Deviation:
-    """A plan field this runtime runs differently from what the plan (and its prediction)
-    says: the run is still the plan's layout and maths, only slower or with more traffic."""
+    """A plan field this runtime runs as another value with the same maths: the run is the
+    plan's layout and numbers, only slower or with more traffic."""
 
     field: str
     planned: str
@@ -23,36 +211,36 @@ class Deviation:
         return f"note: {self.field}: planned {self.planned}, runs {self.executed}: {self.reason}"
 
 
-EXECUTED: dict[str, tuple[object, str]] = {
-    "overlap": (Overlap.none, "every collective runs blocking, in program order"),
-    "grad_sync_overlap": (False, "gradients are synchronised after the last backward"),
-    "grad_accumulation_fusion": (False, "each micro-batch's gradients are added to the main "
-                                        "gradients in a separate pass"),
-}
-"""Plan fields the runtime always runs one way: field -> (the value it runs, why)."""
-EXECUTED_PRECISION = (Precision.bf16, "GEMMs run in bf16; fp8 applies to the gradient sync only")
-"""training.precision: what the runtime's GEMMs run in."""
+def _deviating(plan: Plan, backend: Backend) -> list[tuple[Capability, object]]:
+    return [(row, value) for row, value in _answers(plan, backend)
+            if row.support == Support.runs_as]
 
 
-def _text(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+def deviations(plan: Plan, backend: Backend = Backend.cuda_nccl) -> list[Deviation]:
+    """The plan fields this runtime runs as another value on ``backend`` (``check`` refuses
+    the ones it cannot run at all). Hold a measurement against the plan as executed."""
+    return [Deviation(row.field, _text(value), _text(row.runs), row.reason)
+            for row, value in _deviating(plan, backend)]
 
 
-def deviations(plan: Plan) -> list[Deviation]:
-    """The plan fields this runtime does not execute as written (check_supported refuses the
-    ones it cannot run at all). Hold a measurement against the plan as executed."""
-    out = [Deviation(name, _text(getattr(plan, name)), _text(runs), why)
-           for name, (runs, why) in EXECUTED.items() if getattr(plan, name) != runs]
-    precision, why = EXECUTED_PRECISION
-    if plan.training.precision != precision:
-        out.append(Deviation("training.precision", plan.training.precision.value,
-                             precision.value, why))
-    return out
+def _typed(current: object, text: object) -> object:
+    """The table's value ``text`` in the type of the field's current value."""
+    return type(current)(text) if isinstance(current, Enum) else text
 
 
-def executed_plan(plan: Plan) -> Plan:
-    """The plan as this runtime runs it (for the cost model; not re-validated, since fp8
-    gradient sync over bf16 GEMMs is a combination plans do not offer)."""
-    training = plan.training.model_copy(update={"precision": EXECUTED_PRECISION[0]})
-    runs = {name: value for name, (value, _) in EXECUTED.items()}
-    return plan.model_copy(update={**runs, "training": training, "prediction": None})
+def executed_plan(plan: Plan, backend: Backend = Backend.cuda_nccl) -> Plan:
+    """The plan as this runtime runs it on ``backend`` (for the cost model; not re-validated,
+    since e.g. fp8 gradient sync over bf16 GEMMs is a combination plans do not offer).
+    UnsupportedFeature when a field is refused."""
+    check(plan, backend)
+    updates: dict[str, dict[str, object]] = {}
+    top: dict[str, object] = {"prediction": None}
+    for row, value in _deviating(plan, backend):
+        head, _, leaf = row.field.partition(".")
+        if leaf:
+            updates.setdefault(head, {})[leaf] = _typed(value, row.runs)
+        else:
+            top[head] = _typed(value, row.runs)
+    for head, fields in updates.items():
+        top[head] = getattr(plan, head).model_copy(update=fields)
+    return plan.model_copy(update=top)

@@ -12,24 +12,31 @@ from typing import Annotated, Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from plans.enums import CrossEntropy, Overlap, Recompute
+from plans.enums import CrossEntropy, OptimizerSharding, Overlap, Recompute
 from plans.specs import ClusterSpec, Frozen, ModelSpec, Precision, TrainingSpec
 
 SCHEMA_VERSION = 1
 
 
 class MeshAxis(StrEnum):
-    """Named axes of the device mesh. Attention uses (pp, dp, cp, sp, tp); the FFN folds the same
-    non-pipeline ranks into (pp, edp, ep, etp)."""
+    """Named axes of the device mesh and the process groups along them (plans.layout): the
+    attention view (pp, dp, attn), the FFN view (pp, edp, ep, etp) of the same ranks, the
+    stage view (pp, stage), and the tied-embedding pairs."""
 
     pp = "pp"
     dp = "dp"
-    cp = "cp"
-    sp = "sp"
-    tp = "tp"
+    """Same attention shard, other data replicas: replication group of TP-sharded weights."""
+    attn = "attn"
+    """The ranks sharing one sequence's attention: cp x sp x tp (one of them is the degree)."""
+    stage = "stage"
+    """Every rank of a pipeline stage (dp x attn): replication group of dense weights."""
     edp = "edp"
+    """Same experts, other EP groups: replication group of expert weights."""
     ep = "ep"
     etp = "etp"
+    """Ranks holding slices of the same experts (expert tensor parallelism)."""
+    embed = "embed"
+    """First and last stage ranks at the same position: the two copies of tied embeddings."""
 
 
 class Degrees(Frozen):
@@ -194,6 +201,8 @@ class Plan(Frozen):
     """Weight-gradient GEMMs add into the main gradients in their epilogue (Megatron-LM's
     gradient-accumulation fusion); false: each micro-batch's gradients are added by a separate
     memory-bound pass."""
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
+    """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")
@@ -255,11 +264,6 @@ class Plan(Frozen):
     def num_micro_batches(self) -> int:
         """Micro-batches per step per pipeline: global_batch / (dp x micro_batch_size)."""
         return self.training.global_batch // (self.degrees.dp * self.micro_batch_size)
-
-    @property
-    def local_seq_len(self) -> int:
-        """Tokens of one sequence held per rank outside attention (sharded by sp x cp)."""
-        return self.training.seq_len // (self.degrees.sp * self.degrees.cp)
 
     # ---- the one plan notation (tables, exports, logs) --------------------------------------
     def layout_notation(self) -> str:

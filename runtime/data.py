@@ -14,7 +14,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from plans import Plan
+from plans import MeshAxis, Plan
+from plans.layout import tokens_per_rank
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import MicroBatch
 
@@ -91,11 +92,11 @@ def rank_micro_batches(
     batch: torch.Tensor, plan: Plan, mesh: Mesh, device: torch.device
 ) -> list[MicroBatch]:
     d, mbs = plan.degrees, plan.micro_batch_size
-    a, n = mesh.coords.attn, d.attention_group
-    shard = plan.training.seq_len // n
+    a, dp = mesh.coord(MeshAxis.attn), mesh.coord(MeshAxis.dp)
+    shard = int(tokens_per_rank(1, plan.training.seq_len, d.attention_group))
     out = []
     for j in range(plan.num_micro_batches):
-        first = (j * d.dp + mesh.coords.dp) * mbs
+        first = (j * d.dp + dp) * mbs
         seqs = batch[first : first + mbs]
         inputs = seqs[:, :-1][:, a * shard : (a + 1) * shard]
         labels = seqs[:, 1:][:, a * shard : (a + 1) * shard]

@@ -29,9 +29,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from plans import Plan, SpecError
 from plans.catalog import load_plan
+from plans.execution import UnsupportedFeature
 from runtime.data import SyntheticTokens
-from runtime.parallel.data_parallel import UnsupportedFeature
-from runtime.parallel.parallelize import check_supported
+from runtime.parallel.parallelize import check_supported, launch_backend
 from runtime.provenance import metadata
 from runtime.trainer import Trainer, build_trainer
 
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.steps < 1 or args.warmup < 0 or args.top < 1:
             raise SpecError("--steps and --top must be >= 1, --warmup >= 0")
         plan = load_plan(args.plan)
-        check_supported(plan)
+        check_supported(plan, launch_backend())
         if plan.degrees.world != 1:
             raise SpecError(f"degrees: profiling runs one process; the plan needs "
                             f"{plan.degrees.world} GPUs")

@@ -2,10 +2,10 @@
 
     torchrun --nproc-per-node N -m runtime.train --plan PLAN [--steps N] [--data PATH]
         [--data-dtype u16|u32] [--log FILE | --log-file FILE]
-        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR] [--no-zero1]
+        [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR]
         [--aux-loss-coeff C] [--per-expert-balance]
 
-Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL with bf16 parameters (fp32 AdamW masters) on CUDA,
+Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL with bf16 parameters (fp32 optimizer masters) on CUDA,
 gloo and fp32 on CPU.
 Bad input (plan missing or invalid, unsupported field, world size mismatch, a predicted peak
 memory above the GPU's free memory) prints one line naming the field and the reason and exits
@@ -32,14 +32,13 @@ import torch.distributed as dist
 
 from plans import Plan, SpecError
 from plans.catalog import load_plan
-from plans.execution import deviations
+from plans.execution import UnsupportedFeature, deviations
 from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
 from runtime.memory import InsufficientMemory, check_fits, configure_allocator, out_of_memory_line
-from runtime.parallel.data_parallel import UnsupportedFeature
 from runtime.parallel.mesh import WorldSizeMismatch
 from runtime.parallel.optimizer import OptimizerConfig
-from runtime.parallel.parallelize import check_supported
+from runtime.parallel.parallelize import backend_of, check_supported, launch_backend
 from runtime.trainer import StepMetrics, build_trainer, model_options
 
 EXIT_BAD_INPUT = 2
@@ -67,9 +66,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="balance-loss weight; default the model's (ModelSpec.aux_loss_coeff)")
     p.add_argument("--per-expert-balance", action="store_true",
                    help="plain per-expert balance loss instead of one per EP rank")
-    p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=True,
-                   help="shard AdamW states over each parameter's replicas (ZeRO stage 1; "
-                   "default on, --no-zero1 keeps full states on every replica)")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="collective timeout: a rank waiting longer on a dead peer fails")
     return p.parse_args(argv)
@@ -89,7 +85,7 @@ def make_data(args: argparse.Namespace, plan: Plan) -> TokenSource:
 
 def validate(args: argparse.Namespace, world: int) -> tuple[Plan, TokenSource]:
     plan = load_plan(args.plan)
-    check_supported(plan)
+    check_supported(plan, launch_backend())
     if plan.degrees.world != world:
         d = plan.degrees
         raise WorldSizeMismatch(
@@ -168,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 timeout=timedelta(seconds=args.timeout_s))
         signal.signal(signal.SIGTERM, _on_sigterm(rank, _Progress))
     if rank == 0:
-        for d in deviations(plan):
+        for d in deviations(plan, backend_of(device)):
             print(d.note(), file=sys.stderr, flush=True)
     try:
         return _train(args, plan, data, rank, world, device, owns_group)
@@ -190,7 +186,6 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
         plan, rank, world, device, args.seed, data,
         options=model_options(plan, args.aux_loss_coeff, args.per_expert_balance),
         optim=OptimizerConfig(lr=args.lr),
-        zero1=args.zero1,
     )
     start = 0
     if args.resume and (found := resume_point(args.ckpt_dir, rank)) is not None:

@@ -9,16 +9,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from plans import EPFFN, CrossEntropy, Degrees, PipelineSchedule, Plan, UlyssesAttention
+from plans import EPFFN, CrossEntropy, Degrees, Plan, UlyssesAttention
+from plans.layout import tokens_per_rank
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
 from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
 from runtime.parallel.mesh import Mesh, build_mesh
-from runtime.parallel.optimizer import OptimizerConfig, ReplicatedAdamW, ZeroAdamW
-from runtime.parallel.parallelize import ParallelModel, parallelize
-from runtime.parallel.pipeline import InterleavedOneFOneB, OneFOneB
+from runtime.parallel.optimizer import OptimizerConfig, build_optimizer
+from runtime.parallel.parallelize import ParallelModel, backend_of, parallelize
+from runtime.parallel.pipeline import ActionSchedule
 
 
 @dataclass
@@ -76,7 +77,6 @@ class Trainer:
         data: TokenSource,
         options: ModelOptions | None = None,
         optim: OptimizerConfig | None = None,
-        zero1: bool = True,
         param_dtype: torch.dtype | None = None,
     ):
         self.plan, self.mesh, self.device, self.data = plan, mesh, device, data
@@ -85,7 +85,7 @@ class Trainer:
         cfg = ModelConfig(plan.model, options or model_options(plan))
         with torch.device("meta"):
             model = Transformer(cfg)
-        self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers)
+        self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers, backend_of(device))
         init_weights(model, seed, self.pm.shards, device, self.param_dtype)
         model.train()
         model.head_logits = plan.cross_entropy == CrossEntropy.materialized
@@ -94,25 +94,20 @@ class Trainer:
         scale = 1.0 / (plan.num_micro_batches * d.dp)
         for moe in model.moe_layers():
             moe.aux_loss_scale = cfg.options.aux_loss_coeff * scale
-        make = ZeroAdamW if zero1 else ReplicatedAdamW
-        self.optimizer = make(
-            model, mesh, self.pm.replication, plan.grad_sync_precision, optim or OptimizerConfig()
+        self.optimizer = build_optimizer(
+            model, mesh, self.pm.replication, plan, optim or OptimizerConfig()
         )
         tokens = plan.training.tokens_per_step
         self.loss_scale = 1.0 / tokens
         # activations between stages are sequence-sharded over the whole attention group
         # (Ulysses sp, or tp with sequence parallelism)
-        seq = plan.training.seq_len // plan.degrees.attention_group
+        seq = int(tokens_per_rank(1, plan.training.seq_len, plan.degrees.attention_group))
         shape = (plan.micro_batch_size, seq, plan.model.hidden)
-        if plan.schedule == PipelineSchedule.interleaved_1f1b:
-            self.schedule = InterleavedOneFOneB(
-                model, mesh, self._loss, shape, device, self.param_dtype, plan.stage_layers,
-                plan.num_micro_batches, self.timers,
-            )
-        else:
-            self.schedule = OneFOneB(
-                model, mesh, self._loss, shape, device, self.param_dtype, self.timers
-            )
+        # 1F1B is the vpp = 1 case of the action lists (runtime.parallel.pipeline)
+        self.schedule = ActionSchedule(
+            model, mesh, self._loss, shape, device, self.param_dtype, plan.stage_layers,
+            plan.num_micro_batches, self.timers,
+        )
 
     # ---- pieces -------------------------------------------------------------------------------
     def _loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -199,8 +194,7 @@ def build_trainer(
     data: TokenSource,
     options: ModelOptions | None = None,
     optim: OptimizerConfig | None = None,
-    zero1: bool = True,
     param_dtype: torch.dtype | None = None,
 ) -> Trainer:
-    mesh = build_mesh(plan, rank, world)
-    return Trainer(plan, mesh, device, seed, data, options, optim, zero1, param_dtype)
+    mesh = build_mesh(plan, rank, world, device.type)
+    return Trainer(plan, mesh, device, seed, data, options, optim, param_dtype)

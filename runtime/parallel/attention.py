@@ -6,10 +6,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plans import MeshAxis
 from runtime.metrics import Component, Timers, timed
 from runtime.model import Attention, Shard, Transformer
 from runtime.parallel.comm import gather_sequence, head_to_seq, scatter_sequence, seq_to_head
-from runtime.parallel.mesh import Group, Mesh
+from runtime.parallel.mesh import Mesh
 
 
 class UlyssesCore(nn.Module):
@@ -46,7 +47,7 @@ class UlyssesCore(nn.Module):
 
 
 def apply_ulysses(model: Transformer, mesh: Mesh, timers: Timers | None) -> None:
-    group, n = mesh.groups[Group.attn], mesh.size(Group.attn)
+    group, n = mesh.groups[MeshAxis.attn], mesh.size(MeshAxis.attn)
     if group is None:
         return
     for block in model.layers.values():
@@ -59,7 +60,7 @@ def apply_tensor_parallel_attention(
 ) -> None:
     """Column-parallel Q/K/V (this rank's heads), row-parallel output projection; all-gather of
     the sequence before and reduce-scatter after (Megatron-LM sequence parallelism)."""
-    group, n, i = mesh.groups[Group.attn], mesh.size(Group.attn), mesh.index(Group.attn)
+    group, n, i = mesh.groups[MeshAxis.attn], mesh.size(MeshAxis.attn), mesh.index(MeshAxis.attn)
     if group is None:
         return
     spec = model.cfg.spec

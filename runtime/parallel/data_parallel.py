@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plans import Precision
+from plans import MeshAxis, Precision
 from runtime.model import Shard, Transformer
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
-from runtime.parallel.mesh import Group, Mesh
+from runtime.parallel.mesh import Mesh
 
 SYNC_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
 """Wire dtypes of the plain collectives; fp8 uses the quantised collectives below."""
@@ -34,10 +34,6 @@ FP8_MAX = 448.0
 FP8_BLOCK = 128
 """Elements sharing one fp32 scale: 1 x 128 tiles of the flat bucket (DeepSeek-V3's
 fine-grained quantisation)."""
-
-
-class UnsupportedFeature(ValueError):
-    """A plan field this runtime does not implement yet."""
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,18 +92,18 @@ def fp8_reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Te
 
 def replication_groups(
     model: Transformer, mesh: Mesh, shards: dict[str, Shard], expert_shards: set[str]
-) -> dict[str, tuple[Group, ...]]:
-    out: dict[str, tuple[Group, ...]] = {}
+) -> dict[str, tuple[MeshAxis, ...]]:
+    out: dict[str, tuple[MeshAxis, ...]] = {}
     for name, _ in model.named_parameters():
         if ".moe.experts." in name:
-            groups: tuple[Group, ...] = (Group.edp,)
+            groups: tuple[MeshAxis, ...] = (MeshAxis.edp,)
         elif name in shards and name not in expert_shards:
-            groups = (Group.dp,)
+            groups = (MeshAxis.dp,)
         else:
-            groups = (Group.stage,)
+            groups = (MeshAxis.stage,)
         tied = model.cfg.spec.tied_embeddings and model.init_key(name) == "tok_embeddings.weight"
         if tied and mesh.degrees.pp > 1:
-            groups = (*groups, Group.embed)
+            groups = (*groups, MeshAxis.embed)
         out[name] = groups
     return out
 
@@ -185,17 +181,17 @@ class GradSync:
         self,
         params: dict[str, nn.Parameter],
         mesh: Mesh,
-        groups: dict[str, tuple[Group, ...]],
+        groups: dict[str, tuple[MeshAxis, ...]],
         precision: Precision,
         dtype: torch.dtype,
     ):
         self.precision = precision
         self.mesh = mesh
         # one flat bucket per (group sequence); parameters in name order on every replica
-        members: dict[tuple[Group, ...], list[nn.Parameter]] = defaultdict(list)
+        members: dict[tuple[MeshAxis, ...], list[nn.Parameter]] = defaultdict(list)
         for name in sorted(params):
             members[groups[name]].append(params[name])
-        self.buckets: list[tuple[tuple[Group, ...], torch.Tensor]] = []
+        self.buckets: list[tuple[tuple[MeshAxis, ...], torch.Tensor]] = []
         for group_seq, ps in members.items():
             offsets, end = buffer_layout(ps)
             buffer = torch.zeros(end, dtype=dtype, device=ps[0].device)

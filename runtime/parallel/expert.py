@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plans import Dispatch
+from plans import Dispatch, MeshAxis
 from runtime.metrics import Component, Timers
 from runtime.model import Shard, Transformer
 from runtime.moe import DispatchHandle, Routing, sort_by_expert, weighted_scatter
 from runtime.parallel.comm import all_gather, all_to_all, reduce_scatter, sum_replicated
-from runtime.parallel.mesh import Group, Mesh
+from runtime.parallel.mesh import Mesh
 
 
 class _Timed:
@@ -144,10 +144,10 @@ class ExpertTPDispatcher(AllGatherDispatcher):
 
 
 def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None):
-    group, n = mesh.groups[Group.ep], mesh.size(Group.ep)
+    group, n = mesh.groups[MeshAxis.ep], mesh.size(MeshAxis.ep)
     if kind == Dispatch.all_to_all:
         return AllToAllDispatcher(num_experts, group, n, timers)
-    return AllGatherDispatcher(num_experts, group, n, mesh.index(Group.ep), timers)
+    return AllGatherDispatcher(num_experts, group, n, mesh.index(MeshAxis.ep), timers)
 
 
 def apply_expert_parallel(
@@ -159,7 +159,7 @@ def apply_expert_parallel(
 ) -> None:
     """Keep this rank's experts and install the dispatcher; balance statistics are summed over
     the attention group so the balance loss is the micro-batch's, whatever the sequence split."""
-    n, i = mesh.size(Group.ep), mesh.index(Group.ep)
+    n, i = mesh.size(MeshAxis.ep), mesh.index(MeshAxis.ep)
     sum_balance_stats_over_attention(model, mesh)
     for lid, block in model.layers.items():
         moe = block.moe
@@ -175,7 +175,7 @@ def apply_expert_parallel(
 def sum_balance_stats_over_attention(model: Transformer, mesh: Mesh) -> None:
     """Sum the routers' balance statistics over the attention group, so the balance loss is the
     micro-batch's whatever the sequence split."""
-    attn_group = mesh.groups[Group.attn]
+    attn_group = mesh.groups[MeshAxis.attn]
     if attn_group is None:
         return
     for block in model.layers.values():
@@ -189,7 +189,7 @@ def apply_expert_tensor_parallel(
     """Split every expert over the etp group: w1 and w3 ([E, ffn, h]) by rows of the hidden
     width (column parallel), w2 ([E, h, ffn]) by its columns (row parallel). Shared experts and
     the router stay replicated and run on this rank's own tokens."""
-    n, i = mesh.size(Group.etp), mesh.index(Group.etp)
+    n, i = mesh.size(MeshAxis.etp), mesh.index(MeshAxis.etp)
     sum_balance_stats_over_attention(model, mesh)
     for lid, block in model.layers.items():
         moe = block.moe
@@ -200,5 +200,5 @@ def apply_expert_tensor_parallel(
             setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
             shards[f"layers.{lid}.moe.experts.{w}"] = shard
         moe.dispatcher = ExpertTPDispatcher(
-            model.cfg.spec.experts, mesh.groups[Group.etp], n, timers
+            model.cfg.spec.experts, mesh.groups[MeshAxis.etp], n, timers
         )

@@ -1,19 +1,22 @@
-"""Mixed-precision AdamW over the parallel model (Megatron-LM distributed optimizer).
+"""Mixed-precision AdamW or SGD over the parallel model (Megatron-LM distributed optimizer).
 
 Model parameters are held in the compute dtype (bf16 on CUDA, fp32 on CPU). Gradients are
 accumulated over the micro-batches into main-gradient buffers (fp32 for an fp32 gradient sync,
-bf16 for a bf16 or fp8 one; ``data_parallel.grad_dtype``). AdamW updates fp32 master weights;
+bf16 for a bf16 or fp8 one; ``data_parallel.grad_dtype``). The plan's optimizer
+(``training.optimizer``: AdamW, or plain SGD without momentum, whose only state is the master)
+updates fp32 master weights;
 with bf16 parameters the masters are separate fp32 copies (initialised from the bf16 weights,
 as Megatron-LM does) and the updated masters are cast back into the parameters, with fp32
 parameters the parameter is its own master.
 
-Replicated (``--no-zero1``): every replica keeps the masters and AdamW states of all its
-parameters. ZeRO stage 1 (Rajbhandari et al., SC'20): the parameters of a bucket (same
+The plan's ``optimizer_sharding`` says where the states live. ``none``: every replica keeps
+the masters and states of all its parameters. ``zero1`` (Rajbhandari et al., SC'20): the
+parameters of a bucket (same
 replication group, same weight decay) are views of one flat parameter buffer and their main
 gradients of one flat gradient buffer; gradients are reduce-scattered, each replica keeps
-master, m and v of 1/n of the bucket (12 B per parameter of its slice) and updates it, and the
-updated slices, cast to the parameter dtype, are all-gathered straight into the parameter
-buffer. AdamW is elementwise, so both give the same weights."""
+master (and AdamW's m and v: 12 B per parameter of its slice) of 1/n of the bucket and updates
+it, and the updated slices, cast to the parameter dtype, are all-gathered straight into the
+parameter buffer. Both optimizers are elementwise, so both shardings give the same weights."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from plans import Precision
+from plans import MeshAxis, Optimizer, OptimizerSharding, Plan, Precision
 from runtime.parallel.comm import all_gather_into
 from runtime.parallel.data_parallel import (
     GradSync,
@@ -34,9 +37,7 @@ from runtime.parallel.data_parallel import (
     grad_dtype,
     reduce_scatter_sum,
 )
-from runtime.parallel.mesh import Group, Mesh
-
-ADAM_STATES = ("exp_avg", "exp_avg_sq")
+from runtime.parallel.mesh import Mesh
 
 
 @dataclass(frozen=True)
@@ -47,23 +48,22 @@ class OptimizerConfig:
     eps: float = 1e-8
 
 
-def _adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimizerConfig):
-    # one fused kernel per tensor list on CUDA (a single pass over master, grad, m and v, no
-    # temporaries); the default foreach path elsewhere
+def make_optimizer(kind: Optimizer, decay: list[torch.Tensor], no_decay: list[torch.Tensor],
+                   cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """The plan's optimizer over fp32 masters, weight decay on ``decay`` only. SGD's L2 decay
+    equals decoupled decay without momentum. One fused kernel per tensor list on CUDA (a
+    single pass over master, grad and states, no temporaries); the foreach path elsewhere."""
     tensors = [*decay, *no_decay]
     fused = bool(tensors) and all(t.is_cuda for t in tensors)
-    opt = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        fused=fused or None,
-    )
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if kind == Optimizer.sgd:
+        return torch.optim.SGD(groups, lr=cfg.lr, fused=fused or None)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused or None)
     # states exist from the start so a checkpoint can be loaded into them in place
-    for p in [*decay, *no_decay]:
+    for p in tensors:
         opt.state[p] = {
             "step": torch.tensor(0.0, device=p.device if fused else None),
             "exp_avg": torch.zeros_like(p),
@@ -99,7 +99,7 @@ class _Replicated:
         self,
         params: dict[str, nn.Parameter],
         mesh: Mesh,
-        replication: dict[str, tuple[Group, ...]],
+        replication: dict[str, tuple[MeshAxis, ...]],
         precision: Precision,
         dtype: torch.dtype,
     ):
@@ -123,13 +123,13 @@ class _Replicated:
             if m is not p:
                 p.copy_(m)
 
-    def checkpoint_state(self, adam, key_of: KeyOf) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, opt, key_of: KeyOf) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name, p in self.params.items():
             m = self.masters[name]
             if m is not p:
                 out[f"optim.{key_of(name)}.master"] = m
-            for field, value in adam.state[m].items():
+            for field, value in opt.state[m].items():
                 out[f"optim.{key_of(name)}.{field}"] = value
         return out
 
@@ -138,14 +138,15 @@ def state_bytes(
     params: list[nn.Parameter],
     masters: list[torch.Tensor],
     grad_buffers: list[torch.Tensor],
-    adam: torch.optim.Optimizer,
+    opt: torch.optim.Optimizer,
 ) -> dict[str, int]:
     """Bytes held per rank, counted by tensor storage: parameters, main gradients, and
-    optimizer states (fp32 masters that are not the parameters themselves, AdamW m and v): the
-    cost model's params, grads and optimizer components (``cost_models.memory``)."""
+    optimizer states (fp32 masters that are not the parameters themselves, AdamW m and v; the
+    step counters aside): the cost model's params, grads and optimizer components
+    (``cost_models.memory``)."""
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     own = [m for m in masters if m.untyped_storage().data_ptr() not in param_ptrs]
-    states = [adam.state[m][f] for m in masters for f in ADAM_STATES]
+    states = [v for m in masters for k, v in opt.state[m].items() if k != "step"]
     return {
         "params": _storage_bytes(params),
         "grads": _storage_bytes(grad_buffers),
@@ -153,24 +154,27 @@ def state_bytes(
     }
 
 
-class ReplicatedAdamW:
+class ReplicatedOptimizer:
+    """``optimizer_sharding: none``: every replica updates all its parameters in full."""
+
     def __init__(
         self,
         model: nn.Module,
         mesh: Mesh,
-        replication: dict[str, tuple[Group, ...]],
+        replication: dict[str, tuple[MeshAxis, ...]],
         precision: Precision,
+        kind: Optimizer,
         cfg: OptimizerConfig,
     ):
         self.params = dict(model.named_parameters())
         dtype = grad_dtype(next(iter(self.params.values())).dtype, precision)
         self.replicated = _Replicated(self.params, mesh, replication, precision, dtype)
-        self.adam = _adamw(*self.replicated.decay_split(), cfg)
+        self.opt = make_optimizer(kind, *self.replicated.decay_split(), cfg)
 
     def state_bytes(self) -> dict[str, int]:
         r = self.replicated
         return state_bytes(list(self.params.values()), list(r.masters.values()),
-                           [b for _, b in r.sync.buckets], self.adam)
+                           [b for _, b in r.sync.buckets], self.opt)
 
     def zero_grad(self) -> None:
         self.replicated.sync.zero_()
@@ -180,11 +184,11 @@ class ReplicatedAdamW:
 
     def step(self) -> None:
         self.replicated.load_grads()
-        self.adam.step()
+        self.opt.step()
         self.replicated.write_back()
 
     def checkpoint_state(self, key_of: KeyOf) -> dict[str, torch.Tensor]:
-        return self.replicated.checkpoint_state(self.adam, key_of)
+        return self.replicated.checkpoint_state(self.opt, key_of)
 
 
 @dataclass
@@ -200,7 +204,7 @@ class _Bucket:
     grad_buffer: torch.Tensor
     """The flat (padded) main gradients of the bucket."""
     shard: torch.Tensor
-    """This rank's fp32 master slice of the bucket: the tensor AdamW updates."""
+    """This rank's fp32 master slice of the bucket: the tensor the optimizer updates."""
     shard_grad: torch.Tensor | None = None
 
     @property
@@ -208,26 +212,27 @@ class _Bucket:
         return self.shard.numel() * self.size
 
 
-class ZeroAdamW:
-    """Parameters are bucketed by (replication group, weight decay). A bucket replicated over
-    exactly one group of more than one rank is sharded over it; a bucket on one rank only
-    (experts with edp = 1, everything at dp = sp = 1) is a shard of size one, so AdamW still
-    runs on one flat tensor and no collective is issued. Tied embeddings summed over two groups
-    stay replicated."""
+class ShardedOptimizer:
+    """``optimizer_sharding: zero1``. Parameters are bucketed by (replication group, weight
+    decay). A bucket replicated over exactly one group of more than one rank is sharded over
+    it; a bucket on one rank only (experts with edp = 1, everything at dp = sp = 1) is a shard
+    of size one, so the optimizer still runs on one flat tensor and no collective is issued.
+    Tied embeddings summed over two groups stay replicated."""
 
     def __init__(
         self,
         model: nn.Module,
         mesh: Mesh,
-        replication: dict[str, tuple[Group, ...]],
+        replication: dict[str, tuple[MeshAxis, ...]],
         precision: Precision,
+        kind: Optimizer,
         cfg: OptimizerConfig,
     ):
         self.precision = precision
         params = dict(model.named_parameters())
         param_dtype = next(iter(params.values())).dtype
         dtype = grad_dtype(param_dtype, precision)
-        grouped: dict[tuple[tuple[Group, ...], bool], list[str]] = defaultdict(list)
+        grouped: dict[tuple[tuple[MeshAxis, ...], bool], list[str]] = defaultdict(list)
         for name in sorted(params):
             grouped[(replication[name], params[name].ndim >= 2)].append(name)
         self.buckets: list[tuple[_Bucket, bool]] = []
@@ -262,14 +267,14 @@ class ZeroAdamW:
         rest_decay, rest_no_decay = self.rest.decay_split()
         decay = [b.shard for b, d in self.buckets if d] + rest_decay
         no_decay = [b.shard for b, d in self.buckets if not d] + rest_no_decay
-        self.adam = _adamw(decay, no_decay, cfg)
+        self.opt = make_optimizer(kind, decay, no_decay, cfg)
 
     def state_bytes(self) -> dict[str, int]:
         masters = [b.shard for b, _ in self.buckets] + list(self.rest.masters.values())
         grads = [b.grad_buffer for b, _ in self.buckets] + [
             buf for _, buf in self.rest.sync.buckets
         ]
-        return state_bytes(list(self.params.values()), masters, grads, self.adam)
+        return state_bytes(list(self.params.values()), masters, grads, self.opt)
 
     def zero_grad(self) -> None:
         for b, _ in self.buckets:
@@ -292,7 +297,7 @@ class ZeroAdamW:
         for b, _ in self.buckets:
             b.shard.grad, b.shard_grad = b.shard_grad, None
         self.rest.load_grads()
-        self.adam.step()
+        self.opt.step()
         self.rest.write_back()
         for b, _ in self.buckets:
             b.shard.grad = None
@@ -310,7 +315,21 @@ class ZeroAdamW:
         for b, _ in self.buckets:
             base = f"optim.zero1.{key_of(b.names[0])}+{len(b.names)}.part{b.index}of{b.size}"
             out[f"{base}.master"] = b.shard
-            for field, value in self.adam.state[b.shard].items():
+            for field, value in self.opt.state[b.shard].items():
                 out[f"{base}.{field}"] = value
-        out.update(self.rest.checkpoint_state(self.adam, key_of))
+        out.update(self.rest.checkpoint_state(self.opt, key_of))
         return out
+
+
+def build_optimizer(
+    model: nn.Module,
+    mesh: Mesh,
+    replication: dict[str, tuple[MeshAxis, ...]],
+    plan: Plan,
+    cfg: OptimizerConfig,
+) -> ReplicatedOptimizer | ShardedOptimizer:
+    """The plan's optimizer (``training.optimizer``) with its states where the plan says
+    (``optimizer_sharding``)."""
+    make = (ShardedOptimizer if plan.optimizer_sharding == OptimizerSharding.zero1
+            else ReplicatedOptimizer)
+    return make(model, mesh, replication, plan.grad_sync_precision, plan.training.optimizer, cfg)

@@ -7,16 +7,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plans import EPFFN, TPFFN, CPAttention, Plan, Recompute, TPAttention, UlyssesAttention
+from plans import EPFFN, TPFFN, MeshAxis, Plan, Recompute, TPAttention, UlyssesAttention
+from plans.execution import Backend, check
 from runtime.metrics import Component, Timers, timed
 from runtime.model import AttentionCore, Shard, Transformer
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
-from runtime.parallel.data_parallel import UnsupportedFeature, replication_groups
+from runtime.parallel.data_parallel import replication_groups
 from runtime.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
-from runtime.parallel.mesh import Group, Mesh
+from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import apply_pipeline
 
 
@@ -26,24 +28,19 @@ def checkpoint_forward(module: nn.Module) -> None:
     module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
 
 
-def check_supported(plan: Plan) -> None:
-    """Refuse, before any work, plan fields this runtime does not implement."""
-    if isinstance(plan.attention, CPAttention):
-        raise UnsupportedFeature(
-            "attention: cp attention is not supported by this runtime (the planner uses it "
-            "for comparison only; use ulysses_sp or tp)"
-        )
-    if plan.model.dropout:
-        raise UnsupportedFeature(
-            f"model.dropout: this runtime trains without dropout; the model asks for "
-            f"{plan.model.dropout:g}"
-        )
-    kv, tp = plan.model.kv_heads, plan.degrees.tp
-    if isinstance(plan.attention, TPAttention) and kv % tp:
-        raise UnsupportedFeature(
-            f"degrees.tp: this runtime's TP attention needs tp ({tp}) to divide "
-            f"model.kv_heads ({kv})"
-        )
+def backend_of(device: torch.device) -> Backend:
+    return Backend.cuda_nccl if device.type == "cuda" else Backend.cpu_gloo
+
+
+def launch_backend() -> Backend:
+    """The backend a launch on this machine runs on (CUDA and NCCL when a GPU is visible)."""
+    return Backend.cuda_nccl if torch.cuda.is_available() else Backend.cpu_gloo
+
+
+def check_supported(plan: Plan, backend: Backend) -> None:
+    """Refuse, before any work, a plan field this runtime cannot run on ``backend``: the
+    capability table (plans.execution) decides, one line naming the field."""
+    check(plan, backend)
 
 
 def apply_recompute(model: Transformer, mode: Recompute) -> None:
@@ -75,12 +72,13 @@ class ParallelModel:
     mesh: Mesh
     shards: dict[str, Shard]
     """This rank's slice of every sharded parameter (by local parameter name)."""
-    replication: dict[str, tuple[Group, ...]]
+    replication: dict[str, tuple[MeshAxis, ...]]
     """Groups each parameter's gradient is summed over."""
 
 
-def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | None) -> ParallelModel:
-    check_supported(plan)
+def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | None,
+                backend: Backend) -> ParallelModel:
+    check_supported(plan, backend)
     shards: dict[str, Shard] = {}
     apply_pipeline(model, mesh, plan.stage_layers)
     if isinstance(plan.attention, UlyssesAttention):

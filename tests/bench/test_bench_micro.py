@@ -90,8 +90,9 @@ def test_layers_script(tmp_path):
 def test_speedup_report(tmp_path):
     def run_json(step: float, pred: float) -> dict:
         return {"plan": "p", "plan_summary": "s", "step_time_s": step, "mfu": 0.5,
-                "peak_memory_gib_per_rank": [1.0, 2.0],
-                "prediction": {"step_time_s": pred, "mfu": 0.6}}
+                "peak_memory_gib_per_rank": [1.0, 2.0], "measured_steps": 5,
+                "prediction": {"step_time_s": pred, "mfu": 0.6, "tokens_per_s": 1.0,
+                               "peak_memory_gib": 1.0, "breakdown_s": {}}}
 
     best, base = tmp_path / "b.json", tmp_path / "m.json"
     best.write_text(json.dumps(run_json(1.0, 1.0)))
@@ -103,3 +104,7 @@ def test_speedup_report(tmp_path):
     res = json.loads(out.read_text())
     assert res["measured_speedup"] == 1.5 and res["predicted_speedup"] == 2.0
     assert res["measured_over_predicted"] == 0.75 and "commit" in res
+    base.write_text(json.dumps({**run_json(1.5, 2.0), "step_time_s": "fast"}))
+    r = _run("bench/speedup_report.py", "--best", str(best), "--baseline", str(base),
+             "--out", str(tmp_path / "t.json"), procs=1)
+    assert r.returncode == 2 and "step_time_s" in r.stderr and not (tmp_path / "t.json").exists()

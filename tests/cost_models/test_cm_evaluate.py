@@ -54,3 +54,16 @@ def test_interleaving_and_overlap_knobs(plan_352b):
     assert serial.step_time_s > base.step_time_s
     unsynced = evaluate(plan_352b.model_copy(update={"grad_sync_overlap": False}))
     assert unsynced.breakdown_s["grad_sync"] > base.breakdown_s["grad_sync"]
+
+
+def test_optimizer_step_prices_the_states_this_gpu_holds(plan_352b):
+    """Replicated states: every GPU updates all its parameters, not its ZeRO-1 slice, so the
+    optimizer step is slower by about the replication factor."""
+    from plans import OptimizerSharding
+
+    assert plan_352b.optimizer_sharding == OptimizerSharding.zero1
+    full = plan_352b.model_copy(update={"optimizer_sharding": OptimizerSharding.none})
+    sharded_s = evaluate(plan_352b).breakdown_s["optimizer"]
+    full_s = evaluate(full).breakdown_s["optimizer"]
+    d = plan_352b.degrees
+    assert full_s > 2 * sharded_s and full_s <= d.dp * d.sp * d.cp * sharded_s * 1.01

@@ -8,10 +8,6 @@ import pytest
 import cost_models
 from cost_models import comm
 from planner.calibrate import (
-    KernelRow,
-    Profile,
-    Sweep,
-    SweepRow,
     fit_compute,
     fit_links,
     on,
@@ -20,6 +16,8 @@ from planner.calibrate import (
 )
 from plans import catalog
 from plans.execution import executed_plan
+from plans.results import KernelRow, Sweep, SweepOp, SweepRow
+from plans.results import ProfileResult as Profile
 
 MIB = 2**20
 PLAN = "bench/gpu_plans/mixtral2l_1gpu.json"
@@ -33,12 +31,13 @@ def test_links_fit_recovers_latency_and_efficiencies():
     rows = []
     for mib in (1, 4, 16, 64, 256, 512):
         size = mib * MIB
+        # labels are for people: the fit reads op and bytes
         rows += [
-            SweepRow(name=f"all_to_all {mib} MiB/rank",
+            SweepRow(name="a", op=SweepOp.all_to_all, bytes=size,
                      measured_s=comm.all_to_all_s(size, layout, truth)),
-            SweepRow(name=f"all_gather {mib} MiB full",
+            SweepRow(name="b", op=SweepOp.all_gather, bytes=size,
                      measured_s=comm.all_gather_s(size, layout, truth)),
-            SweepRow(name=f"reduce_scatter {mib} MiB full",
+            SweepRow(name="c", op=SweepOp.reduce_scatter, bytes=size,
                      measured_s=comm.reduce_scatter_s(size, layout, truth)),
         ]
     fit = fit_links(Sweep(world=2, rows=rows), base)

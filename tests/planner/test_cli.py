@@ -206,3 +206,11 @@ def test_export_refuses_with_one_line_and_warns_on_infeasible_plans(small_search
     assert result.exit_code == 0
     assert "warning:" in result.stderr and "does not fit" in result.stderr
     assert "MEGATRON_ARGS=(" in result.stdout
+
+
+def test_validate_says_the_runtime_refuses_a_cp_plan(tmp_path):
+    out = tmp_path / "cp.json"
+    assert run("search", *SMALL, "--attention", "cp", "--json", "--out", str(out)).exit_code == 0
+    result = run("validate", str(out))
+    assert result.exit_code == 0, result.output
+    assert "moeplan train refuses it: attention.kind: cp " in result.output

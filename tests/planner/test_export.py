@@ -52,7 +52,8 @@ MEGATRON_FLAGS = {
     "--recompute-method": True, "--recompute-num-layers": True, "--bf16": False,
     "--use-distributed-optimizer": False, "--fp8-format": True, "--overlap-grad-reduce": False,
     "--overlap-param-gather": False, "--grad-reduce-in-bf16": False,
-    "--no-gradient-accumulation-fusion": False, "--norm-epsilon": True, "--rotary-base": True,
+    "--no-gradient-accumulation-fusion": False, "--optimizer": True, "--norm-epsilon": True,
+    "--rotary-base": True,
     "--attention-dropout": True, "--hidden-dropout": True, "--qk-layernorm": False,
     "--moe-router-pre-softmax": False, "--moe-aux-loss-coeff": True,
     "--pipeline-model-parallel-layout": True, "--recompute-modules": True,
@@ -65,6 +66,7 @@ CHOICES = {
     "--recompute-method": {"uniform", "block"},
     "--normalization": {"LayerNorm", "RMSNorm"},
     "--fp8-format": {"e4m3", "hybrid"},
+    "--optimizer": {"adam", "sgd"},
 }
 
 
@@ -103,6 +105,8 @@ def check_megatron_constraints(a: dict, world: int) -> None:
         tp % n("--num-query-groups") == 0)
     if "--sequence-parallel" in a:
         assert tp > 1
+    if "--overlap-param-gather" in a:
+        assert "--use-distributed-optimizer" in a, "param gather overlap needs the dist. opt."
     if tp > 1 and n("--num-experts") > 0:
         assert "--sequence-parallel" in a, "MoE with TP needs sequence parallelism"
     layers = n("--num-layers")
@@ -265,7 +269,7 @@ def test_megatron_model_environment_recompute_and_steps():
     assert parsed["--rotary-base"] == "1000000" and parsed["--qk-layernorm"] is True
     assert parsed["--moe-aux-loss-coeff"] == "0.001" and parsed["--norm-epsilon"] == "1e-06"
     assert parsed["--attention-dropout"] == parsed["--hidden-dropout"] == "0"
-    assert parsed["--recompute-modules"] == "layernorm moe"
+    assert parsed["--recompute-modules"] == "core_attn"  # selective: the attention core
     assert parsed["--train-iters"] == "7"
     assert megatron_env(qwen) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # CP (Ulysses) > 1
     no_sp = plan(degrees=Degrees(pp=4, dp=16, ep=8))
@@ -290,3 +294,17 @@ def test_megatron_refuses_what_it_cannot_express(update, reason):
     p = PLANS["uneven"].model_copy(update=update)
     with pytest.raises(SpecError, match=reason):
         megatron_args(p)
+
+
+def test_megatron_optimizer_and_its_sharding_follow_the_plan():
+    from plans import Optimizer, OptimizerSharding
+
+    plan = PLANS["megascale"]
+    parsed = parse_megatron(megatron_args(plan)[0])
+    assert parsed["--use-distributed-optimizer"] is True and "--optimizer" not in parsed
+    full = plan.model_copy(update={
+        "optimizer_sharding": OptimizerSharding.none,
+        "training": plan.training.model_copy(update={"optimizer": Optimizer.sgd})})
+    parsed = parse_megatron(megatron_args(full)[0])
+    assert "--use-distributed-optimizer" not in parsed and parsed["--optimizer"] == "sgd"
+    assert "--overlap-param-gather" not in parsed

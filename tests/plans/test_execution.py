@@ -1,10 +1,42 @@
-"""What the runtime runs differently from a plan is said, and the cost model can price it."""
+"""The capability table (plans.execution) covers every plan field and value on every backend,
+and its answers are what the launch check, the runnable search and the pricing of a run read."""
 
 from __future__ import annotations
 
+import typing
+from enum import Enum
+
+import pytest
+
 import cost_models
-from plans import Overlap, Precision, TrainingSpec
-from plans.execution import deviations, executed_plan
+from planner.space import RUNNABLE_FIELDS, SearchSpace
+from plans import (
+    EPFFN,
+    TPFFN,
+    CPAttention,
+    Degrees,
+    Optimizer,
+    Overlap,
+    Plan,
+    Precision,
+    TPAttention,
+    TrainingSpec,
+    UlyssesAttention,
+)
+from plans.execution import (
+    ANY,
+    NOT_EXECUTED,
+    TABLE,
+    Backend,
+    Support,
+    UnsupportedFeature,
+    check,
+    deviations,
+    executed_plan,
+    executes,
+    lookup,
+    refusals,
+)
 
 from .test_plan import make
 
@@ -12,6 +44,65 @@ from .test_plan import make
 def fp8_plan():
     return make(training=TrainingSpec(global_batch=256, seq_len=4096, precision=Precision.fp8),
                 grad_sync_precision=Precision.fp8)
+
+
+def _values(annotation) -> list:
+    """Every value a field of this annotation can hold (ANY for open ones)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return list(args)
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return list(annotation)
+    if annotation is bool:
+        return [True, False]
+    if len(args) == 1:  # X | None
+        return _values(args[0])
+    return [ANY]
+
+
+def _schema_fields() -> list[tuple[str, list]]:
+    out = []
+    for name, info in Plan.model_fields.items():
+        if name in NOT_EXECUTED:
+            continue
+        if name in ("attention", "ffn", "training"):
+            kinds = {"attention": (UlyssesAttention, TPAttention, CPAttention),
+                     "ffn": (EPFFN, TPFFN), "training": (TrainingSpec,)}[name]
+            for kind in kinds:
+                out += [(f"{name}.{sub}", _values(i.annotation))
+                        for sub, i in kind.model_fields.items()]
+        else:
+            out.append((name, _values(info.annotation)))
+    return out
+
+
+@pytest.mark.parametrize("backend", list(Backend))
+def test_the_table_answers_for_every_field_and_value_of_the_schema(backend):
+    fields = _schema_fields()
+    assert {"overlap", "schedule", "attention.kind", "training.optimizer",
+            "ffn.dispatch"} <= {f for f, _ in fields}
+    for field, values in fields:
+        for value in values:
+            row = lookup(field, value, backend)  # KeyError if the table has no answer
+            assert row.support in Support
+            if row.support == Support.runs_as:
+                assert row.runs is not None and row.reason, row
+            if row.support == Support.refused:
+                assert row.reason, row
+    # and the table has no row for a field the schema does not have
+    assert {r.field for r in TABLE} <= {f for f, _ in fields}
+
+
+@pytest.mark.parametrize("backend", list(Backend))
+def test_cp_attention_is_refused_at_launch_with_one_line_naming_the_field(backend):
+    plan = make(attention=CPAttention(), degrees=Degrees(pp=4, dp=2, cp=8, ep=8))
+    with pytest.raises(UnsupportedFeature) as e:
+        check(plan, backend)
+    line = str(e.value)
+    assert line.startswith("attention.kind: cp ") and "\n" not in line
+    assert "attention.zigzag" in " ".join(refusals(plan, backend))
+    with pytest.raises(UnsupportedFeature):
+        executed_plan(plan, backend)
 
 
 def test_a_searched_plan_lists_each_field_the_runtime_runs_differently():
@@ -22,11 +113,14 @@ def test_a_searched_plan_lists_each_field_the_runtime_runs_differently():
     assert all(d.note().startswith(f"note: {d.field}: planned ") for d in found.values())
 
 
-def test_a_plan_written_for_this_runtime_has_no_deviation():
+def test_a_plan_written_for_this_runtime_has_no_deviation_on_gpus_and_fp32_on_cpus():
     plan = make(overlap=Overlap.none, grad_sync_overlap=False, grad_accumulation_fusion=False)
     assert deviations(plan) == []
     assert executed_plan(plan).model_dump(exclude={"prediction"}) == plan.model_dump(
         exclude={"prediction"})
+    on_cpu = deviations(plan, Backend.cpu_gloo)
+    assert [(d.field, d.executed) for d in on_cpu] == [("training.precision", "fp32")]
+    assert executed_plan(plan, Backend.cpu_gloo).training.precision == Precision.fp32
 
 
 def test_the_executed_plan_is_priced_slower_and_keeps_fp8_sync():
@@ -34,5 +128,19 @@ def test_the_executed_plan_is_priced_slower_and_keeps_fp8_sync():
     ran = executed_plan(plan)
     assert ran.training.precision == Precision.bf16 and ran.grad_sync_precision == Precision.fp8
     assert ran.overlap == Overlap.none and not ran.grad_sync_overlap
+    assert isinstance(ran.overlap, Overlap)
     assert not ran.grad_accumulation_fusion
     assert cost_models.evaluate(ran).step_time_s > cost_models.evaluate(plan).step_time_s
+
+
+def test_the_runnable_search_space_is_what_the_table_executes():
+    full, runnable = SearchSpace(attention=tuple(SearchSpace.__dataclass_fields__[
+        "attention"].default) + ("cp",)), SearchSpace().runnable()
+    for option, field in RUNNABLE_FIELDS.items():
+        expect = tuple(v for v in getattr(full, option) if executes(field, v))
+        assert getattr(runnable, option) == expect, option
+    assert runnable.overlap == (Overlap.none,)
+    assert not runnable.grad_sync_overlap and not runnable.grad_accumulation_fusion
+    assert executes("training.precision", Precision.bf16)
+    assert not executes("training.precision", Precision.fp8)
+    assert executes("training.optimizer", Optimizer.adam)

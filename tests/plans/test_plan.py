@@ -44,7 +44,10 @@ def test_derived_values():
     assert p.num_micro_batches == 128
     assert p.degrees.edp == 2
     assert p.degrees.world == 64
-    assert p.local_seq_len == 512
+    from plans.layout import tokens_per_rank
+
+    assert tokens_per_rank(p.micro_batch_size, p.training.seq_len,
+                           p.degrees.attention_group) == 512
 
 
 def test_round_trip_json():
@@ -124,3 +127,16 @@ def test_json_schema_has_docs():
     schema = Plan.model_json_schema()
     assert "degrees" in schema["properties"]
     assert schema["$defs"]["Degrees"]["properties"]["ep"]["description"]
+
+
+def test_optimizer_sharding_is_a_validated_plan_field():
+    from pydantic import ValidationError
+
+    from plans import OptimizerSharding
+    from plans.errors import describe
+
+    assert make().optimizer_sharding == OptimizerSharding.zero1
+    assert make(optimizer_sharding="none").optimizer_sharding == OptimizerSharding.none
+    with pytest.raises(ValidationError) as e:
+        make(optimizer_sharding="zero3")
+    assert describe(e.value).startswith("optimizer_sharding: ")

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from plans import Plan
+from plans.execution import Backend
 from runtime.parallel.parallelize import check_supported
 
 from .conftest import run
@@ -35,7 +36,8 @@ def emitted(model, cluster, gpus, batch, seq) -> list[Plan]:
 @pytest.mark.parametrize("job", JOBS)
 def test_every_emitted_plan_passes_the_runtime_checks(job):
     for plan in emitted(*job):
-        check_supported(plan)  # raises UnsupportedFeature with a field path otherwise
+        for backend in Backend:  # raises UnsupportedFeature with a field path otherwise
+            check_supported(plan, backend)
 
 
 @pytest.mark.parametrize("job,pick", [

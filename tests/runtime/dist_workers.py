@@ -10,6 +10,8 @@ from plans import (
     TPFFN,
     Degrees,
     Dispatch,
+    Optimizer,
+    OptimizerSharding,
     PipelineSchedule,
     Plan,
     Precision,
@@ -37,8 +39,12 @@ def make_plan(
     grad_sync_precision: Precision = Precision.fp32,
     recompute: Recompute = Recompute.none,
     tp_ffn: bool = False,
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.none,
+    optimizer: Optimizer = Optimizer.adam,
     **degrees: int,
 ) -> Plan:
+    """A test plan; optimizer states replicated unless asked (the parity tests read every
+    rank's all-reduced main gradients, which ZeRO-1 reduce-scatters instead)."""
     d = Degrees(**degrees)
     spec = load_model(model)
     extra: dict = {"attention": TPAttention()} if tp_attention else {}
@@ -49,13 +55,15 @@ def make_plan(
     return Plan(
         model=spec,
         cluster=load_cluster("h200", gpus=d.world),
-        training=TrainingSpec(global_batch=global_batch, seq_len=seq_len, precision=precision),
+        training=TrainingSpec(global_batch=global_batch, seq_len=seq_len, precision=precision,
+                              optimizer=optimizer),
         degrees=d,
         ffn=TPFFN() if tp_ffn else EPFFN(dispatch=dispatch),
         stage_layers=stage_layers or (spec.layers,),
         micro_batch_size=micro_batch_size,
         grad_sync_precision=grad_sync_precision,
         recompute=recompute,
+        optimizer_sharding=optimizer_sharding,
         **extra,
     )
 
@@ -64,22 +72,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Parameter dtypes by name (worker arguments travel pickled; names keep them plain)."""
 
 
-def trainer_for(plan: Plan, rank: int, world: int, zero1: bool = False, dtype: str = "fp32"):
+def trainer_for(plan: Plan, rank: int, world: int, dtype: str = "fp32"):
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, SEED)
     return build_trainer(
-        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM, zero1,
+        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM,
         DTYPES[dtype],
     )
 
 
-def reference_trainer(plan: Plan, dtype: str = "fp32", zero1: bool = True):
+def reference_trainer(plan: Plan, dtype: str = "fp32"):
     """The one-rank model the parallel ``plan`` must reproduce (same balance groups)."""
     ref = reference_plan(plan)
     t = ref.training
     data = SyntheticTokens(t.global_batch, t.seq_len, ref.model.vocab, SEED)
     return build_trainer(
-        ref, 0, 1, torch.device("cpu"), SEED, data, model_options(plan), OPTIM, zero1,
+        ref, 0, 1, torch.device("cpu"), SEED, data, model_options(plan), OPTIM,
         DTYPES[dtype],
     )
 
@@ -95,19 +103,19 @@ def one_step_gradients(plan_json: str, dtype: str = "fp32"):
     return loss, trainer.local_gradients()
 
 
-def loss_curve(plan_json: str, steps: int, zero1: bool = False, dtype: str = "fp32"):
+def loss_curve(plan_json: str, steps: int, dtype: str = "fp32"):
     plan = Plan.model_validate_json(plan_json)
-    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), zero1, dtype)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), dtype)
     return [trainer.train_step(s).loss for s in range(steps)]
 
 
-def state_bytes(cases: list[tuple[str, bool]]) -> list[dict]:
-    """Per (plan, zero1): this rank's storage bytes of parameters, main gradients and
-    optimizer states with bf16 parameters after one step, and the dtypes found."""
+def state_bytes(cases: list[str]) -> list[dict]:
+    """Per plan: this rank's storage bytes of parameters, main gradients and optimizer states
+    with bf16 parameters after one step, and the dtypes found."""
     out = []
-    for plan_json, zero1 in cases:
+    for plan_json in cases:
         plan = Plan.model_validate_json(plan_json)
-        trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), zero1, "bf16")
+        trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), "bf16")
         trainer.train_step(0)
         params = list(trainer.model.parameters())
         out.append({
@@ -128,15 +136,16 @@ def resume_is_exact(ckpt_dir: str, dtype: str) -> tuple[list[float], list[float]
 
     from runtime import checkpoint
 
-    plan = make_plan(dp=2, grad_sync_precision=Precision.bf16)
+    plan = make_plan(dp=2, grad_sync_precision=Precision.bf16,
+                     optimizer_sharding=OptimizerSharding.zero1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    full = trainer_for(plan, rank, world, True, dtype)
+    full = trainer_for(plan, rank, world, dtype)
     losses = [full.train_step(s).loss for s in range(4)]
-    first = trainer_for(plan, rank, world, True, dtype)
+    first = trainer_for(plan, rank, world, dtype)
     for s in range(2):
         first.train_step(s)
     path = checkpoint.save(first, Path(ckpt_dir), 2)
-    resumed = trainer_for(plan, rank, world, True, dtype)
+    resumed = trainer_for(plan, rank, world, dtype)
     start = checkpoint.load(resumed, path)
     after = [resumed.train_step(s).loss for s in range(start, 4)]
     kinds = {
@@ -242,3 +251,10 @@ def train_main(argv: list[str]) -> int:
     os.environ["WORLD_SIZE"] = str(dist.get_world_size())
     os.environ["LOCAL_RANK"] = str(dist.get_rank())
     return main(argv)
+
+
+def step_components(plan_json: str) -> dict[str, float]:
+    """This rank's per-component seconds of one training step."""
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    return trainer.train_step(0).components_s

@@ -10,7 +10,9 @@ from dist_workers import make_plan, reference_trainer
 from test_parity import A2A, AG, _rel
 
 from cost_models.memory import memory_breakdown
-from plans import Precision
+from plans import Optimizer, OptimizerSharding, Precision
+
+ZERO1, NONE = OptimizerSharding.zero1, OptimizerSharding.none
 
 BF16_LOSS_RTOL = 1e-2
 """bf16 keeps 8 mantissa bits (2^-8 = 0.4% per rounding); a layout changes the order of the
@@ -28,8 +30,9 @@ MEMORY_CASES = {
 
 
 def test_state_bytes_match_cost_model(pool2):
-    plans = {k: make_plan(**layout) for k, (layout, _) in MEMORY_CASES.items()}
-    cases = [(plans[k].model_dump_json(), zero1) for k, (_, zero1) in MEMORY_CASES.items()]
+    plans = {k: make_plan(**layout, optimizer_sharding=ZERO1 if zero1 else NONE)
+             for k, (layout, zero1) in MEMORY_CASES.items()}
+    cases = [plan.model_dump_json() for plan in plans.values()]
     results = pool2.run("dist_workers", "state_bytes", cases)
     for i, (name, (_, zero1)) in enumerate(MEMORY_CASES.items()):
         plan = plans[name]
@@ -59,6 +62,36 @@ def test_single_process_state_bytes():
                                      "optimizer": 12 * numel}
 
 
+@pytest.mark.parametrize("sharding", list(OptimizerSharding))
+def test_sgd_keeps_only_fp32_masters_as_the_cost_model_prices(sharding):
+    plan = make_plan(grad_sync_precision=Precision.bf16, optimizer=Optimizer.sgd,
+                     optimizer_sharding=sharding)
+    trainer = reference_trainer(plan, "bf16")
+    trainer.train_step(0)
+    numel = sum(p.numel() for p in trainer.model.parameters())
+    assert trainer.state_bytes()["optimizer"] == 4 * numel
+    assert memory_breakdown(plan).components_bytes["optimizer"] == 4 * numel
+
+
+@pytest.mark.parametrize("sharding", list(OptimizerSharding))
+def test_sgd_step_is_plain_sgd_with_weight_decay(sharding):
+    """w <- w - lr (g + wd w) on matrices, w - lr g on vectors (fp32: exact to rounding)."""
+    from dist_workers import OPTIM
+
+    plan = make_plan(optimizer=Optimizer.sgd, optimizer_sharding=sharding)
+    trainer = reference_trainer(plan)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.forward_backward(0)
+    trainer.sync_gradients()
+    grads = {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.optimizer_step()
+    for name, p in trainer.model.named_parameters():
+        wd = OPTIM.weight_decay if p.ndim >= 2 else 0.0
+        expect = before[name] - OPTIM.lr * (grads[name] + wd * before[name])
+        assert torch.allclose(p.detach(), expect, rtol=1e-6, atol=1e-7), name
+        assert not torch.equal(p.detach(), before[name]), name
+
+
 def test_bf16_one_step_matches_single_process(pool2):
     plan = make_plan(sp=2, ep=2, dispatch=A2A)
     results = pool2.run("dist_workers", "one_step_gradients", plan.model_dump_json(), "bf16")
@@ -80,7 +113,8 @@ def test_bf16_one_step_matches_single_process(pool2):
 def test_bf16_zero1_loss_curve_follows_single_process(pool2, layout):
     plan = make_plan(global_batch=4, **layout)
     steps = 6
-    curves = pool2.run("dist_workers", "loss_curve", plan.model_dump_json(), steps, True, "bf16")
+    plan = plan.model_copy(update={"optimizer_sharding": ZERO1})
+    curves = pool2.run("dist_workers", "loss_curve", plan.model_dump_json(), steps, "bf16")
     ref = reference_trainer(plan, "bf16")
     expect = [ref.train_step(s).loss for s in range(steps)]
     for curve in curves:

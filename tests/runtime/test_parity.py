@@ -7,7 +7,7 @@ import pytest
 import torch
 from dist_workers import make_plan, reference_trainer
 
-from plans import Dispatch, Precision, Recompute
+from plans import Dispatch, Optimizer, OptimizerSharding, Precision, Recompute
 
 A2A, AG = Dispatch.all_to_all, Dispatch.allgather_reduce_scatter
 
@@ -125,12 +125,31 @@ def test_fp8_reduce_scatter_and_all_reduce_match_fp32(pool2):
          "zero1_tp2_dp2_etp2"],
 )
 def test_loss_curve_follows_reference(pool4, layout, zero1):
-    plan = make_plan(global_batch=4, **layout)
+    sharding = OptimizerSharding.zero1 if zero1 else OptimizerSharding.none
+    plan = make_plan(global_batch=4, optimizer_sharding=sharding, **layout)
     steps = 6
-    curve = pool4.run("dist_workers", "loss_curve", plan.model_dump_json(), steps, zero1)
+    curve = pool4.run("dist_workers", "loss_curve", plan.model_dump_json(), steps)
     ref = reference_trainer(plan)
     expect = [ref.train_step(s).loss for s in range(steps)]
     for rank_curve in curve:
         for got, want in zip(rank_curve, expect, strict=True):
             assert abs(got - want) / want < 1e-4, (rank_curve, expect)
     assert expect[-1] < expect[0]
+
+
+@pytest.mark.parametrize("sharding", list(OptimizerSharding))
+def test_sgd_loss_curve_follows_reference(pool2, sharding):
+    """training.optimizer sgd runs SGD (not AdamW) on every layout: the curve equals the
+    one-rank SGD run and differs from the AdamW one."""
+    plan = make_plan(global_batch=4, dp=2, ep=2, optimizer=Optimizer.sgd,
+                     optimizer_sharding=sharding)
+    steps = 4
+    curves = pool2.run("dist_workers", "loss_curve", plan.model_dump_json(), steps)
+    ref = reference_trainer(plan)
+    expect = [ref.train_step(s).loss for s in range(steps)]
+    adam = reference_trainer(make_plan(global_batch=4, dp=2, ep=2))
+    adam_curve = [adam.train_step(s).loss for s in range(steps)]
+    for curve in curves:
+        for got, want in zip(curve, expect, strict=True):
+            assert abs(got - want) / want < 1e-5, (curve, expect)
+    assert abs(adam_curve[-1] - expect[-1]) / expect[-1] > 1e-4, (adam_curve, expect)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from dist_workers import make_plan
 
-from plans import CPAttention
+from plans import CPAttention, OptimizerSharding
 from runtime.data import write_byte_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,14 +80,15 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "layout, extra",
-    [(dict(sp=2, ep=2), []), (dict(pp=2, stage_layers=(2, 2)), []), (dict(dp=2), ["--zero1"])],
+    "layout",
+    [dict(sp=2, ep=2), dict(pp=2, stage_layers=(2, 2)),
+     dict(dp=2, optimizer_sharding=OptimizerSharding.zero1)],
     ids=["sp2_ep2", "pp2", "dp2_zero1"],
 )
-def test_resume_continues_the_same_run(pool2, tmp_path, layout, extra):
+def test_resume_continues_the_same_run(pool2, tmp_path, layout):
     plan = _write(make_plan(**layout), tmp_path / "p.json")
     full_log, part_log = tmp_path / "full.jsonl", tmp_path / "part.jsonl"
-    base = ["--plan", str(plan), "--lr", "1e-2", *extra]
+    base = ["--plan", str(plan), "--lr", "1e-2"]
     assert pool2.run("dist_workers", "train_main",
                      [*base, "--steps", "4", "--log", str(full_log)]) == [0, 0]
     ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2"]

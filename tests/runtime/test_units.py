@@ -98,20 +98,26 @@ def test_dispatcher_matches_local_permutation(pool2, kind):
     assert all(pool2.run("dist_workers", "dispatcher_vs_local", kind))
 
 
-@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 4, 6), (1, 3, 2)])
-def test_interleaved_timeline_runs_every_chunk_once_in_megatron_order(pp, vpp, m):
-    from runtime.parallel.pipeline import interleaved_order, interleaved_ticks
+@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 4, 6), (1, 3, 2),
+                                        (2, 1, 4), (4, 1, 3), (4, 1, 8), (1, 1, 3)])
+def test_timeline_runs_every_chunk_once_in_megatron_order(pp, vpp, m):
+    from runtime.parallel.pipeline import stage_actions, timeline
 
-    ticks = interleaved_ticks(pp, vpp, m)
+    ticks = timeline(pp, vpp, m)
     for stage in range(pp):
-        order = interleaved_order(pp, vpp, m, stage)
+        order = stage_actions(pp, vpp, m, stage)
         assert [t[0][stage] for t in ticks if stage in t[0]] == order
         chunks = range(stage, pp * vpp, pp)
         for forward in (True, False):
             done = sorted((a.chunk, a.micro) for a in order if a.forward == forward)
             assert done == sorted((c, i) for c in chunks for i in range(m))
-        # Megatron's warm-up forwards; the first backward follows one more (steady) forward
-        warmup = vpp * m if m == pp else min((pp - stage - 1) * 2 + (vpp - 1) * pp, vpp * m)
+        # Megatron's warm-up forwards (1F1B: pp - stage - 1); the first backward follows one
+        # more (steady) forward
+        if vpp == 1:
+            warmup = min(pp - stage - 1, m)
+            assert [a.micro for a in order if a.forward] == list(range(m))
+        else:
+            warmup = vpp * m if m == pp else min((pp - stage - 1) * 2 + (vpp - 1) * pp, vpp * m)
         first_backward = next(i for i, a in enumerate(order) if not a.forward)
         assert first_backward == (warmup if warmup == vpp * m else warmup + 1)
     # a message is consumed no earlier than the tick after it is sent
@@ -203,3 +209,27 @@ def test_trainer_losses_agree_between_cross_entropy_kinds():
     assert loss_a == pytest.approx(loss_b, rel=1e-5)
     for k in grads_a:
         torch.testing.assert_close(grads_a[k], grads_b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_1f1b_is_the_vpp1_action_list():
+    from runtime.parallel.pipeline import stage_actions
+
+    def text(order):
+        return " ".join(f"{'F' if a.forward else 'B'}{a.micro}" for a in order)
+
+    assert text(stage_actions(2, 1, 4, 0)) == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert text(stage_actions(2, 1, 4, 1)) == "F0 B0 F1 B1 F2 B2 F3 B3"
+    assert text(stage_actions(3, 1, 2, 0)) == "F0 F1 B0 B1"
+    assert {a.chunk for a in stage_actions(3, 1, 2, 1)} == {1}
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_pipeline_schedule_times_forward_backward_and_its_communication(pool2, vpp):
+    from dist_workers import make_plan
+
+    plan = make_plan(pp=2, vpp=vpp, stage_layers=(1,) * 4 if vpp == 2 else (2, 2),
+                     global_batch=4)
+    for rank, c in enumerate(pool2.run("dist_workers", "step_components", plan.model_dump_json())):
+        assert c["forward"] > 0 and c["backward"] > 0 and c["pipeline_comm"] > 0, (rank, c)
+        inside = c["forward"] + c["backward"] + c["pipeline_comm"]
+        assert inside <= c["forward_backward"] * 1.01, (rank, c)

@@ -1,0 +1,309 @@
+"""Run one measurement campaign of bench/campaigns.yaml: the runner of every device call.
+
+    python3 bench/campaign.py NAME [--dry-run] [--manifest bench/campaigns.yaml]
+    bash bench/run_campaign.sh NAME      # on a GPU machine: environment and wheels first
+
+Each step runs under a timeout (its own, capped by what is left of the campaign's budget; a
+step that cannot get 40 s is skipped), logs to <results>/<step>.log, and after every step the
+results folder is packed into $OUT/results.tgz. A result a step wrote is read back as its typed
+document (plans/results.py) and reported. --dry-run prints the commands and checks the
+manifest (every plan exists and fits the campaign's GPUs) without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from plans import SpecError  # noqa: E402
+from plans.catalog import load_plan  # noqa: E402
+from plans.errors import describe  # noqa: E402
+from plans.results import ParityResult, ProfileResult, TrainStepResult, read  # noqa: E402
+
+MANIFEST = ROOT / "bench" / "campaigns.yaml"
+MIN_STEP_S = 40
+"""A step that would get less than this is skipped rather than started."""
+
+
+class _Step(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    RESULT: ClassVar[type[BaseModel] | None] = None
+    """The typed document the step's result is read back as."""
+
+    timeout_s: PositiveInt = 150
+
+    def plan_path(self) -> Path | None:
+        return None
+
+    def ranks(self) -> int:
+        raise NotImplementedError
+
+    def gpus_needed(self) -> int:
+        return self.ranks()
+
+
+class _PlanStep(_Step):
+    def plan_path(self) -> Path:
+        return Path(getattr(self, self.kind_field))
+
+    @property
+    def stem(self) -> str:
+        return self.plan_path().stem
+
+    def ranks(self) -> int:
+        return load_plan(ROOT / self.plan_path()).degrees.world
+
+
+class TrainStep(_PlanStep):
+    kind_field: ClassVar[str] = "train_step"
+    RESULT: ClassVar[type[BaseModel]] = TrainStepResult
+
+    train_step: str
+    steps: PositiveInt = 5
+    warmup: int = Field(2, ge=0)
+
+    @property
+    def name(self) -> str:
+        return f"train_step_{self.stem}"
+
+    def command(self, results: Path) -> list[str]:
+        return [*_launcher(self.ranks()), "bench/train_step.py", "--plan", self.train_step,
+                "--steps", str(self.steps), "--warmup", str(self.warmup),
+                "--out", str(results / f"{self.name}.json")]
+
+
+class Parity(_PlanStep):
+    kind_field: ClassVar[str] = "parity"
+    RESULT: ClassVar[type[BaseModel]] = ParityResult
+
+    parity: str
+    share_gpu: bool = False
+    """Every rank on the one GPU over gloo (the layout's numerics, never its speed)."""
+    timeout_s: PositiveInt = 200
+
+    @property
+    def name(self) -> str:
+        return f"parity_{'shared_' if self.share_gpu else ''}{self.stem}"
+
+    def gpus_needed(self) -> int:
+        return 1 if self.share_gpu else self.ranks()
+
+    def command(self, results: Path) -> list[str]:
+        return [*_launcher(self.ranks(), force_torchrun=True), "bench/parity_gpu.py",
+                "--plan", self.parity, *(["--share-gpu"] if self.share_gpu else []),
+                "--out", str(results / f"{self.name}.json")]
+
+
+class Profile(_PlanStep):
+    kind_field: ClassVar[str] = "profile"
+    RESULT: ClassVar[type[BaseModel]] = ProfileResult
+
+    profile: str
+    timeout_s: PositiveInt = 120
+
+    @property
+    def name(self) -> str:
+        return f"profile_{self.stem}"
+
+    def command(self, results: Path) -> list[str]:
+        return [sys.executable, "-m", "runtime.profile", "--plan", self.profile,
+                "--out", str(results / f"{self.name}.json")]
+
+
+class Script(_Step):
+    script: str
+    name: str
+    args: list[str] = []
+    ranks_: PositiveInt = Field(1, alias="ranks")
+    result: str
+    """The file (under the campaign's results folder) the script writes."""
+    needs: list[str] = []
+    """Results files that must exist first; the step is skipped otherwise."""
+
+    def ranks(self) -> int:
+        return self.ranks_
+
+    def command(self, results: Path) -> list[str]:
+        args = [a.replace("{results}", str(results)) for a in self.args]
+        return [*_launcher(self.ranks_), self.script, *args]
+
+
+def _launcher(ranks: int, force_torchrun: bool = False) -> list[str]:
+    if ranks == 1 and not force_torchrun:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(ranks)]
+
+
+def _step_kind(data: object) -> str:
+    if isinstance(data, dict):
+        for kind in ("train_step", "parity", "profile", "script"):
+            if kind in data:
+                return kind
+    return "unknown"
+
+
+class Campaign(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    about: str
+    gpus: PositiveInt
+    """GPUs of the device call (the machine kind)."""
+    results: str
+    """Folder, relative to the repository root, of the logs and results."""
+    budget_s: PositiveInt = 540
+    """Wall-clock cap of the whole call (a device call may run 600 s)."""
+    steps: list[TrainStep | Parity | Profile | Script] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tag_steps(cls, data: object) -> object:
+        # pick each step's model by the key it has (a step names its kind as its first key)
+        if isinstance(data, dict) and isinstance(data.get("steps"), list):
+            kinds = {"train_step": TrainStep, "parity": Parity, "profile": Profile,
+                     "script": Script}
+            steps = []
+            for i, s in enumerate(data["steps"]):
+                kind = _step_kind(s)
+                if kind not in kinds:
+                    raise ValueError(f"steps.{i}: needs one of train_step, parity, profile, "
+                                     "script")
+                steps.append(kinds[kind].model_validate(s))
+            data = {**data, "steps": steps}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> Campaign:
+        names = [s.name for s in self.steps]
+        if len(set(names)) != len(names):
+            raise ValueError(f"steps: two steps write the same result ({names})")
+        return self
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    campaigns: dict[str, Campaign]
+
+
+def load_manifest(path: Path = MANIFEST) -> Manifest:
+    try:
+        return Manifest.model_validate(yaml.safe_load(path.read_text()))
+    except ValidationError as e:
+        raise SpecError(f"{path}: {describe(e)}") from None
+
+
+def check(campaign: Campaign) -> list[str]:
+    """Problems that would fail a step before it measures anything: a missing plan or script,
+    a step needing more GPUs than the campaign has."""
+    problems = []
+    for s in campaign.steps:
+        plan = s.plan_path()
+        if plan is not None and not (ROOT / plan).is_file():
+            problems.append(f"{s.name}: plan {plan} does not exist")
+            continue
+        if isinstance(s, Script) and not (ROOT / s.script).is_file():
+            problems.append(f"{s.name}: script {s.script} does not exist")
+            continue
+        if s.gpus_needed() > campaign.gpus:
+            problems.append(f"{s.name}: needs {s.gpus_needed()} GPUs, the campaign has "
+                            f"{campaign.gpus}")
+    return problems
+
+
+def _pack(results: Path, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    arcname = results.relative_to(ROOT) if results.is_relative_to(ROOT) else results.name
+    with tarfile.open(out / "results.tgz", "w:gz") as tar:
+        tar.add(results, arcname=str(arcname))
+
+
+def _report(step, result: Path) -> str:
+    if step.RESULT is None or not result.exists():
+        return "no result" if not result.exists() else "ok"
+    try:
+        doc = read(step.RESULT, result, step.name)
+    except SpecError as e:
+        return f"result does not parse: {e}"
+    if isinstance(doc, TrainStepResult):
+        return f"step {doc.step_time_s * 1e3:.1f} ms, MFU {doc.mfu:.1%}"
+    if isinstance(doc, ParityResult):
+        return "pass" if doc.passed else "FAIL"
+    return "ok"
+
+
+def run(name: str, campaign: Campaign, out: Path) -> int:
+    results = ROOT / campaign.results  # a relative folder is the repository's
+    results.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)}
+    start, failed = time.monotonic(), 0
+    print(f"campaign {name}: {campaign.about} ({campaign.gpus} GPU(s), budget "
+          f"{campaign.budget_s} s)", flush=True)
+    for step in campaign.steps:
+        left = campaign.budget_s - (time.monotonic() - start)
+        if left < MIN_STEP_S:
+            print(f"=== {step.name}: skipped ({left:.0f} s left)", flush=True)
+            continue
+        if isinstance(step, Script) and (missing := [n for n in step.needs
+                                                     if not (results / n).exists()]):
+            print(f"=== {step.name}: skipped (missing {', '.join(missing)})", flush=True)
+            continue
+        limit = min(step.timeout_s, left)
+        cmd = step.command(results)
+        print(f"=== {step.name} (timeout {limit:.0f} s): {shlex.join(cmd)}", flush=True)
+        log = results / f"{step.name}.log"
+        with log.open("w") as f:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        result = results / (step.result if isinstance(step, Script) else f"{step.name}.json")
+        failed += rc != 0
+        print(f"exit {rc}: {_report(step, result)}", flush=True)
+        _pack(results, out)
+    print(f"done in {time.monotonic() - start:.0f} s, {failed} step(s) failed", flush=True)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("name", help="a campaign of the manifest")
+    p.add_argument("--manifest", type=Path, default=MANIFEST)
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = p.parse_args(argv)
+    try:
+        manifest = load_manifest(args.manifest)
+        if args.name not in manifest.campaigns:
+            raise SpecError(f"campaign: {args.name!r} is not in {args.manifest} (have "
+                            f"{', '.join(manifest.campaigns)})")
+        campaign = manifest.campaigns[args.name]
+        if problems := check(campaign):
+            raise SpecError(f"campaign {args.name}: {problems[0]}")
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        results = Path(campaign.results)
+        for step in campaign.steps:
+            print(f"{step.name}: {shlex.join(step.command(results))}")
+        return 0
+    return run(args.name, campaign, Path(os.environ.get("OUT", "/tmp/out")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The one command of a device call: bash bench/run_campaign.sh NAME (a campaign of
+# bench/campaigns.yaml). Sets the environment of the GPU machines, installs the pydantic wheels
+# carried in .whl/ (pydantic is not installed there), and hands over to bench/campaign.py.
+set -uo pipefail
+# NVLink multicast (NVLS) stays off on the lent machines
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'GPU(s)')"
+exec python3 bench/campaign.py "$@"

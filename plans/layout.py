@@ -1,0 +1,108 @@
+"""A plan's rank layout, defined once: the cost model, the runtime and the benchmarks use it.
+
+Ranks are numbered row-major over one of three views of the same world (Megatron-LM /
+MegaScale-MoE order, innermost last; paper Sec. 3):
+
+    attention view  (pp, dp, attn)          attn = cp x sp x tp (one of them is the degree)
+    FFN view        (pp, edp, ep, etp)      "MoE parallel folding": the same ranks of a stage
+    stage view      (pp, stage)             stage = dp x attn, every rank of a pipeline stage
+
+so rank = (pp_i x dp + dp_i) x attn + attn_i = (pp_i x edp + edp_i) x ep x etp + ep_i x etp
++ etp_i. A group along an axis is the ranks that differ only in that coordinate; its stride is
+the product of the sizes inside it, and groups of inner axes within a node stay on NVLink. The
+two copies of tied embeddings (first and last stage) form the ``embed`` groups. Model chunk c
+of pp x vpp runs on stage c mod pp.
+"""
+
+from __future__ import annotations
+
+from plans.plan import Degrees, MeshAxis
+
+A = MeshAxis
+VIEWS: tuple[tuple[MeshAxis, ...], ...] = (
+    (A.pp, A.dp, A.attn),
+    (A.pp, A.edp, A.ep, A.etp),
+    (A.pp, A.stage),
+)
+"""The views of the world, outermost axis first; every axis but ``embed`` is in one."""
+
+
+def axis_sizes(d: Degrees) -> dict[MeshAxis, int]:
+    return {A.pp: d.pp, A.dp: d.dp, A.attn: d.attention_group, A.stage: d.dp * d.attention_group,
+            A.edp: d.edp, A.ep: d.ep, A.etp: d.etp, A.embed: min(d.pp, 2)}
+
+
+def view_of(axis: MeshAxis) -> tuple[MeshAxis, ...]:
+    """The view an axis belongs to (pp: the attention view; all views agree on it)."""
+    for view in VIEWS:
+        if axis in view:
+            return view
+    raise ValueError(f"{axis} is not an axis of a mesh view")
+
+
+def view_shape(d: Degrees, view: tuple[MeshAxis, ...]) -> tuple[int, ...]:
+    sizes = axis_sizes(d)
+    return tuple(sizes[a] for a in view)
+
+
+def stride(d: Degrees, axis: MeshAxis) -> int:
+    """Rank distance between neighbours of a group along ``axis``: the product of the sizes of
+    the axes inside it in its view (the ``embed`` pair: first to last stage)."""
+    if axis == A.embed:
+        return (d.pp - 1) * stride(d, A.pp)
+    view = view_of(axis)
+    sizes = axis_sizes(d)
+    out = 1
+    for inner in view[view.index(axis) + 1:]:
+        out *= sizes[inner]
+    return out
+
+
+def coordinate(rank: int, d: Degrees, axis: MeshAxis) -> int:
+    """This rank's index along ``axis`` (``embed``: 0 on the first stage, 1 on the last)."""
+    if axis == A.embed:
+        return 0 if coordinate(rank, d, A.pp) == 0 else 1
+    return rank // stride(d, axis) % axis_sizes(d)[axis]
+
+
+def coordinates(rank: int, d: Degrees) -> dict[MeshAxis, int]:
+    return {axis: coordinate(rank, d, axis) for axis in MeshAxis if axis != A.embed}
+
+
+def groups(d: Degrees, axis: MeshAxis) -> list[list[int]]:
+    """Every group along ``axis`` as rank lists, in a fixed order (every rank creates every
+    group in the same order, as torch.distributed.new_group requires)."""
+    if axis == A.embed:
+        last = stride(d, A.embed)
+        return [[i, last + i] if d.pp > 1 else [i] for i in range(stride(d, A.pp))]
+    size, step = axis_sizes(d)[axis], stride(d, axis)
+    return [[base + i * step for i in range(size)]
+            for base in range(d.world) if coordinate(base, d, axis) == 0]
+
+
+def group_of(rank: int, d: Degrees, axis: MeshAxis) -> list[int]:
+    """The ranks of ``rank``'s group along ``axis``."""
+    return next(g for g in groups(d, axis) if rank in g)
+
+
+def stage_peer(rank: int, d: Degrees, offset: int) -> int:
+    """The rank at the same position ``offset`` pipeline stages away."""
+    return rank + offset * stride(d, A.pp)
+
+
+def stage_of_chunk(chunk: int, pp: int) -> int:
+    """Model chunk c (of pp x vpp) runs on pipeline stage c mod pp (interleaved 1F1B;
+    Narayanan et al., SC'21)."""
+    return chunk % pp
+
+
+def chunks_of_stage(stage: int, d: Degrees) -> range:
+    """The model chunks of ``stage``, in pipeline order."""
+    return range(stage, d.stages, d.pp)
+
+
+def tokens_per_rank(sequences: int, seq_len: int, attention_group: int) -> float:
+    """Tokens of ``sequences`` sequences held by one rank outside attention: the sequence is
+    sharded over the attention group (``Degrees.attention_group``: Ulysses sp, cp, or tp with
+    sequence parallelism in the norm regions)."""
+    return sequences * seq_len / attention_group

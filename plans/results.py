@@ -1,0 +1,214 @@
+"""Benchmark results as typed documents: what bench/ writes and calibration, fidelity and the
+reports read (instead of parsing row names). Fields a reader does not use are kept
+(``extra="allow"``), so a result round-trips; every committed result under bench/results
+parses (tests/bench/test_results_schema.py), including ones written before a field existed.
+A bad file is a one-line SpecError naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import ClassVar, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from plans.errors import SpecError, describe
+from plans.plan import OptimizerSharding, Prediction
+
+
+class Result(BaseModel):
+    """Provenance every result carries (bench/_meta.py, runtime/provenance.py)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    SOURCE: ClassVar[str] = ""
+    """What writes documents of this kind."""
+
+    commit: str | None = None
+    date: str | None = None
+    torch: str | None = None
+    gpu: str | None = None
+
+
+# ---- training steps ---------------------------------------------------------------------------
+
+
+class TrainStepResult(Result):
+    """A measured training step of one plan."""
+
+    SOURCE: ClassVar[str] = "bench/train_step.py"
+
+    plan: str = ""
+    """The plan file that ran."""
+    plan_summary: str = ""
+    world: PositiveInt = 1
+    step_time_s: PositiveFloat
+    mfu: NonNegativeFloat
+    peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
+    components_s: dict[str, float] = {}
+    measured_steps: PositiveInt
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
+    """Written since the plan field exists; older results say ``zero1: true | false``."""
+    prediction: Prediction | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_zero1(cls, data: object) -> object:
+        if isinstance(data, dict) and "zero1" in data and "optimizer_sharding" not in data:
+            data = {**data, "optimizer_sharding": "zero1" if data["zero1"] else "none"}
+        return data
+
+
+class LogStep(BaseModel):
+    """One step of the runtime's JSON-lines log (``--log-file``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    SOURCE: ClassVar[str] = "the runtime's --log-file"
+
+    step_time_s: PositiveFloat
+    mfu: NonNegativeFloat
+    peak_memory_gib: PositiveFloat
+    components_s: dict[str, float] = {}
+
+
+class ParityResult(Result):
+    """A layout's bf16 loss and gradients against the one-GPU references."""
+
+    SOURCE: ClassVar[str] = "bench/parity_gpu.py"
+
+    plan: str
+    world: PositiveInt
+    loss_rel_err: NonNegativeFloat
+    grad_max_rel_err: NonNegativeFloat
+    passed: bool = Field(alias="pass")
+
+
+# ---- kernels and collectives --------------------------------------------------------------------
+
+
+class KernelRow(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str
+    kind: str = Field(alias="class")
+    s_per_step: NonNegativeFloat
+
+
+class ProfileResult(Result):
+    """Device seconds per kernel class of one step."""
+
+    SOURCE: ClassVar[str] = "moeplan profile"
+
+    step_wall_s: PositiveFloat
+    class_s: dict[str, NonNegativeFloat]
+    slowest: list[KernelRow]
+
+
+class SweepOp(StrEnum):
+    """What a row of the kernel and collective sweep timed."""
+
+    gemm = "gemm"
+    grouped_mm = "grouped_mm"
+    flash_attn = "flash_attn"
+    copy = "copy"
+    all_to_all = "all_to_all"
+    all_gather = "all_gather"
+    reduce_scatter = "reduce_scatter"
+
+    @property
+    def collective(self) -> bool:
+        return self in (SweepOp.all_to_all, SweepOp.all_gather, SweepOp.reduce_scatter)
+
+
+_LEGACY_MIB = re.compile(r"(\d+) MiB")
+
+
+class SweepRow(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str
+    """A label for people; readers use ``op`` and ``bytes``."""
+    op: SweepOp
+    bytes: PositiveInt | None = None
+    """Buffer size of a copy (bytes copied) or collective (the NCCL buffer convention of
+    cost_models.comm: all-to-all one rank's send buffer, all-gather / reduce-scatter the full
+    buffer); None for compute kernels."""
+    measured_s: PositiveFloat
+    achieved_tb_s: PositiveFloat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: object) -> object:
+        """Rows written before ``op`` and ``bytes`` existed (bench/results/calibration_h200.json
+        of 2026-11-29) named them only: "all_gather 16 MiB full", "copy 256 MiB"."""
+        if not isinstance(data, dict) or "op" in data or not isinstance(data.get("name"), str):
+            return data
+        op = data["name"].split(" ", 1)[0]
+        size = _LEGACY_MIB.search(data["name"])
+        extra = {"bytes": int(size.group(1)) * 2**20} if size and int(size.group(1)) else {}
+        return {**data, "op": op, **extra}
+
+    @model_validator(mode="after")
+    def _sized(self) -> SweepRow:
+        if (self.op.collective or self.op == SweepOp.copy) and self.bytes is None:
+            raise ValueError(f"bytes: a {self.op} row needs its buffer size")
+        return self
+
+
+class Sweep(Result):
+    """Kernels, copies and collectives, measured next to the cost model's predictions."""
+
+    SOURCE: ClassVar[str] = "bench/calibrate_gpu.py"
+
+    world: int = Field(ge=2)
+    rows: list[SweepRow]
+
+
+# ---- reading ------------------------------------------------------------------------------------
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def _text(path: Path, what: str) -> str:
+    if not path.exists():
+        raise SpecError(f"{what}: {path} does not exist")
+    if not path.is_file():
+        raise SpecError(f"{what}: {path} is not a file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{what}: cannot read {path} ({e})") from None
+
+
+def parse(kind: type[R], text: str, what: str, path: Path) -> R:
+    """One JSON document as ``kind``; one-line SpecError naming the field otherwise."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise SpecError(f"{what}: {path} is not a JSON document ({e})") from None
+    try:
+        return kind.model_validate(data)
+    except ValidationError as e:
+        source = getattr(kind, "SOURCE", "")
+        raise SpecError(f"{what}: {path}: {describe(e)} (is it {source}'s output?)") from None
+
+
+def read(kind: type[R], path: Path, what: str) -> R:
+    """A benchmark result file as ``kind``; one-line SpecError naming the field otherwise."""
+    return parse(kind, _text(path, what), what, path)
+
+
+def read_log(path: Path, what: str) -> list[LogStep]:
+    """The runtime's JSON-lines log, one LogStep per line."""
+    lines = [ln for ln in _text(path, what).splitlines() if ln.strip()]
+    return [parse(LogStep, ln, what, path) for ln in lines]

@@ -1,0 +1,133 @@
+"""The campaign manifest (bench/campaigns.yaml) and its runner (bench/campaign.py), and the
+typed result documents (plans/results.py) every committed result parses as."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from plans.results import (
+    ParityResult,
+    ProfileResult,
+    Sweep,
+    SweepOp,
+    TrainStepResult,
+    read,
+    read_log,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import campaign  # noqa: E402
+
+from plans import SpecError  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def test_every_campaign_of_the_manifest_is_runnable_as_written():
+    manifest = campaign.load_manifest()
+    assert {"h200_1gpu", "h200_x2", "h200_node_x8"} <= set(manifest.campaigns)
+    for name, c in manifest.campaigns.items():
+        assert campaign.check(c) == [], name
+        for step in c.steps:
+            assert step.command(Path(c.results))[0] == sys.executable
+
+
+def _manifest(tmp_path: Path, campaigns: dict) -> Path:
+    path = tmp_path / "campaigns.yaml"
+    path.write_text(yaml.safe_dump({"campaigns": campaigns}))
+    return path
+
+
+def test_a_bad_manifest_or_a_step_too_big_for_the_campaign_is_refused(tmp_path, capsys):
+    bad = _manifest(tmp_path, {"c": {"about": "x", "gpus": 1, "results": "r",
+                                     "steps": [{"bogus": 1}]}})
+    assert campaign.main(["c", "--manifest", str(bad), "--dry-run"]) == 2
+    assert "steps.0" in capsys.readouterr().err
+    big = _manifest(tmp_path, {"c": {"about": "x", "gpus": 1, "results": "r", "steps": [
+        {"parity": "bench/gpu_plans/mixtral2l_sp2_ep2_a2a.json"}]}})
+    assert campaign.main(["c", "--manifest", str(big), "--dry-run"]) == 2
+    assert "needs 2 GPUs, the campaign has 1" in capsys.readouterr().err
+    shared = _manifest(tmp_path, {"c": {"about": "x", "gpus": 1, "results": "r", "steps": [
+        {"parity": "bench/gpu_plans/mixtral2l_sp2_ep2_a2a.json", "share_gpu": True}]}})
+    assert campaign.main(["c", "--manifest", str(shared), "--dry-run"]) == 0
+    assert "--share-gpu" in capsys.readouterr().out
+    assert campaign.main(["nope", "--dry-run"]) == 2
+
+
+def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+    from dist_workers import make_plan
+
+    plan = tmp_path / "tiny.json"
+    plan.write_text(make_plan().model_dump_json())
+    results = tmp_path / "res"
+    manifest = _manifest(tmp_path, {"tiny": {"about": "a CPU smoke run", "gpus": 1,
+                                             "results": str(results), "steps": [
+        {"train_step": str(plan), "steps": 2, "warmup": 1},
+        {"script": "bench/speedup_report.py", "name": "speedup", "result": "s.json",
+         "args": ["--best", "{results}/a.json", "--baseline", "{results}/b.json",
+                  "--out", "{results}/s.json"], "needs": ["a.json", "b.json"]},
+    ]}})
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "bench/campaign.py", "tiny", "--manifest",
+                           str(manifest)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "speedup: skipped (missing a.json, b.json)" in done.stdout
+    assert "exit 0: step " in done.stdout
+    doc = read(TrainStepResult, results / "train_step_tiny.json", "result")
+    assert doc.measured_steps == 2 and doc.optimizer_sharding == "none"
+    with tarfile.open(out / "results.tgz") as tar:
+        assert "res/train_step_tiny.json" in tar.getnames()
+
+
+# ---- committed results parse as typed documents ------------------------------------------------
+
+
+def test_every_committed_result_parses_as_its_typed_document():
+    found = {TrainStepResult: 0, ParityResult: 0, ProfileResult: 0}
+    for path in sorted(RESULTS.rglob("*.json")):
+        kind = (TrainStepResult if path.name.startswith("train_step_") else
+                ParityResult if path.name.startswith("parity_") else
+                ProfileResult if path.name.startswith("profile_") else None)
+        if kind is not None:
+            read(kind, path, "result")
+            found[kind] += 1
+    assert all(n > 0 for n in found.values()), found
+    for path in RESULTS.rglob("train_*.jsonl"):
+        assert read_log(path, "log")
+
+
+def test_legacy_sweep_rows_get_op_and_bytes_and_new_rows_need_no_name_parsing(tmp_path):
+    sweep = read(Sweep, RESULTS / "calibration_h200.json", "sweep")
+    by_name = {r.name: r for r in sweep.rows}
+    assert by_name["all_gather 16 MiB full"].op == SweepOp.all_gather
+    assert by_name["all_gather 16 MiB full"].bytes == 16 * 2**20
+    assert by_name["copy 256 MiB"].bytes == 256 * 2**20
+    assert by_name["gemm 8192x8192x8192"].bytes is None
+    row = {"name": "whatever", "op": "all_to_all", "bytes": 4096, "measured_s": 1e-3}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"world": 2, "rows": [row]}))
+    assert read(Sweep, path, "sweep").rows[0].bytes == 4096
+    path.write_text(json.dumps({"world": 2, "rows": [{**row, "bytes": None}]}))
+    with pytest.raises(SpecError, match="bytes"):
+        read(Sweep, path, "sweep")
+
+
+def test_old_train_step_results_say_zero1_and_read_as_optimizer_sharding(tmp_path):
+    doc = json.loads((RESULTS / "h200" / "train_step_mixtral2l_dp2_ep2.json").read_text())
+    assert doc["zero1"] is True
+    assert read(TrainStepResult, RESULTS / "h200" / "train_step_mixtral2l_dp2_ep2.json",
+                "r").optimizer_sharding == "zero1"
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({**doc, "zero1": False}))
+    assert read(TrainStepResult, path, "r").optimizer_sharding == "none"

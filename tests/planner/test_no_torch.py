@@ -1,0 +1,52 @@
+"""plans, cost_models and planner never import torch (docs/architecture.md): checked in a
+process where importing torch raises, so a stray import fails here rather than slowing every
+`moeplan` command by seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+NO_TORCH = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class NoTorch(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ImportError(f"torch is not allowed here (imported: {name})")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+"""
+
+
+def run_without_torch(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", NO_TORCH + code], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_guard_itself_refuses_torch():
+    done = run_without_torch("import torch\n")
+    assert done.returncode != 0 and "torch is not allowed here" in done.stderr
+
+
+def test_plans_cost_models_and_planner_import_and_search_without_torch():
+    code = (
+        "import importlib, pkgutil\n"
+        "import plans, cost_models, planner\n"
+        "for pkg in (plans, cost_models, planner):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "from planner.cli import app\n"
+        "app(['search', 'tiny-moe', 'h200', '--gpus', '8', '--global-batch', '16',\n"
+        "     '--seq-len', '256', '--runnable', '--json'])\n"
+    )
+    done = run_without_torch(code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    best = json.loads(done.stdout)["best"]
+    assert best["degrees"] and best["prediction"]["step_time_s"] > 0

@@ -1,0 +1,74 @@
+"""The rank layout (plans.layout) against a brute-force enumeration of the documented order:
+rank = (pp_i x dp + dp_i) x attn + attn_i, and the FFN folds (dp, attn) into (edp, ep, etp)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from plans import Degrees, MeshAxis
+from plans.layout import (
+    chunks_of_stage,
+    coordinates,
+    group_of,
+    groups,
+    stage_of_chunk,
+    stage_peer,
+    stride,
+    tokens_per_rank,
+)
+
+A = MeshAxis
+LAYOUTS = [Degrees(pp=2, dp=2, sp=2, ep=4), Degrees(pp=3, dp=4, tp=2, etp=2, ep=2),
+           Degrees(pp=1, dp=3, cp=2, ep=3), Degrees(pp=4, vpp=2, dp=1, sp=4, ep=2)]
+
+
+@pytest.mark.parametrize("d", LAYOUTS, ids=str)
+def test_coordinates_follow_the_documented_rank_order(d):
+    a = d.attention_group
+    seen = set()
+    for pp, dp, attn in itertools.product(range(d.pp), range(d.dp), range(a)):
+        rank = (pp * d.dp + dp) * a + attn
+        local = dp * a + attn
+        c = coordinates(rank, d)
+        assert (c[A.pp], c[A.dp], c[A.attn], c[A.stage]) == (pp, dp, attn, local)
+        edp, rest = divmod(local, d.ep * d.etp)
+        assert (c[A.edp], c[A.ep], c[A.etp]) == (edp, *divmod(rest, d.etp))
+        seen.add(rank)
+    assert seen == set(range(d.world))
+
+
+@pytest.mark.parametrize("d", LAYOUTS, ids=str)
+def test_groups_partition_the_world_and_differ_in_one_coordinate_of_their_view(d):
+    views = {A.pp: (A.pp, A.dp, A.attn), A.dp: (A.pp, A.dp, A.attn),
+             A.attn: (A.pp, A.dp, A.attn), A.stage: (A.pp, A.stage),
+             A.edp: (A.pp, A.edp, A.ep, A.etp), A.ep: (A.pp, A.edp, A.ep, A.etp),
+             A.etp: (A.pp, A.edp, A.ep, A.etp)}
+    for axis, view in views.items():
+        found = groups(d, axis)
+        assert sorted(r for g in found for r in g) == list(range(d.world)), axis
+        for g in found:
+            assert all(b - a == stride(d, axis) for a, b in itertools.pairwise(g)), (axis, g)
+            cs = [coordinates(r, d) for r in g]
+            assert sorted(c[axis] for c in cs) == list(range(len(g))), (axis, g)
+            for other in view:
+                if other != axis:
+                    assert len({c[other] for c in cs}) == 1, (axis, other, g)
+    assert len(groups(d, A.ep)[0]) == d.ep and len(groups(d, A.edp)[0]) == d.edp
+
+
+def test_embed_pairs_first_and_last_stage_and_stage_peers():
+    d = Degrees(pp=3, dp=2, sp=2, ep=2)
+    assert groups(d, A.embed) == [[0, 8], [1, 9], [2, 10], [3, 11]]
+    assert group_of(9, d, A.embed) == [1, 9]
+    assert stage_peer(5, d, 1) == 9 and stage_peer(5, d, -1) == 1
+    assert groups(Degrees(dp=2), A.embed) == [[0], [1]]
+
+
+def test_chunk_c_runs_on_stage_c_mod_pp_and_tokens_per_rank():
+    d = Degrees(pp=2, vpp=3, dp=2, tp=2)
+    assert [stage_of_chunk(c, d.pp) for c in range(d.stages)] == [0, 1, 0, 1, 0, 1]
+    assert list(chunks_of_stage(1, d)) == [1, 3, 5]
+    assert tokens_per_rank(2, 4096, d.attention_group) == 2 * 4096 / 2
+    assert tokens_per_rank(1, 4096, Degrees(sp=8, ep=8).attention_group) == 512
