@@ -48,5 +48,5 @@ def test_plans_cost_models_and_planner_import_and_search_without_torch():
     )
     done = run_without_torch(code)
     assert done.returncode == 0, done.stderr[-2000:]
-    best = json.loads(done.stdout)["best"]
+    best = json.loads(done.stdout)["top"][0]["plan"]
     assert best["degrees"] and best["prediction"]["step_time_s"] > 0

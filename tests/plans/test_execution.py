@@ -73,6 +73,8 @@ def _schema_fields() -> list[tuple[str, list]]:
                         for sub, i in kind.model_fields.items()]
         else:
             out.append((name, _values(info.annotation)))
+        if name == "model":  # whether the model asks for dropout (plans.execution.plan_fields)
+            out.append(("model.dropout", [False, True]))
     return out
 
 
@@ -144,3 +146,12 @@ def test_the_runnable_search_space_is_what_the_table_executes():
     assert executes("training.precision", Precision.bf16)
     assert not executes("training.precision", Precision.fp8)
     assert executes("training.optimizer", Optimizer.adam)
+
+
+def test_a_model_with_dropout_is_refused_naming_the_field():
+    plan = make()
+    dropout = plan.model_copy(update={"model": plan.model.model_copy(update={"dropout": 0.1})})
+    for backend in Backend:
+        check(plan, backend)
+        with pytest.raises(UnsupportedFeature, match="^model.dropout: "):
+            check(dropout, backend)
