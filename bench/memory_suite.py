@@ -127,11 +127,7 @@ def run_case(name: str, plan: Plan, rank: int, world: int, device: torch.device,
                    peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
     out["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     out["run_s"] = time.perf_counter() - t0
-    if trainer is not None:
-        for pg in getattr(trainer.mesh, "groups", {}).values():
-            if pg is not None:
-                dist.destroy_process_group(pg)
-    del trainer
+    del trainer  # its process groups stay (DeviceMesh caches them; a layout reuses them)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
