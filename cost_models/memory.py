@@ -162,12 +162,15 @@ def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy) -> float:
     else:
         head = 2 * tokens * h + 10 * v * h + CHUNK_BYTES_PER_LOGIT * min(tokens * v, CHUNK_LOGITS)
     return head + HEAD_BYTES_PER_TOKEN_H * tokens * h
-ALLOCATOR_RESERVE = 0.16
+ALLOCATOR_RESERVE = 0.03
 """Reserved over allocated bytes of the caching allocator (expandable segments,
-runtime.memory.configure_allocator), as a fraction of the step's transient bytes (above the
-resident states): 9% to 12% in the memory suite, 23% under full recomputation at a large
-vocabulary (qwen4l_1gpu_mbs8_full); 0.16 keeps every plan of the suite within -3% .. +10%
-(docs/memory.md)."""
+runtime.memory.configure_allocator), per byte of the step's transients (above the resident
+states), beside LOSS_RESERVE."""
+LOSS_RESERVE = 0.22
+"""Reserved over allocated bytes per byte of the loss's transients: its blocks are the step's
+largest and shortest-lived, and the pools they leave behind fragment. Measured on H200
+(docs/memory.md): 0.17 to 0.22 of the materialized loss's bytes; the two constants keep every
+plan of the suite within -3% .. +10%."""
 
 
 def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -> float:
@@ -243,7 +246,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         loss = logits if i == d.pp - 1 else 0.0
         step = OPTIMIZER_STEP_WORKSPACE_BYTES * shard
         transient = max(activations + buffers + max(working, loss), step)
-        reserve = ALLOCATOR_RESERVE * transient
+        reserve = ALLOCATOR_RESERVE * transient + LOSS_RESERVE * loss
         return (sum(states) + transient + reserve,
                 (*states, activations, working, buffers, loss, step, reserve))
 

@@ -66,12 +66,22 @@ def test_every_plan_of_the_memory_suite_meets_the_target():
     assert all(memory_report.meets(r) for r in rows), worst
 
 
-def test_the_loss_peak_grows_with_the_vocabulary():
-    # the loss keeps 12 bytes per logit at its backward peak: a 150k vocabulary at 32k tokens
-    # is 55 GiB on its own (qwen4l_1gpu_mbs8_*); the old model counted 4
+def test_the_loss_peak_per_cross_entropy_kind():
+    # materialized, the loss keeps 12 bytes per logit at its backward peak: a 150k vocabulary
+    # at 32k tokens is 55 GiB on its own (the old model counted 4); chunked, it keeps the
+    # gradients of the hidden states and of the head's weight, plus one chunk's logits
+    from plans import CrossEntropy
+    from plans.enums import CHUNK_LOGITS
+
     plan, _ = _measured("qwen4l_1gpu_mbs8_full")
-    logits = memory_breakdown(plan).components_bytes["logits"]
-    assert logits >= 12 * 32768 * 151936
+    assert plan.cross_entropy == CrossEntropy.chunked
+    tokens, v, h = 32768, 151936, 2048
+    chunked = memory_breakdown(plan).components_bytes["logits"]
+    assert chunked == pytest.approx(2 * tokens * h + 10 * v * h + 10 * CHUNK_LOGITS
+                                    + 12 * tokens * h)
+    materialized = plan.model_copy(update={"cross_entropy": CrossEntropy.materialized})
+    assert memory_breakdown(materialized).components_bytes["logits"] == pytest.approx(
+        12 * tokens * v + 12 * tokens * h)
 
 
 def test_in_flight_micro_batches():
