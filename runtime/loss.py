@@ -8,7 +8,8 @@ and the logits' fp32 gradient): 55 GiB for 32k tokens of a 152k vocabulary.
 gradients computed in the forward (the loss is the end of the graph: its backward only scales
 them), so one chunk's logits exist at a time and nothing of them is kept for backward. Kept
 instead: the gradient of the hidden states (tokens x hidden, the parameter dtype) and of the
-head's weight (vocab x hidden, fp32, accumulated over chunks). Same FLOPs as the materialized
+head's weight (vocab x hidden: as the GEMM writes it for one chunk, summed in fp32 over
+several). Same FLOPs as the materialized
 loss (Liger-Kernel's fused linear cross-entropy computes it the same way).
 """
 
@@ -31,7 +32,7 @@ class _ChunkedLinearCrossEntropy(Function):
                 chunk: int) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+        grad_w = None
         for start in range(0, h.shape[0], chunk):
             hc, yc = h[start:start + chunk], labels[start:start + chunk]
             logits = (hc @ weight.t()).float()
@@ -42,7 +43,14 @@ class _ChunkedLinearCrossEntropy(Function):
             grad[torch.arange(yc.shape[0], device=h.device), yc] -= 1.0
             grad = grad.to(h.dtype)
             grad_h[start:start + chunk] = grad @ weight
-            grad_w += (grad.t() @ hc).float()
+            # one chunk: the weight gradient as the GEMM writes it; several: summed in fp32
+            chunk_w = grad.t() @ hc
+            if grad_w is None:
+                grad_w = chunk_w
+            else:
+                if grad_w.dtype != torch.float32:
+                    grad_w = grad_w.float()
+                grad_w += chunk_w
         ctx.save_for_backward(grad_h, grad_w)
         ctx.scale, ctx.weight_dtype = scale, weight.dtype
         return total * scale
@@ -51,7 +59,8 @@ class _ChunkedLinearCrossEntropy(Function):
     def backward(ctx, grad_out: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         g = grad_out * ctx.scale
-        return grad_h * g.to(grad_h.dtype), (grad_w * g).to(ctx.weight_dtype), None, None, None
+        return (grad_h * g.to(grad_h.dtype), (grad_w * g.to(grad_w.dtype)).to(ctx.weight_dtype),
+                None, None, None)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

@@ -233,3 +233,21 @@ def test_pipeline_schedule_times_forward_backward_and_its_communication(pool2, v
         assert c["forward"] > 0 and c["backward"] > 0 and c["pipeline_comm"] > 0, (rank, c)
         inside = c["forward"] + c["backward"] + c["pipeline_comm"]
         assert inside <= c["forward_backward"] * 1.01, (rank, c)
+
+
+@pytest.mark.parametrize("chunk_logits", [7 * 50, 10**9])
+def test_chunked_cross_entropy_in_bf16_stays_near_the_fp32_loss(monkeypatch, chunk_logits):
+    # the CUDA dtypes on CPU: bf16 hidden states and weights, one chunk or several
+    from runtime import loss
+
+    monkeypatch.setattr(loss, "CHUNK_LOGITS", chunk_logits)
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(23, 16, generator=g), torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (23,), generator=g)
+    reference = _linear_ce_grads(
+        lambda a, b, y: loss.materialized_cross_entropy(a @ b.t(), y, 1.0), h, w, labels)
+    got = _linear_ce_grads(lambda a, b, y: loss.chunked_cross_entropy(a, b, y, 1.0),
+                           h.bfloat16(), w.bfloat16(), labels)
+    assert got[1].dtype == got[2].dtype == torch.bfloat16
+    for a, b in zip(got, reference, strict=True):
+        torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.1)
