@@ -54,7 +54,7 @@ def case(shape: str, degrees: Degrees = ONE_GPU, mbs: int = 1,
             training=TRAINING, degrees=degrees, attention=UlyssesAttention(),
             ffn=EPFFN(dispatch=dispatch), stage_layers=(layers // chunks,) * chunks,
             micro_batch_size=mbs, overlap=Overlap.none, recompute=recompute,
-            grad_sync_precision=Precision.bf16,
+            grad_sync_precision=Precision.bf16, cross_entropy=CrossEntropy.chunked,
         )
         return Plan(**{**base, **kw})
     return build

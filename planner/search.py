@@ -33,6 +33,7 @@ from planner.space import (
 from planner.staging import SplitCosts, split_layers
 from plans import (
     ClusterSpec,
+    CrossEntropy,
     ModelSpec,
     Overlap,
     Plan,
@@ -274,6 +275,7 @@ def _fits_leanest(plan: Plan, options) -> bool:
     for dispatch in dispatches:
         for recompute in recomputes:
             lean = _with_option(plan, (dispatch, options[0][1], recompute, syncs[0]))
+            lean = lean.model_copy(update={"cross_entropy": CrossEntropy.chunked})
             if cost_models.memory_breakdown(lean).fits:
                 return True
     return False
@@ -315,7 +317,10 @@ def _evaluate_option(plan: Plan, option) -> Ranked | None:
     )
     candidate = candidate.model_copy(update={"stage_layers": split})
     if not cost_models.memory_breakdown(candidate).fits:
-        return None
+        # the chunked loss never holds the logits whole: slower, leaner (plans.CrossEntropy)
+        candidate = candidate.model_copy(update={"cross_entropy": CrossEntropy.chunked})
+        if not cost_models.memory_breakdown(candidate).fits:
+            return None
     ranked = evaluate_plan(candidate)
     return ranked if ranked.evaluation.feasible else None
 

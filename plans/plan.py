@@ -191,8 +191,11 @@ class Plan(Frozen):
     schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     overlap: Overlap = Overlap.inter_intra_op
     recompute: Recompute = Recompute.selective
-    cross_entropy: CrossEntropy = CrossEntropy.chunked
-    """How the last stage computes the LM head and loss (memory: cost_models.memory)."""
+    cross_entropy: CrossEntropy = CrossEntropy.materialized
+    """How the last stage computes the LM head and loss (memory: cost_models.memory). The
+    search picks chunked only where materialized does not fit: on H200 the chunked loss
+    measured 17 ms slower per 2-GPU pp2 Mixtral step (bench/results/h200/
+    ab_loss_allocator_x2.json)."""
     grad_sync_precision: Precision = Precision.bf16
     """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
     grad_sync_overlap: bool = True
