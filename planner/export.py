@@ -63,6 +63,11 @@ def megatron_refusal(plan: Plan) -> str | None:
         return (f"Ulysses degree {d.sp} is above model.kv_heads ({m.kv_heads}): Megatron "
                 "expresses Ulysses as a2a context parallelism, whose attention "
                 "(TransformerEngine) needs the KV heads to divide by the CP size")
+    cp = d.sp if plan.attention.kind == "ulysses_sp" else d.cp
+    if cp > 1 and plan.training.seq_len % (2 * cp):
+        return (f"training.seq_len ({plan.training.seq_len}) is not a multiple of 2 x CP "
+                f"(2 x {cp}): Megatron splits each sequence into 2 x CP chunks to balance the "
+                "causal mask (megatron.core.utils.get_batch_on_this_cp_rank)")
     if plan.attention.kind == "cp" and not plan.attention.zigzag:
         return ("cp attention without zigzag: Megatron's context parallelism always balances "
                 "the causal mask (zigzag chunks)")

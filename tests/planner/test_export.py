@@ -289,6 +289,7 @@ def test_megatron_model_environment_recompute_and_steps():
      "pre-softmax"),
     ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={"kv_heads": 4})},
      "above model.kv_heads"),
+    ({"training": TrainingSpec(global_batch=256, seq_len=4104)}, "2 x CP"),
 ])
 def test_megatron_refuses_what_it_cannot_express(update, reason):
     p = PLANS["uneven"].model_copy(update=update)
