@@ -15,6 +15,7 @@ from plans import (
     Recompute,
     SpecError,
 )
+from plans.enums import CrossEntropy
 
 RDZV_PORT = 29500
 
@@ -32,18 +33,36 @@ def megatron_layout(plan: Plan) -> str:
     return "|".join(chunks)
 
 
-def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
-    """Megatron-LM recomputation flags for the operators the plan recomputes, and notes.
+def megatron_recompute(plan: Plan) -> list[str]:
+    """Megatron-LM recomputation flags for the operators the plan recomputes.
 
     selective (plans.Recompute: what the runtime reruns and the cost model prices): the
-    attention core, RoPE and the attention kernel, which is Megatron's ``core_attn`` module.
-    full: every layer from its input."""
-    if plan.recompute == Recompute.none:
-        return [], []
+    attention core, RoPE and the attention kernel, which is Megatron's ``core_attn`` module;
+    full: every layer from its input (uniform, one layer per recomputation unit)."""
+    if plan.recompute == Recompute.selective:
+        return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     if plan.recompute == Recompute.full:
         return ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                "--recompute-num-layers", "1"], []
-    return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"], []
+                "--recompute-num-layers", "1"]
+    return []
+
+
+def megatron_cross_entropy(plan: Plan) -> tuple[str | None, list[str]]:
+    """Megatron-LM computes the whole micro-batch's logits (it has no chunked cross-entropy):
+    a plan that fits only thanks to the chunks is refused (the reason), else exported with a
+    note (a plan that does not fit either way is the export's warning)."""
+    if plan.cross_entropy == CrossEntropy.materialized:
+        return None, []
+    from cost_models import evaluate
+
+    as_run = evaluate(plan.model_copy(update={"cross_entropy": CrossEntropy.materialized,
+                                              "prediction": None}))
+    if not as_run.feasible and evaluate(plan).feasible:
+        return (f"cross_entropy chunked: Megatron materialises the whole micro-batch's logits, "
+                f"and then the plan does not fit ({as_run.reason})"), []
+    return None, [f"cross_entropy chunked: Megatron materialises the whole micro-batch's "
+                  f"logits; the plan still fits (peak {as_run.memory.peak_bytes / 2**30:.1f} "
+                  f"of {as_run.memory.capacity_bytes / 2**30:.1f} GiB usable)"]
 
 
 def megatron_env(plan: Plan) -> dict[str, str]:
@@ -78,7 +97,7 @@ def megatron_refusal(plan: Plan) -> str | None:
                 "--moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
     if m.rope_theta != int(m.rope_theta):
         return f"model.rope_theta {m.rope_theta:g}: Megatron's --rotary-base is a whole number"
-    return None
+    return megatron_cross_entropy(plan)[0]
 
 
 def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
@@ -157,9 +176,8 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     # ---- batch, schedule, recomputation, precision ------------------------------------------
     args += ["--micro-batch-size", str(plan.micro_batch_size),
              "--global-batch-size", str(t.global_batch)]
-    recompute, recompute_notes = megatron_recompute(plan)
-    args += recompute
-    notes += recompute_notes
+    args += megatron_recompute(plan)
+    notes += megatron_cross_entropy(plan)[1]
     args.append("--bf16")
     if t.optimizer == Optimizer.sgd:
         args += ["--optimizer", "sgd"]
