@@ -198,10 +198,13 @@ def catalog_cmd(json_out: JsonOpt = False) -> None:
     models = {n: plans.catalog.load_model(n) for n in plans.catalog.names("models")}
     clusters = {n: plans.catalog.load_cluster(n) for n in plans.catalog.names("clusters")}
     if json_out:
-        typer.echo(json.dumps({
-            "models": {n: m.model_dump(mode="json") for n, m in models.items()},
-            "clusters": {n: c.model_dump(mode="json") for n, c in clusters.items()},
-        }, indent=2))
+        from planner.report import envelope
+
+        typer.echo(json.dumps(envelope(
+            "catalog", None,
+            models={n: m.model_dump(mode="json") for n, m in models.items()},
+            clusters={n: c.model_dump(mode="json") for n, c in clusters.items()},
+        ), indent=2))
         return
     from planner.report import print_catalog
 

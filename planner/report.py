@@ -128,7 +128,7 @@ def job_document(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
             "precision": training.precision.value}
 
 
-def envelope(command: str, job: dict, **payload) -> dict:
+def envelope(command: str, job: dict | None, **payload) -> dict:
     """Every --json document: {schema_version, moeplan_version, command, job, ...payload}."""
     from planner.version import moeplan_version
 
