@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import textwrap
 from dataclasses import dataclass
 
 from plans import (
@@ -219,7 +220,9 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
     args, notes = megatron_args(plan, steps)
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
     lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}"]
-    lines += [f"# note: {n}" for n in notes]
+    for n in notes:  # comments wrapped between words, read at 100 columns
+        lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
+                               break_long_words=False, break_on_hyphens=False)
     lines += [
         f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
         "run this script once on every node",

@@ -181,8 +181,9 @@ def headroom_warnings(rows: Sequence[tuple[str, Evaluation]]) -> list[str]:
              if 0 <= headroom(e) < HEADROOM_WARNING]
     if not tight:
         return []
-    return [f"warning: {', '.join(tight)} leave less than {HEADROOM_WARNING:.0%} of usable "
-            "memory free: allocator fragmentation can run them out of memory"]
+    verb, them = ("leaves", "it") if len(tight) == 1 else ("leave", "them")
+    return [f"warning: {', '.join(tight)} {verb} less than {HEADROOM_WARNING:.0%} of usable "
+            f"memory free: allocator fragmentation can run {them} out of memory"]
 
 
 # ---- search ---------------------------------------------------------------------------------
