@@ -198,10 +198,13 @@ def catalog_cmd(json_out: JsonOpt = False) -> None:
     models = {n: plans.catalog.load_model(n) for n in plans.catalog.names("models")}
     clusters = {n: plans.catalog.load_cluster(n) for n in plans.catalog.names("clusters")}
     if json_out:
-        typer.echo(json.dumps({
-            "models": {n: m.model_dump(mode="json") for n, m in models.items()},
-            "clusters": {n: c.model_dump(mode="json") for n, c in clusters.items()},
-        }, indent=2))
+        from planner.report import envelope
+
+        typer.echo(json.dumps(envelope(
+            "catalog", None,
+            models={n: m.model_dump(mode="json") for n, m in models.items()},
+            clusters={n: c.model_dump(mode="json") for n, c in clusters.items()},
+        ), indent=2))
         return
     from planner.report import print_catalog
 
@@ -653,15 +656,16 @@ def export_cmd(
     from planner.export import megatron_script, slurm_script, torchrun_script
 
     loaded = plans.catalog.load_plan(plan)
+    if to == ExportTarget.megatron:
+        script = megatron_script(loaded, steps)  # refuses what Megatron cannot express
+    elif to == ExportTarget.torchrun:
+        script = torchrun_script(loaded, str(plan), steps)
+    else:
+        script = slurm_script(loaded, str(plan), steps)
     evaluation = cost_models.evaluate(loaded)
     if not evaluation.feasible:
         typer.echo(f"warning: {plan}: the plan does not fit: {evaluation.reason}", err=True)
-    if to == ExportTarget.megatron:
-        typer.echo(megatron_script(loaded, steps), nl=False)
-    elif to == ExportTarget.torchrun:
-        typer.echo(torchrun_script(loaded, str(plan), steps), nl=False)
-    else:
-        typer.echo(slurm_script(loaded, str(plan), steps), nl=False)
+    typer.echo(script, nl=False)
 
 
 @app.command("train")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import textwrap
 from dataclasses import dataclass
 
 from plans import (
@@ -15,6 +16,7 @@ from plans import (
     Recompute,
     SpecError,
 )
+from plans.enums import CrossEntropy
 
 RDZV_PORT = 29500
 
@@ -32,18 +34,36 @@ def megatron_layout(plan: Plan) -> str:
     return "|".join(chunks)
 
 
-def megatron_recompute(plan: Plan) -> tuple[list[str], list[str]]:
-    """Megatron-LM recomputation flags for the operators the plan recomputes, and notes.
+def megatron_recompute(plan: Plan) -> list[str]:
+    """Megatron-LM recomputation flags for the operators the plan recomputes.
 
     selective (plans.Recompute: what the runtime reruns and the cost model prices): the
-    attention core, RoPE and the attention kernel, which is Megatron's ``core_attn`` module.
-    full: every layer from its input."""
-    if plan.recompute == Recompute.none:
-        return [], []
+    attention core, RoPE and the attention kernel, which is Megatron's ``core_attn`` module;
+    full: every layer from its input (uniform, one layer per recomputation unit)."""
+    if plan.recompute == Recompute.selective:
+        return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     if plan.recompute == Recompute.full:
         return ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                "--recompute-num-layers", "1"], []
-    return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"], []
+                "--recompute-num-layers", "1"]
+    return []
+
+
+def megatron_cross_entropy(plan: Plan) -> tuple[str | None, list[str]]:
+    """Megatron-LM computes the whole micro-batch's logits (it has no chunked cross-entropy):
+    a plan that fits only thanks to the chunks is refused (the reason), else exported with a
+    note (a plan that does not fit either way is the export's warning)."""
+    if plan.cross_entropy == CrossEntropy.materialized:
+        return None, []
+    from cost_models import evaluate
+
+    as_run = evaluate(plan.model_copy(update={"cross_entropy": CrossEntropy.materialized,
+                                              "prediction": None}))
+    if not as_run.feasible and evaluate(plan).feasible:
+        return (f"cross_entropy chunked: Megatron materialises the whole micro-batch's logits, "
+                f"and then the plan does not fit ({as_run.reason})"), []
+    return None, [f"cross_entropy chunked: Megatron materialises the whole micro-batch's "
+                  f"logits; the plan still fits (peak {as_run.memory.peak_bytes / 2**30:.1f} "
+                  f"of {as_run.memory.capacity_bytes / 2**30:.1f} GiB usable)"]
 
 
 def megatron_env(plan: Plan) -> dict[str, str]:
@@ -63,6 +83,11 @@ def megatron_refusal(plan: Plan) -> str | None:
         return (f"Ulysses degree {d.sp} is above model.kv_heads ({m.kv_heads}): Megatron "
                 "expresses Ulysses as a2a context parallelism, whose attention "
                 "(TransformerEngine) needs the KV heads to divide by the CP size")
+    cp = d.sp if plan.attention.kind == "ulysses_sp" else d.cp
+    if cp > 1 and plan.training.seq_len % (2 * cp):
+        return (f"training.seq_len ({plan.training.seq_len}) is not a multiple of 2 x CP "
+                f"(2 x {cp}): Megatron splits each sequence into 2 x CP chunks to balance the "
+                "causal mask (megatron.core.utils.get_batch_on_this_cp_rank)")
     if plan.attention.kind == "cp" and not plan.attention.zigzag:
         return ("cp attention without zigzag: Megatron's context parallelism always balances "
                 "the causal mask (zigzag chunks)")
@@ -73,7 +98,7 @@ def megatron_refusal(plan: Plan) -> str | None:
                 "--moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
     if m.rope_theta != int(m.rope_theta):
         return f"model.rope_theta {m.rope_theta:g}: Megatron's --rotary-base is a whole number"
-    return None
+    return megatron_cross_entropy(plan)[0]
 
 
 def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
@@ -152,9 +177,8 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     # ---- batch, schedule, recomputation, precision ------------------------------------------
     args += ["--micro-batch-size", str(plan.micro_batch_size),
              "--global-batch-size", str(t.global_batch)]
-    recompute, recompute_notes = megatron_recompute(plan)
-    args += recompute
-    notes += recompute_notes
+    args += megatron_recompute(plan)
+    notes += megatron_cross_entropy(plan)[1]
     args.append("--bf16")
     if t.optimizer == Optimizer.sgd:
         args += ["--optimizer", "sgd"]
@@ -196,7 +220,9 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
     args, notes = megatron_args(plan, steps)
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
     lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}"]
-    lines += [f"# note: {n}" for n in notes]
+    for n in notes:  # comments wrapped between words, read at 100 columns
+        lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
+                               break_long_words=False, break_on_hyphens=False)
     lines += [
         f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
         "run this script once on every node",

@@ -128,7 +128,7 @@ def job_document(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
             "precision": training.precision.value}
 
 
-def envelope(command: str, job: dict, **payload) -> dict:
+def envelope(command: str, job: dict | None, **payload) -> dict:
     """Every --json document: {schema_version, moeplan_version, command, job, ...payload}."""
     from planner.version import moeplan_version
 
@@ -181,8 +181,9 @@ def headroom_warnings(rows: Sequence[tuple[str, Evaluation]]) -> list[str]:
              if 0 <= headroom(e) < HEADROOM_WARNING]
     if not tight:
         return []
-    return [f"warning: {', '.join(tight)} leave less than {HEADROOM_WARNING:.0%} of usable "
-            "memory free: allocator fragmentation can run them out of memory"]
+    verb, them = ("leaves", "it") if len(tight) == 1 else ("leave", "them")
+    return [f"warning: {', '.join(tight)} {verb} less than {HEADROOM_WARNING:.0%} of usable "
+            f"memory free: allocator fragmentation can run {them} out of memory"]
 
 
 # ---- search ---------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ def test_catalog_lists_everything():
         assert name in result.output
     doc = json.loads(run("catalog", "--json").output)
     assert doc["models"]["tiny-moe"]["experts"] == 4
+    assert (doc["command"], doc["job"], doc["schema_version"]) == ("catalog", None, 1)
 
 
 def test_schema_is_json_schema():

@@ -289,6 +289,7 @@ def test_megatron_model_environment_recompute_and_steps():
      "pre-softmax"),
     ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={"kv_heads": 4})},
      "above model.kv_heads"),
+    ({"training": TrainingSpec(global_batch=256, seq_len=4104)}, "2 x CP"),
 ])
 def test_megatron_refuses_what_it_cannot_express(update, reason):
     p = PLANS["uneven"].model_copy(update=update)
@@ -308,3 +309,23 @@ def test_megatron_optimizer_and_its_sharding_follow_the_plan():
     parsed = parse_megatron(megatron_args(full)[0])
     assert "--use-distributed-optimizer" not in parsed and parsed["--optimizer"] == "sgd"
     assert "--overlap-param-gather" not in parsed
+
+
+def test_megatron_prices_the_materialised_logits_of_a_chunked_plan():
+    from cost_models import evaluate
+    from plans.enums import CrossEntropy
+
+    p = plan(model=catalog.load_model("qwen3-30b-a3b"), cluster=catalog.load_cluster(
+        "h100", gpus=8), degrees=Degrees(pp=1, dp=8, ep=8), stage_layers=(48,),
+        training=TrainingSpec(global_batch=16, seq_len=8192), micro_batch_size=2)
+    assert p.cross_entropy == CrossEntropy.chunked
+    assert any("materialises" in n for n in megatron_args(p)[1])
+    as_run = evaluate(p.model_copy(update={"cross_entropy": CrossEntropy.materialized}))
+    # a GPU with just the room the chunked plan needs: Megatron's logits no longer fit
+    tight = p.cluster.gpu.model_copy(update={"hbm_gib": (
+        evaluate(p).memory.peak_bytes + as_run.memory.peak_bytes) / 2 / 2**30
+        / p.cluster.efficiency.memory_usable})
+    small = p.model_copy(update={"cluster": p.cluster.model_copy(update={"gpu": tight})})
+    assert evaluate(small).feasible
+    with pytest.raises(SpecError, match="materialises the whole micro-batch's logits"):
+        megatron_args(small)

@@ -137,6 +137,8 @@ def check_is_the_plan(plan: Plan, parsed, config) -> None:
     assert parsed.train_iters == 10
     recompute = {"none": None, "selective": "selective", "full": "full"}[plan.recompute.value]
     assert config.recompute_granularity == recompute
+    if recompute == "selective":  # the plan's selective set: the attention core
+        assert config.recompute_modules == ["core_attn"]
 
 
 def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys):
