@@ -286,8 +286,8 @@ class Plan(Frozen):
 
     def options_notation(self) -> str:
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
-        sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:materialized` where the gradient
-        sync is not overlapped, gradient accumulation not fused or the logits materialised."""
+        sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
+        sync is not overlapped, gradient accumulation not fused or the loss chunked."""
         overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
         recompute = {"none": "none", "selective": "sel", "full": "full"}
         sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
@@ -297,7 +297,7 @@ class Plan(Frozen):
             out += " sync-after-bwd"
         if not self.grad_accumulation_fusion:
             out += " no-gaf"
-        if self.cross_entropy != CrossEntropy.chunked:
+        if self.cross_entropy != CrossEntropy.materialized:
             out += f" ce:{self.cross_entropy.value}"
         return out
 

@@ -317,8 +317,8 @@ def test_megatron_prices_the_materialised_logits_of_a_chunked_plan():
 
     p = plan(model=catalog.load_model("qwen3-30b-a3b"), cluster=catalog.load_cluster(
         "h100", gpus=8), degrees=Degrees(pp=1, dp=8, ep=8), stage_layers=(48,),
-        training=TrainingSpec(global_batch=16, seq_len=8192), micro_batch_size=2)
-    assert p.cross_entropy == CrossEntropy.chunked
+        training=TrainingSpec(global_batch=16, seq_len=8192), micro_batch_size=2,
+        cross_entropy=CrossEntropy.chunked)
     assert any("materialises" in n for n in megatron_args(p)[1])
     as_run = evaluate(p.model_copy(update={"cross_entropy": CrossEntropy.materialized}))
     # a GPU with just the room the chunked plan needs: Megatron's logits no longer fit
