@@ -18,12 +18,15 @@ JOB_OPTS = TINY_JOB[2:]  # --gpus 8 --global-batch 16 --seq-len 256
 @pytest.fixture
 def no_launch(monkeypatch):
     """`train` must fail before starting torchrun."""
+    from planner import launch
+
     calls = []
 
     def refuse(cmd, *a, **k):
         calls.append(cmd)
         raise AssertionError(f"train launched {cmd}")
 
+    monkeypatch.setattr(launch, "supervise", refuse)
     monkeypatch.setattr(subprocess, "call", refuse)
     return calls
 
