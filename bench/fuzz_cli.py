@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _meta import write  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from planner import launch  # noqa: E402
 from planner.cli import app  # noqa: E402
 from plans import SpecError, catalog  # noqa: E402
 
@@ -473,6 +474,7 @@ def main() -> None:
         raise Launched()
 
     subprocess.call = fake_call  # train must never get this far on the inputs fuzzed here
+    launch.supervise = fake_call
     signal.signal(signal.SIGALRM, _alarm)
 
     counts: Counter[str] = Counter()

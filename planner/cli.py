@@ -170,16 +170,18 @@ def _training(global_batch: int | None, seq_len: int, precision: TrainingPrecisi
 
 
 def _write_new(path: Path, text: str, force: bool) -> None:
-    """Write atomically; never replace a file the user made unless asked."""
-    if path.exists() and not force:
-        raise plans.SpecError(f"--out: {path} exists; pass --force to replace it")
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise plans.SpecError(f"--out: cannot write {path} ({e.strerror})") from None
+    """Write atomically; never replace a file the user made unless asked (plans.io)."""
+    from plans.io import write_atomic
+
+    write_atomic(path, text, "--out", force)
+
+
+def _check_out(path: Path | None, force: bool) -> None:
+    """Refuse an --out the write would refuse, before any work (plans.io)."""
+    if path is not None:
+        from plans.io import check_destination
+
+        check_destination(path, "--out", force)
 
 
 # ---- commands ------------------------------------------------------------------------------------
@@ -261,6 +263,7 @@ def search_cmd(
     from planner.search import search
     from planner.space import SearchSpace
 
+    _check_out(out, force)
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
@@ -363,6 +366,7 @@ def validate(plan: PlanArg) -> None:
 PlotOpt = Annotated[
     Path | None, typer.Option("--plot", help="Write a plot (.png or .svg; needs matplotlib).")
 ]
+PlotForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --plot file.")]
 
 
 def _progress_search(json_out: bool, label: str):
@@ -398,6 +402,7 @@ def whatif_cmd(
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
     plot: PlotOpt = None,
+    force: PlotForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Change the hardware, re-plan at every point, and compare with the Megatron-style layout.
@@ -411,7 +416,7 @@ def whatif_cmd(
     from planner.report import job_document, job_text, print_whatif, whatif_document
     from planner.whatif import parse_vary, whatif
 
-    _check_plot(plot)
+    _check_plot(plot, force)
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
@@ -423,7 +428,7 @@ def whatif_cmd(
             lambda pts: whatif_document(pts, job_document(spec_model, spec_cluster, training)),
             lambda pts: print_whatif(pts, job_text(spec_model, spec_cluster, training,
                                                    batch_note)),
-            lambda pts, path: _plots().whatif_plot(pts, path, title))
+            lambda pts, path: _plots().whatif_plot(pts, path, title, force))
 
 
 @app.command("scale")
@@ -441,6 +446,7 @@ def scale_cmd(
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
     plot: PlotOpt = None,
+    force: PlotForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Strong or weak scaling of the best plan and the Megatron-style layout.
@@ -454,7 +460,7 @@ def scale_cmd(
     from planner.scale import scale
 
     counts = _int_list(gpus, "--gpus")
-    _check_plot(plot)
+    _check_plot(plot, force)
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster)
     training, batch_note = _training(global_batch, seq_len, precision, max(counts))
@@ -474,7 +480,7 @@ def scale_cmd(
         job["global_batch"] = None
     _finish(points, json_out, plot, lambda pts: scale_document(pts, job),
             lambda pts: print_scale(pts, header),
-            lambda pts, path: _plots().scale_plot(pts, path, title))
+            lambda pts, path: _plots().scale_plot(pts, path, title, force))
 
 
 def _plots():
@@ -483,10 +489,10 @@ def _plots():
     return planner.plots
 
 
-def _check_plot(plot: Path | None) -> None:
+def _check_plot(plot: Path | None, force: bool) -> None:
     """Refuse a bad --plot path before any work."""
     if plot is not None:
-        _plots().check_plot_path(plot)
+        _plots().check_plot_path(plot, force)
 
 
 def _finish(points, json_out: bool, plot: Path | None, document, printer, draw) -> None:
@@ -535,10 +541,10 @@ def profile_cmd(
     if loaded.degrees.world != 1:
         raise plans.SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
                         f"{loaded.degrees.world} GPUs")
-    if out.exists() and not force:
-        raise plans.SpecError(f"--out: {out} exists; pass --force to replace it")
+    _check_out(out, force)
     code = subprocess.call([sys.executable, "-m", "runtime.profile", "--plan", str(plan),
-                            "--out", str(out), "--steps", str(steps), "--warmup", str(warmup)])
+                            "--out", str(out), "--steps", str(steps), "--warmup", str(warmup),
+                            *(["--force"] if force else [])])
     if code != 0:
         typer.echo(f"error: profiling exited with status {code}", err=True)
         raise typer.Exit(code)
@@ -581,6 +587,7 @@ def calibrate_cmd(
     from planner import calibrate as cal
     from plans.results import ProfileResult, Sweep, read
 
+    _check_out(out, force)
     base_cluster = plans.catalog.load_cluster(base)
     measured_profile = read(ProfileResult, profile, "profile")
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
@@ -681,6 +688,9 @@ def train_cmd(
     ckpt_dir: Annotated[Path | None, typer.Option("--ckpt-dir")] = None,
     ckpt_every: Annotated[int | None, typer.Option("--ckpt-every", min=1)] = None,
     resume: Annotated[bool, typer.Option("--resume")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Start afresh in a --ckpt-dir holding another run's checkpoints "
+        "(they are deleted first).")] = False,
 ) -> None:
     """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs).
 
@@ -689,40 +699,37 @@ def train_cmd(
       moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 --out tiny.json
       moeplan train tiny.json --steps 20 --log metrics.jsonl
     """
-    import subprocess
+    from planner import launch
 
     loaded = plans.catalog.load_plan(plan)
-    # check what the runtime would refuse before launching anything
-    if data is not None:
-        if data.suffix not in (".u16", ".u32"):
-            raise plans.SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
-        if not data.is_file():
-            raise plans.SpecError(f"--data: {data} is not a file")
+    # what the launcher alone can tell; the runtime's own checks run next (launch.preflight)
+    if data is not None and data.suffix not in (".u16", ".u32"):
+        raise plans.SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
     if ckpt_every is not None and ckpt_dir is None:
         raise plans.SpecError("--ckpt-every: needs --ckpt-dir")
     if resume and ckpt_dir is None:
         raise plans.SpecError("--resume: needs --ckpt-dir")
-    if ckpt_dir is not None and ckpt_dir.exists() and not ckpt_dir.is_dir():
-        raise plans.SpecError(f"--ckpt-dir: {ckpt_dir} exists and is not a directory")
     world = loaded.degrees.world
     nproc = nproc_per_node or world
     if nproc != world:
-        raise plans.SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the plan's "
-                        f"world size is {world}; for several nodes use "
-                        "`moeplan export --to torchrun`")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "-m", "runtime.train", "--plan", str(plan),
-           "--steps", str(steps)]
+        raise plans.SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the "
+                              f"plan's world size is {world}; for several nodes use "
+                              "`moeplan export --to torchrun`")
+    args = ["--plan", str(plan), "--steps", str(steps)]
     for flag, value in (("--data", data), ("--log-file", log), ("--ckpt-dir", ckpt_dir),
                         ("--ckpt-every", ckpt_every)):
         if value is not None:
-            cmd += [flag, str(value)]
-    if resume:
-        cmd.append("--resume")
-    code = subprocess.call(cmd)
-    if code != 0:
-        typer.echo(f"error: training exited with status {code}", err=True)
-        raise typer.Exit(code if code != 1 else 1)
+            args += [flag, str(value)]
+    args += [flag for flag, on in (("--resume", resume), ("--overwrite", overwrite)) if on]
+    env = dict(os.environ)
+    launch.preflight(args, world, nproc, env)  # the runtime's checks; no worker started
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "-m", "runtime.train", *args]
+    outcome = launch.supervise(cmd, env)
+    if outcome.message is not None:
+        typer.echo(f"error: {outcome.message}", err=True)
+    if outcome.code != 0:
+        raise typer.Exit(outcome.code)
 
 
 def main() -> None:

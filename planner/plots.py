@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from planner.scale import ScalePoint
 from planner.whatif import Point
 from plans import SpecError
+from plans.io import check_destination, write_atomic
 
 
 def _pyplot():
@@ -20,21 +22,28 @@ def _pyplot():
     return plt
 
 
-def check_plot_path(path: Path) -> None:
-    """Refuse a plot path before any work is done."""
+def check_plot_path(path: Path, force: bool) -> None:
+    """Refuse a plot path before any work is done: the suffix, and what `write_atomic` checks
+    (an existing file without --force, a directory, a FIFO, a missing folder)."""
     if path.suffix.lower() not in (".png", ".svg"):
         raise SpecError(f"--plot: {path.name} must end in .png or .svg")
+    check_destination(path, "--plot", force)
 
 
-def _save(fig, path: Path) -> None:
-    check_plot_path(path)
-    try:
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-    except OSError as e:
-        raise SpecError(f"--plot: cannot write {path} ({e.strerror})") from None
+def literal(text: str) -> str:
+    """``text`` as matplotlib shows it literally: ``$`` would start mathtext (and an unpaired
+    one raise)."""
+    return text.replace("$", r"\$")
 
 
-def whatif_plot(points: list[Point], path: Path, title: str) -> None:
+def _save(fig, path: Path, force: bool) -> None:
+    check_plot_path(path, force)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix.lower().lstrip("."), dpi=120, bbox_inches="tight")
+    write_atomic(path, buffer.getvalue(), "--plot", force)
+
+
+def whatif_plot(points: list[Point], path: Path, title: str, force: bool) -> None:
     plt = _pyplot()
     knobs = {s.knob for p in points for s in p.settings}
     single = len(knobs) == 1
@@ -54,14 +63,14 @@ def whatif_plot(points: list[Point], path: Path, title: str) -> None:
     ax.set_xticks(xs, labels, rotation=30 if not single else 0)
     ax.set_xlabel(next(iter(knobs)).value if single else "setting")
     ax.set_ylabel("predicted tokens/s")
-    ax.set_title(title)
+    ax.set_title(literal(title))
     ax.legend()
     ax.grid(alpha=0.3)
-    _save(fig, path)
+    _save(fig, path, force)
     plt.close(fig)
 
 
-def scale_plot(points: list[ScalePoint], path: Path, title: str) -> None:
+def scale_plot(points: list[ScalePoint], path: Path, title: str, force: bool) -> None:
     plt = _pyplot()
     gpus = [p.gpus for p in points]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -79,6 +88,6 @@ def scale_plot(points: list[ScalePoint], path: Path, title: str) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    _save(fig, path)
+    fig.suptitle(literal(title))
+    _save(fig, path, force)
     plt.close(fig)

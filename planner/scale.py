@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.search import SearchResult, search
+from planner.search import SearchResult, check_searches, search
 from planner.space import SearchSpace
 from plans import ClusterSpec, ModelSpec, SpecError, TrainingSpec, catalog
 
@@ -23,6 +23,7 @@ def scale(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, gpu_co
           progress=None) -> list[ScalePoint]:
     """Strong scaling keeps the global batch; weak scaling gives every NVLink-domain replica
     `weak_seqs_per_replica` sequences (global batch = that x gpus / domain size)."""
+    check_searches(len(gpu_counts), "--gpus")
     points = []
     for i, gpus in enumerate(gpu_counts):
         sized = catalog.resize(cluster, gpus, "--gpus")

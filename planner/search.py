@@ -39,8 +39,20 @@ from plans import (
     Plan,
     Precision,
     Recompute,
+    SpecError,
     TrainingSpec,
 )
+
+MAX_SEARCHES = 32
+"""Most searches one command runs (`scale` GPU counts, `whatif` grid points): one search of a
+large job takes seconds, so a longer list is refused before the first one starts."""
+
+
+def check_searches(count: int, what: str) -> None:
+    if count > MAX_SEARCHES:
+        raise SpecError(f"{what}: {count} searches asked for, at most {MAX_SEARCHES} per command "
+                        "(each re-plans the whole job); split the list")
+
 
 # Options from the least memory to the most, for the first-pass memory check.
 _LEAN_RECOMPUTE = (Recompute.full, Recompute.selective, Recompute.none)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from planner.search import SearchResult, search
+from planner.search import SearchResult, check_searches, search
 from planner.space import SearchSpace
 from plans import ClusterSpec, ModelSpec, Plan, SpecError, TrainingSpec
 
@@ -114,6 +114,7 @@ def whatif(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
            varies: list[list[Setting]], space: SearchSpace | None = None,
            progress=None) -> list[Point]:
     """Re-plan at every point of the grid of knob values (the cartesian product)."""
+    check_searches(math.prod(len(v) for v in varies), "--vary")
     grid = list(itertools.product(*varies)) if varies else [()]
     points = []
     for i, combo in enumerate(grid):

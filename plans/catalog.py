@@ -6,41 +6,19 @@ Anywhere a catalog name is accepted, a path to a YAML or JSON file of the same s
 from __future__ import annotations
 
 import difflib
-import json
 from functools import cache
 from pathlib import Path
 from typing import TypeVar
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from plans.errors import SpecError, describe
+from plans.io import read_document
 from plans.plan import Plan
 from plans.specs import ClusterSpec, ModelSpec
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 T = TypeVar("T", bound=BaseModel)
-
-
-def read_document(path: Path) -> dict:
-    """Parse a YAML or JSON file into a mapping, with one-line errors."""
-    kind = path.suffix.lstrip(".") or "yaml"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise SpecError(f"{path}: cannot read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not valid {kind} (not UTF-8 text: byte {e.start})") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError, and e.g. a bad YAML date
-        reason = (str(e).splitlines() or [type(e).__name__])[0]
-        raise SpecError(f"{path}: not valid {kind} ({reason})") from None
-    except RecursionError:
-        raise SpecError(f"{path}: not valid {kind} (nested too deeply)") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
 
 
 KINDS: dict[str, type[BaseModel]] = {"model": ModelSpec, "cluster": ClusterSpec, "plan": Plan}

@@ -7,13 +7,24 @@ field here so the planner can search it and the runtime can obey it.
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from plans.enums import CrossEntropy, OptimizerSharding, Overlap, Recompute
-from plans.specs import ClusterSpec, Frozen, ModelSpec, Precision, TrainingSpec
+from plans.specs import (
+    MAX_LAYERS,
+    ClusterSpec,
+    Frozen,
+    GPUs,
+    ModelSpec,
+    OptionalLayers,
+    Precision,
+    Tokens,
+    TrainingSpec,
+)
 
 SCHEMA_VERSION = 1
 
@@ -43,21 +54,21 @@ class Degrees(Frozen):
     """Parallel degrees. Invariants: world = pp x dp x cp x sp x tp (attention view)
     = pp x edp x ep x etp (FFN view), so ep x etp must divide dp x cp x sp x tp."""
 
-    pp: PositiveInt = 1
+    pp: GPUs = 1
     """Pipeline stages (physical)."""
-    vpp: PositiveInt = 1
+    vpp: GPUs = 1
     """Virtual stages per physical stage (interleaved 1F1B); 1 otherwise."""
-    dp: PositiveInt = 1
+    dp: GPUs = 1
     """Data-parallel replicas of the attention (and dense) weights."""
-    sp: PositiveInt = 1
+    sp: GPUs = 1
     """Ulysses sequence-parallel degree of attention."""
-    tp: PositiveInt = 1
+    tp: GPUs = 1
     """Tensor-parallel degree of attention."""
-    cp: PositiveInt = 1
+    cp: GPUs = 1
     """Context-parallel degree of attention."""
-    ep: PositiveInt = 1
+    ep: GPUs = 1
     """Expert-parallel degree of the MoE FFN."""
-    etp: PositiveInt = 1
+    etp: GPUs = 1
     """Tensor-parallel degree inside each expert."""
 
     @model_validator(mode="after")
@@ -132,12 +143,17 @@ class Dispatch(StrEnum):
     """All-gather + local scatter to dispatch; local gather + reduce-scatter to combine."""
 
 
+MIN_CAPACITY_FACTOR = 0.01
+"""Below 1% of its balanced share an expert would drop nearly every token: a typing mistake (and
+a denormal factor made the cost model drop all tokens while the runtime kept one per expert)."""
+
+
 class EPFFN(Frozen):
     """Expert parallelism: whole experts per rank, tokens moved by the dispatcher."""
 
     kind: Literal["ep"] = "ep"
     dispatch: Dispatch = Dispatch.all_to_all
-    capacity_factor: float | None = Field(None, gt=0)
+    capacity_factor: float | None = Field(None, ge=MIN_CAPACITY_FACTOR)
     """Tokens each expert accepts, as a multiple of the balanced share; None is dropless."""
 
 
@@ -158,18 +174,43 @@ class PipelineSchedule(StrEnum):
     interleaved_1f1b = "interleaved_1f1b"
 
 
+NonNegative = Annotated[float, Field(ge=0)]
+
+
 class Prediction(Frozen):
     """What the cost model predicts for a plan."""
 
-    step_time_s: float
-    tokens_per_s: float
-    mfu: float
+    step_time_s: float = Field(gt=0)
+    tokens_per_s: float = Field(gt=0)
+    mfu: float = Field(gt=0)
     """Model FLOPs (ModelSpec.flops_per_token) / (GPUs x peak x step time)."""
-    peak_memory_gib: float
-    breakdown_s: dict[str, float]
-    """Step-time components (compute, exposed communication by kind, bubble, grad sync)."""
-    memory_gib: dict[str, float] = {}
+    peak_memory_gib: float = Field(ge=0)
+    breakdown_s: dict[str, NonNegative]
+    """Step-time components (compute, exposed communication by kind, bubble, grad sync); they
+    sum to step_time_s."""
+    memory_gib: dict[str, NonNegative] = {}
     """Peak-memory components per GPU."""
+
+    def problems(self, plan: Plan) -> list[str]:
+        """Where the stored numbers contradict each other for ``plan`` (a hand-edited block):
+        tokens/s and MFU follow from the step time, the components sum to it."""
+        out = []
+        tokens = plan.training.tokens_per_step
+        flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
+        peak = plan.cluster.gpus * plan.cluster.gpu.bf16_dense_tflops * 1e12
+        derived = {
+            "tokens_per_s": (self.tokens_per_s, tokens / self.step_time_s),
+            "mfu": (self.mfu, flops / (peak * self.step_time_s)),
+        }
+        if self.breakdown_s:
+            derived["step_time_s"] = (self.step_time_s, sum(self.breakdown_s.values()))
+        for name, (stored, expected) in derived.items():
+            if not math.isclose(stored, expected, rel_tol=1e-6):
+                what = ("the sum of breakdown_s" if name == "step_time_s"
+                        else "what step_time_s implies")
+                out.append(f"prediction.{name}: {stored:.6g} contradicts {what} "
+                           f"({expected:.6g}); the prediction was edited")
+        return out
 
 
 # ---- the plan -----------------------------------------------------------------------------------
@@ -184,9 +225,9 @@ class Plan(Frozen):
     degrees: Degrees
     attention: AttentionStrategy = UlyssesAttention()
     ffn: FFNStrategy = EPFFN()
-    stage_layers: tuple[NonNegativeInt, ...]
+    stage_layers: tuple[OptionalLayers, ...] = Field(max_length=MAX_LAYERS)
     """Transformer layers of each model chunk in pipeline order (pp x vpp entries)."""
-    micro_batch_size: PositiveInt = 1
+    micro_batch_size: Tokens = 1
     """Sequences per micro-batch per data-parallel replica."""
     schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     overlap: Overlap = Overlap.inter_intra_op
@@ -258,6 +299,8 @@ class Plan(Frozen):
                 "grad_sync_precision: fp8 gradient sync needs training.precision fp8, "
                 f"got {t.precision}"
             )
+        if self.prediction is not None and not problems:
+            problems += self.prediction.problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self

@@ -6,7 +6,6 @@ A bad file is a one-line SpecError naming the field."""
 
 from __future__ import annotations
 
-import json
 import re
 from enum import StrEnum
 from pathlib import Path
@@ -24,6 +23,7 @@ from pydantic import (
 )
 
 from plans.errors import SpecError, describe
+from plans.io import parse_text, read_text
 from plans.plan import OptimizerSharding, Prediction
 
 
@@ -180,22 +180,13 @@ R = TypeVar("R", bound=BaseModel)
 
 
 def _text(path: Path, what: str) -> str:
-    if not path.exists():
-        raise SpecError(f"{what}: {path} does not exist")
-    if not path.is_file():
-        raise SpecError(f"{what}: {path} is not a file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"{what}: cannot read {path} ({e})") from None
+    """A bounded regular file (plans.io): a device or FIFO is refused, never read."""
+    return read_text(path, f"{what}: {path}", "json")
 
 
 def parse(kind: type[R], text: str, what: str, path: Path) -> R:
     """One JSON document as ``kind``; one-line SpecError naming the field otherwise."""
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise SpecError(f"{what}: {path} is not a JSON document ({e})") from None
+    data = parse_text(text, f"{what}: {path}", "json")
     try:
         return kind.model_validate(data)
     except ValidationError as e:

@@ -10,7 +10,14 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 from plans.enums import Precision
 
@@ -43,6 +50,46 @@ Rate = Annotated[float, Field(gt=0), AfterValidator(_in_range)]
 Latency = Annotated[float, Field(ge=0, le=HARDWARE_RANGE[1])]
 """A latency: zero or more, finite."""
 
+# Counts beyond these bounds describe no machine or model that exists or is planned, and a count
+# of hundreds of digits makes the search's arithmetic (and Python's big integers) run for ever.
+MAX_GPUS = 2**20
+"""GPUs in a job (about a million)."""
+MAX_WIDTH = 2**20
+"""hidden, inner FFN widths, head width (the largest models today: hidden 16k, FFN 64k)."""
+MAX_LAYERS = 10_000
+MAX_HEADS = 2**16
+MAX_EXPERTS = 2**20
+MAX_VOCAB = 2**32
+"""Token ids are stored as uint32 at most."""
+MAX_TOKENS = 2**24
+"""Sequences per batch and tokens per sequence (16M each)."""
+MAX_PER_NODE = 2**16
+"""GPUs per NVLink domain, NICs per node, SMs per GPU."""
+
+
+Layers = Annotated[int, Field(gt=0, le=MAX_LAYERS)]
+Width = Annotated[int, Field(gt=0, le=MAX_WIDTH)]
+Heads = Annotated[int, Field(gt=0, le=MAX_HEADS)]
+Experts = Annotated[int, Field(gt=0, le=MAX_EXPERTS)]
+Vocab = Annotated[int, Field(gt=0, le=MAX_VOCAB)]
+Tokens = Annotated[int, Field(gt=0, le=MAX_TOKENS)]
+PerNode = Annotated[int, Field(gt=0, le=MAX_PER_NODE)]
+GPUs = Annotated[int, Field(gt=0, le=MAX_GPUS)]
+OptionalLayers = Annotated[int, Field(ge=0, le=MAX_LAYERS)]
+OptionalWidth = Annotated[int, Field(ge=0, le=MAX_WIDTH)]
+OptionalExperts = Annotated[int, Field(ge=0, le=MAX_EXPERTS)]
+
+
+def _printable(v: str) -> str:
+    if not v.isprintable():
+        raise ValueError("must be printable text (no control characters, line breaks or "
+                         "unpaired surrogates)")
+    return v
+
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200), AfterValidator(_printable)]
+"""A name shown in reports and plots: printable, one line, at most 200 characters."""
+
 
 # --------------------------------------------------------------------------------------------
 # Model
@@ -52,33 +99,33 @@ Latency = Annotated[float, Field(ge=0, le=HARDWARE_RANGE[1])]
 class ModelSpec(Frozen):
     """A decoder-only MoE transformer: GQA attention and SwiGLU (routed + shared) experts."""
 
-    name: str
+    name: Name
     """Name shown in reports."""
-    layers: PositiveInt
+    layers: Layers
     """Transformer layers, MoE and dense together."""
-    hidden: PositiveInt
+    hidden: Width
     """Model (residual stream) width h."""
-    query_heads: PositiveInt
+    query_heads: Heads
     """Attention query heads."""
-    kv_heads: PositiveInt
+    kv_heads: Heads
     """Attention key/value heads (GQA); query_heads / kv_heads is the paper's m."""
-    head_dim: PositiveInt
+    head_dim: Width
     """Width of one attention head (query_heads * head_dim need not equal hidden)."""
-    vocab: PositiveInt
+    vocab: Vocab
     """Vocabulary size."""
-    expert_ffn_hidden: PositiveInt
+    expert_ffn_hidden: Width
     """Inner width of one routed SwiGLU expert (h_ffn)."""
-    experts: PositiveInt
+    experts: Experts
     """Routed experts per MoE layer."""
-    top_k: PositiveInt
+    top_k: Experts
     """Routed experts each token is sent to."""
-    shared_experts: int = Field(0, ge=0)
+    shared_experts: OptionalExperts = 0
     """Always-active shared experts per MoE layer."""
-    shared_expert_ffn_hidden: int = Field(0, ge=0)
+    shared_expert_ffn_hidden: OptionalWidth = 0
     """Inner width of one shared expert (0 when there are none)."""
-    dense_layers: int = Field(0, ge=0)
+    dense_layers: OptionalLayers = 0
     """Leading layers whose FFN is a dense SwiGLU instead of MoE."""
-    dense_ffn_hidden: int = Field(0, ge=0)
+    dense_ffn_hidden: OptionalWidth = 0
     """Inner width of the dense layers' FFN (0 when there are none)."""
     tied_embeddings: bool = False
     """Whether the LM head shares the token-embedding matrix."""
@@ -208,7 +255,7 @@ class ModelSpec(Frozen):
 
 
 class GPUSpec(Frozen):
-    name: str
+    name: Name
     bf16_dense_tflops: Rate
     """Peak dense bf16 tensor-core throughput."""
     fp8_dense_tflops: Rate
@@ -217,14 +264,14 @@ class GPUSpec(Frozen):
     """HBM capacity."""
     hbm_tb_s: Rate
     """HBM bandwidth."""
-    sms: PositiveInt = 132
+    sms: PerNode = 132
     """Streaming multiprocessors (wave quantisation of GEMM tiles)."""
 
 
 class NodeSpec(Frozen):
     """One NVLink domain (a node, or a rack for NVL72)."""
 
-    gpus_per_node: PositiveInt
+    gpus_per_node: PerNode
     """GPUs sharing one NVLink domain."""
     nvlink_gb_s: Rate
     """NVLink bandwidth per GPU per direction."""
@@ -235,8 +282,8 @@ class NodeSpec(Frozen):
 class NetworkSpec(Frozen):
     """The scale-out network between NVLink domains."""
 
-    name: str
-    nics_per_node: PositiveInt
+    name: Name
+    nics_per_node: PerNode
     nic_gb_s: Rate
     """Bandwidth of one NIC per direction."""
     latency_us: Latency = 10.0
@@ -274,11 +321,11 @@ class Efficiency(Frozen):
 
 
 class ClusterSpec(Frozen):
-    name: str
+    name: Name
     gpu: GPUSpec
     node: NodeSpec
     network: NetworkSpec
-    gpus: PositiveInt
+    gpus: GPUs
     """GPUs in the job: a multiple of gpus_per_node, or fewer than one node."""
     efficiency: Efficiency = Efficiency()
 
@@ -326,9 +373,9 @@ class Optimizer(StrEnum):
 
 
 class TrainingSpec(Frozen):
-    global_batch: PositiveInt = 720
+    global_batch: Tokens = 720
     """Sequences per optimizer step."""
-    seq_len: PositiveInt = 8192
+    seq_len: Tokens = 8192
     """Tokens per sequence."""
     precision: Precision = Precision.bf16
     """Compute precision of GEMMs (bf16, or fp8 with bf16 elsewhere)."""

@@ -7,6 +7,8 @@ rank a keeps sequence shard a of each.
 
 from __future__ import annotations
 
+import os
+import stat
 from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
@@ -14,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from plans import MeshAxis, Plan
+from plans import MeshAxis, Plan, SpecError
 from plans.layout import tokens_per_rank
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import MicroBatch
@@ -59,18 +61,50 @@ class SyntheticTokens:
         return (start + stride * torch.arange(self.shape[1])) % self.vocab
 
 
+SCAN_TOKENS = 1 << 24
+"""Tokens read per chunk when checking a token file's ids (64 MiB of uint32)."""
+
+
+def check_token_file(path: Path, dtype: TokenDtype, vocab: int, window: int) -> int:
+    """Refuse a token file no step could read correctly; returns its token count. A regular,
+    non-empty file of whole tokens, at least one window (seq_len + 1) long, every id below the
+    vocabulary (an id out of range would index past the embedding, or on CPU train on garbage)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SpecError(f"--data: {path}: cannot read ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SpecError(f"--data: {path} is not a regular file")
+    width = np.dtype(dtype.numpy).itemsize
+    if st.st_size == 0:
+        raise SpecError(f"--data: {path} is empty")
+    if st.st_size % width:
+        raise SpecError(f"--data: {path} has {st.st_size} bytes, not a whole number of "
+                        f"{width}-byte {dtype} tokens")
+    count = st.st_size // width
+    if count < window:
+        raise SpecError(f"--data: {path} holds {count} tokens, fewer than seq_len + 1 ({window})")
+    if vocab < np.iinfo(dtype.numpy).max + 1:
+        tokens = np.memmap(path, dtype=dtype.numpy, mode="r")
+        for start in range(0, count, SCAN_TOKENS):
+            chunk = tokens[start : start + SCAN_TOKENS]
+            top = int(chunk.max())
+            if top >= vocab:
+                at = start + int(np.argmax(chunk >= vocab))
+                raise SpecError(f"--data: {path}: token {at} is id {int(tokens[at])}, outside "
+                                f"the vocabulary (model.vocab = {vocab})")
+    return count
+
+
 class TokenFile:
     """Raw little-endian uint16 or uint32 tokens; each sequence is a window at a position drawn
     from (seed, step)."""
 
-    def __init__(self, path: Path, dtype: TokenDtype, global_batch: int, seq_len: int, seed: int):
-        self.tokens = np.memmap(path, dtype=dtype.numpy, mode="r")
+    def __init__(self, path: Path, dtype: TokenDtype, global_batch: int, seq_len: int, seed: int,
+                 vocab: int):
         self.global_batch, self.window, self.seed = global_batch, seq_len + 1, seed
-        if len(self.tokens) < self.window:
-            raise ValueError(
-                f"--data: {path} holds {len(self.tokens)} tokens, fewer than seq_len + 1 "
-                f"({self.window})"
-            )
+        check_token_file(path, dtype, vocab, self.window)
+        self.tokens = np.memmap(path, dtype=dtype.numpy, mode="r")
 
     def batch(self, step: int) -> torch.Tensor:
         g = _generator(self.seed, step)

@@ -30,6 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from plans import Plan, SpecError
 from plans.catalog import load_plan
 from plans.execution import UnsupportedFeature
+from plans.io import check_destination, write_atomic
 from runtime.data import SyntheticTokens
 from runtime.parallel.parallelize import check_supported, launch_backend
 from runtime.provenance import metadata
@@ -114,6 +115,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=25, help="slowest kernels listed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     return p.parse_args(argv)
 
 
@@ -129,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"{plan.degrees.world} GPUs")
         if int(os.environ.get("WORLD_SIZE", 1)) != 1:
             raise SpecError("WORLD_SIZE: run one process, not under torchrun")
+        check_destination(args.out, "--out", args.force)
     except (SpecError, UnsupportedFeature, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -138,8 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     trainer = build_trainer(plan, 0, 1, device, args.seed, data)
     result = {"plan": str(args.plan), **profile_steps(trainer, plan, args.steps, args.warmup,
                                                       args.top)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", args.force)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"{plan.summary()}: wall {result['step_wall_s'] * 1e3:.1f} ms/step, busy "
           f"{result['device_busy_s'] * 1e3:.1f} ms (idle {result['idle_fraction']:.0%}) -> "
           f"{args.out}")

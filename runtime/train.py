@@ -33,8 +33,11 @@ import torch.distributed as dist
 from plans import Plan, SpecError
 from plans.catalog import load_plan
 from plans.execution import UnsupportedFeature, deviations
+from plans.io import check_appendable, check_folder_target
+from plans.proc import die_with_parent
 from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
+from runtime.machine import check_machine
 from runtime.memory import InsufficientMemory, check_fits, configure_allocator, out_of_memory_line
 from runtime.parallel.mesh import WorldSizeMismatch
 from runtime.parallel.optimizer import OptimizerConfig
@@ -60,6 +63,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, help="checkpoint directory")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every K steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a --ckpt-dir holding another run's checkpoints: they "
+                   "are deleted first (without it such a directory is refused)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=OptimizerConfig.lr)
     p.add_argument("--aux-loss-coeff", type=float, default=None,
@@ -68,6 +74,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="plain per-expert balance loss instead of one per EP rank")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="collective timeout: a rank waiting longer on a dead peer fails")
+    p.add_argument("--check", action="store_true",
+                   help="check the plan, data, output paths and this machine (LOCAL_WORLD_SIZE "
+                   "ranks), print nothing and exit 0 when all is well; start nothing")
     return p.parse_args(argv)
 
 
@@ -78,9 +87,7 @@ def make_data(args: argparse.Namespace, plan: Plan) -> TokenSource:
     dtype = args.data_dtype or TokenDtype.from_path(args.data)
     if dtype is None:
         raise SpecError(f"--data-dtype: needed for {args.data} (suffix is not .u16 or .u32)")
-    if not args.data.is_file():
-        raise SpecError(f"--data: {args.data} is not a file")
-    return TokenFile(args.data, dtype, t.global_batch, t.seq_len, args.seed)
+    return TokenFile(args.data, dtype, t.global_batch, t.seq_len, args.seed, plan.model.vocab)
 
 
 def validate(args: argparse.Namespace, world: int) -> tuple[Plan, TokenSource]:
@@ -96,7 +103,21 @@ def validate(args: argparse.Namespace, world: int) -> tuple[Plan, TokenSource]:
         raise SpecError("--ckpt-every: needs --ckpt-dir")
     if args.resume and args.ckpt_dir is None:
         raise SpecError("--resume: needs --ckpt-dir")
-    return plan, make_data(args, plan)
+    if args.steps < 1 or args.ckpt_every < 0:
+        raise SpecError("--steps must be >= 1 and --ckpt-every >= 0")
+    if args.log is not None:
+        check_appendable(args.log, "--log")
+    if args.overwrite and args.resume:
+        raise SpecError("--overwrite: cannot be combined with --resume")
+    data = make_data(args, plan)
+    if args.ckpt_dir is not None:
+        check_folder_target(args.ckpt_dir, "--ckpt-dir")
+        checkpoint.check_run(args.ckpt_dir, run_record(args, plan), args.resume, args.overwrite)
+    return plan, data
+
+
+def run_record(args: argparse.Namespace, plan: Plan) -> checkpoint.RunRecord:
+    return checkpoint.RunRecord.of(plan, args.data, args.seed)
 
 
 def report(m: StepMetrics, log: Path | None) -> None:
@@ -137,11 +158,16 @@ def _on_sigterm(rank: int, progress: type[_Progress]):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: never outlive it
+        die_with_parent(signal.SIGTERM)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     try:
         plan, data = validate(args, world)
+        if args.check:
+            check_machine(plan, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            return 0
     except (SpecError, UnsupportedFeature, WorldSizeMismatch, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
@@ -188,6 +214,14 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
         optim=OptimizerConfig(lr=args.lr),
     )
     start = 0
+    if args.ckpt_dir is not None and args.ckpt_every:
+        if rank == 0:  # the run's record first (check_run refused another run's directory)
+            if args.overwrite and args.ckpt_dir.is_dir():
+                checkpoint.clear(args.ckpt_dir)
+            args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            checkpoint.write_record(args.ckpt_dir, run_record(args, plan))
+        if dist.is_initialized():
+            dist.barrier()
     if args.resume and (found := resume_point(args.ckpt_dir, rank)) is not None:
         start = checkpoint.load(trainer, found[0])
         if rank == 0:

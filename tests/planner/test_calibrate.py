@@ -73,10 +73,10 @@ def test_table_output(tmp_path):
 def test_bad_inputs_write_nothing(tmp_path):
     out = tmp_path / "c.yaml"
     one_line_error(calibrate(tmp_path / "none.json", "--plan", PLAN, "--out", out),
-                   "profile", "does not exist")
+                   "profile", "No such file")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    one_line_error(calibrate(bad, "--plan", PLAN, "--out", out), "profile", "not a JSON")
+    one_line_error(calibrate(bad, "--plan", PLAN, "--out", out), "profile", "not valid json")
     one_line_error(calibrate(PROFILE, "--plan", ROOT / "bench" / "gpu_plans" /
                              "mixtral2l_pp2.json", "--out", out), "--plan", "1-GPU")
     one_line_error(calibrate(SWEEP, "--plan", PLAN, "--out", out), "profile", "step_wall_s",
@@ -86,7 +86,7 @@ def test_bad_inputs_write_nothing(tmp_path):
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({**json.loads(PROFILE.read_text()), "class_s": {"gemm": "x"}}))
     one_line_error(calibrate(wrong, "--plan", PLAN, "--out", out), "profile", "class_s.gemm")
-    one_line_error(calibrate(tmp_path, "--plan", PLAN, "--out", out), "profile", "not a file")
+    one_line_error(calibrate(tmp_path, "--plan", PLAN, "--out", out), "profile", "a directory")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--base", "nope", "--out", out), "nope")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--runs", bad, "--out", out), "--runs")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--runs", tmp_path, "--out", out),

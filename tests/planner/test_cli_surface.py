@@ -36,6 +36,7 @@ SURFACE = {
                   '--seq-len <int range>',
                   '--precision <bf16|fp8>',
                   '--plot <path>',
+                  '--force <bool>',
                   '--json <bool>'],
     'scale': [   'MODEL',
                  'CLUSTER',
@@ -45,6 +46,7 @@ SURFACE = {
                  '--seq-len <int range>',
                  '--precision <bf16|fp8>',
                  '--plot <path>',
+                 '--force <bool>',
                  '--json <bool>'],
     'profile': [   'PLAN',
                    '--out <path>',
@@ -69,7 +71,8 @@ SURFACE = {
                  '--log <path>',
                  '--ckpt-dir <path>',
                  '--ckpt-every <int range>',
-                 '--resume <bool>'],
+                 '--resume <bool>',
+                 '--overwrite <bool>'],
 }
 
 

@@ -18,12 +18,15 @@ JOB_OPTS = TINY_JOB[2:]  # --gpus 8 --global-batch 16 --seq-len 256
 @pytest.fixture
 def no_launch(monkeypatch):
     """`train` must fail before starting torchrun."""
+    from planner import launch
+
     calls = []
 
     def refuse(cmd, *a, **k):
         calls.append(cmd)
         raise AssertionError(f"train launched {cmd}")
 
+    monkeypatch.setattr(launch, "supervise", refuse)
     monkeypatch.setattr(subprocess, "call", refuse)
     return calls
 
@@ -109,7 +112,7 @@ def test_good_plan_passes_every_plan_command(files, no_launch):
     (["train", "{plan}", "--nproc-per-node", "3"], ["--nproc-per-node", "world size is 8"]),
     (["train", "{plan}", "--steps", "-1"], ["--steps"]),
     (["train", "{plan}", "--steps", "many"], ["--steps", "integer"]),
-    (["train", "{plan}", "--data", "{tmp}/none.u32"], ["--data", "not a file"]),
+    (["train", "{plan}", "--data", "{tmp}/none.u32"], ["--data", "No such file"]),
     (["train", "{plan}", "--resume"], ["--resume", "--ckpt-dir"]),
     (["validate"], ["plan", "missing"]),
     (["validate", "{plan}", "{plan}"], ["unexpected extra argument"]),

@@ -38,12 +38,12 @@ def test_help_still_works():
 
 
 def test_train_checks_inputs_before_launching(tmp_path, plan_doc, monkeypatch):
-    import subprocess
+    from planner import launch
 
     def no_launch(*a, **k):
         raise AssertionError("train launched a process")
 
-    monkeypatch.setattr(subprocess, "call", no_launch)
+    monkeypatch.setattr(launch, "supervise", no_launch)
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(plan_doc))
     tokens = tmp_path / "tokens.bin"

@@ -23,6 +23,10 @@ FAST = settings(max_examples=40, deadline=None,
 # ---- strategies of valid documents ------------------------------------------------------------
 
 
+# names are printable (plans.specs.Name)
+NAMES = st.text(st.characters(categories=("L", "N", "P", "S")), min_size=1, max_size=12)
+
+
 @st.composite
 def model_dicts(draw) -> dict:
     kv = draw(st.integers(1, 8))
@@ -31,7 +35,7 @@ def model_dicts(draw) -> dict:
     dense = draw(st.integers(0, layers - 1))
     shared = draw(st.integers(0, 2))
     return {
-        "name": draw(st.text(min_size=1, max_size=12)),
+        "name": draw(NAMES),
         "layers": layers,
         "hidden": draw(st.integers(1, 8192)),
         "query_heads": kv * draw(st.integers(1, 8)),
@@ -64,7 +68,7 @@ def cluster_dicts(draw) -> dict:
     per_node = draw(st.sampled_from([1, 2, 4, 8, 72]))
     gpus = draw(st.one_of(st.integers(1, per_node), st.integers(1, 16).map(lambda n: n * per_node)))
     return {
-        "name": draw(st.text(min_size=1, max_size=12)),
+        "name": draw(NAMES),
         "gpu": {"name": "g", "bf16_dense_tflops": draw(_rate()), "fp8_dense_tflops": draw(_rate()),
                 "hbm_gib": draw(_rate()), "hbm_tb_s": draw(_rate()),
                 "sms": draw(st.integers(1, 200))},

@@ -258,3 +258,19 @@ def step_components(plan_json: str) -> dict[str, float]:
     plan = Plan.model_validate_json(plan_json)
     trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
     return trainer.train_step(0).components_s
+
+
+def loaded_checkpoint(plan_json: str, path: str) -> dict[str, torch.Tensor]:
+    """This rank's checkpoint state after loading ``path`` under ``plan_json``'s layout
+    (the plan says how optimizer states are sharded), keyed as stored."""
+    from pathlib import Path
+
+    from runtime import checkpoint
+
+    plan = Plan.model_validate_json(plan_json)
+    t = plan.training
+    data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, SEED)
+    trainer = build_trainer(plan, dist.get_rank(), dist.get_world_size(), torch.device("cpu"),
+                            SEED, data, optim=OPTIM)
+    checkpoint.load(trainer, Path(path))
+    return {k: v.detach().clone() for k, v in checkpoint.state_dict(trainer).items()}
