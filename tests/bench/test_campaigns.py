@@ -124,10 +124,10 @@ def test_legacy_sweep_rows_get_op_and_bytes_and_new_rows_need_no_name_parsing(tm
 
 
 def test_old_train_step_results_say_zero1_and_read_as_optimizer_sharding(tmp_path):
-    doc = json.loads((RESULTS / "h200" / "train_step_mixtral2l_dp2_ep2.json").read_text())
-    assert doc["zero1"] is True
-    assert read(TrainStepResult, RESULTS / "h200" / "train_step_mixtral2l_dp2_ep2.json",
-                "r").optimizer_sharding == "zero1"
+    old = RESULTS / "h200" / "train_step_mixtral2l_1gpu.json"  # measured before the field
+    doc = json.loads(old.read_text())
+    assert doc["zero1"] is True and "optimizer_sharding" not in doc
+    assert read(TrainStepResult, old, "r").optimizer_sharding == "zero1"
     path = tmp_path / "r.json"
     path.write_text(json.dumps({**doc, "zero1": False}))
     assert read(TrainStepResult, path, "r").optimizer_sharding == "none"
