@@ -1,4 +1,5 @@
-"""Peak memory per GPU: weights, gradients, ZeRO-1 optimizer states, activations, buffers.
+"""Peak memory per GPU: weights, gradients, optimizer states (ZeRO-1 shards or whole, per
+plan.optimizer_sharding), activations, the loss, buffers and the allocator's reserve.
 
 The peak is taken over pipeline stages; the components reported are those of the peak stage.
 """
@@ -12,7 +13,8 @@ from types import MappingProxyType
 
 from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import chunk_dense_layers, stage_params
-from plans.enums import CHUNK_LOGITS, CrossEntropy
+from plans.enums import CHUNK_LOGITS, CrossEntropy, OptimizerSharding
+from plans.layout import stage_of_chunk, tokens_per_rank
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
 
@@ -20,7 +22,8 @@ GIB = 2**30
 WEIGHT_BYTES = Precision.bf16.bytes
 """Model weights are held in bf16."""
 OPTIMIZER_STEP_WORKSPACE_BYTES = 4
-"""Per parameter of the local ZeRO-1 shard, alive only during the optimizer step: the fp32
+"""Per parameter whose states this GPU holds (the ZeRO-1 shard, or all of them unsharded),
+alive only during the optimizer step: the fp32
 gradient slice the reduce-scatter (or, on one rank, the bf16-to-fp32 cast) lands in; the fused
 AdamW needs no temporaries. Measured on H200 (bench/results/gpu_fidelity_h200.json): 1-GPU
 Mixtral-2L peak 59.0 GiB, 11.8 GiB of it this workspace; without it the predictions of 2-GPU
@@ -205,9 +208,9 @@ def grad_bytes_per_param(grad_precision: Precision) -> int:
 def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: tuple[int, ...],
             seq_len: int, batch: int, micro_batches: int, schedule: PipelineSchedule,
             policy: Recompute, grad_precision: Precision, opt: Optimizer, capacity: float,
-            cross_entropy: CrossEntropy) -> MemoryBreakdown:
+            cross_entropy: CrossEntropy, sharding: OptimizerSharding) -> MemoryBreakdown:
     d = degrees
-    tokens = batch * seq_len / (d.sp * d.cp * d.tp)
+    tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     per_layer = {
         (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch)
@@ -217,13 +220,12 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     for c, (n, n_dense) in enumerate(
         zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
     ):
-        layers[c % d.pp][0] += n - n_dense
-        layers[c % d.pp][1] += n_dense
+        layers[stage_of_chunk(c, d.pp)][0] += n - n_dense
+        layers[stage_of_chunk(c, d.pp)][1] += n_dense
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
     # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
     logits = loss_bytes(model, tokens, cross_entropy)
-    dense_shard, expert_shard = d.dp * d.cp * d.sp, d.edp
 
     grad_bytes = grad_bytes_per_param(grad_precision)
     names = ("params", "grads", "optimizer", "activations", "activation_working", "comm_buffers",
@@ -237,7 +239,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         larger counts."""
         moe, dense = layers[i]
         p = params[i]
-        shard = p.dense / dense_shard + p.expert / expert_shard  # ZeRO-1 states
+        shard = p.optimizer_shard(d, sharding)  # the states (and update) this GPU holds
         states = (WEIGHT_BYTES * p.total, grad_bytes * p.total, opt.state_bytes_per_param * shard)
         stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
         activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
@@ -264,5 +266,5 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
     return _memory(
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
-        t.optimizer, capacity, plan.cross_entropy,
+        t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding,
     )

@@ -2,7 +2,8 @@
 (which ``moeplan train`` runs before torchrun) so that a plan too big for the machine is refused
 in one line instead of starting its workers.
 
-- On CUDA: the local ranks need one GPU each.
+- On CUDA: the local ranks need one GPU each, each with the plan's predicted peak free
+  (``runtime.memory.check_fits``, which every rank runs again before its first step).
 - On CPU: every local rank holds what the plan predicts for one GPU (``prediction.peak_memory_gib``;
   on CPU the runtime keeps fp32 parameters as their own masters, about the bytes the cost model
   counts for bf16 weights plus fp32 masters) plus the process itself; the sum must fit in the
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from plans import Plan, SpecError
+from runtime.memory import check_fits
 
 CPU_RANK_OVERHEAD_GIB = 0.3
 """One CPU rank before its model: Python, torch and gloo (measured: 0.21 GiB for importing torch
@@ -52,6 +54,8 @@ def check_machine(plan: Plan, local_ranks: int) -> None:
         if local_ranks > gpus:
             raise SpecError(f"--nproc-per-node: {local_ranks} ranks on this machine, which has "
                             f"{gpus} GPU{'s' if gpus != 1 else ''}")
+        for i in range(local_ranks):  # the predicted peak against each GPU's free memory
+            check_fits(plan, torch.device("cuda", i))
         return
     free = available_gib()
     need = local_ranks * rank_gib(plan)

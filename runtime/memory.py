@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from plans import Plan
+from plans import Plan, SpecError
 from runtime.metrics import Component
 
 GIB = 2**30
@@ -30,7 +30,7 @@ def configure_allocator() -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF)
 
 
-class InsufficientMemory(ValueError):
+class InsufficientMemory(SpecError):
     """The plan's predicted peak does not fit the device's free memory."""
 
 
