@@ -220,14 +220,18 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     for c, (n, n_dense) in enumerate(
         zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
     ):
-        layers[stage_of_chunk(c, d.pp)][0] += n - n_dense
-        layers[stage_of_chunk(c, d.pp)][1] += n_dense
+        counts = layers[stage_of_chunk(c, d.pp)]
+        counts[0] += n - n_dense
+        counts[1] += n_dense
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
     # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
     logits = loss_bytes(model, tokens, cross_entropy)
 
     grad_bytes = grad_bytes_per_param(grad_precision)
+    opt_bytes = opt.state_bytes_per_param
+    working_of = {dense: (1 + BACKWARD_WORKING) * per_layer[dense, Recompute.none]
+                  - per_layer[dense, policy] for dense in (False, True)}
     names = ("params", "grads", "optimizer", "activations", "activation_working", "comm_buffers",
              "logits", "optimizer_step_workspace", "allocator_reserve")
 
@@ -240,11 +244,10 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         moe, dense = layers[i]
         p = params[i]
         shard = p.optimizer_shard(d, sharding)  # the states (and update) this GPU holds
-        states = (WEIGHT_BYTES * p.total, grad_bytes * p.total, opt.state_bytes_per_param * shard)
+        states = (WEIGHT_BYTES * p.total, grad_bytes * p.total, opt_bytes * shard)
         stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
         activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
-        working = ((1 + BACKWARD_WORKING) * per_layer[moe == 0, Recompute.none]
-                   - per_layer[moe == 0, policy]) if moe + dense else 0.0
+        working = working_of[moe == 0] if moe + dense else 0.0
         loss = logits if i == d.pp - 1 else 0.0
         step = OPTIMIZER_STEP_WORKSPACE_BYTES * shard
         transient = max(activations + buffers + max(working, loss), step)
