@@ -76,7 +76,7 @@ CASES: dict[str, Callable[[], Plan]] = {
     "deepseek4l_1gpu_mbs4_sel": case("deepseek4l", mbs=4, recompute=SEL),
     "mixtral2l_1gpu_mbs4": case("mixtral2l", mbs=4),
     "mixtral2l_1gpu_mbs8_full": case("mixtral2l", mbs=8, recompute=FULL),
-    # the materialized loss (12 bytes per logit) beside the default chunked one
+    # the materialized loss (12 bytes per logit) beside the chunked one the cases run
     "qwen4l_1gpu_mbs4_materialized": case("qwen4l", mbs=4, cross_entropy=MATERIALIZED),
     "deepseek4l_1gpu_mbs8_materialized": case("deepseek4l", mbs=8, cross_entropy=MATERIALIZED),
     # two GPUs
