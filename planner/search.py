@@ -200,8 +200,21 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             stats.pruned_memory += entry.options
             continue
         groups = _option_groups(options, exhaustive)
+        # per dispatcher, the lowest-precision sync's best bounds the others: a higher
+        # precision needs at least as much recomputation and sync traffic, and saves at most
+        # the optimizer step's cast (bounded here by the whole optimizer step)
+        floor: dict = {}
         for group in groups:
+            dispatch = group[0][0]
+            if not exhaustive and dispatch in floor and (
+                    floor[dispatch] is None
+                    or (len(kept) == top and floor[dispatch] >= -kept[0][0])):
+                stats.dominated += len(group)
+                continue
             ranked, tried = _best_of_group(entry.plan, group)
+            if not exhaustive and dispatch not in floor:
+                floor[dispatch] = None if ranked is None else (
+                    ranked.evaluation.step_time_s - ranked.evaluation.breakdown_s["optimizer"])
             stats.evaluated += tried
             stats.dominated += len(group) - tried
             if ranked is None:
@@ -228,8 +241,9 @@ def _option_groups(options: list, exhaustive: bool) -> list[list]:
         return [[o] for o in options]
     overlap = max({o[1] for o in options}, key=_OVERLAP_STRENGTH.index)
     groups = []
+    syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)  # the leanest first
     for dispatch in dict.fromkeys(o[0] for o in options):
-        for sync in dict.fromkeys(o[3] for o in options):
+        for sync in syncs:
             same = [o for o in options if o[0] == dispatch and o[3] == sync]
             group = [o for o in same if o[1] == overlap]
             group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
