@@ -131,6 +131,7 @@ def layer_activation_terms(
     return {name: b * tokens for name, b in terms.items()}
 
 
+@lru_cache(maxsize=65536)
 def layer_activation_bytes(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1,
