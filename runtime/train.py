@@ -150,7 +150,8 @@ class _Progress:
 def _on_sigterm(rank: int, progress: type[_Progress]):
     def handler(_signum, _frame):
         print(f"error: rank {rank}: stopped by SIGTERM during step {progress.step + 1} "
-              "(the launcher stops every rank when one fails)", file=sys.stderr, flush=True)
+              "(the launcher was stopped, or stopped the ranks after one failed)",
+              file=sys.stderr, flush=True)
         os._exit(EXIT_SIGTERM)
 
     return handler
