@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
 
@@ -38,7 +39,7 @@ MIN_STEP_S = 40
 """A step that would get less than this is skipped rather than started."""
 
 
-class _Step(BaseModel):
+class _Step(BaseModel, ABC):
     model_config = ConfigDict(extra="forbid", frozen=True)
     RESULT: ClassVar[type[BaseModel] | None] = None
     """The typed document the step's result is read back as."""
@@ -48,8 +49,9 @@ class _Step(BaseModel):
     def plan_path(self) -> Path | None:
         return None
 
+    @abstractmethod
     def ranks(self) -> int:
-        raise NotImplementedError
+        """Processes the step launches."""
 
     def gpus_needed(self) -> int:
         return self.ranks()

@@ -156,16 +156,19 @@ HEAD_BYTES_PER_TOKEN_H = 10 + 2
 def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy) -> float:
     """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
 
-    materialized: 12 bytes per logit. chunked: the gradients it computes in forward and keeps
-    to backward, of the hidden states (2 T h) and of the head's weight (fp32, 4 V h), plus at
-    its peak one chunk's weight-gradient GEMM output and its fp32 copy (6 V h) and one chunk's
-    logits (CHUNK_BYTES_PER_LOGIT x min(T V, CHUNK_LOGITS))."""
+    materialized: 12 bytes per logit. chunked (runtime.loss), an upper bound over its phases:
+    the gradients it computes in forward and keeps to backward, of the hidden states (2 T h)
+    and of the head's weight (at most 4 V h: fp32 over several chunks), one chunk's
+    weight-gradient GEMM output or, in backward, the scaled weight gradient and its cast
+    (at most 6 V h), and one chunk's logits (CHUNK_BYTES_PER_LOGIT x min(T V, CHUNK_LOGITS))."""
     v, h = model.vocab, model.hidden
     if kind == CrossEntropy.materialized:
         head = LOSS_BYTES_PER_LOGIT * tokens * v
     else:
         head = 2 * tokens * h + 10 * v * h + CHUNK_BYTES_PER_LOGIT * min(tokens * v, CHUNK_LOGITS)
     return head + HEAD_BYTES_PER_TOKEN_H * tokens * h
+
+
 ALLOCATOR_RESERVE = 0.03
 """Reserved over allocated bytes of the caching allocator (expandable segments,
 runtime.memory.configure_allocator), per byte of the step's transients (above the resident

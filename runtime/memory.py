@@ -69,6 +69,7 @@ PHASES = (Component.forward, Component.loss, Component.backward, Component.grad_
 """The phases of a step the memory benchmark reports a peak for (``loss`` is inside
 ``forward`` on the last stage; a pipeline schedule opens forward and backward once per
 micro-batch and chunk)."""
+_PHASE_NAMES = frozenset(p.value for p in PHASES)
 
 
 @dataclass
@@ -103,7 +104,7 @@ class MemoryPhases:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def __call__(self, name: str, entering: bool) -> None:
-        if name not in {p.value for p in PHASES}:
+        if name not in _PHASE_NAMES:
             return
         torch.cuda.synchronize(self.device)
         self._read()

@@ -18,7 +18,7 @@ def update_use_dist_ckpt(args):
 
 
 def print_rank_0(message, rank=None):
-    pass
+    """Megatron's rank-0 logging, silenced: the checks' refusals are what the tests read."""
 
 
 def warn_rank_0(message, rank=None):
