@@ -70,6 +70,10 @@ LAYER_OPS = {
 }
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON result (rank 0 writes it)")
@@ -79,6 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, help="override the model's expert count")
     p.add_argument("--seq", type=int, default=8192, help="sequence length (micro-batch 1)")
     p.add_argument("--max-top-k", type=int, default=8)
+    p.add_argument("--sweep-hidden", type=_ints, help="comma-separated hidden sizes to sweep")
+    p.add_argument("--sweep-experts", type=_ints, help="comma-separated expert counts to sweep")
+    p.add_argument("--sweep-seq", type=_ints,
+                   help="comma-separated sequence lengths to sweep (tokens per rank = seq / N)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -165,33 +173,24 @@ def predict(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dis
 # ---- measurement ----------------------------------------------------------------------------
 
 
-def measure(args) -> int:
+def measure_rows(args, hidden: int, experts: int, seq: int, group, device, dtype,
+                 gen) -> list[dict]:
+    """Every top-k of one shape: both dispatchers' dispatch + combine (forward, forward +
+    backward), the raw collectives of the cost model's transfers, and the predictions."""
     import torch
-    import torch.distributed as dist
-    from _dist_bench import collective_fn, finish, init, slowest, timed
+    from _dist_bench import collective_fn, slowest, timed
 
     from runtime.moe import Routing
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
 
-    rank, n, device, dtype = init()
-    if n < 2:
-        print("error: run under torchrun with at least 2 processes (the EP group)",
-              file=sys.stderr)
-        return 2
-    base = model_spec(args, 1)
-    h, experts = base.hidden, base.experts
-    if experts % n or args.seq % n:
-        print(f"error: {n} ranks must divide the experts ({experts}) and --seq ({args.seq})",
-              file=sys.stderr)
-        return 2
-    tokens = int(tokens_per_rank(1, args.seq, n))
-    group = dist.group.WORLD
-    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
-    x = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen)
-    grad_out = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen)
+    n = dist_world()
+    rank = dist_rank()
+    tokens = int(tokens_per_rank(1, seq, n))
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    grad_out = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
     rows = []
-    for k in top_ks(args):
-        model = model_spec(args, k)
+    for k in range(1, min(args.max_top_k, experts) + 1):
+        model = shape_spec(args, hidden, experts, k)
         scores = torch.rand(tokens, experts, device=device, generator=gen)
         indices = scores.topk(k, dim=-1).indices
         logits = torch.randn(tokens, k, device=device, generator=gen)
@@ -213,7 +212,7 @@ def measure(args) -> int:
 
             fwd = timed(lambda step=step: step(False), device, args.warmup, args.repeats)
             fwd_bwd = timed(lambda step=step: step(True), device, args.warmup, args.repeats)
-            pred = predict(model, args.cluster, n, args.seq, d)
+            pred = predict(model, args.cluster, n, seq, d)
             raw = [slowest(timed(collective_fn(t, device, dtype), device, args.warmup,
                                  args.repeats), device) for t in vol.ep_ffn(model, tokens, n, d)]
             for t, s in zip(pred["transfers"], raw, strict=True):
@@ -226,20 +225,78 @@ def measure(args) -> int:
         rows.append(row)
         if rank == 0:
             a, g = row["a2a"], row["ag_rs"]
-            print(f"top-{k}: a2a {a['measured']['fwd_bwd_s'] * 1e3:8.3f} ms (pred "
+            print(f"h{hidden} e{experts} t{tokens} top-{k}: a2a "
+                  f"{a['measured']['fwd_bwd_s'] * 1e3:8.3f} ms (pred "
                   f"{a['predicted']['layer_ops']['fwd_bwd_s'] * 1e3:7.3f})  ag+rs "
                   f"{g['measured']['fwd_bwd_s'] * 1e3:8.3f} ms (pred "
                   f"{g['predicted']['layer_ops']['fwd_bwd_s'] * 1e3:7.3f})  fwd+bwd", flush=True)
+    return rows
+
+
+def dist_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def shape_spec(args, hidden: int, experts: int, top_k: int) -> ModelSpec:
+    base = catalog.load_model(args.model)
+    return ModelSpec.model_validate({**base.model_dump(), "hidden": hidden, "experts": experts,
+                                     "top_k": top_k})
+
+
+def sweep_shapes(args, experts_default: int, hidden_default: int) -> list[tuple[int, int, int]]:
+    """(hidden, experts, seq) of every measured shape: the grid of --sweep-* lists, or the one
+    shape of --hidden / --experts / --seq."""
+    hiddens = args.sweep_hidden or [hidden_default]
+    expert_counts = args.sweep_experts or [experts_default]
+    seqs = args.sweep_seq or [args.seq]
+    return [(h, e, s) for h in hiddens for e in expert_counts for s in seqs]
+
+
+def measure(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from _dist_bench import finish, init
+
+    rank, n, device, dtype = init()
+    if n < 2:
+        print("error: run under torchrun with at least 2 processes (the EP group)",
+              file=sys.stderr)
+        return 2
+    base = model_spec(args, 1)
+    shapes = sweep_shapes(args, base.experts, base.hidden)
+    for _h, experts, seq in shapes:
+        if experts % n or seq % n:
+            print(f"error: {n} ranks must divide the experts ({experts}) and the sequence "
+                  f"({seq})", file=sys.stderr)
+            return 2
+    group = dist.group.WORLD
+    gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
+    configs = []
+    for h, experts, seq in shapes:
+        rows = measure_rows(args, h, experts, seq, group, device, dtype, gen)
+        configs.append({"hidden": h, "experts": experts, "seq_len": seq,
+                        "tokens_per_rank": rows[0]["tokens_per_rank"], "rows": rows,
+                        "crossover_top_k": crossovers(rows)})
     if rank == 0:
         picks = json.loads(args.picks.read_text()) if args.picks and args.picks.exists() else None
+        first = configs[0]
         result = {
             **metadata(),
             "benchmark": "EP dispatch + combine vs top-k: runtime dispatchers vs cost model",
             "world": n,
             "backend": dist.get_backend(),
             "dtype": str(dtype).removeprefix("torch."),
-            "model": args.model, "cluster_spec": args.cluster, "hidden": h, "experts": experts,
-            "seq_len": args.seq, "micro_batch": 1, "tokens_per_rank": tokens,
+            "model": args.model, "cluster_spec": args.cluster, "hidden": first["hidden"],
+            "experts": first["experts"], "seq_len": first["seq_len"], "micro_batch": 1,
+            "tokens_per_rank": first["tokens_per_rank"],
             "warmup": args.warmup, "repeats": args.repeats,
             "prediction_sources": {
                 "collectives": "cost_models.volumes.ep_ffn + volumes.transfer_s (comm.py); "
@@ -250,21 +307,26 @@ def measure(args) -> int:
                 "layer_timing_exposed_s": "cost_models.layer.layer_timing(plan).exposed_comm_s"
                                           "[ep_dispatch + ep_combine], forward + backward",
             },
-            "rows": rows,
-            "crossover_top_k": {
-                "measured_fwd": crossover(rows, "measured.fwd_s"),
-                "measured_fwd_bwd": crossover(rows, "measured.fwd_bwd_s"),
-                "measured_collectives_fwd": crossover(rows, "measured.collectives_fwd_s"),
-                "predicted_collectives": crossover(rows, "predicted.collectives.fwd_s"),
-                "predicted_layer_ops_fwd_bwd": crossover(rows, "predicted.layer_ops.fwd_bwd_s"),
-            },
+            "rows": first["rows"],
+            "crossover_top_k": first["crossover_top_k"],
+            "configs": configs,
             "planner_picks": picks,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"crossover top-k: {result['crossover_top_k']} -> {args.out}")
+        print(f"{len(configs)} shapes -> {args.out}")
     finish(n)
     return 0
+
+
+def crossovers(rows: list[dict]) -> dict:
+    return {
+        "measured_fwd": crossover(rows, "measured.fwd_s"),
+        "measured_fwd_bwd": crossover(rows, "measured.fwd_bwd_s"),
+        "measured_collectives_fwd": crossover(rows, "measured.collectives_fwd_s"),
+        "predicted_collectives": crossover(rows, "predicted.collectives.fwd_s"),
+        "predicted_layer_ops_fwd_bwd": crossover(rows, "predicted.layer_ops.fwd_bwd_s"),
+    }
 
 
 # ---- planner (CPU machine) ------------------------------------------------------------------

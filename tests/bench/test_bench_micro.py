@@ -58,6 +58,21 @@ def test_dispatch_script(tmp_path):
         assert a2a == 64 * row["top_k"] * 64 * 2 and ag == 2 * 64 * 64 * 2
 
 
+def test_dispatch_sweep(tmp_path):
+    out = tmp_path / "sweep.json"
+    r = _run("bench/dispatch_gpu.py", *TINY, "--max-top-k", "2", "--sweep-hidden", "32,64",
+             "--sweep-experts", "4", "--sweep-seq", "64,128", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    shapes = [(c["hidden"], c["experts"], c["tokens_per_rank"]) for c in res["configs"]]
+    assert shapes == [(32, 4, 32), (32, 4, 64), (64, 4, 32), (64, 4, 64)]
+    for c in res["configs"]:
+        assert [row["top_k"] for row in c["rows"]] == [1, 2]
+        for row in c["rows"]:
+            assert row["a2a"]["measured"]["fwd_bwd_s"] > 0
+            assert row["ag_rs"]["measured"]["fwd_bwd_s"] > 0
+
+
 def test_layers_script(tmp_path):
     out = tmp_path / "l.json"
     r = _run("bench/layers_gpu.py", "--hidden", "64", "--ffn-hidden", "128", "--experts", "4",
