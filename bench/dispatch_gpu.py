@@ -46,15 +46,10 @@ from _meta import metadata  # noqa: E402
 from cost_models import volumes as vol  # noqa: E402
 from cost_models.layer import layer_key, layer_timing  # noqa: E402
 from cost_models.layer_graph import forward_graph  # noqa: E402
+from planner.dispatch_fit import point_plan  # noqa: E402
 from plans import (  # noqa: E402
-    EPFFN,
-    Degrees,
     Dispatch,
-    Overlap,
-    Plan,
-    Recompute,
     TrainingSpec,
-    UlyssesAttention,
     catalog,
 )
 from plans.layout import tokens_per_rank  # noqa: E402
@@ -135,25 +130,12 @@ def _get(row: dict, dispatcher: str, key: str) -> float:
 # ---- cost model -----------------------------------------------------------------------------
 
 
-def bench_plan(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dispatch
-               ) -> Plan:
-    """One node of n GPUs, Ulysses SP = EP = n, micro-batch 1, run as the runtime runs it
-    (no overlap, no recomputation)."""
-    return Plan(
-        model=model.model_copy(update={"layers": 1, "dense_layers": 0}),
-        cluster=catalog.load_cluster(cluster_name, gpus=n),
-        training=TrainingSpec(global_batch=1, seq_len=seq), degrees=Degrees(sp=n, ep=n),
-        attention=UlyssesAttention(), ffn=EPFFN(dispatch=dispatch), stage_layers=(1,),
-        micro_batch_size=1, overlap=Overlap.none, recompute=Recompute.none,
-    )
-
-
 def predict(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dispatch) -> dict:
     cluster = catalog.load_cluster(cluster_name, gpus=n)
     tokens = tokens_per_rank(1, seq, n)  # the sequence sharded over sp = ep = n
     transfers = vol.ep_ffn(model, tokens, n, dispatch)
     coll = [vol.transfer_s(t, cluster) for t in transfers]
-    plan = bench_plan(model, cluster_name, n, seq, dispatch)
+    plan = point_plan(model, cluster, n, seq, dispatch)
     graph = forward_graph(layer_key(plan))
     ops = [graph.nodes[name]["op"] for name in LAYER_OPS[dispatch]]
     fwd = sum(op.duration_s for op in ops)

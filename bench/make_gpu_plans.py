@@ -22,6 +22,7 @@ from plans import (
     TPFFN,
     Degrees,
     Dispatch,
+    Kernels,
     Overlap,
     PipelineSchedule,
     Plan,
@@ -49,6 +50,7 @@ def plan(gpus: int, degrees: Degrees, layers: int = 2, **kw) -> Plan:
         attention=UlyssesAttention(), ffn=EPFFN(dispatch=Dispatch.all_to_all),
         stage_layers=(layers // chunks,) * chunks, micro_batch_size=1,
         overlap=Overlap.none, recompute=Recompute.none, grad_sync_precision=Precision.bf16,
+        kernels=Kernels.eager,
     )
     return Plan(**{**base, **kw})
 
@@ -58,6 +60,13 @@ PLANS = {
     "mixtral2l_1gpu_recompute_selective": plan(1, Degrees(), recompute=Recompute.selective),
     "mixtral2l_1gpu_recompute_full": plan(1, Degrees(), recompute=Recompute.full),
     "mixtral2l_1gpu_mbs2": plan(1, Degrees(), micro_batch_size=2),
+    # the whole batch in one micro-batch: no gradient accumulation between micro-batches
+    "mixtral2l_1gpu_mbs8": plan(1, Degrees(), micro_batch_size=8),
+    "mixtral2l_dp2_ep2_mbs4": plan(2, Degrees(dp=2, ep=2), micro_batch_size=4),
+    "mixtral2l_dp2_ep2_ag_mbs4": plan(2, Degrees(dp=2, ep=2), micro_batch_size=4,
+                                      ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
+    "mixtral2l_sp2_ep2_ag_mbs8": plan(2, Degrees(sp=2, ep=2), micro_batch_size=8,
+                                      ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
     "mixtral2l_sp2_ep2_a2a": plan(2, Degrees(sp=2, ep=2)),
     "mixtral2l_sp2_ep2_ag": plan(2, Degrees(sp=2, ep=2),
                                  ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),

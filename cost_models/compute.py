@@ -36,6 +36,12 @@ def memory_s(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.hbm)
 
 
+def gather_scatter_s(nbytes: float, cluster: ClusterSpec) -> float:
+    """An eager token-permutation pass (cost_models.dispatch), ``nbytes`` counted pass by pass,
+    at ``efficiency.gather_scatter`` of peak HBM bandwidth."""
+    return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.gather_scatter)
+
+
 def elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:
     """A layer's memory-bound operator, ``nbytes`` its fused-kernel traffic, at
     ``efficiency.elementwise`` of peak HBM bandwidth."""

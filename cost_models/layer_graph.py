@@ -18,6 +18,7 @@ import networkx as nx
 
 from cost_models import compute as cc
 from cost_models import volumes as vol
+from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
 from plans.layout import tokens_per_rank
@@ -27,6 +28,7 @@ from plans.plan import (
     CPAttention,
     Dispatch,
     FFNStrategy,
+    Kernels,
     Recompute,
     TPAttention,
     UlyssesAttention,
@@ -42,6 +44,9 @@ class OpKind(StrEnum):
     attention = "attention"
     memory = "memory"
     comm = "comm"
+    host = "host"
+    """GPU time lost to the host: the eager dispatch's wait for its split sizes
+    (cost_models.dispatch)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class LayerKey:
     attention: AttentionStrategy
     ffn: FFNStrategy
     recompute: Recompute
+    kernels: Kernels
     dense: bool
     """A dense-FFN layer (model.dense_layers) instead of MoE."""
 
@@ -134,6 +140,17 @@ class _Builder:
         op = Op(name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
                 (cc.elementwise_s(bwd_bytes, c),), selective=selective)
         return self.add(op, *after)
+
+    def permutation(self, name: str, fwd_bytes: float, bwd_bytes: float,
+                    *after: str | None) -> str:
+        """An eager token-permutation step (cost_models.dispatch) at the gather/scatter rate."""
+        c = self.key.cluster
+        op = Op(name, OpKind.memory, cc.gather_scatter_s(fwd_bytes, c),
+                (cc.gather_scatter_s(bwd_bytes, c),))
+        return self.add(op, *after)
+
+    def host_wait(self, name: str, seconds: float, *after: str | None) -> str:
+        return self.add(Op(name, OpKind.host, seconds, (0.0,)), *after)
 
     def attention(self, name: str, flops: float, *after: str | None) -> str:
         """The attention core (RoPE and FlashAttention): what Recompute.selective reruns."""
@@ -234,10 +251,24 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
         per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)
     rows = per_expert * local
     row_bytes = h * AB
+    eager = eager_permutation(k.ffn.dispatch if isinstance(k.ffn, EPFFN) else None, n) \
+        if k.kernels == Kernels.eager else None
+    # Rows of tokens the eager combine scatters into: this rank's, or the group's after an
+    # all-gather.
+    token_rows = n * t if eager is ALL_GATHER else t
+
+    def permutation(name: str, fused_fwd: float, fused_bwd: float, eager_fwd: Passes | None,
+                    eager_bwd: Passes | None, *after: str | None) -> str:
+        if eager_fwd is None or eager_bwd is None:
+            return g.memory(name, fused_fwd * row_bytes, fused_bwd * row_bytes, *after)
+        return g.permutation(name, eager_fwd.rows(rows, token_rows) * row_bytes,
+                             eager_bwd.rows(rows, token_rows) * row_bytes, *after)
+
+    e_fwd = eager.dispatch_fwd if eager else None
+    e_bwd = eager.dispatch_bwd if eager else None
     if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
         send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
-        perm = g.memory("dispatch_permute", (t + rows) * row_bytes, (t + rows) * row_bytes,
-                        norm, topk)
+        perm = permutation("dispatch_permute", t + rows, t + rows, e_fwd, e_bwd, norm, topk)
         ready = g.comm("ep_dispatch", send, perm, fuse_with="expert_fc13", rows=rows)
         shared = _shared_experts(g, norm, t, 1)
     else:
@@ -245,23 +276,42 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
                       if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
         # All-gather every rank's tokens, then pick the rows routed to local experts.
         arrived = g.comm(send.kind.value, send, norm, fuse_with="expert_fc13", rows=rows)
-        ready = g.memory("dispatch_scatter", 2 * rows * row_bytes,
-                         (rows + n * t) * row_bytes, arrived, topk)
+        ready = permutation("dispatch_scatter", 2 * rows, rows + n * t, e_fwd, e_bwd,
+                            arrived, topk)
         # Shared experts are replicated under EP (local tokens), split by etp under TP.
         shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens, k.etp)
     fc13 = g.grouped("expert_fc13", local, per_expert, 2 * width, h, ready)
     act = _swiglu(g, "expert_", rows, width, fc13)
     fc2 = g.grouped("expert_fc2", local, per_expert, h, width, act)
+    e_fwd = eager.combine_fwd if eager else None
+    e_bwd = eager.combine_bwd if eager else None
     if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
         returned = g.comm("ep_combine", back, fc2, fuse_with="expert_fc2", rows=rows)
-        out = g.memory("combine_unpermute", (rows + t) * row_bytes, (rows + t) * row_bytes,
-                       returned, topk)
+        out = permutation("combine_unpermute", rows + t, rows + t, e_fwd, e_bwd, returned, topk)
     else:
         # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.
-        gathered = g.memory("combine_gather", (rows + n * t) * row_bytes,
-                            2 * rows * row_bytes, fc2, topk, shared if k.etp > 1 else None)
+        gathered = permutation("combine_gather", rows + n * t, 2 * rows, e_fwd, e_bwd, fc2, topk,
+                               shared if k.etp > 1 else None)
         out = g.comm(back.kind.value, back, gathered, fuse_with="expert_fc2", rows=rows)
+    if eager is not None and eager.host_sync:
+        # The dispatch waits on the host, then the CPU launches its small kernels one by one:
+        # the layer's dispatch + combine (forward and backward) never takes less than the
+        # measured floor; the shortfall is GPU time lost to the host.
+        floor_s = k.cluster.efficiency.dispatch_floor_us.of(
+            k.ffn.dispatch if isinstance(k.ffn, EPFFN) else Dispatch.allgather_reduce_scatter
+        ) * 1e-6
+        moved = sum(g.graph.nodes[name]["op"].duration_s + sum(g.graph.nodes[name]["op"].bwd)
+                    for name in g.graph if name in DISPATCH_COMBINE_OPS)
+        if floor_s > moved:
+            out = g.host_wait("dispatch_host_wait", floor_s - moved, out)
     return (out, shared)
+
+
+DISPATCH_COMBINE_OPS = frozenset({
+    "dispatch_permute", "ep_dispatch", "dispatch_scatter", "combine_gather", "ep_combine",
+    "combine_unpermute", "etp_all_gather", "etp_reduce_scatter"})
+"""The forward operators that move tokens to and from the experts (dispatch and combine);
+their collectives are named after their kind."""
 
 
 def forward_graph(key: LayerKey) -> nx.DiGraph:

@@ -32,7 +32,7 @@ from plans import (
     TrainingSpec,
     UlyssesAttention,
 )
-from plans.enums import AttentionKind
+from plans.enums import AttentionKind, Kernels
 from plans.execution import Backend, executes
 
 
@@ -92,6 +92,8 @@ class SearchSpace:
     """Every plan overlaps its DP gradient sync with the backward."""
     grad_accumulation_fusion: bool = True
     """Every plan fuses gradient accumulation into the weight-gradient GEMMs."""
+    kernels: Kernels = Kernels.fused
+    """Every plan's memory-bound kernels (fused when the runtime has them)."""
 
     def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
         """This space narrowed to what moeplan's runtime executes as written on ``backend``
@@ -108,8 +110,9 @@ class SearchSpace:
         sync_overlap = self.grad_sync_overlap and executes("grad_sync_overlap", True, backend)
         fusion = self.grad_accumulation_fusion and executes("grad_accumulation_fusion", True,
                                                             backend)
+        kernels = self.kernels if executes("kernels", self.kernels, backend) else Kernels.eager
         return replace(self, **kept, grad_sync_overlap=sync_overlap,
-                       grad_accumulation_fusion=fusion)
+                       grad_accumulation_fusion=fusion, kernels=kernels)
 
     def layouts(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 ) -> Iterator[Layout]:

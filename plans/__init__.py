@@ -12,10 +12,10 @@ _WHERE = {
     "SpecError": "plans.errors",
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
     "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
-    "OptimizerSharding": "plans.enums",
+    "OptimizerSharding": "plans.enums", "Kernels": "plans.enums", "Dispatch": "plans.enums",
     **dict.fromkeys((
         "EPFFN", "SCHEMA_VERSION", "TPFFN", "AttentionStrategy", "CPAttention", "Degrees",
-        "Dispatch", "FFNStrategy", "MeshAxis", "PipelineSchedule", "Plan", "Prediction",
+        "FFNStrategy", "MeshAxis", "PipelineSchedule", "Plan", "Prediction",
         "TPAttention", "UlyssesAttention"), "plans.plan"),
     **dict.fromkeys((
         "ClusterSpec", "Efficiency", "GPUSpec", "ModelSpec", "NetworkSpec", "NodeSpec",
@@ -25,7 +25,8 @@ _WHERE = {
 __all__ = [
     "SCHEMA_VERSION", "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec",
     "CrossEntropy",
-    "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "MeshAxis",
+    "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "Kernels",
+    "MeshAxis",
     "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
     "PipelineSchedule", "Plan",
     "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec",
@@ -48,7 +49,7 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
-    from plans.enums import AttentionKind, Overlap, Precision, Recompute
+    from plans.enums import AttentionKind, Dispatch, Kernels, Overlap, Precision, Recompute
     from plans.errors import SpecError
     from plans.plan import (
         EPFFN,
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
         AttentionStrategy,
         CPAttention,
         Degrees,
-        Dispatch,
         FFNStrategy,
         MeshAxis,
         PipelineSchedule,

@@ -26,6 +26,30 @@ class Overlap(StrEnum):
     """Plus tile-level fused communication inside GEMMs (copy engines)."""
 
 
+class Dispatch(StrEnum):
+    """How tokens reach their experts across the EP group (paper Sec. 3.2)."""
+
+    all_to_all = "all_to_all"
+    """All-to-all(v) of routed tokens there and back."""
+    allgather_reduce_scatter = "allgather_reduce_scatter"
+    """All-gather + local scatter to dispatch; local gather + reduce-scatter to combine."""
+
+
+class Kernels(StrEnum):
+    """How a layer's memory-bound operators (norms, RoPE, SwiGLU, routing, token permutation)
+    run."""
+
+    fused = "fused"
+    """Fused kernels: each operator one pass over its activations, no host synchronisation in
+    the dispatch (Megatron-Core's, MegaScale-MoE's); priced at the fused bytes at
+    ``efficiency.elementwise``."""
+    eager = "eager"
+    """Unfused PyTorch operators as moeplan's runtime runs them today: the token permutation's
+    row gathers, scatters and index-adds priced pass by pass (cost_models.dispatch) at
+    ``efficiency.gather_scatter``, and an EP dispatch that reads its split sizes on the host
+    never faster than ``efficiency.dispatch_floor_us``."""
+
+
 class Recompute(StrEnum):
     none = "none"
     selective = "selective"

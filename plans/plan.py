@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from plans.enums import CrossEntropy, OptimizerSharding, Overlap, Recompute
+from plans.enums import CrossEntropy, Dispatch, Kernels, OptimizerSharding, Overlap, Recompute
 from plans.specs import (
     MAX_LAYERS,
     ClusterSpec,
@@ -134,15 +134,6 @@ AttentionStrategy = Annotated[
 # ---- FFN strategies ---------------------------------------------------------------------------
 
 
-class Dispatch(StrEnum):
-    """How tokens reach their experts across the EP group (paper Sec. 3.2)."""
-
-    all_to_all = "all_to_all"
-    """All-to-all(v) of routed tokens there and back."""
-    allgather_reduce_scatter = "allgather_reduce_scatter"
-    """All-gather + local scatter to dispatch; local gather + reduce-scatter to combine."""
-
-
 MIN_CAPACITY_FACTOR = 0.01
 """Below 1% of its balanced share an expert would drop nearly every token: a typing mistake (and
 a denormal factor made the cost model drop all tokens while the runtime kept one per expert)."""
@@ -232,6 +223,9 @@ class Plan(Frozen):
     schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     overlap: Overlap = Overlap.inter_intra_op
     recompute: Recompute = Recompute.selective
+    kernels: Kernels = Kernels.fused
+    """Fused memory-bound kernels or eager PyTorch operators (cost_models.dispatch prices the
+    eager token permutation pass by pass)."""
     cross_entropy: CrossEntropy = CrossEntropy.materialized
     """How the last stage computes the LM head and loss (memory: cost_models.memory). The
     search picks chunked only where materialized does not fit: on H200 the chunked loss
@@ -329,8 +323,9 @@ class Plan(Frozen):
 
     def options_notation(self) -> str:
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
-        sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
-        sync is not overlapped, gradient accumulation not fused or the loss chunked."""
+        sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` / `eager` where the gradient
+        sync is not overlapped, gradient accumulation not fused, the loss chunked or the
+        memory-bound kernels unfused."""
         overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
         recompute = {"none": "none", "selective": "sel", "full": "full"}
         sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
@@ -342,6 +337,8 @@ class Plan(Frozen):
             out += " no-gaf"
         if self.cross_entropy != CrossEntropy.materialized:
             out += f" ce:{self.cross_entropy.value}"
+        if self.kernels == Kernels.eager:
+            out += " eager"
         return out
 
     def summary(self) -> str:

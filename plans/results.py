@@ -174,6 +174,55 @@ class Sweep(Result):
     rows: list[SweepRow]
 
 
+# ---- EP dispatchers ------------------------------------------------------------------------------
+
+
+class DispatchTimes(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    fwd_s: PositiveFloat
+    fwd_bwd_s: PositiveFloat
+
+
+class DispatcherRow(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    measured: DispatchTimes
+
+
+class DispatchRow(BaseModel):
+    """One top-k of one shape: each dispatcher's dispatch + combine."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    top_k: PositiveInt
+    a2a: DispatcherRow
+    ag_rs: DispatcherRow
+
+    def of(self, short: str) -> DispatcherRow:
+        return self.a2a if short == "a2a" else self.ag_rs
+
+
+class DispatchShape(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    hidden: PositiveInt
+    experts: PositiveInt
+    seq_len: PositiveInt
+    tokens_per_rank: PositiveInt
+    rows: list[DispatchRow] = Field(min_length=1)
+
+
+class DispatchSweep(Result):
+    """The runtime's EP dispatchers over shapes and top-k (one shape for results written
+    before the sweep flags existed)."""
+
+    SOURCE: ClassVar[str] = "bench/dispatch_gpu.py"
+
+    world: int = Field(ge=2)
+    configs: list[DispatchShape] = Field(min_length=1)
+
+
 # ---- reading ------------------------------------------------------------------------------------
 
 R = TypeVar("R", bound=BaseModel)

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from plans.enums import Precision
+from plans.enums import Dispatch, Precision
 
 
 class Frozen(BaseModel):
@@ -290,6 +290,16 @@ class NetworkSpec(Frozen):
     """Latency of one network collective step."""
 
 
+class DispatchFloors(Frozen):
+    """A time per EP dispatcher (plans.enums.Dispatch), in microseconds."""
+
+    all_to_all: Annotated[float, Field(ge=0)] = 3840.0
+    allgather_reduce_scatter: Annotated[float, Field(ge=0)] = 3290.0
+
+    def of(self, dispatch: Dispatch) -> float:
+        return getattr(self, dispatch.value)
+
+
 class Efficiency(Frozen):
     """Achievable fractions of peak; calibration on real GPUs replaces these."""
 
@@ -306,6 +316,16 @@ class Efficiency(Frozen):
     """Achieved HBM bandwidth / peak of a layer's memory-bound operators (norms, SwiGLU,
     routing, permutations, residual adds), counted at their fused-kernel bytes: an unfused
     implementation makes extra passes over the activations and lands well below ``hbm``."""
+    gather_scatter: Fraction = 0.304
+    """Achieved HBM bandwidth / peak of the eager runtime's token permutation (row gathers,
+    scatters and index-adds, counted pass by pass in cost_models.dispatch): used for plans with
+    ``kernels: eager``. Default: the fit to moeplan's dispatchers on 2 H200s
+    (bench/results/h200/dispatch_sweep_x2.json, planner.dispatch_fit)."""
+    dispatch_floor_us: DispatchFloors = DispatchFloors()
+    """Least time of one MoE layer's eager EP dispatch + combine, forward and backward, per
+    dispatcher: the dispatch waits on the host for its split sizes (all-to-all) or kept rows
+    (all-gather), so the GPU idles while the CPU launches the following small kernels. Same
+    source as ``gather_scatter``; applies to ``kernels: eager`` with EP > 1."""
     nvlink: Fraction = 0.80
     """Achieved NVLink bus bandwidth / peak for ring collectives."""
     nvlink_all_to_all: Fraction = 0.65
