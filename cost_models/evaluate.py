@@ -178,8 +178,8 @@ def evaluate(plan: Plan) -> Evaluation:
     breakdown[Component.optimizer.value] = opt
     components = {k: m * (n_moe * v + n_dense * dense.region_s[k])
                   for k, v in moe.region_s.items()}
-    components |= {c.value: breakdown[c.value] for c in (Component.grad_sync,
-                                                         Component.optimizer)}
+    components[Component.grad_sync.value] = sync
+    components[Component.optimizer.value] = opt
 
     step = sum(breakdown.values())
     tokens = plan.training.tokens_per_step

@@ -67,9 +67,9 @@ def apply_recompute(model: Transformer, operators: frozenset[LayerOperator]) -> 
         return
     for block in model.layers.values():
         covered: set[LayerOperator] = set()
-        wrapped: list[str] = []
+        wrapped: list[str] = []  # module names in the block ("" is the block itself)
         for name, module in block.named_modules():
-            if any(name.startswith(f"{w}.") or not w for w in wrapped):
+            if any(w == "" or name.startswith(f"{w}.") for w in wrapped):
                 continue  # inside a module already recomputed
             runs = next((ops for kind, ops in RECOMPUTE_MODULES if isinstance(module, kind)),
                         None)

@@ -99,3 +99,18 @@ def test_selective_drops_the_core_and_keeps_its_inputs(node_plan):
     assert {k: v for k, v in terms[Recompute.selective].items() if k != "attention_core"} == {
         k: v for k, v in terms[Recompute.none].items() if k != "attention_core"}
     assert terms[Recompute.full] == {"layer_input": 2.0 * m.hidden}
+
+
+def test_components_use_the_runtime_timer_names_and_count_reruns_in_forward(node_plan):
+    from cost_models import evaluate
+    from plans import COMPONENT_KEYS, LAYER_REGIONS
+
+    plan = node_plan("internal-352b")
+    e_none, e_full = (evaluate(plan.model_copy(update={"recompute": r}))
+                      for r in (Recompute.none, Recompute.full))
+    none, full = e_none.components_s, e_full.components_s
+    assert set(none) <= set(COMPONENT_KEYS) and set(none) == set(full)
+    assert none["optimizer"] == e_none.breakdown_s["optimizer"] > 0
+    for c in LAYER_REGIONS:  # every region has work under Ulysses and all-to-all EP
+        assert full[c.value] > none[c.value] > 0
+        assert full[f"{c.value}_bwd"] == none[f"{c.value}_bwd"] > 0
