@@ -48,6 +48,8 @@ from cost_models.layer import layer_key, layer_timing  # noqa: E402
 from cost_models.layer_graph import forward_graph  # noqa: E402
 from planner.dispatch_fit import point_plan  # noqa: E402
 from plans import (  # noqa: E402
+    TIMER_OF,
+    Component,
     Dispatch,
     TrainingSpec,
     catalog,
@@ -57,12 +59,6 @@ from plans.specs import ModelSpec  # noqa: E402
 
 DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
 SHORT = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag_rs"}
-# the layer-graph operators each dispatcher executes (cost_models/layer_graph.py, _moe_ffn)
-LAYER_OPS = {
-    Dispatch.all_to_all: ("dispatch_permute", "ep_dispatch", "ep_combine", "combine_unpermute"),
-    Dispatch.allgather_reduce_scatter: ("ep_dispatch", "dispatch_scatter", "combine_gather",
-                                        "ep_combine"),
-}
 
 
 def _ints(text: str) -> list[int]:
@@ -137,7 +133,9 @@ def predict(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dis
     coll = [vol.transfer_s(t, cluster) for t in transfers]
     plan = point_plan(model, cluster, n, seq, dispatch)
     graph = forward_graph(layer_key(plan))
-    ops = [graph.nodes[name]["op"] for name in LAYER_OPS[dispatch]]
+    # the operators the runtime's dispatcher times (its dispatch and combine regions)
+    ops = [op for _, op in graph.nodes(data="op")
+           if TIMER_OF[op.operator] in (Component.dispatch, Component.combine)]
     fwd = sum(op.duration_s for op in ops)
     bwd = sum(sum(op.bwd) for op in ops)
     timing = layer_timing(plan)
@@ -146,7 +144,7 @@ def predict(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dis
                        "buffer_bytes": t.buffer_bytes, "wire_bytes_per_rank": t.wire_bytes,
                        "predicted_s": s} for t, s in zip(transfers, coll, strict=True)],
         "collectives": {"fwd_s": sum(coll), "fwd_bwd_s": 2 * sum(coll)},
-        "layer_ops": {"ops": list(LAYER_OPS[dispatch]), "fwd_s": fwd, "fwd_bwd_s": fwd + bwd},
+        "layer_ops": {"ops": [op.name for op in ops], "fwd_s": fwd, "fwd_bwd_s": fwd + bwd},
         "layer_timing_exposed_s": sum(timing.exposed_comm_s.get(k, 0.0)
                                       for k in ("ep_dispatch", "ep_combine")),
     }

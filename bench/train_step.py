@@ -27,11 +27,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _meta import metadata  # noqa: E402
 
-from plans import SpecError  # noqa: E402
+from plans import COMPONENT_KEYS, SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, deviations  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
-from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 

@@ -21,6 +21,7 @@ from cost_models.memory import (
 )
 from cost_models.params import chunk_dense_layers, part_params, stage_params_of
 from plans.layout import stage_of_chunk
+from plans.operators import Component
 from plans.plan import Plan, Prediction
 
 
@@ -60,6 +61,11 @@ class Evaluation:
     """One MoE layer, one micro-batch."""
     feasible: bool
     reason: str | None
+    components_s: Mapping[str, float]
+    """The step by the runtime's timer components (``plans.COMPONENT_KEYS``, the keys of a
+    measured step's ``components_s``), on the busiest stage: each layer region's operators
+    over its layers and micro-batches, run back to back (``LayerTiming.region_s``), and the
+    step's ``grad_sync`` and ``optimizer``."""
 
     def prediction(self) -> Prediction:
         return Prediction(
@@ -168,8 +174,12 @@ def evaluate(plan: Plan) -> Evaluation:
     per_param = (cast + FP32_BYTES + 2 * plan.training.optimizer.state_bytes_per_param
                  + FP32_BYTES + WEIGHT_BYTES)
     opt = memory_s(shard * per_param, c)
-    breakdown["grad_sync"] = sync
-    breakdown["optimizer"] = opt
+    breakdown[Component.grad_sync.value] = sync
+    breakdown[Component.optimizer.value] = opt
+    components = {k: m * (n_moe * v + n_dense * dense.region_s[k])
+                  for k, v in moe.region_s.items()}
+    components[Component.grad_sync.value] = sync
+    components[Component.optimizer.value] = opt
 
     step = sum(breakdown.values())
     tokens = plan.training.tokens_per_step
@@ -184,4 +194,5 @@ def evaluate(plan: Plan) -> Evaluation:
         layer=moe,
         feasible=mem.fits,
         reason=mem.reason,
+        components_s=MappingProxyType(components),
     )

@@ -24,6 +24,7 @@ import networkx as nx
 
 from cost_models.layer_graph import LayerKey, Op, OpKind, backward_graph, forward_graph
 from cost_models.schedule import Stream, Task, list_schedule
+from plans.operators import LAYER_REGIONS, TIMER_OF
 from plans.plan import Overlap, Plan
 
 BOTH = frozenset(Stream)
@@ -47,6 +48,11 @@ class LayerTiming:
     """Communication time no compute hid, by CommKind value (backward under the forward kind)."""
     critical_path: tuple[str, ...]
     """Operators on the critical path, forward then backward."""
+    region_s: Mapping[str, float]
+    """Operator seconds per layer region the runtime times (``plans.LAYER_REGIONS``, the
+    operators ``plans.TIMER_OF`` puts in each), run back to back: forward under the
+    component's name, backward under ``<component>_bwd``; reruns of recomputed operators
+    count in the forward one (as the runtime's timers count them)."""
 
     @property
     def total_s(self) -> float:
@@ -152,6 +158,17 @@ def _best(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> _Pass:
     return best
 
 
+def _region_s(fwd: nx.DiGraph, bwd: nx.DiGraph) -> dict[str, float]:
+    out = dict.fromkeys((k for c in LAYER_REGIONS for k in (c.value, f"{c.value}_bwd")), 0.0)
+    for graph, backward in ((fwd, False), (bwd, True)):
+        for _, op in graph.nodes(data="op"):
+            region = TIMER_OF[op.operator]
+            if region in LAYER_REGIONS:
+                key = f"{region.value}_bwd" if backward and not op.recompute else region.value
+                out[key] += op.duration_s
+    return out
+
+
 @lru_cache(maxsize=4096)
 def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
     """Build the layer's graphs once per key and schedule them."""
@@ -169,6 +186,7 @@ def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
         recompute_s=fwd.recompute_s + bwd.recompute_s,
         exposed_comm_s=MappingProxyType(exposed),
         critical_path=fwd.critical_path + bwd.critical_path,
+        region_s=MappingProxyType(_region_s(fwd_graph, bwd_graph)),
     )
 
 

@@ -4,8 +4,10 @@ The forward graph is written out per strategy. The backward graph is derived fro
 operator's gradient runs after the gradients of its consumers; a GEMM becomes a data-gradient
 GEMM on the gradient path and a weight-gradient GEMM nothing waits on; a collective runs
 reversed (all-gather <-> reduce-scatter, all-to-all back), reported under its forward kind and
-fused with the data-gradient of its forward GEMM partner. Recomputed operators rerun in the
-backward graph before the gradients that need their outputs.
+fused with the data-gradient of its forward GEMM partner. Recomputed operators (the plan's
+level as a set of operators, plans.operators.RECOMPUTED) rerun in the backward graph before the
+gradients that need their outputs. Every forward node is one ``plans.LayerOperator``, named by
+its value.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
 from plans.layout import tokens_per_rank
+from plans.operators import RECOMPUTED, TIMER_OF, Component, LayerOperator
 from plans.plan import (
     EPFFN,
     AttentionStrategy,
@@ -36,6 +39,7 @@ from plans.plan import (
 from plans.specs import ClusterSpec, ModelSpec, Precision
 
 AB = cc.ACT_BYTES
+LO = LayerOperator
 
 
 class OpKind(StrEnum):
@@ -79,6 +83,9 @@ class LayerKey:
 @dataclass(frozen=True)
 class Op:
     name: str
+    """The node: the operator's value in the forward graph; with a suffix (``.dgrad``,
+    ``.wgrad``, ``.bwd``) or the prefix ``recompute.`` in the backward graph."""
+    operator: LayerOperator
     kind: OpKind
     duration_s: float
     bwd: tuple[float, ...] = ()
@@ -88,9 +95,6 @@ class Op:
     """GEMM this collective is fused with at tile level (intra-operator overlap)."""
     fuse_rows: float = 0.0
     """Rows of that GEMM; the collective's first 128-row tile chunk is the pipeline fill."""
-    selective: bool = False
-    """Recomputed in backward under Recompute.selective: the attention core (RoPE and
-    FlashAttention), as the runtime reruns it (runtime.parallel.parallelize.apply_recompute)."""
     recompute: bool = False
     """This is a backward-pass rerun of a forward operator."""
 
@@ -120,49 +124,50 @@ class _Builder:
                 self.graph.add_edge(a, op.name)
         return op.name
 
-    def gemm(self, name: str, m: float, n: float, k: float, *after: str | None,
-             selective: bool = False) -> str:
+    def gemm(self, name: LayerOperator, m: float, n: float, k: float, *after: str | None) -> str:
         c, p = self.key.cluster, self.key.precision
         fwd = cc.gemm_s(m, n, k, c, p)
         bwd = (cc.gemm_s(m, k, n, c, p), cc.gemm_s(k, n, m, c, p))
-        return self.add(Op(name, OpKind.gemm, fwd, bwd, selective=selective), *after)
+        return self.add(Op(name.value, name, OpKind.gemm, fwd, bwd), *after)
 
-    def grouped(self, name: str, groups: int, m: float, n: float, k: float,
+    def grouped(self, name: LayerOperator, groups: int, m: float, n: float, k: float,
                 *after: str | None) -> str:
         c, p = self.key.cluster, self.key.precision
         fwd = cc.grouped_gemm_s(groups, m, n, k, c, p)
         bwd = (cc.grouped_gemm_s(groups, m, k, n, c, p), cc.grouped_gemm_s(groups, k, n, m, c, p))
-        return self.add(Op(name, OpKind.grouped_gemm, fwd, bwd), *after)
+        return self.add(Op(name.value, name, OpKind.grouped_gemm, fwd, bwd), *after)
 
-    def memory(self, name: str, fwd_bytes: float, bwd_bytes: float, *after: str | None,
-               selective: bool = False) -> str:
+    def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
+               *after: str | None) -> str:
         c = self.key.cluster
-        op = Op(name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
-                (cc.elementwise_s(bwd_bytes, c),), selective=selective)
+        op = Op(name.value, name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
+                (cc.elementwise_s(bwd_bytes, c),))
         return self.add(op, *after)
 
-    def permutation(self, name: str, fwd_bytes: float, bwd_bytes: float,
+    def permutation(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
                     *after: str | None) -> str:
         """An eager token-permutation step (cost_models.dispatch) at the gather/scatter rate."""
         c = self.key.cluster
-        op = Op(name, OpKind.memory, cc.gather_scatter_s(fwd_bytes, c),
+        op = Op(name.value, name, OpKind.memory, cc.gather_scatter_s(fwd_bytes, c),
                 (cc.gather_scatter_s(bwd_bytes, c),))
         return self.add(op, *after)
 
-    def host_wait(self, name: str, seconds: float, *after: str | None) -> str:
-        return self.add(Op(name, OpKind.host, seconds, (0.0,)), *after)
+    def host_wait(self, seconds: float, *after: str | None) -> str:
+        name = LayerOperator.dispatch_host_wait
+        return self.add(Op(name.value, name, OpKind.host, seconds, (0.0,)), *after)
 
-    def attention(self, name: str, flops: float, *after: str | None) -> str:
-        """The attention core (RoPE and FlashAttention): what Recompute.selective reruns."""
-        c = self.key.cluster
-        op = Op(name, OpKind.attention, cc.flash_attention_fwd_s(flops, c),
-                (cc.flash_attention_bwd_s(flops, c),), selective=True)
+    def attention(self, flops: float, *after: str | None) -> str:
+        """The attention core (RoPE and FlashAttention)."""
+        c, name = self.key.cluster, LayerOperator.flash_attn
+        op = Op(name.value, name, OpKind.attention, cc.flash_attention_fwd_s(flops, c),
+                (cc.flash_attention_bwd_s(flops, c),))
         return self.add(op, *after)
 
-    def comm(self, name: str, t: Transfer, *after: str | None, fuse_with: str | None = None,
-             rows: float = 0.0, selective: bool = False) -> str:
+    def comm(self, name: LayerOperator, t: Transfer, *after: str | None,
+             fuse_with: LayerOperator | None = None, rows: float = 0.0) -> str:
         d = vol.transfer_s(t, self.key.cluster)
-        op = Op(name, OpKind.comm, d, (d,), t.kind, fuse_with, rows, selective)
+        fused = fuse_with.value if fuse_with is not None else None
+        op = Op(name.value, name, OpKind.comm, d, (d,), t.kind, fused, rows)
         return self.add(op, *after)
 
 
@@ -172,60 +177,60 @@ class _Builder:
 def _attention(g: _Builder, x: str | None) -> str:
     k, m = g.key, g.key.model
     h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
-    norm = g.memory("attn_norm", 2 * t * h * AB, 3 * t * h * AB, x)
+    norm = g.memory(LO.attn_norm, 2 * t * h * AB, 3 * t * h * AB, x)
     match k.attention:
         case UlyssesAttention():
             a2a_qkv, a2a_out = vol.ulysses_attention(m, b, s, k.sp)
             kv_dim = vol.kv_heads_sent(m, k.sp) * m.head_dim
-            qkv = g.gemm("qkv_gemm", t, m.q_dim + 2 * kv_dim, h, norm)
-            head_major = g.comm("sp_a2a_qkv", a2a_qkv, qkv, fuse_with="qkv_gemm", rows=t)
+            qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * kv_dim, h, norm)
+            head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, fuse_with=LO.qkv_gemm, rows=t)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.sp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            attn = g.attention("flash_attn", flops, head_major)
-            seq_major = g.comm("sp_a2a_out", a2a_out, attn, fuse_with="out_gemm", rows=t)
-            out = g.gemm("out_gemm", t, h, m.q_dim, seq_major)
+            attn = g.attention(flops, head_major)
+            seq_major = g.comm(LO.sp_a2a_out, a2a_out, attn, fuse_with=LO.out_gemm, rows=t)
+            out = g.gemm(LO.out_gemm, t, h, m.q_dim, seq_major)
         case TPAttention():
             ag, rs = vol.tp_attention(m, b, s, k.tp)
             kv_dim = vol.kv_heads_sent(m, k.tp) * m.head_dim
-            gathered = g.comm("tp_all_gather", ag, norm, fuse_with="qkv_gemm", rows=b * s)
-            qkv = g.gemm("qkv_gemm", b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
+            gathered = g.comm(LO.tp_all_gather, ag, norm, fuse_with=LO.qkv_gemm, rows=b * s)
+            qkv = g.gemm(LO.qkv_gemm, b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            attn = g.attention("flash_attn", flops, qkv)
-            proj = g.gemm("out_gemm", b * s, h, m.q_dim / k.tp, attn)
-            out = g.comm("tp_reduce_scatter", rs, proj, fuse_with="out_gemm", rows=b * s)
+            attn = g.attention(flops, qkv)
+            proj = g.gemm(LO.out_gemm, b * s, h, m.q_dim / k.tp, attn)
+            out = g.comm(LO.tp_reduce_scatter, rs, proj, fuse_with=LO.out_gemm, rows=b * s)
         case CPAttention(zigzag=zigzag):
             (kv,) = vol.cp_attention(m, b, s, k.cp)
-            qkv = g.gemm("qkv_gemm", t, m.q_dim + 2 * m.kv_dim, h, norm)
-            ring = g.comm("cp_kv_exchange", kv, qkv, fuse_with="flash_attn", rows=t)
+            qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * m.kv_dim, h, norm)
+            ring = g.comm(LO.cp_kv_exchange, kv, qkv, fuse_with=LO.flash_attn, rows=t)
             # The slowest rank sets the pace: zig-zag chunks balance the causal mask exactly;
             # contiguous chunks leave the last rank 1 - 1/(2 cp) of its full score rows.
             share = cc.CAUSAL_FRACTION if zigzag else 1 - 1 / (2 * k.cp)
             flops = cc.attention_fwd_flops(b, s / k.cp, s, m.query_heads, m.head_dim, share)
-            attn = g.attention("flash_attn", flops, ring)
-            out = g.gemm("out_gemm", t, h, m.q_dim, attn)
-    return g.memory("attn_residual", 3 * t * h * AB, 0.0, out)
+            attn = g.attention(flops, ring)
+            out = g.gemm(LO.out_gemm, t, h, m.q_dim, attn)
+    return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out)
 
 
-def _swiglu(g: _Builder, prefix: str, rows: float, width: float, fc13: str) -> str:
+def _swiglu(g: _Builder, name: LayerOperator, rows: float, width: float, fc13: str) -> str:
     """SwiGLU: read fc1 and gate outputs, write the product; backward reads 3, writes 2."""
-    return g.memory(f"{prefix}swiglu", 3 * rows * width * AB, 5 * rows * width * AB, fc13)
+    return g.memory(name, 3 * rows * width * AB, 5 * rows * width * AB, fc13)
 
 
 def _dense_ffn(g: _Builder, norm: str) -> str:
     k, m = g.key, g.key.model
     h, t, f = m.hidden, k.tokens, m.dense_ffn_hidden
     if k.tp == 1:
-        fc13 = g.gemm("dense_fc13", t, 2 * f, h, norm)
-        act = _swiglu(g, "dense_", t, f, fc13)
-        return g.gemm("dense_fc2", t, h, f, act)
+        fc13 = g.gemm(LO.dense_fc13, t, 2 * f, h, norm)
+        act = _swiglu(g, LO.dense_swiglu, t, f, fc13)
+        return g.gemm(LO.dense_fc2, t, h, f, act)
     ag, rs = vol.tp_attention(m, k.batch, k.seq_len, k.tp)
     rows = k.batch * k.seq_len
-    gathered = g.comm("dense_all_gather", ag, norm, fuse_with="dense_fc13", rows=rows)
-    fc13 = g.gemm("dense_fc13", rows, 2 * f / k.tp, h, gathered)
-    act = _swiglu(g, "dense_", rows, f / k.tp, fc13)
-    fc2 = g.gemm("dense_fc2", rows, h, f / k.tp, act)
-    return g.comm("dense_reduce_scatter", rs, fc2, fuse_with="dense_fc2", rows=rows)
+    gathered = g.comm(LO.dense_all_gather, ag, norm, fuse_with=LO.dense_fc13, rows=rows)
+    fc13 = g.gemm(LO.dense_fc13, rows, 2 * f / k.tp, h, gathered)
+    act = _swiglu(g, LO.dense_swiglu, rows, f / k.tp, fc13)
+    fc2 = g.gemm(LO.dense_fc2, rows, h, f / k.tp, act)
+    return g.comm(LO.dense_reduce_scatter, rs, fc2, fuse_with=LO.dense_fc2, rows=rows)
 
 
 def _shared_experts(g: _Builder, norm: str, rows: float, width_divisor: int) -> str | None:
@@ -233,16 +238,16 @@ def _shared_experts(g: _Builder, norm: str, rows: float, width_divisor: int) -> 
     if not m.shared_experts:
         return None
     f = m.shared_experts * m.shared_expert_ffn_hidden / width_divisor
-    fc13 = g.gemm("shared_fc13", rows, 2 * f, m.hidden, norm)
-    act = _swiglu(g, "shared_", rows, f, fc13)
-    return g.gemm("shared_fc2", rows, m.hidden, f, act)
+    fc13 = g.gemm(LO.shared_fc13, rows, 2 * f, m.hidden, norm)
+    act = _swiglu(g, LO.shared_swiglu, rows, f, fc13)
+    return g.gemm(LO.shared_fc2, rows, m.hidden, f, act)
 
 
 def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
     k, m = g.key, g.key.model
     h, t, e = m.hidden, k.tokens, m.experts
-    logits = g.gemm("router_gemm", t, e, h, norm)
-    topk = g.memory("router_topk", 2 * t * e * cc.FP32_BYTES, 2 * t * e * cc.FP32_BYTES, logits)
+    logits = g.gemm(LO.router_gemm, t, e, h, norm)
+    topk = g.memory(LO.router_topk, 2 * t * e * cc.FP32_BYTES, 2 * t * e * cc.FP32_BYTES, logits)
     if isinstance(k.ffn, EPFFN):
         n, local, width, gathered_tokens = k.ep, e // k.ep, m.expert_ffn_hidden, t
         per_expert = cc.expert_tokens(t * n, m.top_k, e, k.ffn.capacity_factor)
@@ -257,7 +262,8 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
     # all-gather.
     token_rows = n * t if eager is ALL_GATHER else t
 
-    def permutation(name: str, fused_fwd: float, fused_bwd: float, eager_fwd: Passes | None,
+    def permutation(name: LayerOperator, fused_fwd: float, fused_bwd: float,
+                    eager_fwd: Passes | None,
                     eager_bwd: Passes | None, *after: str | None) -> str:
         if eager_fwd is None or eager_bwd is None:
             return g.memory(name, fused_fwd * row_bytes, fused_bwd * row_bytes, *after)
@@ -268,31 +274,34 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
     e_bwd = eager.dispatch_bwd if eager else None
     if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
         send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
-        perm = permutation("dispatch_permute", t + rows, t + rows, e_fwd, e_bwd, norm, topk)
-        ready = g.comm("ep_dispatch", send, perm, fuse_with="expert_fc13", rows=rows)
+        perm = permutation(LO.dispatch_permute, t + rows, t + rows, e_fwd, e_bwd, norm, topk)
+        ready = g.comm(LO.ep_dispatch, send, perm, fuse_with=LO.expert_fc13, rows=rows)
         shared = _shared_experts(g, norm, t, 1)
     else:
         send, back = (vol.ep_ffn(m, t, n, Dispatch.allgather_reduce_scatter)
                       if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
         # All-gather every rank's tokens, then pick the rows routed to local experts.
-        arrived = g.comm(send.kind.value, send, norm, fuse_with="expert_fc13", rows=rows)
-        ready = permutation("dispatch_scatter", 2 * rows, rows + n * t, e_fwd, e_bwd,
+        gather = LO.ep_dispatch if isinstance(k.ffn, EPFFN) else LO.etp_all_gather
+        arrived = g.comm(gather, send, norm, fuse_with=LO.expert_fc13, rows=rows)
+        ready = permutation(LO.dispatch_scatter, 2 * rows, rows + n * t, e_fwd, e_bwd,
                             arrived, topk)
         # Shared experts are replicated under EP (local tokens), split by etp under TP.
         shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens, k.etp)
-    fc13 = g.grouped("expert_fc13", local, per_expert, 2 * width, h, ready)
-    act = _swiglu(g, "expert_", rows, width, fc13)
-    fc2 = g.grouped("expert_fc2", local, per_expert, h, width, act)
+    fc13 = g.grouped(LO.expert_fc13, local, per_expert, 2 * width, h, ready)
+    act = _swiglu(g, LO.expert_swiglu, rows, width, fc13)
+    fc2 = g.grouped(LO.expert_fc2, local, per_expert, h, width, act)
     e_fwd = eager.combine_fwd if eager else None
     e_bwd = eager.combine_bwd if eager else None
     if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
-        returned = g.comm("ep_combine", back, fc2, fuse_with="expert_fc2", rows=rows)
-        out = permutation("combine_unpermute", rows + t, rows + t, e_fwd, e_bwd, returned, topk)
+        returned = g.comm(LO.ep_combine, back, fc2, fuse_with=LO.expert_fc2, rows=rows)
+        out = permutation(LO.combine_unpermute, rows + t, rows + t, e_fwd, e_bwd, returned,
+                          topk)
     else:
         # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.
-        gathered = permutation("combine_gather", rows + n * t, 2 * rows, e_fwd, e_bwd, fc2, topk,
-                               shared if k.etp > 1 else None)
-        out = g.comm(back.kind.value, back, gathered, fuse_with="expert_fc2", rows=rows)
+        gathered = permutation(LO.combine_gather, rows + n * t, 2 * rows, e_fwd, e_bwd, fc2,
+                               topk, shared if k.etp > 1 else None)
+        scatter = LO.ep_combine if isinstance(k.ffn, EPFFN) else LO.etp_reduce_scatter
+        out = g.comm(scatter, back, gathered, fuse_with=LO.expert_fc2, rows=rows)
     if eager is not None and eager.host_sync:
         # The dispatch waits on the host, then the CPU launches its small kernels one by one:
         # the layer's dispatch + combine (forward and backward) never takes less than the
@@ -300,35 +309,32 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
         floor_s = k.cluster.efficiency.dispatch_floor_us.of(
             k.ffn.dispatch if isinstance(k.ffn, EPFFN) else Dispatch.allgather_reduce_scatter
         ) * 1e-6
-        moved = sum(g.graph.nodes[name]["op"].duration_s + sum(g.graph.nodes[name]["op"].bwd)
-                    for name in g.graph if name in DISPATCH_COMBINE_OPS)
+        moved = sum(op.duration_s + sum(op.bwd) for _, op in g.graph.nodes(data="op")
+                    if op.operator in DISPATCH_COMBINE_OPS)
         if floor_s > moved:
-            out = g.host_wait("dispatch_host_wait", floor_s - moved, out)
+            out = g.host_wait(floor_s - moved, out)
     return (out, shared)
 
 
-DISPATCH_COMBINE_OPS = frozenset({
-    "dispatch_permute", "ep_dispatch", "dispatch_scatter", "combine_gather", "ep_combine",
-    "combine_unpermute", "etp_all_gather", "etp_reduce_scatter"})
-"""The forward operators that move tokens to and from the experts (dispatch and combine);
-their collectives are named after their kind."""
+DISPATCH_COMBINE_OPS = frozenset(
+    op for op, region in TIMER_OF.items()
+    if region in (Component.dispatch, Component.combine)
+    and op != LayerOperator.dispatch_host_wait)
+"""The operators that move tokens to and from the experts: those the runtime times as its
+dispatch and combine (plans.operators), less the host wait they are held against."""
 
 
 def forward_graph(key: LayerKey) -> nx.DiGraph:
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
     attn = _attention(g, None)
-    norm = g.memory("ffn_norm", 2 * t * h * AB, 3 * t * h * AB, attn)
+    norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
     outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm)
-    g.memory("ffn_residual", 3 * t * h * AB, 0.0, attn, *outs)
+    g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs)
     return g.graph
 
 
 # ---- backward -----------------------------------------------------------------------------------
-
-
-def _recomputed(op: Op, policy: Recompute) -> bool:
-    return policy == Recompute.full or (policy == Recompute.selective and op.selective)
 
 
 def backward_graph(fwd: nx.DiGraph, policy: Recompute) -> nx.DiGraph:
@@ -336,7 +342,8 @@ def backward_graph(fwd: nx.DiGraph, policy: Recompute) -> nx.DiGraph:
     ops: dict[str, Op] = {n: d["op"] for n, d in fwd.nodes(data=True)}
     order = sorted(ops, key=lambda n: fwd.nodes[n]["order"])
     # Only outputs some gradient reads are rerun: the layer's output is never needed again.
-    rerun = [n for n in order if _recomputed(ops[n], policy) and fwd.out_degree(n)]
+    recomputed = RECOMPUTED[policy]
+    rerun = [n for n in order if ops[n].operator in recomputed and fwd.out_degree(n)]
     bwd = nx.DiGraph()
 
     def add(op: Op, after: list[str]) -> None:

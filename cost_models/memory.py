@@ -15,9 +15,11 @@ from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import chunk_dense_layers, stage_params
 from plans.enums import CHUNK_LOGITS, CrossEntropy, OptimizerSharding
 from plans.layout import stage_of_chunk, tokens_per_rank
+from plans.operators import RECOMPUTED, LayerOperator
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
 
+LO = LayerOperator
 GIB = 2**30
 WEIGHT_BYTES = Precision.bf16.bytes
 """Model weights are held in bf16."""
@@ -68,6 +70,89 @@ operators' outputs: measured 1.18x the layer's activations at the backward peak 
 fully recomputed layer (mixtral2l_1gpu_mbs8_full)."""
 
 
+@dataclass(frozen=True)
+class Kept:
+    """Bytes per token of a tensor (or tensors) of a layer that backward may need."""
+
+    term: str
+    """The term of ``layer_activation_terms`` it counts in."""
+    bytes_per_token: float
+    savers: frozenset[LayerOperator]
+    """Operators whose backward reads it: kept while one of them is not recomputed."""
+    producer: LayerOperator | None = None
+    """The operator that makes it; None: the layer's input."""
+    readers: frozenset[LayerOperator] = frozenset()
+    """Operators that read it in forward: activation checkpointing keeps the inputs a
+    recomputed operator reads from an operator that is not recomputed."""
+
+    def kept(self, recomputed: frozenset[LayerOperator]) -> bool:
+        return bool(self.savers - recomputed) or (
+            self.producer not in recomputed and bool(self.readers & recomputed))
+
+
+def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: bool,
+                  micro_batch: int) -> list[Kept]:
+    """The tensors of one layer that this runtime's autograd graph can keep, per token."""
+    h = model.hidden
+    q, kv = model.q_dim, model.kv_dim
+    out: list[Kept] = [
+        Kept("layer_input", 2.0 * h, frozenset(), None,
+             frozenset({LO.attn_norm, LO.attn_residual})),
+        Kept("norms", 10.0 * h, frozenset({LO.attn_norm})),
+        Kept("norms", 10.0 * h, frozenset({LO.ffn_norm})),
+    ]
+    if degrees.tp > 1:
+        copies = 3 if micro_batch > 1 else 1
+        out.append(Kept("attention_input", copies * 2.0 * degrees.tp * h,
+                        frozenset({LO.qkv_gemm}), LO.tp_all_gather, frozenset({LO.qkv_gemm})))
+    if model.qk_norm:
+        out.append(Kept("qk_norm", 8.0 * (q + kv), frozenset({LO.qk_norm})))
+    ulysses = degrees.sp > 1
+    out += [
+        # q, k, v as the core receives them (no backward keeps them: the core keeps its own)
+        Kept("attention_core", 2.0 * (q + 2 * kv), frozenset(),
+             LO.sp_a2a_qkv if ulysses else LO.qkv_gemm, frozenset({LO.flash_attn})),
+        # RoPE'd q, k and v expanded to the query heads, and the fp32 log-sum-exp
+        Kept("attention_core", 6.0 * q + 4.0 * model.query_heads, frozenset({LO.flash_attn})),
+        # the core's output, which the out projection keeps too unless an all-to-all follows
+        Kept("attention_core", 2.0 * q,
+             frozenset({LO.flash_attn} if ulysses else {LO.flash_attn, LO.out_gemm}),
+             LO.flash_attn),
+    ]
+    if ulysses:
+        out.append(Kept("attention_core", 2.0 * q, frozenset({LO.out_gemm}), LO.sp_a2a_out))
+    if dense:
+        out.append(Kept("dense_ffn", 8.0 * model.dense_ffn_hidden,
+                        frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})))
+    else:
+        k = model.top_k * (ffn.capacity_factor if isinstance(ffn, EPFFN)
+                           and ffn.capacity_factor else 1.0)
+        out.append(Kept("router", 4.0 * model.experts + 12.0 * model.top_k,
+                        frozenset({LO.router_topk})))
+        f = model.expert_ffn_hidden
+        experts = frozenset({LO.expert_fc13, LO.expert_swiglu, LO.expert_fc2})
+        if isinstance(ffn, EPFFN):
+            load = EP_LOAD if degrees.ep > 1 else 1.0
+            per_row = 2.0 * h + 8.0 * f
+            if ffn.dispatch == Dispatch.all_to_all:
+                rows = Kept("expert_rows", k * per_row * load + 4.0 * k * h,
+                            experts | {LO.combine_unpermute}, LO.ep_dispatch)
+            else:
+                rows = Kept("expert_rows", k * (per_row + 4.0 * h) * load,
+                            experts | {LO.combine_gather}, LO.dispatch_scatter)
+        else:
+            rows = Kept("expert_rows", 6.0 * k * h * degrees.etp + 8.0 * k * f,
+                        experts | {LO.combine_gather}, LO.dispatch_scatter)
+        out.append(rows)
+        if model.shared_experts:
+            out.append(Kept("dense_ffn",
+                            8.0 * model.shared_experts * model.shared_expert_ffn_hidden,
+                            frozenset({LO.shared_fc13, LO.shared_swiglu, LO.shared_fc2})))
+    # the residual stream handed to the next layer (that layer's input)
+    out.append(Kept("layer_output", 2.0 * h, frozenset({LO.ffn_residual}), LO.ffn_residual))
+    return out
+
+
 def layer_activation_terms(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1,
@@ -75,7 +160,9 @@ def layer_activation_terms(
     """Bytes one layer keeps for backward per micro-batch, ``tokens`` per rank, by the tensor
     this runtime's autograd graph saves (runtime/model.py, runtime/moe.py, runtime/parallel/);
     each term checked against the bytes each module keeps on H200 (bench/memory_suite.py,
-    module_kept_bytes; tests/cost_models/test_cm_memory.py holds them to it).
+    module_kept_bytes; tests/cost_models/test_cm_memory.py holds them to it). A tensor counts
+    unless every operator that keeps it is recomputed (``plans.RECOMPUTED[policy]``), and the
+    inputs the recomputed operators read from the others count (checkpointing keeps them).
 
     - norms: each RMSNorm keeps its fp32 input copy and fp32 normalised value and hands a bf16
       output to the next operator: 10 h per norm;
@@ -85,49 +172,21 @@ def layer_activation_terms(
       copies, 8 (q_dim + kv_dim);
     - attention_core: RoPE'd q, k and v expanded to the query heads (GQA repeat) and the SDPA
       output, 8 q_dim, plus the fp32 log-sum-exp; Ulysses adds the all-to-all'd output the out
-      projection keeps (2 q_dim). Selective recomputation keeps the projections' outputs
-      (q, k, v) and the core's output instead;
+      projection keeps (2 q_dim). Recomputing the core keeps its inputs (q, k, v) and the
+      out projection's input instead;
     - router: fp32 probabilities (4 E) and the top-k indices and weights (12 k);
     - expert rows: the dispatched rows the grouped GEMMs keep (2 k h) and the SwiGLU
       intermediates (fc1, silu, fc3, product: 8 k F), times the EP rank's load; combine keeps
       the returned rows (2 k h) and the weighted rows its scatter-add keeps (2 k h); the
       all-gather dispatcher keeps both at the rank's load; expert TP at etp;
     - dense_ffn: dense layers and shared experts, 8 F (the input is the norm's output);
-    - layer_output: the residual stream handed to the next layer (2 h).
-    Full recomputation keeps the layer input (2 h) only."""
-    h = model.hidden
-    if policy == Recompute.full:
-        return {"layer_input": 2.0 * h * tokens}
-    terms = {"norms": 2 * 10.0 * h}
-    if degrees.tp > 1:
-        copies = 3 if micro_batch > 1 else 1
-        terms["attention_input"] = copies * 2.0 * degrees.tp * h
-    if model.qk_norm:
-        terms["qk_norm"] = 8.0 * (model.q_dim + model.kv_dim)
-    if policy == Recompute.selective:
-        terms["attention_core"] = 2.0 * (model.q_dim + 2 * model.kv_dim) + 2.0 * model.q_dim
-    else:
-        ulysses_out = 2.0 * model.q_dim if degrees.sp > 1 else 0.0
-        terms["attention_core"] = 8.0 * model.q_dim + 4.0 * model.query_heads + ulysses_out
-    if dense:
-        terms["dense_ffn"] = 8.0 * model.dense_ffn_hidden
-    else:
-        k = model.top_k * (ffn.capacity_factor if isinstance(ffn, EPFFN)
-                           and ffn.capacity_factor else 1.0)
-        terms["router"] = 4.0 * model.experts + 12.0 * model.top_k
-        f = model.expert_ffn_hidden
-        if isinstance(ffn, EPFFN):
-            load = EP_LOAD if degrees.ep > 1 else 1.0
-            per_row = 2.0 * h + 8.0 * f
-            if ffn.dispatch == Dispatch.all_to_all:
-                terms["expert_rows"] = k * per_row * load + 4.0 * k * h
-            else:
-                terms["expert_rows"] = k * (per_row + 4.0 * h) * load
-        else:
-            terms["expert_rows"] = 6.0 * k * h * degrees.etp + 8.0 * k * f
-        if model.shared_experts:
-            terms["dense_ffn"] = 8.0 * model.shared_experts * model.shared_expert_ffn_hidden
-    terms["layer_output"] = 2.0 * h
+    - layer_output: the residual stream handed to the next layer (2 h);
+    - layer_input: recomputing the whole layer keeps its input (2 h) only."""
+    recomputed = RECOMPUTED[policy]
+    terms: dict[str, float] = {}
+    for t in _kept_tensors(model, degrees, ffn, dense, micro_batch):
+        if t.kept(recomputed):
+            terms[t.term] = terms.get(t.term, 0.0) + t.bytes_per_token
     return {name: b * tokens for name, b in terms.items()}
 
 

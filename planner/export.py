@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 from plans import (
     EPFFN,
+    RECOMPUTED,
     Dispatch,
+    LayerOperator,
     Optimizer,
     OptimizerSharding,
     Plan,
     Precision,
-    Recompute,
     SpecError,
 )
 from plans.enums import CrossEntropy
@@ -34,18 +35,37 @@ def megatron_layout(plan: Plan) -> str:
     return "|".join(chunks)
 
 
-def megatron_recompute(plan: Plan) -> list[str]:
-    """Megatron-LM recomputation flags for the operators the plan recomputes.
+LO = LayerOperator
+MEGATRON_RECOMPUTE_MODULES: tuple[tuple[str, frozenset[LayerOperator]], ...] = (
+    ("core_attn", frozenset({LO.flash_attn})),
+    ("layernorm", frozenset({LO.attn_norm, LO.ffn_norm})),
+    ("moe_act", frozenset({LO.expert_swiglu})),
+    ("shared_experts", frozenset({LO.shared_fc13, LO.shared_swiglu, LO.shared_fc2})),
+    ("mlp", frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})),
+)
+"""Megatron-LM's --recompute-modules (megatron/core/transformer/transformer_config.py) and
+the layer operators each one reruns."""
 
-    selective (plans.Recompute: what the runtime reruns and the cost model prices): the
-    attention core, RoPE and the attention kernel, which is Megatron's ``core_attn`` module;
-    full: every layer from its input (uniform, one layer per recomputation unit)."""
-    if plan.recompute == Recompute.selective:
-        return ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
-    if plan.recompute == Recompute.full:
+
+def megatron_recompute(plan: Plan) -> list[str]:
+    """Megatron-LM recomputation flags for the operators the plan recomputes
+    (``plans.RECOMPUTED``: what the runtime reruns and the cost model prices): every operator
+    of the layer is full recomputation from each layer's input (uniform, one layer per
+    recomputation unit); a subset is selective recomputation of the Megatron modules whose
+    operators it holds, which must cover it (selective: the attention core, ``core_attn``)."""
+    operators = RECOMPUTED[plan.recompute]
+    if not operators:
+        return []
+    if operators == frozenset(LayerOperator):
         return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", "1"]
-    return []
+    modules = [(name, ops) for name, ops in MEGATRON_RECOMPUTE_MODULES if ops <= operators]
+    missing = operators - frozenset().union(*(ops for _, ops in modules))
+    if missing:
+        raise ValueError(f"recompute {plan.recompute.value}: no Megatron-LM module recomputes "
+                         f"only {', '.join(sorted(missing))}")
+    return ["--recompute-granularity", "selective", "--recompute-modules",
+            *(name for name, _ in modules)]
 
 
 def megatron_cross_entropy(plan: Plan) -> tuple[str | None, list[str]]:

@@ -13,6 +13,8 @@ _WHERE = {
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
     "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
     "OptimizerSharding": "plans.enums", "Kernels": "plans.enums", "Dispatch": "plans.enums",
+    **dict.fromkeys(("COMPONENT_KEYS", "Component", "LAYER_REGIONS", "LayerOperator",
+                     "RECOMPUTED", "TIMER_OF"), "plans.operators"),
     **dict.fromkeys((
         "EPFFN", "SCHEMA_VERSION", "TPFFN", "AttentionStrategy", "CPAttention", "Degrees",
         "FFNStrategy", "MeshAxis", "PipelineSchedule", "Plan", "Prediction",
@@ -23,8 +25,9 @@ _WHERE = {
 }
 
 __all__ = [
-    "SCHEMA_VERSION", "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec",
-    "CrossEntropy",
+    "COMPONENT_KEYS", "LAYER_REGIONS", "RECOMPUTED", "SCHEMA_VERSION", "TIMER_OF",
+    "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec", "Component",
+    "CrossEntropy", "LayerOperator",
     "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "Kernels",
     "MeshAxis",
     "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
@@ -34,7 +37,7 @@ __all__ = [
 ]
 
 
-SUBMODULES = ("catalog", "errors", "execution", "enums", "layout", "results")
+SUBMODULES = ("catalog", "errors", "execution", "enums", "layout", "operators", "results")
 
 
 def __getattr__(name: str):
@@ -51,6 +54,14 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from plans.enums import AttentionKind, Dispatch, Kernels, Overlap, Precision, Recompute
     from plans.errors import SpecError
+    from plans.operators import (
+        COMPONENT_KEYS,
+        LAYER_REGIONS,
+        RECOMPUTED,
+        TIMER_OF,
+        Component,
+        LayerOperator,
+    )
     from plans.plan import (
         EPFFN,
         SCHEMA_VERSION,

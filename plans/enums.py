@@ -51,10 +51,13 @@ class Kernels(StrEnum):
 
 
 class Recompute(StrEnum):
+    """Which layer operators are rerun in backward instead of keeping their activations: the
+    set ``plans.operators.RECOMPUTED`` gives, which the runtime wraps in checkpointing and the
+    cost model prices (cost_models.memory, layer_graph)."""
+
     none = "none"
     selective = "selective"
-    """Recompute the attention core (RoPE and SDPA) in backward, keeping its inputs: what the
-    runtime reruns and the cost model prices (cost_models.memory, layer_graph)."""
+    """Recompute the attention core (RoPE and SDPA), keeping its inputs."""
     full = "full"
     """Keep only each layer's input; recompute the whole layer in backward."""
 

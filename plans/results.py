@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Annotated, ClassVar, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,6 +25,7 @@ from pydantic import (
 
 from plans.errors import SpecError, describe
 from plans.io import parse_text, read_text
+from plans.operators import COMPONENT_KEYS
 from plans.plan import OptimizerSharding, Prediction
 
 
@@ -43,6 +45,17 @@ class Result(BaseModel):
 # ---- training steps ---------------------------------------------------------------------------
 
 
+def _known_components(seconds: dict[str, float]) -> dict[str, float]:
+    if unknown := sorted(set(seconds) - set(COMPONENT_KEYS)):
+        raise ValueError(f"unknown timer component {', '.join(unknown)} (plans.COMPONENT_KEYS: "
+                         f"{', '.join(COMPONENT_KEYS)})")
+    return seconds
+
+
+ComponentSeconds = Annotated[dict[str, float], AfterValidator(_known_components)]
+"""Seconds per runtime timer component (``plans.Component``, backward as ``<name>_bwd``)."""
+
+
 class TrainStepResult(Result):
     """A measured training step of one plan."""
 
@@ -55,7 +68,7 @@ class TrainStepResult(Result):
     step_time_s: PositiveFloat
     mfu: NonNegativeFloat
     peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
-    components_s: dict[str, float] = {}
+    components_s: ComponentSeconds = {}
     measured_steps: PositiveInt
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Written since the plan field exists; older results say ``zero1: true | false``."""
@@ -78,7 +91,7 @@ class LogStep(BaseModel):
     step_time_s: PositiveFloat
     mfu: NonNegativeFloat
     peak_memory_gib: PositiveFloat
-    components_s: dict[str, float] = {}
+    components_s: ComponentSeconds = {}
 
 
 class ParityResult(Result):
@@ -111,6 +124,8 @@ class ProfileResult(Result):
 
     step_wall_s: PositiveFloat
     class_s: dict[str, NonNegativeFloat]
+    components_s: ComponentSeconds = {}
+    """Written since the timer components were added to profiles."""
     slowest: list[KernelRow]
 
 

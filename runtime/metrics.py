@@ -1,4 +1,6 @@
-"""Per-component timers and step metrics.
+"""Per-component timers and step metrics. The components are ``plans.Component`` (the names
+the cost model, the profiler, calibration and the benchmarks share; ``plans.TIMER_OF`` says
+which layer operators each one times).
 
 On CUDA a region is a pair of CUDA events on the current stream (read once per step, after a
 synchronize), so timing adds no synchronisation inside the step; on CPU it is wall time.
@@ -16,43 +18,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from enum import StrEnum
 
 import torch
 from torch.autograd import Function
 
+from plans.operators import COMPONENT_KEYS, Component
 
-class Component(StrEnum):
-    attention_comm = "attention_comm"
-    attention_core = "attention_core"
-    dispatch = "dispatch"
-    expert_compute = "expert_compute"
-    combine = "combine"
-    pipeline_comm = "pipeline_comm"
-    forward = "forward"
-    """Forward compute of the pipeline schedule (includes the forward regions above)."""
-    backward = "backward"
-    """Backward of the pipeline schedule (includes the ``_bwd`` regions)."""
-    loss = "loss"
-    """The loss of the last stage's micro-batches (inside ``forward``): logits to float32 and
-    cross-entropy."""
-    forward_backward = "forward_backward"
-    """The whole pipeline schedule of a step (forward, backward, pipeline communication)."""
-    grad_sync = "grad_sync"
-    optimizer = "optimizer"
-
-
-TIMED_BACKWARD = (
-    Component.attention_comm,
-    Component.attention_core,
-    Component.dispatch,
-    Component.expert_compute,
-    Component.combine,
-)
-"""Components whose backward is also timed, as ``<component>_bwd``."""
-
-COMPONENT_KEYS = tuple(c.value for c in Component) + tuple(f"{c.value}_bwd" for c in TIMED_BACKWARD)
-"""Every key of a step's ``components_s`` (0.0 when the layout has no such work)."""
+__all__ = ["COMPONENT_KEYS", "Component", "Timers", "peak_memory_gib", "timed"]
 
 
 RegionObserver = Callable[[str, bool], None]

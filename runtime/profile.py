@@ -8,8 +8,9 @@ Writes JSON: what ran (runtime.provenance: commit, date, torch, GPU), the
 plan summary, wall time per step, device busy time per step (sum of kernel durations: one
 stream, so they do not overlap) and the idle fraction (launch and host overheads), device time
 per kernel class (GEMM, grouped GEMM, attention, elementwise, reduction / indexing / sorting,
-copies, communication) and the slowest kernels. On CPU the "kernels" are the profiler's
-top-level CPU operators. Bad input: one line naming the field, exit status 2.
+copies, communication), the runtime's timer components per step (``plans.Component``, the
+names of the cost model's ``components_s``) and the slowest kernels. On CPU the "kernels" are
+the profiler's top-level CPU operators. Bad input: one line naming the field, exit status 2.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from plans import Plan, SpecError
+from plans import COMPONENT_KEYS, Plan, SpecError
 from plans.catalog import load_plan
 from plans.execution import UnsupportedFeature
 from plans.io import check_destination, write_atomic
@@ -82,10 +83,12 @@ def profile_steps(trainer: Trainer, plan: Plan, steps: int, warmup: int, top: in
         trainer.train_step(step)
     cuda = trainer.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    components = dict.fromkeys(COMPONENT_KEYS, 0.0)
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for step in range(warmup, warmup + steps):
-            trainer.train_step(step)
+            for k, v in trainer.train_step(step).components_s.items():
+                components[k] += v / steps
         wall = (time.perf_counter() - t0) / steps
     kernels = kernel_times(prof, cuda)
     busy = sum(s for _, s in kernels.values()) / steps
@@ -101,6 +104,7 @@ def profile_steps(trainer: Trainer, plan: Plan, steps: int, warmup: int, top: in
         "device_busy_s": busy,
         "idle_fraction": max(0.0, 1 - busy / wall),
         "class_s": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+        "components_s": components,
         "slowest": [{"name": n[:160], "class": classify(n), "calls_per_step": c / steps,
                      "s_per_step": s / steps} for n, (c, s) in slowest],
     }

@@ -11,10 +11,19 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plans import EPFFN, TPFFN, MeshAxis, Plan, Recompute, TPAttention, UlyssesAttention
+from plans import (
+    EPFFN,
+    RECOMPUTED,
+    TPFFN,
+    LayerOperator,
+    MeshAxis,
+    Plan,
+    TPAttention,
+    UlyssesAttention,
+)
 from plans.execution import Backend, check
 from runtime.metrics import Component, Timers, timed
-from runtime.model import AttentionCore, Shard, Transformer
+from runtime.model import AttentionCore, Shard, Transformer, TransformerBlock
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
 from runtime.parallel.data_parallel import replication_groups
 from runtime.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
@@ -43,18 +52,34 @@ def check_supported(plan: Plan, backend: Backend) -> None:
     check(plan, backend)
 
 
-def apply_recompute(model: Transformer, mode: Recompute) -> None:
-    """full: keep each layer's input only; selective: recompute the attention core (RoPE and
-    SDPA), whose activations grow with the sequence (Korthikanti et al., 2022)."""
-    if mode == Recompute.none:
+RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = (
+    (TransformerBlock, frozenset(LayerOperator)),
+    (AttentionCore, frozenset({LayerOperator.flash_attn})),
+)
+"""The modules activation checkpointing can wrap and the layer operators each one runs."""
+
+
+def apply_recompute(model: Transformer, operators: frozenset[LayerOperator]) -> None:
+    """Recompute ``operators`` (``plans.RECOMPUTED[plan.recompute]``, the set the cost model
+    prices) in backward: wrap, in each layer, the outermost modules that run only operators of
+    the set, and refuse a set they do not cover exactly."""
+    if not operators:
         return
     for block in model.layers.values():
-        if mode == Recompute.full:
-            checkpoint_forward(block)
-            continue
-        for module in block.attention.modules():
-            if isinstance(module, AttentionCore):
+        covered: set[LayerOperator] = set()
+        wrapped: list[str] = []  # module names in the block ("" is the block itself)
+        for name, module in block.named_modules():
+            if any(w == "" or name.startswith(f"{w}.") for w in wrapped):
+                continue  # inside a module already recomputed
+            runs = next((ops for kind, ops in RECOMPUTE_MODULES if isinstance(module, kind)),
+                        None)
+            if runs is not None and runs <= operators:
                 checkpoint_forward(module)
+                covered |= runs
+                wrapped.append(name)
+        if missing := operators - covered:
+            raise ValueError(f"recompute: this runtime has no module that runs only "
+                             f"{', '.join(sorted(missing))}")
 
 
 def apply_expert_timers(model: Transformer, timers: Timers) -> None:
@@ -91,7 +116,7 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     elif isinstance(plan.ffn, TPFFN):
         apply_expert_tensor_parallel(model, mesh, shards, timers)
     expert_shards = set(shards) - attention_shards
-    apply_recompute(model, plan.recompute)
+    apply_recompute(model, RECOMPUTED[plan.recompute])
     if timers is not None:
         apply_expert_timers(model, timers)
     groups = replication_groups(model, mesh, shards, expert_shards)

@@ -55,7 +55,7 @@ def test_recompute_costs_order_and_selective_hides_behind_comm(node_plan):
     plan = node_plan("internal-352b", overlap=Overlap.inter_intra_op)
     t = {r: layer_timing(plan.model_copy(update={"recompute": r})) for r in Recompute}
     assert t[Recompute.none].bwd_s <= t[Recompute.selective].bwd_s < t[Recompute.full].bwd_s
-    # Full recompute reruns the whole forward; selective only norms, dispatch and activation.
+    # Full recompute reruns the whole forward; selective only the attention core.
     assert t[Recompute.full].recompute_s > 5 * t[Recompute.selective].recompute_s
     assert "recompute.expert_fc13" in t[Recompute.full].critical_path
 

@@ -13,6 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from planner.cli import app
+from plans import COMPONENT_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "bench" / "results" / "h200"
@@ -125,7 +126,11 @@ def test_profile_then_calibrate_then_search_on_this_machine(tmp_path):
     r = runner.invoke(app, ["profile", str(plan), "--out", str(prof), "--steps", "1",
                             "--warmup", "1"])
     assert r.exit_code == 0, r.output
-    assert json.loads(prof.read_text())["step_wall_s"] > 0
+    profiled = json.loads(prof.read_text())
+    assert profiled["step_wall_s"] > 0
+    # the runtime's timer components, by the names the cost model's components_s uses
+    assert set(profiled["components_s"]) == set(COMPONENT_KEYS) and (
+        profiled["components_s"]["expert_compute"] > 0)
     one_line_error(runner.invoke(app, ["profile", str(plan), "--out", str(prof)]), "--force")
     cal = tmp_path / "mine.yaml"
     r = calibrate(prof, "--plan", plan, "--base", cpu, "--name", "mine", "--out", cal)

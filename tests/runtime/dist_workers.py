@@ -260,6 +260,16 @@ def step_components(plan_json: str) -> dict[str, float]:
     return trainer.train_step(0).components_s
 
 
+def step_regions(plan_json: str) -> tuple[list[str], dict[str, float]]:
+    """The timer regions this rank opened in one training step, and its components."""
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    opened: set[str] = set()
+    trainer.timers.observers = (lambda key, opening: opened.add(key) if opening else None,)
+    components = trainer.train_step(0).components_s
+    return sorted(opened), components
+
+
 def loaded_checkpoint(plan_json: str, path: str) -> dict[str, torch.Tensor]:
     """This rank's checkpoint state after loading ``path`` under ``plan_json``'s layout
     (the plan says how optimizer states are sharded), keyed as stored."""

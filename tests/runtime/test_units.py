@@ -251,3 +251,36 @@ def test_chunked_cross_entropy_in_bf16_stays_near_the_fp32_loss(monkeypatch, chu
     assert got[1].dtype == got[2].dtype == torch.bfloat16
     for a, b in zip(got, reference, strict=True):
         torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.1)
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_recompute_wraps_exactly_the_modules_of_the_recomputed_operators(policy):
+    """The runtime checkpoints the modules running plans.RECOMPUTED[policy], the set the cost
+    model prices: the attention cores for selective, whole layers for full."""
+    import functools
+
+    from plans import RECOMPUTED, LayerOperator, Recompute, catalog
+    from runtime.config import ModelConfig
+    from runtime.model import AttentionCore, Transformer, TransformerBlock
+    from runtime.parallel.parallelize import apply_recompute
+
+    model = Transformer(ModelConfig(catalog.load_model("tiny-moe-shared")))
+    apply_recompute(model, RECOMPUTED[Recompute(policy)])
+    wrapped = {type(m) for m in model.modules() if isinstance(m.forward, functools.partial)}
+    assert wrapped == {"none": set(), "selective": {AttentionCore},
+                       "full": {TransformerBlock}}[policy]
+    with pytest.raises(ValueError, match="expert_swiglu"):
+        apply_recompute(model, frozenset({LayerOperator.expert_swiglu}))
+
+
+def test_every_timer_region_of_a_step_is_a_plans_component(pool2):
+    """The regions a step opens are plans.COMPONENT_KEYS, and it reports every one of them."""
+    from dist_workers import make_plan
+
+    from plans import COMPONENT_KEYS, LAYER_REGIONS
+
+    plan = make_plan(sp=2, ep=2, recompute="selective")
+    for opened, components in pool2.run("dist_workers", "step_regions", plan.model_dump_json()):
+        assert set(opened) <= set(COMPONENT_KEYS)
+        assert {c.value for c in LAYER_REGIONS} <= set(opened)
+        assert set(components) == set(COMPONENT_KEYS)
