@@ -12,6 +12,7 @@ from plans import (
     Dispatch,
     Optimizer,
     OptimizerSharding,
+    Overlap,
     PipelineSchedule,
     Plan,
     Precision,
@@ -41,6 +42,7 @@ def make_plan(
     tp_ffn: bool = False,
     optimizer_sharding: OptimizerSharding = OptimizerSharding.none,
     optimizer: Optimizer = Optimizer.adam,
+    overlap: Overlap = Overlap.none,
     **degrees: int,
 ) -> Plan:
     """A test plan; optimizer states replicated unless asked (the parity tests read every
@@ -64,6 +66,7 @@ def make_plan(
         grad_sync_precision=grad_sync_precision,
         recompute=recompute,
         optimizer_sharding=optimizer_sharding,
+        overlap=overlap,
         **extra,
     )
 
@@ -101,6 +104,16 @@ def one_step_gradients(plan_json: str, dtype: str = "fp32"):
     loss = trainer.forward_backward(0)
     trainer.sync_gradients()
     return loss, trainer.local_gradients()
+
+
+def chunked_moe_layers(plan_json: str) -> list[int]:
+    """Token chunks of each MoE layer's schedule on this rank (1: the serial expert_ffn)."""
+    from runtime.parallel.overlap import ChunkedExpertFFN
+
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    return [m.expert_ffn.chunks if isinstance(m.expert_ffn, ChunkedExpertFFN) else 1
+            for m in trainer.model.moe_layers()]
 
 
 def loss_curve(plan_json: str, steps: int, dtype: str = "fp32"):

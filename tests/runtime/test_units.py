@@ -251,3 +251,25 @@ def test_chunked_cross_entropy_in_bf16_stays_near_the_fp32_loss(monkeypatch, chu
     assert got[1].dtype == got[2].dtype == torch.bfloat16
     for a, b in zip(got, reference, strict=True):
         torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.1)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_overlap_stage_order_is_a_software_pipeline(chunks, shared):
+    """Every chunk's dispatch, experts and combine once and in that order; chunk i's experts
+    issued before chunk i + 1's dispatch, which comes before chunk i's combine; lanes alternate
+    so each communication stage has compute beside it."""
+    from runtime.parallel.overlap import LANE, Lane, Step, stage_order
+
+    order = stage_order(chunks, shared)
+    routed = [(s, i) for s, i in order if s != Step.shared]
+    assert sorted(routed) == sorted((s, i) for s in (Step.dispatch, Step.experts, Step.combine)
+                                    for i in range(chunks))
+    at = {stage: n for n, stage in enumerate(order)}
+    for i in range(chunks):
+        assert at[Step.dispatch, i] < at[Step.experts, i] < at[Step.combine, i]
+        if i + 1 < chunks:
+            assert at[Step.experts, i] < at[Step.dispatch, i + 1] < at[Step.combine, i]
+    assert [s for s, _ in order].count(Step.shared) == int(shared)
+    assert {LANE[s] for s in Step} == set(Lane)
+    assert LANE[Step.dispatch] == LANE[Step.combine] == Lane.comm
