@@ -87,6 +87,9 @@ class Op:
     FlashAttention), as the runtime reruns it (runtime.parallel.parallelize.apply_recompute)."""
     recompute: bool = False
     """This is a backward-pass rerun of a forward operator."""
+    side_stream: bool = False
+    """A collective of the chunked MoE layer, issued on the communication stream beside the
+    other chunk's expert GEMMs (the one communication Overlap.inter_op overlaps)."""
 
     @property
     def stream(self) -> Stream:
@@ -143,9 +146,10 @@ class _Builder:
         return self.add(op, *after)
 
     def comm(self, name: str, t: Transfer, *after: str | None, fuse_with: str | None = None,
-             rows: float = 0.0, selective: bool = False) -> str:
+             rows: float = 0.0, selective: bool = False, side_stream: bool = False) -> str:
         d = vol.transfer_s(t, self.key.cluster)
-        op = Op(name, OpKind.comm, d, (d,), t.kind, fuse_with, rows, selective)
+        op = Op(name, OpKind.comm, d, (d,), t.kind, fuse_with, rows, selective,
+                side_stream=side_stream)
         return self.add(op, *after)
 
 
@@ -190,9 +194,9 @@ def _attention(g: _Builder, x: str | None) -> str:
     return g.memory("attn_residual", 3 * t * h * AB, 0.0, out)
 
 
-def _swiglu(g: _Builder, prefix: str, rows: float, width: float, fc13: str) -> str:
+def _swiglu(g: _Builder, prefix: str, rows: float, width: float, fc13: str, at: str = "") -> str:
     """SwiGLU: read fc1 and gate outputs, write the product; backward reads 3, writes 2."""
-    return g.memory(f"{prefix}swiglu", 3 * rows * width * AB, 5 * rows * width * AB, fc13)
+    return g.memory(f"{prefix}swiglu{at}", 3 * rows * width * AB, 5 * rows * width * AB, fc13)
 
 
 def _dense_ffn(g: _Builder, norm: str) -> str:
@@ -221,7 +225,10 @@ def _shared_experts(g: _Builder, norm: str, rows: float, width_divisor: int) -> 
     return g.gemm("shared_fc2", rows, m.hidden, f, act)
 
 
-def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
+def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
+    """Router over every token, then dispatch, expert GEMMs and combine, in ``chunks`` token
+    chunks (plans.layout.moe_chunks: the inter-operator overlapped layer of
+    runtime.parallel.overlap; operator names get an ``@chunk`` suffix when chunks > 1)."""
     k, m = g.key, g.key.model
     h, t, e = m.hidden, k.tokens, m.experts
     logits = g.gemm("router_gemm", t, e, h, norm)
@@ -232,44 +239,71 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
     else:
         n, local, width, gathered_tokens = k.etp, e, m.expert_ffn_hidden / k.etp, t * k.etp
         per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)
+    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all
+    # one chunk's share of the tokens and rows; its collectives ride the communication stream
+    # beside the other chunk's expert GEMMs when the layer is chunked
+    t, per_expert, side = t / chunks, per_expert / chunks, chunks > 1
     rows = per_expert * local
     row_bytes = h * AB
-    if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
-        send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
-        perm = g.memory("dispatch_permute", (t + rows) * row_bytes, (t + rows) * row_bytes,
-                        norm, topk)
-        ready = g.comm("ep_dispatch", send, perm, fuse_with="expert_fc13", rows=rows)
-        shared = _shared_experts(g, norm, t, 1)
-    else:
-        send, back = (vol.ep_ffn(m, t, n, Dispatch.allgather_reduce_scatter)
-                      if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
-        # All-gather every rank's tokens, then pick the rows routed to local experts.
-        arrived = g.comm(send.kind.value, send, norm, fuse_with="expert_fc13", rows=rows)
-        ready = g.memory("dispatch_scatter", 2 * rows * row_bytes,
-                         (rows + n * t) * row_bytes, arrived, topk)
-        # Shared experts are replicated under EP (local tokens), split by etp under TP.
-        shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens, k.etp)
-    fc13 = g.grouped("expert_fc13", local, per_expert, 2 * width, h, ready)
-    act = _swiglu(g, "expert_", rows, width, fc13)
-    fc2 = g.grouped("expert_fc2", local, per_expert, h, width, act)
-    if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
-        returned = g.comm("ep_combine", back, fc2, fuse_with="expert_fc2", rows=rows)
-        out = g.memory("combine_unpermute", (rows + t) * row_bytes, (rows + t) * row_bytes,
-                       returned, topk)
-    else:
-        # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.
-        gathered = g.memory("combine_gather", (rows + n * t) * row_bytes,
-                            2 * rows * row_bytes, fc2, topk, shared if k.etp > 1 else None)
-        out = g.comm(back.kind.value, back, gathered, fuse_with="expert_fc2", rows=rows)
-    return (out, shared)
+    shared = None
+    dispatched: list[tuple[str, Transfer, str | None]] = []  # (ready, combine transfer, perm)
+    for c in range(chunks):
+        at = f"@{c}" if side else ""
+        perm = None
+        if a2a:
+            send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
+            perm = g.memory(f"dispatch_permute{at}", (t + rows) * row_bytes,
+                            (t + rows) * row_bytes, norm, topk)
+            ready = g.comm(f"ep_dispatch{at}", send, perm, fuse_with=f"expert_fc13{at}",
+                           rows=rows, side_stream=side)
+            if c == 0:
+                shared = _shared_experts(g, norm, t * chunks, 1)
+        else:
+            send, back = (vol.ep_ffn(m, t, n, Dispatch.allgather_reduce_scatter)
+                          if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
+            # All-gather every rank's tokens, then pick the rows routed to local experts.
+            arrived = g.comm(f"{send.kind.value}{at}", send, norm,
+                             fuse_with=f"expert_fc13{at}", rows=rows, side_stream=side)
+            ready = g.memory(f"dispatch_scatter{at}", 2 * rows * row_bytes,
+                             (rows + n * t) * row_bytes, arrived, topk)
+            # Shared experts are replicated under EP (local tokens), split by etp under TP.
+            if c == 0:
+                shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens,
+                                         k.etp)
+        dispatched.append((ready, back, perm))
+    outs = []
+    for c, (ready, back, _) in enumerate(dispatched):
+        at = f"@{c}" if side else ""
+        # One compute stream runs the chunks' expert GEMMs in issue order: chunk c after chunk
+        # c - 1 (and, derived from that edge, its gradients before c - 1's, as autograd does),
+        # and after the next chunk's permutation, so that chunk's dispatch runs beside them.
+        previous = f"expert_fc2@{c - 1}" if c else None
+        following = dispatched[c + 1][2] if c + 1 < chunks else None
+        fc13 = g.grouped(f"expert_fc13{at}", local, per_expert, 2 * width, h, ready, previous,
+                         following)
+        act = _swiglu(g, "expert_", rows, width, fc13, at)
+        fc2 = g.grouped(f"expert_fc2{at}", local, per_expert, h, width, act)
+        if a2a:
+            returned = g.comm(f"ep_combine{at}", back, fc2, fuse_with=f"expert_fc2{at}",
+                              rows=rows, side_stream=side)
+            outs.append(g.memory(f"combine_unpermute{at}", (rows + t) * row_bytes,
+                                 (rows + t) * row_bytes, returned, topk))
+        else:
+            # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.
+            gathered = g.memory(f"combine_gather{at}", (rows + n * t) * row_bytes,
+                                2 * rows * row_bytes, fc2, topk, shared if k.etp > 1 else None)
+            outs.append(g.comm(f"{back.kind.value}{at}", back, gathered,
+                               fuse_with=f"expert_fc2{at}", rows=rows, side_stream=side))
+    return (*outs, shared)
 
 
-def forward_graph(key: LayerKey) -> nx.DiGraph:
+def forward_graph(key: LayerKey, chunks: int = 1) -> nx.DiGraph:
+    """The layer's operators; the MoE part in ``chunks`` token chunks (plans.layout.moe_chunks)."""
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
     attn = _attention(g, None)
     norm = g.memory("ffn_norm", 2 * t * h * AB, 3 * t * h * AB, attn)
-    outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm)
+    outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
     g.memory("ffn_residual", 3 * t * h * AB, 0.0, attn, *outs)
     return g.graph
 
@@ -281,8 +315,14 @@ def _recomputed(op: Op, policy: Recompute) -> bool:
     return policy == Recompute.full or (policy == Recompute.selective and op.selective)
 
 
-def backward_graph(fwd: nx.DiGraph, policy: Recompute) -> nx.DiGraph:
-    """Gradients in reverse program order, plus reruns of recomputed forward operators."""
+def backward_graph(fwd: nx.DiGraph, policy: Recompute, autograd_nodes: bool = False
+                   ) -> nx.DiGraph:
+    """Gradients in reverse program order, plus reruns of recomputed forward operators.
+
+    With ``autograd_nodes`` the gradients run as torch autograd runs them (the inter-operator
+    overlapped runtime): a GEMM's data and weight gradients are one node, so whatever reads its
+    data gradient, on either stream, also waits for its weight gradient; without, the weight
+    gradient waits for nothing downstream (a hand-scheduled layer, paper Sec. 4.1)."""
     ops: dict[str, Op] = {n: d["op"] for n, d in fwd.nodes(data=True)}
     order = sorted(ops, key=lambda n: fwd.nodes[n]["order"])
     # Only outputs some gradient reads are rerun: the layer's output is never needed again.
@@ -300,9 +340,13 @@ def backward_graph(fwd: nx.DiGraph, policy: Recompute) -> nx.DiGraph:
         return f"{name}.dgrad" if gemm else f"{name}.bwd"
 
     added: list[str] = []
+    def waits_for(consumer: str) -> list[str]:
+        gemm = ops[consumer].kind in (OpKind.gemm, OpKind.grouped_gemm)
+        return [grad(consumer)] + ([f"{consumer}.wgrad"] if gemm and autograd_nodes else [])
+
     for name in reversed(order):
         op = ops[name]
-        after = [grad(c) for c in fwd.successors(name)]
+        after = [w for c in fwd.successors(name) for w in waits_for(c)]
         # A gradient that reads this operator's forward inputs needs recomputed ones rerun.
         inputs = [f"recompute.{p}" for p in fwd.predecessors(name) if p in rerun]
         if op.kind == OpKind.comm:
