@@ -253,6 +253,12 @@ def test_chunked_cross_entropy_in_bf16_stays_near_the_fp32_loss(monkeypatch, chu
         torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.1)
 
 
+@pytest.mark.parametrize("kind", ["all_to_all", "allgather_reduce_scatter"])
+@pytest.mark.parametrize("capacity_factor, shared", [(None, True), (1.0, False)])
+def test_chunked_moe_matches_the_serial_layer(pool2, kind, capacity_factor, shared):
+    assert all(pool2.run("dist_workers", "chunked_vs_serial", kind, capacity_factor, shared))
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 3])
 @pytest.mark.parametrize("shared", [False, True])
 def test_overlap_stage_order_is_a_software_pipeline(chunks, shared):
