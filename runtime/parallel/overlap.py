@@ -12,7 +12,7 @@ beside chunk 0's expert GEMMs and chunk 0's combine beside chunk 1's (the shared
 the model has them, beside chunk 0's dispatch). Every expert GEMM is issued before the next
 dispatch, whose host work (the all-gather dispatcher's row filter) may wait on the GPU.
 
-On CUDA the compute lane is the current stream and the communication lane a second stream; a
+On CUDA the compute lane is the training stream and the communication lane a second stream; a
 stage on the other lane than its chunk's previous stage waits for that stage's event, and every
 tensor a chunk carries into it is ``record_stream``-ed on its stream, so the caching allocator
 never reuses memory a stream still reads. On CPU both lanes are the one thread and the schedule
@@ -32,7 +32,7 @@ builds the same chunks).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
 from typing import Any
@@ -89,16 +89,41 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 class Lanes:
-    """The two lanes on one device: CUDA streams, or nothing on CPU."""
+    """The two lanes on one device: CUDA streams, or nothing on CPU. The compute lane is the
+    stream current at the first forward (the training stream); a later call from another
+    stream (full recomputation runs the forward again inside the backward, on the stream of
+    the node that needs it) is joined to it (``call``), so every stage reruns on the stream it
+    first ran on and the recomputed tensors are read where they were made."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.compute = torch.cuda.current_stream(device) if self.cuda else None
         self.comm = torch.cuda.Stream(device) if self.cuda else None
 
     def stream(self, lane: Lane) -> torch.cuda.Stream | None:
+        return self.comm if lane == Lane.comm else self.compute
+
+    @contextmanager
+    def call(self, inputs: Any) -> Iterator[list[torch.Tensor]]:
+        """Run the body on the compute lane after the caller's stream; the caller's stream
+        waits for it at the end, and the tensors the body appends to the yielded list are kept
+        alive for the caller's stream."""
+        outputs: list[torch.Tensor] = []
         if not self.cuda:
-            return None
-        return self.comm if lane == Lane.comm else torch.cuda.current_stream()
+            yield outputs
+            return
+        caller = torch.cuda.current_stream()
+        if caller == self.compute:
+            yield outputs
+            return
+        self.compute.wait_stream(caller)
+        for t in _tensors(inputs):
+            t.record_stream(self.compute)
+        with torch.cuda.stream(self.compute):
+            yield outputs
+        caller.wait_stream(self.compute)
+        for t in outputs:
+            t.record_stream(caller)
 
     def enter(self, lane: Lane, after: torch.cuda.Event | None, carried: Any):
         """Context running work on ``lane``: it waits for ``after`` (an event of the other
@@ -165,6 +190,11 @@ class ChunkedExpertFFN:
 
     def __call__(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         lanes = self.lanes(tokens.device)
+        with lanes.call((tokens, routing)) as outputs:
+            outputs.append(self._run(lanes, tokens, routing))
+        return outputs[0]
+
+    def _run(self, lanes: Lanes, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         parts = [torch.tensor_split(t, self.chunks) for t in (tokens, routing.indices,
                                                              routing.weights)]
         routings = [Routing(i, w, routing.aux_loss, routing.dropless)
