@@ -2,10 +2,15 @@
 
 Communication is scheduled by ``plan.overlap`` (paper Sec. 4):
 - none: every collective blocks compute (serial execution).
-- inter_op: a collective runs beside independent compute; a share ``1 - efficiency.overlap`` of
-  it still blocks compute (launch, synchronisation, contention).
+- inter_op: as runtime.parallel.overlap executes it: an EP layer's dispatch and combine run in
+  ``plans.layout.moe_chunks`` token chunks on the communication stream beside independent
+  compute (the other chunk's expert GEMMs, the shared experts); a share
+  ``1 - efficiency.overlap`` of each still blocks compute (launch, synchronisation,
+  contention). Gradients run as autograd nodes (a GEMM's data and weight gradients together).
+  Every other collective (Ulysses and TP attention, expert TP) blocks.
 - inter_intra_op: collectives fused with their GEMM at tile level expose only
-  max(0, comm - gemm) plus the fill of one 128-row tile chunk; the others as in inter_op.
+  max(0, comm - gemm) plus the fill of one 128-row tile chunk (the paper's hand-scheduled
+  layer, unchunked; not executed by this runtime, which runs it as inter_op).
 A greedy list schedule can lose to a less overlapped one (Graham's scheduling anomalies: a
 weight-gradient GEMM started early delays the critical path); a hand-scheduled layer (paper
 Sec. 4.1) would not, so each pass keeps the fastest schedule of the policies up to its own.
@@ -24,6 +29,7 @@ import networkx as nx
 
 from cost_models.layer_graph import LayerKey, Op, OpKind, backward_graph, forward_graph
 from cost_models.schedule import Stream, Task, list_schedule
+from plans.layout import moe_chunks
 from plans.operators import LAYER_REGIONS, TIMER_OF
 from plans.plan import Overlap, Plan
 
@@ -96,14 +102,15 @@ def _tasks(graph: nx.DiGraph, program: list[tuple[str, Op, tuple[str, ...]]], ov
 
     def emit(op: Op, duration: float, streams: frozenset, preds: tuple[int, ...]) -> int:
         kind = op.comm.value if op.comm is not None else None
-        out.append((Task(op.name, duration, streams, preds, kind), op))
+        first = op.side_stream and overlap == Overlap.inter_op
+        out.append((Task(op.name, duration, streams, preds, kind, first), op))
         return len(out) - 1
 
     for name, op, pred_names in program:
         preds = tuple(last_task[p] for p in pred_names)
         if op.kind != OpKind.comm:
             last_task[name] = emit(op, op.duration_s, COMPUTE, preds)
-        elif overlap == Overlap.none:
+        elif overlap == Overlap.none or (overlap == Overlap.inter_op and not op.side_stream):
             last_task[name] = emit(op, op.duration_s, BOTH, preds)
         elif overlap == Overlap.inter_intra_op and op.fuse_with in graph:
             partner = graph.nodes[op.fuse_with]["op"].duration_s
@@ -143,17 +150,35 @@ def _run(graph: nx.DiGraph, program, overlap: Overlap, hidden_share: float) -> _
     return _Pass(sched.makespan_s, compute, recompute, dict(exposed), sched.critical_path)
 
 
-def _best(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> _Pass:
+@lru_cache(maxsize=4096)
+def _graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGraph]:
+    """Forward and backward graphs of the layer as ``overlap`` runs it: inter_op chunks the
+    MoE part as the runtime does and runs gradients as autograd nodes."""
+    inter = overlap == Overlap.inter_op
+    fwd = forward_graph(key, moe_chunks(overlap, key.ffn, key.ep))
+    return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter)
+
+
+def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
+    """The schedule of ``overlap``, or of a weaker policy when that one is faster: a greedy list
+    schedule can lose to less overlap (see the module doc), a scheduler that can fall back
+    would not. A weaker policy runs its own graph (inter_op its chunked layer), except that
+    inter_op falls back to its chunked layer run serially, which is what the runtime would
+    do: where chunking costs more than it hides (collective latency, smaller grouped GEMMs),
+    inter_op is priced slower than none."""
+    hidden_share = key.cluster.efficiency.overlap
     policies = list(Overlap)[: list(Overlap).index(overlap) + 1]
-    program = _program(graph)
-    best = _run(graph, program, policies[-1], hidden_share)
-    for weaker in reversed(policies[:-1]):
+    best = None
+    for policy in reversed(policies):
+        graph = _graphs(key, overlap if policy == Overlap.none else policy)[backward]
+        program = _program(graph)
         # with no overlap everything runs back to back: its makespan is the sum of the
         # durations, known without scheduling; schedule it only if it could win
-        if weaker == Overlap.none and sum(op.duration_s for _, op, _ in program) >= best.time_s:
+        if best is not None and policy == Overlap.none and sum(
+                op.duration_s for _, op, _ in program) >= best.time_s:
             continue
-        candidate = _run(graph, program, weaker, hidden_share)
-        if candidate.time_s < best.time_s:
+        candidate = _run(graph, program, policy, hidden_share)
+        if best is None or candidate.time_s < best.time_s:
             best = candidate
     return best
 
@@ -171,12 +196,9 @@ def _region_s(fwd: nx.DiGraph, bwd: nx.DiGraph) -> dict[str, float]:
 
 @lru_cache(maxsize=4096)
 def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
-    """Build the layer's graphs once per key and schedule them."""
-    fwd_graph = forward_graph(key)
-    bwd_graph = backward_graph(fwd_graph, key.recompute)
-    hidden_share = key.cluster.efficiency.overlap
-    fwd = _best(fwd_graph, overlap, hidden_share)
-    bwd = _best(bwd_graph, overlap, hidden_share)
+    """Schedule the layer's graphs (built once per key and policy)."""
+    fwd = _best(key, overlap, backward=False)
+    bwd = _best(key, overlap, backward=True)
     exposed = {k: fwd.exposed_s.get(k, 0.0) + bwd.exposed_s.get(k, 0.0)
                for k in sorted({*fwd.exposed_s, *bwd.exposed_s})}
     return LayerTiming(
@@ -186,7 +208,7 @@ def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
         recompute_s=fwd.recompute_s + bwd.recompute_s,
         exposed_comm_s=MappingProxyType(exposed),
         critical_path=fwd.critical_path + bwd.critical_path,
-        region_s=MappingProxyType(_region_s(fwd_graph, bwd_graph)),
+        region_s=MappingProxyType(_region_s(*_graphs(key, overlap))),
     )
 
 

@@ -97,6 +97,9 @@ class Op:
     """Rows of that GEMM; the collective's first 128-row tile chunk is the pipeline fill."""
     recompute: bool = False
     """This is a backward-pass rerun of a forward operator."""
+    side_stream: bool = False
+    """A collective of the chunked MoE layer, issued on the communication stream beside the
+    other chunk's expert GEMMs (the one communication Overlap.inter_op overlaps)."""
 
     @property
     def stream(self) -> Stream:
@@ -131,24 +134,25 @@ class _Builder:
         return self.add(Op(name.value, name, OpKind.gemm, fwd, bwd), *after)
 
     def grouped(self, name: LayerOperator, groups: int, m: float, n: float, k: float,
-                *after: str | None) -> str:
+                *after: str | None, at: str = "") -> str:
+        """``at``: the chunk suffix of a chunked MoE layer's operators (``@0``, ``@1``)."""
         c, p = self.key.cluster, self.key.precision
         fwd = cc.grouped_gemm_s(groups, m, n, k, c, p)
         bwd = (cc.grouped_gemm_s(groups, m, k, n, c, p), cc.grouped_gemm_s(groups, k, n, m, c, p))
-        return self.add(Op(name.value, name, OpKind.grouped_gemm, fwd, bwd), *after)
+        return self.add(Op(name.value + at, name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
-               *after: str | None) -> str:
+               *after: str | None, at: str = "") -> str:
         c = self.key.cluster
-        op = Op(name.value, name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
+        op = Op(name.value + at, name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
                 (cc.elementwise_s(bwd_bytes, c),))
         return self.add(op, *after)
 
     def permutation(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
-                    *after: str | None) -> str:
+                    *after: str | None, at: str = "") -> str:
         """An eager token-permutation step (cost_models.dispatch) at the gather/scatter rate."""
         c = self.key.cluster
-        op = Op(name.value, name, OpKind.memory, cc.gather_scatter_s(fwd_bytes, c),
+        op = Op(name.value + at, name, OpKind.memory, cc.gather_scatter_s(fwd_bytes, c),
                 (cc.gather_scatter_s(bwd_bytes, c),))
         return self.add(op, *after)
 
@@ -164,10 +168,12 @@ class _Builder:
         return self.add(op, *after)
 
     def comm(self, name: LayerOperator, t: Transfer, *after: str | None,
-             fuse_with: LayerOperator | None = None, rows: float = 0.0) -> str:
+             fuse_with: LayerOperator | None = None, rows: float = 0.0, at: str = "",
+             side_stream: bool = False) -> str:
         d = vol.transfer_s(t, self.key.cluster)
-        fused = fuse_with.value if fuse_with is not None else None
-        op = Op(name.value, name, OpKind.comm, d, (d,), t.kind, fused, rows)
+        fused = fuse_with.value + at if fuse_with is not None else None
+        op = Op(name.value + at, name, OpKind.comm, d, (d,), t.kind, fused, rows,
+                side_stream=side_stream)
         return self.add(op, *after)
 
 
@@ -212,9 +218,10 @@ def _attention(g: _Builder, x: str | None) -> str:
     return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out)
 
 
-def _swiglu(g: _Builder, name: LayerOperator, rows: float, width: float, fc13: str) -> str:
+def _swiglu(g: _Builder, name: LayerOperator, rows: float, width: float, fc13: str,
+            at: str = "") -> str:
     """SwiGLU: read fc1 and gate outputs, write the product; backward reads 3, writes 2."""
-    return g.memory(name, 3 * rows * width * AB, 5 * rows * width * AB, fc13)
+    return g.memory(name, 3 * rows * width * AB, 5 * rows * width * AB, fc13, at=at)
 
 
 def _dense_ffn(g: _Builder, norm: str) -> str:
@@ -243,7 +250,10 @@ def _shared_experts(g: _Builder, norm: str, rows: float, width_divisor: int) -> 
     return g.gemm(LO.shared_fc2, rows, m.hidden, f, act)
 
 
-def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
+def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
+    """Router over every token, then dispatch, expert GEMMs and combine, in ``chunks`` token
+    chunks (plans.layout.moe_chunks: the inter-operator overlapped layer of
+    runtime.parallel.overlap; operator names get an ``@chunk`` suffix when chunks > 1)."""
     k, m = g.key, g.key.model
     h, t, e = m.hidden, k.tokens, m.experts
     logits = g.gemm(LO.router_gemm, t, e, h, norm)
@@ -254,6 +264,10 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
     else:
         n, local, width, gathered_tokens = k.etp, e, m.expert_ffn_hidden / k.etp, t * k.etp
         per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)
+    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all
+    # one chunk's share of the tokens and rows; its collectives ride the communication stream
+    # beside the other chunk's expert GEMMs when the layer is chunked
+    t, per_expert, side = t / chunks, per_expert / chunks, chunks > 1
     rows = per_expert * local
     row_bytes = h * AB
     eager = eager_permutation(k.ffn.dispatch if isinstance(k.ffn, EPFFN) else None, n) \
@@ -263,57 +277,81 @@ def _moe_ffn(g: _Builder, norm: str) -> tuple[str, ...]:
     token_rows = n * t if eager is ALL_GATHER else t
 
     def permutation(name: LayerOperator, fused_fwd: float, fused_bwd: float,
-                    eager_fwd: Passes | None,
-                    eager_bwd: Passes | None, *after: str | None) -> str:
+                    eager_fwd: Passes | None, eager_bwd: Passes | None, *after: str | None,
+                    at: str) -> str:
         if eager_fwd is None or eager_bwd is None:
-            return g.memory(name, fused_fwd * row_bytes, fused_bwd * row_bytes, *after)
+            return g.memory(name, fused_fwd * row_bytes, fused_bwd * row_bytes, *after, at=at)
         return g.permutation(name, eager_fwd.rows(rows, token_rows) * row_bytes,
-                             eager_bwd.rows(rows, token_rows) * row_bytes, *after)
+                             eager_bwd.rows(rows, token_rows) * row_bytes, *after, at=at)
 
-    e_fwd = eager.dispatch_fwd if eager else None
-    e_bwd = eager.dispatch_bwd if eager else None
-    if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
-        send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
-        perm = permutation(LO.dispatch_permute, t + rows, t + rows, e_fwd, e_bwd, norm, topk)
-        ready = g.comm(LO.ep_dispatch, send, perm, fuse_with=LO.expert_fc13, rows=rows)
-        shared = _shared_experts(g, norm, t, 1)
-    else:
-        send, back = (vol.ep_ffn(m, t, n, Dispatch.allgather_reduce_scatter)
-                      if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
-        # All-gather every rank's tokens, then pick the rows routed to local experts.
-        gather = LO.ep_dispatch if isinstance(k.ffn, EPFFN) else LO.etp_all_gather
-        arrived = g.comm(gather, send, norm, fuse_with=LO.expert_fc13, rows=rows)
-        ready = permutation(LO.dispatch_scatter, 2 * rows, rows + n * t, e_fwd, e_bwd,
-                            arrived, topk)
-        # Shared experts are replicated under EP (local tokens), split by etp under TP.
-        shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens, k.etp)
-    fc13 = g.grouped(LO.expert_fc13, local, per_expert, 2 * width, h, ready)
-    act = _swiglu(g, LO.expert_swiglu, rows, width, fc13)
-    fc2 = g.grouped(LO.expert_fc2, local, per_expert, h, width, act)
-    e_fwd = eager.combine_fwd if eager else None
-    e_bwd = eager.combine_bwd if eager else None
-    if isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all:
-        returned = g.comm(LO.ep_combine, back, fc2, fuse_with=LO.expert_fc2, rows=rows)
-        out = permutation(LO.combine_unpermute, rows + t, rows + t, e_fwd, e_bwd, returned,
-                          topk)
-    else:
-        # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.
-        gathered = permutation(LO.combine_gather, rows + n * t, 2 * rows, e_fwd, e_bwd, fc2,
-                               topk, shared if k.etp > 1 else None)
-        scatter = LO.ep_combine if isinstance(k.ffn, EPFFN) else LO.etp_reduce_scatter
-        out = g.comm(scatter, back, gathered, fuse_with=LO.expert_fc2, rows=rows)
+    shared = None
+    dispatched: list[tuple[str, Transfer, str | None]] = []  # (ready, combine transfer, perm)
+    for c in range(chunks):
+        at = f"@{c}" if side else ""
+        perm = None
+        e_fwd = eager.dispatch_fwd if eager else None
+        e_bwd = eager.dispatch_bwd if eager else None
+        if a2a:
+            send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
+            perm = permutation(LO.dispatch_permute, t + rows, t + rows, e_fwd, e_bwd, norm, topk,
+                               at=at)
+            ready = g.comm(LO.ep_dispatch, send, perm, fuse_with=LO.expert_fc13, rows=rows,
+                           at=at, side_stream=side)
+            if c == 0:
+                shared = _shared_experts(g, norm, t * chunks, 1)
+        else:
+            send, back = (vol.ep_ffn(m, t, n, Dispatch.allgather_reduce_scatter)
+                          if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
+            # All-gather every rank's tokens, then pick the rows routed to local experts.
+            gather = LO.ep_dispatch if isinstance(k.ffn, EPFFN) else LO.etp_all_gather
+            arrived = g.comm(gather, send, norm, fuse_with=LO.expert_fc13, rows=rows, at=at,
+                             side_stream=side)
+            ready = permutation(LO.dispatch_scatter, 2 * rows, rows + n * t, e_fwd, e_bwd,
+                                arrived, topk, at=at)
+            # Shared experts are replicated under EP (local tokens), split by etp under TP.
+            if c == 0:
+                shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens,
+                                         k.etp)
+        dispatched.append((ready, back, perm))
+    outs = []
+    for c, (ready, back, _) in enumerate(dispatched):
+        at = f"@{c}" if side else ""
+        # One compute stream runs the chunks' expert GEMMs in issue order: chunk c after chunk
+        # c - 1 (and, derived from that edge, its gradients before c - 1's, as autograd does),
+        # and after the next chunk's permutation, so that chunk's dispatch runs beside them.
+        previous = f"{LO.expert_fc2.value}@{c - 1}" if c else None
+        following = dispatched[c + 1][2] if c + 1 < chunks else None
+        fc13 = g.grouped(LO.expert_fc13, local, per_expert, 2 * width, h, ready, previous,
+                         following, at=at)
+        act = _swiglu(g, LO.expert_swiglu, rows, width, fc13, at)
+        fc2 = g.grouped(LO.expert_fc2, local, per_expert, h, width, act, at=at)
+        e_fwd = eager.combine_fwd if eager else None
+        e_bwd = eager.combine_bwd if eager else None
+        if a2a:
+            returned = g.comm(LO.ep_combine, back, fc2, fuse_with=LO.expert_fc2, rows=rows,
+                              at=at, side_stream=side)
+            outs.append(permutation(LO.combine_unpermute, rows + t, rows + t, e_fwd, e_bwd,
+                                    returned, topk, at=at))
+        else:
+            # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.
+            gathered = permutation(LO.combine_gather, rows + n * t, 2 * rows, e_fwd, e_bwd, fc2,
+                                   topk, shared if k.etp > 1 else None, at=at)
+            scatter = LO.ep_combine if isinstance(k.ffn, EPFFN) else LO.etp_reduce_scatter
+            outs.append(g.comm(scatter, back, gathered, fuse_with=LO.expert_fc2, rows=rows,
+                               at=at, side_stream=side))
     if eager is not None and eager.host_sync:
         # The dispatch waits on the host, then the CPU launches its small kernels one by one:
-        # the layer's dispatch + combine (forward and backward) never takes less than the
-        # measured floor; the shortfall is GPU time lost to the host.
+        # the layer's dispatch + combine (forward and backward, every chunk) never takes less
+        # than the measured floor; the shortfall is GPU time lost to the host, before the
+        # first collective.
         floor_s = k.cluster.efficiency.dispatch_floor_us.of(
             k.ffn.dispatch if isinstance(k.ffn, EPFFN) else Dispatch.allgather_reduce_scatter
         ) * 1e-6
         moved = sum(op.duration_s + sum(op.bwd) for _, op in g.graph.nodes(data="op")
                     if op.operator in DISPATCH_COMBINE_OPS)
         if floor_s > moved:
-            out = g.host_wait(floor_s - moved, out)
-    return (out, shared)
+            outs = [g.host_wait(floor_s - moved, *outs)]
+    return (*outs, shared)
 
 
 DISPATCH_COMBINE_OPS = frozenset(
@@ -324,12 +362,13 @@ DISPATCH_COMBINE_OPS = frozenset(
 dispatch and combine (plans.operators), less the host wait they are held against."""
 
 
-def forward_graph(key: LayerKey) -> nx.DiGraph:
+def forward_graph(key: LayerKey, chunks: int = 1) -> nx.DiGraph:
+    """The layer's operators; the MoE part in ``chunks`` token chunks (plans.layout.moe_chunks)."""
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
     attn = _attention(g, None)
     norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
-    outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm)
+    outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
     g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs)
     return g.graph
 
@@ -337,8 +376,14 @@ def forward_graph(key: LayerKey) -> nx.DiGraph:
 # ---- backward -----------------------------------------------------------------------------------
 
 
-def backward_graph(fwd: nx.DiGraph, policy: Recompute) -> nx.DiGraph:
-    """Gradients in reverse program order, plus reruns of recomputed forward operators."""
+def backward_graph(fwd: nx.DiGraph, policy: Recompute, autograd_nodes: bool = False
+                   ) -> nx.DiGraph:
+    """Gradients in reverse program order, plus reruns of recomputed forward operators.
+
+    With ``autograd_nodes`` the gradients run as torch autograd runs them (the inter-operator
+    overlapped runtime): a GEMM's data and weight gradients are one node, so whatever reads its
+    data gradient, on either stream, also waits for its weight gradient; without, the weight
+    gradient waits for nothing downstream (a hand-scheduled layer, paper Sec. 4.1)."""
     ops: dict[str, Op] = {n: d["op"] for n, d in fwd.nodes(data=True)}
     order = sorted(ops, key=lambda n: fwd.nodes[n]["order"])
     # Only outputs some gradient reads are rerun: the layer's output is never needed again.
@@ -357,9 +402,14 @@ def backward_graph(fwd: nx.DiGraph, policy: Recompute) -> nx.DiGraph:
         return f"{name}.dgrad" if gemm else f"{name}.bwd"
 
     added: list[str] = []
+
+    def waits_for(consumer: str) -> list[str]:
+        gemm = ops[consumer].kind in (OpKind.gemm, OpKind.grouped_gemm)
+        return [grad(consumer)] + ([f"{consumer}.wgrad"] if gemm and autograd_nodes else [])
+
     for name in reversed(order):
         op = ops[name]
-        after = [grad(c) for c in fwd.successors(name)]
+        after = [w for c in fwd.successors(name) for w in waits_for(c)]
         # A gradient that reads this operator's forward inputs needs recomputed ones rerun.
         inputs = [f"recompute.{p}" for p in fwd.predecessors(name) if p in rerun]
         if op.kind == OpKind.comm:

@@ -2,9 +2,10 @@
 
 Tasks run on the compute stream, the communication stream, or both at once (a *blocking*
 task: communication that compute may not run beside). Each step starts the ready task that can
-start earliest once its predecessors are done and its streams are free; ties go to the task with
-the longest remaining path (bottom level, the classic list-scheduling priority), then to program
-order, so a collective on the critical path starts before a weight-gradient GEMM that can hide it.
+start earliest once its predecessors are done and its streams are free; ties go to a task marked
+``first``, then to the task with the longest remaining path (bottom level, the classic
+list-scheduling priority), then to program order, so a collective on the critical path starts
+before a weight-gradient GEMM that can hide it.
 Exposed communication is the time a communication task runs while no compute task does.
 """
 
@@ -30,6 +31,9 @@ class Task:
     """Indices of tasks that must finish first (all earlier in the list)."""
     comm_kind: str | None = None
     """Set on communication tasks: the kind their exposed time is reported under."""
+    first: bool = False
+    """Wins a tie on start time against tasks without it: a collective issued on its own
+    stream starts beside the compute issued with it rather than after it."""
 
 
 @dataclass(frozen=True)
@@ -78,9 +82,8 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             for s in t.streams:
                 if free[s] > at:
                     at, why = free[s], last_on[s]
-            if best is None or at < best_start or (
-                    at == best_start and (level[i] > level[best]
-                                          or level[i] == level[best] and i < best)):
+            if best is None or at < best_start or (at == best_start and (
+                    (t.first, level[i], -i) > (tasks[best].first, level[best], -best))):
                 best, best_start, best_cause = i, at, why
         start[best] = best_start
         finish[best] = best_start + tasks[best].duration_s

@@ -244,9 +244,9 @@ def search_cmd(
                      "run it)."),
     ] = None,
     runnable: Annotated[bool, typer.Option(
-        "--runnable", help="Only what moeplan's runtime executes today (no overlap, gradient "
-        "sync after the backward, no gradient-accumulation fusion, bf16 GEMMs): predictions "
-        "for the run `moeplan train` makes.")] = False,
+        "--runnable", help="Only what moeplan's runtime executes today (inter-operator "
+        "overlap of EP layers only, gradient sync after the backward, no gradient-accumulation "
+        "fusion, bf16 GEMMs): predictions for the run `moeplan train` makes.")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     json_out: JsonOpt = False,

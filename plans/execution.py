@@ -73,7 +73,11 @@ def _executed(field: str, *values: object, reason: str = "",
                  for v in values)
 
 
-_OVERLAP_WHY = "every collective runs blocking, in program order"
+_INTER_OP_WHAT = (
+    "EP layers (ep > 1) dispatch and combine in plans.layout.INTER_OP_CHUNKS token chunks on a "
+    "communication stream beside the expert GEMMs (runtime.parallel.overlap); the attention's "
+    "and expert TP's collectives block")
+_INTRA_OP_WHY = "no tile-level fused communication kernels; the inter-operator overlap runs"
 _BF16_WHY = "GEMMs run in bf16; fp8 applies to the gradient sync only"
 _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
 
@@ -113,8 +117,8 @@ TABLE: tuple[Capability, ...] = (
     *_executed("schedule", "1f1b", "interleaved_1f1b"),
     # how a step runs
     Capability("overlap", "none", Support.executed),
-    Capability("overlap", "inter_op", Support.runs_as, _OVERLAP_WHY, "none"),
-    Capability("overlap", "inter_intra_op", Support.runs_as, _OVERLAP_WHY, "none"),
+    Capability("overlap", "inter_op", Support.executed, _INTER_OP_WHAT),
+    Capability("overlap", "inter_intra_op", Support.runs_as, _INTRA_OP_WHY, "inter_op"),
     *_executed("recompute", "none", "selective", "full",
                reason="selective reruns the attention core (RoPE and SDPA)"),
     *_executed("cross_entropy", "chunked", "materialized"),
@@ -151,6 +155,13 @@ def lookup(field: str, value: object, backend: Backend) -> Capability:
         if row.field == field and row.matches(text, backend):
             return row
     raise KeyError(f"plans.execution.TABLE has no row for {field} = {_text(value)} on {backend}")
+
+
+def executed_value(field: str, value: object, backend: Backend) -> object:
+    """The value of ``field`` the runtime runs on ``backend`` when the plan says ``value``
+    (``value`` itself unless the table says runs_as), in the field's type."""
+    row = lookup(field, value, backend)
+    return _typed(value, row.runs) if row.support == Support.runs_as else value
 
 
 def executes(field: str, value: object, backend: Backend = Backend.cuda_nccl) -> bool:

@@ -16,7 +16,7 @@ of pp x vpp runs on stage c mod pp.
 
 from __future__ import annotations
 
-from plans.plan import Degrees, MeshAxis
+from plans.plan import EPFFN, Degrees, FFNStrategy, MeshAxis, Overlap
 
 A = MeshAxis
 VIEWS: tuple[tuple[MeshAxis, ...], ...] = (
@@ -106,3 +106,19 @@ def tokens_per_rank(sequences: int, seq_len: int, attention_group: int) -> float
     sharded over the attention group (``Degrees.attention_group``: Ulysses sp, cp, or tp with
     sequence parallelism in the norm regions)."""
     return sequences * seq_len / attention_group
+
+
+INTER_OP_CHUNKS = 2
+"""Token chunks of a micro-batch in an inter-operator overlapped MoE layer (paper Sec. 4):
+chunk i + 1's dispatch runs beside chunk i's expert GEMMs and chunk i's combine beside chunk
+i + 1's, so all but the first dispatch and the last combine (1 / chunks of the traffic each)
+can hide. Two, not more: every chunk pays the collectives' latency floor again (about 60 us per
+NCCL call on H200, bench/results/calibration_h200.json) and shrinks the grouped GEMMs."""
+
+
+def moe_chunks(overlap: Overlap, ffn: FFNStrategy, ep: int) -> int:
+    """Token chunks one MoE layer's micro-batch is dispatched in: INTER_OP_CHUNKS under
+    inter-operator overlap when the experts are spread over an EP group (there is a dispatch
+    to hide), else 1. ``overlap`` is the value the runtime executes (plans.execution)."""
+    spread = isinstance(ffn, EPFFN) and ep > 1
+    return INTER_OP_CHUNKS if overlap == Overlap.inter_op and spread else 1

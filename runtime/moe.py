@@ -274,11 +274,17 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         routing = self.router(tokens)
+        y = self.expert_ffn(tokens, routing)
+        if self.training and self.aux_loss_scale:
+            y = AuxLossGrad.apply(y, routing.aux_loss, self.aux_loss_scale)
+        return y.view(shape)
+
+    def expert_ffn(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Routed experts (dispatch, grouped GEMMs, combine) plus shared experts, in program
+        order; an overlapped schedule (runtime.parallel.overlap) replaces it on the instance."""
         rows, counts, handle = self.dispatcher.dispatch(tokens, routing)
         out = self.experts(rows, counts)
         y = self.dispatcher.combine(out, handle)
         if self.shared is not None:
             y = y + self.shared(tokens)
-        if self.training and self.aux_loss_scale:
-            y = AuxLossGrad.apply(y, routing.aux_loss, self.aux_loss_scale)
-        return y.view(shape)
+        return y

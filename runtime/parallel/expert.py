@@ -5,6 +5,8 @@ Experts are contiguous per rank: rank r holds experts [r E/n, (r+1) E/n)."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +36,23 @@ class _Timed:
     def dispatch(
         self, tokens: torch.Tensor, routing: Routing
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        return self.send(tokens, routing, self.prepare([routing])[0])
+
+    def prepare(self, routings: list[Routing]) -> list[Any]:
+        """What every chunk's dispatch needs to know before its rows move (expert order, the
+        peers' row counts), for all chunks of a micro-batch at once: one exchange and at most
+        one device-to-host sync, so the chunks' ``send`` never waits on the host."""
+        with self.region(Component.dispatch):
+            return self._prepare(routings)
+
+    def send(
+        self, tokens: torch.Tensor, routing: Routing, prepared: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Move one chunk's rows to their experts' ranks: expert-input rows grouped by local
+        expert, rows per local expert, and the handle ``combine`` undoes it with."""
         tokens = self.bwd_to(tokens, Component.dispatch)
         with self.region(Component.dispatch):
-            rows, counts, handle = self._dispatch(tokens, routing)
+            rows, counts, handle = self._send(tokens, routing, prepared)
         return self.bwd_from(rows, Component.dispatch), counts, handle
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -44,6 +60,26 @@ class _Timed:
         with self.region(Component.combine):
             y = self._combine(expert_out, handle)
         return self.bwd_from(y, Component.combine)
+
+
+@dataclass
+class _AllToAllPlan:
+    """One chunk's all-to-all, known before its rows move."""
+
+    slots: torch.Tensor
+    """Flat (token * k + slot) ids in expert order."""
+    recv_counts: torch.Tensor
+    """[n, local experts] rows each peer sends each local expert."""
+    in_splits: list[int]
+    out_splits: list[int]
+
+
+@dataclass
+class _AllGatherPlan:
+    """One chunk's rows for the local experts, in the EP group's gathered token order."""
+
+    slots: torch.Tensor
+    counts: torch.Tensor
 
 
 class AllToAllDispatcher(_Timed):
@@ -57,18 +93,28 @@ class AllToAllDispatcher(_Timed):
         self.num_experts = num_experts
         self.num_local_experts = num_experts // size
 
-    def _dispatch(
-        self, tokens: torch.Tensor, routing: Routing
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    def _prepare(self, routings: list[Routing]) -> list[_AllToAllPlan]:
         n, el = self.size, self.num_local_experts
-        k = routing.indices.shape[1]
-        slots, counts = sort_by_expert(routing.indices, self.num_experts, routing.dropless)
-        rows = tokens[torch.div(slots, k, rounding_mode="floor")]
-        send_counts = counts.view(n, el)
+        sorted_ = [sort_by_expert(r.indices, self.num_experts, r.dropless) for r in routings]
+        send_counts = torch.stack([counts.view(n, el) for _, counts in sorted_], 1)  # [n, c, el]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         # the one device-to-host sync of the dispatch: all-to-all(v) needs its splits on the host
-        in_splits, out_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        splits = torch.stack([send_counts.sum(2), recv_counts.sum(2)]).tolist()  # [2, n, c]
+        return [
+            _AllToAllPlan(slots, recv_counts[:, i], [row[i] for row in splits[0]],
+                          [row[i] for row in splits[1]])
+            for i, (slots, _) in enumerate(sorted_)
+        ]
+
+    def _send(
+        self, tokens: torch.Tensor, routing: Routing, prepared: _AllToAllPlan
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        n, el = self.size, self.num_local_experts
+        k = routing.indices.shape[1]
+        slots, recv_counts = prepared.slots, prepared.recv_counts
+        in_splits, out_splits = prepared.in_splits, prepared.out_splits
+        rows = tokens[torch.div(slots, k, rounding_mode="floor")]
         received = all_to_all(rows, out_splits, in_splits, self.group)
         # chunk c = src * el + e; expert-major order is key e * n + src
         chunk = torch.repeat_interleave(
@@ -108,20 +154,29 @@ class AllGatherDispatcher(_Timed):
         self.group, self.size, self.index = group, size, index
         self.num_local_experts = num_experts // size
 
-    def _dispatch(
-        self, tokens: torch.Tensor, routing: Routing
+    def _prepare(self, routings: list[Routing]) -> list[_AllGatherPlan]:
+        """All-gather every chunk's routing indices at once and pick the rows routed to local
+        experts (the filter waits on the host once per chunk, here, before any rows move)."""
+        el, n = self.num_local_experts, self.size
+        sizes = [r.indices.shape[0] for r in routings]
+        gathered = all_gather(torch.cat([r.indices for r in routings]), self.group)
+        per_rank = gathered.view(n, sum(sizes), -1)  # every rank holds the same token count
+        plans = []
+        for indices in torch.split(per_rank, sizes, dim=1):
+            local = indices.reshape(-1, indices.shape[-1]) - self.index * el
+            local = torch.where((local >= 0) & (local < el), local, -1)
+            plans.append(_AllGatherPlan(*sort_by_expert(local, el)))
+        return plans
+
+    def _send(
+        self, tokens: torch.Tensor, routing: Routing, prepared: _AllGatherPlan
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        el = self.num_local_experts
         k = routing.indices.shape[1]
         all_tokens = all_gather(tokens, self.group)
         all_weights = all_gather(routing.weights, self.group)
-        all_indices = all_gather(routing.indices, self.group)
-        local = all_indices - self.index * el
-        local = torch.where((local >= 0) & (local < el), local, -1)
-        slots, counts = sort_by_expert(local, el)
-        rows = all_tokens[torch.div(slots, k, rounding_mode="floor")]
-        handle = DispatchHandle(slots, all_weights, all_tokens.shape[0], k, {})
-        return rows, counts, handle
+        rows = all_tokens[torch.div(prepared.slots, k, rounding_mode="floor")]
+        handle = DispatchHandle(prepared.slots, all_weights, all_tokens.shape[0], k, {})
+        return rows, prepared.counts, handle
 
     def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         partial = weighted_scatter(

@@ -1,5 +1,6 @@
 """The plan's parallelism as ordered transforms of the plain (meta-device) model:
-pipeline stage -> attention (Ulysses or TP) -> experts (EP) -> recomputation -> timers.
+pipeline stage -> attention (Ulysses or TP) -> experts (EP, with the inter-operator overlapped
+schedule when the plan runs it) -> recomputation -> timers.
 Weights are materialised afterwards from the seed, so every layout starts identical."""
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from plans import (
     TPAttention,
     UlyssesAttention,
 )
-from plans.execution import Backend, check
+from plans.execution import Backend, check, executed_value
+from plans.layout import moe_chunks
 from runtime.metrics import Component, Timers, timed
 from runtime.model import AttentionCore, Shard, Transformer, TransformerBlock
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
 from runtime.parallel.data_parallel import replication_groups
 from runtime.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
 from runtime.parallel.mesh import Mesh
+from runtime.parallel.overlap import apply_inter_op_overlap
 from runtime.parallel.pipeline import apply_pipeline
 
 
@@ -113,6 +116,8 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     attention_shards = set(shards)
     if isinstance(plan.ffn, EPFFN):
         apply_expert_parallel(model, mesh, plan.ffn.dispatch, shards, timers)
+        overlap = executed_value("overlap", plan.overlap, backend)
+        apply_inter_op_overlap(model.moe_layers(), moe_chunks(overlap, plan.ffn, plan.degrees.ep))
     elif isinstance(plan.ffn, TPFFN):
         apply_expert_tensor_parallel(model, mesh, shards, timers)
     expert_shards = set(shards) - attention_shards

@@ -7,6 +7,7 @@ import pytest
 
 import cost_models.layer_graph as lg
 import cost_models.memory as mem
+from cost_models.layer import _graphs as layer_graphs
 from cost_models.layer import layer_key, layer_timing_for
 from cost_models.layer_graph import backward_graph, forward_graph
 from cost_models.memory import layer_activation_terms
@@ -17,6 +18,7 @@ from plans import (
     CPAttention,
     Degrees,
     Dispatch,
+    Kernels,
     LayerOperator,
     Overlap,
     Recompute,
@@ -41,7 +43,10 @@ def _plans(node_plan, model: str, n: int = 8):
 def test_every_layer_graph_node_is_a_layer_operator(node_plan):
     seen: set[LayerOperator] = set()
     # tiny-moe-shared: shared experts, a dense layer, QK norm
-    for plan in [*_plans(node_plan, "internal-352b"), *_plans(node_plan, "tiny-moe-shared", 2)]:
+    plans = [*_plans(node_plan, "internal-352b"), *_plans(node_plan, "tiny-moe-shared", 2)]
+    # eager kernels: the dispatch's host wait
+    plans += [p.model_copy(update={"kernels": Kernels.eager}) for p in plans[:2]]
+    for plan in plans:
         for dense in (False, True):
             fwd = forward_graph(layer_key(plan, dense))
             for name, op in fwd.nodes(data="op"):
@@ -72,6 +77,7 @@ def test_time_and_memory_both_follow_the_recomputed_set(node_plan, monkeypatch):
     tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
 
     def priced(policy: Recompute):
+        layer_graphs.cache_clear()  # the graphs are cached per key
         timing = layer_timing_for.__wrapped__(
             layer_key(plan.model_copy(update={"recompute": policy})), plan.overlap)
         terms = layer_activation_terms(plan.model, tokens, d, plan.ffn, policy, False)

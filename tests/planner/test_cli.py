@@ -170,7 +170,7 @@ def test_runnable_search_emits_plans_the_runtime_runs_as_written(tmp_path):
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--overlap", "inter_op"], ["--overlap", "runtime"]),
+    (["--overlap", "inter_intra_op"], ["--overlap", "runtime"]),
     (["--attention", "cp"], ["--attention", "cp"]),
     (["--precision", "fp8"], ["--precision", "bf16"]),
 ])
@@ -185,7 +185,7 @@ def test_validate_says_how_the_runtime_would_run_the_plan(tmp_path):
     assert run("search", *SMALL, "--json", "--out", str(out)).exit_code == 0
     result = run("validate", str(out))
     assert result.exit_code == 0, result.output
-    assert "moeplan train runs it with overlap none" in result.output
+    assert "moeplan train runs it with overlap inter_op" in result.output
     runnable = tmp_path / "r.json"
     assert run("search", *SMALL, "--runnable", "--json", "--out", str(runnable)).exit_code == 0
     assert "moeplan train runs it" not in run("validate", str(runnable)).output

@@ -12,6 +12,7 @@ from plans import (
     Dispatch,
     Optimizer,
     OptimizerSharding,
+    Overlap,
     PipelineSchedule,
     Plan,
     Precision,
@@ -41,6 +42,7 @@ def make_plan(
     tp_ffn: bool = False,
     optimizer_sharding: OptimizerSharding = OptimizerSharding.none,
     optimizer: Optimizer = Optimizer.adam,
+    overlap: Overlap = Overlap.none,
     **degrees: int,
 ) -> Plan:
     """A test plan; optimizer states replicated unless asked (the parity tests read every
@@ -64,6 +66,7 @@ def make_plan(
         grad_sync_precision=grad_sync_precision,
         recompute=recompute,
         optimizer_sharding=optimizer_sharding,
+        overlap=overlap,
         **extra,
     )
 
@@ -101,6 +104,16 @@ def one_step_gradients(plan_json: str, dtype: str = "fp32"):
     loss = trainer.forward_backward(0)
     trainer.sync_gradients()
     return loss, trainer.local_gradients()
+
+
+def chunked_moe_layers(plan_json: str) -> list[int]:
+    """Token chunks of each MoE layer's schedule on this rank (1: the serial expert_ffn)."""
+    from runtime.parallel.overlap import ChunkedExpertFFN
+
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    return [m.expert_ffn.chunks if isinstance(m.expert_ffn, ChunkedExpertFFN) else 1
+            for m in trainer.model.moe_layers()]
 
 
 def loss_curve(plan_json: str, steps: int, dtype: str = "fp32"):
@@ -238,6 +251,49 @@ def dispatcher_vs_local(kind: str):
     torch.testing.assert_close(y, ref_y[sl])
     torch.testing.assert_close(gx, ref_gx[sl])
     torch.testing.assert_close(gw, ref_gw[sl])
+    return True
+
+
+def chunked_vs_serial(kind: str, capacity_factor: float | None, shared: bool):
+    """One EP MoE layer run serially and as the chunked inter-op schedule on the same ranks:
+    output, input and every parameter gradient agree (an odd token count splits unevenly;
+    a capacity factor drops slots, so dispatch filters them)."""
+    from runtime.moe import MoE
+    from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
+    from runtime.parallel.overlap import ChunkedExpertFFN
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    experts, h, t = 4 * n, 8, 7
+    torch.manual_seed(3)
+    moe = MoE(h, experts, 2, 12, balance_groups=n, shared_experts=int(shared),
+              shared_ffn_hidden=6, capacity_factor=capacity_factor)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    el = experts // n
+    for w in ("w1", "w2", "w3"):
+        full = getattr(moe.experts, w)
+        setattr(moe.experts, w, torch.nn.Parameter(full.detach()[rank * el:(rank + 1) * el]))
+    moe.dispatcher = (AllToAllDispatcher(experts, None, n) if kind == "all_to_all"
+                      else AllGatherDispatcher(experts, None, n, rank))
+    moe.aux_loss_scale = 0.1
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(rank))
+    probe = torch.randn(t, h, generator=torch.Generator().manual_seed(10 + rank))
+
+    def run():
+        moe.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        y = moe(xs)
+        (y * probe).sum().backward()
+        return y.detach(), xs.grad, {k: p.grad.clone() for k, p in moe.named_parameters()}
+
+    serial = run()
+    moe.expert_ffn = ChunkedExpertFFN(moe, 2)
+    chunked = run()
+    torch.testing.assert_close(chunked[0], serial[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked[1], serial[1], rtol=1e-4, atol=1e-6)
+    assert chunked[2].keys() == serial[2].keys()
+    for k in serial[2]:
+        torch.testing.assert_close(chunked[2][k], serial[2][k], rtol=1e-4, atol=1e-6)
     return True
 
 

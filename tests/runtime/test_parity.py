@@ -7,9 +7,11 @@ import pytest
 import torch
 from dist_workers import make_plan, reference_trainer
 
-from plans import Dispatch, Optimizer, OptimizerSharding, Precision, Recompute
+from plans import Dispatch, Optimizer, OptimizerSharding, Overlap, Precision, Recompute
+from plans.layout import INTER_OP_CHUNKS
 
 A2A, AG = Dispatch.all_to_all, Dispatch.allgather_reduce_scatter
+INTER = Overlap.inter_op
 
 LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
@@ -53,6 +55,13 @@ TWO = {
     ),
     "tp2_etp2_megatron": dict(tp=2, etp=2, tp_attention=True, tp_ffn=True),
     "dp2_etp2": dict(model="tiny-moe-shared", dp=2, etp=2, tp_ffn=True),
+    # inter-operator overlap: the chunked MoE schedule (runtime.parallel.overlap) against the
+    # serial one-rank reference
+    "ep2_a2a_inter_op": dict(dp=2, ep=2, dispatch=A2A, overlap=INTER),
+    "ep2_allgather_inter_op": dict(dp=2, ep=2, dispatch=AG, overlap=INTER),
+    "sp2_ep2_shared_a2a_inter_op": dict(model="tiny-moe-shared", sp=2, ep=2, overlap=INTER),
+    "sp2_ep2_allgather_full_recompute_inter_op": dict(
+        sp=2, ep=2, dispatch=AG, recompute=Recompute.full, overlap=INTER, micro_batch_size=2),
     "pp2_selective_recompute_mbs2": dict(
         pp=2, stage_layers=(3, 1), recompute=Recompute.selective, micro_batch_size=2,
         global_batch=8,
@@ -61,6 +70,7 @@ TWO = {
 
 FOUR = {
     "sp2_ep2_dp2": dict(sp=2, dp=2, ep=2),
+    "sp2_ep4_dp2_allgather_inter_op": dict(sp=2, dp=2, ep=4, dispatch=AG, overlap=INTER),
     "sp2_ep4_dp2_allgather": dict(sp=2, dp=2, ep=4, dispatch=AG),
     "pp2_sp2_ep2": dict(pp=2, sp=2, ep=2, stage_layers=(2, 2)),
     "sp4_kv_replicated_ep4": dict(sp=4, ep=4),
@@ -80,6 +90,18 @@ FOUR = {
 @pytest.mark.parametrize("layout", TWO)
 def test_two_ranks_match_reference(pool2, layout):
     check_one_step(pool2, make_plan(**TWO[layout]))
+
+
+@pytest.mark.parametrize("overlap", list(Overlap))
+@pytest.mark.parametrize("layout", [dict(dp=2, ep=2), dict(tp=2, etp=2, tp_attention=True,
+                                                           tp_ffn=True)], ids=["ep2", "etp2"])
+def test_the_chunked_moe_schedule_runs_where_the_plan_overlaps_ep(pool2, overlap, layout):
+    """inter_op (and inter_intra_op, which runs as inter_op) chunks EP layers; expert TP and
+    overlap none keep the serial layer (plans.layout.moe_chunks)."""
+    plan = make_plan(overlap=overlap, **layout)
+    chunks = pool2.run("dist_workers", "chunked_moe_layers", plan.model_dump_json())
+    overlapped = overlap != Overlap.none and "ep" in layout
+    assert chunks == [[INTER_OP_CHUNKS if overlapped else 1] * plan.model.layers] * 2
 
 
 @pytest.mark.parametrize("layout", FOUR)

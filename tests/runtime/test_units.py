@@ -284,3 +284,31 @@ def test_every_timer_region_of_a_step_is_a_plans_component(pool2):
         assert set(opened) <= set(COMPONENT_KEYS)
         assert {c.value for c in LAYER_REGIONS} <= set(opened)
         assert set(components) == set(COMPONENT_KEYS)
+
+
+@pytest.mark.parametrize("kind", ["all_to_all", "allgather_reduce_scatter"])
+@pytest.mark.parametrize("capacity_factor, shared", [(None, True), (1.0, False)])
+def test_chunked_moe_matches_the_serial_layer(pool2, kind, capacity_factor, shared):
+    assert all(pool2.run("dist_workers", "chunked_vs_serial", kind, capacity_factor, shared))
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_overlap_stage_order_is_a_software_pipeline(chunks, shared):
+    """Every chunk's dispatch, experts and combine once and in that order; chunk i's experts
+    issued before chunk i + 1's dispatch, which comes before chunk i's combine; lanes alternate
+    so each communication stage has compute beside it."""
+    from runtime.parallel.overlap import LANE, Lane, Step, stage_order
+
+    order = stage_order(chunks, shared)
+    routed = [(s, i) for s, i in order if s != Step.shared]
+    assert sorted(routed) == sorted((s, i) for s in (Step.dispatch, Step.experts, Step.combine)
+                                    for i in range(chunks))
+    at = {stage: n for n, stage in enumerate(order)}
+    for i in range(chunks):
+        assert at[Step.dispatch, i] < at[Step.experts, i] < at[Step.combine, i]
+        if i + 1 < chunks:
+            assert at[Step.experts, i] < at[Step.dispatch, i + 1] < at[Step.combine, i]
+    assert [s for s, _ in order].count(Step.shared) == int(shared)
+    assert {LANE[s] for s in Step} == set(Lane)
+    assert LANE[Step.dispatch] == LANE[Step.combine] == Lane.comm
