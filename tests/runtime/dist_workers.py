@@ -72,11 +72,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Parameter dtypes by name (worker arguments travel pickled; names keep them plain)."""
 
 
-def trainer_for(plan: Plan, rank: int, world: int, dtype: str = "fp32"):
+def trainer_for(plan: Plan, rank: int, world: int, dtype: str = "fp32",
+                optim: OptimizerConfig = OPTIM):
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, SEED)
     return build_trainer(
-        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM,
+        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), optim,
         DTYPES[dtype],
     )
 
@@ -101,6 +102,33 @@ def one_step_gradients(plan_json: str, dtype: str = "fp32"):
     loss = trainer.forward_backward(0)
     trainer.sync_gradients()
     return loss, trainer.local_gradients()
+
+
+def overlapped_and_serial_sync(plan_json: str, bucket_params: int) -> list[dict]:
+    """The plan run twice from the same seed, gradient sync after the backward without
+    accumulation fusion, then overlapped with it, in buckets of ``bucket_params``: per run the
+    first step's loss, the buckets launched before ``sync_gradients`` and the buckets with a
+    collective, the main gradients after the sync, the parameters after the optimizer, and the
+    second step's loss."""
+    from dataclasses import replace
+
+    plan = Plan.model_validate_json(plan_json)
+    runs = []
+    for on in (False, True):
+        variant = plan.model_copy(update={"grad_sync_overlap": on,
+                                          "grad_accumulation_fusion": on})
+        trainer = trainer_for(variant, dist.get_rank(), dist.get_world_size(),
+                              optim=replace(OPTIM, bucket_params=bucket_params))
+        loss = trainer.forward_backward(0)
+        launcher = trainer.optimizer.launcher
+        launched = sum(launcher.next_of.values())
+        trainer.sync_gradients()
+        grads = {k: g for k, (g, _) in trainer.local_gradients().items()}
+        trainer.optimizer_step()
+        params = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+        runs.append({"loss": loss, "launched": launched, "buckets": len(launcher.launches),
+                     "grads": grads, "params": params, "next_loss": trainer.train_step(1).loss})
+    return runs
 
 
 def loss_curve(plan_json: str, steps: int, dtype: str = "fp32"):

@@ -153,3 +153,38 @@ def test_sgd_loss_curve_follows_reference(pool2, sharding):
         for got, want in zip(curve, expect, strict=True):
             assert abs(got - want) / want < 1e-5, (curve, expect)
     assert abs(adam_curve[-1] - expect[-1]) / expect[-1] > 1e-4, (adam_curve, expect)
+
+
+OVERLAP = {
+    "dp2_zero1": (2, dict(dp=2, optimizer_sharding=OptimizerSharding.zero1)),
+    "dp2_bf16": (2, dict(dp=2, grad_sync_precision=Precision.bf16)),
+    "dp2_fp8_zero1": (2, dict(dp=2, ep=2, grad_sync_precision=Precision.fp8,
+                              optimizer_sharding=OptimizerSharding.zero1)),
+    "sp2_dp2_ep2": (4, dict(sp=2, dp=2, ep=2)),
+    "sp2_dp2_ep2_zero1_bf16": (4, dict(sp=2, dp=2, ep=2, grad_sync_precision=Precision.bf16,
+                                       optimizer_sharding=OptimizerSharding.zero1)),
+    "pp2_vpp2_dp2_tied_zero1": (4, dict(model="tiny-moe-shared", pp=2, vpp=2, dp=2,
+                                        stage_layers=(2, 0, 1, 1),
+                                        optimizer_sharding=OptimizerSharding.zero1)),
+}
+OVERLAP_BUCKET_PARAMS = 6000
+"""Several buckets per layer of the tiny models (about 12k dense parameters a layer)."""
+
+
+@pytest.mark.parametrize("layout", OVERLAP)
+def test_overlapped_sync_and_fused_accumulation_match_serial(pool2, pool4, layout):
+    """grad_sync_overlap + grad_accumulation_fusion against the sync after the backward and
+    the separate accumulation pass: the same buckets, casts and quantisation, so the same
+    bits; and every bucket with a collective was launched during the backward."""
+    ranks, layout_args = OVERLAP[layout]
+    pool = pool2 if ranks == 2 else pool4
+    plan = make_plan(global_batch=4, **layout_args)
+    for serial, overlapped in pool.run("dist_workers", "overlapped_and_serial_sync",
+                                       plan.model_dump_json(), OVERLAP_BUCKET_PARAMS):
+        assert serial["launched"] == 0 and serial["buckets"] > 1, serial["buckets"]
+        assert overlapped["launched"] == overlapped["buckets"] == serial["buckets"]
+        assert overlapped["loss"] == serial["loss"]
+        assert overlapped["next_loss"] == serial["next_loss"]
+        for kind in ("grads", "params"):
+            for name, value in serial[kind].items():
+                assert torch.equal(overlapped[kind][name], value), (kind, name)
