@@ -253,10 +253,10 @@ class _Bucket:
 
 class ShardedOptimizer:
     """``optimizer_sharding: zero1``. Parameters are bucketed by (replication group, weight
-    decay), split by size (``split_buckets``). A bucket replicated over exactly one group of more than one rank is sharded over
-    it; a bucket on one rank only (experts with edp = 1, everything at dp = sp = 1) is a shard
-    of size one, so the optimizer still runs on one flat tensor and no collective is issued.
-    Tied embeddings summed over two groups stay replicated."""
+    decay), split by size (``split_buckets``). A bucket replicated over exactly one group of
+    more than one rank is sharded over it; a bucket on one rank only (experts with edp = 1,
+    everything at dp = sp = 1) is a shard of size one, so the optimizer still runs on one flat
+    tensor and no collective is issued. Tied embeddings summed over two groups stay replicated."""
 
     def __init__(
         self,
