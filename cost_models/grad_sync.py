@@ -7,6 +7,7 @@ from functools import lru_cache
 
 from cost_models import comm
 from cost_models.params import StageParams, stage_params
+from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.layout import stride
 from plans.plan import Degrees, MeshAxis
 from plans.specs import ClusterSpec, ModelSpec, Precision
@@ -18,6 +19,11 @@ class GradSync:
     """Gradients, dense over dp x cp x sp then experts over edp."""
     all_gather_s: float
     """Updated parameters, the same groups and bytes."""
+    last_reduce_scatter_s: float = 0.0
+    """The reduce-scatter of each group's last bucket (GRAD_SYNC_BUCKET_PARAMS parameters, or
+    all of the group's when fewer): the one the backward completes last."""
+    last_all_gather_s: float = 0.0
+    """The all-gather of the same buckets (the second half of their all-reduce)."""
 
     @property
     def total_s(self) -> float:
@@ -33,15 +39,16 @@ def grad_sync(params: StageParams, degrees: Degrees, cluster: ClusterSpec,
     (tp | sp | cp), dp, pp); experts over the edp ranks of stride ep x etp. Both groups
     span nodes per that order, so the sync is hierarchical: NVLink inside, network across."""
     d, g = degrees, cluster.node.gpus_per_node
-    dense = comm.group_layout(d.dp * d.cp * d.sp, d.tp, g)
-    expert = comm.group_layout(d.edp, stride(d, MeshAxis.edp), g)
-    dense_bytes = params.dense * precision.bytes
-    expert_bytes = params.expert * precision.bytes
-    rs = (comm.reduce_scatter_s(dense_bytes, dense, cluster)
-          + comm.reduce_scatter_s(expert_bytes, expert, cluster))
-    ag = (comm.all_gather_s(dense_bytes, dense, cluster)
-          + comm.all_gather_s(expert_bytes, expert, cluster))
-    return GradSync(rs, ag)
+    groups = ((params.dense, comm.group_layout(d.dp * d.cp * d.sp, d.tp, g)),
+              (params.expert, comm.group_layout(d.edp, stride(d, MeshAxis.edp), g)))
+    rs = ag = last_rs = last_ag = 0.0
+    for n, layout in groups:
+        rs += comm.reduce_scatter_s(n * precision.bytes, layout, cluster)
+        ag += comm.all_gather_s(n * precision.bytes, layout, cluster)
+        last = min(n, GRAD_SYNC_BUCKET_PARAMS) * precision.bytes
+        last_rs += comm.reduce_scatter_s(last, layout, cluster)
+        last_ag += comm.all_gather_s(last, layout, cluster)
+    return GradSync(rs, ag, last_rs, last_ag)
 
 
 @lru_cache(maxsize=4096)
@@ -57,15 +64,21 @@ def stage_grad_syncs(
     return tuple((i, gs) for gs, i in out.items())
 
 
-def exposed_grad_sync_s(sync: GradSync, bwd_window_s: float, fwd_window_s: float,
-                        overlap: bool, hidden_share: float) -> float:
-    """With overlap, bucketed reduce-scatter runs behind the backward of the last micro-batch
-    (``bwd_window_s``) and the all-gather behind the next step's first forward
-    (``fwd_window_s``); at most ``hidden_share`` (efficiency.overlap) of a window hides it."""
+def exposed_grad_sync_s(sync: GradSync, window_s: float, drain_s: float, overlap: bool,
+                        hidden_share: float, sharded: bool) -> float:
+    """The sync time the step waits for, as the runtime runs it (runtime.parallel.
+    data_parallel.BucketLauncher). Without overlap every bucket's collectives run after the
+    backward. With it each bucket's collective (the reduce-scatter under ZeRO-1, the whole
+    all-reduce without) is launched as the last micro-batch's backward completes the bucket:
+    together they hide behind that backward and the drain of the earlier stages
+    (``window_s``), at most ``hidden_share`` (efficiency.overlap) of it, but the last bucket
+    starts only when this stage's backward ends, so only the drain (``drain_s``) can hide it.
+    The ZeRO-1 parameter all-gather follows the optimizer step, exposed either way."""
     if not overlap:
         return sync.total_s
-
-    def exposed(t: float, window: float) -> float:
-        return t - min(t, window) * hidden_share
-
-    return exposed(sync.reduce_scatter_s, bwd_window_s) + exposed(sync.all_gather_s, fwd_window_s)
+    if sharded:
+        launched, last, after = sync.reduce_scatter_s, sync.last_reduce_scatter_s, sync.all_gather_s
+    else:
+        launched = sync.total_s
+        last, after = sync.last_reduce_scatter_s + sync.last_all_gather_s, 0.0
+    return max(launched - window_s * hidden_share, last - drain_s * hidden_share, 0.0) + after

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import MeshAxis, Precision
+from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from runtime.model import Shard, Transformer
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
 from runtime.parallel.mesh import Mesh
@@ -167,11 +168,10 @@ PARAM_ALIGN = 64
 ParamAndGradBuffer with the distributed optimizer), so parameter views stay aligned for GEMM
 kernels (torch._grouped_mm needs 16-byte aligned operands)."""
 
-BUCKET_PARAMS = 40_000_000
-"""Parameters per gradient-sync bucket: Megatron-LM DDP's default (``bucket_size`` =
-max(40M, 1M x dp) in megatron/core/distributed/distributed_data_parallel.py; the dp term only
-matters past 40 replicas). A parameter is never split: a bucket closes once it reaches the
-size, so one larger than it is a bucket of its own."""
+BUCKET_PARAMS = GRAD_SYNC_BUCKET_PARAMS
+"""Parameters per bucket (plans.execution: Megatron-LM DDP's default). A parameter is never
+split: a bucket closes once it reaches the size, so one larger than it is a bucket of its
+own."""
 
 
 def buffer_layout(params: list[nn.Parameter]) -> tuple[list[int], int]:
