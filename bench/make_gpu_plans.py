@@ -6,7 +6,7 @@ of N H200s for the reduced model and the Megatron-style baseline it compares aga
 bench/train_step.py: measured speedup against predicted). Plans are data: regenerate with
     python bench/make_gpu_plans.py [--search]
 ``--search`` imports the planner (pulp / highspy): run it on the CPU machine. The search is
-`moeplan search --runnable`'s (what this runtime executes: no overlap, no gradient-sync overlap,
+`moeplan search --runnable`'s (what this runtime executes: no overlap, the gradient sync overlapped,
 no gradient-accumulation fusion) on the calibrated h200-runtime cluster; the baseline is
 megatron_space's (TP = etp = the node, fp32 gradient sync), run the same way.
 """
