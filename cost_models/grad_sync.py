@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from cost_models import comm
-from cost_models.params import StageParams, stage_params
+from cost_models.params import StageParams, part_params, stage_params
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.layout import stride
 from plans.plan import Degrees, MeshAxis
@@ -20,8 +20,8 @@ class GradSync:
     all_gather_s: float
     """Updated parameters, the same groups and bytes."""
     last_reduce_scatter_s: float = 0.0
-    """The reduce-scatter of each group's last bucket (GRAD_SYNC_BUCKET_PARAMS parameters, or
-    all of the group's when fewer): the one the backward completes last."""
+    """The reduce-scatter of each group's last bucket, the one the backward completes last
+    (``last_bucket_params``)."""
     last_all_gather_s: float = 0.0
     """The all-gather of the same buckets (the second half of their all-reduce)."""
 
@@ -30,22 +30,33 @@ class GradSync:
         return self.reduce_scatter_s + self.all_gather_s
 
 
+def last_bucket_params(group: float, first: float) -> float:
+    """Parameters of a sync group's last bucket: the runtime fills buckets in reverse
+    registration order and never splits a parameter, so the last one holds the group's
+    first-registered parameter (``first``: the embedding on the first stage, a layer's first
+    expert matrix) and at least GRAD_SYNC_BUCKET_PARAMS, within the group's total."""
+    return min(group, max(first, GRAD_SYNC_BUCKET_PARAMS))
+
+
 @lru_cache(maxsize=4096)
 def grad_sync(params: StageParams, degrees: Degrees, cluster: ClusterSpec,
-              precision: Precision) -> GradSync:
-    """Buffers in ``precision`` bytes per parameter (fp32 4, bf16 2, fp8 1; paper Sec. 5).
+              precision: Precision, first: StageParams | None = None) -> GradSync:
+    """Buffers in ``precision`` bytes per parameter (fp32 4, bf16 2, fp8 1; paper Sec. 5);
+    ``first``: each group's first-registered parameter (``last_bucket_params``).
 
     Dense weights are replicated over the dp x cp x sp ranks of stride tp (rank order
     (tp | sp | cp), dp, pp); experts over the edp ranks of stride ep x etp. Both groups
     span nodes per that order, so the sync is hierarchical: NVLink inside, network across."""
     d, g = degrees, cluster.node.gpus_per_node
-    groups = ((params.dense, comm.group_layout(d.dp * d.cp * d.sp, d.tp, g)),
-              (params.expert, comm.group_layout(d.edp, stride(d, MeshAxis.edp), g)))
+    first = first or StageParams(0.0, 0.0)
+    groups = ((params.dense, first.dense, comm.group_layout(d.dp * d.cp * d.sp, d.tp, g)),
+              (params.expert, first.expert,
+               comm.group_layout(d.edp, stride(d, MeshAxis.edp), g)))
     rs = ag = last_rs = last_ag = 0.0
-    for n, layout in groups:
+    for n, first_n, layout in groups:
         rs += comm.reduce_scatter_s(n * precision.bytes, layout, cluster)
         ag += comm.all_gather_s(n * precision.bytes, layout, cluster)
-        last = min(n, GRAD_SYNC_BUCKET_PARAMS) * precision.bytes
+        last = last_bucket_params(n, first_n) * precision.bytes
         last_rs += comm.reduce_scatter_s(last, layout, cluster)
         last_ag += comm.all_gather_s(last, layout, cluster)
     return GradSync(rs, ag, last_rs, last_ag)
@@ -58,9 +69,14 @@ def stage_grad_syncs(
 ) -> tuple[tuple[int, GradSync], ...]:
     """(stage, ``grad_sync``) for the first stage of each distinct sync: a later stage with the
     same sync has a wider window (see evaluate), so it is never the worst."""
+    parts = part_params(model, degrees)
+    # SwiGLU experts: three matrices of equal size per layer, the first registered first
+    expert_matrix = parts.moe_layer.expert / 3
     out: dict[GradSync, int] = {}
     for i, p in enumerate(stage_params(model, degrees, stage_layers)):
-        out.setdefault(grad_sync(p, degrees, cluster, precision), i)
+        first = StageParams(parts.embedding.dense if i == 0 else 0.0,
+                            expert_matrix if p.expert else 0.0)
+        out.setdefault(grad_sync(p, degrees, cluster, precision, first), i)
     return tuple((i, gs) for gs, i in out.items())
 
 

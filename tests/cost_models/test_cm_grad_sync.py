@@ -49,3 +49,14 @@ def test_last_bucket_is_one_bucket_of_a_large_group(plan_352b):
     bucket = grad_sync(StageParams(GRAD_SYNC_BUCKET_PARAMS, 0.0), d, c, Precision.bf16)
     assert big.last_reduce_scatter_s == pytest.approx(bucket.reduce_scatter_s)
     assert bucket.last_reduce_scatter_s == pytest.approx(bucket.reduce_scatter_s)
+
+
+def test_last_bucket_holds_the_first_registered_parameter():
+    """Buckets fill in reverse registration order and never split a parameter, so the last
+    one is at least the first parameter (the embedding on the first stage)."""
+    from cost_models.grad_sync import last_bucket_params
+    from plans.execution import GRAD_SYNC_BUCKET_PARAMS
+
+    assert last_bucket_params(1e9, 0.0) == GRAD_SYNC_BUCKET_PARAMS
+    assert last_bucket_params(1e9, 1.3e8) == 1.3e8
+    assert last_bucket_params(1e7, 5e6) == 1e7
