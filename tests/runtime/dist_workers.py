@@ -151,7 +151,9 @@ def state_bytes(cases: list[str]) -> list[dict]:
             "numel": sum(p.numel() for p in params),
             "param_dtypes": {str(p.dtype) for p in params},
             "grad_dtypes": {str(p.main_grad.dtype) for p in params},
-            "grads_freed": all(p.grad is None for p in params),
+            # .grad freed after accumulation, or (accumulation fusion) the main gradient's view
+            "no_separate_grads": all(
+                p.grad is None or p.grad.data_ptr() == p.main_grad.data_ptr() for p in params),
             "aligned": all(p.data_ptr() % 16 == 0 for p in params),
         })
     return out
