@@ -168,12 +168,6 @@ PARAM_ALIGN = 64
 ParamAndGradBuffer with the distributed optimizer), so parameter views stay aligned for GEMM
 kernels (torch._grouped_mm needs 16-byte aligned operands)."""
 
-BUCKET_PARAMS = GRAD_SYNC_BUCKET_PARAMS
-"""Parameters per bucket (plans.execution: Megatron-LM DDP's default). A parameter is never
-split: a bucket closes once it reaches the size, so one larger than it is a bucket of its
-own."""
-
-
 def buffer_layout(params: list[nn.Parameter]) -> tuple[list[int], int]:
     """Start offset of each parameter in a flat buffer, and the elements it spans."""
     offsets, end = [], 0
@@ -187,8 +181,9 @@ def buffer_layout(params: list[nn.Parameter]) -> tuple[list[int], int]:
 def split_buckets(names: list[str], params: dict[str, nn.Parameter],
                   bucket_params: int) -> list[list[str]]:
     """``names`` (in registration order) as buckets in reverse order, each closed once it
-    holds ``bucket_params`` parameters: the first bucket is the first whose gradients backward
-    completes."""
+    holds ``bucket_params`` parameters (plans.execution.GRAD_SYNC_BUCKET_PARAMS: Megatron-LM
+    DDP's default): the first bucket is the first whose gradients backward completes. A
+    parameter is never split, so one larger than the size is a bucket of its own."""
     out: list[list[str]] = [[]]
     size = 0
     for name in reversed(names):
@@ -371,7 +366,7 @@ class GradSync:
         dtype: torch.dtype,
         launcher: BucketLauncher,
         fused: bool,
-        bucket_params: int = BUCKET_PARAMS,
+        bucket_params: int = GRAD_SYNC_BUCKET_PARAMS,
     ):
         self.precision = precision
         self.mesh = mesh

@@ -18,10 +18,11 @@ master (and AdamW's m and v: 12 B per parameter of its slice) of 1/n of the buck
 it, and the updated slices, cast to the parameter dtype, are all-gathered straight into the
 parameter buffer. Both optimizers are elementwise, so both shardings give the same weights.
 
-Buckets hold about ``data_parallel.BUCKET_PARAMS`` parameters each; their collectives run after
-the backward or, with the plan's ``grad_sync_overlap``, during the last micro-batch's backward
-(``data_parallel.BucketLauncher``), and the plan's ``grad_accumulation_fusion`` makes autograd
-accumulate into the buckets directly (``data_parallel.attach_main_grads``)."""
+Buckets hold about ``plans.execution.GRAD_SYNC_BUCKET_PARAMS`` parameters each; their
+collectives run after the backward or, with the plan's ``grad_sync_overlap``, during the last
+micro-batch's backward (``data_parallel.BucketLauncher``), and the plan's
+``grad_accumulation_fusion`` makes autograd accumulate into the buckets directly
+(``data_parallel.attach_main_grads``)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import MeshAxis, Optimizer, OptimizerSharding, Plan, Precision
+from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from runtime.parallel.comm import all_gather_into
 from runtime.parallel.data_parallel import (
-    BUCKET_PARAMS,
     BucketLauncher,
     GradSync,
     alias_grads,
@@ -55,7 +56,7 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
     eps: float = 1e-8
-    bucket_params: int = BUCKET_PARAMS
+    bucket_params: int = GRAD_SYNC_BUCKET_PARAMS
     """Parameters per gradient-sync bucket (data_parallel.split_buckets)."""
 
 

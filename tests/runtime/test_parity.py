@@ -157,6 +157,7 @@ def test_sgd_loss_curve_follows_reference(pool2, sharding):
 
 
 OVERLAP_TWO = {
+    "dp2_tied": dict(model="tiny-moe-shared", dp=2),
     "dp2_zero1": dict(dp=2, optimizer_sharding=OptimizerSharding.zero1),
     "dp2_bf16": dict(dp=2, grad_sync_precision=Precision.bf16),
     "dp2_ep2_fp8_zero1": dict(dp=2, ep=2, grad_sync_precision=Precision.fp8,
