@@ -6,7 +6,7 @@ of N H200s for the reduced model and the Megatron-style baseline it compares aga
 bench/train_step.py: measured speedup against predicted). Plans are data: regenerate with
     python bench/make_gpu_plans.py [--search]
 ``--search`` imports the planner (pulp / highspy): run it on the CPU machine. The search is
-`moeplan search --runnable`'s (what this runtime executes: no overlap, no gradient-sync overlap,
+`moeplan search --runnable`'s (what this runtime executes: no overlap, the gradient sync overlapped,
 no gradient-accumulation fusion) on the calibrated h200-runtime cluster; the baseline is
 megatron_space's (TP = etp = the node, fp32 gradient sync), run the same way.
 """
@@ -51,8 +51,16 @@ def plan(gpus: int, degrees: Degrees, layers: int = 2, **kw) -> Plan:
         stage_layers=(layers // chunks,) * chunks, micro_batch_size=1,
         overlap=Overlap.none, recompute=Recompute.none, grad_sync_precision=Precision.bf16,
         kernels=Kernels.eager,
+        grad_sync_overlap=False, grad_accumulation_fusion=False,
     )
     return Plan(**{**base, **kw})
+
+
+def with_gsync(p: Plan) -> Plan:
+    """``p`` with the gradient sync overlapped with the last backward and the accumulation
+    into the bucket views (campaign h200_x2_gsync runs both: NCCL beside a full-GPU GEMM has
+    measured slower than serial on 2 H200s, so the overlap must earn its place)."""
+    return p.model_copy(update={"grad_sync_overlap": True, "grad_accumulation_fusion": True})
 
 
 PLANS = {
@@ -81,6 +89,9 @@ PLANS = {
         2, Degrees(sp=2, ep=2), grad_sync_precision=Precision.fp8,
         training=TrainingSpec(global_batch=8, seq_len=4096, precision=Precision.fp8)),
 }
+PLANS |= {f"{name}_gsync": with_gsync(PLANS[name])
+          for name in ("mixtral2l_dp2_ep2", "mixtral2l_sp2_ep2_a2a", "mixtral2l_dp2_ep2_mbs4",
+                       "mixtral2l_sp2_ep2_ag_mbs8")}
 
 
 NODE_SIZES = (8, 2)

@@ -20,6 +20,7 @@ from cost_models.memory import (
     memory_breakdown,
 )
 from cost_models.params import chunk_dense_layers, part_params, stage_params_of
+from plans.enums import OptimizerSharding
 from plans.layout import stage_of_chunk
 from plans.operators import Component
 from plans.plan import Plan, Prediction
@@ -159,12 +160,13 @@ def evaluate(plan: Plan) -> Evaluation:
     breakdown["pipeline_bubble"] = pl.bubble_s(stage_s, d.vpp)
     breakdown["pp_p2p"] = pl.exposed_p2p_s(plan, pl.p2p_transfer_s(plan))
 
-    # Stage i's last backward is followed by those of stages i-1 .. 0 (the drain), and the
-    # next step's first forward reaches it after stages 0 .. i-1: both widen its sync window.
+    # Stage i's last backward is followed by those of stages i-1 .. 0 (the drain), which
+    # widens its sync window; the drain alone can hide its last bucket.
     syncs = stage_grad_syncs(plan.model, d, plan.stage_layers, c, plan.grad_sync_precision)
-    bwd_window, fwd_window = list(accumulate(bwd)), list(accumulate(fwd))
-    sync = max(exposed_grad_sync_s(gs, bwd_window[i], fwd_window[i], plan.grad_sync_overlap,
-                                   eff.overlap) for i, gs in syncs)
+    window = list(accumulate(bwd))
+    sharded = plan.optimizer_sharding == OptimizerSharding.zero1
+    sync = max(exposed_grad_sync_s(gs, window[i], window[i] - bwd[i], plan.grad_sync_overlap,
+                                   eff.overlap, sharded) for i, gs in syncs)
     # The optimizer on the parameters whose states this GPU holds (its ZeRO-1 shard, or all
     # of them): cast the synchronised gradient slice to fp32 (unless it is fp32), read it,
     # read and write master weights and states, read the masters and write the bf16 weights.

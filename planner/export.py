@@ -207,8 +207,8 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args.append("--use-distributed-optimizer")
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
-    if plan.grad_sync_overlap:  # overlapping the parameter gather needs the sharded states
-        args += ["--overlap-grad-reduce", *(["--overlap-param-gather"] if zero1 else [])]
+    if plan.grad_sync_overlap:  # the gradient reduce only: the plan's all-gather is not hidden
+        args.append("--overlap-grad-reduce")
     if not plan.grad_accumulation_fusion:
         args.append("--no-gradient-accumulation-fusion")
     if plan.grad_sync_precision == Precision.bf16:

@@ -25,6 +25,12 @@ from pydantic import BaseModel
 from plans.errors import SpecError
 from plans.plan import Plan
 
+GRAD_SYNC_BUCKET_PARAMS = 40_000_000
+"""Parameters per gradient-sync bucket: the runtime's buckets (runtime.parallel.data_parallel)
+and the cost model's last, unhidden bucket (cost_models.grad_sync). Megatron-LM DDP's default
+(``bucket_size`` = max(40M, 1M x dp) in megatron/core/distributed/distributed_data_parallel.py;
+the dp term only matters past 40 replicas)."""
+
 
 class Backend(StrEnum):
     """Where the runtime runs: the parameter dtype and the collectives differ."""
@@ -128,13 +134,14 @@ TABLE: tuple[Capability, ...] = (
     *_executed("optimizer_sharding", "none", "zero1"),
     *_executed("grad_sync_precision", "fp32", "bf16", "fp8",
                reason="fp8: E4M3 payloads in 1 x 128 blocks, fp32 sums"),
-    Capability("grad_sync_overlap", False, Support.executed),
-    Capability("grad_sync_overlap", True, Support.runs_as,
-               "gradients are synchronised after the last backward", False),
+    *_executed("grad_sync_overlap", False, True,
+               reason="true: buckets of 40M parameters launched from the last micro-batch's "
+               "backward hooks, waited for before the optimizer"),
     Capability("grad_accumulation_fusion", False, Support.executed),
     Capability("grad_accumulation_fusion", True, Support.runs_as,
-               "each micro-batch's gradients are added to the main gradients in a separate "
-               "pass", False),
+               "autograd adds each micro-batch's weight gradient into the main-gradient bucket "
+               "in place, a memory-bound pass like the unfused one; the weight-gradient GEMMs "
+               "do not accumulate in their epilogue", False),
 )
 """The capability table: every plan field, every value, per backend."""
 

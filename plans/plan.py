@@ -234,7 +234,9 @@ class Plan(Frozen):
     grad_sync_precision: Precision = Precision.bf16
     """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
     grad_sync_overlap: bool = True
-    """Overlap the data-parallel gradient sync with the backward pass (bucketed)."""
+    """Overlap the data-parallel gradient reduce-scatter (the all-reduce without ZeRO-1) with the
+    last micro-batch's backward, bucket by bucket (Megatron-LM's ``--overlap-grad-reduce``); the
+    ZeRO-1 parameter all-gather runs after the optimizer step either way."""
     grad_accumulation_fusion: bool = True
     """Weight-gradient GEMMs add into the main gradients in their epilogue (Megatron-LM's
     gradient-accumulation fusion); false: each micro-batch's gradients are added by a separate

@@ -16,7 +16,13 @@ replication group, same weight decay) are views of one flat parameter buffer and
 gradients of one flat gradient buffer; gradients are reduce-scattered, each replica keeps
 master (and AdamW's m and v: 12 B per parameter of its slice) of 1/n of the bucket and updates
 it, and the updated slices, cast to the parameter dtype, are all-gathered straight into the
-parameter buffer. Both optimizers are elementwise, so both shardings give the same weights."""
+parameter buffer. Both optimizers are elementwise, so both shardings give the same weights.
+
+Buckets hold about ``plans.execution.GRAD_SYNC_BUCKET_PARAMS`` parameters each; their
+collectives run after the backward or, with the plan's ``grad_sync_overlap``, during the last
+micro-batch's backward (``data_parallel.BucketLauncher``), and the plan's
+``grad_accumulation_fusion`` makes autograd accumulate into the buckets directly
+(``data_parallel.attach_main_grads``)."""
 
 from __future__ import annotations
 
@@ -29,13 +35,17 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import MeshAxis, Optimizer, OptimizerSharding, Plan, Precision
+from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from runtime.parallel.comm import all_gather_into
 from runtime.parallel.data_parallel import (
+    BucketLauncher,
     GradSync,
+    alias_grads,
     attach_main_grads,
     buffer_layout,
     grad_dtype,
-    reduce_scatter_sum,
+    split_buckets,
+    start_reduce_scatter,
 )
 from runtime.parallel.mesh import Mesh
 
@@ -46,6 +56,27 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
     eps: float = 1e-8
+    bucket_params: int = GRAD_SYNC_BUCKET_PARAMS
+    """Parameters per gradient-sync bucket (data_parallel.split_buckets)."""
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How the plan synchronises gradients (``grad_sync_precision``, ``grad_sync_overlap``,
+    ``grad_accumulation_fusion``) and the micro-batches of a step."""
+
+    precision: Precision
+    overlap: bool
+    fused: bool
+    micro_batches: int
+
+    @classmethod
+    def of(cls, plan: Plan) -> SyncConfig:
+        return cls(plan.grad_sync_precision, plan.grad_sync_overlap,
+                   plan.grad_accumulation_fusion, plan.num_micro_batches)
+
+    def launcher(self) -> BucketLauncher:
+        return BucketLauncher(self.micro_batches, self.overlap)
 
 
 def make_optimizer(kind: Optimizer, decay: list[torch.Tensor], no_decay: list[torch.Tensor],
@@ -100,11 +131,14 @@ class _Replicated:
         params: dict[str, nn.Parameter],
         mesh: Mesh,
         replication: dict[str, tuple[MeshAxis, ...]],
-        precision: Precision,
+        sync: SyncConfig,
         dtype: torch.dtype,
+        launcher: BucketLauncher,
+        bucket_params: int,
     ):
         self.params = params
-        self.sync = GradSync(params, mesh, replication, precision, dtype)
+        self.sync = GradSync(params, mesh, replication, sync.precision, dtype, launcher,
+                             sync.fused, bucket_params)
         self.masters = {name: _master(p) for name, p in params.items()}
 
     def decay_split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -162,13 +196,15 @@ class ReplicatedOptimizer:
         model: nn.Module,
         mesh: Mesh,
         replication: dict[str, tuple[MeshAxis, ...]],
-        precision: Precision,
+        sync: SyncConfig,
         kind: Optimizer,
         cfg: OptimizerConfig,
     ):
         self.params = dict(model.named_parameters())
-        dtype = grad_dtype(next(iter(self.params.values())).dtype, precision)
-        self.replicated = _Replicated(self.params, mesh, replication, precision, dtype)
+        dtype = grad_dtype(next(iter(self.params.values())).dtype, sync.precision)
+        self.launcher = sync.launcher()
+        self.replicated = _Replicated(self.params, mesh, replication, sync, dtype,
+                                      self.launcher, cfg.bucket_params)
         self.opt = make_optimizer(kind, *self.replicated.decay_split(), cfg)
 
     def state_bytes(self) -> dict[str, int]:
@@ -177,10 +213,12 @@ class ReplicatedOptimizer:
                            [b for _, b in r.sync.buckets], self.opt)
 
     def zero_grad(self) -> None:
+        self.launcher.reset()
         self.replicated.sync.zero_()
 
+    @torch.no_grad()
     def sync_gradients(self) -> None:
-        self.replicated.sync()
+        self.launcher.finish()
 
     def step(self) -> None:
         self.replicated.load_grads()
@@ -206,6 +244,8 @@ class _Bucket:
     shard: torch.Tensor
     """This rank's fp32 master slice of the bucket: the tensor the optimizer updates."""
     shard_grad: torch.Tensor | None = None
+    launch: int = -1
+    """Index of its reduce-scatter in the optimizer's BucketLauncher (a sharded bucket)."""
 
     @property
     def padded(self) -> int:
@@ -214,60 +254,77 @@ class _Bucket:
 
 class ShardedOptimizer:
     """``optimizer_sharding: zero1``. Parameters are bucketed by (replication group, weight
-    decay). A bucket replicated over exactly one group of more than one rank is sharded over
-    it; a bucket on one rank only (experts with edp = 1, everything at dp = sp = 1) is a shard
-    of size one, so the optimizer still runs on one flat tensor and no collective is issued.
-    Tied embeddings summed over two groups stay replicated."""
+    decay), split by size (``split_buckets``). A bucket replicated over exactly one group of
+    more than one rank is sharded over it; a bucket on one rank only (experts with edp = 1,
+    everything at dp = sp = 1) is a shard of size one, so the optimizer still runs on one flat
+    tensor and no collective is issued. Tied embeddings summed over two groups stay replicated."""
 
     def __init__(
         self,
         model: nn.Module,
         mesh: Mesh,
         replication: dict[str, tuple[MeshAxis, ...]],
-        precision: Precision,
+        sync: SyncConfig,
         kind: Optimizer,
         cfg: OptimizerConfig,
     ):
-        self.precision = precision
+        self.precision = sync.precision
         params = dict(model.named_parameters())
         param_dtype = next(iter(params.values())).dtype
-        dtype = grad_dtype(param_dtype, precision)
+        dtype = grad_dtype(param_dtype, sync.precision)
         grouped: dict[tuple[tuple[MeshAxis, ...], bool], list[str]] = defaultdict(list)
-        for name in sorted(params):
+        for name in params:
             grouped[(replication[name], params[name].ndim >= 2)].append(name)
+        self.launcher = sync.launcher()
         self.buckets: list[tuple[_Bucket, bool]] = []
+        self.aliased: list[nn.Parameter] = []
         rest: dict[str, nn.Parameter] = {}
-        for (groups, decay), names in grouped.items():
+        for (groups, decay), all_names in grouped.items():
             live = [g for g in groups if mesh.groups.get(g) is not None]
             if len(live) > 1:
-                rest.update({n: params[n] for n in names})
+                rest.update({n: params[n] for n in all_names})
                 continue
-            group = mesh.groups[live[0]] if live else None
-            size, index = (mesh.size(live[0]), mesh.index(live[0])) if live else (1, 0)
-            ps = [params[n] for n in names]
-            offsets, total = buffer_layout(ps)
-            per_rank = -(-total // size)
-            device = ps[0].device
-            param_buffer = torch.zeros(per_rank * size, dtype=param_dtype, device=device)
-            with torch.no_grad():
-                for p, offset in zip(ps, offsets, strict=True):
-                    view = param_buffer[offset : offset + p.numel()].view_as(p)
-                    view.copy_(p)
-                    p.data = view
-            grad_buffer = torch.zeros(per_rank * size, dtype=dtype, device=device)
-            attach_main_grads(ps, grad_buffer, offsets)
-            mine = param_buffer[index * per_rank : (index + 1) * per_rank]
-            # fp32 parameters on one rank are their own masters
-            shard = (mine if group is None and param_dtype == torch.float32
-                     else mine.to(torch.float32, copy=True))
-            bucket = _Bucket(names, ps, group, size, index, param_buffer, grad_buffer, shard)
-            self.buckets.append((bucket, decay))
+            for names in split_buckets(all_names, params, cfg.bucket_params):
+                bucket = self._bucket(names, params, mesh, live, param_dtype, dtype, sync.fused)
+                self.buckets.append((bucket, decay))
         self.params = params
-        self.rest = _Replicated(rest, mesh, replication, precision, dtype)
+        self.rest = _Replicated(rest, mesh, replication, sync, dtype, self.launcher,
+                                cfg.bucket_params)
         rest_decay, rest_no_decay = self.rest.decay_split()
         decay = [b.shard for b, d in self.buckets if d] + rest_decay
         no_decay = [b.shard for b, d in self.buckets if not d] + rest_no_decay
         self.opt = make_optimizer(kind, decay, no_decay, cfg)
+
+    def _bucket(self, names: list[str], params: dict[str, nn.Parameter], mesh: Mesh,
+                live: list[MeshAxis], param_dtype: torch.dtype, dtype: torch.dtype,
+                fused: bool) -> _Bucket:
+        """One bucket: its parameters become views of a flat parameter buffer, its main
+        gradients of a flat gradient buffer; this rank's fp32 master slice; its reduce-scatter
+        registered with the launcher."""
+        group = mesh.groups[live[0]] if live else None
+        size, index = (mesh.size(live[0]), mesh.index(live[0])) if live else (1, 0)
+        ps = [params[n] for n in names]
+        offsets, total = buffer_layout(ps)
+        per_rank = -(-total // size)
+        device = ps[0].device
+        param_buffer = torch.zeros(per_rank * size, dtype=param_dtype, device=device)
+        with torch.no_grad():
+            for p, offset in zip(ps, offsets, strict=True):
+                view = param_buffer[offset : offset + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+        grad_buffer = torch.zeros(per_rank * size, dtype=dtype, device=device)
+        self.aliased += attach_main_grads(ps, grad_buffer, offsets, fused)
+        mine = param_buffer[index * per_rank : (index + 1) * per_rank]
+        # fp32 parameters on one rank are their own masters
+        shard = (mine if group is None and param_dtype == torch.float32
+                 else mine.to(torch.float32, copy=True))
+        bucket = _Bucket(names, ps, group, size, index, param_buffer, grad_buffer, shard)
+        if group is not None:
+            bucket.launch = self.launcher.add(
+                ps, group,
+                lambda: start_reduce_scatter(grad_buffer, group, self.precision))
+        return bucket
 
     def state_bytes(self) -> dict[str, int]:
         masters = [b.shard for b, _ in self.buckets] + list(self.rest.masters.values())
@@ -277,20 +334,20 @@ class ShardedOptimizer:
         return state_bytes(list(self.params.values()), masters, grads, self.opt)
 
     def zero_grad(self) -> None:
+        self.launcher.reset()
         for b, _ in self.buckets:
             b.grad_buffer.zero_()
+        alias_grads(self.aliased)
         self.rest.sync.zero_()
 
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Reduce-scatter each sharded bucket's main gradients into its fp32 shard gradient
-        (a bucket on one rank: its main gradients, as fp32)."""
+        (a bucket on one rank: its main gradients, as fp32), waiting for the ones launched
+        during the backward."""
+        done = self.launcher.finish()
         for b, _ in self.buckets:
-            if b.group is None:
-                b.shard_grad = b.grad_buffer.float()
-            else:
-                b.shard_grad = reduce_scatter_sum(b.grad_buffer, b.group, self.precision)
-        self.rest.sync()
+            b.shard_grad = b.grad_buffer.float() if b.group is None else done[b.launch]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -332,4 +389,4 @@ def build_optimizer(
     (``optimizer_sharding``)."""
     make = (ShardedOptimizer if plan.optimizer_sharding == OptimizerSharding.zero1
             else ReplicatedOptimizer)
-    return make(model, mesh, replication, plan.grad_sync_precision, plan.training.optimizer, cfg)
+    return make(model, mesh, replication, SyncConfig.of(plan), plan.training.optimizer, cfg)

@@ -26,7 +26,37 @@ def test_expert_group_crosses_nodes_one_rank_each(plan_352b):
 
 
 def test_exposure():
-    sync = GradSync(1.0, 0.5)
-    assert exposed_grad_sync_s(sync, 0.2, 0.1, overlap=False, hidden_share=0.9) == 1.5
-    assert exposed_grad_sync_s(sync, 0.2, 0.1, True, 0.9) == pytest.approx(1.5 - 0.9 * 0.3)
-    assert exposed_grad_sync_s(sync, 5.0, 5.0, True, 0.9) == pytest.approx(0.15)
+    """As the runtime runs it: ZeRO-1 hides its reduce-scatter behind the backward window but
+    not its all-gather; without ZeRO-1 the whole all-reduce hides; the last bucket only behind
+    the drain of the earlier stages."""
+    sync = GradSync(1.0, 0.5, last_reduce_scatter_s=0.1, last_all_gather_s=0.05)
+    assert exposed_grad_sync_s(sync, 0.2, 0.0, False, 0.9, sharded=True) == 1.5
+    assert exposed_grad_sync_s(sync, 0.2, 0.0, True, 0.9, True) == pytest.approx(
+        1.0 - 0.9 * 0.2 + 0.5)
+    assert exposed_grad_sync_s(sync, 0.2, 0.0, True, 0.9, False) == pytest.approx(
+        1.5 - 0.9 * 0.2)
+    # a long backward hides all but the last bucket; a long drain hides that too
+    assert exposed_grad_sync_s(sync, 5.0, 0.0, True, 0.9, True) == pytest.approx(0.1 + 0.5)
+    assert exposed_grad_sync_s(sync, 5.0, 0.0, True, 0.9, False) == pytest.approx(0.15)
+    assert exposed_grad_sync_s(sync, 5.0, 5.0, True, 0.9, False) == 0.0
+
+
+def test_last_bucket_is_one_bucket_of_a_large_group(plan_352b):
+    from plans.execution import GRAD_SYNC_BUCKET_PARAMS
+
+    d, c = plan_352b.degrees, plan_352b.cluster
+    big = grad_sync(StageParams(1e10, 0.0), d, c, Precision.bf16)
+    bucket = grad_sync(StageParams(GRAD_SYNC_BUCKET_PARAMS, 0.0), d, c, Precision.bf16)
+    assert big.last_reduce_scatter_s == pytest.approx(bucket.reduce_scatter_s)
+    assert bucket.last_reduce_scatter_s == pytest.approx(bucket.reduce_scatter_s)
+
+
+def test_last_bucket_holds_the_first_registered_parameter():
+    """Buckets fill in reverse registration order and never split a parameter, so the last
+    one is at least the first parameter (the embedding on the first stage)."""
+    from cost_models.grad_sync import last_bucket_params
+    from plans.execution import GRAD_SYNC_BUCKET_PARAMS
+
+    assert last_bucket_params(1e9, 0.0) == GRAD_SYNC_BUCKET_PARAMS
+    assert last_bucket_params(1e9, 1.3e8) == 1.3e8
+    assert last_bucket_params(1e7, 5e6) == 1e7

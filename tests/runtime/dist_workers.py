@@ -75,11 +75,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """Parameter dtypes by name (worker arguments travel pickled; names keep them plain)."""
 
 
-def trainer_for(plan: Plan, rank: int, world: int, dtype: str = "fp32"):
+def trainer_for(plan: Plan, rank: int, world: int, dtype: str = "fp32",
+                optim: OptimizerConfig = OPTIM):
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, SEED)
     return build_trainer(
-        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), OPTIM,
+        plan, rank, world, torch.device("cpu"), SEED, data, model_options(plan), optim,
         DTYPES[dtype],
     )
 
@@ -116,6 +117,33 @@ def chunked_moe_layers(plan_json: str) -> list[int]:
             for m in trainer.model.moe_layers()]
 
 
+def overlapped_and_serial_sync(plan_json: str, bucket_params: int) -> list[dict]:
+    """The plan run twice from the same seed, gradient sync after the backward without
+    accumulation fusion, then overlapped with it, in buckets of ``bucket_params``: per run the
+    first step's loss, the buckets launched before ``sync_gradients`` and the buckets with a
+    collective, the main gradients after the sync, the parameters after the optimizer, and the
+    second step's loss."""
+    from dataclasses import replace
+
+    plan = Plan.model_validate_json(plan_json)
+    runs = []
+    for on in (False, True):
+        variant = plan.model_copy(update={"grad_sync_overlap": on,
+                                          "grad_accumulation_fusion": on})
+        trainer = trainer_for(variant, dist.get_rank(), dist.get_world_size(),
+                              optim=replace(OPTIM, bucket_params=bucket_params))
+        loss = trainer.forward_backward(0)
+        launcher = trainer.optimizer.launcher
+        launched = sum(launcher.next_of.values())
+        trainer.sync_gradients()
+        grads = {k: g for k, (g, _) in trainer.local_gradients().items()}
+        trainer.optimizer_step()
+        params = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+        runs.append({"loss": loss, "launched": launched, "buckets": len(launcher.launches),
+                     "grads": grads, "params": params, "next_loss": trainer.train_step(1).loss})
+    return runs
+
+
 def loss_curve(plan_json: str, steps: int, dtype: str = "fp32"):
     plan = Plan.model_validate_json(plan_json)
     trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), dtype)
@@ -136,7 +164,9 @@ def state_bytes(cases: list[str]) -> list[dict]:
             "numel": sum(p.numel() for p in params),
             "param_dtypes": {str(p.dtype) for p in params},
             "grad_dtypes": {str(p.main_grad.dtype) for p in params},
-            "grads_freed": all(p.grad is None for p in params),
+            # .grad freed after accumulation, or (accumulation fusion) the main gradient's view
+            "no_separate_grads": all(
+                p.grad is None or p.grad.data_ptr() == p.main_grad.data_ptr() for p in params),
             "aligned": all(p.data_ptr() % 16 == 0 for p in params),
         })
     return out

@@ -175,3 +175,50 @@ def test_sgd_loss_curve_follows_reference(pool2, sharding):
         for got, want in zip(curve, expect, strict=True):
             assert abs(got - want) / want < 1e-5, (curve, expect)
     assert abs(adam_curve[-1] - expect[-1]) / expect[-1] > 1e-4, (adam_curve, expect)
+
+
+
+OVERLAP_TWO = {
+    "dp2_tied": dict(model="tiny-moe-shared", dp=2),
+    "dp2_zero1": dict(dp=2, optimizer_sharding=OptimizerSharding.zero1),
+    "dp2_bf16": dict(dp=2, grad_sync_precision=Precision.bf16),
+    "dp2_ep2_fp8_zero1": dict(dp=2, ep=2, grad_sync_precision=Precision.fp8,
+                              optimizer_sharding=OptimizerSharding.zero1),
+}
+OVERLAP_FOUR = {
+    "sp2_dp2_ep2": dict(sp=2, dp=2, ep=2),
+    "sp2_dp2_ep2_zero1_bf16": dict(sp=2, dp=2, ep=2, grad_sync_precision=Precision.bf16,
+                                   optimizer_sharding=OptimizerSharding.zero1),
+    "pp2_vpp2_dp2_tied_zero1": dict(model="tiny-moe-shared", pp=2, vpp=2, dp=2,
+                                    stage_layers=(2, 0, 1, 1),
+                                    optimizer_sharding=OptimizerSharding.zero1),
+}
+OVERLAP_BUCKET_PARAMS = 6000
+"""Several buckets per layer of the tiny models (about 12k dense parameters a layer)."""
+
+
+def check_overlap_matches_serial(pool, layout: dict) -> None:
+    """grad_sync_overlap + grad_accumulation_fusion against the sync after the backward and
+    the separate accumulation pass: the same buckets, casts and quantisation, so the same
+    bits; and every bucket with a collective was launched during the backward (in a pipeline:
+    each chunk's last backward)."""
+    plan = make_plan(global_batch=4, **layout)
+    for serial, overlapped in pool.run("dist_workers", "overlapped_and_serial_sync",
+                                       plan.model_dump_json(), OVERLAP_BUCKET_PARAMS):
+        assert serial["launched"] == 0 and serial["buckets"] > 1, serial["buckets"]
+        assert overlapped["launched"] == overlapped["buckets"] == serial["buckets"]
+        assert overlapped["loss"] == serial["loss"]
+        assert overlapped["next_loss"] == serial["next_loss"]
+        for kind in ("grads", "params"):
+            for name, value in serial[kind].items():
+                assert torch.equal(overlapped[kind][name], value), (kind, name)
+
+
+@pytest.mark.parametrize("layout", OVERLAP_TWO)
+def test_overlapped_sync_matches_serial_two_ranks(pool2, layout):
+    check_overlap_matches_serial(pool2, OVERLAP_TWO[layout])
+
+
+@pytest.mark.parametrize("layout", OVERLAP_FOUR)
+def test_overlapped_sync_matches_serial_four_ranks(pool4, layout):
+    check_overlap_matches_serial(pool4, OVERLAP_FOUR[layout])
