@@ -20,6 +20,7 @@ from cost_models import compute as cc
 from cost_models import volumes as vol
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
+from plans.enums import Kernels
 from plans.layout import tokens_per_rank
 from plans.plan import (
     EPFFN,
@@ -63,6 +64,8 @@ class LayerKey:
     recompute: Recompute
     dense: bool
     """A dense-FFN layer (model.dense_layers) instead of MoE."""
+    kernels: Kernels = Kernels.eager
+    """Whether the fusable memory-bound operators run as fused regions (plan.kernels)."""
 
     @property
     def tokens(self) -> float:
@@ -129,10 +132,17 @@ class _Builder:
         return self.add(Op(name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: str, fwd_bytes: float, bwd_bytes: float, *after: str | None,
-               selective: bool = False) -> str:
+               selective: bool = False, fusable: bool = True) -> str:
+        """A memory-bound operator at its fused-kernel bytes. ``fusable`` ones (RMSNorm,
+        SwiGLU, the router's softmax and top-k, the permutations: runtime.kernels) run as
+        fused regions under plan.kernels fused, at efficiency.fused_elementwise; the residual
+        adds (one kernel either way) and every eager plan's operators at
+        efficiency.elementwise."""
         c = self.key.cluster
-        op = Op(name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
-                (cc.elementwise_s(bwd_bytes, c),), selective=selective)
+        fused = fusable and self.key.kernels == Kernels.fused
+        time_s = cc.fused_elementwise_s if fused else cc.elementwise_s
+        op = Op(name, OpKind.memory, time_s(fwd_bytes, c), (time_s(bwd_bytes, c),),
+                selective=selective)
         return self.add(op, *after)
 
     def attention(self, name: str, flops: float, *after: str | None) -> str:
@@ -164,7 +174,8 @@ def _attention(g: _Builder, x: str | None) -> str:
             head_major = g.comm("sp_a2a_qkv", a2a_qkv, qkv, fuse_with="qkv_gemm", rows=t)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.sp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            attn = g.attention("flash_attn", flops, head_major)
+            roped = _rope(g, b * s, m.q_dim / k.sp + kv_dim, head_major)
+            attn = g.attention("flash_attn", flops, roped)
             seq_major = g.comm("sp_a2a_out", a2a_out, attn, fuse_with="out_gemm", rows=t)
             out = g.gemm("out_gemm", t, h, m.q_dim, seq_major)
         case TPAttention():
@@ -174,20 +185,33 @@ def _attention(g: _Builder, x: str | None) -> str:
             qkv = g.gemm("qkv_gemm", b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            attn = g.attention("flash_attn", flops, qkv)
+            roped = _rope(g, b * s, (m.q_dim + kv_dim) / k.tp, qkv)
+            attn = g.attention("flash_attn", flops, roped)
             proj = g.gemm("out_gemm", b * s, h, m.q_dim / k.tp, attn)
             out = g.comm("tp_reduce_scatter", rs, proj, fuse_with="out_gemm", rows=b * s)
         case CPAttention(zigzag=zigzag):
             (kv,) = vol.cp_attention(m, b, s, k.cp)
             qkv = g.gemm("qkv_gemm", t, m.q_dim + 2 * m.kv_dim, h, norm)
-            ring = g.comm("cp_kv_exchange", kv, qkv, fuse_with="flash_attn", rows=t)
+            roped = _rope(g, t, m.q_dim + m.kv_dim, qkv)
+            ring = g.comm("cp_kv_exchange", kv, roped, fuse_with="flash_attn", rows=t)
             # The slowest rank sets the pace: zig-zag chunks balance the causal mask exactly;
             # contiguous chunks leave the last rank 1 - 1/(2 cp) of its full score rows.
             share = cc.CAUSAL_FRACTION if zigzag else 1 - 1 / (2 * k.cp)
             flops = cc.attention_fwd_flops(b, s / k.cp, s, m.query_heads, m.head_dim, share)
             attn = g.attention("flash_attn", flops, ring)
             out = g.gemm("out_gemm", t, h, m.q_dim, attn)
-    return g.memory("attn_residual", 3 * t * h * AB, 0.0, out)
+    return g.memory("attn_residual", 3 * t * h * AB, 0.0, out, fusable=False)
+
+
+def _rope(g: _Builder, rows: float, width: float, qk: str) -> str:
+    """RoPE on q and k (``width`` values per row, the query and key heads this rank rotates):
+    one read and one write, backward the same; recomputed with the attention core under
+    selective recomputation. Priced only as a fused region: the eager runtime's RoPE passes
+    are part of what calibration fitted efficiency.elementwise to (the step left after the
+    priced operators), so an eager plan's price stays what it was fitted as."""
+    if g.key.kernels != Kernels.fused:
+        return qk
+    return g.memory("rope", 2 * rows * width * AB, 2 * rows * width * AB, qk, selective=True)
 
 
 def _swiglu(g: _Builder, prefix: str, rows: float, width: float, fc13: str) -> str:
@@ -270,7 +294,7 @@ def forward_graph(key: LayerKey) -> nx.DiGraph:
     attn = _attention(g, None)
     norm = g.memory("ffn_norm", 2 * t * h * AB, 3 * t * h * AB, attn)
     outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm)
-    g.memory("ffn_residual", 3 * t * h * AB, 0.0, attn, *outs)
+    g.memory("ffn_residual", 3 * t * h * AB, 0.0, attn, *outs, fusable=False)
     return g.graph
 
 

@@ -141,7 +141,8 @@ def search(
         # the baseline runs with the same execution features as the searched plans
         baseline_space = replace(megatron_space(model, cluster),
                                  grad_sync_overlap=space.grad_sync_overlap,
-                                 grad_accumulation_fusion=space.grad_accumulation_fusion)
+                                 grad_accumulation_fusion=space.grad_accumulation_fusion,
+                                 kernels=space.kernels)
         found = _search(model, cluster, training, baseline_space, 1, SearchStats(), None)
         baseline = found[0] if found else None
     stats.seconds = time.perf_counter() - start
@@ -275,7 +276,7 @@ def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSp
             stage_layers=stage_layers, micro_batch_size=layout.micro_batch_size,
             schedule=layout.schedule, overlap=overlap, recompute=recompute,
             grad_sync_precision=sync, grad_sync_overlap=space.grad_sync_overlap,
-            grad_accumulation_fusion=space.grad_accumulation_fusion,
+            grad_accumulation_fusion=space.grad_accumulation_fusion, kernels=space.kernels,
         )
     except ValidationError:
         return None

@@ -22,6 +22,7 @@ from plans import (
     CPAttention,
     Degrees,
     Dispatch,
+    Kernels,
     ModelSpec,
     Overlap,
     PipelineSchedule,
@@ -92,6 +93,10 @@ class SearchSpace:
     """Every plan overlaps its DP gradient sync with the backward."""
     grad_accumulation_fusion: bool = True
     """Every plan fuses gradient accumulation into the weight-gradient GEMMs."""
+    kernels: Kernels = Kernels.fused
+    """The memory-bound operators every plan runs with: fused regions are never slower at
+    the same memory (the cost model prices them at efficiency.fused_elementwise, a prior at
+    least ``elementwise``'s until calibrated), so they are not searched, only narrowed."""
 
     def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
         """This space narrowed to what moeplan's runtime executes as written on ``backend``
@@ -108,8 +113,9 @@ class SearchSpace:
         sync_overlap = self.grad_sync_overlap and executes("grad_sync_overlap", True, backend)
         fusion = self.grad_accumulation_fusion and executes("grad_accumulation_fusion", True,
                                                             backend)
+        kernels = self.kernels if executes("kernels", self.kernels, backend) else Kernels.eager
         return replace(self, **kept, grad_sync_overlap=sync_overlap,
-                       grad_accumulation_fusion=fusion)
+                       grad_accumulation_fusion=fusion, kernels=kernels)
 
     def layouts(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 ) -> Iterator[Layout]:

@@ -12,7 +12,7 @@ _WHERE = {
     "SpecError": "plans.errors",
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
     "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
-    "OptimizerSharding": "plans.enums",
+    "OptimizerSharding": "plans.enums", "Kernels": "plans.enums",
     **dict.fromkeys((
         "EPFFN", "SCHEMA_VERSION", "TPFFN", "AttentionStrategy", "CPAttention", "Degrees",
         "Dispatch", "FFNStrategy", "MeshAxis", "PipelineSchedule", "Plan", "Prediction",
@@ -25,8 +25,8 @@ _WHERE = {
 __all__ = [
     "SCHEMA_VERSION", "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec",
     "CrossEntropy",
-    "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "MeshAxis",
-    "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
+    "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "Kernels",
+    "MeshAxis", "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
     "PipelineSchedule", "Plan",
     "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec",
     "UlyssesAttention",

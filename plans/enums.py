@@ -61,6 +61,17 @@ a chunk holds them in the parameter dtype and in fp32 (about 10 bytes each at it
 over vocab x hidden per chunk) stays small beside the GEMMs."""
 
 
+class Kernels(StrEnum):
+    """How the layers' memory-bound operators run (RMSNorm, RoPE, SwiGLU, the router's softmax,
+    top-k and renormalisation, the token permutation and its weighted un-permutation)."""
+
+    eager = "eager"
+    """One PyTorch kernel per operation (several passes over the activations each)."""
+    fused = "fused"
+    """Each operator one torch.compile region (runtime.kernels): its fused bytes, one read of
+    its inputs and one write of its outputs."""
+
+
 class OptimizerSharding(StrEnum):
     """Where the optimizer states (fp32 master weights and moments) live."""
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from plans.enums import CrossEntropy, OptimizerSharding, Overlap, Recompute
+from plans.enums import CrossEntropy, Kernels, OptimizerSharding, Overlap, Recompute
 from plans.specs import (
     MAX_LAYERS,
     ClusterSpec,
@@ -237,6 +237,10 @@ class Plan(Frozen):
     search picks chunked only where materialized does not fit: on H200 the chunked loss
     measured 17 ms slower per 2-GPU pp2 Mixtral step (bench/results/h200/
     ab_loss_allocator_x2.json)."""
+    kernels: Kernels = Kernels.eager
+    """The layers' memory-bound operators as eager PyTorch or fused regions (priced at
+    cluster.efficiency.elementwise or fused_elementwise). Eager is the default so a plan
+    written before this field runs and is priced as it was measured; the search picks fused."""
     grad_sync_precision: Precision = Precision.bf16
     """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
     grad_sync_overlap: bool = True
@@ -330,7 +334,8 @@ class Plan(Frozen):
     def options_notation(self) -> str:
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
         sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
-        sync is not overlapped, gradient accumulation not fused or the loss chunked."""
+        sync is not overlapped, gradient accumulation not fused or the loss chunked, and
+        `k:fused` where the memory-bound operators are fused."""
         overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
         recompute = {"none": "none", "selective": "sel", "full": "full"}
         sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
@@ -342,6 +347,8 @@ class Plan(Frozen):
             out += " no-gaf"
         if self.cross_entropy != CrossEntropy.materialized:
             out += f" ce:{self.cross_entropy.value}"
+        if self.kernels != Kernels.eager:
+            out += f" k:{self.kernels.value}"
         return out
 
     def summary(self) -> str:
