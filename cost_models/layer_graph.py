@@ -174,7 +174,7 @@ def _attention(g: _Builder, x: str | None) -> str:
             head_major = g.comm("sp_a2a_qkv", a2a_qkv, qkv, fuse_with="qkv_gemm", rows=t)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.sp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            roped = _rope(g, b * s, m.q_dim / k.sp + kv_dim, head_major)
+            roped = _rope(g, b * s, (m.q_dim + kv_dim) / k.sp, head_major)
             attn = g.attention("flash_attn", flops, roped)
             seq_major = g.comm("sp_a2a_out", a2a_out, attn, fuse_with="out_gemm", rows=t)
             out = g.gemm("out_gemm", t, h, m.q_dim, seq_major)

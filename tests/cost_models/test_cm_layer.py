@@ -102,3 +102,35 @@ def test_h100_crossover_sits_higher_than_h800(node_plan):
                                                                 "ffn": EPFFN(dispatch=d)})))
             t[d] = sum(g.nodes[n]["duration_s"] for n in g if n in DISPATCH_COMBINE)
         assert (t[Dispatch.allgather_reduce_scatter] < t[Dispatch.all_to_all]) == wins
+
+
+def test_fused_kernels_price_the_fusable_operators_at_the_fused_factor(node_plan):
+    """kernels fused: norms, SwiGLU, router and permutations at efficiency.fused_elementwise,
+    plus RoPE (priced only when fused: the eager runtime's RoPE is inside the fitted
+    elementwise factor); the residual adds stay at elementwise; an eager plan never reads the
+    fused factor."""
+    from plans import Kernels
+
+    plan = node_plan()
+    eff = plan.cluster.efficiency
+    slow = plan.cluster.model_copy(update={"efficiency": eff.model_copy(
+        update={"elementwise": 0.05, "fused_elementwise": 0.5})})
+    eager = forward_graph(layer_key(plan.model_copy(update={"cluster": slow})))
+    other = slow.model_copy(update={"efficiency": slow.efficiency.model_copy(
+        update={"fused_elementwise": 0.9})})
+    assert eager.nodes["ffn_norm"]["duration_s"] == forward_graph(layer_key(
+        plan.model_copy(update={"cluster": other}))).nodes["ffn_norm"]["duration_s"]
+    assert "rope" not in eager
+    fused = forward_graph(layer_key(plan.model_copy(update={"cluster": slow,
+                                                            "kernels": Kernels.fused})))
+    for name in ("attn_norm", "ffn_norm", "router_topk", "expert_swiglu", "dispatch_permute",
+                 "combine_unpermute"):
+        ratio = eager.nodes[name]["duration_s"] / fused.nodes[name]["duration_s"]
+        assert ratio == pytest.approx(10.0), name
+    for name in ("attn_residual", "ffn_residual"):
+        assert fused.nodes[name]["duration_s"] == eager.nodes[name]["duration_s"]
+    m = plan.model
+    # Ulysses: RoPE on the full sequence of this rank's query and key heads, read and written
+    rope_bytes = 2 * plan.training.seq_len * (m.q_dim + m.kv_dim) / plan.degrees.sp * 2
+    assert fused.nodes["rope"]["duration_s"] == pytest.approx(
+        rope_bytes / (plan.cluster.gpu.hbm_tb_s * 1e12 * 0.5))

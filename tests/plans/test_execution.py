@@ -143,6 +143,10 @@ def test_the_runnable_search_space_is_what_the_table_executes():
         assert getattr(runnable, option) == expect, option
     assert runnable.overlap == (Overlap.none,)
     assert not runnable.grad_sync_overlap and not runnable.grad_accumulation_fusion
+    # fused kernels run on both backends (torch.compile: Triton on CUDA, C++ on CPU)
+    for backend in Backend:
+        assert executes("kernels", "fused", backend) and executes("kernels", "eager", backend)
+        assert SearchSpace().runnable(backend).kernels == "fused"
     assert executes("training.precision", Precision.bf16)
     assert not executes("training.precision", Precision.fp8)
     assert executes("training.optimizer", Optimizer.adam)
