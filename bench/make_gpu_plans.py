@@ -75,6 +75,15 @@ PLANS = {
                                       ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
     "mixtral2l_sp2_ep2_ag_mbs8": plan(2, Degrees(sp=2, ep=2), micro_batch_size=8,
                                       ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
+    "mixtral2l_1gpu_fused": plan(1, Degrees(), kernels=Kernels.fused),
+    # fused kernels with the whole batch in one micro-batch (issue 11's step targets)
+    "mixtral2l_1gpu_mbs8_fused": plan(1, Degrees(), micro_batch_size=8, kernels=Kernels.fused),
+    "mixtral2l_dp2_ep2_ag_mbs4_fused": plan(
+        2, Degrees(dp=2, ep=2), micro_batch_size=4, kernels=Kernels.fused,
+        ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
+    "mixtral2l_sp2_ep2_ag_mbs8_fused": plan(
+        2, Degrees(sp=2, ep=2), micro_batch_size=8, kernels=Kernels.fused,
+        ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
     "mixtral2l_sp2_ep2_a2a": plan(2, Degrees(sp=2, ep=2)),
     "mixtral2l_sp2_ep2_ag": plan(2, Degrees(sp=2, ep=2),
                                  ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),

@@ -48,6 +48,12 @@ def elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.elementwise)
 
 
+def fused_elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:
+    """The same operator as one fused region (plan.kernels fused), at
+    ``efficiency.fused_elementwise`` of peak HBM bandwidth."""
+    return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.fused_elementwise)
+
+
 def tile_efficiency(m: float, n: float, sms: int, groups: int = 1) -> float:
     """Useful share of the launched 128x128 output tiles, times the share of the last wave of
     tiles over ``sms`` that is filled (tile and wave quantisation)."""

@@ -70,9 +70,10 @@ class LayerKey:
     attention: AttentionStrategy
     ffn: FFNStrategy
     recompute: Recompute
-    kernels: Kernels
     dense: bool
     """A dense-FFN layer (model.dense_layers) instead of MoE."""
+    kernels: Kernels = Kernels.eager
+    """Whether the fusable memory-bound operators run as fused regions (plan.kernels)."""
 
     @property
     def tokens(self) -> float:
@@ -142,10 +143,17 @@ class _Builder:
         return self.add(Op(name.value + at, name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
-               *after: str | None, at: str = "") -> str:
+               *after: str | None, at: str = "", fusable: bool = True) -> str:
+        """A memory-bound operator at its fused-kernel bytes. ``fusable`` ones (RMSNorm,
+        SwiGLU, the router's softmax and top-k, the permutations: runtime.kernels) run as
+        fused regions under plan.kernels fused, at efficiency.fused_elementwise; the residual
+        adds (one kernel either way) and every eager plan's operators at
+        efficiency.elementwise."""
         c = self.key.cluster
-        op = Op(name.value + at, name, OpKind.memory, cc.elementwise_s(fwd_bytes, c),
-                (cc.elementwise_s(bwd_bytes, c),))
+        fused = fusable and self.key.kernels == Kernels.fused
+        time_s = cc.fused_elementwise_s if fused else cc.elementwise_s
+        op = Op(name.value + at, name, OpKind.memory, time_s(fwd_bytes, c),
+                (time_s(bwd_bytes, c),))
         return self.add(op, *after)
 
     def permutation(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
@@ -192,7 +200,8 @@ def _attention(g: _Builder, x: str | None) -> str:
             head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, fuse_with=LO.qkv_gemm, rows=t)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.sp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            attn = g.attention(flops, head_major)
+            roped = _rope(g, b * s, (m.q_dim + kv_dim) / k.sp, head_major)
+            attn = g.attention(flops, roped)
             seq_major = g.comm(LO.sp_a2a_out, a2a_out, attn, fuse_with=LO.out_gemm, rows=t)
             out = g.gemm(LO.out_gemm, t, h, m.q_dim, seq_major)
         case TPAttention():
@@ -202,20 +211,33 @@ def _attention(g: _Builder, x: str | None) -> str:
             qkv = g.gemm(LO.qkv_gemm, b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            attn = g.attention(flops, qkv)
+            roped = _rope(g, b * s, (m.q_dim + kv_dim) / k.tp, qkv)
+            attn = g.attention(flops, roped)
             proj = g.gemm(LO.out_gemm, b * s, h, m.q_dim / k.tp, attn)
             out = g.comm(LO.tp_reduce_scatter, rs, proj, fuse_with=LO.out_gemm, rows=b * s)
         case CPAttention(zigzag=zigzag):
             (kv,) = vol.cp_attention(m, b, s, k.cp)
             qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * m.kv_dim, h, norm)
-            ring = g.comm(LO.cp_kv_exchange, kv, qkv, fuse_with=LO.flash_attn, rows=t)
+            roped = _rope(g, t, m.q_dim + m.kv_dim, qkv)
+            ring = g.comm(LO.cp_kv_exchange, kv, roped, fuse_with=LO.flash_attn, rows=t)
             # The slowest rank sets the pace: zig-zag chunks balance the causal mask exactly;
             # contiguous chunks leave the last rank 1 - 1/(2 cp) of its full score rows.
             share = cc.CAUSAL_FRACTION if zigzag else 1 - 1 / (2 * k.cp)
             flops = cc.attention_fwd_flops(b, s / k.cp, s, m.query_heads, m.head_dim, share)
             attn = g.attention(flops, ring)
             out = g.gemm(LO.out_gemm, t, h, m.q_dim, attn)
-    return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out)
+    return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out, fusable=False)
+
+
+def _rope(g: _Builder, rows: float, width: float, qk: str) -> str:
+    """RoPE on q and k (``width`` values per row, the query and key heads this rank rotates):
+    one read and one write, backward the same; recomputed with the attention core under
+    selective recomputation. Priced only as a fused region: the eager runtime's RoPE passes
+    are part of what calibration fitted efficiency.elementwise to (the step left after the
+    priced operators), so an eager plan's price stays what it was fitted as."""
+    if g.key.kernels != Kernels.fused:
+        return qk
+    return g.memory(LO.rope, 2 * rows * width * AB, 2 * rows * width * AB, qk)
 
 
 def _swiglu(g: _Builder, name: LayerOperator, rows: float, width: float, fc13: str,
@@ -369,7 +391,7 @@ def forward_graph(key: LayerKey, chunks: int = 1) -> nx.DiGraph:
     attn = _attention(g, None)
     norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
     outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
-    g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs)
+    g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs, fusable=False)
     return g.graph
 
 

@@ -10,6 +10,8 @@ measured steps (bench/train_step.py). Every measured run is priced as the runtim
   class over the profiled step;
 - elementwise: what is left of the profiled step once everything else is priced (the step is
   T0 + E / elementwise, E the layers' memory-bound bytes at full bandwidth), solved for it;
+  fused_elementwise instead when the profiled plan ran fused kernels (plan.kernels), whose
+  fusable operators are then most of E;
 - hbm: the median bandwidth the sweep's large copies achieved, over the GPU's peak;
 - node.nvlink_latency_us, nvlink, nvlink_all_to_all: a latency + bytes / bandwidth fit (least
   squares on log time) of the all-gather / reduce-scatter and all-to-all sweeps.
@@ -30,7 +32,7 @@ from cost_models import comm
 from cost_models import pipeline as pl
 from cost_models.layer import layer_key
 from cost_models.layer_graph import OpKind, backward_graph, forward_graph
-from plans import ClusterSpec, Plan, SpecError, catalog
+from plans import ClusterSpec, Kernels, Plan, SpecError, catalog
 from plans.errors import describe
 from plans.execution import deviations, executed_plan
 from plans.results import ProfileResult, Sweep, SweepOp, TrainStepResult, read, read_log
@@ -99,14 +101,17 @@ def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[s
                for k in COMPUTE_FACTORS if meas[k] > 0 and pred[k] > 0}
     cluster = with_efficiency(base, **factors)
 
-    def step(elementwise: float) -> float:
-        priced = on(plan, with_efficiency(cluster, elementwise=elementwise))
+    # the memory-bound factor the plan's operators are priced at (cost_models.layer_graph)
+    name = "fused_elementwise" if plan.kernels == Kernels.fused else "elementwise"
+
+    def step(factor: float) -> float:
+        priced = on(plan, with_efficiency(cluster, **{name: factor}))
         return cost_models.evaluate(priced).step_time_s
 
     ideal = step(0.5) - step(1.0)  # E: the layers' memory-bound bytes at full bandwidth
     rest = step(1.0) - ideal
     left = wall - rest
-    factors["elementwise"] = min(1.0, ideal / left) if left > ideal else 1.0
+    factors[name] = min(1.0, ideal / left) if left > ideal else 1.0
     return factors
 
 

@@ -23,7 +23,7 @@ import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
 import plans  # noqa: E402  (lazy: pydantic and the models load inside the commands)
-from plans.enums import AttentionKind, Overlap, Precision, Recompute  # noqa: E402
+from plans.enums import AttentionKind, Kernels, Overlap, Precision, Recompute  # noqa: E402
 
 try:  # typer 0.2x vendors its own click; older versions use click itself
     from typer._click import exceptions as click
@@ -243,6 +243,9 @@ def search_cmd(
                      "ulysses_sp and tp (cp is for comparing predictions: the runtime does not "
                      "run it)."),
     ] = None,
+    kernels: Annotated[Kernels, typer.Option(
+        "--kernels", help="The layers' memory-bound operators: fused torch.compile regions "
+        "(default) or eager PyTorch.")] = Kernels.fused,
     runnable: Annotated[bool, typer.Option(
         "--runnable", help="Only what moeplan's runtime executes today (inter-operator "
         "overlap of EP layers only, gradient sync after the backward, no gradient-accumulation "
@@ -271,6 +274,7 @@ def search_cmd(
         overlap=tuple(overlap) if overlap else tuple(Overlap),
         recompute=tuple(recompute) if recompute else tuple(Recompute),
         **({"attention": tuple(attention)} if attention else {}),
+        kernels=kernels,
     )
     if runnable:
         from plans.execution import executes

@@ -22,6 +22,7 @@ from plans import (
     CPAttention,
     Degrees,
     Dispatch,
+    Kernels,
     ModelSpec,
     Overlap,
     PipelineSchedule,
@@ -32,7 +33,7 @@ from plans import (
     TrainingSpec,
     UlyssesAttention,
 )
-from plans.enums import AttentionKind, Kernels
+from plans.enums import AttentionKind
 from plans.execution import Backend, executes
 
 
@@ -93,7 +94,9 @@ class SearchSpace:
     grad_accumulation_fusion: bool = True
     """Every plan fuses gradient accumulation into the weight-gradient GEMMs."""
     kernels: Kernels = Kernels.fused
-    """Every plan's memory-bound kernels (fused when the runtime has them)."""
+    """The memory-bound operators every plan runs with: fused regions are never slower at
+    the same memory (the cost model prices them at efficiency.fused_elementwise, a prior at
+    least ``elementwise``'s until calibrated), so they are not searched, only narrowed."""
 
     def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
         """This space narrowed to what moeplan's runtime executes as written on ``backend``

@@ -35,21 +35,6 @@ class Dispatch(StrEnum):
     """All-gather + local scatter to dispatch; local gather + reduce-scatter to combine."""
 
 
-class Kernels(StrEnum):
-    """How a layer's memory-bound operators (norms, RoPE, SwiGLU, routing, token permutation)
-    run."""
-
-    fused = "fused"
-    """Fused kernels: each operator one pass over its activations, no host synchronisation in
-    the dispatch (Megatron-Core's, MegaScale-MoE's); priced at the fused bytes at
-    ``efficiency.elementwise``."""
-    eager = "eager"
-    """Unfused PyTorch operators as moeplan's runtime runs them today: the token permutation's
-    row gathers, scatters and index-adds priced pass by pass (cost_models.dispatch) at
-    ``efficiency.gather_scatter``, and an EP dispatch that reads its split sizes on the host
-    never faster than ``efficiency.dispatch_floor_us``."""
-
-
 class Recompute(StrEnum):
     """Which layer operators are rerun in backward instead of keeping their activations: the
     set ``plans.operators.RECOMPUTED`` gives, which the runtime wraps in checkpointing and the
@@ -86,6 +71,20 @@ CHUNK_LOGITS = 2**28
 a chunk holds them in the parameter dtype and in fp32 (about 10 bytes each at its peak:
 2.5 GiB), few enough chunks that the fp32 accumulation of the head's weight gradient (a pass
 over vocab x hidden per chunk) stays small beside the GEMMs."""
+
+
+class Kernels(StrEnum):
+    """How the layers' memory-bound operators run (RMSNorm, RoPE, SwiGLU, the router's softmax,
+    top-k and renormalisation, the token permutation and its weighted un-permutation)."""
+
+    eager = "eager"
+    """One PyTorch kernel per operation (several passes over the activations each): the token
+    permutation's row gathers, scatters and index-adds priced pass by pass
+    (cost_models.dispatch) at ``efficiency.gather_scatter``, and an EP dispatch that waits on
+    the host never faster than ``efficiency.dispatch_floor_us``."""
+    fused = "fused"
+    """Each operator one torch.compile region (runtime.kernels): its fused bytes, one read of
+    its inputs and one write of its outputs."""
 
 
 class OptimizerSharding(StrEnum):

@@ -128,9 +128,9 @@ TABLE: tuple[Capability, ...] = (
     *_executed("recompute", "none", "selective", "full",
                reason="selective reruns the attention core (RoPE and SDPA)"),
     *_executed("cross_entropy", "chunked", "materialized"),
-    Capability("kernels", "eager", Support.executed),
-    Capability("kernels", "fused", Support.runs_as,
-               "memory-bound operators run as unfused PyTorch operators", "eager"),
+    *_executed("kernels", "eager", "fused",
+               reason="fused: torch.compile regions (runtime.kernels; inductor's C++ backend "
+               "on CPU)"),
     *_executed("optimizer_sharding", "none", "zero1"),
     *_executed("grad_sync_precision", "fp32", "bf16", "fp8",
                reason="fp8: E4M3 payloads in 1 x 128 blocks, fp32 sums"),

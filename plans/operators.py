@@ -35,6 +35,9 @@ class LayerOperator(StrEnum):
     """Ulysses: all-to-all of q, k, v from sequence-sharded to head-sharded."""
     cp_kv_exchange = "cp_kv_exchange"
     """CP attention: the ring exchange of k and v."""
+    rope = "rope"
+    """Rotary embedding of q and k: priced as its own operator only as a fused region (the
+    eager runtime's RoPE passes are inside the calibrated ``elementwise``)."""
     flash_attn = "flash_attn"
     """The attention core: RoPE and scaled-dot-product (flash) attention, with the GQA repeat
     of k and v (runtime.model.AttentionCore)."""
@@ -116,7 +119,7 @@ _O, _C = LayerOperator, Component
 _REGIONS: dict[Component, tuple[LayerOperator, ...]] = {
     _C.attention_comm: (_O.tp_all_gather, _O.sp_a2a_qkv, _O.cp_kv_exchange, _O.sp_a2a_out,
                         _O.tp_reduce_scatter),
-    _C.attention_core: (_O.flash_attn,),
+    _C.attention_core: (_O.rope, _O.flash_attn),
     _C.dispatch: (_O.dispatch_permute, _O.ep_dispatch, _O.etp_all_gather, _O.dispatch_scatter,
                   _O.dispatch_host_wait),
     _C.expert_compute: (_O.expert_fc13, _O.expert_swiglu, _O.expert_fc2),
@@ -141,7 +144,7 @@ COMPONENT_KEYS: tuple[str, ...] = (tuple(c.value for c in Component)
 RECOMPUTED: Mapping[Recompute, frozenset[LayerOperator]] = MappingProxyType({
     Recompute.none: frozenset(),
     # the attention core, whose activations grow with the sequence (Korthikanti et al., 2022)
-    Recompute.selective: frozenset({LayerOperator.flash_attn}),
+    Recompute.selective: frozenset({LayerOperator.rope, LayerOperator.flash_attn}),
     Recompute.full: frozenset(LayerOperator),
 })
 """The operators each recomputation level reruns in backward instead of keeping their

@@ -223,14 +223,16 @@ class Plan(Frozen):
     schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     overlap: Overlap = Overlap.inter_intra_op
     recompute: Recompute = Recompute.selective
-    kernels: Kernels = Kernels.fused
-    """Fused memory-bound kernels or eager PyTorch operators (cost_models.dispatch prices the
-    eager token permutation pass by pass)."""
     cross_entropy: CrossEntropy = CrossEntropy.materialized
     """How the last stage computes the LM head and loss (memory: cost_models.memory). The
     search picks chunked only where materialized does not fit: on H200 the chunked loss
     measured 17 ms slower per 2-GPU pp2 Mixtral step (bench/results/h200/
     ab_loss_allocator_x2.json)."""
+    kernels: Kernels = Kernels.eager
+    """The layers' memory-bound operators as eager PyTorch or fused regions (priced at
+    cluster.efficiency.elementwise or fused_elementwise; the eager token permutation pass by
+    pass, cost_models.dispatch). Eager is the default so a plan written before this field runs
+    and is priced as it was measured; the search picks fused."""
     grad_sync_precision: Precision = Precision.bf16
     """Precision of data-parallel gradient reduce-scatter and parameter all-gather."""
     grad_sync_overlap: bool = True
@@ -325,9 +327,9 @@ class Plan(Frozen):
 
     def options_notation(self) -> str:
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
-        sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` / `eager` where the gradient
-        sync is not overlapped, gradient accumulation not fused, the loss chunked or the
-        memory-bound kernels unfused."""
+        sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
+        sync is not overlapped, gradient accumulation not fused or the loss chunked, and
+        `k:fused` where the memory-bound operators are fused."""
         overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
         recompute = {"none": "none", "selective": "sel", "full": "full"}
         sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
@@ -339,8 +341,8 @@ class Plan(Frozen):
             out += " no-gaf"
         if self.cross_entropy != CrossEntropy.materialized:
             out += f" ce:{self.cross_entropy.value}"
-        if self.kernels == Kernels.eager:
-            out += " eager"
+        if self.kernels != Kernels.eager:
+            out += f" k:{self.kernels.value}"
         return out
 
     def summary(self) -> str:

@@ -326,6 +326,13 @@ class Efficiency(Frozen):
     dispatcher: the dispatch waits on the host for its split sizes (all-to-all) or kept rows
     (all-gather), so the GPU idles while the CPU launches the following small kernels. Same
     source as ``gather_scatter``; applies to ``kernels: eager`` with EP > 1."""
+    fused_elementwise: Fraction = 0.85
+    """The same operators as fused regions (plan.kernels fused: one torch.compile region each,
+    runtime.kernels), at the same bytes. A prior until `moeplan calibrate` fits it to a
+    profiled fused step: ``elementwise``'s default, which is already counted at fused-kernel
+    bytes, so an uncalibrated cluster prices fused and eager plans alike (h200-runtime's
+    ``elementwise`` was fitted to the eager runtime; its fused factor keeps this prior). Eager
+    plans never read it."""
     nvlink: Fraction = 0.80
     """Achieved NVLink bus bandwidth / peak for ring collectives."""
     nvlink_all_to_all: Fraction = 0.65

@@ -3,9 +3,11 @@ QK norm and routing come from the spec)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plans import ModelSpec
+from plans.enums import Kernels
+from runtime.kernels import KernelOps, kernel_ops
 
 
 @dataclass(frozen=True)
@@ -19,12 +21,20 @@ class ModelOptions:
     """Tokens each expert accepts per source rank, as a multiple of the balanced share;
     None is dropless."""
     init_std: float = 0.02
+    kernels: Kernels = Kernels.eager
+    """The memory-bound operators' implementation (plan.kernels; runtime.kernels)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     spec: ModelSpec
     options: ModelOptions = ModelOptions()
+    ops: KernelOps = field(init=False, compare=False)
+    """The operator set of ``options.kernels``, built once per model (compiled regions are
+    shared by its modules)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", kernel_ops(self.options.kernels))
 
     @property
     def balance_groups(self) -> int:

@@ -15,45 +15,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plans.enums import Kernels
 from runtime.config import ModelConfig
+from runtime.kernels import EAGER, KernelOps, rope_tables, rotate
 from runtime.moe import FeedForward, MoE
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: KernelOps = EAGER):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def apply_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form) on [b, s, heads, d] at positions 0..s-1."""
-    s, d = x.shape[1], x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
-    cos = angles.cos()[None, :, None, :]
-    sin = angles.sin()[None, :, None, :]
-    xf = x.float()
-    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotate(x, *rope_tables(x.shape[1], x.shape[-1], theta, x.device))
 
 
 class AttentionCore(nn.Module):
     """RoPE + causal SDPA on full sequences: q [b, s, Hq, d], k/v [b, s, Hkv, d] -> [b, s, Hq, d].
-    Parallel transforms wrap this module (Ulysses moves heads and sequence around it)."""
+    Parallel transforms wrap this module (Ulysses moves heads and sequence around it).
 
-    def __init__(self, rope_theta: float):
+    Eager kernels compute the RoPE tables at every call; fused ones keep them in two
+    non-persistent buffers, recomputed when the sequence, head dim or device changes."""
+
+    def __init__(self, rope_theta: float, ops: KernelOps = EAGER):
         super().__init__()
         self.rope_theta = rope_theta
+        self.ops = ops
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ops.kind == Kernels.eager:
+            return apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)
+        seq, half = q.shape[1], q.shape[-1] // 2
+        cached = self.rope_cos
+        if cached is None or cached.shape != (seq, half) or cached.device != q.device:
+            self.rope_cos, self.rope_sin = rope_tables(seq, q.shape[-1], self.rope_theta,
+                                                       q.device)
+        return self.ops.rotate_qk(q, k, self.rope_cos, self.rope_sin)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q = apply_rope(q, self.rope_theta)
-        k = apply_rope(k, self.rope_theta)
+        q, k = self._rope(q, k)
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=2)
@@ -74,9 +83,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(m.hidden, m.kv_dim, bias=False)
         self.wo = nn.Linear(m.q_dim, m.hidden, bias=False)
         # QK norm (Qwen3): one RMSNorm over head_dim shared by every query (key) head, before RoPE
-        self.q_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
-        self.k_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
-        self.core = AttentionCore(m.rope_theta)
+        ops = cfg.ops
+        self.q_norm = RMSNorm(m.head_dim, m.norm_eps, ops) if m.qk_norm else None
+        self.k_norm = RMSNorm(m.head_dim, m.norm_eps, ops) if m.qk_norm else None
+        self.core = AttentionCore(m.rope_theta, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -92,14 +102,14 @@ class Attention(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        m, o = cfg.spec, cfg.options
-        self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
+        m, o, ops = cfg.spec, cfg.options, cfg.ops
+        self.attention_norm = RMSNorm(m.hidden, m.norm_eps, ops)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
+        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, ops)
         self.moe: MoE | None = None
         self.feed_forward: FeedForward | None = None
         if layer_id < m.dense_layers:
-            self.feed_forward = FeedForward(m.hidden, m.dense_ffn_hidden)
+            self.feed_forward = FeedForward(m.hidden, m.dense_ffn_hidden, ops)
         else:
             self.moe = MoE(
                 m.hidden,
@@ -111,6 +121,7 @@ class TransformerBlock(nn.Module):
                 m.shared_expert_ffn_hidden,
                 o.capacity_factor,
                 pre_softmax=m.router_pre_softmax,
+                ops=ops,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +141,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(m.vocab, m.hidden)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(m.layers)})
-        self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(m.hidden, m.norm_eps, cfg.ops)
         self.output: nn.Linear | None = nn.Linear(m.hidden, m.vocab, bias=False)
         self.head_logits = True
         """The last stage returns logits; false: the final norm's output, for a loss that

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.kernels import EAGER, KernelOps, count_per_expert
+
 
 @dataclass
 class Routing:
@@ -74,11 +76,24 @@ def balance_loss(
     routed slots that go to group g, P_g its summed mean router probability; both are summed
     over the ranks that share the micro-batch (``reduce_stats``) so the loss is that of the whole
     micro-batch. Balanced routing gives 1."""
-    tokens, experts = probs.shape
-    k = indices.shape[1]
-    counts = count_per_expert(indices, experts).to(probs.dtype)
-    n = torch.tensor([float(tokens)], dtype=probs.dtype, device=probs.device)
-    stats = reduce_stats(torch.cat([counts, probs.sum(0), n]))
+    counts = count_per_expert(indices, probs.shape[1]).to(probs.dtype)
+    return balance_from_stats(counts, probs.sum(0), probs.shape[0], indices.shape[1], groups,
+                              reduce_stats)
+
+
+def balance_from_stats(
+    counts: torch.Tensor,
+    prob_sum: torch.Tensor,
+    tokens: int,
+    k: int,
+    groups: int,
+    reduce_stats: Callable[[torch.Tensor], torch.Tensor] = identity,
+) -> torch.Tensor:
+    """balance_loss from this rank's slots per expert and summed probabilities (the router's
+    one pass, runtime.kernels.route)."""
+    experts = counts.shape[0]
+    n = torch.tensor([float(tokens)], dtype=prob_sum.dtype, device=prob_sum.device)
+    stats = reduce_stats(torch.cat([counts, prob_sum, n]))
     counts, prob_sum, total = stats[:experts], stats[experts : 2 * experts], stats[-1]
     f = (counts / (total * k)).view(groups, -1).sum(1)
     p = (prob_sum / total).view(groups, -1).sum(1)
@@ -106,9 +121,11 @@ class Router(nn.Module):
         balance_groups: int,
         capacity_factor: float | None = None,
         pre_softmax: bool = False,
+        ops: KernelOps = EAGER,
     ):
         super().__init__()
         self.gate = nn.Linear(hidden, experts, bias=False)
+        self.ops = ops
         self.pre_softmax = pre_softmax
         self.experts = experts
         self.top_k = top_k
@@ -117,11 +134,10 @@ class Router(nn.Module):
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] = identity
 
     def forward(self, x: torch.Tensor) -> Routing:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, indices = torch.topk(probs, self.top_k, dim=-1)
-        if not self.pre_softmax:
-            weights = weights / weights.sum(-1, keepdim=True)
-        aux = balance_loss(probs, indices, self.balance_groups, self.reduce_stats)
+        weights, indices, counts, prob_sum = self.ops.route(self.gate(x), self.top_k,
+                                                            not self.pre_softmax)
+        aux = balance_from_stats(counts, prob_sum, x.shape[0], self.top_k, self.balance_groups,
+                                 self.reduce_stats)
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.experts)
             keep = capacity_mask(indices, self.experts, capacity)
@@ -149,40 +165,33 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 class GroupedExperts(nn.Module):
     """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts."""
 
-    def __init__(self, experts: int, hidden: int, ffn_hidden: int):
+    def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        h = F.silu(grouped_mm(x, self.w1, counts)) * grouped_mm(x, self.w3, counts)
+        h = self.ops.swiglu(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts))
         return grouped_mm(h, self.w2, counts)
 
 
 class FeedForward(nn.Module):
     """Dense SwiGLU (dense layers and shared experts)."""
 
-    def __init__(self, hidden: int, ffn_hidden: int):
+    def __init__(self, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER):
         super().__init__()
         self.w1 = nn.Linear(hidden, ffn_hidden, bias=False)
         self.w3 = nn.Linear(hidden, ffn_hidden, bias=False)
         self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.ops.swiglu(self.w1(x), self.w3(x)))
 
 
 # ---- dispatch -------------------------------------------------------------------------------
-
-
-def count_per_expert(indices: torch.Tensor, experts: int) -> torch.Tensor:
-    """Slots per expert ([experts], int64); indices < 0 are not counted. A scatter-add, not
-    torch.bincount, whose CUDA kernel reads the maximum index back to the host."""
-    flat = indices.reshape(-1)
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
-    counts.index_add_(0, flat.clamp_min(-1) + 1, torch.ones_like(flat))
-    return counts[1:]
 
 
 def sort_by_expert(
@@ -200,20 +209,12 @@ def sort_by_expert(
     return slots[order], counts
 
 
-def weighted_scatter(
-    rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int, k: int
-) -> torch.Tensor:
-    """sum over slots of weight x row, back at each slot's token."""
-    w = weights.reshape(-1)[slots].to(rows.dtype).unsqueeze(1)
-    out = rows.new_zeros(num_tokens, rows.shape[1])
-    return out.index_add(0, torch.div(slots, k, rounding_mode="floor"), rows * w)
-
-
 class LocalDispatcher:
     """All experts on this rank (ep = 1): a local permutation."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, ops: KernelOps = EAGER):
         self.num_local_experts = num_experts
+        self.ops = ops
 
     def dispatch(
         self, tokens: torch.Tensor, routing: Routing
@@ -221,12 +222,12 @@ class LocalDispatcher:
         k = routing.indices.shape[1]
         slots, counts = sort_by_expert(routing.indices, self.num_local_experts,
                                        routing.dropless)
-        rows = tokens[torch.div(slots, k, rounding_mode="floor")]
+        rows = self.ops.gather_rows(tokens, slots, k)
         handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {})
         return rows, counts, handle
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        return weighted_scatter(
+        return self.ops.weighted_scatter(
             expert_out, handle.slots, handle.weights, handle.num_tokens, handle.top_k
         )
 
@@ -259,14 +260,19 @@ class MoE(nn.Module):
         shared_ffn_hidden: int = 0,
         capacity_factor: float | None = None,
         pre_softmax: bool = False,
+        ops: KernelOps = EAGER,
     ):
         super().__init__()
-        self.router = Router(hidden, experts, top_k, balance_groups, capacity_factor, pre_softmax)
-        self.experts = GroupedExperts(experts, hidden, ffn_hidden)
+        self.router = Router(hidden, experts, top_k, balance_groups, capacity_factor, pre_softmax,
+                             ops)
+        self.experts = GroupedExperts(experts, hidden, ffn_hidden, ops)
         self.shared = (
-            FeedForward(hidden, shared_experts * shared_ffn_hidden) if shared_experts else None
+            FeedForward(hidden, shared_experts * shared_ffn_hidden, ops) if shared_experts
+            else None
         )
-        self.dispatcher: Dispatcher = LocalDispatcher(experts)
+        self.ops = ops
+        """The operator set the dispatchers installed by expert parallelism use too."""
+        self.dispatcher: Dispatcher = LocalDispatcher(experts, ops)
         self.aux_loss_scale = 0.0
         """Gradient of the training loss with respect to this layer's balance loss."""
 

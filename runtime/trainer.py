@@ -38,13 +38,14 @@ def model_options(
     plan: Plan, aux_loss_coeff: float | None = None, per_expert_balance: bool = False
 ) -> ModelOptions:
     """The runtime's model options for ``plan``: device-level balance over the EP ranks, the
-    balance-loss weight of the model (``aux_loss_coeff`` overrides it)."""
+    balance-loss weight of the model (``aux_loss_coeff`` overrides it), the plan's kernels."""
     return ModelOptions(
         aux_loss_coeff=plan.model.aux_loss_coeff if aux_loss_coeff is None else aux_loss_coeff,
         # device-level balance needs more than one EP rank; with one (or TP experts) every
         # rank holds every expert and the per-expert loss applies
         balance_groups=None if per_expert_balance or plan.degrees.ep == 1 else plan.degrees.ep,
         capacity_factor=plan.ffn.capacity_factor if isinstance(plan.ffn, EPFFN) else None,
+        kernels=plan.kernels,
     )
 
 

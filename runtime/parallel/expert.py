@@ -4,6 +4,7 @@ Experts are contiguous per rank: rank r holds experts [r E/n, (r+1) E/n)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -13,9 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import Dispatch, MeshAxis
+from runtime.kernels import EAGER, KernelOps, count_per_expert
 from runtime.metrics import Component, Timers
 from runtime.model import Shard, Transformer
-from runtime.moe import DispatchHandle, Routing, sort_by_expert, weighted_scatter
+from runtime.moe import DispatchHandle, Routing, sort_by_expert
 from runtime.parallel.comm import all_gather, all_to_all, reduce_scatter, sum_replicated
 from runtime.parallel.mesh import Mesh
 
@@ -82,29 +84,68 @@ class _AllGatherPlan:
     counts: torch.Tensor
 
 
+def start_host_copy(t: torch.Tensor) -> Callable[[], list]:
+    """Start copying ``t`` to the host; the returned function waits for the copy alone and
+    gives its values as a list. On CUDA the copy goes to pinned memory behind an event, so
+    kernels queued after this call keep running while the host reads (a plain ``.tolist()``
+    waits for everything queued before it returns)."""
+    if not t.is_cuda:
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list:
+        done.synchronize()
+        return host.tolist()
+
+    return read
+
+
+def expert_order(indices: torch.Tensor, experts: int, dropless: bool) -> torch.Tensor:
+    """Flat slot ids ordered by expert (stable: token order inside an expert), dropped slots
+    (index < 0) last: runtime.moe.sort_by_expert's order without filtering the dropped ones,
+    which would wait on the host for their count (the caller cuts them off once the counts
+    it needs on the host anyway have arrived)."""
+    flat = indices.reshape(-1)
+    key = flat if dropless else torch.where(flat >= 0, flat, experts)
+    return torch.argsort(key, stable=True)
+
+
 class AllToAllDispatcher(_Timed):
     """Sort (token, slot) rows by expert, exchange the per-expert counts, all-to-all(v) the
     rows, then regroup the received rows from (source rank, expert) to (expert, source rank)
-    order for the grouped GEMM. Combine runs the same steps backwards."""
+    order for the grouped GEMM. Combine runs the same steps backwards.
 
-    def __init__(self, num_experts: int, group, size: int, timers: Timers | None = None):
+    The one wait on the host is for the split sizes, which all-to-all(v) needs there: the
+    count exchange starts first and the counts' copy to the host is started behind it, so the
+    sort and the token gather run on the device while the host waits for the copy."""
+
+    def __init__(self, num_experts: int, group, size: int, timers: Timers | None = None,
+                 ops: KernelOps = EAGER):
         super().__init__(timers)
         self.group, self.size = group, size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // size
+        self.ops = ops
 
     def _prepare(self, routings: list[Routing]) -> list[_AllToAllPlan]:
         n, el = self.size, self.num_local_experts
-        sorted_ = [sort_by_expert(r.indices, self.num_experts, r.dropless) for r in routings]
-        send_counts = torch.stack([counts.view(n, el) for _, counts in sorted_], 1)  # [n, c, el]
+        # per chunk: slots in expert order (dropped slots last, cut once the splits are known)
+        # and rows per expert
+        slots = [expert_order(r.indices, self.num_experts, r.dropless) for r in routings]
+        counts = [count_per_expert(r.indices, self.num_experts).view(n, el) for r in routings]
+        send_counts = torch.stack(counts, 1)  # [n, c, el]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        # the one device-to-host sync of the dispatch: all-to-all(v) needs its splits on the host
-        splits = torch.stack([send_counts.sum(2), recv_counts.sum(2)]).tolist()  # [2, n, c]
+        # the one wait on the host of the dispatch: all-to-all(v) needs its splits there; the
+        # copy is started behind the count exchange and read once, for every chunk
+        splits = start_host_copy(torch.stack([send_counts.sum(2), recv_counts.sum(2)]))()
         return [
-            _AllToAllPlan(slots, recv_counts[:, i], [row[i] for row in splits[0]],
+            _AllToAllPlan(chunk_slots, recv_counts[:, i], [row[i] for row in splits[0]],
                           [row[i] for row in splits[1]])
-            for i, (slots, _) in enumerate(sorted_)
+            for i, chunk_slots in enumerate(slots)
         ]
 
     def _send(
@@ -114,7 +155,9 @@ class AllToAllDispatcher(_Timed):
         k = routing.indices.shape[1]
         slots, recv_counts = prepared.slots, prepared.recv_counts
         in_splits, out_splits = prepared.in_splits, prepared.out_splits
-        rows = tokens[torch.div(slots, k, rounding_mode="floor")]
+        if not routing.dropless:  # dropped slots sort last: keep the routed ones
+            slots = slots[:sum(in_splits)]
+        rows = self.ops.gather_rows(tokens, slots, k)
         received = all_to_all(rows, out_splits, in_splits, self.group)
         # chunk c = src * el + e; expert-major order is key e * n + src
         chunk = torch.repeat_interleave(
@@ -137,7 +180,7 @@ class AllToAllDispatcher(_Timed):
             handle.extra["out_splits"],
             self.group,
         )
-        return weighted_scatter(
+        return self.ops.weighted_scatter(
             rows, handle.slots, handle.weights, handle.num_tokens, handle.top_k
         )
 
@@ -148,11 +191,13 @@ class AllGatherDispatcher(_Timed):
     the partial sums back to the tokens' owners. Every rank holds the same token count."""
 
     def __init__(
-        self, num_experts: int, group, size: int, index: int, timers: Timers | None = None
+        self, num_experts: int, group, size: int, index: int, timers: Timers | None = None,
+        ops: KernelOps = EAGER,
     ):
         super().__init__(timers)
         self.group, self.size, self.index = group, size, index
         self.num_local_experts = num_experts // size
+        self.ops = ops
 
     def _prepare(self, routings: list[Routing]) -> list[_AllGatherPlan]:
         """All-gather every chunk's routing indices at once and pick the rows routed to local
@@ -174,12 +219,12 @@ class AllGatherDispatcher(_Timed):
         k = routing.indices.shape[1]
         all_tokens = all_gather(tokens, self.group)
         all_weights = all_gather(routing.weights, self.group)
-        rows = all_tokens[torch.div(prepared.slots, k, rounding_mode="floor")]
+        rows = self.ops.gather_rows(all_tokens, prepared.slots, k)
         handle = DispatchHandle(prepared.slots, all_weights, all_tokens.shape[0], k, {})
         return rows, prepared.counts, handle
 
     def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        partial = weighted_scatter(
+        partial = self.ops.weighted_scatter(
             expert_out, handle.slots, handle.weights, handle.num_tokens, handle.top_k
         )
         return reduce_scatter(partial, self.group)
@@ -193,16 +238,18 @@ class ExpertTPDispatcher(AllGatherDispatcher):
     returns each rank its own tokens. With TP attention and sequence parallelism the etp group
     is the tp group and this is Megatron's all-gather before / reduce-scatter after the FFN."""
 
-    def __init__(self, num_experts: int, group, size: int, timers: Timers | None = None):
-        super().__init__(num_experts, group, size, 0, timers)
+    def __init__(self, num_experts: int, group, size: int, timers: Timers | None = None,
+                 ops: KernelOps = EAGER):
+        super().__init__(num_experts, group, size, 0, timers, ops)
         self.num_local_experts = num_experts
 
 
-def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None):
+def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None,
+                    ops: KernelOps = EAGER):
     group, n = mesh.groups[MeshAxis.ep], mesh.size(MeshAxis.ep)
     if kind == Dispatch.all_to_all:
-        return AllToAllDispatcher(num_experts, group, n, timers)
-    return AllGatherDispatcher(num_experts, group, n, mesh.index(MeshAxis.ep), timers)
+        return AllToAllDispatcher(num_experts, group, n, timers, ops)
+    return AllGatherDispatcher(num_experts, group, n, mesh.index(MeshAxis.ep), timers, ops)
 
 
 def apply_expert_parallel(
@@ -224,7 +271,7 @@ def apply_expert_parallel(
             shard = Shard(0, i, n)
             setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
             shards[f"layers.{lid}.moe.experts.{w}"] = shard
-        moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers)
+        moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers, moe.ops)
 
 
 def sum_balance_stats_over_attention(model: Transformer, mesh: Mesh) -> None:
@@ -255,5 +302,5 @@ def apply_expert_tensor_parallel(
             setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
             shards[f"layers.{lid}.moe.experts.{w}"] = shard
         moe.dispatcher = ExpertTPDispatcher(
-            model.cfg.spec.experts, mesh.groups[MeshAxis.etp], n, timers
+            model.cfg.spec.experts, mesh.groups[MeshAxis.etp], n, timers, moe.ops
         )

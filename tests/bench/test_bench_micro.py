@@ -123,3 +123,21 @@ def test_speedup_report(tmp_path):
     r = _run("bench/speedup_report.py", "--best", str(best), "--baseline", str(base),
              "--out", str(tmp_path / "t.json"), procs=1)
     assert r.returncode == 2 and "step_time_s" in r.stderr and not (tmp_path / "t.json").exists()
+
+
+def test_fused_ops_script(tmp_path):
+    """bench/fused_ops_gpu.py on CPU, one operator (CPU compilation dominates the time)."""
+    out = tmp_path / "f.json"
+    r = _run("bench/fused_ops_gpu.py", "--tokens", "64", "--seq", "32", "--hidden", "32",
+             "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--ffn", "48",
+             "--experts", "4", "--warmup", "1", "--repeats", "2", "--ops", "permute",
+             "--out", str(out), procs=1)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["dtype"] == "float32" and res["shapes"]["tokens"] == 64
+    (row,) = res["ops"].values()
+    assert row["fwd_bytes"] == (64 + 128) * 32 * 4  # tokens read once, k x tokens rows written
+    for kind in ("eager", "fused"):
+        assert row[kind]["fwd_s"] > 0 and row[kind]["fwd_bwd_s"] > 0
+    bad = _run("bench/fused_ops_gpu.py", "--ops", "nope", "--out", str(out), procs=1)
+    assert bad.returncode == 2 and "argument --ops: invalid choice: 'nope'" in bad.stderr

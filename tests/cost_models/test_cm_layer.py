@@ -5,7 +5,7 @@ import pytest
 from cost_models.layer import layer_key, layer_timing
 from cost_models.layer_graph import forward_graph
 from cost_models.volumes import scale_up_ratio
-from plans import EPFFN, Degrees, Dispatch, Overlap, Recompute
+from plans import EPFFN, Degrees, Dispatch, Kernels, Overlap, Recompute
 from plans.catalog import load_cluster
 from plans.layout import INTER_OP_CHUNKS
 
@@ -14,7 +14,7 @@ DISPATCH_COMBINE = {"dispatch_permute", "ep_dispatch", "dispatch_scatter", "comb
 
 
 def _dispatch_combine_s(one_node_plan, top_k: int, dispatch: Dispatch) -> float:
-    plan = one_node_plan(ffn=EPFFN(dispatch=dispatch))
+    plan = one_node_plan(ffn=EPFFN(dispatch=dispatch), kernels=Kernels.fused)
     plan = plan.model_copy(update={"model": plan.model.model_copy(update={"top_k": top_k})})
     g = forward_graph(layer_key(plan))
     return sum(g.nodes[n]["duration_s"] for n in g if n in DISPATCH_COMBINE)
@@ -119,7 +119,7 @@ def test_dense_and_shared_expert_layers(node_plan):
 
 def test_h100_crossover_sits_higher_than_h800(node_plan):
     # Faster NVLink makes the memory passes weigh more: on H100 AG/RS wins only at k = 8.
-    plan = node_plan(cluster=load_cluster("h100"))
+    plan = node_plan(cluster=load_cluster("h100"), kernels=Kernels.fused)
     for k, wins in ((7, False), (8, True)):
         m = plan.model.model_copy(update={"top_k": k})
         t = {}
@@ -128,3 +128,43 @@ def test_h100_crossover_sits_higher_than_h800(node_plan):
                                                                 "ffn": EPFFN(dispatch=d)})))
             t[d] = sum(g.nodes[n]["duration_s"] for n in g if n in DISPATCH_COMBINE)
         assert (t[Dispatch.allgather_reduce_scatter] < t[Dispatch.all_to_all]) == wins
+
+
+def test_fused_kernels_price_the_fusable_operators_at_the_fused_factor(node_plan):
+    """kernels fused: norms, SwiGLU, router and permutations at efficiency.fused_elementwise,
+    plus RoPE (priced only when fused: the eager runtime's RoPE is inside the fitted
+    elementwise factor); the residual adds stay at elementwise; an eager plan never reads the
+    fused factor."""
+    from plans import Kernels
+
+    plan = node_plan()
+    eff = plan.cluster.efficiency
+    slow = plan.cluster.model_copy(update={"efficiency": eff.model_copy(
+        update={"elementwise": 0.05, "fused_elementwise": 0.5})})
+    eager = forward_graph(layer_key(plan.model_copy(update={"cluster": slow})))
+    other = slow.model_copy(update={"efficiency": slow.efficiency.model_copy(
+        update={"fused_elementwise": 0.9})})
+    assert eager.nodes["ffn_norm"]["duration_s"] == forward_graph(layer_key(
+        plan.model_copy(update={"cluster": other}))).nodes["ffn_norm"]["duration_s"]
+    assert "rope" not in eager
+    fused = forward_graph(layer_key(plan.model_copy(update={"cluster": slow,
+                                                            "kernels": Kernels.fused})))
+    for name in ("attn_norm", "ffn_norm", "router_topk", "expert_swiglu"):
+        ratio = eager.nodes[name]["duration_s"] / fused.nodes[name]["duration_s"]
+        assert ratio == pytest.approx(10.0), name
+    # the eager permutations are counted pass by pass at gather_scatter (cost_models.dispatch);
+    # fused, one pass each way at fused_elementwise
+    for name in ("dispatch_permute", "combine_unpermute"):
+        other_gs = forward_graph(layer_key(plan.model_copy(update={"cluster": slow.model_copy(
+            update={"efficiency": slow.efficiency.model_copy(
+                update={"gather_scatter": slow.efficiency.gather_scatter / 2})})})))
+        assert other_gs.nodes[name]["duration_s"] == pytest.approx(
+            2 * eager.nodes[name]["duration_s"])
+        assert eager.nodes[name]["duration_s"] > fused.nodes[name]["duration_s"]
+    for name in ("attn_residual", "ffn_residual"):
+        assert fused.nodes[name]["duration_s"] == eager.nodes[name]["duration_s"]
+    m = plan.model
+    # Ulysses: RoPE on the full sequence of this rank's query and key heads, read and written
+    rope_bytes = 2 * plan.training.seq_len * (m.q_dim + m.kv_dim) / plan.degrees.sp * 2
+    assert fused.nodes["rope"]["duration_s"] == pytest.approx(
+        rope_bytes / (plan.cluster.gpu.hbm_tb_s * 1e12 * 0.5))

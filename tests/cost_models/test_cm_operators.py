@@ -46,6 +46,8 @@ def test_every_layer_graph_node_is_a_layer_operator(node_plan):
     plans = [*_plans(node_plan, "internal-352b"), *_plans(node_plan, "tiny-moe-shared", 2)]
     # eager kernels: the dispatch's host wait
     plans += [p.model_copy(update={"kernels": Kernels.eager}) for p in plans[:2]]
+    # fused kernels: RoPE priced as its own operator
+    plans += [p.model_copy(update={"kernels": Kernels.fused}) for p in plans[:2]]
     for plan in plans:
         for dense in (False, True):
             fwd = forward_graph(layer_key(plan, dense))

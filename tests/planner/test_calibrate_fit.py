@@ -64,3 +64,27 @@ def test_compute_fit_recovers_factors_from_a_step_priced_with_them():
     fit = fit_compute(profile, plan, base)
     for name, value in truth.items():
         assert fit[name] == pytest.approx(value, rel=0.02), name
+
+
+def test_a_fused_profile_fits_the_fused_factor_and_keeps_elementwise():
+    """A step that ran kernels fused is priced at fused_elementwise (cost_models.layer_graph):
+    calibrating it recovers that factor; elementwise (the residual adds) keeps the base's."""
+    from plans import Kernels
+
+    base = catalog.load_cluster("h200")
+    truth = {"gemm": 0.7, "grouped_gemm": 0.6, "attention": 0.5, "fused_elementwise": 0.4}
+    plan = catalog.load_plan(PLAN).model_copy(update={"kernels": Kernels.fused})
+    ran = executed_plan(on(plan, with_efficiency(base, **truth)))
+    classes = predicted_classes(ran)
+    grouped = KernelRow.model_validate({"name": "cutlass GroupProblemShape kernel",
+                                        "class": "gemm", "s_per_step": classes["grouped_gemm"]})
+    profile = Profile(
+        step_wall_s=cost_models.evaluate(ran).step_time_s,
+        class_s={"gemm": classes["gemm"] + classes["grouped_gemm"],
+                 "attention": classes["attention"]},
+        slowest=[grouped],
+    )
+    fit = fit_compute(profile, plan, base)
+    assert "elementwise" not in fit
+    for name, value in truth.items():
+        assert fit[name] == pytest.approx(value, rel=0.02), name

@@ -22,6 +22,7 @@ SURFACE = {
                   '--overlap <list[none|inter_op|inter_intra_op]>',
                   '--recompute <list[none|selective|full]>',
                   '--attention <list[ulysses_sp|tp|cp]>',
+                  '--kernels <eager|fused>',
                   '--runnable <bool>',
                   '--out <path>',
                   '--force <bool>',

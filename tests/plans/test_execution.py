@@ -110,8 +110,7 @@ def test_cp_attention_is_refused_at_launch_with_one_line_naming_the_field(backen
 
 def test_a_searched_plan_lists_each_field_the_runtime_runs_differently():
     found = {d.field: d for d in deviations(fp8_plan())}  # overlap and sync overlap on
-    assert set(found) == {"overlap", "grad_accumulation_fusion", "kernels",
-                          "training.precision"}
+    assert set(found) == {"overlap", "grad_accumulation_fusion", "training.precision"}
     assert found["overlap"].planned == "inter_intra_op"
     assert found["overlap"].executed == "inter_op"
     assert all(d.note().startswith(f"note: {d.field}: planned ") for d in found.values())
@@ -146,6 +145,10 @@ def test_the_runnable_search_space_is_what_the_table_executes():
         assert getattr(runnable, option) == expect, option
     assert runnable.overlap == (Overlap.none, Overlap.inter_op)
     assert runnable.grad_sync_overlap and not runnable.grad_accumulation_fusion
+    # fused kernels run on both backends (torch.compile: Triton on CUDA, C++ on CPU)
+    for backend in Backend:
+        assert executes("kernels", "fused", backend) and executes("kernels", "eager", backend)
+        assert SearchSpace().runnable(backend).kernels == "fused"
     assert executes("training.precision", Precision.bf16)
     assert not executes("training.precision", Precision.fp8)
     assert executes("training.optimizer", Optimizer.adam)

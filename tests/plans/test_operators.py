@@ -33,4 +33,4 @@ def test_recompute_levels_are_nested_operator_sets():
                                                Recompute.full))
     assert none == frozenset() and full == frozenset(LayerOperator)
     assert none < sel < full
-    assert sel == {LayerOperator.flash_attn}  # RoPE and SDPA, the attention core
+    assert sel == {LayerOperator.rope, LayerOperator.flash_attn}  # the attention core

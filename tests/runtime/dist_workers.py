@@ -10,6 +10,7 @@ from plans import (
     TPFFN,
     Degrees,
     Dispatch,
+    Kernels,
     Optimizer,
     OptimizerSharding,
     Overlap,
@@ -43,6 +44,7 @@ def make_plan(
     optimizer_sharding: OptimizerSharding = OptimizerSharding.none,
     optimizer: Optimizer = Optimizer.adam,
     overlap: Overlap = Overlap.none,
+    kernels: Kernels = Kernels.eager,
     **degrees: int,
 ) -> Plan:
     """A test plan; optimizer states replicated unless asked (the parity tests read every
@@ -67,6 +69,7 @@ def make_plan(
         recompute=recompute,
         optimizer_sharding=optimizer_sharding,
         overlap=overlap,
+        kernels=kernels,
         **extra,
     )
 
@@ -237,9 +240,10 @@ def ulysses_round_trip():
     return True
 
 
-def dispatcher_vs_local(kind: str):
+def dispatcher_vs_local(kind: str, dropped: bool = False):
     """Expert inputs on each rank are the rows the one-rank permutation gives its experts, in
-    the same order; combine (through identity experts) and its gradient match the local one."""
+    the same order; combine (through identity experts) and its gradient match the local one.
+    ``dropped``: some slots were dropped by capacity (index -1)."""
     from runtime.moe import LocalDispatcher, Routing
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
 
@@ -248,6 +252,8 @@ def dispatcher_vs_local(kind: str):
     g = torch.Generator().manual_seed(1)
     x_all = torch.randn(n * t, h, generator=g)
     idx_all = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n * t)])
+    if dropped:
+        idx_all[::3, 1] = -1
     w_all = torch.rand(n * t, k, generator=g)
     scale = torch.randn(experts, generator=g)  # a per-expert "computation"
 
@@ -256,7 +262,8 @@ def dispatcher_vs_local(kind: str):
     def run(disp, x, idx, w, num_local, first, probe):
         x = x.clone().requires_grad_()
         w = w.clone().requires_grad_()
-        rows, counts, handle = disp.dispatch(x, Routing(idx, w, torch.zeros(())))
+        routing = Routing(idx, w, torch.zeros(()), dropless=not dropped)
+        rows, counts, handle = disp.dispatch(x, routing)
         expert_of = torch.repeat_interleave(torch.arange(num_local) + first, counts)
         y = disp.combine(rows * scale[expert_of, None], handle)
         (y * probe).sum().backward()

@@ -21,9 +21,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def check_one_step(pool, plan, grad_rtol: float = GRAD_RTOL) -> None:
+def check_one_step(pool, plan, grad_rtol: float = GRAD_RTOL, reference=None) -> None:
+    """``plan`` on the pool's ranks against the one-rank run of ``reference`` (``plan``'s own
+    by default)."""
     results = pool.run("dist_workers", "one_step_gradients", plan.model_dump_json())
-    ref = reference_trainer(plan)
+    ref = reference_trainer(reference or plan)
     ref_loss = ref.forward_backward(0)
     ref.sync_gradients()
     ref_grads = {k: g for k, (g, _) in ref.local_gradients().items()}

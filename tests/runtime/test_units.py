@@ -93,9 +93,10 @@ def test_ulysses_all_to_all_round_trip(pool2):
     assert all(pool2.run("dist_workers", "ulysses_round_trip"))
 
 
+@pytest.mark.parametrize("dropped", [False, True], ids=["dropless", "capacity_dropped"])
 @pytest.mark.parametrize("kind", ["all_to_all", "allgather_reduce_scatter"])
-def test_dispatcher_matches_local_permutation(pool2, kind):
-    assert all(pool2.run("dist_workers", "dispatcher_vs_local", kind))
+def test_dispatcher_matches_local_permutation(pool2, kind, dropped):
+    assert all(pool2.run("dist_workers", "dispatcher_vs_local", kind, dropped))
 
 
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 4, 6), (1, 3, 2),

@@ -1,0 +1,156 @@
+"""The layers' memory-bound operators, as the plan's ``kernels`` says: eager PyTorch (one kernel
+per operation) or fused (each operator one torch.compile region, its inputs read once and its
+outputs written once; priced by cost_models.layer_graph at efficiency.fused_elementwise).
+
+Both sets compute the same maths from the same functions below; the fused set compiles them.
+The model picks its set when it is built (ModelOptions.kernels), so the model code knows no
+parallelism and no compiler:
+
+- rms_norm: fp32 statistics, output in the input's dtype;
+- rotate_qk: RoPE on q and k from cos / sin tables the attention core caches per (sequence,
+  head dim, device) in its buffers (rope_tables);
+- swiglu: silu(a) x b;
+- route: softmax, top-k, renormalisation and the balance statistics in one pass;
+- gather_rows / weighted_scatter: the token permutation to expert order and back.
+
+Compiled regions are static-shaped (dynamic=False) where the shapes are the plan's (tokens,
+hidden, heads); the expert-row count varies from step to step under expert parallelism and
+capacity, so the regions taking expert rows mark that dimension dynamic instead of
+recompiling for every count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from plans.enums import Kernels
+
+# ---- the operators ----------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in fp32, returned in ``x``'s dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def rope_tables(seq: int, dim: int, theta: float, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, [seq, dim / 2] fp32, positions 0..seq-1."""
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form) of x [b, s, heads, d] by [s, d / 2] tables, in fp32,
+    returned in ``x``'s dtype."""
+    d = x.shape[-1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., : d // 2], xf[..., d // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
+def count_per_expert(indices: torch.Tensor, experts: int) -> torch.Tensor:
+    """Slots per expert ([experts], int64); indices < 0 are not counted. A scatter-add, not
+    torch.bincount, whose CUDA kernel reads the maximum index back to the host."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat.clamp_min(-1) + 1, torch.ones_like(flat))
+    return counts[1:]
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in fp32, the top-k slots and their weights (renormalised to sum
+    to one, or the softmax's with ``renormalize`` false), and this rank's balance statistics:
+    slots per expert (in the probabilities' dtype) and summed probability per expert."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, indices = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    counts = count_per_expert(indices, probs.shape[1]).to(probs.dtype)
+    return weights, indices, counts, probs.sum(0)
+
+
+def gather_rows(tokens: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+    """The token row of every flat (token * k + slot) id: the permutation to expert order."""
+    return tokens[torch.div(slots, k, rounding_mode="floor")]
+
+
+def weighted_scatter(
+    rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int, k: int
+) -> torch.Tensor:
+    """sum over slots of weight x row, back at each slot's token."""
+    w = weights.reshape(-1)[slots].to(rows.dtype).unsqueeze(1)
+    out = rows.new_zeros(num_tokens, rows.shape[1])
+    return out.index_add(0, torch.div(slots, k, rounding_mode="floor"), rows * w)
+
+
+# ---- the sets ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The implementation of each memory-bound operator a model is built with."""
+
+    kind: Kernels
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rotate_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    route: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    gather_rows: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    weighted_scatter: Callable[..., torch.Tensor]
+
+
+EAGER = KernelOps(Kernels.eager, rms_norm, rotate_qk, swiglu, route, gather_rows,
+                  weighted_scatter)
+
+
+def _static(fn: Callable) -> Callable:
+    """One compiled region of fixed shapes (the plan's tokens, hidden size and heads)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False)
+
+
+def _rows_dynamic(fn: Callable, *row_args: int) -> Callable:
+    """One compiled region whose arguments ``row_args`` have a leading dimension of expert rows,
+    which varies between steps (EP, capacity): marked dynamic, so one graph serves every
+    count."""
+    compiled = torch.compile(fn, fullgraph=True)
+
+    def call(*args):
+        for i in row_args:
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
+        return compiled(*args)
+
+    return call
+
+
+def kernel_ops(kind: Kernels) -> KernelOps:
+    """The operator set of ``kind``: EAGER, or the same functions compiled."""
+    if kind == Kernels.eager:
+        return EAGER
+    return KernelOps(
+        Kernels.fused,
+        rms_norm=_static(rms_norm),
+        rotate_qk=_static(rotate_qk),
+        swiglu=_rows_dynamic(swiglu, 0, 1),
+        route=_static(route),
+        gather_rows=_rows_dynamic(gather_rows, 1),
+        weighted_scatter=_rows_dynamic(weighted_scatter, 0, 1),
+    )
