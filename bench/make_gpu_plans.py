@@ -98,6 +98,13 @@ PLANS = {
         2, Degrees(sp=2, ep=2), grad_sync_precision=Precision.fp8,
         training=TrainingSpec(global_batch=8, seq_len=4096, precision=Precision.fp8)),
 }
+# every executed mechanism of issue 11 at once: fused kernels, the overlapped gradient sync and
+# the inter-operator overlapped MoE layer; and the overlapped layer alone (eager, serial sync)
+PLANS |= {f"{name}_all": with_gsync(PLANS[f"{name}_fused"]).model_copy(
+    update={"overlap": Overlap.inter_op})
+    for name in ("mixtral2l_dp2_ep2_ag_mbs4", "mixtral2l_sp2_ep2_ag_mbs8")}
+PLANS["mixtral2l_dp2_ep2_interop"] = PLANS["mixtral2l_dp2_ep2"].model_copy(
+    update={"overlap": Overlap.inter_op})
 PLANS |= {f"{name}_gsync": with_gsync(PLANS[name])
           for name in ("mixtral2l_dp2_ep2", "mixtral2l_sp2_ep2_a2a", "mixtral2l_dp2_ep2_mbs4",
                        "mixtral2l_sp2_ep2_ag_mbs8")}

@@ -37,7 +37,9 @@ def megatron_layout(plan: Plan) -> str:
 
 LO = LayerOperator
 MEGATRON_RECOMPUTE_MODULES: tuple[tuple[str, frozenset[LayerOperator]], ...] = (
-    ("core_attn", frozenset({LO.flash_attn})),
+    # Megatron applies RoPE before core attention and keeps its output; moeplan's runtime reruns
+    # it with the core (runtime.model.AttentionCore): the nearest module, a few MB apart
+    ("core_attn", frozenset({LO.rope, LO.flash_attn})),
     ("layernorm", frozenset({LO.attn_norm, LO.ffn_norm})),
     ("moe_act", frozenset({LO.expert_swiglu})),
     ("shared_experts", frozenset({LO.shared_fc13, LO.shared_swiglu, LO.shared_fc2})),

@@ -57,7 +57,7 @@ def check_supported(plan: Plan, backend: Backend) -> None:
 
 RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = (
     (TransformerBlock, frozenset(LayerOperator)),
-    (AttentionCore, frozenset({LayerOperator.flash_attn})),
+    (AttentionCore, frozenset({LayerOperator.rope, LayerOperator.flash_attn})),
 )
 """The modules activation checkpointing can wrap and the layer operators each one runs."""
 
