@@ -58,6 +58,12 @@ class Evaluation:
     memory: MemoryBreakdown
     layer: LayerTiming
     """One MoE layer, one micro-batch."""
+    stage_forward_s: tuple[float, ...]
+    """Forward seconds of one micro-batch on each pipeline stage (embedding and head
+    included)."""
+    stage_backward_s: tuple[float, ...]
+    """Backward seconds of one micro-batch on each stage (reruns and gradient accumulation
+    included)."""
     feasible: bool
     reason: str | None
 
@@ -182,6 +188,8 @@ def evaluate(plan: Plan) -> Evaluation:
         breakdown_s=MappingProxyType(breakdown),
         memory=mem,
         layer=moe,
+        stage_forward_s=tuple(fwd),
+        stage_backward_s=tuple(bwd),
         feasible=mem.fits,
         reason=mem.reason,
     )

@@ -56,6 +56,10 @@ class TrainStepResult(Result):
     mfu: NonNegativeFloat
     peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
     components_s: dict[str, float] = {}
+    """Seconds per runtime component (runtime.metrics.Component), mean over ranks."""
+    tokens_per_step: PositiveInt | None = None
+    flops_per_token: PositiveFloat | None = None
+    """The model's training FLOPs per token at the run's sequence length (ModelSpec)."""
     measured_steps: PositiveInt
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Written since the plan field exists; older results say ``zero1: true | false``."""
