@@ -58,7 +58,7 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     return LayerKey(
         plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
         plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
-        plan.recompute, plan.kernels, dense,
+        plan.recompute, plan.kernels, dense, plan.training.routing_skew,
     )
 
 

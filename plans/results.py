@@ -61,6 +61,10 @@ class TrainStepResult(Result):
     flops_per_token: PositiveFloat | None = None
     """The model's training FLOPs per token at the run's sequence length (ModelSpec)."""
     measured_steps: PositiveInt
+    routing_skew: PositiveFloat | None = None
+    """Mean over steps, ranks, MoE layers and micro-batches of max / mean routed slots per
+    expert (TrainingSpec.routing_skew's measurement); written since the runtime logs it."""
+    routing_skew_max: PositiveFloat | None = None
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Written since the plan field exists; older results say ``zero1: true | false``."""
     prediction: Prediction | None = None
