@@ -2,20 +2,22 @@
 
 The grouped GEMMs of an EP group end when its busiest rank's do, and under all-to-all the
 busiest rank receives the most rows, so a layer is paced by the busiest rank's load, not the
-mean (the paper's Sec. 3.2 balance loss exists for this reason). Two causes are priced:
+mean (the reason for the paper's Sec. 3.2 device-level balance loss).
 
-- sampling: even a router that is balanced on average assigns a micro-batch's routed copies
-  at random; a rank's load is then binomial with mean mu = R / n (R routed copies in the
-  group, n ranks) and standard deviation sqrt(mu (1 - 1/n)), and the expected maximum of n
-  such loads is about mu + sd sqrt(2 ln n) (the Gaussian extreme-value bound, e.g. Cramér,
-  Mathematical Methods of Statistics, 1946, Sec. 28.6).
+Model: the E experts' loads in one micro-batch's EP group vary independently around the mean
+mu_e with a coefficient of variation sigma, made of
+
+- sampling: even a router balanced on average assigns the R routed copies at random, so an
+  expert's load is binomial: sigma_s^2 = (1 - 1/E) / mu_e;
 - a skewed router (``TrainingSpec.routing_skew`` = s, max / mean tokens per expert, as the
-  runtime logs it): the busiest rank holds the hottest expert and its other E/n - 1 experts
-  carry the mean load, so the rank's load is (s + E/n - 1) / (E/n) = 1 + (s - 1) n / E of the
-  mean.
+  runtime logs it): the expected maximum of E loads is about mu_e (1 + sigma_r sqrt(2 ln E))
+  (the Gaussian extreme-value bound, e.g. Cramér, Mathematical Methods of Statistics, 1946,
+  Sec. 28.6), so sigma_r = (s - 1) / sqrt(2 ln E).
 
-The larger of the two paces the layer. Capacity-padded experts (a capacity factor) compute
-their full buffers whatever the routing, so imbalance does not slow them.
+A rank holds g = E / ep experts: its load has a CV of sigma / sqrt(g), and the busiest of the
+ep ranks carries 1 + sigma / sqrt(g) x sqrt(2 ln ep) of the mean. With one expert per rank
+that is s (plus sampling); with one rank, 1. Capacity-padded experts (a capacity factor)
+compute their full buffers whatever the routing, so imbalance does not slow them.
 """
 
 from __future__ import annotations
@@ -23,19 +25,19 @@ from __future__ import annotations
 import math
 
 
-def sampling_skew(routed: float, ranks: int) -> float:
-    """Expected max / mean load of ``ranks`` equal shares of ``routed`` random copies."""
-    if ranks <= 1 or routed <= 0:
-        return 1.0
-    mu = routed / ranks
-    return 1.0 + math.sqrt(mu * (1 - 1 / ranks)) * math.sqrt(2 * math.log(ranks)) / mu
+def _extreme(n: int) -> float:
+    """Expected maximum of n standard normal draws, to first order: sqrt(2 ln n)."""
+    return math.sqrt(2 * math.log(n)) if n > 1 else 0.0
 
 
 def rank_skew(routed: float, experts: int, ep: int, routing_skew: float,
               capacity_factor: float | None) -> float:
     """Busiest EP rank's routed rows / the mean, for ``routed`` copies in one EP group of
     ``ep`` ranks holding ``experts`` / ep experts each."""
-    if capacity_factor is not None or ep <= 1:
+    if capacity_factor is not None or ep <= 1 or routed <= 0:
         return 1.0
-    router = 1.0 + (routing_skew - 1.0) * ep / experts
-    return max(router, sampling_skew(routed, ep))
+    per_expert = routed / experts
+    sampling = (1 - 1 / experts) / per_expert
+    router = ((routing_skew - 1) / _extreme(experts)) ** 2 if experts > 1 else 0.0
+    cv = math.sqrt(sampling + router)
+    return 1.0 + cv / math.sqrt(experts / ep) * _extreme(ep)
