@@ -46,6 +46,10 @@ _OPERATOR_COMPONENT = {
     # the dispatcher's dispatch: permute / local scatter and the collective
     "dispatch_permute": DISPATCH, "ep_dispatch": DISPATCH, "dispatch_scatter": DISPATCH,
     "etp_all_gather": DISPATCH,
+    # the eager dispatch's wait on the host for its split sizes (cost_models.dispatch): the
+    # runtime's dispatch region holds the device-to-host sync; the floor it prices covers the
+    # layer's dispatch and combine, forward and backward, and is reported here whole
+    "dispatch_host_wait": DISPATCH,
     "expert_fc13": EXPERT_COMPUTE, "expert_swiglu": EXPERT_COMPUTE, "expert_fc2": EXPERT_COMPUTE,
     # the dispatcher's combine: the collective and the unpermute / weighted local gather
     "ep_combine": COMBINE, "combine_unpermute": COMBINE, "combine_gather": COMBINE,
