@@ -316,7 +316,7 @@ class Efficiency(Frozen):
     """Achieved HBM bandwidth / peak of a layer's memory-bound operators (norms, SwiGLU,
     routing, permutations, residual adds), counted at their fused-kernel bytes: an unfused
     implementation makes extra passes over the activations and lands well below ``hbm``."""
-    gather_scatter: Fraction = 0.304
+    gather_scatter: Fraction = 0.306
     """Achieved HBM bandwidth / peak of the eager runtime's token permutation (row gathers,
     scatters and index-adds, counted pass by pass in cost_models.dispatch): used for plans with
     ``kernels: eager``. Default: the fit to moeplan's dispatchers on 2 H200s
