@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         trainer.train_step(step)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
+    times, losses, skews = [], [], []
     components = dict.fromkeys(COMPONENT_KEYS, 0.0)
     for step in range(args.warmup, args.warmup + args.steps):
         m = trainer.train_step(step)
@@ -109,17 +109,22 @@ def main(argv=None) -> int:
         losses.append(m.loss)
         for k, v in m.components_s.items():
             components[k] = components.get(k, 0.0) + v / args.steps
+        if m.routing_skew is not None:
+            skews.append((m.routing_skew, m.routing_skew_max))
     peak = m.peak_memory_gib
-    per_rank: list = [(components, peak)]
+    per_rank: list = [(components, peak, skews)]
     if world > 1:
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (components, peak))
+        dist.all_gather_object(per_rank, (components, peak, skews))
     if rank == 0:
         step_time = sum(times) / len(times)
         tokens = t.tokens_per_step
         flops = plan.model.flops_per_token(t.seq_len) * tokens
         peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
-        keys = sorted({k for c, _ in per_rank for k in c})
+        keys = sorted({k for c, _, _ in per_rank for k in c})
+        # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over
+        # steps, ranks, MoE layers and micro-batches
+        all_skews = [s for _, _, rank_skews in per_rank for s in rank_skews]
         result = {
             **metadata(),
             "world": world,
@@ -136,9 +141,13 @@ def main(argv=None) -> int:
             "flops_per_token": plan.model.flops_per_token(t.seq_len),
             "mfu": flops / step_time / peak_flops,
             "losses": losses,
-            "peak_memory_gib_per_rank": [p for _, p in per_rank],
-            "components_s": {k: sum(c.get(k, 0.0) for c, _ in per_rank) / world for k in keys},
-            "components_s_per_rank": [c for c, _ in per_rank],
+            "peak_memory_gib_per_rank": [p for _, p, _ in per_rank],
+            "components_s": {k: sum(c.get(k, 0.0) for c, _, _ in per_rank) / world
+                             for k in keys},
+            "components_s_per_rank": [c for c, _, _ in per_rank],
+            "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews)
+                             if all_skews else None),
+            "routing_skew_max": max((h for _, h in all_skews), default=None),
             "prediction": plan.prediction.model_dump() if plan.prediction else None,
             "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
                            for d in deviations(plan, backend_of(device))],

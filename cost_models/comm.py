@@ -40,11 +40,20 @@ def _network_b_s(cluster: ClusterSpec) -> float:
     return cluster.network_gb_s_per_gpu * 1e9 * cluster.efficiency.network
 
 
-def _ring_s(full_bytes: float, n: int, bytes_per_s: float, latency_s: float) -> float:
-    """One ring all-gather or reduce-scatter: each rank moves (n-1)/n of the full buffer."""
+def _ring_s(full_bytes: float, n: int, bytes_per_s: float, latency_s: float,
+            steps_latency: bool = False) -> float:
+    """One ring all-gather or reduce-scatter: each rank moves (n-1)/n of the full buffer.
+
+    Latency: NCCL's cost model (src/graph/tuning.cc) charges a ring base + (n - 1) x a
+    per-step hardware latency. On NVLink the per-step latency of the small-message protocol
+    is 0.4 us (LL), so 7 steps cost about one ``nvlink_latency_us``: one latency per
+    collective, as calibration fits it. Across nodes each of the n - 1 steps pays
+    ``network.latency_us`` (``steps_latency``): the latency floor that makes the achieved
+    network bandwidth grow with the message size, as in nccl-tests' bus-bandwidth curves."""
     if n <= 1 or full_bytes <= 0:
         return 0.0
-    return latency_s + (n - 1) / n * full_bytes / bytes_per_s
+    latency = (n - 1) * latency_s if steps_latency else latency_s
+    return latency + (n - 1) / n * full_bytes / bytes_per_s
 
 
 def all_gather_s(full_bytes: float, layout: GroupLayout, cluster: ClusterSpec) -> float:
@@ -56,7 +65,7 @@ def all_gather_s(full_bytes: float, layout: GroupLayout, cluster: ClusterSpec) -
     )
     inter = _ring_s(
         full_bytes / layout.ranks_per_node, layout.nodes, _network_b_s(cluster),
-        cluster.network.latency_us * 1e-6,
+        cluster.network.latency_us * 1e-6, steps_latency=True,
     )
     return intra + inter
 

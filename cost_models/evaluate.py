@@ -54,12 +54,19 @@ class Evaluation:
     backward and their exposed communication), ``grad_accumulation`` (adding each micro-batch's
     weight gradients into the main-gradient buffers), ``exposed_comm.<kind>`` (layer
     communication no compute hid, one key per CommKind that occurs); then ``pipeline_bubble``
-    (that stage's idle fill and drain), ``pp_p2p`` (exposed stage-to-stage transfers),
+    (that stage's idle fill and drain), ``stragglers`` (waiting for the slowest stage and
+    replica, cost_models.pipeline.straggler_s), ``pp_p2p`` (exposed stage-to-stage transfers),
     ``grad_sync`` (exposed DP gradient reduce-scatter + parameter all-gather, worst stage) and
     ``optimizer`` (the memory-bound ZeRO-1 update of the local shard, worst stage)."""
     memory: MemoryBreakdown
     layer: LayerTiming
     """One MoE layer, one micro-batch."""
+    stage_forward_s: tuple[float, ...]
+    """Forward seconds of one micro-batch on each pipeline stage (embedding and head
+    included)."""
+    stage_backward_s: tuple[float, ...]
+    """Backward seconds of one micro-batch on each stage (reruns and gradient accumulation
+    included)."""
     feasible: bool
     reason: str | None
     components_s: Mapping[str, float]
@@ -158,6 +165,7 @@ def evaluate(plan: Plan) -> Evaluation:
             n_moe * moe.exposed_comm_s.get(kind, 0.0)
             + n_dense * dense.exposed_comm_s.get(kind, 0.0))
     breakdown["pipeline_bubble"] = pl.bubble_s(stage_s, d.vpp)
+    breakdown["stragglers"] = pl.straggler_s(sum(breakdown.values()), plan)
     breakdown["pp_p2p"] = pl.exposed_p2p_s(plan, pl.p2p_transfer_s(plan))
 
     # Stage i's last backward is followed by those of stages i-1 .. 0 (the drain), which
@@ -194,6 +202,8 @@ def evaluate(plan: Plan) -> Evaluation:
         breakdown_s=MappingProxyType(breakdown),
         memory=mem,
         layer=moe,
+        stage_forward_s=tuple(fwd),
+        stage_backward_s=tuple(bwd),
         feasible=mem.fits,
         reason=mem.reason,
         components_s=MappingProxyType(components),

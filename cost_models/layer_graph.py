@@ -19,6 +19,7 @@ from enum import StrEnum
 import networkx as nx
 
 from cost_models import compute as cc
+from cost_models import skew
 from cost_models import volumes as vol
 from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation
 from cost_models.schedule import Stream
@@ -74,6 +75,8 @@ class LayerKey:
     """A dense-FFN layer (model.dense_layers) instead of MoE."""
     kernels: Kernels = Kernels.eager
     """Whether the fusable memory-bound operators run as fused regions (plan.kernels)."""
+    routing_skew: float = 1.0
+    """TrainingSpec.routing_skew (cost_models.skew)."""
 
     @property
     def tokens(self) -> float:
@@ -282,7 +285,9 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
     topk = g.memory(LO.router_topk, 2 * t * e * cc.FP32_BYTES, 2 * t * e * cc.FP32_BYTES, logits)
     if isinstance(k.ffn, EPFFN):
         n, local, width, gathered_tokens = k.ep, e // k.ep, m.expert_ffn_hidden, t
-        per_expert = cc.expert_tokens(t * n, m.top_k, e, k.ffn.capacity_factor)
+        # the busiest EP rank's load paces the grouped GEMMs and receives the most rows
+        busiest = skew.rank_skew(t * n * m.top_k, e, n, k.routing_skew, k.ffn.capacity_factor)
+        per_expert = cc.expert_tokens(t * n, m.top_k, e, k.ffn.capacity_factor) * busiest
     else:
         n, local, width, gathered_tokens = k.etp, e, m.expert_ffn_hidden / k.etp, t * k.etp
         per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,6 +25,22 @@ def step_s(stage_s: Sequence[float], micro_batches: int, vpp: int = 1) -> float:
     per stage divides the bubble by vpp (ibid., Sec. 2.2.2: bubble (p - 1)/v x t):
     m max_i t_i + (sum_i t_i - max_i t_i) / vpp."""
     return micro_batches * max(stage_s) + bubble_s(stage_s, vpp)
+
+
+def straggler_s(pipelined_s: float, plan: Plan) -> float:
+    """Waiting for the slowest GPU. Each micro-batch's stage time varies by a coefficient of
+    variation c (ClusterSpec.stage_time_cv); in the 1F1B steady state every slot waits for
+    the slowest of the pp stages, and the expected maximum of n such times is about
+    t (1 + c sqrt(2 ln n)) (the Gaussian extreme-value bound); the dp replicas wait for each
+    other once per step, at the gradient sync, where m micro-batches have averaged c down to
+    c / sqrt(m). ``pipelined_s`` is the schedule's compute and bubble on the busiest stage."""
+    d, c = plan.degrees, plan.cluster.stage_time_cv
+
+    def spread(n: int) -> float:
+        return math.sqrt(2 * math.log(n)) if n > 1 else 0.0
+
+    replicas = d.dp * d.cp
+    return pipelined_s * c * (spread(d.pp) + spread(replicas) / math.sqrt(plan.num_micro_batches))
 
 
 def bubble_s(stage_s: Sequence[float], vpp: int = 1) -> float:

@@ -309,18 +309,41 @@ def search_cmd(
 
 @app.command()
 @user_errors
-def explain(plan: PlanArg, json_out: JsonOpt = False) -> None:
-    """Time breakdown per layer and per step, memory breakdown and critical path of a plan.
+def explain(
+    plan: PlanArg,
+    measured: Annotated[Path | None, typer.Option(
+        "--measured", help="A measured step of this plan (bench/train_step.py's result JSON): "
+        "predicted and measured seconds per runtime component, side by side.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time breakdown per layer and per step, memory breakdown and critical path of a plan;
+    with --measured, the plan as the runtime executed it against a measured step, per
+    component.
 
     \b
     Examples:
       moeplan explain plan.json
       moeplan explain plan.json --json
+      moeplan explain plan.json --measured train_step.json
     """
     import cost_models
-    from planner.report import explain_document, print_explain
+    from planner.report import (
+        explain_document,
+        measured_document,
+        print_explain,
+        print_measured,
+    )
 
     loaded = plans.catalog.load_plan(plan)
+    if measured is not None:
+        from planner.measured import compare
+
+        comparison = compare(loaded, measured)
+        if json_out:
+            typer.echo(json.dumps(measured_document(comparison, measured), indent=2))
+        else:
+            print_measured(comparison, measured)
+        return
     evaluation = cost_models.evaluate(loaded)
     if json_out:
         typer.echo(json.dumps(explain_document(loaded, evaluation), indent=2))

@@ -279,6 +279,48 @@ def print_explain(plan: Plan, e: Evaluation) -> None:
         echo(w)
 
 
+def measured_document(c, path) -> dict:
+    """explain --measured --json: the plan as executed, and per component the predicted and
+    measured seconds of one step (mean over ranks) and predicted / measured - 1."""
+    plan = c.executed
+    return envelope(
+        "explain", job_document(plan.model, plan.cluster, plan.training),
+        plan=ranked_document("plan", plan, c.evaluation),
+        measured={
+            "result": str(path),
+            "run_commit": c.result.commit,
+            "gpu": c.result.gpu,
+            "evaluated_as_executed": [f"{d.field}={d.executed}" for d in c.deviations],
+            "components": [{"component": r.component, "predicted_s": r.predicted_s,
+                            "measured_s": r.measured_s, "error": r.error} for r in c.rows],
+        },
+    )
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None else f"{t * 1e3:.3g}" if t < 1 else f"{t * 1e3:,.0f}"
+
+
+def print_measured(c, path) -> None:
+    """The components of a measured step beside the cost model's: which part is off."""
+    plan = c.executed
+    echo(job_text(plan.model, plan.cluster, plan.training))
+    echo(f"plan as executed: {plan.summary()}")
+    if c.deviations:
+        echo("evaluated as the runtime ran it: "
+             + ", ".join(f"{d.field} {d.planned} -> {d.executed}" for d in c.deviations))
+    rows = [[r.component, _ms(r.predicted_s), _ms(r.measured_s),
+             "-" if r.error is None else f"{r.error:+.0%}"] for r in c.rows]
+    echo(f"measured: {path}")
+    echo_table("Seconds per step, mean over ranks",
+               (Column("component", False), Column("predicted ms"), Column("measured ms"),
+                Column("error")), rows)
+    echo("error = predicted / measured - 1; forward and backward hold the layer rows and loss")
+    if (w := c.worst()) is not None:
+        echo(f"most off: {w.component}, predicted {_ms(w.predicted_s)} ms, measured "
+             f"{_ms(w.measured_s)} ms")
+
+
 # ---- catalog --------------------------------------------------------------------------------
 
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 import cost_models
 from cost_models import Evaluation, StageCosts
-from cost_models.pipeline import exposed_p2p_s, p2p_transfer_s
+from cost_models.pipeline import exposed_p2p_s, p2p_transfer_s, straggler_s
 from planner.space import (
     AttentionKind,
     FFNKind,
@@ -221,13 +221,15 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             if ranked is None:
                 continue
             stats.feasible += 1
-            item = (-ranked.evaluation.step_time_s, -(idx * 1000 + len(kept)), ranked)
+            # ties go to the earlier layout, then the earlier option (feasible counts them)
+            item = (-ranked.evaluation.step_time_s, -(idx * 1000 + len(kept)),
+                    -stats.feasible, ranked)
             if len(kept) < top:
                 heapq.heappush(kept, item)
             elif item[0] > kept[0][0]:
                 heapq.heapreplace(kept, item)
-    ordered = sorted(kept, key=lambda t: (-t[0], -t[1]))
-    return [r for _, _, r in ordered]
+    ordered = sorted(kept, key=lambda t: (-t[0], -t[1], -t[2]))
+    return [r for *_, r in ordered]
 
 
 def _option_groups(options: list, exhaustive: bool) -> list[list]:
@@ -324,12 +326,14 @@ def _lower_bound(plan: Plan, costs: StageCosts) -> float:
     Every stage time t_i sums its layers (plus embedding / head), so
     sum t >= W = L x layer + embedding + head and max t >= W / pp. The pipeline step is
     m max t + (sum t - max t) / vpp (cost_models.pipeline.step_s), at least
-    m W / pp + W (1 - 1/pp) / vpp, plus the fill/drain transfers every split pays."""
+    m W / pp + W (1 - 1/pp) / vpp, plus the waits for stragglers (linear in that time,
+    cost_models.pipeline.straggler_s) and the fill/drain transfers every split pays."""
     d, m = plan.degrees, plan.num_micro_batches
     work = plan.model.layers * min(costs.layer_s, costs.dense_layer_s) + costs.embedding_s \
         + costs.head_s
     p2p = exposed_p2p_s(plan, p2p_transfer_s(plan))
-    return m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp + p2p
+    pipelined = m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp
+    return pipelined + straggler_s(pipelined, plan) + p2p
 
 
 def _evaluate_option(plan: Plan, option) -> Ranked | None:

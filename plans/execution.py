@@ -96,6 +96,8 @@ TABLE: tuple[Capability, ...] = (
     *_executed("cluster", ANY, reason="the launch's GPUs; the spec gives peak FLOP/s for MFU"),
     *_executed("training.global_batch", ANY),
     *_executed("training.seq_len", ANY),
+    *_executed("training.routing_skew", ANY, reason="the router routes as it learns; the cost "
+               "model prices the skew and the runtime logs the measured one (routing_skew)"),
     *_executed("training.optimizer", "adam", reason="AdamW (decoupled weight decay) on fp32 "
                "masters"),
     *_executed("training.optimizer", "sgd", reason="plain SGD (no momentum) on fp32 masters"),

@@ -69,7 +69,15 @@ class TrainStepResult(Result):
     mfu: NonNegativeFloat
     peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
     components_s: ComponentSeconds = {}
+    """Seconds per runtime component (plans.Component), mean over ranks."""
+    tokens_per_step: PositiveInt | None = None
+    flops_per_token: PositiveFloat | None = None
+    """The model's training FLOPs per token at the run's sequence length (ModelSpec)."""
     measured_steps: PositiveInt
+    routing_skew: PositiveFloat | None = None
+    """Mean over steps, ranks, MoE layers and micro-batches of max / mean routed slots per
+    expert (TrainingSpec.routing_skew's measurement); written since the runtime logs it."""
+    routing_skew_max: PositiveFloat | None = None
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Written since the plan field exists; older results say ``zero1: true | false``."""
     prediction: Prediction | None = None

@@ -316,7 +316,7 @@ class Efficiency(Frozen):
     """Achieved HBM bandwidth / peak of a layer's memory-bound operators (norms, SwiGLU,
     routing, permutations, residual adds), counted at their fused-kernel bytes: an unfused
     implementation makes extra passes over the activations and lands well below ``hbm``."""
-    gather_scatter: Fraction = 0.304
+    gather_scatter: Fraction = 0.306
     """Achieved HBM bandwidth / peak of the eager runtime's token permutation (row gathers,
     scatters and index-adds, counted pass by pass in cost_models.dispatch): used for plans with
     ``kernels: eager``. Default: the fit to moeplan's dispatchers on 2 H200s
@@ -355,6 +355,11 @@ class ClusterSpec(Frozen):
     gpus: GPUs
     """GPUs in the job: a multiple of gpus_per_node, or fewer than one node."""
     efficiency: Efficiency = Efficiency()
+    stage_time_cv: float = Field(0.023, ge=0, le=1)
+    """Coefficient of variation of one GPU's time for one micro-batch's work (clocks, power,
+    launch jitter): the pipeline and the data-parallel replicas wait for the slowest
+    (cost_models.pipeline.straggler_s). Default: the median over the committed H200 train steps
+    (bench/results/h200/train_step_*.json) of the step-time CV x sqrt(micro-batches)."""
 
     @model_validator(mode="after")
     def _check(self) -> ClusterSpec:
@@ -407,6 +412,12 @@ class TrainingSpec(Frozen):
     precision: Precision = Precision.bf16
     """Compute precision of GEMMs (bf16, or fp8 with bf16 elsewhere)."""
     optimizer: Optimizer = Optimizer.adam
+    routing_skew: float = Field(1.0, ge=1, le=MAX_EXPERTS)
+    """Expert load imbalance of the trained router beyond sampling: max / mean routed tokens
+    per expert in one micro-batch's expert-parallel group, as the runtime logs it
+    (``routing_skew`` of a step). 1: a balanced router, whose loads still differ by sampling
+    (cost_models.skew prices that floor). The busiest EP rank paces the grouped GEMMs and
+    receives the most dispatched rows."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSpec:

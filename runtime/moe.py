@@ -70,15 +70,17 @@ def balance_loss(
     indices: torch.Tensor,
     groups: int,
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] = identity,
+    record_counts: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """G x sum_g F_g P_g over G groups of contiguous experts (Switch Transformer for G = E;
     DeepSeek-V2 device-level loss when a group is one EP rank's experts). F_g is the fraction of
     routed slots that go to group g, P_g its summed mean router probability; both are summed
     over the ranks that share the micro-batch (``reduce_stats``) so the loss is that of the whole
-    micro-batch. Balanced routing gives 1."""
+    micro-batch. Balanced routing gives 1. ``record_counts`` receives the micro-batch's routed
+    slots per expert (summed over those ranks)."""
     counts = count_per_expert(indices, probs.shape[1]).to(probs.dtype)
     return balance_from_stats(counts, probs.sum(0), probs.shape[0], indices.shape[1], groups,
-                              reduce_stats)
+                              reduce_stats, record_counts)
 
 
 def balance_from_stats(
@@ -88,6 +90,7 @@ def balance_from_stats(
     k: int,
     groups: int,
     reduce_stats: Callable[[torch.Tensor], torch.Tensor] = identity,
+    record_counts: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """balance_loss from this rank's slots per expert and summed probabilities (the router's
     one pass, runtime.kernels.route)."""
@@ -95,6 +98,8 @@ def balance_from_stats(
     n = torch.tensor([float(tokens)], dtype=prob_sum.dtype, device=prob_sum.device)
     stats = reduce_stats(torch.cat([counts, prob_sum, n]))
     counts, prob_sum, total = stats[:experts], stats[experts : 2 * experts], stats[-1]
+    if record_counts is not None:
+        record_counts(counts.detach())
     f = (counts / (total * k)).view(groups, -1).sum(1)
     p = (prob_sum / total).view(groups, -1).sum(1)
     return groups * (f * p).sum()
@@ -132,12 +137,27 @@ class Router(nn.Module):
         self.balance_groups = balance_groups
         self.capacity_factor = capacity_factor
         self.reduce_stats: Callable[[torch.Tensor], torch.Tensor] = identity
+        self.load: torch.Tensor | None = None
+        """Since ``take_load``: (sum, max, count) over forwards of max / mean routed slots per
+        expert; on the device, read once per step (``routing_skew``)."""
+
+    def _record_load(self, counts: torch.Tensor) -> None:
+        ratio = counts.max() / counts.mean().clamp_min(1e-9)
+        if self.load is None:
+            self.load = torch.stack([ratio, ratio, torch.ones_like(ratio)])
+        else:
+            self.load = torch.stack([self.load[0] + ratio, torch.maximum(self.load[1], ratio),
+                                     self.load[2] + 1])
+
+    def take_load(self) -> torch.Tensor | None:
+        load, self.load = self.load, None
+        return load
 
     def forward(self, x: torch.Tensor) -> Routing:
         weights, indices, counts, prob_sum = self.ops.route(self.gate(x), self.top_k,
                                                             not self.pre_softmax)
         aux = balance_from_stats(counts, prob_sum, x.shape[0], self.top_k, self.balance_groups,
-                                 self.reduce_stats)
+                                 self.reduce_stats, self._record_load)
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * x.shape[0] * self.top_k / self.experts)
             keep = capacity_mask(indices, self.experts, capacity)
@@ -294,3 +314,15 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(tokens)
         return y
+
+
+def routing_skew(layers: list[MoE]) -> tuple[float, float] | None:
+    """(mean, max) over the MoE layers' forwards since the last call of max / mean routed
+    slots per expert in the router's micro-batch (TrainingSpec.routing_skew's measurement);
+    one device-to-host read. None when no router ran (a stage without MoE layers)."""
+    loads = [load for m in layers if (load := m.router.take_load()) is not None]
+    if not loads:
+        return None
+    stats = torch.stack(loads)
+    mean, high = (stats[:, 0].sum() / stats[:, 2].sum(), stats[:, 1].max())
+    return tuple(torch.stack([mean, high]).tolist())

@@ -16,6 +16,7 @@ from runtime.data import TokenSource, rank_micro_batches
 from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
+from runtime.moe import routing_skew
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.optimizer import OptimizerConfig, build_optimizer
 from runtime.parallel.parallelize import ParallelModel, backend_of, parallelize
@@ -32,6 +33,10 @@ class StepMetrics:
     mfu: float
     peak_memory_gib: float
     components_s: dict[str, float] = field(default_factory=dict)
+    routing_skew: float | None = None
+    """Mean over this rank's MoE layers and micro-batches of max / mean routed slots per
+    expert (runtime.moe.routing_skew); None on a stage without MoE layers."""
+    routing_skew_max: float | None = None
 
 
 def model_options(
@@ -151,6 +156,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
+        skew = routing_skew(self.model.moe_layers()) or (None, None)
         tokens = self.plan.training.tokens_per_step
         flops = self.plan.model.flops_per_token(self.plan.training.seq_len) * tokens
         peak = self.mesh.world * self.plan.cluster.gpu.bf16_dense_tflops * 1e12
@@ -162,6 +168,8 @@ class Trainer:
             mfu=flops / elapsed / peak,
             peak_memory_gib=peak_memory_gib(self.device),
             components_s=self.timers.collect(),
+            routing_skew=skew[0],
+            routing_skew_max=skew[1],
         )
 
     def checkpoint_key(self, name: str) -> str:

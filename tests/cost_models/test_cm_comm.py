@@ -38,9 +38,9 @@ def test_hierarchical_all_gather_over_two_nodes(h800):
 
 
 def test_network_only_ring_and_all_to_all(h800):
-    # 12 ranks one per node: 11/12 of the buffer on the network.
+    # 12 ranks one per node: 11 ring steps, 11/12 of the buffer on the network.
     assert comm.all_gather_s(1.2e9, comm.group_layout(12, 8, 8), h800) == pytest.approx(
-        10e-6 + 11 / 12 * 1.2e9 / 40e9)
+        11 * 10e-6 + 11 / 12 * 1.2e9 / 40e9)
     # 16-rank all-to-all over 2 nodes: 7/16 stays on NVLink, 8/16 crosses; the slower counts.
     t = comm.all_to_all_s(160e6, comm.group_layout(16, 1, 8), h800)
     assert t == pytest.approx(10e-6 + max(7 / 16 * 160e6 / 130e9, 8 / 16 * 160e6 / 40e9))
@@ -50,3 +50,13 @@ def test_send_recv(h800):
     assert comm.send_recv_s(8e6, h800, cross_node=True) == pytest.approx(10e-6 + 8e6 / 40e9)
     assert comm.send_recv_s(8e6, h800, cross_node=False) == pytest.approx(3e-6 + 8e6 / 160e9)
     assert comm.all_gather_s(1e9, comm.group_layout(1, 1, 8), h800) == 0.0
+
+
+def test_network_latency_floor_by_message_size(h800):
+    """Across nodes each ring step pays the network latency: small messages are latency-bound
+    and the achieved bus bandwidth rises with the message size toward bandwidth x efficiency,
+    as nccl-tests' curves do."""
+    layout = comm.group_layout(12, 8, 8)
+    bus = [11 / 12 * size / comm.all_gather_s(size, layout, h800)
+           for size in (1e4, 1e6, 1e8, 1e10)]
+    assert bus == sorted(bus) and bus[0] < 0.1 * 40e9 and bus[-1] > 0.99 * 40e9

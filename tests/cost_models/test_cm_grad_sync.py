@@ -13,16 +13,16 @@ def test_fp32_is_twice_bf16(plan_352b):
     bf16 = grad_sync(p, d, c, Precision.bf16)
     # Dense group dp x sp = 96 ranks of stride 1: 8 per node over 12 nodes, hierarchical.
     nvlink = 3e-6 + 7 / 8 * 2e9 / 160e9
-    network = 10e-6 + 11 / 12 * 2e9 / 8 / 40e9
+    network = 11 * 10e-6 + 11 / 12 * 2e9 / 8 / 40e9  # 11 ring steps over the network
     assert bf16.reduce_scatter_s == pytest.approx(nvlink + network)
-    latency = 13e-6
+    latency = 3e-6 + 11 * 10e-6
     assert fp32.reduce_scatter_s - latency == pytest.approx(2 * (bf16.reduce_scatter_s - latency))
 
 
 def test_expert_group_crosses_nodes_one_rank_each(plan_352b):
     # edp = 12 ranks of stride ep = 8: one per node, network ring only.
     sync = grad_sync(StageParams(0.0, 1e9), plan_352b.degrees, plan_352b.cluster, Precision.bf16)
-    assert sync.all_gather_s == pytest.approx(10e-6 + 11 / 12 * 2e9 / 40e9)
+    assert sync.all_gather_s == pytest.approx(11 * 10e-6 + 11 / 12 * 2e9 / 40e9)
 
 
 def test_exposure():

@@ -37,3 +37,16 @@ def test_head_and_embedding(plan_352b):
     assert gemm < head.fwd_s < 1.5 * gemm
     assert head.bwd_s > 2 * gemm
     assert emb.total_s < head.total_s / 10
+
+
+def test_stragglers_by_hand(plan_352b):
+    """pp 15 stages wait for the slowest each slot, 12 replicas once per step over m = 60
+    micro-batches: c (sqrt(2 ln 15) + sqrt(2 ln 12) / sqrt(60)) of the pipelined time."""
+    import math
+
+    d, c = plan_352b.degrees, plan_352b.cluster.stage_time_cv
+    assert (d.pp, d.dp, plan_352b.num_micro_batches) == (15, 12, 60)
+    share = c * (math.sqrt(2 * math.log(15)) + math.sqrt(2 * math.log(12)) / math.sqrt(60))
+    assert pl.straggler_s(2.0, plan_352b) == pytest.approx(2.0 * share)
+    steady = plan_352b.cluster.model_copy(update={"stage_time_cv": 0.0})
+    assert pl.straggler_s(2.0, plan_352b.model_copy(update={"cluster": steady})) == 0.0

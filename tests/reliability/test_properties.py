@@ -86,6 +86,7 @@ training_dicts = st.fixed_dictionaries({
     "seq_len": st.integers(1, 65536),
     "precision": st.sampled_from(["bf16", "fp8"]),
     "optimizer": st.sampled_from(["adam", "sgd"]),
+    "routing_skew": st.floats(1.0, 64.0, allow_nan=False),
 })
 
 

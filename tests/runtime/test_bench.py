@@ -38,6 +38,8 @@ def test_train_step_writes_measurement(tmp_path):
                 "expert_compute", "grad_sync", "optimizer", "forward", "backward"):
         assert key in res["components_s"], key
     assert res["components_s"]["dispatch"] > 0 and res["components_s"]["attention_comm_bwd"] > 0
+    # max / mean routed slots per expert, logged by the runtime each step
+    assert 1 <= res["routing_skew"] <= res["routing_skew_max"] <= make_plan().model.experts
 
 
 def test_parity_script_passes_in_fp32(tmp_path):

@@ -10,10 +10,12 @@ import torch
 from runtime.moe import (
     GroupedExperts,
     LocalDispatcher,
+    MoE,
     Router,
     balance_loss,
     capacity_mask,
     grouped_mm,
+    routing_skew,
 )
 
 
@@ -313,3 +315,22 @@ def test_overlap_stage_order_is_a_software_pipeline(chunks, shared):
     assert [s for s, _ in order].count(Step.shared) == int(shared)
     assert {LANE[s] for s in Step} == set(Lane)
     assert LANE[Step.dispatch] == LANE[Step.combine] == Lane.comm
+
+
+def test_routing_skew_is_max_over_mean_slots_per_expert_read_once():
+    """The router records max / mean routed slots per expert on the device each forward;
+    routing_skew reads (mean, max) over layers and forwards once, then starts again."""
+    moe = MoE(hidden=4, experts=4, top_k=1, ffn_hidden=8, balance_groups=4)
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+        moe.router.gate.weight[0, 0] = 10.0  # a positive first feature picks expert 0
+    hot = torch.zeros(8, 4)
+    hot[:, 0] = 1.0  # every token to expert 0: max / mean = 8 / 2 = 4
+    assert routing_skew([moe]) is None
+    moe.router(hot)
+    load = moe.router.take_load()
+    assert load.tolist() == [4.0, 4.0, 1.0]
+    moe.router._record_load(torch.tensor([2.0, 2.0, 2.0, 2.0]))  # balanced: 1
+    moe.router(hot)
+    assert routing_skew([moe]) == pytest.approx((2.5, 4.0))
+    assert routing_skew([moe]) is None

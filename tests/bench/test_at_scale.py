@@ -1,0 +1,45 @@
+"""bench/at_scale.py: the committed comparison with published large runs is what the script
+computes from this cost model, and the checks that meet issue 12's 25% still do."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def at_scale():
+    spec = importlib.util.spec_from_file_location("at_scale", ROOT / "bench/at_scale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_committed_results_are_what_the_script_computes(at_scale):
+    committed = json.loads((ROOT / "bench/results/at_scale.json").read_text())
+    fresh = json.loads(json.dumps(at_scale.results()))
+    assert {k: committed[k] for k in fresh} == fresh
+
+
+def test_megatron_mixtral_and_the_speedup_over_megatron_are_within_25_percent(at_scale):
+    """The 352B job's absolute throughput misses (docs/fidelity_at_scale.md explains the
+    residual); the Mixtral run and the 352B speedup over Megatron-LM meet the target."""
+    checks = {c["name"]: c for c in at_scale.results()["checks"]}
+    for name in ("Megatron-Core Mixtral-8x7B, 64 H100",
+                 "MegaScale-MoE over Megatron-LM, Internal-352B"):
+        assert abs(checks[name]["error"]) <= at_scale.TARGET, (name, checks[name]["error"])
+
+
+def test_megatron_flop_count_matches_its_formula(at_scale):
+    """Mixtral-8x7B at 4,096 tokens by hand: 12 L h^2 [(1 + 8/32 + 4096/4096) + 3.5 x 2 x 1.5
+    + 32000 / (2 x 32 x 4096)]."""
+    from plans import catalog
+
+    m = catalog.load_model("mixtral-8x7b")
+    by_hand = 12 * 32 * 4096**2 * ((1 + 0.25 + 1) + 3.5 * 2 * 1.5 + 32000 / (2 * 32 * 4096))
+    assert at_scale.megatron_flops_per_token(m, 4096) == pytest.approx(by_hand)
