@@ -124,6 +124,11 @@ class SweepOp(StrEnum):
     all_to_all = "all_to_all"
     all_gather = "all_gather"
     reduce_scatter = "reduce_scatter"
+    memory = "memory"
+    """A memory-bound kernel (elementwise, gather, index_add, sort): ``bytes`` read and written."""
+    layer_op = "layer_op"
+    """One of the runtime's memory-bound layer operators, priced as the cost model's operator
+    ``layer_op`` of a layer of catalog model ``shape["model"]`` over ``shape["tokens"]``."""
 
     @property
     def collective(self) -> bool:
@@ -145,6 +150,13 @@ class SweepRow(BaseModel):
     buffer); None for compute kernels."""
     measured_s: PositiveFloat
     achieved_tb_s: PositiveFloat | None = None
+    shape: dict[str, int | str] = {}
+    """What ran (bench/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
+    n, k; flash_attn batch, seq, heads, head_dim; layer_op model, tokens. Empty in sweeps
+    written before the micro-benchmarks (their kernel rows are not fitted)."""
+    backward: bool = False
+    """The row timed forward and backward (autograd), not the forward alone."""
+    layer_op: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -160,7 +172,8 @@ class SweepRow(BaseModel):
 
     @model_validator(mode="after")
     def _sized(self) -> SweepRow:
-        if (self.op.collective or self.op == SweepOp.copy) and self.bytes is None:
+        sized = (SweepOp.copy, SweepOp.memory)
+        if (self.op.collective or self.op in sized) and self.bytes is None:
             raise ValueError(f"bytes: a {self.op} row needs its buffer size")
         return self
 
