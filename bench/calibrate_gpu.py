@@ -11,7 +11,8 @@ times NCCL collectives. The sweep covers shapes, not one model's:
   forward + backward (autograd: data- and weight-gradient GEMMs);
 - grouped (expert) GEMMs, ``torch._grouped_mm`` as the runtime calls it, over 8..128 experts
   and 32..4096 rows per expert, at three expert widths, forward and forward + backward;
-- causal SDPA (FlashAttention) over sequence lengths, head counts and head widths;
+- causal SDPA (FlashAttention) over sequence lengths, head counts and head widths, and the
+  runtime's attention core (RoPE, GQA expansion, SDPA) at catalog models' head shapes;
 - memory-bound kernels: copies, elementwise adds and SwiGLU, row gathers and index_add, argsort;
 - the runtime's own memory-bound layer operators (RMSNorm, residual add, router softmax and
   top-k, the local permutation and its inverse, SwiGLU; runtime/model.py, runtime/moe.py)
@@ -49,7 +50,7 @@ from planner.calibrate import row_seconds  # noqa: E402
 from plans import catalog  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
 from plans.results import SweepOp, SweepRow  # noqa: E402
-from runtime.model import RMSNorm  # noqa: E402
+from runtime.model import AttentionCore, RMSNorm  # noqa: E402
 from runtime.moe import Router, grouped_mm, sort_by_expert, weighted_scatter  # noqa: E402
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into  # noqa: E402
 
@@ -68,6 +69,7 @@ class Grid:
             self.memory_mib = [1]
             self.layer_models = ["tiny-moe"]
             self.layer_tokens = [64]
+            self.core_batches = [(1, 64)]
             self.comm_kib = [64, 256]
             self.repeats, self.warmup = 2, 1
             return
@@ -88,6 +90,7 @@ class Grid:
         self.memory_mib = [16, 64, 256, 1024]
         self.layer_models = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseekmoe", "phi-3.5-moe"]
         self.layer_tokens = [4096, 16384]
+        self.core_batches = [(1, 4096), (2, 4096), (4, 4096), (1, 8192)]
         self.comm_kib = [64, 256, 1024, 4096, 16384, 65536, 262144, 524288]
         self.repeats, self.warmup = 15, 3
 
@@ -211,6 +214,22 @@ def attention_tasks(s: Sweep) -> list[Callable[[], None]]:
     return [lambda a=a: task(*a) for a in s.grid.attention]
 
 
+def attention_core_tasks(s: Sweep) -> list[Callable[[], None]]:
+    """The runtime's attention core (RoPE on q and k, GQA expansion, causal SDPA) at the head
+    shapes of catalog models, forward + backward."""
+    def task(model_name: str, b: int, seq: int) -> None:
+        m = catalog.load_model(model_name)
+        core = AttentionCore(m.rope_theta)
+        q = s.randn(b, seq, m.query_heads, m.head_dim, grad=True)
+        k, v = (s.randn(b, seq, m.kv_heads, m.head_dim, grad=True) for _ in range(2))
+        shape = {"model": model_name, "batch": b, "seq": seq, "heads": m.query_heads,
+                 "kv_heads": m.kv_heads, "head_dim": m.head_dim}
+        s.add(SweepOp.attention_core, f"attention_core {model_name} b{b} s{seq}",
+              fwd_bwd(lambda: core(q, k, v), (q, k, v)), shape=shape, backward=True)
+    return [lambda mn=mn, b=b, seq=seq: task(mn, b, seq) for mn in s.grid.layer_models
+            for b, seq in s.grid.core_batches]
+
+
 def memory_tasks(s: Sweep) -> list[Callable[[], None]]:
     """Memory-bound kernels; ``bytes`` of a copy is the buffer (read and written), of the others
     the bytes they read and write."""
@@ -321,6 +340,7 @@ def main() -> None:
     torch.manual_seed(rank)
     sweep = Sweep(cluster, device, dtype, Grid(args.smoke))
     tasks = [*gemm_tasks(sweep), *grouped_tasks(sweep), *attention_tasks(sweep),
+             *attention_core_tasks(sweep),
              *memory_tasks(sweep), *layer_op_tasks(sweep)]
     t0 = time.perf_counter()
     for i, task in enumerate(tasks):

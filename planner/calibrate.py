@@ -10,7 +10,8 @@ runtime executed it (plans.execution).
 From a sweep with shaped kernel rows (fit_kernels; least squares on log time, every row the
 cost model's prediction for the same shape):
 
-- gemm, attention: one peak fraction each over the dense GEMMs and SDPA calls of the sweep;
+- gemm, attention: one peak fraction each over the dense GEMMs, and over the runtime's
+  attention core (RoPE, GQA expansion, SDPA) at catalog models' head shapes;
 - grouped_gemm and grouped_gemm_half_rows: the curve of cost_models.compute.grouped_efficiency
   over the grouped GEMMs (8..128 experts, 32..4096 rows per expert);
 - elementwise: the runtime's memory-bound layer operators, measured time against the cost
@@ -208,7 +209,7 @@ def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
         case SweepOp.grouped_mm if sh:
             return sum(cc.grouped_gemm_s(sh["experts"], *g, cluster, bf16)
                        for g in _gemms(sh["rows"], sh["n"], sh["k"], row.backward))
-        case SweepOp.flash_attn if sh:
+        case SweepOp.flash_attn | SweepOp.attention_core if sh:
             flops = cc.attention_fwd_flops(sh["batch"], sh["seq"], sh["seq"], sh["heads"],
                                            sh["head_dim"], cc.CAUSAL_FRACTION)
             fwd = cc.flash_attention_fwd_s(flops, cluster)
@@ -297,7 +298,10 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
         factors["gemm"] = fit_peak(rows, base, "gemm")
     if rows := kernel_rows(sweep, SweepOp.grouped_mm):
         factors.update(fit_grouped(rows, base))
-    if rows := kernel_rows(sweep, SweepOp.flash_attn):
+    # the runtime's attention core where the sweep has it (RoPE and the GQA expansion are
+    # priced inside FlashAttention's time), else bare SDPA
+    if rows := kernel_rows(sweep, SweepOp.attention_core) or kernel_rows(sweep,
+                                                                         SweepOp.flash_attn):
         factors["attention"] = fit_peak(rows, base, "attention")
     if rows := kernel_rows(sweep, SweepOp.layer_op):
         factors["elementwise"] = fit_elementwise(rows, base)
@@ -349,8 +353,10 @@ def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpe
     if sweep is not None:
         if (hbm := fit_hbm(sweep, base)) is not None:
             factors["hbm"] = hbm
-        factors.update(fit_links(sweep, base))
-        node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
+        # a kernels-only sweep (one rank) leaves the links as they are
+        if not kernels or any(r.op.collective for r in sweep.rows):
+            factors.update(fit_links(sweep, base))
+            node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
     # three significant digits: a factor is a measurement, and a small one must stay above 0
     efficiency = {k: float(f"{v:.3g}") for k, v in factors.items() if k != "nvlink_latency_us"}
     cluster = with_efficiency(base, **efficiency)

@@ -120,6 +120,9 @@ class SweepOp(StrEnum):
     gemm = "gemm"
     grouped_mm = "grouped_mm"
     flash_attn = "flash_attn"
+    attention_core = "attention_core"
+    """The runtime's attention core (RoPE, GQA key/value expansion, causal SDPA;
+    runtime.model.AttentionCore), priced as the cost model prices FlashAttention."""
     copy = "copy"
     all_to_all = "all_to_all"
     all_gather = "all_gather"
@@ -152,7 +155,8 @@ class SweepRow(BaseModel):
     achieved_tb_s: PositiveFloat | None = None
     shape: dict[str, int | str] = {}
     """What ran (bench/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
-    n, k; flash_attn batch, seq, heads, head_dim; layer_op model, tokens. Empty in sweeps
+    n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
+    kv_heads and model); layer_op model, tokens. Empty in sweeps
     written before the micro-benchmarks (their kernel rows are not fitted)."""
     backward: bool = False
     """The row timed forward and backward (autograd), not the forward alone."""

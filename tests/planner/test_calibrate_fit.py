@@ -8,10 +8,13 @@ import pytest
 import cost_models
 from cost_models import comm
 from planner.calibrate import (
+    calibrate,
     fit_compute,
+    fit_kernels,
     fit_links,
     on,
     predicted_classes,
+    row_seconds,
     with_efficiency,
 )
 from plans import catalog
@@ -64,3 +67,86 @@ def test_compute_fit_recovers_factors_from_a_step_priced_with_them():
     fit = fit_compute(profile, plan, base)
     for name, value in truth.items():
         assert fit[name] == pytest.approx(value, rel=0.02), name
+
+
+# ---- the micro-benchmark fits -------------------------------------------------------------------
+
+TRUTH = {"gemm": 0.72, "grouped_gemm": 0.66, "grouped_gemm_half_rows": 120.0,
+         "attention": 0.47, "elementwise": 0.09}
+
+
+def _row(op: SweepOp, measured_from, **kw) -> SweepRow:
+    """A sweep row whose measured time is the cost model's on ``measured_from`` (the truth)."""
+    row = SweepRow(name=op.value, op=op, measured_s=1.0, **kw)
+    return row.model_copy(update={"measured_s": row_seconds(row, measured_from)})
+
+
+def synthetic_sweep(truth, noise: float = 0.0) -> Sweep:
+    """Micro-benchmark rows over the shapes bench/calibrate_gpu.py times, measured as the cost
+    model with ``truth``'s factors prices them, times a deterministic +-``noise`` wobble."""
+    rows = []
+    for m in (512, 2048, 8192):
+        for n, k in ((4096, 4096), (28672, 4096), (2048, 1536)):
+            for bwd in (False, True):
+                rows.append(_row(SweepOp.gemm, truth, shape={"m": m, "n": n, "k": k},
+                                 backward=bwd))
+    for hidden, ffn in ((2048, 768), (4096, 14336)):
+        for e in (8, 32, 128):
+            for r in (32, 64, 128, 256, 512, 1024, 4096):
+                if e * r > 65536 or (ffn > 8192 and e > 16):
+                    continue
+                for n, k in ((2 * ffn, hidden), (hidden, ffn)):
+                    for bwd in (False, True):
+                        rows.append(_row(SweepOp.grouped_mm, truth, backward=bwd, shape={
+                            "experts": e, "rows": r, "n": n, "k": k}))
+    for model in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        rows += [_row(SweepOp.attention_core, truth, backward=True, shape={
+            "model": model, "batch": b, "seq": 4096, "heads": 32, "kv_heads": 8,
+            "head_dim": 128}) for b in (1, 2)]
+        for op in ("attn_norm", "router_topk", "dispatch_permute", "expert_swiglu",
+                   "combine_unpermute"):
+            rows.append(_row(SweepOp.layer_op, truth, backward=True, layer_op=op,
+                             shape={"model": model, "tokens": 4096}))
+    rows = [r.model_copy(update={"measured_s": r.measured_s * (1 + noise * (-1) ** i)})
+            for i, r in enumerate(rows)]
+    return Sweep(world=2, rows=rows)
+
+
+def test_kernel_fits_recover_the_factors_and_the_grouped_gemm_curve():
+    base = catalog.load_cluster("h200")
+    fit = fit_kernels(synthetic_sweep(with_efficiency(base, **TRUTH)), base)
+    assert set(fit) == set(TRUTH)
+    for name in ("gemm", "grouped_gemm", "attention", "elementwise"):
+        assert fit[name] == pytest.approx(TRUTH[name], rel=0.01), name
+    assert fit["grouped_gemm_half_rows"] == pytest.approx(TRUTH["grouped_gemm_half_rows"],
+                                                          rel=0.05)
+
+
+def test_kernel_fits_under_noise_stay_near_the_truth():
+    """A +-5% wobble on every row moves no factor by more than a few percent."""
+    base = catalog.load_cluster("h200")
+    fit = fit_kernels(synthetic_sweep(with_efficiency(base, **TRUTH), noise=0.05), base)
+    for name in ("gemm", "grouped_gemm", "attention", "elementwise"):
+        assert fit[name] == pytest.approx(TRUTH[name], rel=0.04), name
+    assert fit["grouped_gemm_half_rows"] == pytest.approx(120, rel=0.3)
+
+
+def test_a_curve_without_size_dependence_is_fitted_as_none():
+    base = catalog.load_cluster("h200")
+    flat = {**TRUTH, "grouped_gemm_half_rows": 0.0}
+    fit = fit_kernels(synthetic_sweep(with_efficiency(base, **flat)), base)
+    assert fit["grouped_gemm_half_rows"] < 2
+    assert fit["grouped_gemm"] == pytest.approx(0.66, rel=0.01)
+
+
+def test_with_micro_benchmarks_the_profiled_step_sets_only_elementwise():
+    base = catalog.load_cluster("h200")
+    truth = with_efficiency(base, **{**TRUTH, "elementwise": 0.2})
+    plan = catalog.load_plan(PLAN)
+    wall = cost_models.evaluate(executed_plan(on(plan, truth))).step_time_s
+    profile = Profile(step_wall_s=wall, class_s={}, slowest=[])
+    sweep = synthetic_sweep(truth)
+    sweep = Sweep(world=2, rows=[r for r in sweep.rows if r.op != SweepOp.layer_op])
+    cal = calibrate(profile, plan, base, "fitted", sweep)
+    assert cal.factors["elementwise"] == pytest.approx(0.2, rel=0.02)
+    assert cal.factors["grouped_gemm"] == pytest.approx(TRUTH["grouped_gemm"], rel=0.01)
