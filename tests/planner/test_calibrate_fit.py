@@ -3,6 +3,9 @@ generates with them (synthetic data, so the truth is known)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 import cost_models
@@ -14,7 +17,6 @@ from planner.calibrate import (
     fit_links,
     on,
     predicted_classes,
-    row_seconds,
     with_efficiency,
 )
 from plans import catalog
@@ -71,45 +73,12 @@ def test_compute_fit_recovers_factors_from_a_step_priced_with_them():
 
 # ---- the micro-benchmark fits -------------------------------------------------------------------
 
-TRUTH = {"gemm": 0.72, "grouped_gemm": 0.66, "grouped_gemm_half_rows": 120.0,
-         "attention": 0.47, "elementwise": 0.09}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from fidelity_fixture import TRUTH as FIXTURE_TRUTH  # noqa: E402
+from fidelity_fixture import synthetic_sweep  # noqa: E402
 
-
-def _row(op: SweepOp, measured_from, **kw) -> SweepRow:
-    """A sweep row whose measured time is the cost model's on ``measured_from`` (the truth)."""
-    row = SweepRow(name=op.value, op=op, measured_s=1.0, **kw)
-    return row.model_copy(update={"measured_s": row_seconds(row, measured_from)})
-
-
-def synthetic_sweep(truth, noise: float = 0.0) -> Sweep:
-    """Micro-benchmark rows over the shapes bench/calibrate_gpu.py times, measured as the cost
-    model with ``truth``'s factors prices them, times a deterministic +-``noise`` wobble."""
-    rows = []
-    for m in (512, 2048, 8192):
-        for n, k in ((4096, 4096), (28672, 4096), (2048, 1536)):
-            for bwd in (False, True):
-                rows.append(_row(SweepOp.gemm, truth, shape={"m": m, "n": n, "k": k},
-                                 backward=bwd))
-    for hidden, ffn in ((2048, 768), (4096, 14336)):
-        for e in (8, 32, 128):
-            for r in (32, 64, 128, 256, 512, 1024, 4096):
-                if e * r > 65536 or (ffn > 8192 and e > 16):
-                    continue
-                for n, k in ((2 * ffn, hidden), (hidden, ffn)):
-                    for bwd in (False, True):
-                        rows.append(_row(SweepOp.grouped_mm, truth, backward=bwd, shape={
-                            "experts": e, "rows": r, "n": n, "k": k}))
-    for model in ("mixtral-8x7b", "qwen3-30b-a3b"):
-        rows += [_row(SweepOp.attention_core, truth, backward=True, shape={
-            "model": model, "batch": b, "seq": 4096, "heads": 32, "kv_heads": 8,
-            "head_dim": 128}) for b in (1, 2)]
-        for op in ("attn_norm", "router_topk", "dispatch_permute", "expert_swiglu",
-                   "combine_unpermute"):
-            rows.append(_row(SweepOp.layer_op, truth, backward=True, layer_op=op,
-                             shape={"model": model, "tokens": 4096}))
-    rows = [r.model_copy(update={"measured_s": r.measured_s * (1 + noise * (-1) ** i)})
-            for i, r in enumerate(rows)]
-    return Sweep(world=2, rows=rows)
+KERNEL_FACTORS = ("gemm", "grouped_gemm", "grouped_gemm_half_rows", "attention", "elementwise")
+TRUTH = {k: FIXTURE_TRUTH[k] for k in KERNEL_FACTORS}
 
 
 def test_kernel_fits_recover_the_factors_and_the_grouped_gemm_curve():
