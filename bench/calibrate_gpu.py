@@ -18,6 +18,8 @@ times NCCL collectives. The sweep covers shapes, not one model's:
   top-k, the local permutation and its inverse, SwiGLU; runtime/model.py, runtime/moe.py)
   forward + backward at the shapes of catalog models, each named by the cost model's operator
   (cost_models/layer_graph.py) it is priced as;
+- the runtime's last-stage tail (final RMSNorm, LM head, materialized or chunked
+  cross-entropy) at catalog models' vocabularies (a diagnostic: no factor is fitted to it);
 - NCCL all-to-all, all-gather and reduce-scatter from 64 KiB to 512 MiB (skipped on one rank).
 
 Every row carries its shape, the measured seconds and the prediction of the cost model for the
@@ -50,6 +52,7 @@ from planner.calibrate import row_seconds  # noqa: E402
 from plans import catalog  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
 from plans.results import SweepOp, SweepRow  # noqa: E402
+from runtime.loss import chunked_cross_entropy, materialized_cross_entropy  # noqa: E402
 from runtime.model import AttentionCore, RMSNorm  # noqa: E402
 from runtime.moe import Router, grouped_mm, sort_by_expert, weighted_scatter  # noqa: E402
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into  # noqa: E402
@@ -70,6 +73,7 @@ class Grid:
             self.layer_models = ["tiny-moe"]
             self.layer_tokens = [64]
             self.core_batches = [(1, 64)]
+            self.head_tokens = [64]
             self.comm_kib = [64, 256]
             self.repeats, self.warmup = 2, 1
             return
@@ -91,6 +95,7 @@ class Grid:
         self.layer_models = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseekmoe", "phi-3.5-moe"]
         self.layer_tokens = [4096, 16384]
         self.core_batches = [(1, 4096), (2, 4096), (4, 4096), (1, 8192)]
+        self.head_tokens = [4096, 8192]
         self.comm_kib = [64, 256, 1024, 4096, 16384, 65536, 262144, 524288]
         self.repeats, self.warmup = 15, 3
 
@@ -295,6 +300,30 @@ def layer_op_tasks(s: Sweep) -> list[Callable[[], None]]:
             for t in s.grid.layer_tokens]
 
 
+def head_loss_tasks(s: Sweep) -> list[Callable[[], None]]:
+    """The runtime's last-stage tail: final RMSNorm, LM head, cross-entropy (materialized:
+    logits, fp32 cast, F.cross_entropy; chunked: runtime.loss.chunked_cross_entropy), forward +
+    backward, at catalog models' hidden sizes and vocabularies."""
+    def task(model_name: str, t: int, chunked: bool) -> None:
+        m = catalog.load_model(model_name)
+        x = s.randn(t, m.hidden, grad=True)
+        norm = RMSNorm(m.hidden, m.norm_eps).to(s.device, s.dtype)
+        torch.nn.init.ones_(norm.weight)
+        w = (s.randn(m.vocab, m.hidden) * 0.02).requires_grad_()
+        labels = torch.randint(0, m.vocab, (t,), device=s.device)
+
+        def fwd() -> torch.Tensor:
+            h = norm(x)
+            if chunked:
+                return chunked_cross_entropy(h, w, labels, 1.0 / t)
+            return materialized_cross_entropy(h @ w.t(), labels, 1.0 / t)
+        s.add(SweepOp.head_loss, f"head_loss {'chunked' if chunked else 'materialized'} "
+              f"{model_name} t{t}", fwd_bwd(fwd, (x, w, norm.weight)), backward=True,
+              shape={"model": model_name, "tokens": t, "chunked": int(chunked)})
+    return [lambda mn=mn, t=t, c=c: task(mn, t, c) for mn in s.grid.layer_models
+            for t in s.grid.head_tokens for c in (False, True)]
+
+
 def collective_rows(s: Sweep, world: int) -> None:
     """NCCL (gloo on CPU) collectives of every rank over the default group, the ranks lined up
     at a barrier before each repeat (bench/_dist_bench.timed); ``bytes`` is the buffer
@@ -341,7 +370,7 @@ def main() -> None:
     sweep = Sweep(cluster, device, dtype, Grid(args.smoke))
     tasks = [*gemm_tasks(sweep), *grouped_tasks(sweep), *attention_tasks(sweep),
              *attention_core_tasks(sweep),
-             *memory_tasks(sweep), *layer_op_tasks(sweep)]
+             *memory_tasks(sweep), *layer_op_tasks(sweep), *head_loss_tasks(sweep)]
     t0 = time.perf_counter()
     for i, task in enumerate(tasks):
         if i % world == rank:

@@ -129,6 +129,10 @@ class SweepOp(StrEnum):
     reduce_scatter = "reduce_scatter"
     memory = "memory"
     """A memory-bound kernel (elementwise, gather, index_add, sort): ``bytes`` read and written."""
+    head_loss = "head_loss"
+    """The runtime's final RMSNorm, LM head and cross-entropy (``shape["chunked"]`` 1: the
+    chunked loss, 0: materialized) over ``shape["tokens"]`` of catalog model ``shape["model"]``,
+    forward + backward, priced as cost_models.pipeline.head_cost."""
     layer_op = "layer_op"
     """One of the runtime's memory-bound layer operators, priced as the cost model's operator
     ``layer_op`` of a layer of catalog model ``shape["model"]`` over ``shape["tokens"]``."""
@@ -156,7 +160,7 @@ class SweepRow(BaseModel):
     shape: dict[str, int | str] = {}
     """What ran (bench/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
     n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
-    kv_heads and model); layer_op model, tokens. Empty in sweeps
+    kv_heads and model); layer_op model, tokens; head_loss model, tokens, chunked. Empty in sweeps
     written before the micro-benchmarks (their kernel rows are not fitted)."""
     backward: bool = False
     """The row timed forward and backward (autograd), not the forward alone."""
