@@ -44,13 +44,15 @@ NAME = "H200-SXM-fidelity"
 MEDIAN, WORST, MEMORY_BELOW = 0.05, 0.10, 0.05
 
 
-def fit(results: Path) -> tuple[Calibration, list[str]] | None:
-    """The calibrated cluster and the files it was fitted from; None without a sweep."""
+def fit(results: Path, with_profile: bool = True) -> tuple[Calibration, list[str]] | None:
+    """The calibrated cluster and the files it was fitted from; None without a sweep.
+    ``with_profile``: the profiled step of PROFILED sets elementwise, when it was measured."""
     if not (results / SWEEP).exists():
         return None
     sweep = read(Sweep, results / SWEEP, "sweep")
     profile_path = results / f"profile_{PROFILED}.json"
-    profile = read(ProfileResult, profile_path, "profile") if profile_path.exists() else None
+    profile = (read(ProfileResult, profile_path, "profile")
+               if with_profile and profile_path.exists() else None)
     plan = catalog.load_plan(plan_path(PROFILED)) if profile else None
     cal = calibrate(profile, plan, catalog.load_cluster(BASE), NAME, sweep)
     used = [SWEEP] + ([profile_path.name] if profile else [])
@@ -189,9 +191,16 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
         cal, used = fitted
         data = rows(results, cal)
         s = summary(data)
-        parts += ["## Step time and peak memory\n", plan_table(data) + "\n", summary_text(s) + "\n",
-                  f"## The calibrated cluster\n\nFitted from {', '.join(f'`{u}`' for u in used)}"
-                  ":\n", factor_table(cal) + "\n",
+        parts += ["## Step time and peak memory\n", plan_table(data) + "\n",
+                  summary_text(s) + "\n"]
+        if len(used) > 1:
+            alone, _ = fit(results, with_profile=False)
+            parts.append("Fitted from the micro-benchmarks alone (elementwise from the runtime's "
+                         "layer operators instead of the profiled step): "
+                         + summary_text(summary(rows(results, alone))) + "\n")
+        sources = ", ".join(f"`{u}`" for u in used)
+        parts += [f"## The calibrated cluster\n\nFitted from {sources}:\n",
+                  factor_table(cal) + "\n",
                   "## The micro-benchmarks against the calibrated model\n\nError = predicted / "
                   "measured - 1 per row of the sweep:\n", sweep_table(results, cal) + "\n"]
     if at_scale.exists():

@@ -76,9 +76,10 @@ def synthetic_sweep(truth: ClusterSpec, noise: float = 0.0, collectives: bool = 
 
 
 def write_suite(results: Path, plans: dict[str, Path], truth: ClusterSpec, noise: float,
-                memory_under: float = 0.01) -> None:
+                memory_under: float = 0.01, profiled: str | None = None) -> None:
     """calibration_h200.json and train_step_<case>.json for every plan: step time the cost
-    model's on ``truth`` times ``wobble``, peak memory its prediction less ``memory_under``."""
+    model's on ``truth`` times ``wobble``, peak memory its prediction less ``memory_under``;
+    and profile_<profiled>.json, its wall time the cost model's step of that plan."""
     results.mkdir(parents=True, exist_ok=True)
     sweep = synthetic_sweep(truth, collectives=True)
     (results / "calibration_h200.json").write_text(sweep.model_dump_json(by_alias=True))
@@ -90,3 +91,7 @@ def write_suite(results: Path, plans: dict[str, Path], truth: ClusterSpec, noise
                "peak_memory_gib_per_rank": [e.memory.peak_bytes / GIB / (1 - memory_under)],
                "measured_steps": 5, "synthetic_test_fixture": True}
         (results / f"train_step_{name}.json").write_text(json.dumps(doc))
+        if name == profiled:
+            profile = {"step_wall_s": e.step_time_s, "class_s": {}, "slowest": [],
+                       "synthetic_test_fixture": True}
+            (results / f"profile_{name}.json").write_text(json.dumps(profile))

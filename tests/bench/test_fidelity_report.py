@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "bench"), str(Path(__file__).parent)]
 
 import fidelity_report  # noqa: E402
-from fidelity_cases import CASES, plan_path  # noqa: E402
+from fidelity_cases import CASES, PROFILED, plan_path  # noqa: E402
 from fidelity_fixture import true_cluster, write_suite  # noqa: E402
 
 
@@ -33,7 +33,8 @@ def test_every_suite_plan_is_written_by_the_generator():
 def synthetic(tmp_path_factory):
     """Results 3% off the truth, both signs; peak memory 1% above the prediction."""
     results = tmp_path_factory.mktemp("fidelity")
-    write_suite(results, {n: plan_path(n) for n in CASES}, true_cluster(), noise=0.03)
+    write_suite(results, {n: plan_path(n) for n in CASES}, true_cluster(), noise=0.03,
+                profiled=PROFILED)
     return results
 
 
@@ -50,6 +51,9 @@ def test_the_fit_on_micro_benchmarks_recovers_the_truth_and_the_table_meets_the_
     for name in CASES:
         assert f"| {name} |" in text
     assert "## At scale\n\n## At scale\n\nthe scale12 section" in text
+    # the profiled step set elementwise; the fit without it is reported beside
+    assert f"Fitted from `calibration_h200.json`, `profile_{PROFILED}.json`" in text
+    assert "Fitted from the micro-benchmarks alone" in text
     doc = tmp_path / "fidelity.md"
     assert fidelity_report.main(["--check", "--results", str(synthetic), "--doc",
                                  str(doc)]) == 0
