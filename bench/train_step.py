@@ -30,6 +30,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+from runtime.memory import GIB, configure_allocator  # noqa: E402
+
+configure_allocator()  # as the runtime's launch does (runtime.train), before CUDA allocates
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _meta import metadata  # noqa: E402
@@ -138,17 +142,20 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         for k, v in m.components_s.items():
             components[k] = components.get(k, 0.0) + v / steps
     peak = m.peak_memory_gib
-    per_rank: list = [(components, peak)]
+    # the caching allocator's peak reserved bytes: what the cost model's peak predicts
+    reserved = (torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda"
+                else peak)
+    per_rank: list = [(components, peak, reserved)]
     if world > 1:
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (components, peak))
+        dist.all_gather_object(per_rank, (components, peak, reserved))
     if rank != 0:
         return None
     step_time = sum(times) / len(times)
     tokens = t.tokens_per_step
     flops = plan.model.flops_per_token(t.seq_len) * tokens
     peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
-    keys = sorted({k for c, _ in per_rank for k in c})
+    keys = sorted({k for c, _, _ in per_rank for k in c})
     return {
         **metadata(),
         "world": world,
@@ -165,9 +172,10 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "flops_per_token": plan.model.flops_per_token(t.seq_len),
         "mfu": flops / step_time / peak_flops,
         "losses": losses,
-        "peak_memory_gib_per_rank": [p for _, p in per_rank],
-        "components_s": {k: sum(c.get(k, 0.0) for c, _ in per_rank) / world for k in keys},
-        "components_s_per_rank": [c for c, _ in per_rank],
+        "peak_memory_gib_per_rank": [p for _, p, _ in per_rank],
+        "peak_reserved_gib_per_rank": [r for _, _, r in per_rank],
+        "components_s": {k: sum(c.get(k, 0.0) for c, _, _ in per_rank) / world for k in keys},
+        "components_s_per_rank": [c for c, _, _ in per_rank],
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
                        for d in deviations(plan, backend_of(device))],

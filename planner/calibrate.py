@@ -389,8 +389,9 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
     ``skip`` steps left out, medians of the rest)."""
     if path.suffix == ".json":
         r = read(TrainStepResult, path, "--runs")
-        return Measured(r.step_time_s, r.mfu, max(r.peak_memory_gib_per_rank), r.components_s,
-                        r.measured_steps, r.commit)
+        # the allocator's reserved peak where recorded (what the memory model predicts)
+        peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
+        return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit)
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")

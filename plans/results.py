@@ -55,6 +55,10 @@ class TrainStepResult(Result):
     step_time_s: PositiveFloat
     mfu: NonNegativeFloat
     peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
+    """Peak allocated device memory per rank."""
+    peak_reserved_gib_per_rank: list[PositiveFloat] | None = None
+    """Peak reserved by the caching allocator per rank (what the cost model's peak predicts);
+    written since bench/train_step.py records it."""
     components_s: dict[str, float] = {}
     measured_steps: PositiveInt
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
