@@ -31,6 +31,7 @@ shapes (a CPU check of the script: gloo, fp32).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -65,6 +66,7 @@ class Grid:
         if smoke:
             self.gemm_rows = [64, 128]
             self.gemm_widths = [(64, 64), (128, 64)]
+            self.head_gemms: list[tuple[int, int, int]] = []
             self.grouped_experts = [2, 4]
             self.grouped_rows = [8, 32]
             self.grouped_widths = [(64, 32)]  # (hidden, expert ffn)
@@ -98,8 +100,6 @@ class Grid:
         self.head_tokens = [4096, 8192]
         self.comm_kib = [64, 256, 1024, 4096, 16384, 65536, 262144, 524288]
         self.repeats, self.warmup = 15, 3
-
-    head_gemms: list[tuple[int, int, int]] = []
 
 
 def _sync(device: torch.device) -> None:
@@ -351,6 +351,8 @@ def main() -> None:
     ap.add_argument("--out", default="calibration_h200",
                     help="a name (written to bench/results/NAME.json) or a .json path")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    ap.add_argument("--kernel-budget-s", type=float, default=150.0,
+                    help="start no kernel task after this many seconds (the rest are skipped)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
@@ -372,17 +374,32 @@ def main() -> None:
              *attention_core_tasks(sweep),
              *memory_tasks(sweep), *layer_op_tasks(sweep), *head_loss_tasks(sweep)]
     t0 = time.perf_counter()
+    failed: list[str] = []
+    skipped = 0
     for i, task in enumerate(tasks):
-        if i % world == rank:
+        if i % world != rank:
+            continue
+        if time.perf_counter() - t0 > args.kernel_budget_s:
+            skipped += 1  # the collectives and the file still come, whatever the kernels took
+            continue
+        first = len(sweep.rows)
+        try:
             task()
-            if cuda:
-                torch.cuda.empty_cache()
+        except Exception as e:  # one shape a kernel refuses must not lose the sweep
+            where = sweep.rows[-1]["name"] if len(sweep.rows) > first else "its start"
+            reason = (str(e).splitlines() or [""])[0][:200]
+            failed.append(f"task {i} after {where}: {type(e).__name__}: {reason}")
+            print(f"rank {rank}: {failed[-1]}", flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
     kernel_s = time.perf_counter() - t0
     rows = sweep.rows
     if world > 1:
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, rows)
-        rows = [r for part in gathered for r in part]
+        dist.all_gather_object(gathered, (rows, failed, skipped))
+        rows = [r for part, _, _ in gathered for r in part]
+        failed = [f for _, part, _ in gathered for f in part]
+        skipped = sum(n for _, _, n in gathered)
         sweep.rows = []
         collective_rows(sweep, world)
         rows += sweep.rows
@@ -393,10 +410,12 @@ def main() -> None:
     payload = {
         "benchmark": "kernel and collective times vs cost-model predictions",
         "cluster_spec": args.cluster, "world": world, "kernel_ranks": world,
-        "kernel_wall_s": kernel_s, "rows": rows,
+        "kernel_wall_s": kernel_s, "kernel_tasks_failed": failed,
+        "kernel_tasks_skipped": skipped, "rows": rows,
     }
     out = Path(args.out)
     if out.suffix == ".json":
+        out.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out, json_text({**metadata(), **payload}), "--out", force=True)
         path = out
     else:
@@ -405,11 +424,11 @@ def main() -> None:
         pred = r.get("predicted_s")
         ratio = f"{r['predicted_over_measured']:5.2f}" if pred else "  -  "
         print(f"{r['name']:52s} measured {r['measured_s'] * 1e3:9.3f} ms  pred/meas {ratio}")
-    print(f"{len(rows)} rows, kernels {kernel_s:.0f} s; wrote {path}")
+    print(f"{len(rows)} rows, kernels {kernel_s:.0f} s ({len(failed)} tasks failed, {skipped} "
+          f"skipped); wrote {path}")
 
 
 def json_text(doc: dict) -> str:
-    import json
     return json.dumps(doc, indent=1) + "\n"
 
 

@@ -226,7 +226,13 @@ def main(argv=None) -> int:
             return EXIT_BAD_INPUT
         rank, world, device = init()
     for plan, path, out in runs:
-        result = measure(plan, path, rank, world, device, args.steps, args.warmup, args.seed)
+        try:
+            result = measure(plan, path, rank, world, device, args.steps, args.warmup, args.seed)
+        except torch.OutOfMemoryError as e:
+            # every rank of a layout holds its share: they all stop here, and the next plan runs
+            print(f"{path}: out of memory on rank {rank}: {str(e).splitlines()[0][:200]}",
+                  file=sys.stderr, flush=True)
+            result = None
         if result is not None:
             report(result, out)
         release(device)

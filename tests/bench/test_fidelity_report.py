@@ -67,3 +67,22 @@ def test_check_fails_on_a_missed_target(tmp_path):
     assert s["worst_abs"] > fidelity_report.WORST and not fidelity_report.meets(s)
     assert fidelity_report.main(["--check", "--results", str(tmp_path), "--doc",
                                  str(tmp_path / "d.md")]) == 1
+
+
+def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
+    """h200_fidelity: the sweep first, then every case of bench/fidelity_cases.py in the launch
+    of its GPU count, results where the report reads them."""
+    from campaign import Script, load_manifest
+
+    campaign = load_manifest().campaigns["h200_fidelity"]
+    assert ROOT / campaign.results == fidelity_report.RESULTS
+    first = campaign.steps[0]
+    assert isinstance(first, Script) and first.script == "bench/calibrate_gpu.py"
+    assert first.result == fidelity_report.SWEEP
+    launched = {}
+    for step in campaign.steps:
+        if isinstance(step, Script) and step.script == "bench/train_step.py":
+            plans = step.args[step.args.index("--plans") + 1:]
+            for p in plans:
+                launched[Path(p).stem] = step.ranks()
+    assert launched == {n: build().degrees.world for n, build in CASES.items()}
