@@ -78,6 +78,13 @@ def _gemm_s(
     return max(compute_s, memory_s(traffic, cluster))
 
 
+def backward_gemms(m: float, n: float, k: float
+                   ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """The backward of C[m, n] = A[m, k] B[k, n] as (m, n, k) GEMMs: the data gradient
+    dA = dC B^T [m, k] and the weight gradient dB = A^T dC [k, n] (reduction over m)."""
+    return (m, k, n), (k, n, m)
+
+
 def gemm_s(m: float, n: float, k: float, cluster: ClusterSpec, precision: Precision) -> float:
     """C[m, n] = A[m, k] B[k, n] at ``efficiency.gemm`` of peak, less shape losses."""
     return _gemm_s(m, n, k, 1, cluster.efficiency.gemm, cluster, precision)

@@ -124,14 +124,14 @@ class _Builder:
              selective: bool = False) -> str:
         c, p = self.key.cluster, self.key.precision
         fwd = cc.gemm_s(m, n, k, c, p)
-        bwd = (cc.gemm_s(m, k, n, c, p), cc.gemm_s(k, n, m, c, p))
+        bwd = tuple(cc.gemm_s(*g, c, p) for g in cc.backward_gemms(m, n, k))
         return self.add(Op(name, OpKind.gemm, fwd, bwd, selective=selective), *after)
 
     def grouped(self, name: str, groups: int, m: float, n: float, k: float,
                 *after: str | None) -> str:
         c, p = self.key.cluster, self.key.precision
         fwd = cc.grouped_gemm_s(groups, m, n, k, c, p)
-        bwd = (cc.grouped_gemm_s(groups, m, k, n, c, p), cc.grouped_gemm_s(groups, k, n, m, c, p))
+        bwd = tuple(cc.grouped_gemm_s(groups, *g, c, p) for g in cc.backward_gemms(m, n, k))
         return self.add(Op(name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: str, fwd_bytes: float, bwd_bytes: float, *after: str | None,

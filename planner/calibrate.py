@@ -125,9 +125,6 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
 def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[str, float]:
     """gemm, grouped_gemm and attention from the profiled step's kernel classes, then
     elementwise from what is left of its wall time."""
-    if plan.degrees.world != 1:
-        raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
-                        f"communication); this one runs on {plan.degrees.world} GPUs")
     executed = executed_plan(on(plan, base))
     meas, pred = measured_classes(profile), predicted_classes(executed)
     factors = {k: min(1.0, getattr(base.efficiency, k) * pred[k] / meas[k])
@@ -192,10 +189,9 @@ def layer_op_s(model: str, tokens: int, op: str, cluster: ClusterSpec) -> float:
         f"{op}.bwd"]["duration_s"]
 
 
-def _gemms(m: int, n: int, k: int, backward: bool) -> list[tuple[int, int, int]]:
-    """The GEMMs of C = A B, and of its data and weight gradients when ``backward``
-    (as cost_models.layer_graph prices them)."""
-    return [(m, n, k), (m, k, n), (k, n, m)] if backward else [(m, n, k)]
+def _gemms(m: int, n: int, k: int, backward: bool) -> list[tuple[float, float, float]]:
+    """The GEMMs of C = A B, and of its data and weight gradients when ``backward``."""
+    return [(m, n, k), *(cc.backward_gemms(m, n, k) if backward else ())]
 
 
 def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
