@@ -10,8 +10,8 @@ Shapes (full width, reduced depth; global batch 8 x 4096):
 
 Over 1 and 2 H200s: micro-batch 1 to 4, both dispatchers, recomputation none / selective /
 full, Ulysses SP, DP, PP (1F1B and interleaved). Plans are built here, not searched, each as
-the runtime executes it today (no overlap; the catalog's H200 cluster: the report prices each
-on the calibrated cluster instead).
+the runtime executes it today (no overlap, eager memory-bound kernels; the catalog's H200
+cluster: the report prices each on the calibrated cluster instead).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from plans import (  # noqa: E402
     EPFFN,
     Degrees,
     Dispatch,
+    Kernels,
     Overlap,
     PipelineSchedule,
     Plan,
@@ -61,7 +62,7 @@ def case(shape: str, degrees: Degrees = ONE_GPU, mbs: int = 1,
             training=TRAINING, degrees=degrees, attention=UlyssesAttention(),
             ffn=EPFFN(dispatch=dispatch), stage_layers=(layers // chunks,) * chunks,
             micro_batch_size=mbs, overlap=Overlap.none, recompute=recompute,
-            grad_sync_precision=Precision.bf16,
+            grad_sync_precision=Precision.bf16, kernels=Kernels.eager,
         )
         return Plan(**{**base, **kw})
     return build

@@ -14,8 +14,10 @@ cost model's prediction for the same shape):
   attention core (RoPE, GQA expansion, SDPA) at catalog models' head shapes;
 - grouped_gemm and grouped_gemm_half_rows: the curve of cost_models.compute.grouped_efficiency
   over the grouped GEMMs (8..128 experts, 32..4096 rows per expert);
-- elementwise: the runtime's memory-bound layer operators, measured time against the cost
-  model's fused-kernel bytes (time-weighted: sum predicted at full bandwidth / sum measured);
+- elementwise: the runtime's memory-bound layer operators priced at it (norms, residual adds,
+  routing, SwiGLU; the eager token permutation has its own rate, gather_scatter, fitted by
+  planner.dispatch_fit), measured time against the cost model's fused-kernel bytes
+  (time-weighted: sum predicted at full bandwidth / sum measured);
   with a profiled step as well, what is left of that step once the rest is priced instead
   (host synchronisations and launch gaps of the whole step land there).
 
@@ -50,6 +52,7 @@ from cost_models.layer_graph import LayerKey, OpKind, backward_graph, forward_gr
 from plans import (
     EPFFN,
     ClusterSpec,
+    Kernels,
     Plan,
     Precision,
     Recompute,
@@ -180,7 +183,7 @@ def layer_op_s(model: str, tokens: int, op: str, cluster: ClusterSpec) -> float:
     """Forward + backward seconds of the cost model's memory-bound operator ``op`` in a layer
     of catalog model ``model`` over ``tokens`` tokens on one GPU (all experts local)."""
     key = LayerKey(catalog.load_model(model), cluster, tokens, Precision.bf16, 1, 1, 1, 1, 1, 1,
-                   UlyssesAttention(), EPFFN(), Recompute.none, False)
+                   UlyssesAttention(), EPFFN(), Recompute.none, Kernels.eager, False)
     fwd = forward_graph(key)
     if op not in fwd or fwd.nodes[op]["kind"] != OpKind.memory:
         raise SpecError(f"--collectives: layer_op {op!r} is no memory-bound operator of the "
@@ -279,11 +282,17 @@ def fit_grouped(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]
     return {"grouped_gemm": best(half)[1], "grouped_gemm_half_rows": half}
 
 
-def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> float:
-    """The runtime's memory-bound layer operators: time-weighted, sum of their cost at full
-    bandwidth (elementwise = 1) over the sum measured."""
-    full = with_efficiency(base, elementwise=1.0)
-    return min(1.0, sum(row_seconds(r, full) for r in rows) / sum(r.measured_s for r in rows))
+def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> float | None:
+    """The runtime's memory-bound layer operators priced at ``elementwise`` (norms, residual
+    adds, routing, SwiGLU; the eager token permutation has its own rate, gather_scatter, and is
+    left out): time-weighted, the sum of their cost at full bandwidth over the sum measured.
+    None when no row is priced at ``elementwise``."""
+    full, half = with_efficiency(base, elementwise=1.0), with_efficiency(base, elementwise=0.5)
+    priced = [(row_seconds(r, full), r.measured_s) for r in rows
+              if row_seconds(r, half) > row_seconds(r, full)]
+    if not priced:
+        return None
+    return min(1.0, sum(p for p, _ in priced) / sum(m for _, m in priced))
 
 
 def kernel_rows(sweep: Sweep, op: SweepOp) -> list[SweepRow]:
@@ -302,8 +311,9 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
     if rows := kernel_rows(sweep, SweepOp.attention_core) or kernel_rows(sweep,
                                                                          SweepOp.flash_attn):
         factors["attention"] = fit_peak(rows, base, "attention")
-    if rows := kernel_rows(sweep, SweepOp.layer_op):
-        factors["elementwise"] = fit_elementwise(rows, base)
+    rows = kernel_rows(sweep, SweepOp.layer_op)
+    if rows and (elementwise := fit_elementwise(rows, base)) is not None:
+        factors["elementwise"] = elementwise
     return factors
 
 
