@@ -353,11 +353,7 @@ def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpe
     if not kernels and profile is None:
         raise SpecError("--collectives: the sweep has no kernel micro-benchmarks; give a "
                         "profiled step too")
-    factors = dict(kernels)
-    if profile is not None and kernels:
-        factors["elementwise"] = fit_step_residual(profile, plan, with_efficiency(base, **kernels))
-    elif profile is not None:
-        factors = fit_compute(profile, plan, base)
+    factors = dict(kernels) if kernels or profile is None else fit_compute(profile, plan, base)
     node = base.node
     if sweep is not None:
         if (hbm := fit_hbm(sweep, base)) is not None:
@@ -366,6 +362,11 @@ def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpe
         if not kernels or any(r.op.collective for r in sweep.rows):
             factors.update(fit_links(sweep, base))
             node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
+    if profile is not None and kernels:
+        # the profiled step's residual, with every factor the sweep gave (hbm prices its
+        # optimizer step and loss)
+        rest = {k: v for k, v in factors.items() if k != "nvlink_latency_us"}
+        factors["elementwise"] = fit_step_residual(profile, plan, with_efficiency(base, **rest))
     # three significant digits: a factor is a measurement, and a small one must stay above 0
     efficiency = {k: float(f"{v:.3g}") for k, v in factors.items() if k != "nvlink_latency_us"}
     cluster = with_efficiency(base, **efficiency)
