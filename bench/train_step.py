@@ -2,6 +2,12 @@
 
     torchrun --nproc-per-node N bench/train_step.py --plan PLAN --steps S --warmup W \
         --out bench/results/NAME.json
+    torchrun --nproc-per-node N bench/train_step.py --plans P1 P2 ... --out-dir DIR
+
+With ``--plans``, one launch measures every listed plan whose GPU count is the launch's world
+size (others are skipped), one after another in the same processes, each written to
+DIR/train_step_<plan file stem>.json (what a launch per plan writes, without a torchrun and
+NCCL start-up per plan: the fidelity suite's campaign runs this way).
 
 Runs W warm-up steps, then S measured steps of the runtime on synthetic tokens (NCCL and bf16
 autocast on CUDA, gloo and fp32 on CPU). Step time is the slowest rank's wall time of each
@@ -14,6 +20,7 @@ ranks, and per rank), peak memory per rank and the plan's prediction when it has
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -23,14 +30,19 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
+from runtime.memory import GIB, configure_allocator  # noqa: E402
+
+configure_allocator()  # as the runtime's launch does (runtime.train), before CUDA allocates
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _meta import metadata  # noqa: E402
 
-from plans import COMPONENT_KEYS, SpecError  # noqa: E402
+from plans import Plan, SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, deviations  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
+from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
@@ -39,12 +51,56 @@ EXIT_BAD_INPUT = 2
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--plan", required=True, type=Path)
+    one = p.add_mutually_exclusive_group(required=True)
+    one.add_argument("--plan", type=Path)
+    one.add_argument("--plans", type=Path, nargs="+",
+                     help="several plans in one launch (those of the launch's world size)")
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
-    p.add_argument("--out", required=True, type=Path, help="JSON result (written by rank 0)")
+    p.add_argument("--out", type=Path, help="JSON result (written by rank 0); with --plan")
+    p.add_argument("--out-dir", type=Path, help="folder of the results; with --plans")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.plan is not None) != (args.out is not None) or (args.plans is None) != (
+            args.out_dir is None):
+        p.error("--plan goes with --out, --plans with --out-dir")
+    return args
+
+
+def check_plan(plan_path: Path, world: int, local_rank: int, share_gpu: bool = False) -> Plan:
+    """The plan, or SpecError / UnsupportedFeature / ValueError saying why it cannot run here."""
+    cuda = torch.cuda.is_available()
+    plan = load_plan(plan_path)
+    check_supported(plan, launch_backend())
+    if plan.degrees.world != world:
+        raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
+                        f"WORLD_SIZE={world}")
+    if share_gpu and cuda and plan.degrees.pp > 1:
+        raise SpecError("degrees.pp: --share-gpu runs over gloo, which cannot send CUDA "
+                        "tensors between pipeline stages; use one GPU per rank")
+    if cuda and not share_gpu and local_rank >= torch.cuda.device_count():
+        raise SpecError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) "
+                        f"are visible (one rank per GPU; --share-gpu to check numerics)")
+    return plan
+
+
+def init(share_gpu: bool = False) -> tuple[int, int, torch.device]:
+    """(rank, world, device) with the process group initialised: NCCL with one GPU per rank on
+    CUDA, gloo on CPU (or with ``share_gpu``)."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1:
+        backend = "nccl" if cuda and not share_gpu else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(minutes=10))
+    return rank, world, device
 
 
 def setup(plan_path: Path, share_gpu: bool = False):
@@ -55,52 +111,29 @@ def setup(plan_path: Path, share_gpu: bool = False):
     refuses; for checking numerics of a layout with more ranks than GPUs, never for timing."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
     try:
-        plan = load_plan(plan_path)
-        check_supported(plan, launch_backend())
-        if plan.degrees.world != world:
-            raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
-                            f"WORLD_SIZE={world}")
-        if share_gpu and cuda and plan.degrees.pp > 1:
-            raise SpecError("degrees.pp: --share-gpu runs over gloo, which cannot send CUDA "
-                            "tensors between pipeline stages; use one GPU per rank")
-        if cuda and not share_gpu and local_rank >= torch.cuda.device_count():
-            raise SpecError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) "
-                            f"are visible (one rank per GPU; --share-gpu to check numerics)")
+        plan = check_plan(plan_path, world, int(os.environ.get("LOCAL_RANK", 0)), share_gpu)
     except (SpecError, UnsupportedFeature, ValueError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        backend = "nccl" if cuda and not share_gpu else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=10))
-    return plan, rank, world, device
+    return (plan, *init(share_gpu))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    plan, rank, world, device = setup(args.plan)
+def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.device,
+            steps: int, warmup: int, seed: int) -> dict | None:
+    """``warmup`` then ``steps`` measured steps of ``plan``; the result document on rank 0."""
     t = plan.training
-    data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
-    trainer = build_trainer(plan, rank, world, device, args.seed, data)
-    for step in range(args.warmup):
+    data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, seed)
+    trainer = build_trainer(plan, rank, world, device, seed, data)
+    for step in range(warmup):
         trainer.train_step(step)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses, skews = [], [], []
+    times, losses = [], []
     components = dict.fromkeys(COMPONENT_KEYS, 0.0)
-    for step in range(args.warmup, args.warmup + args.steps):
+    skews: list[tuple[float, float]] = []
+    for step in range(warmup, warmup + steps):
         m = trainer.train_step(step)
         elapsed = torch.tensor([m.step_time_s], dtype=torch.float64, device=device)
         if world > 1:
@@ -108,54 +141,109 @@ def main(argv=None) -> int:
         times.append(float(elapsed))
         losses.append(m.loss)
         for k, v in m.components_s.items():
-            components[k] = components.get(k, 0.0) + v / args.steps
+            components[k] = components.get(k, 0.0) + v / steps
         if m.routing_skew is not None:
             skews.append((m.routing_skew, m.routing_skew_max))
     peak = m.peak_memory_gib
-    per_rank: list = [(components, peak, skews)]
+    # the caching allocator's peak reserved bytes: what the cost model's peak predicts
+    reserved = (torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda"
+                else peak)
+    per_rank: list = [(components, peak, reserved, skews)]
     if world > 1:
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (components, peak, skews))
-    if rank == 0:
-        step_time = sum(times) / len(times)
-        tokens = t.tokens_per_step
-        flops = plan.model.flops_per_token(t.seq_len) * tokens
-        peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
-        keys = sorted({k for c, _, _ in per_rank for k in c})
-        # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over
-        # steps, ranks, MoE layers and micro-batches
-        all_skews = [s for _, _, rank_skews in per_rank for s in rank_skews]
-        result = {
-            **metadata(),
-            "world": world,
-            "backend": dist.get_backend() if world > 1 else "none",
-            "plan": str(args.plan),
-            "plan_summary": plan.summary(),
-            "optimizer_sharding": plan.optimizer_sharding.value,
-            "warmup_steps": args.warmup,
-            "measured_steps": args.steps,
-            "step_time_s": step_time,
-            "step_times_s": times,
-            "tokens_per_step": tokens,
-            "tokens_per_s": tokens / step_time,
-            "flops_per_token": plan.model.flops_per_token(t.seq_len),
-            "mfu": flops / step_time / peak_flops,
-            "losses": losses,
-            "peak_memory_gib_per_rank": [p for _, p, _ in per_rank],
-            "components_s": {k: sum(c.get(k, 0.0) for c, _, _ in per_rank) / world
-                             for k in keys},
-            "components_s_per_rank": [c for c, _, _ in per_rank],
-            "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews)
-                             if all_skews else None),
-            "routing_skew_max": max((h for _, h in all_skews), default=None),
-            "prediction": plan.prediction.model_dump() if plan.prediction else None,
-            "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
-                           for d in deviations(plan, backend_of(device))],
-        }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"{plan.summary()}: step {step_time * 1e3:.1f} ms, "
-              f"{result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.2%} -> {args.out}")
+        dist.all_gather_object(per_rank, (components, peak, reserved, skews))
+    if rank != 0:
+        return None
+    step_time = sum(times) / len(times)
+    tokens = t.tokens_per_step
+    flops = plan.model.flops_per_token(t.seq_len) * tokens
+    peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
+    keys = sorted({k for c, *_ in per_rank for k in c})
+    # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
+    # ranks, MoE layers and micro-batches
+    all_skews = [s for *_, rank_skews in per_rank for s in rank_skews]
+    return {
+        **metadata(),
+        "world": world,
+        "backend": dist.get_backend() if world > 1 else "none",
+        "plan": str(plan_path),
+        "plan_summary": plan.summary(),
+        "optimizer_sharding": plan.optimizer_sharding.value,
+        "warmup_steps": warmup,
+        "measured_steps": steps,
+        "step_time_s": step_time,
+        "step_times_s": times,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step_time,
+        "flops_per_token": plan.model.flops_per_token(t.seq_len),
+        "mfu": flops / step_time / peak_flops,
+        "losses": losses,
+        "peak_memory_gib_per_rank": [p for _, p, _, _ in per_rank],
+        "peak_reserved_gib_per_rank": [r for _, _, r, _ in per_rank],
+        "components_s": {k: sum(c.get(k, 0.0) for c, *_ in per_rank) / world for k in keys},
+        "components_s_per_rank": [c for c, *_ in per_rank],
+        "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews) if all_skews else None),
+        "routing_skew_max": max((h for _, h in all_skews), default=None),
+        "prediction": plan.prediction.model_dump() if plan.prediction else None,
+        "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
+                       for d in deviations(plan, backend_of(device))],
+    }
+
+
+def report(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{result['plan_summary']}: step {result['step_time_s'] * 1e3:.1f} ms, "
+          f"{result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.2%} -> {out}", flush=True)
+
+
+def release(device: torch.device) -> None:
+    """Free what one plan's trainer left (its process groups stay: DeviceMesh caches them)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.plan is not None:
+        plan, rank, world, device = setup(args.plan)
+        runs = [(plan, args.plan, args.out)]
+    else:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        rank = int(os.environ.get("RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        runs = []
+        try:
+            for path in args.plans:
+                if load_plan(path).degrees.world != world:
+                    continue
+                runs.append((check_plan(path, world, local_rank), path,
+                             args.out_dir / f"train_step_{path.stem}.json"))
+        except (SpecError, UnsupportedFeature, ValueError) as e:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if not runs:
+            if rank == 0:
+                print(f"error: --plans: none of them runs on {world} GPU(s)", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        rank, world, device = init()
+    for plan, path, out in runs:
+        try:
+            result = measure(plan, path, rank, world, device, args.steps, args.warmup, args.seed)
+        except torch.OutOfMemoryError as e:
+            # every rank of a layout holds its share: they all stop here, and the next plan runs
+            print(f"{path}: out of memory on rank {rank}: {str(e).splitlines()[0][:200]}",
+                  file=sys.stderr, flush=True)
+            result = None
+        if result is not None:
+            report(result, out)
+        release(device)
     if world > 1:
         # every rank past its last collective before any tears down (gloo aborts a peer
         # whose pair closes under it)

@@ -84,9 +84,28 @@ def _gemm_s(
     return max(compute_s, memory_s(traffic, cluster))
 
 
+def backward_gemms(m: float, n: float, k: float
+                   ) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """The backward of C[m, n] = A[m, k] B[k, n] as (m, n, k) GEMMs: the data gradient
+    dA = dC B^T [m, k] and the weight gradient dB = A^T dC [k, n] (reduction over m)."""
+    return (m, k, n), (k, n, m)
+
+
 def gemm_s(m: float, n: float, k: float, cluster: ClusterSpec, precision: Precision) -> float:
     """C[m, n] = A[m, k] B[k, n] at ``efficiency.gemm`` of peak, less shape losses."""
     return _gemm_s(m, n, k, 1, cluster.efficiency.gemm, cluster, precision)
+
+
+def grouped_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
+    """Peak fraction of a grouped GEMM whose experts are [m, k] x [k, n]: ``grouped_gemm``
+    x d / (d + ``grouped_gemm_half_rows``), d the smallest of m, n, k (the rows per expert in
+    forward, data- and weight-gradient GEMMs alike, when experts get fewer rows than their
+    widths). A saturating curve fitted by `moeplan calibrate` to grouped GEMMs timed over
+    8..128 experts and 32..4096 rows per expert (bench/calibrate_gpu.py); with the default
+    half-point 0 it is ``grouped_gemm`` at every size."""
+    eff = cluster.efficiency
+    d = min(m, n, k)
+    return eff.grouped_gemm * d / (d + eff.grouped_gemm_half_rows)
 
 
 def grouped_gemm_s(
@@ -94,8 +113,11 @@ def grouped_gemm_s(
     cluster: ClusterSpec, precision: Precision,
 ) -> float:
     """``groups`` GEMMs of one shape in one persistent kernel (local experts), at
-    ``efficiency.grouped_gemm``; their tiles share the waves."""
-    return _gemm_s(m_per_group, n, k, groups, cluster.efficiency.grouped_gemm, cluster, precision)
+    ``grouped_efficiency`` of peak; their tiles share the waves."""
+    if m_per_group <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    peak = grouped_efficiency(m_per_group, n, k, cluster)
+    return _gemm_s(m_per_group, n, k, groups, peak, cluster, precision)
 
 
 def expert_tokens(tokens: float, top_k: int, experts: int, capacity_factor: float | None) -> float:

@@ -134,7 +134,7 @@ class _Builder:
     def gemm(self, name: LayerOperator, m: float, n: float, k: float, *after: str | None) -> str:
         c, p = self.key.cluster, self.key.precision
         fwd = cc.gemm_s(m, n, k, c, p)
-        bwd = (cc.gemm_s(m, k, n, c, p), cc.gemm_s(k, n, m, c, p))
+        bwd = tuple(cc.gemm_s(*g, c, p) for g in cc.backward_gemms(m, n, k))
         return self.add(Op(name.value, name, OpKind.gemm, fwd, bwd), *after)
 
     def grouped(self, name: LayerOperator, groups: int, m: float, n: float, k: float,
@@ -142,7 +142,7 @@ class _Builder:
         """``at``: the chunk suffix of a chunked MoE layer's operators (``@0``, ``@1``)."""
         c, p = self.key.cluster, self.key.precision
         fwd = cc.grouped_gemm_s(groups, m, n, k, c, p)
-        bwd = (cc.grouped_gemm_s(groups, m, k, n, c, p), cc.grouped_gemm_s(groups, k, n, m, c, p))
+        bwd = tuple(cc.grouped_gemm_s(groups, *g, c, p) for g in cc.backward_gemms(m, n, k))
         return self.add(Op(name.value + at, name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import chunk_dense_layers, stage_params
-from plans.enums import CHUNK_LOGITS, CrossEntropy, OptimizerSharding
+from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
 from plans.layout import stage_of_chunk, tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
@@ -91,15 +91,22 @@ class Kept:
 
 
 def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: bool,
-                  micro_batch: int) -> list[Kept]:
-    """The tensors of one layer that this runtime's autograd graph can keep, per token."""
+                  micro_batch: int, kernels: Kernels = Kernels.eager) -> list[Kept]:
+    """The tensors of one layer that this runtime's autograd graph can keep, per token. Fused
+    kernels (runtime.kernels, torch.compile regions) keep less: an RMSNorm only its bf16 output
+    (which the next GEMM keeps) and the fp32 inverse norm instead of fp32 copies of its input
+    and normalised value; SwiGLU its two inputs and its output (the next GEMM's input), not the
+    SiLU too."""
     h = model.hidden
     q, kv = model.q_dim, model.kv_dim
+    fused = kernels == Kernels.fused
+    norm = 2.0 * h + 4.0 if fused else 10.0 * h
+    swiglu = 6.0 if fused else 8.0  # bytes per element of the FFN's hidden width
     out: list[Kept] = [
         Kept("layer_input", 2.0 * h, frozenset(), None,
              frozenset({LO.attn_norm, LO.attn_residual})),
-        Kept("norms", 10.0 * h, frozenset({LO.attn_norm})),
-        Kept("norms", 10.0 * h, frozenset({LO.ffn_norm})),
+        Kept("norms", norm, frozenset({LO.attn_norm})),
+        Kept("norms", norm, frozenset({LO.ffn_norm})),
     ]
     if degrees.tp > 1:
         copies = 3 if micro_batch > 1 else 1
@@ -122,7 +129,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
     if ulysses:
         out.append(Kept("attention_core", 2.0 * q, frozenset({LO.out_gemm}), LO.sp_a2a_out))
     if dense:
-        out.append(Kept("dense_ffn", 8.0 * model.dense_ffn_hidden,
+        out.append(Kept("dense_ffn", swiglu * model.dense_ffn_hidden,
                         frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})))
     else:
         k = model.top_k * (ffn.capacity_factor if isinstance(ffn, EPFFN)
@@ -133,7 +140,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
         experts = frozenset({LO.expert_fc13, LO.expert_swiglu, LO.expert_fc2})
         if isinstance(ffn, EPFFN):
             load = EP_LOAD if degrees.ep > 1 else 1.0
-            per_row = 2.0 * h + 8.0 * f
+            per_row = 2.0 * h + swiglu * f
             if ffn.dispatch == Dispatch.all_to_all:
                 rows = Kept("expert_rows", k * per_row * load + 4.0 * k * h,
                             experts | {LO.combine_unpermute}, LO.ep_dispatch)
@@ -141,12 +148,12 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
                 rows = Kept("expert_rows", k * (per_row + 4.0 * h) * load,
                             experts | {LO.combine_gather}, LO.dispatch_scatter)
         else:
-            rows = Kept("expert_rows", 6.0 * k * h * degrees.etp + 8.0 * k * f,
+            rows = Kept("expert_rows", 6.0 * k * h * degrees.etp + swiglu * k * f,
                         experts | {LO.combine_gather}, LO.dispatch_scatter)
         out.append(rows)
         if model.shared_experts:
             out.append(Kept("dense_ffn",
-                            8.0 * model.shared_experts * model.shared_expert_ffn_hidden,
+                            swiglu * model.shared_experts * model.shared_expert_ffn_hidden,
                             frozenset({LO.shared_fc13, LO.shared_swiglu, LO.shared_fc2})))
     # the residual stream handed to the next layer (that layer's input)
     out.append(Kept("layer_output", 2.0 * h, frozenset({LO.ffn_residual}), LO.ffn_residual))
@@ -155,7 +162,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
 
 def layer_activation_terms(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
-    dense: bool, micro_batch: int = 1,
+    dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
 ) -> dict[str, float]:
     """Bytes one layer keeps for backward per micro-batch, ``tokens`` per rank, by the tensor
     this runtime's autograd graph saves (runtime/model.py, runtime/moe.py, runtime/parallel/);
@@ -184,7 +191,7 @@ def layer_activation_terms(
     - layer_input: recomputing the whole layer keeps its input (2 h) only."""
     recomputed = RECOMPUTED[policy]
     terms: dict[str, float] = {}
-    for t in _kept_tensors(model, degrees, ffn, dense, micro_batch):
+    for t in _kept_tensors(model, degrees, ffn, dense, micro_batch, kernels):
         if t.kept(recomputed):
             terms[t.term] = terms.get(t.term, 0.0) + t.bytes_per_token
     return {name: b * tokens for name, b in terms.items()}
@@ -193,11 +200,11 @@ def layer_activation_terms(
 @lru_cache(maxsize=65536)
 def layer_activation_bytes(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
-    dense: bool, micro_batch: int = 1,
+    dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
 ) -> float:
     """The sum of ``layer_activation_terms``."""
     return sum(layer_activation_terms(model, tokens, degrees, ffn, policy, dense,
-                                      micro_batch).values())
+                                      micro_batch, kernels).values())
 
 
 LOSS_BYTES_PER_LOGIT = 12
@@ -271,12 +278,13 @@ def grad_bytes_per_param(grad_precision: Precision) -> int:
 def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: tuple[int, ...],
             seq_len: int, batch: int, micro_batches: int, schedule: PipelineSchedule,
             policy: Recompute, grad_precision: Precision, opt: Optimizer, capacity: float,
-            cross_entropy: CrossEntropy, sharding: OptimizerSharding) -> MemoryBreakdown:
+            cross_entropy: CrossEntropy, sharding: OptimizerSharding,
+            kernels: Kernels = Kernels.eager) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     per_layer = {
-        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch)
+        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch, kernels)
         for dense in (False, True) for pol in (policy, Recompute.none)
     }
     layers = [[0, 0] for _ in range(d.pp)]
@@ -332,5 +340,5 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
     return _memory(
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
-        t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding,
+        t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
     )

@@ -101,8 +101,7 @@ def head_gemm_s(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int
     training): forward logits; backward data and weight gradients."""
     rows, cols, h = tokens * tp, model.vocab / tp, model.hidden
     fwd = cc.gemm_s(rows, cols, h, cluster, Precision.bf16)
-    bwd = (cc.gemm_s(rows, h, cols, cluster, Precision.bf16)
-           + cc.gemm_s(h, cols, rows, cluster, Precision.bf16))
+    bwd = sum(cc.gemm_s(*g, cluster, Precision.bf16) for g in cc.backward_gemms(rows, cols, h))
     return fwd, bwd
 
 

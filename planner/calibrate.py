@@ -1,10 +1,27 @@
 """Calibration: a cluster's efficiency factors fitted to measurements of moeplan's runtime on
 its GPUs, and the error table of the cost model against measured training steps.
 
-Inputs are the benchmark JSON files: one profiled 1-GPU step (`moeplan profile`: device
-seconds per kernel class), optionally the collective sweep of bench/calibrate_gpu.py, and
-measured steps (bench/train_step.py). Every measured run is priced as the runtime executed it
-(plans.execution). The factors:
+Inputs are the benchmark JSON files: the micro-benchmark sweep of bench/calibrate_gpu.py
+(kernels over shapes, the runtime's memory-bound layer operators, copies, NCCL collectives),
+optionally one profiled 1-GPU step (`moeplan profile`: device seconds per kernel class), and
+measured steps (bench/train_step.py) to test against. Every measured run is priced as the
+runtime executed it (plans.execution).
+
+From a sweep with shaped kernel rows (fit_kernels; least squares on log time, every row the
+cost model's prediction for the same shape):
+
+- gemm, attention: one peak fraction each over the dense GEMMs, and over the runtime's
+  attention core (RoPE, GQA expansion, SDPA) at catalog models' head shapes;
+- grouped_gemm and grouped_gemm_half_rows: the curve of cost_models.compute.grouped_efficiency
+  over the grouped GEMMs (8..128 experts, 32..4096 rows per expert);
+- elementwise: the runtime's memory-bound layer operators priced at it (norms, residual adds,
+  routing, SwiGLU; the eager token permutation has its own rate, gather_scatter, fitted by
+  planner.dispatch_fit), measured time against the cost model's fused-kernel bytes
+  (time-weighted: sum predicted at full bandwidth / sum measured);
+  with a profiled step as well, what is left of that step once the rest is priced instead
+  (host synchronisations and launch gaps of the whole step land there).
+
+From a profiled step alone (sweeps without shaped kernel rows, as before the micro-benchmarks):
 
 - gemm, grouped_gemm, attention: the base factor x predicted / measured kernel time of that
   class over the profiled step;
@@ -22,6 +39,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,13 +47,32 @@ from pydantic import ValidationError
 
 import cost_models
 from cost_models import comm
+from cost_models import compute as cc
 from cost_models import pipeline as pl
 from cost_models.layer import layer_key
-from cost_models.layer_graph import OpKind, backward_graph, forward_graph
-from plans import ClusterSpec, Kernels, Plan, SpecError, catalog
+from cost_models.layer_graph import LayerKey, OpKind, backward_graph, forward_graph
+from plans import (
+    EPFFN,
+    ClusterSpec,
+    Kernels,
+    Plan,
+    Precision,
+    Recompute,
+    SpecError,
+    UlyssesAttention,
+    catalog,
+)
 from plans.errors import describe
 from plans.execution import deviations, executed_plan
-from plans.results import ProfileResult, Sweep, SweepOp, TrainStepResult, read, read_log
+from plans.results import (
+    ProfileResult,
+    Sweep,
+    SweepOp,
+    SweepRow,
+    TrainStepResult,
+    read,
+    read_log,
+)
 
 GIB = 2**30
 GROUPED = re.compile(r"grouped|GroupProblemShape|group_gemm", re.IGNORECASE)
@@ -91,27 +128,14 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
 
 
 def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[str, float]:
-    if plan.degrees.world != 1:
-        raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
-                        f"communication); this one runs on {plan.degrees.world} GPUs")
-    wall = profile.step_wall_s
-    plan = executed_plan(on(plan, base))
-    meas, pred = measured_classes(profile), predicted_classes(plan)
+    """gemm, grouped_gemm and attention from the profiled step's kernel classes, then
+    elementwise from what is left of its wall time."""
+    executed = executed_plan(on(plan, base))
+    meas, pred = measured_classes(profile), predicted_classes(executed)
     factors = {k: min(1.0, getattr(base.efficiency, k) * pred[k] / meas[k])
                for k in COMPUTE_FACTORS if meas[k] > 0 and pred[k] > 0}
-    cluster = with_efficiency(base, **factors)
-
-    # the memory-bound factor the plan's operators are priced at (cost_models.layer_graph)
-    name = "fused_elementwise" if plan.kernels == Kernels.fused else "elementwise"
-
-    def step(factor: float) -> float:
-        priced = on(plan, with_efficiency(cluster, **{name: factor}))
-        return cost_models.evaluate(priced).step_time_s
-
-    ideal = step(0.5) - step(1.0)  # E: the layers' memory-bound bytes at full bandwidth
-    rest = step(1.0) - ideal
-    left = wall - rest
-    factors[name] = min(1.0, ideal / left) if left > ideal else 1.0
+    factors[residual_factor(plan)] = fit_step_residual(profile, plan,
+                                                       with_efficiency(base, **factors))
     return factors
 
 
@@ -119,9 +143,12 @@ def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[s
 
 
 def fit_hbm(sweep: Sweep, base: ClusterSpec) -> float | None:
-    achieved = [r.achieved_tb_s for r in sweep.rows
-                if r.op == SweepOp.copy and r.achieved_tb_s is not None]
-    return min(1.0, statistics.median(achieved) / base.gpu.hbm_tb_s) if achieved else None
+    """The median bandwidth of the sweep's copies (each reads and writes its buffer) over the
+    GPU's peak."""
+    full = with_efficiency(base, hbm=1.0)
+    ratios = [cc.memory_s(2 * r.bytes, full) / r.measured_s for r in sweep.rows
+              if r.op == SweepOp.copy and r.bytes is not None]
+    return min(1.0, statistics.median(ratios)) if ratios else None
 
 
 def fit_links(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
@@ -152,6 +179,175 @@ def fit_links(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
     return {"nvlink_latency_us": float(latency), "nvlink": ring, "nvlink_all_to_all": a2a}
 
 
+# ---- kernel factors from the micro-benchmarks -----------------------------------------------
+
+
+def layer_op_s(model: str, tokens: int, op: str, cluster: ClusterSpec) -> float:
+    """Forward + backward seconds of the cost model's memory-bound operator ``op`` in a layer
+    of catalog model ``model`` over ``tokens`` tokens on one GPU (all experts local)."""
+    key = LayerKey(catalog.load_model(model), cluster, tokens, Precision.bf16, 1, 1, 1, 1, 1, 1,
+                   UlyssesAttention(), EPFFN(), Recompute.none, dense=False,
+                   kernels=Kernels.eager)
+    fwd = forward_graph(key)
+    if op not in fwd or fwd.nodes[op]["kind"] != OpKind.memory:
+        raise SpecError(f"--collectives: layer_op {op!r} is no memory-bound operator of the "
+                        f"cost model's layer")
+    return fwd.nodes[op]["duration_s"] + backward_graph(fwd, Recompute.none).nodes[
+        f"{op}.bwd"]["duration_s"]
+
+
+def _gemms(m: int, n: int, k: int, backward: bool) -> list[tuple[float, float, float]]:
+    """The GEMMs of C = A B, and of its data and weight gradients when ``backward``."""
+    return [(m, n, k), *(cc.backward_gemms(m, n, k) if backward else ())]
+
+
+def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
+    """The cost model's seconds for what a sweep row timed; None for a row without its shape
+    (sweeps written before the micro-benchmarks)."""
+    sh, bf16 = row.shape, Precision.bf16
+    match row.op:
+        case SweepOp.gemm if sh:
+            return sum(cc.gemm_s(*g, cluster, bf16)
+                       for g in _gemms(sh["m"], sh["n"], sh["k"], row.backward))
+        case SweepOp.grouped_mm if sh:
+            return sum(cc.grouped_gemm_s(sh["experts"], *g, cluster, bf16)
+                       for g in _gemms(sh["rows"], sh["n"], sh["k"], row.backward))
+        case SweepOp.flash_attn | SweepOp.attention_core if sh:
+            flops = cc.attention_fwd_flops(sh["batch"], sh["seq"], sh["seq"], sh["heads"],
+                                           sh["head_dim"], cc.CAUSAL_FRACTION)
+            fwd = cc.flash_attention_fwd_s(flops, cluster)
+            return fwd + (cc.flash_attention_bwd_s(flops, cluster) if row.backward else 0.0)
+        case SweepOp.copy:
+            return cc.memory_s(2 * row.bytes, cluster)
+        case SweepOp.memory:
+            return cc.memory_s(row.bytes, cluster)
+        case SweepOp.head_loss if sh:
+            model = catalog.load_model(str(sh["model"]))
+            return pl.head_cost(model, cluster, int(sh["tokens"]), 1).total_s
+        case SweepOp.layer_op if sh and row.layer_op:
+            return layer_op_s(str(sh["model"]), int(sh["tokens"]), row.layer_op, cluster)
+        case SweepOp.all_to_all | SweepOp.all_gather | SweepOp.reduce_scatter:
+            layout = comm.group_layout(cluster.gpus, 1, cluster.node.gpus_per_node)
+            fn = {SweepOp.all_to_all: comm.all_to_all_s, SweepOp.all_gather: comm.all_gather_s,
+                  SweepOp.reduce_scatter: comm.reduce_scatter_s}[row.op]
+            return fn(row.bytes, layout, cluster)
+    return None
+
+
+def log_error(rows: Sequence[SweepRow], cluster: ClusterSpec) -> float:
+    """Sum over rows of log(predicted / measured)^2."""
+    return sum(math.log(row_seconds(r, cluster) / r.measured_s) ** 2 for r in rows)
+
+
+def _golden(f: Callable[[float], float], lo: float, hi: float, tol: float = 1e-3
+            ) -> float:
+    """The minimum of a unimodal ``f`` on [lo, hi] (golden-section search)."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol:
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+MIN_FACTOR = 0.02
+"""The lowest efficiency a fit may return (the search interval's lower end)."""
+HALF_ROWS_GRID = (0, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
+"""Half-points of the grouped GEMM curve tried before the golden-section refinement."""
+
+
+def fit_peak(rows: Sequence[SweepRow], base: ClusterSpec, factor: str, **fixed: float) -> float:
+    """The value of efficiency ``factor`` (others as ``fixed``) best fitting ``rows``."""
+    return _golden(lambda e: log_error(rows, with_efficiency(base, **fixed, **{factor: e})),
+                   MIN_FACTOR, 1.0)
+
+
+def fit_grouped(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
+    """grouped_gemm and grouped_gemm_half_rows: the half-point on a grid, then refined between
+    its neighbours, each with its best peak."""
+    def best(half: float) -> tuple[float, float]:
+        peak = fit_peak(rows, base, "grouped_gemm", grouped_gemm_half_rows=half)
+        fitted = with_efficiency(base, grouped_gemm=peak, grouped_gemm_half_rows=half)
+        return log_error(rows, fitted), peak
+
+    errors = [best(h)[0] for h in HALF_ROWS_GRID]
+    i = min(range(len(errors)), key=errors.__getitem__)
+    lo, hi = HALF_ROWS_GRID[max(0, i - 1)], HALF_ROWS_GRID[min(len(errors) - 1, i + 1)]
+    half = _golden(lambda h: best(h)[0], lo, hi, tol=max(0.5, (hi - lo) / 200)) if hi > lo else lo
+    half = HALF_ROWS_GRID[i] if errors[i] <= best(half)[0] else half
+    return {"grouped_gemm": best(half)[1], "grouped_gemm_half_rows": half}
+
+
+def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> float | None:
+    """The runtime's memory-bound layer operators priced at ``elementwise`` (norms, residual
+    adds, routing, SwiGLU; the eager token permutation has its own rate, gather_scatter, and is
+    left out): time-weighted, the sum of their cost at full bandwidth over the sum measured.
+    None when no row is priced at ``elementwise``."""
+    full, half = with_efficiency(base, elementwise=1.0), with_efficiency(base, elementwise=0.5)
+    priced = [(row_seconds(r, full), r.measured_s) for r in rows
+              if row_seconds(r, half) > row_seconds(r, full)]
+    if not priced:
+        return None
+    return min(1.0, sum(p for p, _ in priced) / sum(m for _, m in priced))
+
+
+def kernel_rows(sweep: Sweep, op: SweepOp) -> list[SweepRow]:
+    return [r for r in sweep.rows if r.op == op and r.shape]
+
+
+def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
+    """Compute and layer memory-bound factors from the sweep's shaped rows (those it has)."""
+    factors: dict[str, float] = {}
+    if rows := kernel_rows(sweep, SweepOp.gemm):
+        factors["gemm"] = fit_peak(rows, base, "gemm")
+    if rows := kernel_rows(sweep, SweepOp.grouped_mm):
+        factors.update(fit_grouped(rows, base))
+    # the runtime's attention core where the sweep has it (RoPE and the GQA expansion are
+    # priced inside FlashAttention's time), else bare SDPA
+    if rows := kernel_rows(sweep, SweepOp.attention_core) or kernel_rows(sweep,
+                                                                         SweepOp.flash_attn):
+        factors["attention"] = fit_peak(rows, base, "attention")
+    rows = kernel_rows(sweep, SweepOp.layer_op)
+    if rows and (elementwise := fit_elementwise(rows, base)) is not None:
+        factors["elementwise"] = elementwise
+    return factors
+
+
+def residual_factor(plan: Plan) -> str:
+    """The memory-bound factor a plan's layer operators are priced at (cost_models.layer_graph):
+    fused_elementwise when it ran fused kernels, else elementwise."""
+    return "fused_elementwise" if plan.kernels == Kernels.fused else "elementwise"
+
+
+def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -> float:
+    """The plan's memory-bound factor (residual_factor) such that the profiled 1-GPU step's wall
+    time is what the cost model predicts with every other factor of ``cluster`` (the step is
+    T0 + E / factor, E the layers' memory-bound bytes at full bandwidth)."""
+    if plan.degrees.world != 1:
+        raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
+                        f"communication); this one runs on {plan.degrees.world} GPUs")
+    plan = executed_plan(on(plan, cluster))
+
+    name = residual_factor(plan)
+
+    def step(factor: float) -> float:
+        return cost_models.evaluate(on(plan, with_efficiency(cluster, **{name: factor}))
+                                    ).step_time_s
+
+    ideal = step(0.5) - step(1.0)
+    rest = step(1.0) - ideal
+    left = profile.step_wall_s - rest
+    return min(1.0, ideal / left) if left > ideal else 1.0
+
+
 @dataclass(frozen=True)
 class Calibration:
     cluster: ClusterSpec
@@ -159,15 +355,43 @@ class Calibration:
     """Each fitted value by name (efficiency fields, and nvlink_latency_us)."""
 
 
-def calibrate(profile: ProfileResult, plan: Plan, base: ClusterSpec, name: str,
+def with_fused_step(cal: Calibration, profile: ProfileResult, plan: Plan) -> Calibration:
+    """``cal`` with fused_elementwise set from one profiled 1-GPU step of a ``kernels: fused``
+    plan: what is left of its wall time once every other factor of ``cal`` prices the rest
+    (fit_step_residual)."""
+    if plan.kernels != Kernels.fused:
+        raise SpecError("--fused-plan: the plan ran eager kernels; profile a kernels: fused "
+                        "plan to fit fused_elementwise")
+    value = float(f"{fit_step_residual(profile, plan, cal.cluster):.3g}")
+    return Calibration(with_efficiency(cal.cluster, fused_elementwise=value),
+                       {**cal.factors, "fused_elementwise": value})
+
+
+def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpec, name: str,
               sweep: Sweep | None = None) -> Calibration:
-    factors = fit_compute(profile, plan, base)
+    """Factors from the sweep's micro-benchmarks where it has them (fit_kernels), else from the
+    profiled step (fit_compute); with both, the profiled step sets only elementwise."""
+    kernels = fit_kernels(sweep, base) if sweep is not None else {}
+    if profile is not None and plan is None:
+        raise SpecError("--plan: the profiled 1-GPU plan is needed with a profile")
+    if not kernels and profile is None:
+        raise SpecError("--collectives: the sweep has no kernel micro-benchmarks; give a "
+                        "profiled step too")
+    factors = dict(kernels) if kernels or profile is None else fit_compute(profile, plan, base)
     node = base.node
     if sweep is not None:
         if (hbm := fit_hbm(sweep, base)) is not None:
             factors["hbm"] = hbm
-        factors.update(fit_links(sweep, base))
-        node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
+        # a kernels-only sweep (one rank) leaves the links as they are
+        if not kernels or any(r.op.collective for r in sweep.rows):
+            factors.update(fit_links(sweep, base))
+            node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
+    if profile is not None and kernels:
+        # the profiled step's residual, with every factor the sweep gave (hbm prices its
+        # optimizer step and loss)
+        rest = {k: v for k, v in factors.items() if k != "nvlink_latency_us"}
+        factors[residual_factor(plan)] = fit_step_residual(profile, plan,
+                                                           with_efficiency(base, **rest))
     # three significant digits: a factor is a measurement, and a small one must stay above 0
     efficiency = {k: float(f"{v:.3g}") for k, v in factors.items() if k != "nvlink_latency_us"}
     cluster = with_efficiency(base, **efficiency)
@@ -197,8 +421,9 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
     ``skip`` steps left out, medians of the rest)."""
     if path.suffix == ".json":
         r = read(TrainStepResult, path, "--runs")
-        return Measured(r.step_time_s, r.mfu, max(r.peak_memory_gib_per_rank), r.components_s,
-                        r.measured_steps, r.commit)
+        # the allocator's reserved peak where recorded (what the memory model predicts)
+        peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
+        return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit)
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")

@@ -580,15 +580,23 @@ def profile_cmd(
 @app.command("calibrate")
 @user_errors
 def calibrate_cmd(
-    profile: Annotated[Path, typer.Argument(
-        help="One profiled 1-GPU step: `moeplan profile`'s JSON.")],
-    plan: Annotated[Path, typer.Option("--plan", help="The 1-GPU plan that was profiled.")],
     out: Annotated[Path, typer.Option("--out", help="Calibrated cluster YAML to write.")],
+    profile: Annotated[Path | None, typer.Argument(
+        help="One profiled 1-GPU step: `moeplan profile`'s JSON (optional with a sweep of "
+             "kernel micro-benchmarks: then it sets only the elementwise factor).")] = None,
+    plan: Annotated[Path | None, typer.Option(
+        "--plan", help="The 1-GPU plan that was profiled.")] = None,
     collectives: Annotated[Path | None, typer.Option(
-        "--collectives", help="bench/calibrate_gpu.py's sweep (copies, NCCL collectives).")
+        "--collectives", help="bench/calibrate_gpu.py's sweep (kernel micro-benchmarks, "
+                              "copies, NCCL collectives).")
     ] = None,
     base: Annotated[str, typer.Option(
         "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",
+    fused_profile: Annotated[Path | None, typer.Option(
+        "--fused-profile", help="A profiled 1-GPU step of a kernels: fused plan: sets "
+                                "fused_elementwise.")] = None,
+    fused_plan: Annotated[Path | None, typer.Option(
+        "--fused-plan", help="The kernels: fused plan of --fused-profile.")] = None,
     name: Annotated[str | None, typer.Option(
         "--name", help="Name of the calibrated cluster; default <base name>-calibrated.")
     ] = None,
@@ -605,7 +613,8 @@ def calibrate_cmd(
     the calibrated model predicts measured steps it never saw.
 
     \b
-    Example:
+    Examples:
+      moeplan calibrate --collectives calibration.json --out my-h200.yaml
       moeplan calibrate profile.json --plan bench/gpu_plans/mixtral2l_1gpu.json \\
           --out my-h200.yaml
     """
@@ -616,12 +625,22 @@ def calibrate_cmd(
 
     _check_out(out, force)
     base_cluster = plans.catalog.load_cluster(base)
-    measured_profile = read(ProfileResult, profile, "profile")
+    if profile is None and collectives is None:
+        raise plans.SpecError("profile: give a profiled step, a --collectives sweep, or both")
+    if profile is not None and plan is None:
+        raise plans.SpecError("--plan: the 1-GPU plan that was profiled is needed with a "
+                              "profile")
+    measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
     if runs is not None and not runs.is_dir():
         raise plans.SpecError(f"--runs: {runs} is not a folder")
-    result = cal.calibrate(measured_profile, plans.catalog.load_plan(plan), base_cluster,
-                           name or f"{base_cluster.name}-calibrated", sweep)
+    if (fused_profile is None) != (fused_plan is None):
+        raise plans.SpecError("--fused-profile: goes with --fused-plan, the plan it profiled")
+    result = cal.calibrate(measured_profile, plans.catalog.load_plan(plan) if plan else None,
+                           base_cluster, name or f"{base_cluster.name}-calibrated", sweep)
+    fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
+    if fused is not None:
+        result = cal.with_fused_step(result, fused, plans.catalog.load_plan(fused_plan))
     pairs = cal.runs_with_plans(runs, plans_dir) if runs else []
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
@@ -630,13 +649,15 @@ def calibrate_cmd(
     for run, plan_path in pairs:
         row = cal.fidelity_row(run, plan_path, result.cluster)
         before = cal.fidelity_row(run, plan_path)
+        fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
         rows.append({**row, "step_error_before": before["step_error"],
-                     "held_out": plan_path.resolve() != plan.resolve()})
+                     "held_out": plan_path.resolve() not in fitted})
+    sources = ([f"profile {profile.name}, commit {measured_profile.commit}"] if profile else []
+               ) + ([f"collectives {collectives.name}, commit {sweep.commit}"] if sweep else []
+                    ) + ([f"fused profile {fused_profile.name}, commit {fused.commit}"]
+                         if fused else [])
     header = (f"# {result.cluster.name}: {base_cluster.name} with efficiency factors fitted to "
-              f"moeplan's runtime by `moeplan calibrate`\n# (profile {profile.name}, commit "
-              f"{measured_profile.commit}"
-              + (f"; collectives {collectives.name}, commit {sweep.commit}" if sweep
-                 else "") + ").\n")
+              f"moeplan's runtime by `moeplan calibrate`\n# ({'; '.join(sources)}).\n")
     _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),
                                             sort_keys=False), force)
     held = [r for r in rows if r["held_out"]]

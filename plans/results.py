@@ -68,6 +68,10 @@ class TrainStepResult(Result):
     step_time_s: PositiveFloat
     mfu: NonNegativeFloat
     peak_memory_gib_per_rank: list[PositiveFloat] = Field(min_length=1)
+    """Peak allocated device memory per rank."""
+    peak_reserved_gib_per_rank: list[PositiveFloat] | None = None
+    """Peak reserved by the caching allocator per rank (what the cost model's peak predicts);
+    written since bench/train_step.py records it."""
     components_s: ComponentSeconds = {}
     """Seconds per runtime component (plans.Component), mean over ranks."""
     tokens_per_step: PositiveInt | None = None
@@ -143,10 +147,22 @@ class SweepOp(StrEnum):
     gemm = "gemm"
     grouped_mm = "grouped_mm"
     flash_attn = "flash_attn"
+    attention_core = "attention_core"
+    """The runtime's attention core (RoPE, GQA key/value expansion, causal SDPA;
+    runtime.model.AttentionCore), priced as the cost model prices FlashAttention."""
     copy = "copy"
     all_to_all = "all_to_all"
     all_gather = "all_gather"
     reduce_scatter = "reduce_scatter"
+    memory = "memory"
+    """A memory-bound kernel (elementwise, gather, index_add, sort): ``bytes`` read and written."""
+    head_loss = "head_loss"
+    """The runtime's final RMSNorm, LM head and cross-entropy (``shape["chunked"]`` 1: the
+    chunked loss, 0: materialized) over ``shape["tokens"]`` of catalog model ``shape["model"]``,
+    forward + backward, priced as cost_models.pipeline.head_cost."""
+    layer_op = "layer_op"
+    """One of the runtime's memory-bound layer operators, priced as the cost model's operator
+    ``layer_op`` of a layer of catalog model ``shape["model"]`` over ``shape["tokens"]``."""
 
     @property
     def collective(self) -> bool:
@@ -168,6 +184,14 @@ class SweepRow(BaseModel):
     buffer); None for compute kernels."""
     measured_s: PositiveFloat
     achieved_tb_s: PositiveFloat | None = None
+    shape: dict[str, int | str] = {}
+    """What ran (bench/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
+    n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
+    kv_heads and model); layer_op model, tokens; head_loss model, tokens, chunked. Empty in sweeps
+    written before the micro-benchmarks (their kernel rows are not fitted)."""
+    backward: bool = False
+    """The row timed forward and backward (autograd), not the forward alone."""
+    layer_op: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -183,7 +207,8 @@ class SweepRow(BaseModel):
 
     @model_validator(mode="after")
     def _sized(self) -> SweepRow:
-        if (self.op.collective or self.op == SweepOp.copy) and self.bytes is None:
+        sized = (SweepOp.copy, SweepOp.memory)
+        if (self.op.collective or self.op in sized) and self.bytes is None:
             raise ValueError(f"bytes: a {self.op} row needs its buffer size")
         return self
 

@@ -306,7 +306,12 @@ class Efficiency(Frozen):
     gemm: Fraction = 0.80
     """Best dense GEMM throughput / peak, for large well-shaped GEMMs."""
     grouped_gemm: Fraction = 0.75
-    """Best grouped (expert) GEMM throughput / peak."""
+    """Best grouped (expert) GEMM throughput / peak, for experts of many rows."""
+    grouped_gemm_half_rows: Annotated[float, Field(ge=0, le=MAX_TOKENS)] = 0.0
+    """Rows per expert (the smallest dimension of one expert's GEMM) at which grouped GEMM
+    throughput falls to half of ``grouped_gemm``: small experts run their tiles' prologues,
+    epilogues and group scheduling over little work (cost_models.compute.grouped_efficiency).
+    0: no dependence on the expert size (the uncalibrated default)."""
     attention: Fraction = 0.60
     """FlashAttention throughput / peak."""
     hbm: Fraction = 0.85

@@ -124,7 +124,7 @@ def test_legacy_sweep_rows_get_op_and_bytes_and_new_rows_need_no_name_parsing(tm
 
 
 def test_old_train_step_results_say_zero1_and_read_as_optimizer_sharding(tmp_path):
-    old = RESULTS / "h200" / "train_step_mixtral2l_1gpu.json"  # measured before the field
+    old = RESULTS / "h200" / "train_step_mixtral2l_1gpu_recompute_full.json"  # before the field
     doc = json.loads(old.read_text())
     assert doc["zero1"] is True and "optimizer_sharding" not in doc
     assert read(TrainStepResult, old, "r").optimizer_sharding == "zero1"

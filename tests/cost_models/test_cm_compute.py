@@ -62,3 +62,22 @@ def test_memory_bound_op(h800):
     nbytes = 2 * 1024 * 4096 * 2
     assert cc.memory_s(nbytes, h800) == pytest.approx(nbytes / 2.8475e12)
     assert math.isclose(cc.memory_s(0, h800), 0.0)
+
+
+def test_grouped_gemm_efficiency_curve_over_rows_per_expert(h800):
+    """Half-point 0 (the default): grouped_gemm at every expert size. Half-point H: half of
+    grouped_gemm at H rows per expert, 2/3 at 2H, over the smallest dimension of the GEMM."""
+    assert h800.efficiency.grouped_gemm_half_rows == 0
+    for rows in (16, 256, 4096):
+        assert cc.grouped_efficiency(rows, 1536, 2048, h800) == h800.efficiency.grouped_gemm
+    curved = h800.model_copy(update={"efficiency": h800.efficiency.model_copy(
+        update={"grouped_gemm_half_rows": 128.0})})
+    peak = h800.efficiency.grouped_gemm
+    assert cc.grouped_efficiency(128, 1536, 2048, curved) == pytest.approx(peak / 2)
+    assert cc.grouped_efficiency(256, 1536, 2048, curved) == pytest.approx(peak * 2 / 3)
+    # the weight gradient's reduction runs over the rows: the same size, the same efficiency
+    assert cc.grouped_efficiency(2048, 1536, 128, curved) == pytest.approx(peak / 2)
+    # compute-bound experts take 1 / efficiency as long
+    flat = cc.grouped_gemm_s(8, 4096, 14336, 4096, h800, Precision.bf16)
+    slow = cc.grouped_gemm_s(8, 4096, 14336, 4096, curved, Precision.bf16)
+    assert slow == pytest.approx(flat * (4096 + 128) / 4096)

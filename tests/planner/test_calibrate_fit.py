@@ -3,12 +3,17 @@ generates with them (synthetic data, so the truth is known)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 import cost_models
 from cost_models import comm
 from planner.calibrate import (
+    calibrate,
     fit_compute,
+    fit_kernels,
     fit_links,
     on,
     predicted_classes,
@@ -88,3 +93,53 @@ def test_a_fused_profile_fits_the_fused_factor_and_keeps_elementwise():
     assert "elementwise" not in fit
     for name, value in truth.items():
         assert fit[name] == pytest.approx(value, rel=0.02), name
+
+
+# ---- the micro-benchmark fits -------------------------------------------------------------------
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from fidelity_fixture import TRUTH as FIXTURE_TRUTH  # noqa: E402
+from fidelity_fixture import synthetic_sweep  # noqa: E402
+
+KERNEL_FACTORS = ("gemm", "grouped_gemm", "grouped_gemm_half_rows", "attention", "elementwise")
+TRUTH = {k: FIXTURE_TRUTH[k] for k in KERNEL_FACTORS}
+
+
+def test_kernel_fits_recover_the_factors_and_the_grouped_gemm_curve():
+    base = catalog.load_cluster("h200")
+    fit = fit_kernels(synthetic_sweep(with_efficiency(base, **TRUTH)), base)
+    assert set(fit) == set(TRUTH)
+    for name in ("gemm", "grouped_gemm", "attention", "elementwise"):
+        assert fit[name] == pytest.approx(TRUTH[name], rel=0.01), name
+    assert fit["grouped_gemm_half_rows"] == pytest.approx(TRUTH["grouped_gemm_half_rows"],
+                                                          rel=0.05)
+
+
+def test_kernel_fits_under_noise_stay_near_the_truth():
+    """A +-5% wobble on every row moves no factor by more than a few percent."""
+    base = catalog.load_cluster("h200")
+    fit = fit_kernels(synthetic_sweep(with_efficiency(base, **TRUTH), noise=0.05), base)
+    for name in ("gemm", "grouped_gemm", "attention", "elementwise"):
+        assert fit[name] == pytest.approx(TRUTH[name], rel=0.04), name
+    assert fit["grouped_gemm_half_rows"] == pytest.approx(120, rel=0.3)
+
+
+def test_a_curve_without_size_dependence_is_fitted_as_none():
+    base = catalog.load_cluster("h200")
+    flat = {**TRUTH, "grouped_gemm_half_rows": 0.0}
+    fit = fit_kernels(synthetic_sweep(with_efficiency(base, **flat)), base)
+    assert fit["grouped_gemm_half_rows"] < 2
+    assert fit["grouped_gemm"] == pytest.approx(0.66, rel=0.01)
+
+
+def test_with_micro_benchmarks_the_profiled_step_sets_only_elementwise():
+    base = catalog.load_cluster("h200")
+    truth = with_efficiency(base, **{**TRUTH, "elementwise": 0.2})
+    plan = catalog.load_plan(PLAN)
+    wall = cost_models.evaluate(executed_plan(on(plan, truth))).step_time_s
+    profile = Profile(step_wall_s=wall, class_s={}, slowest=[])
+    sweep = synthetic_sweep(truth)
+    sweep = Sweep(world=2, rows=[r for r in sweep.rows if r.op != SweepOp.layer_op])
+    cal = calibrate(profile, plan, base, "fitted", sweep)
+    assert cal.factors["elementwise"] == pytest.approx(0.2, rel=0.02)
+    assert cal.factors["grouped_gemm"] == pytest.approx(TRUTH["grouped_gemm"], rel=0.01)

@@ -88,3 +88,20 @@ def test_profile_refuses_a_plan_for_several_gpus(tmp_path):
                        timeout=180)
     assert r.returncode == 2 and r.stderr.strip().startswith("error: degrees:")
     assert "Traceback" not in r.stderr and not (tmp_path / "r.json").exists()
+
+
+def test_train_step_measures_several_plans_in_one_launch(tmp_path):
+    """--plans: each plan of the launch's world size measured in the same processes, one
+    result per plan file; a plan for another GPU count is skipped."""
+    names = {"a": make_plan(sp=2, ep=2), "b": make_plan(dp=2, ep=2), "one": make_plan()}
+    for name, plan in names.items():
+        (tmp_path / f"{name}.json").write_text(plan.model_dump_json())
+    out = tmp_path / "results"
+    r = _torchrun("train_step.py", "--plans", *(str(tmp_path / f"{n}.json") for n in names),
+                  "--steps", "1", "--warmup", "1", "--out-dir", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["train_step_a.json", "train_step_b.json"]
+    for name in ("a", "b"):
+        res = json.loads((out / f"train_step_{name}.json").read_text())
+        assert res["plan_summary"] == names[name].summary() and res["world"] == 2
+        assert res["measured_steps"] == 1 and res["step_time_s"] > 0

@@ -1,0 +1,88 @@
+"""bench/fidelity_report.py: the committed docs/fidelity.md is what the committed results give,
+and the whole pipeline (fit on micro-benchmarks only, price the suite's plans, table, targets)
+works end to end on synthetic results generated from the cost model (tests/bench/
+fidelity_fixture.py: a test fixture, never committed as results)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "bench"), str(Path(__file__).parent)]
+
+import fidelity_report  # noqa: E402
+from fidelity_cases import CASES, PROFILED, plan_path  # noqa: E402
+from fidelity_fixture import true_cluster, write_suite  # noqa: E402
+
+
+def test_the_committed_document_is_current():
+    text, _ = fidelity_report.render()
+    assert fidelity_report.DOC.read_text() == text, (
+        "docs/fidelity.md is stale: run python bench/fidelity_report.py")
+
+
+def test_every_suite_plan_is_written_by_the_generator():
+    for name, build in CASES.items():
+        assert plan_path(name).read_text() == build().model_dump_json(indent=2) + "\n", name
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """Results 3% off the truth, both signs; peak memory 1% above the prediction."""
+    results = tmp_path_factory.mktemp("fidelity")
+    write_suite(results, {n: plan_path(n) for n in CASES}, true_cluster(), noise=0.03,
+                profiled=PROFILED)
+    return results
+
+
+def test_the_fit_on_micro_benchmarks_recovers_the_truth_and_the_table_meets_the_targets(
+        synthetic, tmp_path):
+    at_scale = tmp_path / "at_scale.md"
+    at_scale.write_text("# At scale\n\nthe scale12 section\n")
+    text, s = fidelity_report.render(synthetic, at_scale)
+    assert s["measured"] == len(CASES) >= 12 and s["missing"] == 0
+    assert s["median_abs"] == pytest.approx(0.03, abs=0.01)
+    assert s["worst_abs"] < 0.05 and s["slow"] > 0 and s["fast"] > 0
+    assert s["memory_lowest"] == pytest.approx(-0.01, abs=0.002)
+    assert fidelity_report.meets(s)
+    for name in CASES:
+        assert f"| {name} |" in text
+    assert "## At scale\n\n## At scale\n\nthe scale12 section" in text
+    # the profiled step set elementwise; the fit without it is reported beside
+    assert f"Fitted from `calibration_h200.json`, `profile_{PROFILED}.json`" in text
+    assert "Fitted from the micro-benchmarks alone" in text
+    doc = tmp_path / "fidelity.md"
+    assert fidelity_report.main(["--check", "--results", str(synthetic), "--doc",
+                                 str(doc)]) == 0
+    assert doc.read_text() == fidelity_report.render(synthetic)[0]
+
+
+def test_check_fails_on_a_missed_target(tmp_path):
+    """15% off every plan: the worst error misses 10% and --check exits 1."""
+    write_suite(tmp_path, {n: plan_path(n) for n in CASES}, true_cluster(), noise=0.15)
+    _, s = fidelity_report.render(tmp_path)
+    assert s["worst_abs"] > fidelity_report.WORST and not fidelity_report.meets(s)
+    assert fidelity_report.main(["--check", "--results", str(tmp_path), "--doc",
+                                 str(tmp_path / "d.md")]) == 1
+
+
+def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
+    """h200_fidelity: the sweep first, then every case of bench/fidelity_cases.py in the launch
+    of its GPU count, results where the report reads them."""
+    from campaign import Script, load_manifest
+
+    campaign = load_manifest().campaigns["h200_fidelity"]
+    assert ROOT / campaign.results == fidelity_report.RESULTS
+    first = campaign.steps[0]
+    assert isinstance(first, Script) and first.script == "bench/calibrate_gpu.py"
+    assert first.result == fidelity_report.SWEEP
+    launched = {}
+    for step in campaign.steps:
+        if isinstance(step, Script) and step.script == "bench/train_step.py":
+            plans = step.args[step.args.index("--plans") + 1:]
+            for p in plans:
+                launched[Path(p).stem] = step.ranks()
+    assert launched == {n: build().degrees.world for n, build in CASES.items()}
