@@ -52,8 +52,14 @@ def test_megascale_layout_beats_megatron_on_the_paper_job():
     result = search(catalog.load_model("internal-352b"), catalog.load_cluster("h800", gpus=1440),
                     TrainingSpec(global_batch=720, seq_len=8192), top=1)
     best = result.best.plan
-    assert best.attention.kind == "ulysses_sp" and best.ffn.kind == "ep"
-    assert best.degrees.sp == 8 and best.degrees.ep == 8
+    assert best.attention.kind == "ulysses_sp" and best.degrees.sp == 8
+    # the paper's layout, EP = 8 for the experts, is within 2% of the best: with expert load
+    # priced at the busiest EP rank (cost_models.skew) expert TP over 4 ranks edges it out
+    ep = search(catalog.load_model("internal-352b"), catalog.load_cluster("h800", gpus=1440),
+                TrainingSpec(global_batch=720, seq_len=8192),
+                SearchSpace(ffn=(FFNKind.ep,)), top=1, with_baseline=False).best
+    assert ep.plan.degrees.sp == 8 and ep.plan.degrees.ep == 8
+    assert ep.evaluation.step_time_s < 1.02 * result.best.evaluation.step_time_s
     assert result.baseline.plan.attention.kind == "tp"
     assert 1.3 < result.speedup < 2.5  # the paper measured 1.88x
     assert 0.3 < result.best.evaluation.mfu < 0.6
