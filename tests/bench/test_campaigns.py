@@ -131,3 +131,16 @@ def test_old_train_step_results_say_zero1_and_read_as_optimizer_sharding(tmp_pat
     path = tmp_path / "r.json"
     path.write_text(json.dumps({**doc, "zero1": False}))
     assert read(TrainStepResult, path, "r").optimizer_sharding == "none"
+
+
+def test_the_performance_doc_is_current():
+    """docs/performance.md is what bench/performance_report.py makes of the committed
+    results (and every train step it lists was measured)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "performance_report", ROOT / "bench" / "performance_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert (ROOT / "docs" / "performance.md").read_text() == report.render()
+    assert "not measured" not in "\n".join(report.step_table())

@@ -1,0 +1,188 @@
+"""The runtime's speed, from the committed H200 results: docs/performance.md.
+
+    python bench/performance_report.py [--check]
+
+Reads bench/results/h200 (train steps, the MoE layer against torchtitan's, the fused operators)
+and writes docs/performance.md; ``--check`` exits 1 when the committed doc is stale. No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "h200"
+DOC = ROOT / "docs" / "performance.md"
+
+STEPS = (
+    # (layout, variant, train_step result stem)
+    ("1 GPU", "eager, mbs 1 (8 micro-batches)", "mixtral2l_1gpu"),
+    ("1 GPU", "eager, mbs 8 (one micro-batch)", "mixtral2l_1gpu_mbs8"),
+    ("1 GPU", "fused, mbs 8", "mixtral2l_1gpu_mbs8_fused"),
+    ("dp2 x ep2", "eager a2a, mbs 1, serial", "mixtral2l_dp2_ep2"),
+    ("dp2 x ep2", "+ overlapped gradient sync", "mixtral2l_dp2_ep2_gsync"),
+    ("dp2 x ep2", "+ inter-op overlapped MoE (no sync overlap)", "mixtral2l_dp2_ep2_interop"),
+    ("dp2 x ep2", "eager ag+rs, mbs 4", "mixtral2l_dp2_ep2_ag_mbs4"),
+    ("dp2 x ep2", "fused ag+rs, mbs 4", "mixtral2l_dp2_ep2_ag_mbs4_fused"),
+    ("dp2 x ep2", "fused + sync overlap + inter-op, ag+rs, mbs 4", "mixtral2l_dp2_ep2_ag_mbs4_all"),
+    ("sp2 x ep2", "eager a2a, mbs 1", "mixtral2l_sp2_ep2_a2a"),
+    ("sp2 x ep2", "eager ag+rs, mbs 1", "mixtral2l_sp2_ep2_ag"),
+    ("sp2 x ep2", "eager ag+rs, mbs 8", "mixtral2l_sp2_ep2_ag_mbs8"),
+    ("sp2 x ep2", "fused ag+rs, mbs 8", "mixtral2l_sp2_ep2_ag_mbs8_fused"),
+    ("sp2 x ep2", "fused + sync overlap + inter-op, ag+rs, mbs 8", "mixtral2l_sp2_ep2_ag_mbs8_all"),
+    ("pp2", "eager, mbs 1", "mixtral2l_pp2"),
+)
+TARGETS = {"1 GPU": ("MFU >= 50%", None, 0.50), "dp2 x ep2": ("<= 215 ms", 0.215, 0.45),
+           "sp2 x ep2": ("<= 250 ms", 0.250, 0.45)}
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def step_table() -> list[str]:
+    lines = ["| layout | variant | step ms | MFU | commit |", "|---|---|---:|---:|---|"]
+    for layout, variant, stem in STEPS:
+        r = _load(f"train_step_{stem}")
+        if r is None:
+            lines.append(f"| {layout} | {variant} | not measured | | |")
+            continue
+        lines.append(f"| {layout} | {variant} | {r['step_time_s'] * 1e3:.1f} | "
+                     f"{r['mfu']:.1%} | {r.get('commit', '?')} |")
+    return lines
+
+
+def targets() -> list[str]:
+    lines = ["| layout | target | best measured | met |", "|---|---|---|---|"]
+    for layout, (text, step_s, mfu) in TARGETS.items():
+        runs = [r for lay, _, stem in STEPS if lay == layout
+                and (r := _load(f"train_step_{stem}")) is not None]
+        best = min(runs, key=lambda r: r["step_time_s"])
+        met = (best["mfu"] >= mfu) if step_s is None else (
+            best["step_time_s"] <= step_s and best["mfu"] >= mfu)
+        extra = "" if step_s is None else f" and MFU >= {mfu:.0%}"
+        lines.append(f"| {layout} | {text}{extra} | {best['step_time_s'] * 1e3:.1f} ms, "
+                     f"MFU {best['mfu']:.1%} | {'yes' if met else 'no'} |")
+    return lines
+
+
+def layer_table() -> list[str]:
+    lines = ["| GPUs | shape | dispatcher | serial ms | inter-op ms | compute alone ms | "
+             "comm alone ms | inter-op / max(alone) | torchtitan ms | ours vs torchtitan |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for world in ("x1", "x2"):
+        doc = _load(f"moe_layer_{world}")
+        if doc is None:
+            continue
+        for shape, row in doc["shapes"].items():
+            peer = row.get("peer", {})
+            peer_ms = f"{peer['fwd_bwd_s'] * 1e3:.2f}" if peer.get("status") == "ok" else \
+                "unavailable"
+            for disp in ("local", "a2a", "ag_rs"):
+                if disp not in row:
+                    continue
+                t = row[disp]["fwd_bwd_s"]
+                serial = t["serial"]
+                speed = (f"{peer['fwd_bwd_s'] / serial:.2f}x" if peer.get("status") == "ok"
+                         else "-")
+                inter = f"{t['inter_op'] * 1e3:.2f}" if "inter_op" in t else "-"
+                comm = f"{t['comm_alone'] * 1e3:.2f}" if "comm_alone" in t else "-"
+                ratio = (f"{t['overlap_target']['ratio']:.2f}"
+                         if "overlap_target" in t else "-")
+                lines.append(f"| {doc['world']} | {shape} | {disp} | {serial * 1e3:.2f} | "
+                             f"{inter} | {t['compute_alone'] * 1e3:.2f} | {comm} | {ratio} | "
+                             f"{peer_ms} | {speed} |")
+    return lines
+
+
+def fused_table() -> list[str]:
+    doc = _load("fused_ops_mixtral")
+    if doc is None:
+        return ["(not measured)"]
+    lines = ["| operator | eager fwd+bwd ms | fused fwd+bwd ms | speed-up | fused share of HBM "
+             "peak |", "|---|---:|---:|---:|---:|"]
+    for name, row in doc["ops"].items():
+        e, f = row["eager"]["fwd_bwd_s"], row["fused"]["fwd_bwd_s"]
+        lines.append(f"| {name} | {e * 1e3:.3f} | {f * 1e3:.3f} | {e / f:.2f}x | "
+                     f"{row['fused']['fwd_bwd_hbm_fraction']:.0%} |")
+    return lines
+
+
+def render() -> str:
+    return "\n".join([
+        "# Runtime performance on H200",
+        "",
+        "Generated by `python bench/performance_report.py` from the committed results in "
+        "`bench/results/h200`. Reduced Mixtral-8x7B (2 layers, full width), global batch 8 x "
+        "4,096 tokens, bf16, `bench/train_step.py` (mean of 5 steps after 2 warm-up steps; MFU "
+        "from the model's FLOPs at 989 TFLOP/s per GPU). Rerun on the device machines: "
+        "`bash bench/run_campaign.sh h200_x2_runtime` (fused kernels, overlapped gradient sync, "
+        "inter-operator overlap and their serial twins, bf16 parity), `h200_x2_steps`, "
+        "`h200_1gpu_steps`, `h200_x2_final` (the MoE layer against torchtitan 0.3.0).",
+        "",
+        "## Training steps",
+        "",
+        *step_table(),
+        "",
+        "## Issue 11's step targets",
+        "",
+        *targets(),
+        "",
+        "## One MoE layer, forward + backward (16,384 tokens per rank)",
+        "",
+        "`bench/moe_layer_gpu.py`: eager kernels; 'inter-op' is `overlap: inter_op` (two token "
+        "chunks, dispatch and combine on a communication stream beside the expert GEMMs); the "
+        "overlap target is inter-op within 1.1x of max(compute alone, communication alone). "
+        "torchtitan 0.3.0's `MoE` is the peer on 1 GPU; its EP = 2 set-up did not build on "
+        "torch 2.11 (the reason is in the JSON).",
+        "",
+        *layer_table(),
+        "",
+        "## Fused memory-bound operators (Mixtral-8x7B shapes, 16k tokens)",
+        "",
+        "`bench/fused_ops_gpu.py`: each operator eager against its `torch.compile` region "
+        "(`runtime/kernels.py`).",
+        "",
+        *fused_table(),
+        "",
+        "## Mechanisms not kept or not built",
+        "",
+        "- Inter-operator overlap (`overlap: inter_op`) is executed and passes bf16 parity, but "
+        "on 2 H200s it measured slower than serial in the train step (dp2 x ep2: 272.0 against "
+        "259.1 ms) and no faster per layer: NCCL on a side stream beside a full-GPU grouped "
+        "GEMM slows the GEMM as much as it hides (the lesson of the earlier spike). The search "
+        "prices it by the same two-chunk schedule.",
+        "- Intra-operator (tile-fused) overlap is not built: torch's symmetric-memory fused "
+        "all-gather-matmul and matmul-reduce-scatter measured no gain on 2 H200s; "
+        "`inter_intra_op` runs as `inter_op`.",
+        "- Gradient-accumulation fusion stays `runs_as false`: `torch._grouped_mm` cannot "
+        "accumulate into the main gradient; the whole-batch micro-batch (mbs 8 on 1 GPU, "
+        "mbs 4 on dp2) removes the accumulation passes instead.",
+        "",
+    ])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 when docs/performance.md is "
+                                                        "stale")
+    args = p.parse_args()
+    text = render()
+    if args.check:
+        if not DOC.exists() or DOC.read_text() != text:
+            print("docs/performance.md is stale: python bench/performance_report.py",
+                  file=sys.stderr)
+            return 1
+        print("docs/performance.md current")
+        return 0
+    DOC.write_text(text)
+    print(f"-> {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
