@@ -193,7 +193,12 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
         data = rows(results, cal)
         s = summary(data)
         parts += ["## Step time and peak memory\n", plan_table(data) + "\n",
-                  summary_text(s) + "\n"]
+                  summary_text(s) + "\n",
+                  "Peak memory of a plan measured after others in the same launch "
+                  "(`bench/train_step.py --plans`: the 2-GPU plans after the first) includes what "
+                  "the earlier plans left reserved on the device; their memory errors say "
+                  "nothing about the model. The plans measured in a launch of their own, and the "
+                  "memory suite (`docs/memory.md`), are the memory check.\n"]
         if len(used) > 1:
             alone, _ = fit(results, with_profile=False)
             parts.append("Fitted from the micro-benchmarks alone (elementwise from the runtime's "
