@@ -48,15 +48,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median seconds of ``fn`` on this rank after ``warmup`` calls. Ranks line up at a barrier
-    before each repeat, so a collective's time does not include waiting for a late peer."""
+def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+          barrier: bool = True) -> float:
+    """Median seconds of ``fn`` on this rank after ``warmup`` calls. With ``barrier`` ranks line
+    up before each repeat, so a collective's time does not include waiting for a late peer
+    (without: kernels each rank times alone)."""
     for _ in range(warmup):
         fn()
     _sync(device)
     times = []
     for _ in range(repeats):
-        if dist.is_initialized():
+        if barrier and dist.is_initialized():
             dist.barrier()
         _sync(device)
         if device.type == "cuda":

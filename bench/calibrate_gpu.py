@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -103,30 +102,9 @@ class Grid:
         self.repeats, self.warmup = 15, 3
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
     """Median seconds of ``fn`` on this rank (no barrier: kernels run on each rank alone)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return _dist_bench.timed(fn, device, warmup, repeats, barrier=False)
 
 
 def fwd_bwd(fn: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...]

@@ -22,24 +22,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from memory_cases import reduced_plan  # noqa: E402
 
 from plans import (  # noqa: E402
-    EPFFN,
     Degrees,
     Dispatch,
     Kernels,
-    Overlap,
     PipelineSchedule,
     Plan,
-    Precision,
     Recompute,
     TrainingSpec,
-    UlyssesAttention,
-    catalog,
 )
 
-SHAPES = {"mixtral2l": ("mixtral-8x7b", 2), "qwen4l": ("qwen3-30b-a3b", 4),
-          "deepseek4l": ("deepseekmoe", 4)}
 TRAINING = TrainingSpec(global_batch=8, seq_len=4096)
 CLUSTER = "h200"
 OUT = Path(__file__).resolve().parent / "gpu_plans" / "fidelity"
@@ -52,20 +48,10 @@ INTERLEAVED = PipelineSchedule.interleaved_1f1b
 def case(shape: str, degrees: Degrees = ONE_GPU, mbs: int = 1,
          recompute: Recompute = Recompute.none, dispatch: Dispatch = A2A,
          **kw) -> Callable[[], Plan]:
-    def build() -> Plan:
-        name, layers = SHAPES[shape]
-        full = catalog.load_model(name)
-        model = full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
-        chunks = degrees.pp * degrees.vpp
-        base = dict(
-            model=model, cluster=catalog.load_cluster(CLUSTER, gpus=degrees.world),
-            training=TRAINING, degrees=degrees, attention=UlyssesAttention(),
-            ffn=EPFFN(dispatch=dispatch), stage_layers=(layers // chunks,) * chunks,
-            micro_batch_size=mbs, overlap=Overlap.none, recompute=recompute,
-            grad_sync_precision=Precision.bf16, kernels=Kernels.eager,
-        )
-        return Plan(**{**base, **kw})
-    return build
+    """A fidelity-suite plan: the memory suite's reduced models (memory_cases.reduced_plan) at
+    this suite's batch, as the runtime executes them today (eager kernels)."""
+    return lambda: reduced_plan(shape, degrees, mbs, recompute, dispatch, TRAINING, CLUSTER,
+                                **{"kernels": Kernels.eager, **kw})
 
 
 CASES: dict[str, Callable[[], Plan]] = {

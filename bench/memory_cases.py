@@ -41,23 +41,30 @@ CLUSTER = "h200-runtime"
 ONE_GPU = Degrees()
 
 
+def reduced_plan(shape: str, degrees: Degrees, mbs: int, recompute: Recompute,
+                 dispatch: Dispatch, training: TrainingSpec, cluster: str, **kw) -> Plan:
+    """A reduced-depth model of ``shape`` (SHAPES) under Ulysses SP attention and EP experts,
+    no overlap, bf16 gradient sync; ``kw`` replaces any other plan field."""
+    name, layers = SHAPES[shape]
+    full = catalog.load_model(name)
+    model = full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
+    chunks = degrees.pp * degrees.vpp
+    base = dict(
+        model=model, cluster=catalog.load_cluster(cluster, gpus=degrees.world),
+        training=training, degrees=degrees, attention=UlyssesAttention(),
+        ffn=EPFFN(dispatch=dispatch), stage_layers=(layers // chunks,) * chunks,
+        micro_batch_size=mbs, overlap=Overlap.none, recompute=recompute,
+        grad_sync_precision=Precision.bf16,
+    )
+    return Plan(**{**base, **kw})
+
+
 def case(shape: str, degrees: Degrees = ONE_GPU, mbs: int = 1,
          recompute: Recompute = Recompute.none, dispatch: Dispatch = Dispatch.all_to_all,
          **kw) -> Callable[[], Plan]:
-    def build() -> Plan:
-        name, layers = SHAPES[shape]
-        full = catalog.load_model(name)
-        model = full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
-        chunks = degrees.pp * degrees.vpp
-        base = dict(
-            model=model, cluster=catalog.load_cluster(CLUSTER, gpus=degrees.world),
-            training=TRAINING, degrees=degrees, attention=UlyssesAttention(),
-            ffn=EPFFN(dispatch=dispatch), stage_layers=(layers // chunks,) * chunks,
-            micro_batch_size=mbs, overlap=Overlap.none, recompute=recompute,
-            grad_sync_precision=Precision.bf16, cross_entropy=CrossEntropy.chunked,
-        )
-        return Plan(**{**base, **kw})
-    return build
+    """A memory-suite plan: the chunked loss unless ``kw`` says otherwise."""
+    return lambda: reduced_plan(shape, degrees, mbs, recompute, dispatch, TRAINING, CLUSTER,
+                                **{"cross_entropy": CrossEntropy.chunked, **kw})
 
 
 AG = Dispatch.allgather_reduce_scatter
