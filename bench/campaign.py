@@ -1,12 +1,13 @@
 """Run one measurement campaign of bench/campaigns.yaml: the runner of every device call.
 
-    python3 bench/campaign.py NAME [--dry-run] [--manifest bench/campaigns.yaml]
+    python3 bench/campaign.py NAME [--only STEP ...] [--dry-run] [--manifest bench/campaigns.yaml]
     bash bench/run_campaign.sh NAME      # on a GPU machine: environment and wheels first
 
 Each step runs under a timeout (its own, capped by what is left of the campaign's budget; a
 step that cannot get 40 s is skipped), logs to <results>/<step>.log, and after every step the
 results folder is packed into $OUT/results.tgz. A result a step wrote is read back as its typed
-document (plans/results.py) and reported. --dry-run prints the commands and checks the
+document (plans/results.py) and reported. --only runs the named steps of the campaign alone (to
+remeasure a few results in one device call). --dry-run prints the commands and checks the
 manifest (every plan exists and fits the campaign's GPUs) without running anything.
 """
 
@@ -208,6 +209,15 @@ def load_manifest(path: Path = MANIFEST) -> Manifest:
         raise SpecError(f"{path}: {describe(e)}") from None
 
 
+def only(campaign: Campaign, names: list[str]) -> Campaign:
+    """The campaign cut to the named steps, in the manifest's order."""
+    have = [s.name for s in campaign.steps]
+    if unknown := [n for n in names if n not in have]:
+        raise SpecError(f"--only: no step {unknown[0]!r} in the campaign (have "
+                        f"{', '.join(have)})")
+    return campaign.model_copy(update={"steps": [s for s in campaign.steps if s.name in names]})
+
+
 def check(campaign: Campaign) -> list[str]:
     """Problems that would fail a step before it measures anything: a missing plan or script,
     a step needing more GPUs than the campaign has."""
@@ -286,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("name", help="a campaign of the manifest")
     p.add_argument("--manifest", type=Path, default=MANIFEST)
+    p.add_argument("--only", nargs="+", metavar="STEP",
+                   help="run only these steps of the campaign (names as --dry-run prints them)")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     try:
@@ -294,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError(f"campaign: {args.name!r} is not in {args.manifest} (have "
                             f"{', '.join(manifest.campaigns)})")
         campaign = manifest.campaigns[args.name]
+        if args.only:
+            campaign = only(campaign, args.only)
         if problems := check(campaign):
             raise SpecError(f"campaign {args.name}: {problems[0]}")
     except SpecError as e:

@@ -63,6 +63,16 @@ def test_a_bad_manifest_or_a_step_too_big_for_the_campaign_is_refused(tmp_path, 
     assert campaign.main(["nope", "--dry-run"]) == 2
 
 
+def test_only_cuts_a_campaign_to_named_steps_and_names_an_unknown_one(capsys):
+    assert campaign.main(["h200_fidelity", "--only", "train_step_qwen4l_pp2_mbs2",
+                          "calibration", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["calibration", "train_step_qwen4l_pp2_mbs2"]
+    assert campaign.main(["h200_fidelity", "--only", "nope", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only: no step 'nope' in the campaign") and "calibration" in err
+
+
 def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "runtime"))
     from dist_workers import make_plan

@@ -70,9 +70,10 @@ def test_check_fails_on_a_missed_target(tmp_path):
 
 
 def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
-    """h200_fidelity: the sweep first, then every case of bench/fidelity_cases.py in the launch
-    of its GPU count, results where the report reads them."""
-    from campaign import Script, load_manifest
+    """h200_fidelity: the sweep first, then every case of bench/fidelity_cases.py on its GPU
+    count, results where the report reads them; every 2-GPU plan in a launch of its own (the
+    peak memory of a plan measured after others in one launch carries theirs)."""
+    from campaign import Script, TrainStep, load_manifest
 
     campaign = load_manifest().campaigns["h200_fidelity"]
     assert ROOT / campaign.results == fidelity_report.RESULTS
@@ -85,4 +86,7 @@ def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
             plans = step.args[step.args.index("--plans") + 1:]
             for p in plans:
                 launched[Path(p).stem] = step.ranks()
+            assert all(CASES[Path(p).stem]().degrees.world == 1 for p in plans)
+        elif isinstance(step, TrainStep) and step.stem in CASES:
+            launched[step.stem] = step.ranks()
     assert launched == {n: build().degrees.world for n, build in CASES.items()}
