@@ -194,11 +194,11 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
         s = summary(data)
         parts += ["## Step time and peak memory\n", plan_table(data) + "\n",
                   summary_text(s) + "\n",
-                  "Peak memory of a plan measured after others in the same launch "
-                  "(`bench/train_step.py --plans`: the 2-GPU plans after the first) includes what "
-                  "the earlier plans left reserved on the device; their memory errors say "
-                  "nothing about the model. The plans measured in a launch of their own, and the "
-                  "memory suite (`docs/memory.md`), are the memory check.\n"]
+                  "Each 2-GPU plan is measured in a launch of its own: in one `bench/train_step.py "
+                  "--plans` launch, the peaks of the 2-GPU plans after the first carried device "
+                  "memory the earlier plans left (up to +97 GiB, at eaedfae), which no model of "
+                  "one plan predicts. The 1-GPU plans share one launch; their peaks showed no "
+                  "such carry-over.\n"]
         if len(used) > 1:
             alone, _ = fit(results, with_profile=False)
             parts.append("Fitted from the micro-benchmarks alone (elementwise from the runtime's "
