@@ -314,6 +314,10 @@ def explain(
     measured: Annotated[Path | None, typer.Option(
         "--measured", help="A measured step of this plan (bench/train_step.py's result JSON): "
         "predicted and measured seconds per runtime component, side by side.")] = None,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="Price the plan on this cluster (catalog name or spec file) instead "
+        "of its own, at the plan's GPU count: e.g. the calibrated h200-runtime a run was "
+        "measured on.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Time breakdown per layer and per step, memory breakdown and critical path of a plan;
@@ -324,7 +328,7 @@ def explain(
     Examples:
       moeplan explain plan.json
       moeplan explain plan.json --json
-      moeplan explain plan.json --measured train_step.json
+      moeplan explain plan.json --measured train_step.json --cluster h200-runtime
     """
     import cost_models
     from planner.report import (
@@ -335,6 +339,10 @@ def explain(
     )
 
     loaded = plans.catalog.load_plan(plan)
+    if cluster is not None:
+        from planner.calibrate import on
+
+        loaded = on(loaded, plans.catalog.load_cluster(cluster))
     if measured is not None:
         from planner.measured import compare
 

@@ -27,7 +27,7 @@ SURFACE = {
                   '--out <path>',
                   '--force <bool>',
                   '--json <bool>'],
-    'explain': ['PLAN', '--measured <path>', '--json <bool>'],
+    'explain': ['PLAN', '--measured <path>', '--cluster <text>', '--json <bool>'],
     'validate': ['PLAN'],
     'whatif': [   'MODEL',
                   'CLUSTER',

@@ -117,3 +117,22 @@ def test_a_file_that_is_not_a_result_is_refused(tmp_path):
     no_components.write_text(json.dumps({**doc, "components_s": {}}))
     one_line_error(runner.invoke(app, ["explain", plan, "--measured", str(no_components)]),
                    "components_s")
+
+
+def test_cluster_prices_the_plan_on_a_calibrated_spec_and_a_bad_one_is_one_line():
+    """--cluster h200-runtime: the run held against the cluster it was measured on, the plan's
+    GPU count kept; an unknown cluster is refused in one line."""
+    plan_path, run_path = paths("mixtral2l_sp2_ep2_a2a")
+    plan = catalog.load_plan(plan_path)
+    calibrated = catalog.load_cluster("h200-runtime", gpus=plan.cluster.gpus)
+    expected = evaluate(executed_plan(plan.model_copy(update={"cluster": calibrated})))
+    assert expected.step_time_s != pytest.approx(evaluate(executed_plan(plan)).step_time_s)
+    doc = json.loads(runner.invoke(app, ["explain", str(plan_path), "--measured", str(run_path),
+                                         "--cluster", "h200-runtime", "--json"]).output)
+    step = next(r for r in doc["measured"]["components"] if r["component"] == STEP)
+    assert step["predicted_s"] == pytest.approx(expected.step_time_s)
+    assert doc["job"]["cluster"] == calibrated.name and doc["job"]["gpus"] == plan.cluster.gpus
+    bad = runner.invoke(app, ["explain", str(plan_path), "--cluster", "nope"])
+    assert bad.exit_code == 2
+    lines = [ln for ln in bad.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0]
