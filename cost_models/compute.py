@@ -18,6 +18,15 @@ FULL_SPEED_K = 256
 ACT_BYTES = Precision.bf16.bytes
 """Activations between kernels are bf16 (fp8 training casts only at GEMM inputs)."""
 FP32_BYTES = Precision.fp32.bytes
+CE_FWD_BYTES_PER_LOGIT = ACT_BYTES + FP32_BYTES + 4 * FP32_BYTES
+"""The runtime's cross-entropy forward over bf16 logits (runtime.loss): the fp32 cast (read
+bf16, write fp32), then log-softmax over rows too long for shared memory (a vocabulary of
+32k-152k fp32 logits: PyTorch's multi-pass softmax reads the row for its max, for its sum of
+exponentials and for the output, and writes the output); the NLL gather is negligible."""
+CE_BWD_BYTES_PER_LOGIT = FP32_BYTES + 4 * FP32_BYTES + FP32_BYTES + ACT_BYTES
+"""Its backward: the NLL gradient (a zero-filled fp32 tensor, one write), the log-softmax
+backward (reads the gradient for its row sum, then the gradient and the saved output, writes
+the input gradient) and the cast back to bf16 (read fp32, write bf16)."""
 ATTENTION_BWD_FLOP_RATIO = 2.5
 """FlashAttention backward FLOPs / forward FLOPs: dQ, dK, dV, dP plus the recomputed S = QK^T
 (FlashAttention-2 paper, Sec. 3.1.2: 5 matmuls in backward against 2 in forward)."""
@@ -71,9 +80,11 @@ def depth_efficiency(k: float) -> float:
 
 
 def _gemm_s(
-    m: float, n: float, k: float, groups: int, peak_eff: float,
+    m: float, n: float, k: float, groups: int, peak_eff: float, launch_us: float,
     cluster: ClusterSpec, precision: Precision,
 ) -> float:
+    """One GEMM call: its fixed ``launch_us``, then its tiles at the tensor-core rate or its
+    operands at the HBM rate, whichever is longer."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     shape_eff = tile_efficiency(m, n, cluster.gpu.sms, groups) * depth_efficiency(k)
@@ -81,7 +92,7 @@ def _gemm_s(
     compute_s = flops / (tensor_tflops(cluster, precision) * 1e12 * peak_eff * shape_eff)
     in_bytes = precision.bytes if precision == Precision.fp8 else ACT_BYTES
     traffic = groups * ((m * k + k * n) * in_bytes + m * n * ACT_BYTES)
-    return max(compute_s, memory_s(traffic, cluster))
+    return launch_us * 1e-6 + max(compute_s, memory_s(traffic, cluster))
 
 
 def backward_gemms(m: float, n: float, k: float
@@ -93,7 +104,8 @@ def backward_gemms(m: float, n: float, k: float
 
 def gemm_s(m: float, n: float, k: float, cluster: ClusterSpec, precision: Precision) -> float:
     """C[m, n] = A[m, k] B[k, n] at ``efficiency.gemm`` of peak, less shape losses."""
-    return _gemm_s(m, n, k, 1, cluster.efficiency.gemm, cluster, precision)
+    eff = cluster.efficiency
+    return _gemm_s(m, n, k, 1, eff.gemm, eff.gemm_launch_us, cluster, precision)
 
 
 def grouped_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> float:
@@ -117,7 +129,8 @@ def grouped_gemm_s(
     if m_per_group <= 0 or n <= 0 or k <= 0:
         return 0.0
     peak = grouped_efficiency(m_per_group, n, k, cluster)
-    return _gemm_s(m_per_group, n, k, groups, peak, cluster, precision)
+    launch = cluster.efficiency.grouped_gemm_launch_us
+    return _gemm_s(m_per_group, n, k, groups, peak, launch, cluster, precision)
 
 
 def expert_tokens(tokens: float, top_k: int, experts: int, capacity_factor: float | None) -> float:

@@ -82,16 +82,18 @@ def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: in
 @lru_cache(maxsize=1024)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int) -> EdgeCost:
     """Final RMSNorm, LM-head GEMM (bf16 also in fp8 training) over b s/(sp cp) rows and
-    vocab/tp columns, and the cross-entropy (read bf16 logits, write fp32 probabilities; the
-    backward reads them and writes bf16 logit gradients). Under TP the norm output is
-    all-gathered first (reduce-scattered back in backward)."""
+    vocab/tp columns, and the cross-entropy (its passes over the logits:
+    cost_models.compute.CE_FWD_BYTES_PER_LOGIT and CE_BWD_BYTES_PER_LOGIT). Under TP the norm
+    output is all-gathered first (reduce-scattered back in backward)."""
     c, m, t = cluster, model, tokens
     rows = t * tp
     ag = comm.all_gather_s(rows * m.hidden * AB, comm.group_layout(tp, 1, c.node.gpus_per_node), c)
-    logits = rows * m.vocab / tp * (AB + cc.FP32_BYTES)
+    logits = rows * m.vocab / tp
     gemm_fwd, gemm_bwd = head_gemm_s(model, cluster, tokens, tp)
-    fwd = cc.memory_s(2 * t * m.hidden * AB, c) + ag + gemm_fwd + cc.memory_s(logits, c)
-    bwd = cc.memory_s(logits, c) + gemm_bwd + ag + cc.memory_s(3 * t * m.hidden * AB, c)
+    fwd = (cc.memory_s(2 * t * m.hidden * AB, c) + ag + gemm_fwd
+           + cc.memory_s(logits * cc.CE_FWD_BYTES_PER_LOGIT, c))
+    bwd = (cc.memory_s(logits * cc.CE_BWD_BYTES_PER_LOGIT, c) + gemm_bwd + ag
+           + cc.memory_s(3 * t * m.hidden * AB, c))
     return EdgeCost(fwd, bwd)
 
 

@@ -270,20 +270,49 @@ def fit_peak(rows: Sequence[SweepRow], base: ClusterSpec, factor: str, **fixed: 
                    MIN_FACTOR, 1.0)
 
 
+def fit_launch(rows: Sequence[SweepRow], base: ClusterSpec, factor: str, launch: str,
+               **fixed: float) -> dict[str, float]:
+    """Efficiency ``factor`` and the fixed time per call ``launch`` (us) best fitting ``rows``
+    (others as ``fixed``). A call's time is its launch plus its FLOPs at the peak fraction
+    (cost_models.compute), so each row is n L + W / peak, n its calls and W its work at full
+    peak, both read off the cost model: least squares of the relative error is linear in L and
+    1 / peak and solved in closed form; the peak is then refined on log time with L fixed."""
+    at = dict(fixed)
+    full = with_efficiency(base, **at, **{factor: 1.0, launch: 0.0})
+    per_us = with_efficiency(base, **at, **{factor: 1.0, launch: 1.0})
+    work = [row_seconds(r, full) / r.measured_s for r in rows]
+    calls = [(row_seconds(r, per_us) - row_seconds(r, full)) / r.measured_s for r in rows]
+    # minimise sum (calls_i L + work_i x - 1)^2 over L >= 0, x = 1 / peak
+    saa = sum(c * c for c in calls)
+    sab = sum(c * w for c, w in zip(calls, work, strict=True))
+    sbb = sum(w * w for w in work)
+    sa, sb = sum(calls), sum(work)
+    det = saa * sbb - sab * sab
+    us = max(0.0, (sa * sbb - sb * sab) / det) if det > 0 else 0.0
+    us = float(f"{us:.3g}")
+    return {factor: fit_peak(rows, base, factor, **at, **{launch: us}), launch: us}
+
+
+def fit_gemm(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
+    """gemm and gemm_launch_us over the dense GEMMs."""
+    return fit_launch(rows, base, "gemm", "gemm_launch_us")
+
+
 def fit_grouped(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
-    """grouped_gemm and grouped_gemm_half_rows: the half-point on a grid, then refined between
-    its neighbours, each with its best peak."""
-    def best(half: float) -> tuple[float, float]:
-        peak = fit_peak(rows, base, "grouped_gemm", grouped_gemm_half_rows=half)
-        fitted = with_efficiency(base, grouped_gemm=peak, grouped_gemm_half_rows=half)
-        return log_error(rows, fitted), peak
+    """grouped_gemm, grouped_gemm_launch_us and grouped_gemm_half_rows: the half-point on a
+    grid, then refined between its neighbours, each with its best launch time and peak."""
+    def best(half: float) -> tuple[float, dict[str, float]]:
+        fit = fit_launch(rows, base, "grouped_gemm", "grouped_gemm_launch_us",
+                         grouped_gemm_half_rows=half)
+        fitted = with_efficiency(base, **fit, grouped_gemm_half_rows=half)
+        return log_error(rows, fitted), {**fit, "grouped_gemm_half_rows": half}
 
     errors = [best(h)[0] for h in HALF_ROWS_GRID]
     i = min(range(len(errors)), key=errors.__getitem__)
     lo, hi = HALF_ROWS_GRID[max(0, i - 1)], HALF_ROWS_GRID[min(len(errors) - 1, i + 1)]
     half = _golden(lambda h: best(h)[0], lo, hi, tol=max(0.5, (hi - lo) / 200)) if hi > lo else lo
     half = HALF_ROWS_GRID[i] if errors[i] <= best(half)[0] else half
-    return {"grouped_gemm": best(half)[1], "grouped_gemm_half_rows": half}
+    return best(half)[1]
 
 
 def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> float | None:
@@ -307,7 +336,7 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
     """Compute and layer memory-bound factors from the sweep's shaped rows (those it has)."""
     factors: dict[str, float] = {}
     if rows := kernel_rows(sweep, SweepOp.gemm):
-        factors["gemm"] = fit_peak(rows, base, "gemm")
+        factors.update(fit_gemm(rows, base))
     if rows := kernel_rows(sweep, SweepOp.grouped_mm):
         factors.update(fit_grouped(rows, base))
     # the runtime's attention core where the sweep has it (RoPE and the GQA expansion are

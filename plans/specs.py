@@ -312,6 +312,14 @@ class Efficiency(Frozen):
     throughput falls to half of ``grouped_gemm``: small experts run their tiles' prologues,
     epilogues and group scheduling over little work (cost_models.compute.grouped_efficiency).
     0: no dependence on the expert size (the uncalibrated default)."""
+    gemm_launch_us: Annotated[float, Field(ge=0, le=1e6)] = 0.0
+    """Fixed time of one dense GEMM call beside its FLOPs: the kernel's launch, prologue and
+    epilogue, and the host's dispatch of the call, which the GPU waits for when the call's
+    work is small (cost_models.compute). Fitted by `moeplan calibrate` to GEMMs timed one call
+    at a time over shapes; 0: throughput only (the uncalibrated default)."""
+    grouped_gemm_launch_us: Annotated[float, Field(ge=0, le=1e6)] = 0.0
+    """The same for one grouped (expert) GEMM call: the runtime's call also computes the
+    experts' row offsets, and the kernel schedules every group's tiles."""
     attention: Fraction = 0.60
     """FlashAttention throughput / peak."""
     hbm: Fraction = 0.85

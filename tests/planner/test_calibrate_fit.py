@@ -101,7 +101,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from fidelity_fixture import TRUTH as FIXTURE_TRUTH  # noqa: E402
 from fidelity_fixture import synthetic_sweep  # noqa: E402
 
-KERNEL_FACTORS = ("gemm", "grouped_gemm", "grouped_gemm_half_rows", "attention", "elementwise")
+KERNEL_FACTORS = ("gemm", "gemm_launch_us", "grouped_gemm", "grouped_gemm_half_rows",
+                  "grouped_gemm_launch_us", "attention", "elementwise")
 TRUTH = {k: FIXTURE_TRUTH[k] for k in KERNEL_FACTORS}
 
 
@@ -113,6 +114,8 @@ def test_kernel_fits_recover_the_factors_and_the_grouped_gemm_curve():
         assert fit[name] == pytest.approx(TRUTH[name], rel=0.01), name
     assert fit["grouped_gemm_half_rows"] == pytest.approx(TRUTH["grouped_gemm_half_rows"],
                                                           rel=0.05)
+    for name in ("gemm_launch_us", "grouped_gemm_launch_us"):
+        assert fit[name] == pytest.approx(TRUTH[name], abs=1.0), name
 
 
 def test_kernel_fits_under_noise_stay_near_the_truth():
@@ -122,6 +125,8 @@ def test_kernel_fits_under_noise_stay_near_the_truth():
     for name in ("gemm", "grouped_gemm", "attention", "elementwise"):
         assert fit[name] == pytest.approx(TRUTH[name], rel=0.04), name
     assert fit["grouped_gemm_half_rows"] == pytest.approx(120, rel=0.3)
+    for name in ("gemm_launch_us", "grouped_gemm_launch_us"):
+        assert fit[name] == pytest.approx(TRUTH[name], abs=5.0), name
 
 
 def test_a_curve_without_size_dependence_is_fitted_as_none():
