@@ -67,7 +67,9 @@ def _release_groups() -> None:
 
     dist.barrier()
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and getattr(obj, "_post_accumulate_grad_hooks", None):
+        # type(), not isinstance(): a dead weakref.proxy (torch.compile keeps some) raises
+        if issubclass(type(obj), torch.Tensor) and getattr(obj, "_post_accumulate_grad_hooks",
+                                                           None):
             obj._post_accumulate_grad_hooks.clear()
     gc.collect()
     for pg in [pg for pg in _world.pg_map if pg is not dist.GroupMember.WORLD]:
