@@ -1,22 +1,40 @@
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+# the runtime tests import dist_workers (and the pools, tests/conftest.py, dist_pool) from here
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dist_pool import DistPool  # noqa: E402
 
+@pytest.fixture
+def train_here(capsys, monkeypatch):
+    """``python -m runtime.train ARGS`` as rank 0 of ``world`` run in this process (no worker
+    to start, no torch to import again; one rank trains without a process group), one thread
+    like the pools' ranks and the launches under OMP_NUM_THREADS=1, so its steps are
+    bit-identical to theirs. Returns the exit code and output as a CompletedProcess."""
+    import torch
 
-@pytest.fixture(scope="session")
-def pool2():
-    pool = DistPool(2)
-    yield pool
-    pool.close()
+    from runtime.memory import ALLOCATOR_CONF
+    from runtime.train import main
 
+    # main sets it if unset (configure_allocator); restored afterwards
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF",
+                       os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_CONF))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
 
-@pytest.fixture(scope="session")
-def pool4():
-    pool = DistPool(4)
-    yield pool
-    pool.close()
+    def run(*args: str, world: int = 1) -> subprocess.CompletedProcess:
+        assert world == 1 or "--check" in args, "several ranks train in a pool, not here"
+        for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", world), ("RANK", 0),
+                            ("LOCAL_RANK", 0)):
+            monkeypatch.setenv(name, str(value))
+        capsys.readouterr()
+        code = main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["runtime.train", *args], code, out.out, out.err)
+
+    yield run
+    torch.set_num_threads(threads)

@@ -100,12 +100,6 @@ def test_sigkill_of_a_worker_then_resume_matches_uninterrupted_run(tmp_path):
     assert all(killed[s] == full[s] for s in killed if s in full)
 
 
-def _train_one(*args: str) -> subprocess.CompletedProcess:
-    env = {**_env(), "WORLD_SIZE": "1", "RANK": "0"}
-    return subprocess.run([sys.executable, "-m", "runtime.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 def _truncate(root: Path) -> None:
     data = max((p for p in root.rglob("*.distcp")), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -134,12 +128,12 @@ DAMAGE = {
 }
 
 
-def test_damaged_checkpoints_are_detected_and_skipped(tmp_path):
+def test_damaged_checkpoints_are_detected_and_skipped(train_here, tmp_path):
     plan = tmp_path / "p.json"
     plan.write_text(make_plan().model_dump_json())
     ck = tmp_path / "ck"
     base = ["--plan", str(plan), "--ckpt-dir", str(ck)]
-    r = _train_one(*base, "--steps", "2", "--ckpt-every", "1")
+    r = train_here(*base, "--steps", "2", "--ckpt-every", "1")
     assert r.returncode == 0, r.stderr
     assert checkpoint.verify(ck / "step-2") is None
     pristine = tmp_path / "pristine"
@@ -151,7 +145,7 @@ def test_damaged_checkpoints_are_detected_and_skipped(tmp_path):
         problem = checkpoint.verify(ck / "step-2")
         assert problem is not None and words in problem, (name, problem)
     # the last damage kind, end to end: reported in one line, the previous checkpoint is used
-    r = _train_one(*base, "--steps", "3", "--resume")
+    r = train_here(*base, "--steps", "3", "--resume")
     assert r.returncode == 0, r.stderr
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "step-2" in warnings[0] and "damaged" in warnings[0]

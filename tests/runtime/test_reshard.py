@@ -8,9 +8,6 @@ one-rank tensors, and joined back exactly."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -20,14 +17,7 @@ from dist_workers import make_plan
 from plans.enums import OptimizerSharding
 from runtime import checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--lr", "1e-2", "--per-expert-balance", "--seed", "3"]  # plans: optimizer_sharding none
-
-
-def _one(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "runtime.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def _losses(log: Path) -> dict[int, float]:
@@ -43,38 +33,38 @@ def _stored(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_one_rank_pp2_one_rank_resumes_bit_exactly(pool2, tmp_path):
+def test_one_rank_pp2_one_rank_resumes_bit_exactly(pool2, train_here, tmp_path):
     # one rank and pp2 run bit-identical steps on CPU: a run handed between them through its
     # checkpoints has the uninterrupted run's losses to the last bit
     one, pp2 = tmp_path / "one.json", tmp_path / "pp2.json"
     one.write_text(make_plan().model_dump_json())
     pp2.write_text(make_plan(pp=2, stage_layers=(2, 2)).model_dump_json())
     ck, logs = tmp_path / "ck", {n: tmp_path / f"{n}.jsonl" for n in ("ref", "pp2", "one")}
-    r = _one("--plan", str(one), *COMMON, "--steps", "4", "--log", str(logs["ref"]))
+    r = train_here("--plan", str(one), *COMMON, "--steps", "4", "--log", str(logs["ref"]))
     assert r.returncode == 0, r.stderr
     ref = _losses(logs["ref"])
-    r = _one("--plan", str(one), *COMMON, "--ckpt-dir", str(ck), "--steps", "2",
-             "--ckpt-every", "2")
+    r = train_here("--plan", str(one), *COMMON, "--ckpt-dir", str(ck), "--steps", "2",
+                   "--ckpt-every", "2")
     assert r.returncode == 0, r.stderr
     assert pool2.run("dist_workers", "train_main",
                      ["--plan", str(pp2), *COMMON, "--ckpt-dir", str(ck), "--steps", "3",
                       "--ckpt-every", "1", "--resume", "--log", str(logs["pp2"])]) == [0, 0]
-    r = _one("--plan", str(one), *COMMON, "--ckpt-dir", str(ck), "--steps", "4", "--resume",
-             "--log", str(logs["one"]))
+    r = train_here("--plan", str(one), *COMMON, "--ckpt-dir", str(ck), "--steps", "4",
+                   "--resume", "--log", str(logs["one"]))
     assert r.returncode == 0, r.stderr
     assert "after step 3" in r.stdout
     assert _losses(logs["pp2"]) == {3: ref[3]}
     assert _losses(logs["one"]) == {4: ref[4]}
 
 
-def test_expert_and_data_parallel_resume_take_exact_slices(pool2, tmp_path):
+def test_expert_and_data_parallel_resume_take_exact_slices(pool2, train_here, tmp_path):
     # one rank's checkpoint loaded under dp2 x ep2: each rank holds its half of every expert
     # tensor (AdamW states too) and whole copies of the rest, bit for bit
     one, ep = make_plan(), make_plan(dp=2, ep=2)
     (tmp_path / "one.json").write_text(one.model_dump_json())
     ck = tmp_path / "ck"
-    r = _one("--plan", str(tmp_path / "one.json"), *COMMON, "--ckpt-dir", str(ck), "--steps",
-             "1", "--ckpt-every", "1")
+    r = train_here("--plan", str(tmp_path / "one.json"), *COMMON, "--ckpt-dir", str(ck),
+                   "--steps", "1", "--ckpt-every", "1")
     assert r.returncode == 0, r.stderr
     whole = _stored(ck / "step-1")
     ranks = pool2.run("dist_workers", "loaded_checkpoint", ep.model_dump_json(),
@@ -129,18 +119,16 @@ def _load_on_one_rank(plan, path: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in checkpoint.state_dict(trainer).items()}
 
 
-def test_zero1_checkpoints_are_not_resharded(tmp_path):
+def test_zero1_checkpoints_are_not_resharded(train_here, tmp_path):
     one, pp2 = tmp_path / "one.json", tmp_path / "pp2.json"
     zero1 = dict(optimizer_sharding=OptimizerSharding.zero1)
     one.write_text(make_plan(**zero1).model_dump_json())
     pp2.write_text(make_plan(pp=2, stage_layers=(2, 2), **zero1).model_dump_json())
     ck = tmp_path / "ck"
-    r = _one("--plan", str(one), "--ckpt-dir", str(ck), "--steps", "1", "--ckpt-every", "1")
+    r = train_here("--plan", str(one), "--ckpt-dir", str(ck), "--steps", "1", "--ckpt-every", "1")
     assert r.returncode == 0, r.stderr
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}
-    r = subprocess.run([sys.executable, "-m", "runtime.train", "--plan", str(pp2), "--ckpt-dir",
-                        str(ck), "--resume", "--steps", "2", "--check"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = train_here("--plan", str(pp2), "--ckpt-dir", str(ck), "--resume", "--steps", "2",
+                   "--check", world=2)
     assert r.returncode == 2, r.stderr
     line = r.stderr.strip()
     assert "\n" not in line and line.startswith("error: --resume:") and "ZeRO-1" in line
