@@ -108,6 +108,9 @@ PLANS["mixtral2l_dp2_ep2_interop"] = PLANS["mixtral2l_dp2_ep2"].model_copy(
 PLANS |= {f"{name}_gsync": with_gsync(PLANS[name])
           for name in ("mixtral2l_dp2_ep2", "mixtral2l_sp2_ep2_a2a", "mixtral2l_dp2_ep2_mbs4",
                        "mixtral2l_sp2_ep2_ag_mbs8")}
+# fused kernels with the overlapped gradient sync, serial MoE layer (campaign h200_speed13)
+PLANS |= {f"{name}_fused_gsync": with_gsync(PLANS[f"{name}_fused"])
+          for name in ("mixtral2l_dp2_ep2_ag_mbs4", "mixtral2l_sp2_ep2_ag_mbs8")}
 
 
 NODE_SIZES = (8, 2)

@@ -172,7 +172,15 @@ def build_peer(shape: dict, n: int, device, dtype, seed: int):
     peer = peer.to(dtype=dtype)
     if n > 1:
         from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.distributed.utils import set_spmd_backend
 
+        # torchtitan 0.3.0's default SPMD backend is "spmd_types": there the all-to-all
+        # dispatcher takes its group from the runtime mesh its trainer pushes
+        # (current_spmd_mesh().get_group("ep"), None without that trainer: "'NoneType' object
+        # has no attribute 'get_group'"), not from the wired ep_mesh. Its trainer sets the
+        # backend from parallelism.spmd_backend first; "partial_dtensor" (DTensor only on
+        # model-parallel axes; this layer has none) dispatches over the wired ep_mesh.
+        set_spmd_backend("partial_dtensor")
         mesh = init_device_mesh(device.type, (n,), mesh_dim_names=("ep",))
         peer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
     return peer

@@ -177,12 +177,17 @@ def evaluate(plan: Plan) -> Evaluation:
                                    eff.overlap, sharded) for i, gs in syncs)
     # The optimizer on the parameters whose states this GPU holds (its ZeRO-1 shard, or all
     # of them): cast the synchronised gradient slice to fp32 (unless it is fp32), read it,
-    # read and write master weights and states, read the masters and write the bf16 weights.
+    # read and write master weights and states, read the masters and write the bf16 weights;
+    # fused (Optimizer.runs_fused), one pass: read the gradient as it is, read and write
+    # masters and states, write the bf16 weights.
     shard = max(p.optimizer_shard(d, plan.optimizer_sharding) for p in stage_params_of(plan))
     grad_bytes = grad_bytes_per_param(plan.grad_sync_precision)
-    cast = grad_bytes + FP32_BYTES if grad_bytes != FP32_BYTES else 0
-    per_param = (cast + FP32_BYTES + 2 * plan.training.optimizer.state_bytes_per_param
-                 + FP32_BYTES + WEIGHT_BYTES)
+    state = 2 * plan.training.optimizer.state_bytes_per_param
+    if plan.training.optimizer.runs_fused(plan.kernels):
+        per_param = grad_bytes + state + WEIGHT_BYTES
+    else:
+        cast = grad_bytes + FP32_BYTES if grad_bytes != FP32_BYTES else 0
+        per_param = cast + FP32_BYTES + state + FP32_BYTES + WEIGHT_BYTES
     opt = memory_s(shard * per_param, c)
     breakdown[Component.grad_sync.value] = sync
     breakdown[Component.optimizer.value] = opt

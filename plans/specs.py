@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from plans.enums import Dispatch, Precision
+from plans.enums import Dispatch, Kernels, Precision
 
 
 class Frozen(BaseModel):
@@ -415,6 +415,12 @@ class Optimizer(StrEnum):
     def state_bytes_per_param(self) -> int:
         """fp32 master weights + optimizer moments (Adam: m and v)."""
         return {"adam": 12, "sgd": 4}[self.value]
+
+    def runs_fused(self, kernels: Kernels) -> bool:
+        """Whether the update is one compiled pass (runtime.kernels.adamw_step: the gradient
+        read in its own dtype, the weights written with the master): AdamW in the fused kernel
+        set. Otherwise torch's optimizer after a cast to fp32 and before a copy back."""
+        return self == Optimizer.adam and kernels == Kernels.fused
 
 
 class TrainingSpec(Frozen):

@@ -11,7 +11,10 @@ parallelism and no compiler:
   head dim, device) in its buffers (rope_tables);
 - swiglu: silu(a) x b;
 - route: softmax, top-k, renormalisation and the balance statistics in one pass;
-- gather_rows / weighted_scatter: the token permutation to expert order and back.
+- gather_rows / weighted_scatter: the token permutation to expert order and back;
+- adamw_step: the optimizer's AdamW update of a flat fp32 master slice from its gradient in the
+  gradient's own dtype, writing the updated weights in the parameter dtype in the same pass
+  (runtime.parallel.optimizer; eager: torch's fused AdamW after a cast and before a copy).
 
 Compiled regions are static-shaped (dynamic=False) where the shapes are the plan's (tokens,
 hidden, heads); the expert-row count varies from step to step under expert parallelism and
@@ -100,6 +103,44 @@ def weighted_scatter(
     w = weights.reshape(-1)[slots].to(rows.dtype).unsqueeze(1)
     out = rows.new_zeros(num_tokens, rows.shape[1])
     return out.index_add(0, torch.div(slots, k, rounding_mode="floor"), rows * w)
+
+
+def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, out: torch.Tensor | None, step: torch.Tensor,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW update in place (torch's fused AdamW formula, ``_fused_adamw_``): decoupled
+    decay, moments, bias corrections from ``step`` (already counted), then ``out`` (the
+    parameters, another dtype) gets the updated master. ``grad`` is read in its own dtype (a
+    bf16 main gradient needs no fp32 copy)."""
+    g = grad.float()
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    bias2_sqrt = (1 - beta2 ** step).sqrt()
+    master.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + eps))
+    if out is not None:
+        out.copy_(master)
+
+
+def fused_adamw_step(cuda: bool) -> Callable[..., None]:
+    """``adamw_step`` as one torch.compile region on CUDA: a single pass reading master,
+    gradient and moments and writing them and the parameters; flat buffers of every bucket
+    size share one graph (the length is dynamic). Elsewhere the same function eagerly (as
+    torch's own fused AdamW is CUDA-only): on CPU a process runs many models, and each view,
+    dtype and hyperparameter variant would be a recompilation of the one code object, up to
+    dynamo's recompile limit (8), a hard failure under fullgraph."""
+    if not cuda:
+        return adamw_step
+    compiled = torch.compile(adamw_step, fullgraph=True)
+
+    def call(master, grad, exp_avg, exp_avg_sq, out, *scalars) -> None:
+        for t in (master, grad, exp_avg, exp_avg_sq, out):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        compiled(master, grad, exp_avg, exp_avg_sq, out, *scalars)
+
+    return call
 
 
 # ---- the sets ---------------------------------------------------------------------------------

@@ -250,9 +250,10 @@ def all_reduce_(
 
 
 def start_reduce_scatter(
-    flat: torch.Tensor, group: dist.ProcessGroup, precision: Precision
+    flat: torch.Tensor, group: dist.ProcessGroup, precision: Precision, fp32: bool = True
 ) -> Finish:
-    """Launch ``reduce_scatter_sum``; the returned call waits and returns the fp32 block."""
+    """Launch ``reduce_scatter_sum``; the returned call waits and returns the block, in fp32
+    (``fp32``) or as the wire dtype delivers it (fp8's sums are fp32)."""
     if precision == Precision.fp8:
         return start_fp8_reduce_scatter(flat, group)
     wire = flat.to(SYNC_DTYPES[precision])
@@ -261,7 +262,7 @@ def start_reduce_scatter(
 
     def finish() -> torch.Tensor:
         work.wait()
-        return out.float()
+        return out.float() if fp32 else out
 
     return finish
 
