@@ -9,8 +9,9 @@ MoE shape at EP = 2: the experts' forward grouped GEMMs on the compute stream, a
 dispatch volume (the half of the routed rows that go to the peer) moved
 
 - by NCCL (`all_to_all_single`, the runtime's dispatcher) on a communication stream, and
-- by a peer copy into the peer's symmetric-memory buffer (`copy_` of a contiguous tensor is
-  one `cudaMemcpyAsync`, which the driver hands to a copy engine over NVLink) on a copy stream,
+- by a peer copy into the peer's receive buffer, opened here through CUDA IPC (`copy_` across
+  two GPUs is one `cudaMemcpyPeerAsync`, which a copy engine carries over NVLink) on a copy
+  stream,
 
 each alone and each beside the GEMMs. Overlap ratio = both together / max(each alone): 1.0 is
 perfect overlap, (a + b) / max(a, b) is none. A profiler pass records which device activity
@@ -78,23 +79,31 @@ def expert_forward(shape: Shape, device: torch.device, dtype: torch.dtype):
 
 
 def peer_copy(n: int, device: torch.device, dtype: torch.dtype):
-    """A copy of n elements into the peer's symmetric-memory buffer, or the reason there is
-    none here."""
+    """A copy of n elements into the peer's receive buffer, or the reason there is none here.
+    The peer's buffer is opened in this process through CUDA IPC (torch.multiprocessing's
+    reduce_tensor, the handle exchanged over the process group), so the copy is a
+    cudaMemcpyPeerAsync from this GPU to the peer's, which a copy engine carries over NVLink.
+    (torch 2.11's symmetric-memory buffer view failed cudaMemcpyAsync with 'invalid argument'
+    on the H200s: bench/results/h200/copy_engine_x2.log of 0a9d563.)"""
     if device.type != "cuda":
-        return None, "no symmetric memory on CPU"
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
+        return None, "no CUDA IPC on CPU"
+    from torch.multiprocessing.reductions import reduce_tensor
 
-        group = dist.group.WORLD
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-        buf = symm_mem.empty(n, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(buf, group.group_name)
-        peer = handle.get_buffer(1 - dist.get_rank(), (n,), dtype)
+    recv = torch.empty(n, device=device, dtype=dtype)
+    handles: list = [None] * dist.get_world_size()
+    dist.all_gather_object(handles, reduce_tensor(recv))
+    rebuild, args = handles[1 - dist.get_rank()]
+    try:
+        peer = rebuild(*args)
     except Exception as e:  # the mechanism is what is measured: record why it is missing
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     src = torch.randn(n, device=device, dtype=dtype)
-    return (lambda: peer.copy_(src)), None
+
+    def copy():
+        peer.copy_(src, non_blocking=True)
+        # this rank's receive buffer, which the peer writes into, lives as long as the copy
+        return recv
+    return copy, None
 
 
 def beside(compute, comm, stream: torch.cuda.Stream | None):
@@ -149,8 +158,13 @@ def measure(shape: Shape, device, dtype, warmup: int, repeats: int) -> dict:
     if copy is None:
         row["copy_engine"] = {"status": "unavailable", "reason": missing}
         return row
-    ce = t(copy)
-    ceb = t(beside(compute, copy, stream))
+    try:
+        ce = t(copy)
+        ceb = t(beside(compute, copy, stream))
+    except torch.AcceleratorError as e:
+        row["copy_engine"] = {"status": "failed",
+                              "reason": f"CUDA: {str(e).splitlines()[0][:200]}"}
+        return row
     row["copy_engine"] = {"status": "ok", "copy_s": ce, "copy_beside_compute_s": ceb,
                           "overlap_ratio": ceb / max(c, ce),
                           "gbps": half * send.element_size() / ce / 1e9,

@@ -36,7 +36,7 @@ def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_
         assert row["nccl_overlap_ratio"] == (
             row["nccl_beside_compute_s"] / max(row["compute_s"], row["nccl_s"]))
         assert row["copy_engine"] == {"status": "unavailable",
-                                      "reason": "no symmetric memory on CPU"}
+                                      "reason": "no CUDA IPC on CPU"}
 
 
 def test_one_rank_is_refused_in_one_line(tmp_path):
