@@ -18,21 +18,30 @@ RESULTS = ROOT / "bench" / "results" / "h200"
 DOC = ROOT / "docs" / "performance.md"
 
 STEPS = (
-    # (layout, variant, train_step result stem)
+    # (layout, variant, train_step result stem: "folder/stem" for a campaign's own folder)
     ("1 GPU", "eager, mbs 1 (8 micro-batches)", "mixtral2l_1gpu"),
     ("1 GPU", "eager, mbs 8 (one micro-batch)", "mixtral2l_1gpu_mbs8"),
     ("1 GPU", "fused, mbs 8", "mixtral2l_1gpu_mbs8_fused"),
+    ("1 GPU", "fused + fused AdamW step, mbs 8", "speed13/mixtral2l_1gpu_mbs8_fused"),
     ("dp2 x ep2", "eager a2a, mbs 1, serial", "mixtral2l_dp2_ep2"),
     ("dp2 x ep2", "+ overlapped gradient sync", "mixtral2l_dp2_ep2_gsync"),
     ("dp2 x ep2", "+ inter-op overlapped MoE (no sync overlap)", "mixtral2l_dp2_ep2_interop"),
     ("dp2 x ep2", "eager ag+rs, mbs 4", "mixtral2l_dp2_ep2_ag_mbs4"),
     ("dp2 x ep2", "fused ag+rs, mbs 4", "mixtral2l_dp2_ep2_ag_mbs4_fused"),
     ("dp2 x ep2", "fused + sync overlap + inter-op, ag+rs, mbs 4", "mixtral2l_dp2_ep2_ag_mbs4_all"),
+    ("dp2 x ep2", "fused + fused AdamW step, ag+rs, mbs 4",
+     "speed13/mixtral2l_dp2_ep2_ag_mbs4_fused"),
+    ("dp2 x ep2", "fused + fused AdamW + sync overlap, ag+rs, mbs 4",
+     "speed13/mixtral2l_dp2_ep2_ag_mbs4_fused_gsync"),
     ("sp2 x ep2", "eager a2a, mbs 1", "mixtral2l_sp2_ep2_a2a"),
     ("sp2 x ep2", "eager ag+rs, mbs 1", "mixtral2l_sp2_ep2_ag"),
     ("sp2 x ep2", "eager ag+rs, mbs 8", "mixtral2l_sp2_ep2_ag_mbs8"),
     ("sp2 x ep2", "fused ag+rs, mbs 8", "mixtral2l_sp2_ep2_ag_mbs8_fused"),
     ("sp2 x ep2", "fused + sync overlap + inter-op, ag+rs, mbs 8", "mixtral2l_sp2_ep2_ag_mbs8_all"),
+    ("sp2 x ep2", "fused + fused AdamW step, ag+rs, mbs 8",
+     "speed13/mixtral2l_sp2_ep2_ag_mbs8_fused"),
+    ("sp2 x ep2", "fused + fused AdamW + sync overlap, ag+rs, mbs 8",
+     "speed13/mixtral2l_sp2_ep2_ag_mbs8_fused_gsync"),
     ("pp2", "eager, mbs 1", "mixtral2l_pp2"),
 )
 TARGETS = {"1 GPU": ("MFU >= 50%", None, 0.50), "dp2 x ep2": ("<= 215 ms", 0.215, 0.45),
@@ -44,10 +53,16 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _step(stem: str) -> dict | None:
+    """The train_step result of ``stem`` ("folder/stem" when a campaign wrote its own folder)."""
+    folder, _, name = stem.rpartition("/")
+    return _load(f"{folder}/train_step_{name}" if folder else f"train_step_{name}")
+
+
 def step_table() -> list[str]:
     lines = ["| layout | variant | step ms | MFU | commit |", "|---|---|---:|---:|---|"]
     for layout, variant, stem in STEPS:
-        r = _load(f"train_step_{stem}")
+        r = _step(stem)
         if r is None:
             lines.append(f"| {layout} | {variant} | not measured | | |")
             continue
@@ -60,7 +75,7 @@ def targets() -> list[str]:
     lines = ["| layout | target | best measured | met |", "|---|---|---|---|"]
     for layout, (text, step_s, mfu) in TARGETS.items():
         runs = [r for lay, _, stem in STEPS if lay == layout
-                and (r := _load(f"train_step_{stem}")) is not None]
+                and (r := _step(stem)) is not None]
         best = min(runs, key=lambda r: r["step_time_s"])
         met = (best["mfu"] >= mfu) if step_s is None else (
             best["step_time_s"] <= step_s and best["mfu"] >= mfu)
@@ -112,6 +127,25 @@ def fused_table() -> list[str]:
     return lines
 
 
+def copy_engine_table() -> list[str]:
+    doc = _load("copy_engine_x2")
+    if doc is None:
+        return ["(not measured)"]
+    lines = ["| shape | MiB to peer | GEMMs alone ms | NCCL alone ms | NCCL beside ms | ratio | "
+             "peer copy alone ms | peer copy beside ms | ratio | copy GB/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        ce = r["copy_engine"]
+        cells = ([f"{ce['copy_s'] * 1e3:.2f}", f"{ce['copy_beside_compute_s'] * 1e3:.2f}",
+                  f"{ce['overlap_ratio']:.2f}", f"{ce['gbps']:.0f}"] if ce["status"] == "ok"
+                 else [ce["status"], "", "", ""])
+        lines.append(f"| {r['shape']['name']} | {r['bytes_to_peer'] / 2**20:.0f} | "
+                     f"{r['compute_s'] * 1e3:.2f} | {r['nccl_s'] * 1e3:.2f} | "
+                     f"{r['nccl_beside_compute_s'] * 1e3:.2f} | {r['nccl_overlap_ratio']:.2f} | "
+                     + " | ".join(cells) + " |")
+    return lines
+
+
 def render() -> str:
     return "\n".join([
         "# Runtime performance on H200",
@@ -122,7 +156,9 @@ def render() -> str:
         "from the model's FLOPs at 989 TFLOP/s per GPU). Rerun on the device machines: "
         "`bash bench/run_campaign.sh h200_x2_runtime` (fused kernels, overlapped gradient sync, "
         "inter-operator overlap and their serial twins, bf16 parity), `h200_x2_steps`, "
-        "`h200_1gpu_steps`, `h200_x2_final` (the MoE layer against torchtitan 0.3.0).",
+        "`h200_1gpu_steps`, `h200_x2_final` (the MoE layer against torchtitan 0.3.0), "
+        "`h200_speed13` (the fused AdamW step: `kernels: fused` with AdamW updates master, "
+        "moments and bf16 weights in one compiled pass reading the bf16 gradient).",
         "",
         "## Training steps",
         "",
@@ -137,8 +173,11 @@ def render() -> str:
         "`bench/moe_layer_gpu.py`: eager kernels; 'inter-op' is `overlap: inter_op` (two token "
         "chunks, dispatch and combine on a communication stream beside the expert GEMMs); the "
         "overlap target is inter-op within 1.1x of max(compute alone, communication alone). "
-        "torchtitan 0.3.0's `MoE` is the peer on 1 GPU; its EP = 2 set-up did not build on "
-        "torch 2.11 (the reason is in the JSON).",
+        "torchtitan 0.3.0's `MoE` is the peer on 1 GPU. At EP = 2 it does not run on the "
+        "device machines' torch 2.11: first its default SPMD backend found no mesh (`'NoneType' "
+        "object has no attribute 'get_group'`); with the backend its trainer sets "
+        "(`partial_dtensor`) it needs `torch.compiler._is_non_strict_tracing`, which torch 2.11 "
+        "lacks (`speed13/moe_layer_x2.json`).",
         "",
         *layer_table(),
         "",
@@ -148,6 +187,23 @@ def render() -> str:
         "(`runtime/kernels.py`).",
         "",
         *fused_table(),
+        "",
+        "## Copy-engine transfers, measured alone (EP = 2)",
+        "",
+        "`bench/copy_engine_gpu.py` (step `copy_engine_x2` of `h200_moe_layer`): the experts' "
+        "forward grouped GEMMs on the compute stream; the dispatch volume to the peer moved by "
+        "NCCL's all-to-all on a side stream, or by a peer copy (`copy_` into the peer's buffer "
+        "opened through CUDA IPC) on a copy stream; ratio = together / max(each alone).",
+        "",
+        *copy_engine_table(),
+        "",
+        "The peer copy leaves the GEMMs alone (ratio 1.00-1.05) but moves about 32 GB/s, 8x "
+        "slower than NCCL alone: the rate of a copy staged through host memory (the profiler "
+        "names its activity `Memcpy DtoH` / `HtoD`), not of a peer-to-peer copy over NVLink. Torch 2.11's symmetric-memory "
+        "buffer view, which would give a direct peer copy, failed `cudaMemcpyAsync` with "
+        "'invalid argument' on these machines (`copy_engine_x2.log` at 0a9d563). NCCL beside "
+        "the Qwen3-shaped GEMMs hides nothing (ratio 1.52). So no copy-engine dispatcher is "
+        "built on this mechanism.",
         "",
         "## Mechanisms not kept or not built",
         "",
