@@ -88,8 +88,12 @@ def test_recompute_costs_order_and_selective_hides_behind_comm(node_plan):
 
 def test_scale_up_ratio_predicts_hidden_ep_communication(node_plan):
     # With fused GEMM+communication only max(0, comm - gemm) + fill is exposed: R > 1 hides
-    # EP dispatch/combine except the fill, R < 1 leaves comm - gemm exposed.
+    # EP dispatch/combine except the fill, R < 1 leaves comm - gemm exposed. R (paper Sec. 7)
+    # weighs the routed experts against their dispatch: Table 2's routed shape, without the
+    # shared expert, whose GEMMs would hide part of a slow dispatch as well.
     plan = node_plan("internal-352b", overlap=Overlap.inter_intra_op)
+    routed = plan.model.model_copy(update={"shared_experts": 0, "shared_expert_ffn_hidden": 0})
+    plan = plan.model_copy(update={"model": routed})
     fast = plan.cluster
     slow = fast.model_copy(update={"node": fast.node.model_copy(update={"nvlink_gb_s": 20})})
     assert scale_up_ratio(plan.model, fast, 8) > 1 > scale_up_ratio(plan.model, slow, 8)

@@ -115,10 +115,11 @@ def test_352b_breakdown_by_hand(plan_352b):
     assert c["optimizer"] == pytest.approx(12 * (p.dense / 96 + p.expert / 12))
     # per token (1024 per rank), selective: norms 2 x 10 h; q, k, v and the core's output
     # 2 (q_dim + 2 kv_dim) + 2 q_dim; router 4 E + 12 k; expert rows k (2 h + 8 F) x EP load
-    # 1.1 + 4 k h; layer output 2 h; 4 layers x 15 micro-batches in flight on stage 0
+    # 1.1 + 4 k h; the shared expert's SwiGLU intermediates 8 F; layer output 2 h; 4 layers
+    # x 15 micro-batches in flight on stage 0
     h, q, kv, f, k = 4096, 4096, 1024, 14336, 3
     per_token = (20 * h + 2 * (q + 2 * kv) + 2 * q + 4 * 32 + 12 * k
-                 + k * (2 * h + 8 * f) * 1.1 + 4 * k * h + 2 * h)
+                 + k * (2 * h + 8 * f) * 1.1 + 4 * k * h + 8 * f + 2 * h)
     assert c["activations"] == pytest.approx(15 * 4 * per_token * 1024)
     assert mem.capacity_bytes == pytest.approx(80 * GIB * 0.92)
 
