@@ -199,11 +199,11 @@ def render() -> str:
         "",
         "The peer copy leaves the GEMMs alone (ratio 1.00-1.05) but moves about 32 GB/s, 8x "
         "slower than NCCL alone: the rate of a copy staged through host memory (the profiler "
-        "names its activity `Memcpy DtoH` / `HtoD`), not of a peer-to-peer copy over NVLink. Torch 2.11's symmetric-memory "
-        "buffer view, which would give a direct peer copy, failed `cudaMemcpyAsync` with "
-        "'invalid argument' on these machines (`copy_engine_x2.log` at 0a9d563). NCCL beside "
-        "the Qwen3-shaped GEMMs hides nothing (ratio 1.52). So no copy-engine dispatcher is "
-        "built on this mechanism.",
+        "names its activity `Memcpy DtoH` / `HtoD`), not of a peer-to-peer copy over NVLink. "
+        "Torch 2.11's symmetric-memory buffer view, which would give a direct peer copy, "
+        "failed `cudaMemcpyAsync` with 'invalid argument' on these machines "
+        "(`copy_engine_x2.log` at 0a9d563). NCCL beside the Qwen3-shaped GEMMs hides nothing "
+        "(ratio 1.52). So no copy-engine dispatcher is built on this mechanism.",
         "",
         "## Mechanisms not kept or not built",
         "",
