@@ -59,16 +59,38 @@ def fit(results: Path, with_profile: bool = True) -> tuple[Calibration, list[str
     return cal, used
 
 
-def rows(results: Path, cal: Calibration) -> list[dict]:
+def rows(results: Path, cal: Calibration, measured_skew: bool = False) -> list[dict]:
     """One row per suite plan: fidelity_row on the calibrated cluster, or unmeasured."""
     out = []
     for name in CASES:
         run = results / f"train_step_{name}.json"
         if run.exists():
-            out.append({"case": name, **fidelity_row(run, plan_path(name), cal.cluster)})
+            out.append({"case": name, **fidelity_row(run, plan_path(name), cal.cluster,
+                                                     measured_skew=measured_skew)})
         else:
             out.append({"case": name, "missing": True})
     return out
+
+
+def skew_text(plain: list[dict], skewed: list[dict]) -> str:
+    """The suite priced with the routing skew each run logged, beside the balanced router the
+    plans state: which EP plans move, and how far."""
+    def ep(rows):
+        return {r["case"]: r["step_error"] for r in rows
+                if not r.get("missing") and " ep1 " not in r["layout"]}
+    skews = [r["measured_skew"] for r in skewed if r.get("measured_skew")]
+    if not skews:
+        return "No run logged its routing skew (`routing_skew`).\n"
+    before, after = ep(plain), ep(skewed)
+    moved = "; ".join(f"{c} {before[c]:+.0%} -> {after[c]:+.0%}" for c in sorted(before))
+    return ("Priced with the routing skew each run logged (`routing_skew`: the busiest expert's "
+            "routed tokens over the mean, taken as the plan's `training.routing_skew` where the "
+            "plans state 1, a balanced router; the suite's freshly initialised routers measure "
+            f"{min(skews):.1f} to {max(skews):.1f}): "
+            + summary_text(summary(skewed)) + " Only the plans with EP > 1 move (the busiest "
+            "EP rank's load, derived from the expert-level skew by `cost_models.skew`): "
+            + moved + ". A measurement of the busiest rank's rows would replace the "
+            "derivation.\n")
 
 
 def summary(data: list[dict]) -> dict:
@@ -238,6 +260,7 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                   "memory the earlier plans left (up to +97 GiB, at eaedfae), which no model of "
                   "one plan predicts. The 1-GPU plans share one launch; their peaks showed no "
                   "such carry-over.\n"]
+        parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         if len(used) > 1:
             alone, _ = fit(results, with_profile=False)
             parts.append("Fitted from the micro-benchmarks alone (elementwise from the runtime's "

@@ -443,6 +443,9 @@ class Measured:
     components_s: dict[str, float]
     steps: int
     commit: str | None
+    routing_skew: float | None = None
+    """Max / mean routed tokens per expert the run logged (TrainingSpec.routing_skew's
+    measurement); None where the run did not log it."""
 
 
 def measured_run(path: Path, skip: int = 2) -> Measured:
@@ -452,7 +455,8 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         r = read(TrainStepResult, path, "--runs")
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
-        return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit)
+        return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
+                        r.routing_skew)
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
@@ -479,13 +483,18 @@ def runs_with_plans(runs: Path, plans: Path) -> list[tuple[Path, Path]]:
 
 
 def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
-                 skip: int = 2) -> dict:
+                 skip: int = 2, measured_skew: bool = False) -> dict:
     """One measured run against the cost model's prediction for the plan as executed, on the
-    plan's own cluster or on ``cluster`` (a calibrated spec of the same machines)."""
+    plan's own cluster or on ``cluster`` (a calibrated spec of the same machines). With
+    ``measured_skew`` the plan's ``training.routing_skew`` is the one the run logged: how
+    unevenly the run's router loaded the experts is the workload's, like its batch."""
     m = measured_run(run, skip)
     plan = catalog.load_plan(plan_path)
     if cluster is not None:
         plan = on(plan, cluster)
+    if measured_skew and m.routing_skew is not None:
+        plan = plan.model_copy(update={"training": plan.training.model_copy(
+            update={"routing_skew": max(1.0, m.routing_skew)})})
     e = cost_models.evaluate(executed_plan(plan))
     return {
         "plan": plan_path.stem,
@@ -507,4 +516,5 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
         "steps_used": m.steps,
         "run": str(run),
         "run_commit": m.commit,
+        "measured_skew": m.routing_skew,
     }
