@@ -27,7 +27,7 @@ SURFACE = {
                   '--out <path>',
                   '--force <bool>',
                   '--json <bool>'],
-    'explain': ['PLAN', '--measured <path>', '--cluster <text>', '--json <bool>'],
+    'explain': ['PLAN', '--measured <path>', '--cluster <str>', '--json <bool>'],
     'validate': ['PLAN'],
     'whatif': [   'MODEL',
                   'CLUSTER',

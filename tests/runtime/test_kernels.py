@@ -115,4 +115,6 @@ def test_fused_adamw_zero1_loss_curve_follows_single_process(pool2):
     for curve in curves:
         for got, want in zip(curve, expect, strict=True):
             assert abs(got - want) / want < LOSS_RTOL, (curve, expect)
-    assert expect[-1] < expect[0]
+    # the second step's loss is on another batch: it need not fall, but it must differ from
+    # what the initial weights give there (the update ran)
+    assert expect[1] != reference_trainer(plan).train_step(1).loss
