@@ -152,6 +152,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     if world > 1:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, (components, peak, reserved, skews))
+    trainer.close()  # its process groups: a launch measures several plans
     if rank != 0:
         return None
     step_time = sum(times) / len(times)

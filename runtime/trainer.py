@@ -193,6 +193,11 @@ class Trainer:
         """Bytes of parameters, main gradients and optimizer states on this rank."""
         return self.optimizer.state_bytes()
 
+    def close(self) -> None:
+        """Release the trainer's process groups (every rank calls it, after its last step); the
+        trainer cannot step afterwards."""
+        self.mesh.close()
+
 
 def build_trainer(
     plan: Plan,

@@ -65,6 +65,27 @@ class Mesh:
     def index(self, axis: MeshAxis) -> int:
         return self.members[axis].index(self.rank)
 
+    def close(self) -> None:
+        """Destroy the process groups this mesh created (its views' dimensions and the
+        embedding pair), once every rank is done with them: a process that builds another
+        trainer would otherwise keep every earlier one's communicators (gloo: three polling
+        threads each). The default group stays."""
+        if not self.views:
+            return
+        dist.barrier()
+        seen: dict[int, dist.ProcessGroup] = {}
+        for dm in self.views:
+            for name in dm.mesh_dim_names or ():
+                pg = dm.get_group(name)
+                seen[id(pg)] = pg
+        if (embed := self.groups.get(MeshAxis.embed)) is not None:
+            seen[id(embed)] = embed
+        for pg in seen.values():
+            if pg is not dist.GroupMember.WORLD:
+                dist.destroy_process_group(pg)
+        self.views = ()
+        self.groups = dict.fromkeys(self.groups)
+
 
 class WorldSizeMismatch(ValueError):
     """The launch's world size differs from the plan's."""

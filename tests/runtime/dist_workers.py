@@ -377,3 +377,19 @@ def loaded_checkpoint(plan_json: str, path: str) -> dict[str, torch.Tensor]:
                             SEED, data, optim=OPTIM)
     checkpoint.load(trainer, Path(path))
     return {k: v.detach().clone() for k, v in checkpoint.state_dict(trainer).items()}
+
+
+def closed_trainers(plan_json: str, times: int):
+    """Build, step and close ``times`` trainers of the plan in turn: (loss, process groups
+    left beyond those before) after each close."""
+    from torch.distributed.distributed_c10d import _world
+
+    plan = Plan.model_validate_json(plan_json)
+    before = len(_world.pg_map)
+    out = []
+    for _ in range(times):
+        trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), "fp32")
+        loss = trainer.train_step(0).loss
+        trainer.close()
+        out.append((loss, len(_world.pg_map) - before))
+    return out

@@ -118,3 +118,13 @@ def test_fused_adamw_zero1_loss_curve_follows_single_process(pool2):
     # the second step's loss is on another batch: it need not fall, but it must differ from
     # what the initial weights give there (the update ran)
     assert expect[1] != reference_trainer(plan).train_step(1).loss
+
+
+def test_a_closed_trainer_leaves_no_process_groups_and_the_next_one_trains_alike(pool2):
+    """Trainer.close destroys the groups its mesh built (a launch that measures several plans
+    builds several trainers); the next trainer builds its own and trains the same step."""
+    plan = make_plan(dp=2, ep=2, global_batch=4)
+    for rank_result in pool2.run("dist_workers", "closed_trainers", plan.model_dump_json(), 2):
+        (first, left_first), (second, left_second) = rank_result
+        assert left_first == left_second == 0
+        assert first == second
