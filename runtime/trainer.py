@@ -194,8 +194,10 @@ class Trainer:
         return self.optimizer.state_bytes()
 
     def close(self) -> None:
-        """Release the trainer's process groups (every rank calls it, after its last step); the
-        trainer cannot step afterwards."""
+        """Release what outlives a dropped trainer: the gradient-sync hooks on its parameters
+        (they keep the optimizer and its buffers alive) and its process groups. Every rank
+        calls it after its last step; the trainer cannot step afterwards."""
+        self.optimizer.close()
         self.mesh.close()
 
 

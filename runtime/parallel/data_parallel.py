@@ -304,6 +304,8 @@ class BucketLauncher:
     launches: list[_Launch] = field(default_factory=list)
     counts: dict[int, int] = field(default_factory=dict)
     next_of: dict[Hashable, int] = field(default_factory=dict)
+    hooks: list = field(default_factory=list)
+    """The post-accumulate hooks' handles (``close`` removes them)."""
 
     def add(self, params: list[nn.Parameter], lane: Hashable,
             start: Callable[[], Finish]) -> int:
@@ -312,8 +314,15 @@ class BucketLauncher:
         self.launches.append(_Launch(lane, start, len(params), len(params)))
         if self.overlap:
             for p in params:
-                p.register_post_accumulate_grad_hook(self._hook(index))
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._hook(index)))
         return index
+
+    def close(self) -> None:
+        """Remove the hooks: each holds this launcher, whose launches hold the buckets, from a
+        parameter, a cycle through torch's C++ tensors that Python's collector cannot free."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks.clear()
 
     def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def counted(p: torch.Tensor) -> None:

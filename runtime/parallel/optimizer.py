@@ -246,6 +246,10 @@ class ReplicatedOptimizer:
         self.opt = make_optimizer(kind, *self.replicated.decay_split(), cfg)
         self.fused = FusedAdamW(self.opt) if kind.runs_fused(kernels) else None
 
+    def close(self) -> None:
+        """Unhook the gradient-sync launcher from the parameters (the trainer is done)."""
+        self.launcher.close()
+
     def state_bytes(self) -> dict[str, int]:
         r = self.replicated
         return state_bytes(list(self.params.values()), list(r.masters.values()),
@@ -371,6 +375,10 @@ class ShardedOptimizer:
                 ps, group,
                 lambda: start_reduce_scatter(grad_buffer, group, self.precision, fp32_grads))
         return bucket
+
+    def close(self) -> None:
+        """Unhook the gradient-sync launcher from the parameters (the trainer is done)."""
+        self.launcher.close()
 
     def state_bytes(self) -> dict[str, int]:
         masters = [b.shard for b, _ in self.buckets] + list(self.rest.masters.values())

@@ -381,7 +381,10 @@ def loaded_checkpoint(plan_json: str, path: str) -> dict[str, torch.Tensor]:
 
 def closed_trainers(plan_json: str, times: int):
     """Build, step and close ``times`` trainers of the plan in turn: (loss, process groups
-    left beyond those before) after each close."""
+    left beyond those before, whether its optimizer outlived the trainer) after each close."""
+    import gc
+    import weakref
+
     from torch.distributed.distributed_c10d import _world
 
     plan = Plan.model_validate_json(plan_json)
@@ -390,6 +393,9 @@ def closed_trainers(plan_json: str, times: int):
     for _ in range(times):
         trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(), "fp32")
         loss = trainer.train_step(0).loss
+        optimizer = weakref.ref(trainer.optimizer)
         trainer.close()
-        out.append((loss, len(_world.pg_map) - before))
+        del trainer
+        gc.collect()
+        out.append((loss, len(_world.pg_map) - before, optimizer() is not None))
     return out

@@ -121,10 +121,13 @@ def test_fused_adamw_zero1_loss_curve_follows_single_process(pool2):
 
 
 def test_a_closed_trainer_leaves_no_process_groups_and_the_next_one_trains_alike(pool2):
-    """Trainer.close destroys the groups its mesh built (a launch that measures several plans
-    builds several trainers); the next trainer builds its own and trains the same step."""
-    plan = make_plan(dp=2, ep=2, global_batch=4)
+    """Trainer.close unhooks the gradient sync from the parameters (the ZeRO-1 launcher's
+    hooks kept the optimizer and its buffers alive: 24 GiB per earlier plan on an H200) and
+    destroys the groups its mesh built; the next trainer builds its own and trains the same
+    step."""
+    plan = make_plan(dp=2, ep=2, global_batch=4, optimizer_sharding=OptimizerSharding.zero1)
     for rank_result in pool2.run("dist_workers", "closed_trainers", plan.model_dump_json(), 2):
-        (first, left_first), (second, left_second) = rank_result
+        (first, left_first, kept_first), (second, left_second, kept_second) = rank_result
         assert left_first == left_second == 0
+        assert not kept_first and not kept_second
         assert first == second
