@@ -255,11 +255,12 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
         s = summary(data)
         parts += ["## Step time and peak memory\n", plan_table(data) + "\n",
                   summary_text(s) + "\n",
-                  "Each 2-GPU plan is measured in a launch of its own: in one `bench/train_step.py "
-                  "--plans` launch, the peaks of the 2-GPU plans after the first carried device "
-                  "memory the earlier plans left (up to +97 GiB, at eaedfae), which no model of "
-                  "one plan predicts. The 1-GPU plans share one launch; their peaks showed no "
-                  "such carry-over.\n"]
+                  "Each 2-GPU plan is measured in a launch of its own. In one `bench/train_step.py "
+                  "--plans` launch at eaedfae the peaks of the 2-GPU plans after the first "
+                  "carried the earlier plans' ZeRO-1 optimizers (up to +97 GiB): the gradient "
+                  "sync's hooks on the parameters held them. `Trainer.close` now removes the "
+                  "hooks and the process groups, and `bench/train_step.py` closes each plan's "
+                  "trainer.\n"]
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         if len(used) > 1:
             alone, _ = fit(results, with_profile=False)
