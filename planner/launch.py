@@ -65,15 +65,34 @@ class Outcome:
 
 # torchrun's failure summary: "rank      : 1 (local_rank: 1)" / "exitcode  : -9 (pid: 123)"
 _ROOT = re.compile(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank.*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _root_cause(log_text: str) -> tuple[int, int] | None:
+    """(rank, status) of the failure that caused the others. torchrun's root cause is the
+    first it observed; when a worker is killed, its peers abort (SIGABRT, from gloo or NCCL
+    losing the peer) within milliseconds and one of them can be observed first. A worker
+    killed by another signal is then the cause."""
+    found = _ROOT.search(log_text)
+    if found is None:
+        return None
+    rank, status = int(found.group(1)), int(found.group(2))
+    if status == -signal.SIGABRT:
+        start = log_text.rfind("Failures:", 0, found.start())
+        for f in _FAILURE.finditer(log_text, max(start, 0)):
+            if int(f.group(2)) < 0 and int(f.group(2)) != -signal.SIGABRT:
+                return int(f.group(1)), int(f.group(2))
+    return rank, status
 
 
 def explain_failure(code: int, log_text: str, log: Path) -> Outcome:
-    """One line for a torchrun that exited with ``code``: the first failed rank and why."""
+    """One line for a torchrun that exited with ``code``: the failed rank that caused the
+    others, and why."""
     where = f"(worker logs: {log})"
-    found = _ROOT.search(log_text)
+    found = _root_cause(log_text)
     if found is None:
         return Outcome(code, f"training exited with status {code} {where}")
-    rank, status = int(found.group(1)), int(found.group(2))
+    rank, status = found
     if status < 0:
         name = _signal_name(-status)
         return Outcome(128 + -status, f"rank {rank}: {name} {where}")

@@ -70,3 +70,38 @@ def test_a_model_with_a_billion_experts_is_searched_at_once(tmp_path):
                  "--seq-len", "256", "--top", "1")
     assert time.perf_counter() - start < 10
     assert result.exit_code in (0, 2) and "Traceback" not in result.output
+
+
+_SUMMARY = """runtime.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-30_21:39:06
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : {other} (pid: 2049)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_21:39:06
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 2048)
+============================================================
+"""
+
+
+def test_a_killed_worker_is_named_even_when_its_peers_abort_first():
+    """torchrun names the first failure it observed; a peer aborting (SIGABRT, gloo losing its
+    pair) can be observed before the worker that was killed (a CI run at c6098f2 reported
+    'rank 0: SIGABRT' for a SIGKILL of rank 1). The killed worker is the cause."""
+    from pathlib import Path
+
+    from planner.launch import explain_failure
+
+    log = Path("/tmp/w.log")
+    killed = explain_failure(1, _SUMMARY.format(other=-9), log)
+    assert (killed.code, killed.message) == (137, f"rank 1: SIGKILL (worker logs: {log})")
+    # another rank that merely exited: the abort stays the root cause
+    exited = explain_failure(1, _SUMMARY.format(other=1), log)
+    assert (exited.code, exited.message) == (134, f"rank 0: SIGABRT (worker logs: {log})")
