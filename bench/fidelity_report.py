@@ -77,7 +77,7 @@ def skew_text(plain: list[dict], skewed: list[dict]) -> str:
     plans state: which EP plans move, and how far."""
     def ep(rows):
         return {r["case"]: r["step_error"] for r in rows
-                if not r.get("missing") and " ep1 " not in r["layout"]}
+                if not r.get("missing") and CASES[r["case"]]().degrees.ep > 1}
     skews = [r["measured_skew"] for r in skewed if r.get("measured_skew")]
     if not skews:
         return "No run logged its routing skew (`routing_skew`).\n"
