@@ -68,6 +68,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peer", action="store_true", help="skip torchtitan's layer")
+    p.add_argument("--kernels", choices=["eager", "fused"], default="eager",
+                   help="our layer's memory-bound operators (plan kernels: runtime.kernels)")
+    p.add_argument("--chunks", type=int, default=INTER_OP_CHUNKS,
+                   help="token chunks of the inter-op schedule (the runtime runs "
+                        "plans.layout.INTER_OP_CHUNKS)")
     return p.parse_args(argv)
 
 
@@ -81,9 +86,10 @@ def shape_of(args, name: str) -> dict:
 # ---- our layer ------------------------------------------------------------------------------
 
 
-def build_moe(shape: dict, local_experts: int, device, dtype, seed: int):
+def build_moe(shape: dict, local_experts: int, device, dtype, seed: int, ops):
     """runtime.moe.MoE with every expert weight N(0, 0.02) (the router's gate too), holding
-    ``local_experts`` of the shape's experts; the router still routes over all of them."""
+    ``local_experts`` of the shape's experts; the router still routes over all of them.
+    ``ops``: the memory-bound operators' kernels (runtime.kernels.kernel_ops)."""
     import torch
     from torch import nn
 
@@ -92,8 +98,8 @@ def build_moe(shape: dict, local_experts: int, device, dtype, seed: int):
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs (GBs of experts at full width)
         moe = MoE(shape["hidden"], local_experts, shape["top_k"], shape["ffn"],
-                  balance_groups=1)
-        moe.router = Router(shape["hidden"], shape["experts"], shape["top_k"], 1)
+                  balance_groups=1, ops=ops)
+        moe.router = Router(shape["hidden"], shape["experts"], shape["top_k"], 1, ops=ops)
     for p in moe.parameters():
         nn.init.normal_(p, 0.0, 0.02)
     return moe.to(dtype=dtype)
@@ -174,6 +180,13 @@ def build_peer(shape: dict, n: int, device, dtype, seed: int):
         from torch.distributed.device_mesh import init_device_mesh
         from torchtitan.distributed.utils import set_spmd_backend
 
+        # torchtitan 0.3.0's all-to-all dispatcher asks torch.compiler._is_non_strict_tracing()
+        # (torch >= 2.12) whether it is being traced; the device machines' torch 2.11 lacks it.
+        # This layer runs eagerly, never under a tracer, so it is answered False, what newer
+        # torch returns outside tracing.
+        if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+            torch.compiler._is_non_strict_tracing = lambda: False
+
         # torchtitan 0.3.0's default SPMD backend is "spmd_types": there the all-to-all
         # dispatcher takes its group from the runtime mesh its trainer pushes
         # (current_spmd_mesh().get_group("ep"), None without that trainer: "'NoneType' object
@@ -219,6 +232,13 @@ def peer_result(args, shape, n, device, dtype, x, grad_out, timed, slowest) -> d
             "version": _version("torchtitan"), "fwd_bwd_s": s}
 
 
+def nccl_env() -> dict[str, str]:
+    """The NCCL_* settings the run had (the communicator's channel and CTA limits live there)."""
+    import os
+
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
+
+
 def _version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -236,10 +256,13 @@ def measure(args) -> int:
     import torch.distributed as dist
     from _dist_bench import finish, init, slowest, timed
 
+    from plans import Kernels
+    from runtime.kernels import kernel_ops
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
     from runtime.parallel.overlap import ChunkedExpertFFN
 
     rank, n, device, dtype = init()
+    ops = kernel_ops(Kernels(args.kernels))
     group = dist.group.WORLD if n > 1 else None
     shapes = {}
     for name in args.shapes:
@@ -260,21 +283,21 @@ def measure(args) -> int:
         # the layer's local experts routed to by a router over them alone: the rows per local
         # expert of the EP layer under balanced routing (n T k / E), no token movement
         alone = build_moe({**shape, "experts": local, "top_k": min(shape["top_k"], local)},
-                          local, device, dtype, args.seed)
+                          local, device, dtype, args.seed, ops)
         compute = time_of(step_fn(alone, x, grad_out))
         del alone
         dispatchers = {"local": None} if n == 1 else {
-            "a2a": lambda e=shape["experts"]: AllToAllDispatcher(e, group, n),
-            "ag_rs": lambda e=shape["experts"]: AllGatherDispatcher(e, group, n, rank),
+            "a2a": lambda e=shape["experts"]: AllToAllDispatcher(e, group, n, ops=ops),
+            "ag_rs": lambda e=shape["experts"]: AllGatherDispatcher(e, group, n, rank, ops=ops),
         }
         for label, make in dispatchers.items():
-            moe = build_moe(shape, local, device, dtype, args.seed)
+            moe = build_moe(shape, local, device, dtype, args.seed, ops)
             if make is not None:
                 moe.dispatcher = make()
             variants = {"serial": time_of(step_fn(moe, x, grad_out))}
             if make is not None:
                 variants["comm_alone"] = time_of(comm_fn(make(), shape, x, grad_out, device))
-                moe.expert_ffn = ChunkedExpertFFN(moe, INTER_OP_CHUNKS)
+                moe.expert_ffn = ChunkedExpertFFN(moe, args.chunks)
                 variants["inter_op"] = time_of(step_fn(moe, x, grad_out))
                 bound = max(compute, variants["comm_alone"])
                 variants["overlap_target"] = {
@@ -303,7 +326,8 @@ def measure(args) -> int:
             "benchmark": "one MoE layer forward + backward: serial, inter-operator overlapped, "
                          "compute and communication alone, torchtitan's layer",
             "world": n, "backend": dist.get_backend() if n > 1 else "none",
-            "dtype": str(dtype).removeprefix("torch."), "inter_op_chunks": INTER_OP_CHUNKS,
+            "dtype": str(dtype).removeprefix("torch."), "inter_op_chunks": args.chunks,
+            "kernels": args.kernels, "nccl_env": nccl_env(),
             "warmup": args.warmup, "repeats": args.repeats, "scale": args.scale,
             "overlap_target": f"inter_op <= {OVERLAP_TARGET} x max(compute_alone, comm_alone)",
             "shapes": shapes,
