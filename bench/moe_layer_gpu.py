@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true", help="skip torchtitan's layer")
     p.add_argument("--kernels", choices=["eager", "fused"], default="eager",
                    help="our layer's memory-bound operators (plan kernels: runtime.kernels)")
+    p.add_argument("--sm-carveout", type=int, default=0,
+                   help="SMs the GEMMs leave free during the inter-op variant "
+                        "(torch._C._set_sm_carveout_experimental; pair with NCCL_MAX_CTAS)")
     p.add_argument("--chunks", type=int, default=INTER_OP_CHUNKS,
                    help="token chunks of the inter-op schedule (the runtime runs "
                         "plans.layout.INTER_OP_CHUNKS)")
@@ -117,6 +120,25 @@ def step_fn(layer, x, grad_out):
         layer(xs).backward(grad_out)
 
     return step
+
+
+def carved(fn, sms: int):
+    """``fn`` with the GEMMs (cuBLAS and the CUTLASS grouped GEMM) launched on all but ``sms``
+    SMs, left free for the collectives beside them (0: every SM)."""
+    import torch
+
+    if sms == 0:
+        return fn
+
+    def run():
+        before = torch._C._get_sm_carveout_experimental()
+        torch._C._set_sm_carveout_experimental(sms)
+        try:
+            fn()
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+
+    return run
 
 
 def comm_fn(dispatcher, shape, x, grad_out, device):
@@ -285,6 +307,8 @@ def measure(args) -> int:
         alone = build_moe({**shape, "experts": local, "top_k": min(shape["top_k"], local)},
                           local, device, dtype, args.seed, ops)
         compute = time_of(step_fn(alone, x, grad_out))
+        carved_compute = (time_of(carved(step_fn(alone, x, grad_out), args.sm_carveout))
+                          if args.sm_carveout else None)
         del alone
         dispatchers = {"local": None} if n == 1 else {
             "a2a": lambda e=shape["experts"]: AllToAllDispatcher(e, group, n, ops=ops),
@@ -298,12 +322,15 @@ def measure(args) -> int:
             if make is not None:
                 variants["comm_alone"] = time_of(comm_fn(make(), shape, x, grad_out, device))
                 moe.expert_ffn = ChunkedExpertFFN(moe, args.chunks)
-                variants["inter_op"] = time_of(step_fn(moe, x, grad_out))
+                variants["inter_op"] = time_of(carved(step_fn(moe, x, grad_out),
+                                                      args.sm_carveout))
                 bound = max(compute, variants["comm_alone"])
                 variants["overlap_target"] = {
                     "bound_s": bound, "ratio": variants["inter_op"] / bound,
                     "met": variants["inter_op"] <= OVERLAP_TARGET * bound}
             variants["compute_alone"] = compute
+            if carved_compute is not None:
+                variants["compute_alone_carved"] = carved_compute
             row[label] = {"fwd_bwd_s": variants}
             del moe
             if rank == 0:
@@ -328,6 +355,7 @@ def measure(args) -> int:
             "world": n, "backend": dist.get_backend() if n > 1 else "none",
             "dtype": str(dtype).removeprefix("torch."), "inter_op_chunks": args.chunks,
             "kernels": args.kernels, "nccl_env": nccl_env(),
+            "sm_carveout": args.sm_carveout,
             "warmup": args.warmup, "repeats": args.repeats, "scale": args.scale,
             "overlap_target": f"inter_op <= {OVERLAP_TARGET} x max(compute_alone, comm_alone)",
             "shapes": shapes,
