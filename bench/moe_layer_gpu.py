@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sm-carveout", type=int, default=0,
                    help="SMs the GEMMs leave free during the inter-op variant "
                         "(torch._C._set_sm_carveout_experimental; pair with NCCL_MAX_CTAS)")
+    p.add_argument("--trace", action="store_true",
+                   help="profile one inter-op step: each stream's busy time and how much of "
+                        "it ran beside another stream's kernels")
     p.add_argument("--chunks", type=int, default=INTER_OP_CHUNKS,
                    help="token chunks of the inter-op schedule (the runtime runs "
                         "plans.layout.INTER_OP_CHUNKS)")
@@ -139,6 +142,72 @@ def carved(fn, sms: int):
             torch._C._set_sm_carveout_experimental(before)
 
     return run
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[int, int]]) -> int:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def stream_overlap(fn) -> dict:
+    """One profiled call of ``fn`` (after a synchronise): the wall span of its kernels, each
+    CUDA stream's busy time (union of its kernels' intervals) and kernel count, and the time two
+    or more streams had kernels running at once (what an overlapped schedule hides)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_stream: dict[int, list[tuple[int, int]]] = {}
+    names: dict[int, dict[str, int]] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+            continue
+        stream = e.device_resource_id()
+        per_stream.setdefault(stream, []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+        kind = "nccl" if "nccl" in e.name().lower() else (
+            "gemm" if "gemm" in e.name().lower() or "cutlass" in e.name().lower() else "other")
+        names.setdefault(stream, {}).setdefault(kind, 0)
+        names[stream][kind] += e.duration_ns()
+    unions = {s: _union(v) for s, v in per_stream.items()}
+    spans = [x for v in per_stream.values() for x in v]
+    wall = (max(b for _, b in spans) - min(a for a, _ in spans)) if spans else 0
+    busy_any = _length(_union(spans))
+    ordered = sorted(unions)
+    both = 0
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            both += _length(_intersect(unions[a], unions[b]))
+    return {
+        "wall_ms": wall / 1e6, "busy_any_ms": busy_any / 1e6, "concurrent_ms": both / 1e6,
+        "streams": {str(s): {"busy_ms": _length(u) / 1e6, "kernels": len(per_stream[s]),
+                             "kind_ms": {k: v / 1e6 for k, v in names[s].items()}}
+                    for s, u in unions.items()},
+    }
 
 
 def comm_fn(dispatcher, shape, x, grad_out, device):
@@ -324,6 +393,14 @@ def measure(args) -> int:
                 moe.expert_ffn = ChunkedExpertFFN(moe, args.chunks)
                 variants["inter_op"] = time_of(carved(step_fn(moe, x, grad_out),
                                                       args.sm_carveout))
+                if args.trace and device.type == "cuda":
+                    row.setdefault("trace", {})[label] = {
+                        "inter_op": stream_overlap(carved(step_fn(moe, x, grad_out),
+                                                          args.sm_carveout)),
+                    }
+                    if rank == 0:
+                        print(f"{name} {label} trace: "
+                              f"{json.dumps(row['trace'][label]['inter_op'])}", flush=True)
                 bound = max(compute, variants["comm_alone"])
                 variants["overlap_target"] = {
                     "bound_s": bound, "ratio": variants["inter_op"] / bound,
