@@ -148,10 +148,10 @@ class _Builder:
     def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
                *after: str | None, at: str = "", fusable: bool = True) -> str:
         """A memory-bound operator at its fused-kernel bytes. ``fusable`` ones (RMSNorm,
-        SwiGLU, the router's softmax and top-k, the permutations: runtime.kernels) run as
-        fused regions under plan.kernels fused, at efficiency.fused_elementwise; the residual
-        adds (one kernel either way) and every eager plan's operators at
-        efficiency.elementwise."""
+        RoPE, SwiGLU, the permutations: runtime.kernels) run as fused regions under
+        plan.kernels fused, at efficiency.fused_elementwise; the residual adds (one kernel
+        either way), the router's softmax and top-k (eager in both sets) and every eager
+        plan's operators at efficiency.elementwise."""
         c = self.key.cluster
         fused = fusable and self.key.kernels == Kernels.fused
         time_s = cc.fused_elementwise_s if fused else cc.elementwise_s
@@ -282,7 +282,9 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
     k, m = g.key, g.key.model
     h, t, e = m.hidden, k.tokens, m.experts
     logits = g.gemm(LO.router_gemm, t, e, h, norm)
-    topk = g.memory(LO.router_topk, 2 * t * e * cc.FP32_BYTES, 2 * t * e * cc.FP32_BYTES, logits)
+    # the router's softmax and top-k run eager under either kernel set (runtime.kernels)
+    topk = g.memory(LO.router_topk, 2 * t * e * cc.FP32_BYTES, 2 * t * e * cc.FP32_BYTES, logits,
+                    fusable=False)
     if isinstance(k.ffn, EPFFN):
         n, local, width, gathered_tokens = k.ep, e // k.ep, m.expert_ffn_hidden, t
         # the busiest EP rank's load paces the grouped GEMMs and receives the most rows

@@ -191,7 +191,10 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         rms_norm=_static(rms_norm),
         rotate_qk=_static(rotate_qk),
         swiglu=_rows_dynamic(swiglu, 0, 1),
-        route=_static(route),
+        # the router stays eager: its compiled region measured 2x slower forward + backward
+        # (0.92 ms against 0.49 at Mixtral-8x7B shapes, 1.13 against 0.57 at Qwen3-30B-A3B's;
+        # bench/fused_ops_gpu.py, bench/results/h200/overlap14/fused_ops_*.json)
+        route=route,
         gather_rows=_rows_dynamic(gather_rows, 1),
         weighted_scatter=_rows_dynamic(weighted_scatter, 0, 1),
     )

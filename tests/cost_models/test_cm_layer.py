@@ -135,10 +135,10 @@ def test_h100_crossover_sits_higher_than_h800(node_plan):
 
 
 def test_fused_kernels_price_the_fusable_operators_at_the_fused_factor(node_plan):
-    """kernels fused: norms, SwiGLU, router and permutations at efficiency.fused_elementwise,
-    plus RoPE (priced only when fused: the eager runtime's RoPE is inside the fitted
-    elementwise factor); the residual adds stay at elementwise; an eager plan never reads the
-    fused factor."""
+    """kernels fused: norms, SwiGLU and permutations at efficiency.fused_elementwise, plus
+    RoPE (priced only when fused: the eager runtime's RoPE is inside the fitted elementwise
+    factor); the residual adds and the router's softmax and top-k (eager in both kernel sets,
+    runtime.kernels) stay at elementwise; an eager plan never reads the fused factor."""
     from plans import Kernels
 
     plan = node_plan()
@@ -153,9 +153,11 @@ def test_fused_kernels_price_the_fusable_operators_at_the_fused_factor(node_plan
     assert "rope" not in eager
     fused = forward_graph(layer_key(plan.model_copy(update={"cluster": slow,
                                                             "kernels": Kernels.fused})))
-    for name in ("attn_norm", "ffn_norm", "router_topk", "expert_swiglu"):
+    for name in ("attn_norm", "ffn_norm", "expert_swiglu"):
         ratio = eager.nodes[name]["duration_s"] / fused.nodes[name]["duration_s"]
         assert ratio == pytest.approx(10.0), name
+    for name in ("router_topk", "attn_residual"):
+        assert fused.nodes[name]["duration_s"] == eager.nodes[name]["duration_s"], name
     # the eager permutations are counted pass by pass at gather_scatter (cost_models.dispatch);
     # fused, one pass each way at fused_elementwise
     for name in ("dispatch_permute", "combine_unpermute"):
