@@ -91,15 +91,86 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, indices, counts, probs.sum(0)
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with inv[perm[i]] = i."""
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+    return inv
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[perm] for a permutation ``perm`` of x's rows. Its gradient is the inverse permutation's
+    gather; autograd's for advanced indexing is an accumulating index_put (atomic adds, slow in
+    bf16), which a permutation never needs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor | None
+                ) -> torch.Tensor:
+        ctx.save_for_backward(perm if inverse is None else inverse)
+        ctx.inverted = inverse is not None
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (p,) = ctx.saved_tensors
+        return grad.index_select(0, p if ctx.inverted else inverse_permutation(p)), None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor,
+                 inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """x[perm] for a permutation of x's rows (``inverse``, when the caller has it, saves
+    computing it in the backward)."""
+    return _PermuteRows.apply(x, perm, inverse)
+
+
+class _ExpandRows(torch.autograd.Function):
+    """tokens[slots // k] where ``slots`` holds every one of the T k slot ids once (dropless
+    routing): each token's row k times, in expert order. The gradient brings the k rows of each
+    token back to slot order (the inverse permutation's gather) and sums them: no atomic
+    index_add."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(slots)
+        ctx.k = k
+        return tokens.index_select(0, torch.div(slots, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (slots,) = ctx.saved_tensors
+        per_slot = grad.index_select(0, inverse_permutation(slots))
+        return per_slot.view(-1, ctx.k, grad.shape[1]).sum(1), None, None
+
+
+def _every_slot(slots: torch.Tensor, num_tokens: int, k: int) -> bool:
+    """Whether ``slots`` (distinct flat slot ids) holds all num_tokens x k of them, i.e. is a
+    permutation: dropless routing with every expert local (one rank, or all-to-all dispatch).
+    Shapes only: no wait on the device."""
+    return slots.numel() == num_tokens * k
+
+
 def gather_rows(tokens: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
     """The token row of every flat (token * k + slot) id: the permutation to expert order."""
+    if _every_slot(slots, tokens.shape[0], k):
+        return _ExpandRows.apply(tokens, slots, k)
     return tokens[torch.div(slots, k, rounding_mode="floor")]
 
 
+def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+    """sum over each token's k slot rows (token-major) of weight x row."""
+    rows = per_slot.view(-1, k, per_slot.shape[1])
+    return (rows * weights.reshape(-1, k, 1).to(per_slot.dtype)).sum(1)
+
+
 def weighted_scatter(
-    rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int, k: int
+    rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int, k: int,
+    weighted: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = weighted_sum,
 ) -> torch.Tensor:
-    """sum over slots of weight x row, back at each slot's token."""
+    """sum over slots of weight x row, back at each slot's token. With every slot present the
+    rows go back to slot order by a permutation and each token sums its k (``weighted``);
+    otherwise an index_add at the slots' tokens."""
+    if _every_slot(slots, num_tokens, k):
+        return weighted(permute_rows(rows, inverse_permutation(slots), slots), weights, k)
     w = weights.reshape(-1)[slots].to(rows.dtype).unsqueeze(1)
     out = rows.new_zeros(num_tokens, rows.shape[1])
     return out.index_add(0, torch.div(slots, k, rounding_mode="floor"), rows * w)
@@ -195,6 +266,36 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         # (0.92 ms against 0.49 at Mixtral-8x7B shapes, 1.13 against 0.57 at Qwen3-30B-A3B's;
         # bench/fused_ops_gpu.py, bench/results/h200/overlap14/fused_ops_*.json)
         route=route,
-        gather_rows=_rows_dynamic(gather_rows, 1),
-        weighted_scatter=_rows_dynamic(weighted_scatter, 0, 1),
+        gather_rows=_fused_gather_rows(),
+        weighted_scatter=_fused_weighted_scatter(),
     )
+
+
+def _fused_gather_rows() -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
+    """A permutation of every slot: the eager gathers (_ExpandRows: one index_select each way,
+    nothing left to fuse); a subset of the slots (all-gather dispatch, capacity): one compiled
+    region."""
+    subset = _rows_dynamic(gather_rows, 1)
+
+    def call(tokens: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+        if _every_slot(slots, tokens.shape[0], k):
+            return gather_rows(tokens, slots, k)
+        return subset(tokens, slots, k)
+
+    return call
+
+
+def _fused_weighted_scatter() -> Callable[..., torch.Tensor]:
+    """A permutation of every slot: the eager permutation, then the weighting and the sum over
+    each token's k rows as one compiled region (never the weighted rows in memory); a subset:
+    the whole operator compiled."""
+    subset = _rows_dynamic(weighted_scatter, 0, 1)
+    weighted = _static(weighted_sum)
+
+    def call(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int,
+             k: int) -> torch.Tensor:
+        if _every_slot(slots, num_tokens, k):
+            return weighted_scatter(rows, slots, weights, num_tokens, k, weighted)
+        return subset(rows, slots, weights, num_tokens, k)
+
+    return call

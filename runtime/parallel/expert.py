@@ -14,7 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from plans import Dispatch, MeshAxis
-from runtime.kernels import EAGER, KernelOps, count_per_expert
+from runtime.kernels import (
+    EAGER,
+    KernelOps,
+    count_per_expert,
+    inverse_permutation,
+    permute_rows,
+)
 from runtime.metrics import Component, Timers
 from runtime.model import Shard, Transformer
 from runtime.moe import DispatchHandle, Routing, sort_by_expert
@@ -168,14 +174,12 @@ class AllToAllDispatcher(_Timed):
                               stable=True)
         extra = {"order": order, "in_splits": in_splits, "out_splits": out_splits}
         handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, extra)
-        return received[order], recv_counts.sum(0), handle
+        return permute_rows(received, order), recv_counts.sum(0), handle
 
     def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         order = handle.extra["order"]
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
         rows = all_to_all(
-            expert_out[inverse],
+            permute_rows(expert_out, inverse_permutation(order), order),
             handle.extra["in_splits"],
             handle.extra["out_splits"],
             self.group,
