@@ -12,8 +12,9 @@ tokens after an all-gather (n x T). The unit passes (read + write of every row t
   the index-add's gather 2R, the multiply's two gradients 4R: 6R.
 
 Index and count arithmetic over token ids (argsort, cumsum) is small beside rows of thousands of
-bytes and left out. Fused kernels (plans.Kernels.fused) make one pass each way instead; their
-bytes are layer_graph's own.
+bytes and left out. Fused kernels (plans.Kernels.fused) make one pass each way instead (their
+bytes are layer_graph's own), except where every slot is routed: there the fused set permutes
+by gathers both ways (``fused_every_slot``).
 """
 
 from __future__ import annotations
@@ -85,6 +86,25 @@ ALL_GATHER = EagerPermutation(
     combine_fwd=_WEIGHTED_SCATTER, combine_bwd=_WEIGHTED_SCATTER_BWD,
     host_sync=True,
 )
+
+
+def fused_every_slot(regroup: bool) -> tuple[Passes, Passes, Passes, Passes]:
+    """The fused kernel set's permutation when every routed slot stays (dropless; one rank or
+    all-to-all dispatch: runtime.kernels' _ExpandRows, permute_rows and weighted_sum), as
+    (dispatch forward, dispatch backward, combine forward, combine backward):
+
+    - the gather to expert order 2R; its gradient gathers by the inverse permutation 2R and
+      sums each token's k rows R + T;
+    - the combine gathers back to slot order 2R and sums each token's weighted rows in one
+      compiled pass R + T; its gradient writes the rows' gradient reading the token's 2R + T,
+      then the inverse gather 2R;
+    - with ``regroup`` (all-to-all over several ranks) the received rows' regroup and its
+      inverse are permutations too: 2R each, each way.
+
+    No atomic index-add anywhere (the eager set's scatters)."""
+    r = Passes(2, 0) if regroup else Passes(0, 0)
+    return (_plus(Passes(2, 0), r), _plus(Passes(3, 1), r),
+            _plus(r, Passes(3, 1)), _plus(Passes(4, 1), r))
 
 
 def eager_permutation(dispatch: Dispatch | None, group: int) -> EagerPermutation:

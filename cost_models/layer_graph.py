@@ -21,7 +21,7 @@ import networkx as nx
 from cost_models import compute as cc
 from cost_models import skew
 from cost_models import volumes as vol
-from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation
+from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation, fused_every_slot
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
 from plans.layout import tokens_per_rank
@@ -304,6 +304,9 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
     # Rows of tokens the eager combine scatters into: this rank's, or the group's after an
     # all-gather.
     token_rows = n * t if eager is ALL_GATHER else t
+    # fused with every slot routed (dropless, local or all-to-all): gathers both ways
+    every_slot = (fused_every_slot(n > 1) if k.kernels == Kernels.fused and a2a
+                  and k.ffn.capacity_factor is None else None)
 
     def permutation(name: LayerOperator, fused_fwd: float, fused_bwd: float,
                     eager_fwd: Passes | None, eager_bwd: Passes | None, *after: str | None,
@@ -322,7 +325,9 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
         e_bwd = eager.dispatch_bwd if eager else None
         if a2a:
             send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
-            perm = permutation(LO.dispatch_permute, t + rows, t + rows, e_fwd, e_bwd, norm, topk,
+            fwd_rows, bwd_rows = ((every_slot[0].rows(rows, t), every_slot[1].rows(rows, t))
+                                  if every_slot else (t + rows, t + rows))
+            perm = permutation(LO.dispatch_permute, fwd_rows, bwd_rows, e_fwd, e_bwd, norm, topk,
                                at=at)
             ready = g.comm(LO.ep_dispatch, send, perm, fuse_with=LO.expert_fc13, rows=rows,
                            at=at, side_stream=side)
@@ -359,7 +364,9 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
         if a2a:
             returned = g.comm(LO.ep_combine, back, fc2, fuse_with=LO.expert_fc2, rows=rows,
                               at=at, side_stream=side)
-            outs.append(permutation(LO.combine_unpermute, rows + t, rows + t, e_fwd, e_bwd,
+            fwd_rows, bwd_rows = ((every_slot[2].rows(rows, t), every_slot[3].rows(rows, t))
+                                  if every_slot else (rows + t, rows + t))
+            outs.append(permutation(LO.combine_unpermute, fwd_rows, bwd_rows, e_fwd, e_bwd,
                                     returned, topk, at=at))
         else:
             # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.

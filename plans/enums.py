@@ -85,7 +85,9 @@ class Kernels(StrEnum):
     fused = "fused"
     """Each operator one torch.compile region (runtime.kernels): its fused bytes, one read of
     its inputs and one write of its outputs; except the router's softmax and top-k, which stay
-    eager (their compiled region measured slower on H200)."""
+    eager (their compiled region measured slower on H200), and the token permutation with every
+    slot routed, which runs as gathers both ways and a per-token weighted sum, never an atomic
+    index-add (cost_models.dispatch.fused_every_slot)."""
 
 
 class OptimizerSharding(StrEnum):

@@ -11,7 +11,9 @@ parallelism and no compiler:
   head dim, device) in its buffers (rope_tables);
 - swiglu: silu(a) x b;
 - route: softmax, top-k, renormalisation and the balance statistics in one pass;
-- gather_rows / weighted_scatter: the token permutation to expert order and back;
+- gather_rows / weighted_scatter: the token permutation to expert order and back (fused, with
+  every slot routed: gathers by the inverse permutation and a sum over each token's k rows,
+  never an atomic index-add, bench/results/h200/speed14/fused_ops_*.json);
 - adamw_step: the optimizer's AdamW update of a flat fp32 master slice from its gradient in the
   gradient's own dtype, writing the updated weights in the parameter dtype in the same pass
   (runtime.parallel.optimizer; eager: torch's fused AdamW after a cast and before a copy).
@@ -151,9 +153,23 @@ def _every_slot(slots: torch.Tensor, num_tokens: int, k: int) -> bool:
 
 def gather_rows(tokens: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
     """The token row of every flat (token * k + slot) id: the permutation to expert order."""
+    return tokens[torch.div(slots, k, rounding_mode="floor")]
+
+
+def gather_every_slot(tokens: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
+    """gather_rows, its gradient without atomics when every slot is routed (_ExpandRows)."""
     if _every_slot(slots, tokens.shape[0], k):
         return _ExpandRows.apply(tokens, slots, k)
-    return tokens[torch.div(slots, k, rounding_mode="floor")]
+    return gather_rows(tokens, slots, k)
+
+
+def weighted_scatter(
+    rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int, k: int
+) -> torch.Tensor:
+    """sum over slots of weight x row, back at each slot's token."""
+    w = weights.reshape(-1)[slots].to(rows.dtype).unsqueeze(1)
+    out = rows.new_zeros(num_tokens, rows.shape[1])
+    return out.index_add(0, torch.div(slots, k, rounding_mode="floor"), rows * w)
 
 
 def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
@@ -162,18 +178,10 @@ def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor, k: int) -> torch
     return (rows * weights.reshape(-1, k, 1).to(per_slot.dtype)).sum(1)
 
 
-def weighted_scatter(
-    rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int, k: int,
-    weighted: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = weighted_sum,
-) -> torch.Tensor:
-    """sum over slots of weight x row, back at each slot's token. With every slot present the
-    rows go back to slot order by a permutation and each token sums its k (``weighted``);
-    otherwise an index_add at the slots' tokens."""
-    if _every_slot(slots, num_tokens, k):
-        return weighted(permute_rows(rows, inverse_permutation(slots), slots), weights, k)
-    w = weights.reshape(-1)[slots].to(rows.dtype).unsqueeze(1)
-    out = rows.new_zeros(num_tokens, rows.shape[1])
-    return out.index_add(0, torch.div(slots, k, rounding_mode="floor"), rows * w)
+def index_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x[perm] by plain indexing (its gradient an accumulating index_put)."""
+    return x[perm]
 
 
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -228,10 +236,12 @@ class KernelOps:
     route: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     gather_rows: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     weighted_scatter: Callable[..., torch.Tensor]
+    permute_rows: Callable[..., torch.Tensor]
+    """x[perm] for a permutation of x's rows (the all-to-all dispatcher's regroup)."""
 
 
 EAGER = KernelOps(Kernels.eager, rms_norm, rotate_qk, swiglu, route, gather_rows,
-                  weighted_scatter)
+                  weighted_scatter, index_rows)
 
 
 def _static(fn: Callable) -> Callable:
@@ -268,34 +278,35 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         route=route,
         gather_rows=_fused_gather_rows(),
         weighted_scatter=_fused_weighted_scatter(),
+        permute_rows=permute_rows,
     )
 
 
 def _fused_gather_rows() -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]:
-    """A permutation of every slot: the eager gathers (_ExpandRows: one index_select each way,
-    nothing left to fuse); a subset of the slots (all-gather dispatch, capacity): one compiled
-    region."""
+    """Every slot routed: _ExpandRows (one gather each way, no atomics, nothing left to fuse);
+    a subset of the slots (all-gather dispatch, capacity): one compiled region."""
     subset = _rows_dynamic(gather_rows, 1)
 
     def call(tokens: torch.Tensor, slots: torch.Tensor, k: int) -> torch.Tensor:
         if _every_slot(slots, tokens.shape[0], k):
-            return gather_rows(tokens, slots, k)
+            return gather_every_slot(tokens, slots, k)
         return subset(tokens, slots, k)
 
     return call
 
 
 def _fused_weighted_scatter() -> Callable[..., torch.Tensor]:
-    """A permutation of every slot: the eager permutation, then the weighting and the sum over
-    each token's k rows as one compiled region (never the weighted rows in memory); a subset:
-    the whole operator compiled."""
+    """Every slot routed: the rows back to slot order by the inverse permutation (a gather each
+    way), then the weighting and the sum over each token's k rows as one compiled region (the
+    weighted rows never in memory); a subset of the slots: the index-add operator compiled."""
     subset = _rows_dynamic(weighted_scatter, 0, 1)
     weighted = _static(weighted_sum)
 
     def call(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_tokens: int,
              k: int) -> torch.Tensor:
         if _every_slot(slots, num_tokens, k):
-            return weighted_scatter(rows, slots, weights, num_tokens, k, weighted)
+            per_slot = permute_rows(rows, inverse_permutation(slots), slots)
+            return weighted(per_slot, weights, k)
         return subset(rows, slots, weights, num_tokens, k)
 
     return call

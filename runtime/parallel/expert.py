@@ -19,7 +19,6 @@ from runtime.kernels import (
     KernelOps,
     count_per_expert,
     inverse_permutation,
-    permute_rows,
 )
 from runtime.metrics import Component, Timers
 from runtime.model import Shard, Transformer
@@ -174,12 +173,12 @@ class AllToAllDispatcher(_Timed):
                               stable=True)
         extra = {"order": order, "in_splits": in_splits, "out_splits": out_splits}
         handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, extra)
-        return permute_rows(received, order), recv_counts.sum(0), handle
+        return self.ops.permute_rows(received, order), recv_counts.sum(0), handle
 
     def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         order = handle.extra["order"]
         rows = all_to_all(
-            permute_rows(expert_out, inverse_permutation(order), order),
+            self.ops.permute_rows(expert_out, inverse_permutation(order), order),
             handle.extra["in_splits"],
             handle.extra["out_splits"],
             self.group,

@@ -131,3 +131,51 @@ def test_a_closed_trainer_leaves_no_process_groups_and_the_next_one_trains_alike
         assert left_first == left_second == 0
         assert not kept_first and not kept_second
         assert first == second
+
+
+@pytest.mark.parametrize("every_slot", [True, False])
+def test_the_fused_permutations_match_indexing_and_their_gradients(every_slot):
+    """The fused set's token permutation: with every slot routed, gathers by the inverse
+    permutation and a sum over each token's k rows instead of atomic index-adds; with a subset
+    of the slots (all-gather dispatch, capacity), the index-add operator. Values and gradients
+    equal the eager indexing's (float64), and gradcheck holds."""
+    from runtime.kernels import (
+        gather_every_slot,
+        gather_rows,
+        index_rows,
+        inverse_permutation,
+        permute_rows,
+        weighted_scatter,
+        weighted_sum,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    tokens_n, k, hidden, experts = 6, 3, 4, 5
+    tokens = torch.randn(tokens_n, hidden, dtype=torch.float64, generator=g, requires_grad=True)
+    weights = torch.rand(tokens_n, k, dtype=torch.float64, generator=g, requires_grad=True)
+    indices = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens_n)])
+    slots = torch.argsort(indices.reshape(-1), stable=True)
+    if not every_slot:
+        slots = slots[: slots.numel() - 4]
+
+    def eager(t, w):
+        rows = gather_rows(t, slots, k)
+        return weighted_scatter(rows * 2 + 1, slots, w, tokens_n, k)
+
+    def fused(t, w):
+        rows = gather_every_slot(t, slots, k)
+        if slots.numel() == tokens_n * k:
+            per_slot = permute_rows(rows * 2 + 1, inverse_permutation(slots), slots)
+            return weighted_sum(per_slot, w, k)
+        return weighted_scatter(rows * 2 + 1, slots, w, tokens_n, k)
+
+    assert torch.allclose(fused(tokens, weights), eager(tokens, weights))
+    ge = torch.autograd.grad(eager(tokens, weights).square().sum(), (tokens, weights))
+    gf = torch.autograd.grad(fused(tokens, weights).square().sum(), (tokens, weights))
+    for a, b in zip(gf, ge, strict=True):
+        assert torch.allclose(a, b)
+    assert torch.autograd.gradcheck(fused, (tokens, weights))
+    perm = torch.randperm(7, generator=g)
+    x = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: permute_rows(v, perm), (x,))
+    assert torch.equal(permute_rows(x, perm), index_rows(x, perm))
