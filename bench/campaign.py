@@ -122,8 +122,9 @@ class Profile(_PlanStep):
         return f"profile_{self.stem}"
 
     def command(self, results: Path) -> list[str]:
+        # --force: a campaign re-measures its committed results in place
         return [sys.executable, "-m", "runtime.profile", "--plan", self.profile,
-                "--out", str(results / f"{self.name}.json")]
+                "--out", str(results / f"{self.name}.json"), "--force"]
 
 
 class Script(_Step):
