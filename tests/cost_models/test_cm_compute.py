@@ -1,17 +1,18 @@
-"""Kernel times against hand arithmetic (H800: 989 TFLOP/s bf16, 3.35 TB/s, 132 SMs)."""
+"""Kernel times against hand arithmetic (H800: 989 TFLOP/s bf16, 3.35 TB/s, 132 SMs; the
+efficiency factors read from the catalog cluster, bench/hopper_factors.py's fit)."""
 
 import math
 
 import pytest
 
 from cost_models import compute as cc
-from plans import Precision
+from plans import Efficiency, Precision
 
 
 def test_large_square_gemm_is_compute_bound_with_wave_quantisation(h800):
     # 4096^3: 32 x 32 = 1024 tiles over 132 SMs -> 8 waves, 1024/1056 of them filled.
     flops = 2 * 4096**3
-    expected = flops / (989e12 * 0.80 * 1024 / 1056)
+    expected = flops / (989e12 * h800.efficiency.gemm * 1024 / 1056)
     assert cc.gemm_s(4096, 4096, 4096, h800, Precision.bf16) == pytest.approx(expected)
 
 
@@ -31,9 +32,11 @@ def test_shallow_k_is_penalised_and_fp8_doubles_peak(h800):
 
 
 def test_skinny_gemm_hits_the_hbm_roofline(h800):
-    # m = 8 rows x 8192 x 8192: bytes (8*8192 + 8192^2 + 8*8192) x 2 over 3.35e12 x 0.85.
-    traffic = (8 * 8192 + 8192 * 8192 + 8 * 8192) * 2
-    assert cc.gemm_s(8, 8192, 8192, h800, Precision.bf16) == pytest.approx(
+    # m = 8 rows x 16896 x 8192: 132 tiles (one full wave), each padded to 128 rows, take 2 x 128
+    # x 16896 x 8192 / (989e12 x gemm) ~ 50 us at the tensor-core rate; the bytes (8*8192 +
+    # 8192*16896 + 8*16896) x 2 over 3.35e12 x 0.85 take ~ 97 us.
+    traffic = (8 * 8192 + 8192 * 16896 + 8 * 16896) * 2
+    assert cc.gemm_s(8, 16896, 8192, h800, Precision.bf16) == pytest.approx(
         traffic / (3.35e12 * 0.85))
 
 
@@ -42,9 +45,11 @@ def test_grouped_gemm_for_balanced_experts(h800):
     per_expert = cc.expert_tokens(8 * 1024, 2, 8, None)
     assert per_expert == 2048
     # One local expert, fc1+gate: 2048 x 28672 x 4096. Tiles 16 x 224 = 3584 over 132 SMs:
-    # 28 waves, 3584/3696 filled; at grouped_gemm 0.75.
+    # 28 waves, 3584/3696 filled; at grouped_gemm x 2048 / (2048 + grouped_gemm_half_rows).
+    e = h800.efficiency
+    peak = e.grouped_gemm * 2048 / (2048 + e.grouped_gemm_half_rows)
     t = cc.grouped_gemm_s(1, per_expert, 2 * 14336, 4096, h800, Precision.bf16)
-    assert t == pytest.approx(2 * 2048 * 28672 * 4096 / (989e12 * 0.75 * 3584 / 3696))
+    assert t == pytest.approx(2 * 2048 * 28672 * 4096 / (989e12 * peak * 3584 / 3696))
     assert cc.expert_tokens(8 * 1024, 2, 8, 1.25) == 2048 * 1.25
 
 
@@ -53,7 +58,7 @@ def test_flash_attention_causal_forward_and_backward(h800):
     flops = cc.attention_fwd_flops(1, 8192, 8192, 4, 128, cc.CAUSAL_FRACTION)
     assert flops == 4 * 8192 * 8192 * 4 * 128 * 0.5
     fwd = cc.flash_attention_fwd_s(flops, h800)
-    assert fwd == pytest.approx(flops / (989e12 * 0.60))
+    assert fwd == pytest.approx(flops / (989e12 * h800.efficiency.attention))
     assert cc.flash_attention_bwd_s(flops, h800) == pytest.approx(2.5 * fwd)
 
 
@@ -65,8 +70,10 @@ def test_memory_bound_op(h800):
 
 
 def test_grouped_gemm_efficiency_curve_over_rows_per_expert(h800):
-    """Half-point 0 (the default): grouped_gemm at every expert size. Half-point H: half of
-    grouped_gemm at H rows per expert, 2/3 at 2H, over the smallest dimension of the GEMM."""
+    """Half-point 0 (the uncalibrated default): grouped_gemm at every expert size. Half-point
+    H: half of grouped_gemm at H rows per expert, 2/3 at 2H, over the smallest dimension of the
+    GEMM."""
+    h800 = h800.model_copy(update={"efficiency": Efficiency()})
     assert h800.efficiency.grouped_gemm_half_rows == 0
     for rows in (16, 256, 4096):
         assert cc.grouped_efficiency(rows, 1536, 2048, h800) == h800.efficiency.grouped_gemm

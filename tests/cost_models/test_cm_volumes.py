@@ -68,9 +68,10 @@ def test_eq4_tp_ffn_equals_eq1(model):
 
 
 def test_scale_up_ratio_is_independent_of_k_and_h(model):
-    # R = 1.5 h_ffn bw / peak x n/(n-1), bw = 200e9 x 0.65, peak = 989e12 x 0.75.
+    # R = 1.5 h_ffn bw / peak x n/(n-1), bw = 200e9 x 0.65, peak = 989e12 x grouped_gemm.
     h800 = load_cluster("h800")
     r = vol.scale_up_ratio(model, h800, 8)
-    assert r == pytest.approx(1.5 * 14336 * 130e9 / 741.75e12 * 8 / 7)
+    peak = 989e12 * h800.efficiency.grouped_gemm
+    assert r == pytest.approx(1.5 * 14336 * 130e9 / peak * 8 / 7)
     other = model.model_copy(update={"top_k": 1, "hidden": 2048})
     assert vol.scale_up_ratio(other, h800, 8) == r
