@@ -88,9 +88,12 @@ def skew_text(plain: list[dict], skewed: list[dict]) -> str:
             "plans state 1, a balanced router; the suite's freshly initialised routers measure "
             f"{min(skews):.1f} to {max(skews):.1f}): "
             + summary_text(summary(skewed)) + " Only the plans with EP > 1 move (the busiest "
-            "EP rank's load, derived from the expert-level skew by `cost_models.skew`): "
-            + moved + ". A measurement of the busiest rank's rows would replace the "
-            "derivation.\n")
+            "EP rank's load, derived from the expert-level skew by `cost_models.skew` as one "
+            "hot expert, the least spread loads with the logged maximum: the runs' busiest "
+            "rank measures 1.01-1.04 of the ranks' mean expert_compute, which the Gaussian "
+            "spread of every expert used before derived as 1.16-1.57, for 4.4% median and "
+            "14.1% worst here): " + moved + ". A measurement of the busiest rank's rows would "
+            "replace the derivation.\n")
 
 
 def summary(data: list[dict]) -> dict:
