@@ -245,7 +245,11 @@ kilobytes of logits, measured 0.94-1.44 ms forward + backward whatever the token
 at about 0 (-99% on every row) and one factor had to carry both the norm's fixed cost and
 SwiGLU's bandwidth (its rows +357% .. +433% at the factor the profiled step gave). Qwen3 and
 DeepSeekMoE call these operators more often per byte (4 layers, hidden 2048), so their plans
-were predicted 8-20% fast and Mixtral's slightly slow. The profiled Mixtral step still sets
+were predicted 8-20% fast and Mixtral's slightly slow. In a step the router's fixed time is
+not hidden behind queued GPU work: its balance statistics make a tensor from a Python number on
+the GPU (`torch.tensor(..., device=...)`, a blocking host-to-device copy: ATen's
+`cudaMemcpyAsync` then `cudaStreamSynchronize`), so every router call drains the GPU's queue
+and the GPU then waits for the router's launches. The profiled Mixtral step still sets
 `elementwise` (with the fixed time held), because the step's kernels say its memory-bound work
 runs slower than the isolated operators: its profile has the device busy 482 of its 505 ms
 (so launch gaps are not what is left), 203 ms of it in memory-bound kernels, against 112 ms

@@ -54,8 +54,10 @@ softmax, top-k (renormalising: the weights' sum and division), the slots per exp
 probabilities, balance_from_stats (cat, the balance loss's divisions, sums and products) and
 the logged load (max, mean, clamp, division, stack, the running sum and maximum of later
 micro-batches); backward through the routing weights and the balance loss. Its
-``torch.tensor([tokens], device=...)`` is a host-to-device copy, no kernel (on CUDA a
-pageable copy that waits for the stream: the router drains the GPU's queue)."""
+``torch.tensor([tokens], device=...)`` is a host-to-device copy, no kernel, but a blocking one
+(ATen's copy_kernel_cuda without non_blocking: cudaMemcpyAsync, then cudaStreamSynchronize),
+so the host waits for the GPU's queue to drain at every router call and the GPU then waits for
+the router's launches: the fixed times are exposed in a step as in the micro-benchmarks."""
 SWIGLU_LAUNCHES = (2, 3)
 """runtime.kernels.swiglu eager: silu and the product; backward the two products' gradients and
 silu's."""
