@@ -255,19 +255,21 @@ runs slower than the isolated operators: its profile has the device busy 482 of 
 (so launch gaps are not what is left), 203 ms of it in memory-bound kernels, against 112 ms
 of memory-bound device time priced with the micro-benchmarks' factor (0.447: the layers'
 operators 31, gradient accumulation 43, optimizer 36, loss 2) and 136 with the step's
-(0.191); the eager RoPE and GQA expansion, casts and the norms' fp32 passes no layer_op row
-times are among the rest. Both variants' suite numbers are above.
+(0.191); the eager norms' fp32 passes and casts, several times the fused-kernel bytes the
+factor counts, are among the rest. Both variants' suite numbers are above.
 
 Not fitted here, and what is left: the attention factor is fitted to the runtime's attention
 core (RoPE, GQA expansion and SDPA together, priced as FlashAttention's FLOPs), so bare SDPA
 rows read pessimistic; the eager RMSNorm's fp32 passes (about ten times its fused-kernel
 bytes) share SwiGLU's bytes factor, so at the step's factor the norm's rows read up to 56%
 fast and SwiGLU's 164-183% slow (at the micro-benchmarks' own, -70% .. -14% and +16% ..
-+53%);
-Qwen3's per-head q and k norms are not priced; fused regions have no fixed time of their own
-(no fused layer_op rows: `fused_elementwise` keeps the profiled fused step's residual); the
-2-GPU Qwen3 plans' remaining misses are in the Ulysses and EP communication and the
-dispatch's host waits (attention_comm, dispatch), not in kernels.
++53%); Qwen3's per-head q and k norms are not priced (as two RMSNorms they would add about
+1.35 ms per layer and micro-batch, 43 ms to qwen4l_1gpu_mbs1: a fixed time added per kernel
+does not see the host running ahead of the GPU between the router's synchronisations); fused
+regions have no fixed time of their own (no fused layer_op rows: `fused_elementwise` keeps the
+profiled fused step's residual); the one remaining miss, Qwen3 at sp2 x ep2 with the
+all-gather dispatcher, is in the Ulysses communication and the dispatch (attention_comm
+forward measured 19.9 ms against 3.4 predicted), not in kernels.
 """
 
 
