@@ -13,8 +13,10 @@ its value.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from types import MappingProxyType
 
 import networkx as nx
 
@@ -47,7 +49,8 @@ RMS_NORM_LAUNCHES = (9, 17)
 """runtime.kernels.rms_norm eager, forward: the fp32 cast, pow, mean, + eps, rsqrt, x r, the
 weight's fp32 cast, x weight, the cast back; backward 17 (autograd's kernels of those, the
 weight gradient's row sum and cast included)."""
-ROUTER_LAUNCHES = {False: (29, 34), True: (27, 27)}
+ROUTER_LAUNCHES: Mapping[bool, tuple[int, int]] = MappingProxyType(
+    {False: (29, 34), True: (27, 27)})
 """runtime.moe.Router without its gate GEMM, eager, by ``router_pre_softmax``: the fp32 cast,
 softmax, top-k (renormalising: the weights' sum and division), the slots per expert
 (runtime.kernels.count_per_expert: zeros, clamp, + 1, ones, index_add, cast), the summed
