@@ -88,9 +88,12 @@ def skew_text(plain: list[dict], skewed: list[dict]) -> str:
             "plans state 1, a balanced router; the suite's freshly initialised routers measure "
             f"{min(skews):.1f} to {max(skews):.1f}): "
             + summary_text(summary(skewed)) + " Only the plans with EP > 1 move (the busiest "
-            "EP rank's load, derived from the expert-level skew by `cost_models.skew`): "
-            + moved + ". A measurement of the busiest rank's rows would replace the "
-            "derivation.\n")
+            "EP rank's load, derived from the expert-level skew by `cost_models.skew` as one "
+            "hot expert, the least spread loads with the logged maximum: the runs' busiest "
+            "rank measures 1.01-1.04 of the ranks' mean expert_compute, which the Gaussian "
+            "spread of every expert used before derived as 1.16-1.57, for 4.4% median and "
+            "14.1% worst here): " + moved + ". A measurement of the busiest rank's rows would "
+            "replace the derivation.\n")
 
 
 def summary(data: list[dict]) -> dict:
@@ -231,12 +234,42 @@ cast back: 22 bytes a logit forward, 26 backward) where it counted 6 and 6: the 
 materialized head_loss rows went from -27% to about 0 with the GEMMs fitted as above, and
 Qwen3's step (vocabulary 151,936) from 7.4 ms of loss predicted to 31 (33.3 measured).
 
+The layer's memory-bound operators are priced the same way: a call is its eager kernels
+(`cost_models.layer_graph.eager_launches`, the non-view ATen operations the runtime's code
+dispatches, counted on it by `tests/runtime/test_eager_launches.py`: RMSNorm 9 forward + 17
+backward, the router without its gate 29 + 34, or 27 + 27 with DeepSeekMoE's pre-softmax
+weights, SwiGLU 2 + 3, a residual add 1 + 0) at `elementwise_launch_us` each, plus its
+fused-kernel bytes at `elementwise`; `fit_launch` fits both to the sweep's layer_op rows
+(never to a train step). Before, every such operator was bytes only: the router (a few
+kilobytes of logits, measured 0.94-1.44 ms forward + backward whatever the tokens) was priced
+at about 0 (-99% on every row) and one factor had to carry both the norm's fixed cost and
+SwiGLU's bandwidth (its rows +357% .. +433% at the factor the profiled step gave). Qwen3 and
+DeepSeekMoE call these operators more often per byte (4 layers, hidden 2048), so their plans
+were predicted 8-20% fast and Mixtral's slightly slow. In a step the router's fixed time is
+not hidden behind queued GPU work: its balance statistics make a tensor from a Python number on
+the GPU (`torch.tensor(..., device=...)`, a blocking host-to-device copy: ATen's
+`cudaMemcpyAsync` then `cudaStreamSynchronize`), so every router call drains the GPU's queue
+and the GPU then waits for the router's launches. The profiled Mixtral step still sets
+`elementwise` (with the fixed time held), because the step's kernels say its memory-bound work
+runs slower than the isolated operators: its profile has the device busy 482 of its 505 ms
+(so launch gaps are not what is left), 203 ms of it in memory-bound kernels, against 112 ms
+of memory-bound device time priced with the micro-benchmarks' factor (0.447: the layers'
+operators 31, gradient accumulation 43, optimizer 36, loss 2) and 136 with the step's
+(0.191); the eager norms' fp32 passes and casts, several times the fused-kernel bytes the
+factor counts, are among the rest. Both variants' suite numbers are above.
+
 Not fitted here, and what is left: the attention factor is fitted to the runtime's attention
 core (RoPE, GQA expansion and SDPA together, priced as FlashAttention's FLOPs), so bare SDPA
-rows read pessimistic; the layer's memory-bound operators share one factor (elementwise)
-although the eager RMSNorm and router run far below the bandwidth SwiGLU reaches; the 2-GPU
-Qwen3 plans' misses are in the Ulysses and EP communication and the dispatch's host waits
-(attention_comm, dispatch), not in kernels.
+rows read pessimistic; the eager RMSNorm's fp32 passes (about ten times its fused-kernel
+bytes) share SwiGLU's bytes factor, so at the step's factor the norm's rows read up to 56%
+fast and SwiGLU's 164-183% slow (at the micro-benchmarks' own, -70% .. -14% and +16% ..
++53%); Qwen3's per-head q and k norms are not priced (as two RMSNorms they would add about
+1.35 ms per layer and micro-batch, 43 ms to qwen4l_1gpu_mbs1: a fixed time added per kernel
+does not see the host running ahead of the GPU between the router's synchronisations); fused
+regions have no fixed time of their own (no fused layer_op rows: `fused_elementwise` keeps the
+profiled fused step's residual); the one remaining miss, Qwen3 at sp2 x ep2 with the
+all-gather dispatcher, is in the Ulysses communication and the dispatch (attention_comm
+forward measured 19.9 ms against 3.4 predicted), not in kernels.
 """
 
 

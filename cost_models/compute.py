@@ -51,10 +51,13 @@ def gather_scatter_s(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.gather_scatter)
 
 
-def elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:
-    """A layer's memory-bound operator, ``nbytes`` its fused-kernel traffic, at
-    ``efficiency.elementwise`` of peak HBM bandwidth."""
-    return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.elementwise)
+def elementwise_s(nbytes: float, cluster: ClusterSpec, launches: int = 0) -> float:
+    """A layer's memory-bound operator run as ``launches`` eager kernels, ``nbytes`` its
+    fused-kernel traffic: each kernel's fixed ``efficiency.elementwise_launch_us``, then the
+    bytes at ``efficiency.elementwise`` of peak HBM bandwidth (the sum, as for a GEMM call)."""
+    eff = cluster.efficiency
+    return (launches * eff.elementwise_launch_us * 1e-6
+            + nbytes / (cluster.gpu.hbm_tb_s * 1e12 * eff.elementwise))
 
 
 def fused_elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:

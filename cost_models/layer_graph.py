@@ -13,8 +13,10 @@ its value.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from types import MappingProxyType
 
 import networkx as nx
 
@@ -41,6 +43,45 @@ from plans.specs import ClusterSpec, ModelSpec, Precision
 
 AB = cc.ACT_BYTES
 LO = LayerOperator
+
+
+RMS_NORM_LAUNCHES = (9, 17)
+"""runtime.kernels.rms_norm eager, forward: the fp32 cast, pow, mean, + eps, rsqrt, x r, the
+weight's fp32 cast, x weight, the cast back; backward 17 (autograd's kernels of those, the
+weight gradient's row sum and cast included)."""
+ROUTER_LAUNCHES: Mapping[bool, tuple[int, int]] = MappingProxyType(
+    {False: (29, 34), True: (27, 27)})
+"""runtime.moe.Router without its gate GEMM, eager, by ``router_pre_softmax``: the fp32 cast,
+softmax, top-k (renormalising: the weights' sum and division), the slots per expert
+(runtime.kernels.count_per_expert: zeros, clamp, + 1, ones, index_add, cast), the summed
+probabilities, balance_from_stats (cat, the balance loss's divisions, sums and products) and
+the logged load (max, mean, clamp, division, stack, the running sum and maximum of later
+micro-batches); backward through the routing weights and the balance loss. Its
+``torch.tensor([tokens], device=...)`` is a host-to-device copy, no kernel, but a blocking one
+(ATen's copy_kernel_cuda without non_blocking: cudaMemcpyAsync, then cudaStreamSynchronize),
+so the host waits for the GPU's queue to drain at every router call and the GPU then waits for
+the router's launches: the fixed times are exposed in a step as in the micro-benchmarks."""
+SWIGLU_LAUNCHES = (2, 3)
+"""runtime.kernels.swiglu eager: silu and the product; backward the two products' gradients and
+silu's."""
+RESIDUAL_LAUNCHES = (1, 0)
+"""A residual add: one kernel; its backward passes the gradient through (no kernel)."""
+
+
+def eager_launches(op: LayerOperator, model: ModelSpec) -> tuple[int, int]:
+    """The kernels the eager runtime launches for memory-bound operator ``op``, forward and
+    backward: the non-view ATen operations its PyTorch code dispatches, one kernel each
+    (tests/runtime/test_eager_launches.py counts them on the runtime's functions)."""
+    match op:
+        case LayerOperator.attn_norm | LayerOperator.ffn_norm:
+            return RMS_NORM_LAUNCHES
+        case LayerOperator.router_topk:
+            return ROUTER_LAUNCHES[model.router_pre_softmax]
+        case LayerOperator.expert_swiglu | LayerOperator.shared_swiglu | LayerOperator.dense_swiglu:
+            return SWIGLU_LAUNCHES
+        case LayerOperator.attn_residual | LayerOperator.ffn_residual:
+            return RESIDUAL_LAUNCHES
+    return (0, 0)
 
 
 class OpKind(StrEnum):
@@ -151,13 +192,16 @@ class _Builder:
         RoPE, SwiGLU, the permutations: runtime.kernels) run as fused regions under
         plan.kernels fused, at efficiency.fused_elementwise; the residual adds (one kernel
         either way), the router's softmax and top-k (eager in both sets) and every eager
-        plan's operators at efficiency.elementwise."""
+        plan's operators as their eager kernels (eager_launches) at efficiency.elementwise."""
         c = self.key.cluster
-        fused = fusable and self.key.kernels == Kernels.fused
-        time_s = cc.fused_elementwise_s if fused else cc.elementwise_s
-        op = Op(name.value + at, name, OpKind.memory, time_s(fwd_bytes, c),
-                (time_s(bwd_bytes, c),))
-        return self.add(op, *after)
+        if fusable and self.key.kernels == Kernels.fused:
+            fwd = cc.fused_elementwise_s(fwd_bytes, c)
+            bwd = cc.fused_elementwise_s(bwd_bytes, c)
+        else:
+            fwd_launches, bwd_launches = eager_launches(name, self.key.model)
+            fwd = cc.elementwise_s(fwd_bytes, c, fwd_launches)
+            bwd = cc.elementwise_s(bwd_bytes, c, bwd_launches)
+        return self.add(Op(name.value + at, name, OpKind.memory, fwd, (bwd,)), *after)
 
     def permutation(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
                     *after: str | None, at: str = "") -> str:

@@ -14,12 +14,14 @@ cost model's prediction for the same shape):
   attention core (RoPE, GQA expansion, SDPA) at catalog models' head shapes;
 - grouped_gemm and grouped_gemm_half_rows: the curve of cost_models.compute.grouped_efficiency
   over the grouped GEMMs (8..128 experts, 32..4096 rows per expert);
-- elementwise: the runtime's memory-bound layer operators priced at it (norms, residual adds,
-  routing, SwiGLU; the eager token permutation has its own rate, gather_scatter, fitted by
-  planner.dispatch_fit), measured time against the cost model's fused-kernel bytes
-  (time-weighted: sum predicted at full bandwidth / sum measured);
-  with a profiled step as well, what is left of that step once the rest is priced instead
-  (host synchronisations and launch gaps of the whole step land there).
+- elementwise and elementwise_launch_us: the runtime's memory-bound layer operators priced at
+  them (norms, residual adds, routing, SwiGLU; the eager token permutation has its own rate,
+  gather_scatter, fitted by planner.dispatch_fit): each call is its eager kernels
+  (cost_models.layer_graph.eager_launches) at a fixed time each plus its fused-kernel bytes at
+  the factor, fitted like a GEMM's launch and peak (fit_launch);
+  with a profiled step as well, elementwise is what is left of that step once the rest is
+  priced instead, the fixed time held (the step's eager RoPE, casts and launch gaps, which no
+  layer-operator row times, land there).
 
 From a profiled step alone (sweeps without shaped kernel rows, as before the micro-benchmarks):
 
@@ -315,17 +317,18 @@ def fit_grouped(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]
     return best(half)[1]
 
 
-def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> float | None:
-    """The runtime's memory-bound layer operators priced at ``elementwise`` (norms, residual
-    adds, routing, SwiGLU; the eager token permutation has its own rate, gather_scatter, and is
-    left out): time-weighted, the sum of their cost at full bandwidth over the sum measured.
-    None when no row is priced at ``elementwise``."""
+def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
+    """elementwise and elementwise_launch_us over the runtime's memory-bound layer operators
+    priced at them (norms, residual adds, the router, SwiGLU; the eager token permutation has
+    its own rate, gather_scatter, and is left out): each operator call is its eager kernels
+    (cost_models.layer_graph.eager_launches) at a fixed time each plus its bytes at the
+    factor, fitted as a GEMM's launch and peak are (fit_launch). Empty when no row is priced at
+    elementwise."""
     full, half = with_efficiency(base, elementwise=1.0), with_efficiency(base, elementwise=0.5)
-    priced = [(row_seconds(r, full), r.measured_s) for r in rows
-              if row_seconds(r, half) > row_seconds(r, full)]
+    priced = [r for r in rows if row_seconds(r, half) > row_seconds(r, full)]
     if not priced:
-        return None
-    return min(1.0, sum(p for p, _ in priced) / sum(m for _, m in priced))
+        return {}
+    return fit_launch(priced, base, "elementwise", "elementwise_launch_us")
 
 
 def kernel_rows(sweep: Sweep, op: SweepOp) -> list[SweepRow]:
@@ -344,9 +347,8 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
     if rows := kernel_rows(sweep, SweepOp.attention_core) or kernel_rows(sweep,
                                                                          SweepOp.flash_attn):
         factors["attention"] = fit_peak(rows, base, "attention")
-    rows = kernel_rows(sweep, SweepOp.layer_op)
-    if rows and (elementwise := fit_elementwise(rows, base)) is not None:
-        factors["elementwise"] = elementwise
+    if rows := kernel_rows(sweep, SweepOp.layer_op):
+        factors.update(fit_elementwise(rows, base))
     return factors
 
 

@@ -329,6 +329,14 @@ class Efficiency(Frozen):
     """Achieved HBM bandwidth / peak of a layer's memory-bound operators (norms, SwiGLU,
     routing, permutations, residual adds), counted at their fused-kernel bytes: an unfused
     implementation makes extra passes over the activations and lands well below ``hbm``."""
+    elementwise_launch_us: Annotated[float, Field(ge=0, le=1e6)] = 0.0
+    """Fixed time of one eager kernel of a layer's memory-bound operator beside its bytes: the
+    host's dispatch of the PyTorch op (autograd's record of it included) and the launch, which
+    the GPU waits for when the kernels are small. An eager operator is several kernels
+    (cost_models.layer_graph.eager_launches: RMSNorm 9 forward and 17 backward, the router 63);
+    fused regions are priced by ``fused_elementwise`` alone. Fitted by `moeplan calibrate` with
+    ``elementwise`` to the runtime's layer operators timed one at a time; 0: bytes only (the
+    uncalibrated default)."""
     gather_scatter: Fraction = 0.306
     """Achieved HBM bandwidth / peak of the eager runtime's token permutation (row gathers,
     scatters and index-adds, counted pass by pass in cost_models.dispatch): used for plans with

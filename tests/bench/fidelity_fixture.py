@@ -17,8 +17,8 @@ from plans.results import Sweep, SweepOp, SweepRow
 
 TRUTH = {"gemm": 0.72, "gemm_launch_us": 20.0, "grouped_gemm": 0.66,
          "grouped_gemm_half_rows": 120.0, "grouped_gemm_launch_us": 50.0,
-         "attention": 0.47, "elementwise": 0.09, "hbm": 0.88, "nvlink": 0.6,
-         "nvlink_all_to_all": 0.7}
+         "attention": 0.47, "elementwise": 0.09, "elementwise_launch_us": 20.0, "hbm": 0.88,
+         "nvlink": 0.6, "nvlink_all_to_all": 0.7}
 TRUE_LATENCY_US = 40.0
 
 
@@ -62,10 +62,10 @@ def synthetic_sweep(truth: ClusterSpec, noise: float = 0.0, collectives: bool = 
         rows += [_row(SweepOp.attention_core, truth, backward=True, shape={
             "model": model, "batch": b, "seq": 4096, "heads": 32, "kv_heads": 8,
             "head_dim": 128}) for b in (1, 2)]
-        for op in ("attn_norm", "router_topk", "dispatch_permute", "expert_swiglu",
-                   "combine_unpermute"):
-            rows.append(_row(SweepOp.layer_op, truth, backward=True, layer_op=op,
-                             shape={"model": model, "tokens": 4096}))
+        for op in ("attn_norm", "attn_residual", "router_topk", "dispatch_permute",
+                   "expert_swiglu", "combine_unpermute"):
+            rows += [_row(SweepOp.layer_op, truth, backward=True, layer_op=op,
+                          shape={"model": model, "tokens": t}) for t in (4096, 16384)]
     if collectives:
         for mib in (1, 4, 16, 64, 256):
             rows += [_row(SweepOp.copy, truth, bytes=mib * 2**20)]

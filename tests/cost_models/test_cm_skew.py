@@ -29,6 +29,14 @@ def test_sampling_floor_by_hand():
     assert rank_skew(8192 * 100, 8, 2, 1.0, None) < rank_skew(8192, 8, 2, 1.0, None)
 
 
+def test_router_skew_is_one_hot_expert_by_hand():
+    # 128 experts on 2 ranks, max / mean 8.75: one expert at 8.75, the other 127 at
+    # (128 - 8.75) / 127 each; its rank of 64 carries (8.75 + 63 x 0.939) / 64 of the mean
+    # (sampling vanishes with many copies)
+    expected = (8.75 + 63 * (128 - 8.75) / 127) / 64
+    assert rank_skew(1e12, 128, 2, 8.75, None) == pytest.approx(expected, rel=1e-4)
+
+
 def test_more_experts_per_rank_average_the_skew_out():
     skews = [rank_skew(1e9, 64, ep, 2.0, None) for ep in (2, 4, 8, 16, 32, 64)]
     assert skews == sorted(skews) and skews[-1] == pytest.approx(2.0, rel=1e-3)
