@@ -14,6 +14,7 @@ manifest (every plan exists and fits the campaign's GPUs) without running anythi
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import shlex
 import subprocess
@@ -214,8 +215,11 @@ def only(campaign: Campaign, names: list[str]) -> Campaign:
     """The campaign cut to the named steps, in the manifest's order."""
     have = [s.name for s in campaign.steps]
     if unknown := [n for n in names if n not in have]:
-        raise SpecError(f"--only: no step {unknown[0]!r} in the campaign (have "
-                        f"{', '.join(have)})")
+        # the closest names, not all of them: one short line at 80 columns
+        close = difflib.get_close_matches(unknown[0], have, n=3, cutoff=0.3)
+        hint = f"; closest: {', '.join(close)}" if close else ""
+        raise SpecError(f"--only: no step {unknown[0]!r} in the campaign{hint} (all: "
+                        f"--dry-run)")
     return campaign.model_copy(update={"steps": [s for s in campaign.steps if s.name in names]})
 
 

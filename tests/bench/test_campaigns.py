@@ -70,7 +70,11 @@ def test_only_cuts_a_campaign_to_named_steps_and_names_an_unknown_one(capsys):
     assert [line.split(":")[0] for line in out] == ["calibration", "train_step_qwen4l_pp2_mbs2"]
     assert campaign.main(["h200_fidelity", "--only", "nope", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --only: no step 'nope' in the campaign") and "calibration" in err
+    assert err.startswith("error: --only: no step 'nope' in the campaign") and "--dry-run" in err
+    # a near miss names the closest steps, not the campaign's every step: one short line
+    assert campaign.main(["h200_fidelity", "--only", "calibraton", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "closest: calibration" in err and len(err.splitlines()) == 1 and len(err) < 160
 
 
 def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_path):
