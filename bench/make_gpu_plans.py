@@ -84,6 +84,9 @@ PLANS = {
     "mixtral2l_sp2_ep2_ag_mbs8_fused": plan(
         2, Degrees(sp=2, ep=2), micro_batch_size=8, kernels=Kernels.fused,
         ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
+    # fused kernels with the all-to-all dispatcher: every slot routed, so the permutation by
+    # gathers and the regroup (runtime.kernels; its bf16 parity on 2 GPUs, campaign h200_speed14)
+    "mixtral2l_dp2_ep2_fused": plan(2, Degrees(dp=2, ep=2), kernels=Kernels.fused),
     "mixtral2l_sp2_ep2_a2a": plan(2, Degrees(sp=2, ep=2)),
     "mixtral2l_sp2_ep2_ag": plan(2, Degrees(sp=2, ep=2),
                                  ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
