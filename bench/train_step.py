@@ -38,9 +38,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _meta import metadata  # noqa: E402
 
-from plans import Plan, SpecError  # noqa: E402
+from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, deviations  # noqa: E402
+from plans.plan import MeshAxis  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
@@ -133,6 +134,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     times, losses = [], []
     components = dict.fromkeys(COMPONENT_KEYS, 0.0)
     skews: list[tuple[float, float]] = []
+    rows: int | None = None
     for step in range(warmup, warmup + steps):
         m = trainer.train_step(step)
         elapsed = torch.tensor([m.step_time_s], dtype=torch.float64, device=device)
@@ -144,14 +146,16 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
             components[k] = components.get(k, 0.0) + v / steps
         if m.routing_skew is not None:
             skews.append((m.routing_skew, m.routing_skew_max))
+        if m.expert_rows is not None:
+            rows = (rows or 0) + m.expert_rows
     peak = m.peak_memory_gib
     # the caching allocator's peak reserved bytes: what the cost model's peak predicts
     reserved = (torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda"
                 else peak)
-    per_rank: list = [(components, peak, reserved, skews)]
+    per_rank: list = [(components, peak, reserved, skews, rows)]
     if world > 1:
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (components, peak, reserved, skews))
+        dist.all_gather_object(per_rank, (components, peak, reserved, skews, rows))
     trainer.close()  # its process groups: a launch measures several plans
     if rank != 0:
         return None
@@ -162,7 +166,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     keys = sorted({k for c, *_ in per_rank for k in c})
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
     # ranks, MoE layers and micro-batches
-    all_skews = [s for *_, rank_skews in per_rank for s in rank_skews]
+    all_skews = [s for _, _, _, rank_skews, _ in per_rank for s in rank_skews]
+    rows_per_rank = [r for *_, r in per_rank]
     return {
         **metadata(),
         "world": world,
@@ -179,16 +184,31 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "flops_per_token": plan.model.flops_per_token(t.seq_len),
         "mfu": flops / step_time / peak_flops,
         "losses": losses,
-        "peak_memory_gib_per_rank": [p for _, p, _, _ in per_rank],
-        "peak_reserved_gib_per_rank": [r for _, _, r, _ in per_rank],
+        "peak_memory_gib_per_rank": [p for _, p, *_ in per_rank],
+        "peak_reserved_gib_per_rank": [r for _, _, r, *_ in per_rank],
         "components_s": {k: sum(c.get(k, 0.0) for c, *_ in per_rank) / world for k in keys},
         "components_s_per_rank": [c for c, *_ in per_rank],
         "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews) if all_skews else None),
         "routing_skew_max": max((h for _, h in all_skews), default=None),
+        "expert_rows_per_rank": rows_per_rank,
+        "ep_rank_load": ep_rank_load(plan, rows_per_rank),
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
                        for d in deviations(plan, backend_of(device))],
     }
+
+
+def ep_rank_load(plan, rows_per_rank: list[int | None]) -> float | None:
+    """Mean over the EP groups of their busiest rank's routed rows over the group's mean (the
+    measured cost_models.skew.rank_skew); None without expert parallelism or counts."""
+    if plan.degrees.ep == 1 or any(r is None for r in rows_per_rank):
+        return None
+    ratios = []
+    for group in layout.groups(plan.degrees, MeshAxis.ep):
+        loads = [rows_per_rank[r] for r in group]
+        if sum(loads):
+            ratios.append(max(loads) * len(loads) / sum(loads))
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 def report(result: dict, out: Path) -> None:

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -82,6 +83,12 @@ class TrainStepResult(Result):
     """Mean over steps, ranks, MoE layers and micro-batches of max / mean routed slots per
     expert (TrainingSpec.routing_skew's measurement); written since the runtime logs it."""
     routing_skew_max: PositiveFloat | None = None
+    expert_rows_per_rank: list[NonNegativeInt | None] | None = None
+    """Routed rows each rank's experts computed over the measured steps (None on a rank without
+    MoE layers); written since the runtime counts them."""
+    ep_rank_load: PositiveFloat | None = None
+    """The busiest EP rank's rows over its EP group's mean, averaged over the EP groups: the
+    measured counterpart of cost_models.skew.rank_skew (None without EP)."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Written since the plan field exists; older results say ``zero1: true | false``."""
     prediction: Prediction | None = None

@@ -191,8 +191,16 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
         self.ops = ops
+        self.rows = 0
+        """Routed rows these experts computed since ``take_rows`` (the rows tensor's shape, on
+        the host: no device read). A recomputed forward counts again, on every rank alike."""
+
+    def take_rows(self) -> int:
+        rows, self.rows = self.rows, 0
+        return rows
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        self.rows += x.shape[0]
         h = self.ops.swiglu(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts))
         return grouped_mm(h, self.w2, counts)
 

@@ -37,6 +37,10 @@ class StepMetrics:
     """Mean over this rank's MoE layers and micro-batches of max / mean routed slots per
     expert (runtime.moe.routing_skew); None on a stage without MoE layers."""
     routing_skew_max: float | None = None
+    expert_rows: int | None = None
+    """Routed rows this rank's experts computed in the step (every MoE layer and micro-batch;
+    the EP ranks' busiest over mean is the load imbalance cost_models.skew derives); None on
+    a stage without MoE layers."""
 
 
 def model_options(
@@ -156,7 +160,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
-        skew = routing_skew(self.model.moe_layers()) or (None, None)
+        moes = self.model.moe_layers()
+        skew = routing_skew(moes) or (None, None)
+        rows = sum(m.experts.take_rows() for m in moes) if moes else None
         tokens = self.plan.training.tokens_per_step
         flops = self.plan.model.flops_per_token(self.plan.training.seq_len) * tokens
         peak = self.mesh.world * self.plan.cluster.gpu.bf16_dense_tflops * 1e12
@@ -170,6 +176,7 @@ class Trainer:
             components_s=self.timers.collect(),
             routing_skew=skew[0],
             routing_skew_max=skew[1],
+            expert_rows=rows,
         )
 
     def checkpoint_key(self, name: str) -> str:

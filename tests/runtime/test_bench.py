@@ -40,6 +40,13 @@ def test_train_step_writes_measurement(tmp_path):
     assert res["components_s"]["dispatch"] > 0 and res["components_s"]["attention_comm_bwd"] > 0
     # max / mean routed slots per expert, logged by the runtime each step
     assert 1 <= res["routing_skew"] <= res["routing_skew_max"] <= make_plan().model.experts
+    # every routed copy is computed by one EP rank's experts (dropless): the ranks' rows add up
+    # to the measured steps' tokens x top-k x MoE layers; the busiest over the mean
+    spec = make_plan().model
+    rows = res["expert_rows_per_rank"]
+    assert sum(rows) == 2 * res["tokens_per_step"] * spec.top_k * spec.moe_layers
+    assert res["ep_rank_load"] == pytest.approx(max(rows) * 2 / sum(rows))
+    assert 1 <= res["ep_rank_load"] <= 2
 
 
 def test_parity_script_passes_in_fp32(tmp_path):
