@@ -22,6 +22,7 @@ only (no dates), so a test holds the committed one to what this script writes.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,11 +32,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from fidelity_cases import CASES, PROFILED, plan_path  # noqa: E402
 
+from cost_models import skew  # noqa: E402
+from cost_models.layer import layer_key  # noqa: E402
 from planner.calibrate import Calibration, calibrate, fidelity_row, row_seconds  # noqa: E402
 from plans import catalog  # noqa: E402
 from plans.results import ProfileResult, Sweep, SweepOp, SweepRow, read  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "fidelity"
+REPEAT = ROOT / "bench" / "results" / "h200" / "fidelity_repeat"
+"""An earlier launch of the same plans (each its own launch, the same runtime code for these
+plans): how far one launch's step time is from another's."""
 DOC = ROOT / "docs" / "fidelity.md"
 AT_SCALE = ROOT / "docs" / "fidelity_at_scale.md"
 SWEEP = "calibration_h200.json"
@@ -91,9 +97,8 @@ def skew_text(plain: list[dict], skewed: list[dict]) -> str:
             "EP rank's load, derived from the expert-level skew by `cost_models.skew` as one "
             "hot expert, the least spread loads with the logged maximum: the runs' busiest "
             "rank measures 1.01-1.04 of the ranks' mean expert_compute, which the Gaussian "
-            "spread of every expert used before derived as 1.16-1.57, for 4.4% median and "
-            "14.1% worst here): " + moved + ". A measurement of the busiest rank's rows would "
-            "replace the derivation.\n")
+            "spread of every expert used before derived as 1.16-1.57): " + moved
+            + ". The busiest rank's rows are now measured (next section).\n")
 
 
 def summary(data: list[dict]) -> dict:
@@ -267,10 +272,76 @@ fast and SwiGLU's 164-183% slow (at the micro-benchmarks' own, -70% .. -14% and 
 1.35 ms per layer and micro-batch, 43 ms to qwen4l_1gpu_mbs1: a fixed time added per kernel
 does not see the host running ahead of the GPU between the router's synchronisations); fused
 regions have no fixed time of their own (no fused layer_op rows: `fused_elementwise` keeps the
-profiled fused step's residual); the one remaining miss, Qwen3 at sp2 x ep2 with the
-all-gather dispatcher, is in the Ulysses communication and the dispatch (attention_comm
-forward measured 19.9 ms against 3.4 predicted), not in kernels.
+profiled fused step's residual); the misses are the all-to-all plans of the skewed Qwen3 and
+DeepSeekMoE routers, whose step time moves by up to 17% from one launch to the next
+(the repeatability section), and Qwen3 at sp2 x ep2 with the all-gather dispatcher, whose
+forward Ulysses all-to-alls measure about 20 ms against 3.4 predicted (waiting, not kernels).
 """
+
+
+def repeat_text(results: Path, data: list[dict], repeat: Path = REPEAT) -> str:
+    """Each plan measured in two launches: the step times, their difference, and the
+    prediction's error against each; the suite's table uses the latest launch."""
+    rows_ = []
+    for r in data:
+        if r.get("missing") or not (earlier := repeat / f"train_step_{r['case']}.json").exists():
+            continue
+        other = json.loads(earlier.read_text())
+        latest, before = r["measured_step_s"], other["step_time_s"]
+        predicted = r["predicted_step_s"]
+        rows_.append((r["case"], before, other.get("commit", "?"), latest, r["run_commit"],
+                      latest / before - 1, predicted / before - 1, r["step_error"]))
+    if not rows_:
+        return ""
+    lines = ["| plan | earlier launch ms | latest launch ms | latest / earlier | error "
+             "against earlier | against latest |", "|---|---|---|---|---|---|"]
+    for case, before, c0, latest, c1, diff, e0, e1 in rows_:
+        lines.append(f"| {case} | {before * 1e3:.1f} ({c0}) | {latest * 1e3:.1f} ({c1}) | "
+                     f"{diff:+.1%} | {e0:+.1%} | {e1:+.1%} |")
+    spread = max(abs(d) for *_, d, _, _ in rows_)
+    return ("## Launch-to-launch repeatability\n\nThe 2-GPU plans were measured again in "
+            "launches of their own (`bash bench/run_campaign.sh h200_fidelity --only ...`); the "
+            "earlier launches are kept in `bench/results/h200/fidelity_repeat`. The runtime "
+            "code these plans run did not change between the two (the later commit adds only "
+            f"the per-rank expert-row count). Step times moved by up to {spread:.1%}: the "
+            "all-to-all plans of the skewed Qwen3 and DeepSeekMoE routers (5 to 13 times the "
+            "mean load on the busiest expert) vary most, within a launch too, while Mixtral "
+            "and the all-gather plans repeat within a few percent. The table above uses the "
+            "latest launch.\n\n" + "\n".join(lines) + "\n")
+
+
+def rank_load_text(data: list[dict]) -> str:
+    """The busiest EP rank's routed rows over its group's mean, measured (bench/train_step.py's
+    ep_rank_load) beside cost_models.skew's derivation from the logged expert-level skew and
+    from a balanced router."""
+    lines = ["| plan | logged routing_skew | measured busiest rank / mean | derived from the "
+             "logged skew | derived for a balanced router |", "|---|---|---|---|---|"]
+    measured = []
+    for r in data:
+        if r.get("missing"):
+            continue
+        run = json.loads(Path(r["run"]).read_text())
+        if run.get("ep_rank_load") is None:
+            continue
+        plan = catalog.load_plan(plan_path(r["case"]))
+        key = layer_key(plan)
+        n, m = plan.degrees.ep, plan.model
+        routed = key.tokens * n * m.top_k
+        derived = skew.rank_skew(routed, m.experts, n, run["routing_skew"], None)
+        balanced = skew.rank_skew(routed, m.experts, n, 1.0, None)
+        measured.append(run["ep_rank_load"])
+        lines.append(f"| {r['case']} | {run['routing_skew']:.1f} | {run['ep_rank_load']:.3f} | "
+                     f"{derived:.3f} | {balanced:.3f} |")
+    if not measured:
+        return ""
+    return ("## The busiest expert-parallel rank, measured\n\nThe runtime now counts the "
+            "routed rows each rank's experts compute (`expert_rows_per_rank` in "
+            "`bench/train_step.py`'s results); `ep_rank_load` is the busiest EP rank's rows "
+            "over its group's mean, the quantity `cost_models.skew.rank_skew` derives from the "
+            "logged expert-level skew. Measured, it stays within "
+            f"{min(measured):.3f} .. {max(measured):.3f} even where the busiest expert carries "
+            "13 times the mean: a hot expert's excess is shared by the other experts of its "
+            "rank. Not yet used for pricing.\n\n" + "\n".join(lines) + "\n")
 
 
 def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dict]:
@@ -295,6 +366,8 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                   "hooks and the process groups, and `bench/train_step.py` closes each plan's "
                   "trainer.\n"]
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
+        parts.append(rank_load_text(data))
+        parts.append(repeat_text(results, data))
         if len(used) > 1:
             alone, _ = fit(results, with_profile=False)
             parts.append("Fitted from the micro-benchmarks alone (elementwise from the runtime's "
