@@ -96,7 +96,8 @@ def skew_text(plain: list[dict], skewed: list[dict]) -> str:
             + summary_text(summary(skewed)) + " Only the plans with EP > 1 move (the busiest "
             "EP rank's load, derived from the expert-level skew by `cost_models.skew` as one "
             "hot expert, the least spread loads with the logged maximum: the runs' busiest "
-            "rank measures 1.01-1.04 of the ranks' mean expert_compute, which the Gaussian "
+            "rank measures 1.01-1.04 of the ranks' mean expert_compute over the whole step, a "
+            "lower bound of the per-layer imbalance, which the Gaussian "
             "spread of every expert used before derived as 1.16-1.57): " + moved
             + ". The busiest rank's rows are now measured (next section).\n")
 
@@ -311,37 +312,42 @@ def repeat_text(results: Path, data: list[dict], repeat: Path = REPEAT) -> str:
 
 
 def rank_load_text(data: list[dict]) -> str:
-    """The busiest EP rank's routed rows over its group's mean, measured (bench/train_step.py's
-    ep_rank_load) beside cost_models.skew's derivation from the logged expert-level skew and
-    from a balanced router."""
-    lines = ["| plan | logged routing_skew | measured busiest rank / mean | derived from the "
-             "logged skew | derived for a balanced router |", "|---|---|---|---|---|"]
-    measured = []
+    """The busiest EP rank's routed rows over its group's mean, measured (bench/train_step.py:
+    per layer where the run counted per layer, else over the whole step) beside
+    cost_models.skew's derivation from the logged expert-level skew and for a balanced
+    router."""
+    lines = ["| plan | logged routing_skew | measured busiest rank / mean | over | derived from "
+             "the logged skew | derived for a balanced router |", "|---|---|---|---|---|---|"]
+    kinds = set()
     for r in data:
         if r.get("missing"):
             continue
         run = json.loads(Path(r["run"]).read_text())
-        if run.get("ep_rank_load") is None:
+        load, kind = ((run["ep_rank_load_layer"], "each layer")
+                      if run.get("ep_rank_load_layer") is not None
+                      else (run.get("ep_rank_load_step"), "the whole step"))
+        if load is None:
             continue
+        kinds.add(kind)
         plan = catalog.load_plan(plan_path(r["case"]))
-        key = layer_key(plan)
         n, m = plan.degrees.ep, plan.model
-        routed = key.tokens * n * m.top_k
+        routed = layer_key(plan).tokens * n * m.top_k
         derived = skew.rank_skew(routed, m.experts, n, run["routing_skew"], None)
         balanced = skew.rank_skew(routed, m.experts, n, 1.0, None)
-        measured.append(run["ep_rank_load"])
-        lines.append(f"| {r['case']} | {run['routing_skew']:.1f} | {run['ep_rank_load']:.3f} | "
+        lines.append(f"| {r['case']} | {run['routing_skew']:.1f} | {load:.3f} | {kind} | "
                      f"{derived:.3f} | {balanced:.3f} |")
-    if not measured:
+    if not kinds:
         return ""
-    return ("## The busiest expert-parallel rank, measured\n\nThe runtime now counts the "
-            "routed rows each rank's experts compute (`expert_rows_per_rank` in "
-            "`bench/train_step.py`'s results); `ep_rank_load` is the busiest EP rank's rows "
-            "over its group's mean, the quantity `cost_models.skew.rank_skew` derives from the "
-            "logged expert-level skew. Measured, it stays within "
-            f"{min(measured):.3f} .. {max(measured):.3f} even where the busiest expert carries "
-            "13 times the mean: a hot expert's excess is shared by the other experts of its "
-            "rank. Not yet used for pricing.\n\n" + "\n".join(lines) + "\n")
+    step_only = ("Over the whole step (every layer's rows summed, as the runs so far counted "
+                 "them) the imbalance is a lower bound of what paces each layer: different "
+                 "layers' hot experts sit on different ranks and average out. The runtime now "
+                 "counts per layer (`expert_rows_per_rank_layer`, `ep_rank_load_layer`); the "
+                 "next launches measure that. " if "the whole step" in kinds else "")
+    return ("## The busiest expert-parallel rank, measured\n\nThe runtime counts the routed "
+            "rows each rank's experts compute (`expert_rows_per_rank` in `bench/train_step.py`'s "
+            "results); the busiest EP rank's rows over its group's mean is the quantity "
+            "`cost_models.skew.rank_skew` derives from the logged expert-level skew. "
+            + step_only + "Not yet used for pricing.\n\n" + "\n".join(lines) + "\n")
 
 
 def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dict]:

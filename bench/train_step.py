@@ -134,7 +134,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     times, losses = [], []
     components = dict.fromkeys(COMPONENT_KEYS, 0.0)
     skews: list[tuple[float, float]] = []
-    rows: int | None = None
+    rows: list[int] | None = None  # per MoE layer of this rank, summed over the steps
     for step in range(warmup, warmup + steps):
         m = trainer.train_step(step)
         elapsed = torch.tensor([m.step_time_s], dtype=torch.float64, device=device)
@@ -147,7 +147,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         if m.routing_skew is not None:
             skews.append((m.routing_skew, m.routing_skew_max))
         if m.expert_rows is not None:
-            rows = (rows or 0) + m.expert_rows
+            rows = m.expert_rows if rows is None else [a + b for a, b in
+                                                       zip(rows, m.expert_rows, strict=True)]
     peak = m.peak_memory_gib
     # the caching allocator's peak reserved bytes: what the cost model's peak predicts
     reserved = (torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda"
@@ -190,24 +191,30 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "components_s_per_rank": [c for c, *_ in per_rank],
         "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews) if all_skews else None),
         "routing_skew_max": max((h for _, h in all_skews), default=None),
-        "expert_rows_per_rank": rows_per_rank,
-        "ep_rank_load": ep_rank_load(plan, rows_per_rank),
+        "expert_rows_per_rank": [None if r is None else sum(r) for r in rows_per_rank],
+        "expert_rows_per_rank_layer": rows_per_rank,
+        "ep_rank_load_step": ep_rank_load(plan, [None if r is None else [sum(r)]
+                                                 for r in rows_per_rank]),
+        "ep_rank_load_layer": ep_rank_load(plan, rows_per_rank),
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
                        for d in deviations(plan, backend_of(device))],
     }
 
 
-def ep_rank_load(plan, rows_per_rank: list[int | None]) -> float | None:
-    """Mean over the EP groups of their busiest rank's routed rows over the group's mean (the
-    measured cost_models.skew.rank_skew); None without expert parallelism or counts."""
+def ep_rank_load(plan, rows_per_rank: list[list[int] | None]) -> float | None:
+    """Mean over the EP groups and the entries of ``rows_per_rank`` (one per MoE layer, or one
+    for the whole step) of the group's busiest rank's routed rows over the group's mean: the
+    measured cost_models.skew.rank_skew. Per layer it is what paces each layer; over the whole
+    step, different layers' hot ranks average out, so it can only be lower. None without
+    expert parallelism or counts."""
     if plan.degrees.ep == 1 or any(r is None for r in rows_per_rank):
         return None
     ratios = []
     for group in layout.groups(plan.degrees, MeshAxis.ep):
-        loads = [rows_per_rank[r] for r in group]
-        if sum(loads):
-            ratios.append(max(loads) * len(loads) / sum(loads))
+        for loads in zip(*(rows_per_rank[r] for r in group), strict=True):
+            if sum(loads):
+                ratios.append(max(loads) * len(loads) / sum(loads))
     return sum(ratios) / len(ratios) if ratios else None
 
 

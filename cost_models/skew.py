@@ -22,7 +22,11 @@ expert's, and the measured ranks do not spread that way. In the fidelity suite's
 EP runs (bench/results/h200/fidelity/train_step_*.json, components_s_per_rank) the busiest
 rank's expert_compute (forward + backward) is 1.01-1.04 of the ranks' mean at logged skews of
 1.5 to 13.1, where the Gaussian bound derives 1.16-1.57 and this one 1.07-1.12 (sampling
-alone: 1.005-1.012). A logged per-rank load would replace both.
+alone: 1.005-1.012). Those timers, like the routed rows the runtime now counts per rank
+(``ep_rank_load_step``: 1.014-1.032), sum every layer of the step, so they bound the per-layer
+imbalance from below: different layers' hot experts sit on different ranks and average out.
+The per-layer count (``ep_rank_load_layer``) is what a layer is paced by; its measurement
+decides between the two derivations.
 
 Capacity-padded experts (a capacity factor) compute their full buffers whatever the routing,
 so imbalance does not slow them.

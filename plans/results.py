@@ -86,9 +86,15 @@ class TrainStepResult(Result):
     expert_rows_per_rank: list[NonNegativeInt | None] | None = None
     """Routed rows each rank's experts computed over the measured steps (None on a rank without
     MoE layers); written since the runtime counts them."""
-    ep_rank_load: PositiveFloat | None = None
-    """The busiest EP rank's rows over its EP group's mean, averaged over the EP groups: the
-    measured counterpart of cost_models.skew.rank_skew (None without EP)."""
+    expert_rows_per_rank_layer: list[list[NonNegativeInt] | None] | None = None
+    """The same per MoE layer of each rank."""
+    ep_rank_load_step: PositiveFloat | None = None
+    """The EP groups' busiest rank's rows over the group's mean, of the whole step's rows (every
+    layer summed): a lower bound of the per-layer imbalance, since different layers' hot ranks
+    average out (None without EP)."""
+    ep_rank_load_layer: PositiveFloat | None = None
+    """The same per MoE layer, averaged over layers and groups: the measured counterpart of
+    cost_models.skew.rank_skew, which paces each layer."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Written since the plan field exists; older results say ``zero1: true | false``."""
     prediction: Prediction | None = None

@@ -37,10 +37,10 @@ class StepMetrics:
     """Mean over this rank's MoE layers and micro-batches of max / mean routed slots per
     expert (runtime.moe.routing_skew); None on a stage without MoE layers."""
     routing_skew_max: float | None = None
-    expert_rows: int | None = None
-    """Routed rows this rank's experts computed in the step (every MoE layer and micro-batch;
-    the EP ranks' busiest over mean is the load imbalance cost_models.skew derives); None on
-    a stage without MoE layers."""
+    expert_rows: list[int] | None = None
+    """Routed rows this rank's experts computed in the step, per MoE layer of the rank (in
+    model order; every micro-batch): per layer, the EP ranks' busiest over their mean is the
+    load imbalance cost_models.skew derives. None on a stage without MoE layers."""
 
 
 def model_options(
@@ -162,7 +162,7 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         moes = self.model.moe_layers()
         skew = routing_skew(moes) or (None, None)
-        rows = sum(m.experts.take_rows() for m in moes) if moes else None
+        rows = [m.experts.take_rows() for m in moes] if moes else None
         tokens = self.plan.training.tokens_per_step
         flops = self.plan.model.flops_per_token(self.plan.training.seq_len) * tokens
         peak = self.mesh.world * self.plan.cluster.gpu.bf16_dense_tflops * 1e12

@@ -45,8 +45,15 @@ def test_train_step_writes_measurement(tmp_path):
     spec = make_plan().model
     rows = res["expert_rows_per_rank"]
     assert sum(rows) == 2 * res["tokens_per_step"] * spec.top_k * spec.moe_layers
-    assert res["ep_rank_load"] == pytest.approx(max(rows) * 2 / sum(rows))
-    assert 1 <= res["ep_rank_load"] <= 2
+    assert res["ep_rank_load_step"] == pytest.approx(max(rows) * 2 / sum(rows))
+    # per layer: each layer's rows add up to its routed copies; its busiest rank over the mean,
+    # averaged over layers, is never below the whole step's
+    layers = res["expert_rows_per_rank_layer"]
+    assert [sum(r) for r in layers] == rows and len(layers[0]) == spec.moe_layers
+    per_layer = [max(x) * 2 / sum(x) for x in zip(*layers, strict=True)]
+    assert all(sum(x) == 2 * res["tokens_per_step"] * spec.top_k for x in zip(*layers, strict=True))
+    assert res["ep_rank_load_layer"] == pytest.approx(sum(per_layer) / len(per_layer))
+    assert 1 <= res["ep_rank_load_step"] <= res["ep_rank_load_layer"] + 1e-12 <= 2 + 1e-12
 
 
 def test_parity_script_passes_in_fp32(tmp_path):
