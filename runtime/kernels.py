@@ -180,7 +180,8 @@ def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor, k: int) -> torch
 
 def index_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor | None = None
                ) -> torch.Tensor:
-    """x[perm] by plain indexing (its gradient an accumulating index_put)."""
+    """x[perm] by plain indexing (its gradient an accumulating index_put): the eager set's
+    permute_rows; ``inverse`` is accepted for the fused set's signature and not needed here."""
     return x[perm]
 
 
