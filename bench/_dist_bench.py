@@ -76,6 +76,48 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: 
     return statistics.median(times)
 
 
+def device_timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
+                 ) -> float:
+    """Median seconds of ``fn``'s kernels with the host ahead of the GPU: a spin kernel
+    (``torch.cuda._sleep``) holds the GPU while the host queues ``fn``, so the timed span holds
+    the kernels and the gaps between them and none of the host's dispatch, as in a step whose
+    host runs ahead. ``timed`` times one call on an idle GPU, dispatch included. The spin lasts
+    twice the host's time for one call (measured first). On CPU the two are the same."""
+    if device.type != "cuda":
+        return timed(fn, device, warmup, repeats, barrier=False)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t0  # an upper bound of the dispatch: it waits for nothing
+    _sync(device)
+    spin = _spin_cycles_per_s(device) * (2 * host_s + 50e-6)
+    times = []
+    for _ in range(repeats):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(spin))
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def _spin_cycles_per_s(device: torch.device) -> float:
+    """Clock cycles per second of ``torch.cuda._sleep``'s spin, timed once."""
+    cycles = 10_000_000
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(cycles)
+    b.record()
+    b.synchronize()
+    return cycles / (a.elapsed_time(b) / 1e3)
+
+
 def slowest(value: float, device: torch.device) -> float:
     """The maximum of ``value`` over ranks (a step waits for its slowest rank)."""
     if not dist.is_initialized():

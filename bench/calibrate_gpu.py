@@ -24,7 +24,10 @@ times NCCL collectives. The sweep covers shapes, not one model's:
 
 Every row carries its shape, the measured seconds and the prediction of the cost model for the
 same work on ``--cluster`` (planner.calibrate.row_seconds). Times are medians of timed repeats
-after warm-up (CUDA events on GPU, wall clock on CPU), on random data. ``--smoke`` runs tiny
+after warm-up (CUDA events on GPU, wall clock on CPU), on random data. A kernel row is timed
+twice: one call on an idle GPU (``measured_s``: the host's dispatch inside, as a host that
+waits pays it) and its kernels with the host ahead (``device_s``: a spin kernel holds the GPU
+while the host queues the call; the die's time). ``--smoke`` runs tiny
 shapes (a CPU check of the script: gloo, fp32).
 """
 
@@ -70,6 +73,7 @@ class Grid:
             self.grouped_experts = [2, 4]
             self.grouped_rows = [8, 32]
             self.grouped_widths = [(64, 32)]  # (hidden, expert ffn)
+            self.grouped_extra = [(3, 16, 64, 32)]
             self.attention = [(1, 128, 2, 32)]
             self.memory_mib = [1]
             self.layer_models = ["tiny-moe"]
@@ -79,7 +83,7 @@ class Grid:
             self.comm_kib = [64, 256]
             self.repeats, self.warmup = 2, 1
             return
-        self.gemm_rows = [512, 2048, 8192, 16384]
+        self.gemm_rows = [512, 1024, 2048, 8192, 16384]  # 1,024: the 352B job's rows per rank
         self.gemm_widths = [  # (out, in): projections, expert / dense FFN widths of the catalog
             (2048, 2048), (4096, 4096), (6144, 4096), (5120, 2048), (28672, 4096), (4096, 14336),
             (3072, 2048), (2048, 1536),
@@ -88,10 +92,14 @@ class Grid:
         self.grouped_experts = [8, 16, 32, 64, 128]
         self.grouped_rows = [32, 64, 128, 256, 512, 1024, 4096]
         self.grouped_widths = [(2048, 768), (2048, 1408), (4096, 14336)]
+        # (experts, rows per expert, hidden, expert ffn) off the grid: the 352B job's per-rank
+        # experts (EP 8 of 32 experts, 8 x 1,024 tokens x top-3 / 32 = 768 rows each)
+        self.grouped_extra = [(4, 768, 4096, 14336), (4, 1024, 4096, 14336)]
         self.attention = [  # (batch, seq, heads, head_dim)
             (8, 1024, 32, 128), (4, 2048, 32, 128), (2, 4096, 32, 128), (1, 8192, 32, 128),
             (2, 4096, 16, 128), (2, 4096, 4, 128), (1, 8192, 8, 128), (2, 4096, 32, 64),
             (1, 8192, 16, 64), (1, 16384, 16, 128), (4, 4096, 64, 128), (1, 4096, 16, 192),
+            (1, 8192, 4, 128),  # the 352B job's heads per rank under Ulysses SP 8
         ]
         self.memory_mib = [16, 64, 256, 1024]
         self.layer_models = ["mixtral-8x7b", "qwen3-30b-a3b", "deepseekmoe", "phi-3.5-moe"]
@@ -130,11 +138,16 @@ class Sweep:
     def add(self, op: SweepOp, name: str, fn: Callable[[], object], *, shape: dict | None = None,
             backward: bool = False, nbytes: int | None = None, layer_op: str | None = None,
             measured: float | None = None) -> None:
-        """Time ``fn`` (unless ``measured`` is given) and record the row with its prediction."""
+        """Time ``fn`` (unless ``measured`` is given: one call on an idle GPU, and its kernels
+        with the host ahead, ``device_s``) and record the row with its prediction."""
+        device_s = None
         if measured is None:
             measured = timed(fn, self.device, self.grid.repeats, self.grid.warmup)
+            device_s = _dist_bench.device_timed(fn, self.device, self.grid.warmup,
+                                                self.grid.repeats)
         row = {"name": name, "op": op.value, "shape": shape or {}, "backward": backward,
-               "measured_s": measured, **({} if nbytes is None else {"bytes": nbytes}),
+               "measured_s": measured, **({} if device_s is None else {"device_s": device_s}),
+               **({} if nbytes is None else {"bytes": nbytes}),
                **({} if layer_op is None else {"layer_op": layer_op})}
         predicted = row_seconds(SweepRow.model_validate(row), self.cluster)
         if predicted is not None:
@@ -171,6 +184,9 @@ def grouped_tasks(s: Sweep) -> list[Callable[[], None]]:
                     continue
                 for n, k in ((2 * ffn, hidden), (hidden, ffn)):
                     out.append(lambda e=e, r=r, n=n, k=k: grouped_task(s, e, r, n, k))
+    for e, r, hidden, ffn in g.grouped_extra:
+        for n, k in ((2 * ffn, hidden), (hidden, ffn)):
+            out.append(lambda e=e, r=r, n=n, k=k: grouped_task(s, e, r, n, k))
     return out
 
 

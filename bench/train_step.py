@@ -24,6 +24,8 @@ import gc
 import json
 import os
 import sys
+import warnings
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
@@ -150,13 +152,14 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
             rows = m.expert_rows if rows is None else [a + b for a, b in
                                                        zip(rows, m.expert_rows, strict=True)]
     peak = m.peak_memory_gib
+    syncs = host_syncs(trainer, warmup + steps, device)
     # the caching allocator's peak reserved bytes: what the cost model's peak predicts
     reserved = (torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda"
                 else peak)
-    per_rank: list = [(components, peak, reserved, skews, rows)]
+    per_rank: list = [(components, peak, reserved, skews, rows, syncs)]
     if world > 1:
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (components, peak, reserved, skews, rows))
+        dist.all_gather_object(per_rank, (components, peak, reserved, skews, rows, syncs))
     trainer.close()  # its process groups: a launch measures several plans
     if rank != 0:
         return None
@@ -165,6 +168,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     flops = plan.model.flops_per_token(t.seq_len) * tokens
     peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
     keys = sorted({k for c, *_ in per_rank for k in c})
+    per_rank, syncs_per_rank = [r[:-1] for r in per_rank], [r[-1] for r in per_rank]
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
     # ranks, MoE layers and micro-batches
     all_skews = [s for _, _, _, rank_skews, _ in per_rank for s in rank_skews]
@@ -196,10 +200,35 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "ep_rank_load_step": ep_rank_load(plan, [None if r is None else [sum(r)]
                                                  for r in rows_per_rank]),
         "ep_rank_load_layer": ep_rank_load(plan, rows_per_rank),
+        "host_syncs_per_rank": syncs_per_rank,
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
                        for d in deviations(plan, backend_of(device))],
     }
+
+
+def host_syncs(trainer, step: int, device: torch.device) -> dict[str, int] | None:
+    """One unmeasured step under CUDA's sync debug mode: its implicit host waits (a copy to or
+    from pageable memory, ``.item()``, ``.tolist()``, ``nonzero``) counted per source line.
+    None on CPU."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = Counter(_source(w.filename, w.lineno) for w in caught
+                    if "synchroniz" in str(w.message))
+    return dict(where.most_common())
+
+
+def _source(filename: str, line: int) -> str:
+    """``path:line``, the path relative to the repository when the file is in it."""
+    path, root = Path(filename).resolve(), HERE.parent
+    return f"{path.relative_to(root) if path.is_relative_to(root) else path.name}:{line}"
 
 
 def ep_rank_load(plan, rows_per_rank: list[list[int] | None]) -> float | None:

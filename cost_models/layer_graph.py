@@ -50,17 +50,16 @@ RMS_NORM_LAUNCHES = (9, 17)
 weight's fp32 cast, x weight, the cast back; backward 17 (autograd's kernels of those, the
 weight gradient's row sum and cast included)."""
 ROUTER_LAUNCHES: Mapping[bool, tuple[int, int]] = MappingProxyType(
-    {False: (29, 34), True: (27, 27)})
+    {False: (30, 34), True: (28, 27)})
 """runtime.moe.Router without its gate GEMM, eager, by ``router_pre_softmax``: the fp32 cast,
 softmax, top-k (renormalising: the weights' sum and division), the slots per expert
 (runtime.kernels.count_per_expert: zeros, clamp, + 1, ones, index_add, cast), the summed
-probabilities, balance_from_stats (cat, the balance loss's divisions, sums and products) and
-the logged load (max, mean, clamp, division, stack, the running sum and maximum of later
-micro-batches); backward through the routing weights and the balance loss. Its
-``torch.tensor([tokens], device=...)`` is a host-to-device copy, no kernel, but a blocking one
-(ATen's copy_kernel_cuda without non_blocking: cudaMemcpyAsync, then cudaStreamSynchronize),
-so the host waits for the GPU's queue to drain at every router call and the GPU then waits for
-the router's launches: the fixed times are exposed in a step as in the micro-benchmarks."""
+probabilities, balance_from_stats (the token count's fill, cat, the balance loss's divisions,
+sums and products) and the logged load (max, mean, clamp, division, stack, the running sum and
+maximum of later micro-batches); backward through the routing weights and the balance loss.
+The token count is a fill on the device: before 2026-12-01 it was ``torch.tensor([tokens],
+device=...)``, a host-to-device copy from pageable memory after which ATen waits for the
+stream, so the host waited for the GPU's queue to drain at every router call."""
 SWIGLU_LAUNCHES = (2, 3)
 """runtime.kernels.swiglu eager: silu and the product; backward the two products' gradients and
 silu's."""

@@ -196,6 +196,12 @@ class SweepRow(BaseModel):
     cost_models.comm: all-to-all one rank's send buffer, all-gather / reduce-scatter the full
     buffer); None for compute kernels."""
     measured_s: PositiveFloat
+    """One call timed between CUDA events on an idle GPU: the host's dispatch of the call is
+    inside (bench/_dist_bench.timed)."""
+    device_s: PositiveFloat | None = None
+    """The same call's kernels with the host ahead of the GPU (bench/_dist_bench.device_timed:
+    a spin kernel holds the GPU while the host queues the call): the die's time, dispatch
+    excluded. Kernel rows of sweeps since 2026-12-01; None for collectives and older sweeps."""
     achieved_tb_s: PositiveFloat | None = None
     shape: dict[str, int | str] = {}
     """What ran (bench/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),

@@ -95,7 +95,9 @@ def balance_from_stats(
     """balance_loss from this rank's slots per expert and summed probabilities (the router's
     one pass, runtime.kernels.route)."""
     experts = counts.shape[0]
-    n = torch.tensor([float(tokens)], dtype=prob_sum.dtype, device=prob_sum.device)
+    # a fill on the device: torch.tensor(..., device=cuda) copies from pageable host memory, and
+    # PyTorch waits for the stream after such a copy (one host sync per router call)
+    n = prob_sum.new_full((1,), float(tokens))
     stats = reduce_stats(torch.cat([counts, prob_sum, n]))
     counts, prob_sum, total = stats[:experts], stats[experts : 2 * experts], stats[-1]
     if record_counts is not None:

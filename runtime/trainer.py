@@ -135,6 +135,10 @@ class Trainer:
     # ---- a step ---------------------------------------------------------------------------------
     def forward_backward(self, step: int) -> float:
         """Gradients of step ``step`` before synchronisation; returns the global mean loss."""
+        return float(self._forward_backward(step))
+
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        """forward_backward with the loss left on the device (reading it waits for the step)."""
         self.optimizer.zero_grad()
         micro = rank_micro_batches(self.data.batch(step), self.plan, self.mesh, self.device)
         with self.timers.region(Component.forward_backward):
@@ -142,7 +146,7 @@ class Trainer:
         total = local.detach().float().reshape(1)
         if self.mesh.world > 1:
             dist.all_reduce(total)  # every token's loss is on exactly one last-stage rank
-        return float(total)
+        return total
 
     def sync_gradients(self) -> None:
         with self.timers.region(Component.grad_sync):
@@ -154,11 +158,14 @@ class Trainer:
 
     def train_step(self, step: int) -> StepMetrics:
         t0 = time.perf_counter()
-        loss = self.forward_backward(step)
+        loss_on_device = self._forward_backward(step)
+        # the loss is read after the optimizer is queued: reading it first would hold the host
+        # until the backward ends, and the GPU would wait for the sync's and optimizer's launches
         self.sync_gradients()
         self.optimizer_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        loss = float(loss_on_device)
         elapsed = time.perf_counter() - t0
         moes = self.model.moe_layers()
         skew = routing_skew(moes) or (None, None)
