@@ -4,7 +4,9 @@ forward + backward, at Mixtral-8x7B shapes by default (16k tokens of one micro-b
 
     python bench/fused_ops_gpu.py --out bench/results/h200_fused/fused_ops_mixtral.json
 
-Per operator: CUDA-event medians after warm-up (wall clock on CPU), the fused speedup, and the
+Per operator: CUDA-event medians after warm-up (wall clock on CPU) of one call on an idle GPU
+and of its kernels with the host ahead (``device_``: bench/_dist_bench.device_timed, no host
+dispatch inside), the fused speedup, and the
 bytes the cost model counts for it (cost_models.layer_graph: its fused-kernel bytes, forward
 and backward) over the measured time as a fraction of the GPU's peak HBM bandwidth
 (``--hbm-tb-s``): what efficiency.elementwise (eager) and efficiency.fused_elementwise (fused)
@@ -23,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
-from _dist_bench import timed  # noqa: E402
+from _dist_bench import device_timed, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 
 from plans.enums import Kernels  # noqa: E402
@@ -118,11 +120,15 @@ def main(argv: list[str] | None = None) -> None:
             call = build(ops)
             with torch.no_grad():
                 f = timed(call, device, a.warmup, a.repeats)
+                f_dev = device_timed(call, device, a.warmup, a.repeats)
             fb = timed(fwd_bwd(call, inputs), device, a.warmup, a.repeats)
+            fb_dev = device_timed(fwd_bwd(call, inputs), device, a.warmup, a.repeats)
             row[kind.value] = {
-                "fwd_s": f, "fwd_bwd_s": fb,
+                "fwd_s": f, "fwd_bwd_s": fb, "device_fwd_s": f_dev, "device_fwd_bwd_s": fb_dev,
                 "fwd_hbm_fraction": fwd_bytes / f / (a.hbm_tb_s * 1e12),
                 "fwd_bwd_hbm_fraction": (fwd_bytes + bwd_bytes) / fb / (a.hbm_tb_s * 1e12),
+                "device_fwd_bwd_hbm_fraction": (fwd_bytes + bwd_bytes) / fb_dev
+                / (a.hbm_tb_s * 1e12),
             }
         row["fused_speedup_fwd_bwd"] = row["eager"]["fwd_bwd_s"] / row["fused"]["fwd_bwd_s"]
         out[name] = row
@@ -130,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['fused']['fwd_bwd_s'] * 1e3:8.3f} ms  x{row['fused_speedup_fwd_bwd']:.2f}")
     eager = sum(r["eager"]["fwd_bwd_s"] for r in out.values())
     fused = sum(r["fused"]["fwd_bwd_s"] for r in out.values())
+    on_device = {kind: sum(r[kind]["device_fwd_bwd_s"] for r in out.values())
+                 for kind in ("eager", "fused")}
+    moved = sum(r["fwd_bytes"] + r["bwd_bytes"] for r in out.values())
     doc = {
         **metadata(), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "shapes": {k: getattr(a, k) for k in ("tokens", "seq", "hidden", "heads", "kv_heads",
@@ -137,8 +146,11 @@ def main(argv: list[str] | None = None) -> None:
         "hbm_tb_s": a.hbm_tb_s, "warmup": a.warmup, "repeats": a.repeats, "ops": out,
         "total_fwd_bwd_s": {"eager": eager, "fused": fused},
         "bytes_fraction_fwd_bwd": {
-            kind: sum(r["fwd_bytes"] + r["bwd_bytes"] for r in out.values()) / total
-            / (a.hbm_tb_s * 1e12) for kind, total in (("eager", eager), ("fused", fused))},
+            kind: moved / total / (a.hbm_tb_s * 1e12)
+            for kind, total in (("eager", eager), ("fused", fused))},
+        "total_device_fwd_bwd_s": on_device,
+        "device_bytes_fraction_fwd_bwd": {
+            kind: moved / total / (a.hbm_tb_s * 1e12) for kind, total in on_device.items()},
     }
     write_atomic(a.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
     print(f"wrote {a.out}")
