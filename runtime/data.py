@@ -128,11 +128,14 @@ def rank_micro_batches(
     d, mbs = plan.degrees, plan.micro_batch_size
     a, dp = mesh.coord(MeshAxis.attn), mesh.coord(MeshAxis.dp)
     shard = int(tokens_per_rank(1, plan.training.seq_len, d.attention_group))
+    # one host-to-device copy of the step's batch (a few hundred KiB), then views: a copy per
+    # micro-batch from pageable memory would wait for the stream each time
+    batch = batch.to(device)
     out = []
     for j in range(plan.num_micro_batches):
         first = (j * d.dp + dp) * mbs
         seqs = batch[first : first + mbs]
         inputs = seqs[:, :-1][:, a * shard : (a + 1) * shard]
         labels = seqs[:, 1:][:, a * shard : (a + 1) * shard]
-        out.append(MicroBatch(inputs.to(device), labels.to(device)))
+        out.append(MicroBatch(inputs.contiguous(), labels.contiguous()))
     return out
