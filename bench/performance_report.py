@@ -48,10 +48,13 @@ STEPS = (
      "speed14/mixtral2l_dp2_ep2_ag_mbs4_fused_gsync"),
     ("sp2 x ep2", "fused (router eager) + fused AdamW + sync overlap, ag+rs, mbs 8",
      "speed14/mixtral2l_sp2_ep2_ag_mbs8_fused_gsync"),
+    ("1 GPU", "fused + fused AdamW, no host sync in the router, one input copy per step, mbs 8",
+     "speed16/mixtral2l_1gpu_mbs8_fused"),
     ("pp2", "eager, mbs 1", "mixtral2l_pp2"),
 )
-LAYER = "speed14"
-"""The campaign folder of the MoE layer results (h200_speed14)."""
+LAYERS = ("speed16", "speed14")
+"""The campaign folders of the MoE layer results, newest first (h200_speed16_1gpu: 1 GPU;
+h200_speed14: 1 GPU and EP = 2, traced): each result is read from the newest that has it."""
 PEER_TARGET = 1.15
 TARGETS = {"1 GPU": ("MFU >= 50%", None, 0.50), "dp2 x ep2": ("<= 215 ms", 0.215, 0.45),
            "sp2 x ep2": ("<= 250 ms", 0.250, 0.45)}
@@ -105,8 +108,8 @@ def _layer_docs() -> list[tuple[str, dict]]:
     out = []
     for world in ("x1", "x2"):
         for kernels, suffix in (("eager", ""), ("fused", "_fused")):
-            doc = _load(f"{LAYER}/moe_layer_{world}{suffix}")
-            if doc is not None:
+            docs = (_load(f"{folder}/moe_layer_{world}{suffix}") for folder in LAYERS)
+            if (doc := next((d for d in docs if d is not None), None)) is not None:
                 out.append((kernels, doc))
     return out
 
@@ -206,7 +209,7 @@ def fused_table() -> list[str]:
     lines = ["| shape | operator | eager fwd+bwd ms | fused fwd+bwd ms | speed-up | fused share "
              "of HBM peak |", "|---|---|---:|---:|---:|---:|"]
     for shape in ("mixtral", "qwen3"):
-        doc = _load(f"{LAYER}/fused_ops_{shape}")
+        doc = _load(f"speed14/fused_ops_{shape}")
         if doc is None:
             continue
         for name, row in doc["ops"].items():
@@ -261,7 +264,9 @@ def render() -> str:
         "",
         "## One MoE layer, forward + backward (16,384 tokens per rank)",
         "",
-        "`bench/moe_layer_gpu.py` (campaign `h200_speed14`, results in `speed14/`): our layer "
+        "`bench/moe_layer_gpu.py` (campaigns `h200_speed16_1gpu`, 1 GPU, results in `speed16/`, "
+        "after the router's host sync was removed; `h200_speed14`, EP = 2 and traced, in "
+        "`speed14/`): our layer "
         "with eager or fused memory-bound kernels (`--kernels`); 'inter-op' is `overlap: "
         "inter_op` (two token chunks, dispatch and combine on a communication stream beside "
         "the expert GEMMs); the overlap target is inter-op within 1.1x of max(compute alone, "
