@@ -9,9 +9,11 @@ Shapes (full width, reduced depth; global batch 8 x 4096):
 - DeepSeekMoE, 4 layers: 64 experts top-6 (2 shared), expert FFN 1,408, vocabulary 102,400.
 
 Over 1 and 2 H200s: micro-batch 1 to 4, both dispatchers, recomputation none / selective /
-full, Ulysses SP, DP, PP (1F1B and interleaved). Plans are built here, not searched, each as
-the runtime executes it today (no overlap, eager memory-bound kernels; the catalog's H200
-cluster: the report prices each on the calibrated cluster instead).
+full, Ulysses SP, DP, PP (1F1B and interleaved), the gradient sync overlapped with the last
+backward (every DP plan), the inter-operator overlapped MoE layer and the fused memory-bound
+kernels (one plan each kind; the others eager, no layer overlap). Plans are built here, not
+searched, each as the runtime executes it (the catalog's H200 cluster: the report prices each
+on the calibrated cluster instead).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from plans import (  # noqa: E402
     Degrees,
     Dispatch,
     Kernels,
+    Overlap,
     PipelineSchedule,
     Plan,
     Recompute,
@@ -43,6 +46,7 @@ ONE_GPU = Degrees()
 A2A, AG = Dispatch.all_to_all, Dispatch.allgather_reduce_scatter
 SEL, FULL = Recompute.selective, Recompute.full
 INTERLEAVED = PipelineSchedule.interleaved_1f1b
+INTER_OP = Overlap.inter_op
 
 
 def case(shape: str, degrees: Degrees = ONE_GPU, mbs: int = 1,
@@ -62,6 +66,7 @@ CASES: dict[str, Callable[[], Plan]] = {
     "qwen4l_1gpu_mbs4_sel": case("qwen4l", mbs=4, recompute=SEL),
     "deepseek4l_1gpu_mbs2": case("deepseek4l", mbs=2),
     "deepseek4l_1gpu_mbs4_full": case("deepseek4l", mbs=4, recompute=FULL),
+    "deepseek4l_1gpu_mbs2_fused": case("deepseek4l", mbs=2, kernels=Kernels.fused),
     # two GPUs
     "mixtral2l_dp2_ep2_mbs1": case("mixtral2l", Degrees(dp=2, ep=2)),
     "mixtral2l_sp2_ep2_ag_mbs2": case("mixtral2l", Degrees(sp=2, ep=2), mbs=2, dispatch=AG),
@@ -75,6 +80,10 @@ CASES: dict[str, Callable[[], Plan]] = {
     "deepseek4l_dp2_ep2_ag_mbs2": case("deepseek4l", Degrees(dp=2, ep=2), mbs=2, dispatch=AG),
     "deepseek4l_pp2_vpp2_mbs1": case("deepseek4l", Degrees(pp=2, vpp=2),
                                      schedule=INTERLEAVED),
+    # the overlapped MoE layer (two token chunks, dispatch and combine on a second stream)
+    "mixtral2l_dp2_ep2_interop_mbs1": case("mixtral2l", Degrees(dp=2, ep=2), overlap=INTER_OP),
+    "qwen4l_sp2_ep2_ag_interop_mbs2": case("qwen4l", Degrees(sp=2, ep=2), mbs=2, dispatch=AG,
+                                           overlap=INTER_OP),
 }
 PROFILED = "mixtral2l_1gpu_mbs1"
 """The one suite plan whose profiled step calibration may read (the report's fit)."""
