@@ -337,6 +337,45 @@ def repeat_text(results: Path, data: list[dict], repeat: Path = REPEAT) -> str:
             "latest launch.\n\n" + "\n".join(lines) + "\n")
 
 
+DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
+"""One-GPU measurements of the current runtime (campaigns h200_device_sweep,
+h200_profile_1gpu): the suite's 1-GPU plans re-measured, their profiled steps, host syncs."""
+
+
+def host_text(device: Path = DEVICE) -> str:
+    """The suite's 1-GPU plans measured again after the router's host sync was removed, with
+    the profiled step's idle device time and the host syncs one step counted."""
+    lines = ["| plan | suite ms (commit) | now ms (commit) | change | device idle in a "
+             "profiled step | implicit host syncs per step |", "|---|---|---|---|---|---|"]
+    for name in CASES:
+        now_path = device / f"train_step_{name}.json"
+        then_path = RESULTS / f"train_step_{name}.json"
+        if not (now_path.exists() and then_path.exists()):
+            continue
+        now, then = (json.loads(p.read_text()) for p in (now_path, then_path))
+        prof = device / f"profile_{name}.json"
+        idle = (f"{json.loads(prof.read_text())['idle_fraction']:.1%}" if prof.exists()
+                else "-")
+        syncs = sum(sum(r.values()) for r in now.get("host_syncs_per_rank") or [] if r)
+        lines.append(f"| {name} | {then['step_time_s'] * 1e3:.1f} ({then['commit']}) | "
+                     f"{now['step_time_s'] * 1e3:.1f} ({now['commit']}) | "
+                     f"{now['step_time_s'] / then['step_time_s'] - 1:+.1%} | {idle} | {syncs} |")
+    if len(lines) == 2:
+        return ""
+    return ("## Host or device\n\nThe router built its token count with `torch.tensor(..., "
+            "device=)`, a copy from pageable host memory after which PyTorch waits for the "
+            "stream: the host waited for the GPU at every router call. It is a fill on the "
+            "device now, the step reads its loss after the optimizer is queued, and the inputs "
+            "cross to the device once per step. `bench/train_step.py` runs one more step under "
+            "CUDA's sync debug mode and counts the implicit host waits left (the step's end: "
+            "the input copy, the loss, the routing statistics). On one GPU the steps are then "
+            "device-bound: a profiled step's device is idle for under 1% of it "
+            "(`runtime.profile`). The suite's table above still holds the measurements of its "
+            "campaign (the 2-GPU plans need both GPUs, which were not lent since); the 1-GPU "
+            "plans now (`bench/results/h200/device_sweep`, campaigns `h200_device_sweep` and "
+            "`h200_profile_1gpu`):\n\n" + "\n".join(lines) + "\n")
+
+
 def rank_load_text(data: list[dict]) -> str:
     """The busiest EP rank's routed rows over its group's mean, measured (bench/train_step.py:
     per layer where the run counted per layer, else over the whole step) beside
@@ -399,6 +438,7 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                   "trainer.\n"]
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         parts.append(rank_load_text(data))
+        parts.append(host_text())
         parts.append(repeat_text(results, data))
         if len(used) > 1:
             alone, _ = fit(results, with_profile=False)
