@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,16 +57,55 @@ class _Timed:
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Move one chunk's rows to their experts' ranks: expert-input rows grouped by local
         expert, rows per local expert, and the handle ``combine`` undoes it with."""
-        tokens = self.bwd_to(tokens, Component.dispatch)
-        with self.region(Component.dispatch):
-            rows, counts, handle = self._send(tokens, routing, prepared)
-        return self.bwd_from(rows, Component.dispatch), counts, handle
+        return self.send_unpack(self.send_exchange(self.send_pack(tokens, routing, prepared)))
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return self.combine_unpack(self.combine_exchange(self.combine_pack(expert_out, handle)))
+
+    # The phases of send and combine (Megatron-Core's dispatch / combine pre-process,
+    # communication and post-process): the collectives alone in ``*_exchange``, the
+    # memory-bound permutations around them, so an overlapped schedule can run the
+    # collectives on a communication stream and the permutations with the GEMMs
+    # (runtime.parallel.overlap). Each phase is timed as its component.
+
+    def send_pack(self, tokens: torch.Tensor, routing: Routing, prepared: Any) -> Moving:
+        tokens = self.bwd_to(tokens, Component.dispatch)
+        with self.region(Component.dispatch):
+            return self._send_pack(tokens, routing, prepared)
+
+    def send_exchange(self, moving: Moving) -> Moving:
+        with self.region(Component.dispatch):
+            return self._send_exchange(moving)
+
+    def send_unpack(self, moving: Moving) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        with self.region(Component.dispatch):
+            rows, counts, handle = self._send_unpack(moving)
+        return self.bwd_from(rows, Component.dispatch), counts, handle
+
+    def combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
         expert_out = self.bwd_to(expert_out, Component.combine)
         with self.region(Component.combine):
-            y = self._combine(expert_out, handle)
+            return self._combine_pack(expert_out, handle)
+
+    def combine_exchange(self, moving: Moving) -> Moving:
+        with self.region(Component.combine):
+            return self._combine_exchange(moving)
+
+    def combine_unpack(self, moving: Moving) -> torch.Tensor:
+        with self.region(Component.combine):
+            y = self._combine_unpack(moving)
         return self.bwd_from(y, Component.combine)
+
+
+@dataclass
+class Moving:
+    """Tokens between two phases of a send or combine: the tensors in flight and what the next
+    phase needs (a dispatcher's own fields)."""
+
+    rows: torch.Tensor
+    handle: DispatchHandle | None = None
+    counts: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -153,39 +192,50 @@ class AllToAllDispatcher(_Timed):
             for i, chunk_slots in enumerate(slots)
         ]
 
-    def _send(
-        self, tokens: torch.Tensor, routing: Routing, prepared: _AllToAllPlan
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        n, el = self.size, self.num_local_experts
+    def _send_pack(self, tokens: torch.Tensor, routing: Routing, prepared: _AllToAllPlan
+                   ) -> Moving:
+        """The rows in expert order (so in destination-rank order)."""
         k = routing.indices.shape[1]
-        slots, recv_counts = prepared.slots, prepared.recv_counts
-        in_splits, out_splits = prepared.in_splits, prepared.out_splits
+        slots = prepared.slots
         if not routing.dropless:  # dropped slots sort last: keep the routed ones
-            slots = slots[:sum(in_splits)]
-        rows = self.ops.gather_rows(tokens, slots, k)
-        received = all_to_all(rows, out_splits, in_splits, self.group)
+            slots = slots[:sum(prepared.in_splits)]
+        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {
+            "in_splits": prepared.in_splits, "out_splits": prepared.out_splits})
+        return Moving(self.ops.gather_rows(tokens, slots, k), handle,
+                      prepared.recv_counts)
+
+    def _send_exchange(self, moving: Moving) -> Moving:
+        extra = moving.handle.extra
+        received = all_to_all(moving.rows, extra["out_splits"], extra["in_splits"], self.group)
+        return Moving(received, moving.handle, moving.counts)
+
+    def _send_unpack(self, moving: Moving) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """Regroup the received rows from (source rank, expert) to (expert, source rank)."""
+        n, el = self.size, self.num_local_experts
+        received, recv_counts, handle = moving.rows, moving.counts, moving.handle
         # chunk c = src * el + e; expert-major order is key e * n + src
         chunk = torch.repeat_interleave(
-            torch.arange(n * el, device=rows.device), recv_counts.reshape(-1),
-            output_size=sum(out_splits),
+            torch.arange(n * el, device=received.device), recv_counts.reshape(-1),
+            output_size=received.shape[0],
         )
         order = torch.argsort((chunk % el) * n + torch.div(chunk, el, rounding_mode="floor"),
                               stable=True)
-        extra = {"order": order, "in_splits": in_splits, "out_splits": out_splits}
-        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, extra)
+        handle.extra["order"] = order
         return self.ops.permute_rows(received, order), recv_counts.sum(0), handle
 
-    def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def _combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
         order = handle.extra["order"]
-        rows = all_to_all(
-            self.ops.permute_rows(expert_out, inverse_permutation(order), order),
-            handle.extra["in_splits"],
-            handle.extra["out_splits"],
-            self.group,
-        )
-        return self.ops.weighted_scatter(
-            rows, handle.slots, handle.weights, handle.num_tokens, handle.top_k
-        )
+        return Moving(self.ops.permute_rows(expert_out, inverse_permutation(order), order),
+                      handle)
+
+    def _combine_exchange(self, moving: Moving) -> Moving:
+        extra = moving.handle.extra
+        rows = all_to_all(moving.rows, extra["in_splits"], extra["out_splits"], self.group)
+        return Moving(rows, moving.handle)
+
+    def _combine_unpack(self, moving: Moving) -> torch.Tensor:
+        h = moving.handle
+        return self.ops.weighted_scatter(moving.rows, h.slots, h.weights, h.num_tokens, h.top_k)
 
 
 class AllGatherDispatcher(_Timed):
@@ -216,21 +266,37 @@ class AllGatherDispatcher(_Timed):
             plans.append(_AllGatherPlan(*sort_by_expert(local, el)))
         return plans
 
-    def _send(
-        self, tokens: torch.Tensor, routing: Routing, prepared: _AllGatherPlan
-    ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
-        k = routing.indices.shape[1]
-        all_tokens = all_gather(tokens, self.group)
-        all_weights = all_gather(routing.weights, self.group)
-        rows = self.ops.gather_rows(all_tokens, prepared.slots, k)
-        handle = DispatchHandle(prepared.slots, all_weights, all_tokens.shape[0], k, {})
-        return rows, prepared.counts, handle
+    def _send_pack(self, tokens: torch.Tensor, routing: Routing, prepared: _AllGatherPlan
+                   ) -> Moving:
+        """Nothing to permute before the all-gather: the tokens go as they are."""
+        handle = DispatchHandle(prepared.slots, routing.weights, tokens.shape[0],
+                                routing.indices.shape[1], {})
+        return Moving(tokens, handle, prepared.counts)
 
-    def _combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+    def _send_exchange(self, moving: Moving) -> Moving:
+        h = moving.handle
+        all_tokens = all_gather(moving.rows, self.group)
+        all_weights = all_gather(h.weights, self.group)
+        handle = DispatchHandle(h.slots, all_weights, all_tokens.shape[0], h.top_k, {})
+        return Moving(all_tokens, handle, moving.counts)
+
+    def _send_unpack(self, moving: Moving) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+        """The local scatter: the gathered tokens' rows routed to local experts."""
+        h = moving.handle
+        return self.ops.gather_rows(moving.rows, h.slots, h.top_k), moving.counts, h
+
+    def _combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
+        """The local gather: weighted partial sums for every gathered token."""
         partial = self.ops.weighted_scatter(
             expert_out, handle.slots, handle.weights, handle.num_tokens, handle.top_k
         )
-        return reduce_scatter(partial, self.group)
+        return Moving(partial, handle)
+
+    def _combine_exchange(self, moving: Moving) -> Moving:
+        return Moving(reduce_scatter(moving.rows, self.group), moving.handle)
+
+    def _combine_unpack(self, moving: Moving) -> torch.Tensor:
+        return moving.rows
 
 
 class ExpertTPDispatcher(AllGatherDispatcher):

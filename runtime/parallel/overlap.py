@@ -2,31 +2,37 @@
 
 The router sees all of a micro-batch's tokens (so routing and the balance loss are the
 unchunked layer's); the dispatcher then learns every chunk's expert order and row counts in one
-exchange (``prepare``), and the tokens move in ``plans.layout.moe_chunks`` chunks along the
-token dimension. Each chunk runs three stages, each on a lane:
+exchange (``prepare``: its one wait on the host), and the tokens move in
+``plans.layout.moe_chunks`` chunks along the token dimension. Each chunk runs the dispatcher's
+phases (runtime.parallel.expert: pack, exchange, unpack, both ways) and its experts, each step
+on a lane: the collectives alone on the communication lane, the permutations with the expert
+GEMMs on the compute lane (Megatron-Core's fine-grained dispatch / combine pre- and
+post-processing; the cost model, cost_models.layer_graph, prices the permutations on the compute
+stream the same way). For two chunks the issue order (``COLLECTIVES_ALONE``) is
 
-    dispatch (communication lane) -> experts (compute lane) -> combine (communication lane)
+    Dp0 Dx0 Dp1 Dx1 [S] Du0 E0 Cp0 Cx0 Du1 E1 Cp1 Cx1 Cu0 Cu1
 
-issued in the order D0 [shared] E0 D1 C0 E1 C1 (``stage_order``), so chunk 1's dispatch runs
-beside chunk 0's expert GEMMs and chunk 0's combine beside chunk 1's (the shared experts, when
-the model has them, beside chunk 0's dispatch). Every expert GEMM is issued before the next
-dispatch, whose host work (the all-gather dispatcher's row filter) may wait on the GPU.
+(D dispatch, C combine; p pack, x exchange, u unpack; E experts; S the shared experts): the
+communication lane runs Dx0 Dx1 Cx0 Cx1, so chunk 1's dispatch moves beside chunk 0's
+permutations and GEMMs (and the shared experts), and chunk 0's combine beside chunk 1's.
+Putting the permutations on the communication lane with the collectives (the schedule before
+2026-12-01) made that lane busier than the GEMMs' at Qwen3-30B-A3B's shape (13 ms against 9 ms
+in a traced step, docs/performance.md).
 
 On CUDA the compute lane is the training stream and the communication lane a second stream; a
-stage on the other lane than its chunk's previous stage waits for that stage's event, and every
+step on the other lane than its chunk's previous step waits for that step's event, and every
 tensor a chunk carries into it is ``record_stream``-ed on its stream, so the caching allocator
 never reuses memory a stream still reads. On CPU both lanes are the one thread and the schedule
 is the serial computation in another order (the gloo tests check the numbers).
 
 Backward: torch runs each operator's backward on the stream its forward ran on and makes a
-stream wait for the gradients it consumes from another, so the combine and dispatch gradients
+stream wait for the gradients it consumes from another, so the collectives' gradients
 (all-to-all back, or all-gather <-> reduce-scatter) run on the communication stream and the
-expert GEMMs' data and weight gradients on the compute stream. The autograd engine issues ready
-nodes latest-created first, i.e. C1' E1' C0' D1' E0' D0': chunk 0's combine gradient runs beside
-chunk 1's expert backward, and chunk 1's dispatch gradient beside chunk 0's. What stays exposed:
-the first dispatch and the last combine of each direction, and the collectives' share that
-contends with the GEMMs for the GPU (priced by ``efficiency.overlap``; cost_models.layer_graph
-builds the same chunks).
+permutations' and expert GEMMs' on the compute stream; the autograd engine issues ready nodes
+latest-created first, so one chunk's collective gradients run beside the other chunk's expert
+backward. What stays exposed: the first dispatch and the last combine of each direction, and
+the collectives' share that contends with the GEMMs for the GPU (priced by
+``efficiency.overlap``; cost_models.layer_graph builds the same chunks).
 """
 
 from __future__ import annotations
@@ -48,29 +54,73 @@ class Lane(StrEnum):
 
 
 class Step(StrEnum):
-    dispatch = "dispatch"
+    dispatch_pack = "dispatch_pack"
+    dispatch_exchange = "dispatch_exchange"
+    dispatch_unpack = "dispatch_unpack"
     experts = "experts"
-    combine = "combine"
+    combine_pack = "combine_pack"
+    combine_exchange = "combine_exchange"
+    combine_unpack = "combine_unpack"
     shared = "shared"
 
 
-LANE = {Step.dispatch: Lane.comm, Step.experts: Lane.compute, Step.combine: Lane.comm,
-        Step.shared: Lane.compute}
-"""The lane each step runs on: token movement (and its permutations) on the communication
-lane, GEMMs on the compute lane."""
+CHAIN = (Step.dispatch_pack, Step.dispatch_exchange, Step.dispatch_unpack, Step.experts,
+         Step.combine_pack, Step.combine_exchange, Step.combine_unpack)
+"""One chunk's steps, in the order its data flows."""
 
 
-def stage_order(chunks: int, shared: bool) -> list[tuple[Step, int]]:
-    """(step, chunk) in issue order: the software pipeline D0 [S] E0 D1 C0 E1 D2 C1 ... ."""
-    order = [(Step.dispatch, 0)]
-    if shared:
-        order.append((Step.shared, 0))
+@dataclass(frozen=True)
+class Schedule:
+    """Where each step runs and in which order the chunks' steps are issued."""
+
+    comm_steps: frozenset[Step]
+    """Steps on the communication lane; the others run on the compute lane."""
+    order: Callable[[int, bool], list[tuple[Step, int]]]
+    """(chunks, shared experts) -> (step, chunk) in issue order."""
+
+    def lane(self, step: Step) -> Lane:
+        return Lane.comm if step in self.comm_steps else Lane.compute
+
+
+def _collectives_alone_order(chunks: int, shared: bool) -> list[tuple[Step, int]]:
+    """Chunk i + 1's dispatch is packed and sent before chunk i's experts, and chunk i's
+    combine unpacked after chunk i + 1's is sent, so every collective but the first dispatch
+    and the last combine has compute issued beside it."""
+    order = [(Step.dispatch_pack, 0), (Step.dispatch_exchange, 0)]
+    for i in range(chunks):
+        if i + 1 < chunks:
+            order += [(Step.dispatch_pack, i + 1), (Step.dispatch_exchange, i + 1)]
+        if i == 0 and shared:
+            order.append((Step.shared, 0))
+        order += [(Step.dispatch_unpack, i), (Step.experts, i), (Step.combine_pack, i),
+                  (Step.combine_exchange, i)]
+        if i:
+            order.append((Step.combine_unpack, i - 1))
+    order.append((Step.combine_unpack, chunks - 1))
+    return order
+
+
+def _token_moves_order(chunks: int, shared: bool) -> list[tuple[Step, int]]:
+    """D0 [S] E0 D1 C0 E1 D2 C1 ... with D and C each a whole send or combine."""
+    send = [Step.dispatch_pack, Step.dispatch_exchange, Step.dispatch_unpack]
+    back = [Step.combine_pack, Step.combine_exchange, Step.combine_unpack]
+    order = [(s, 0) for s in send] + ([(Step.shared, 0)] if shared else [])
     for i in range(chunks):
         order.append((Step.experts, i))
         if i + 1 < chunks:
-            order.append((Step.dispatch, i + 1))
-        order.append((Step.combine, i))
+            order += [(s, i + 1) for s in send]
+        order += [(s, i) for s in back]
     return order
+
+
+COLLECTIVES_ALONE = Schedule(frozenset({Step.dispatch_exchange, Step.combine_exchange}),
+                             _collectives_alone_order)
+"""The collectives alone on the communication lane, the permutations with the GEMMs (the
+default; what cost_models.layer_graph prices)."""
+TOKEN_MOVES = Schedule(frozenset(CHAIN) - {Step.experts}, _token_moves_order)
+"""Every token move (permutations and collectives) on the communication lane, the GEMMs
+alone on the compute lane: the schedule before 2026-12-01, kept for the benchmark
+(bench/moe_layer_gpu.py --schedule)."""
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -162,23 +212,40 @@ class _Chunk:
 class ChunkedExpertFFN:
     """``MoE.expert_ffn`` as the chunked schedule above (installed on the instance)."""
 
-    def __init__(self, moe: MoE, chunks: int):
-        self.moe, self.chunks = moe, chunks
+    def __init__(self, moe: MoE, chunks: int, schedule: Schedule = COLLECTIVES_ALONE):
+        self.moe, self.chunks, self.schedule = moe, chunks, schedule
         self._lanes: Lanes | None = None
         self.steps: dict[Step, Callable[[_Chunk], None]] = {
-            Step.dispatch: self._dispatch, Step.experts: self._experts,
-            Step.combine: self._combine, Step.shared: self._shared,
+            Step.dispatch_pack: self._dispatch_pack, Step.dispatch_exchange: self._dispatch_x,
+            Step.dispatch_unpack: self._dispatch_unpack, Step.experts: self._experts,
+            Step.combine_pack: self._combine_pack, Step.combine_exchange: self._combine_x,
+            Step.combine_unpack: self._combine_unpack, Step.shared: self._shared,
         }
 
-    def _dispatch(self, c: _Chunk) -> None:
-        rows, counts, handle = self.moe.dispatcher.send(c.tokens, c.routing, c.prepared)
+    # each step reads what the chunk's previous step left in ``values`` (the dispatcher is read
+    # when the step runs: expert parallelism installs it after this schedule)
+    def _dispatch_pack(self, c: _Chunk) -> None:
+        c.values["moving"] = self.moe.dispatcher.send_pack(c.tokens, c.routing, c.prepared)
+
+    def _dispatch_x(self, c: _Chunk) -> None:
+        c.values["moving"] = self.moe.dispatcher.send_exchange(c.values.pop("moving"))
+
+    def _dispatch_unpack(self, c: _Chunk) -> None:
+        rows, counts, handle = self.moe.dispatcher.send_unpack(c.values.pop("moving"))
         c.values.update(rows=rows, counts=counts, handle=handle)
 
     def _experts(self, c: _Chunk) -> None:
         c.values["out"] = self.moe.experts(c.values.pop("rows"), c.values.pop("counts"))
 
-    def _combine(self, c: _Chunk) -> None:
-        c.values["y"] = self.moe.dispatcher.combine(c.values.pop("out"), c.values.pop("handle"))
+    def _combine_pack(self, c: _Chunk) -> None:
+        c.values["moving"] = self.moe.dispatcher.combine_pack(c.values.pop("out"),
+                                                              c.values.pop("handle"))
+
+    def _combine_x(self, c: _Chunk) -> None:
+        c.values["moving"] = self.moe.dispatcher.combine_exchange(c.values.pop("moving"))
+
+    def _combine_unpack(self, c: _Chunk) -> None:
+        c.values["y"] = self.moe.dispatcher.combine_unpack(c.values.pop("moving"))
 
     def _shared(self, c: _Chunk) -> None:
         c.values["shared"] = self.moe.shared(c.tokens)
@@ -204,9 +271,9 @@ class ChunkedExpertFFN:
         chunks = [_Chunk(t, r, p, Lane.compute, routed)
                   for t, r, p in zip(parts[0], routings, prepared, strict=True)]
         whole = _Chunk(tokens, routing, None)  # the shared experts read every token
-        for step, i in stage_order(self.chunks, self.moe.shared is not None):
+        for step, i in self.schedule.order(self.chunks, self.moe.shared is not None):
             c = whole if step == Step.shared else chunks[i]
-            lane = LANE[step]
+            lane = self.schedule.lane(step)
             after = c.done if lane != c.lane else None
             with lanes.enter(lane, after, (c.tokens, c.routing, c.prepared, c.values)):
                 self.steps[step](c)
