@@ -90,3 +90,30 @@ def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
         elif isinstance(step, TrainStep) and step.stem in CASES:
             launched[step.stem] = step.ranks()
     assert launched == {n: build().degrees.world for n, build in CASES.items()}
+
+
+def test_each_plan_counts_its_median_launch_of_the_same_commit(synthetic, tmp_path):
+    """Further launches in launch_*/ join a plan's row when their commit is the row's: the
+    median launch is priced (the faster of the middle two for an even count), the table shows
+    the launches' range, and a launch of another commit is left out."""
+    import json
+    import shutil
+
+    results = tmp_path / "fidelity"
+    shutil.copytree(synthetic, results)
+    name = next(iter(CASES))
+    main = json.loads((results / f"train_step_{name}.json").read_text())
+    for folder, scale, commit in (("launch_b", 1.2, main.get("commit")),
+                                  ("launch_c", 0.9, main.get("commit")),
+                                  ("launch_d", 2.0, "another")):
+        (results / folder).mkdir()
+        doc = {**main, "step_time_s": main["step_time_s"] * scale, "commit": commit}
+        (results / folder / f"train_step_{name}.json").write_text(json.dumps(doc))
+    runs = fidelity_report.launches(results, name)
+    assert [t for t, _ in runs] == pytest.approx(
+        sorted(main["step_time_s"] * s for s in (1.0, 1.2, 0.9)))
+    cal, _ = fidelity_report.fit(results)
+    row = next(r for r in fidelity_report.rows(results, cal) if r["case"] == name)
+    assert row["measured_step_s"] == pytest.approx(main["step_time_s"])
+    text, _ = fidelity_report.render(results, tmp_path / "none.md")
+    assert f"| 3: {main['step_time_s'] * 0.9e3:.1f}-{main['step_time_s'] * 1.2e3:.1f} |" in text
