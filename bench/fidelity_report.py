@@ -290,51 +290,44 @@ operators 31, gradient accumulation 43, optimizer 36, loss 2) and 136 with the s
 (0.191); the eager norms' fp32 passes and casts, several times the fused-kernel bytes the
 factor counts, are among the rest. Both variants' suite numbers are above.
 
-Not fitted here, and what is left: the attention factor is fitted to the runtime's attention
-core (RoPE, GQA expansion and SDPA together, priced as FlashAttention's FLOPs), so bare SDPA
-rows read pessimistic; the eager RMSNorm's fp32 passes (about ten times its fused-kernel
-bytes) share SwiGLU's bytes factor, so at the step's factor the norm's rows read up to 56%
-fast and SwiGLU's 164-183% slow (at the micro-benchmarks' own, -70% .. -14% and +16% ..
-+53%); Qwen3's per-head q and k norms are not priced (as two RMSNorms they would add about
-1.35 ms per layer and micro-batch, 43 ms to qwen4l_1gpu_mbs1: a fixed time added per kernel
-does not see the host running ahead of the GPU between the router's synchronisations); fused
-regions have no fixed time of their own (no fused layer_op rows: `fused_elementwise` keeps the
-profiled fused step's residual); the misses are the all-to-all plans of the skewed Qwen3 and
-DeepSeekMoE routers, whose step time moves by up to 17% from one launch to the next
-(the repeatability section), and Qwen3 at sp2 x ep2 with the all-gather dispatcher, whose
-forward Ulysses all-to-alls measure about 20 ms against 3.4 predicted (waiting, not kernels).
+Not fitted here, and what is left: the attention factor is fitted to bare SDPA rows and the
+attention core's prologue (RoPE, the GQA expansion) is an operator of its own, its eager
+kernels counted (`cost_models.layer_graph.ROPE_LAUNCHES`; before 2026-12-01 the factor was
+fitted to the whole core, which counted a fused plan's RoPE twice: DeepSeekMoE's fused plan
+read +10.9%, now +4.9%), and the runtime's attention_core rows check the two together; the
+eager RMSNorm's fp32 passes (about ten times its fused-kernel bytes) share SwiGLU's bytes
+factor, so the norm's rows read fast and SwiGLU's slow; Qwen3's per-head q and k norms are not
+priced; fused regions have no fixed time of their own (`fused_elementwise` keeps the Hopper
+device rate); the suite's worst plan is the overlapped Qwen3 layer with the all-gather
+dispatcher (its chunks cost more than they hide, measured 343.8 ms against 300.5 serial; the
+model adds the second chunk's expert weight-gradient accumulation, +8 ms, and still predicts
+it 10.0% fast), and selective recomputation of Qwen3 on one GPU (-9.5%). Peak memory misses
+on two plans with a second stream: the overlapped Mixtral layer (-7.5%) and Mixtral's PP (-6.2%,
+first stage). Their allocated peaks are predicted (30.2 GiB both, as measured); the caching
+allocator's reserve over it is 2.5-2.7 GiB there against 0.9-1.6 GiB in the single-stream plans,
+and was 0.4 GiB on the PP plan's first stage before the router's host sync was removed: blocks
+another stream still reads are not reused until it catches up, and a host that runs further
+ahead leaves more of them pending. The memory model's reserve (3% of the transients) does not
+see it.
 """
 
 
-def repeat_text(results: Path, data: list[dict], repeat: Path = REPEAT) -> str:
-    """Each plan measured in two launches: the step times, their difference, and the
-    prediction's error against each; the suite's table uses the latest launch."""
-    rows_ = []
-    for r in data:
-        if r.get("missing") or not (earlier := repeat / f"train_step_{r['case']}.json").exists():
-            continue
-        other = json.loads(earlier.read_text())
-        latest, before = r["measured_step_s"], other["step_time_s"]
-        predicted = r["predicted_step_s"]
-        rows_.append((r["case"], before, other.get("commit", "?"), latest, r["run_commit"],
-                      latest / before - 1, predicted / before - 1, r["step_error"]))
-    if not rows_:
+def repeat_text(data: list[dict]) -> str:
+    """How far one launch's step time is from another's, at the same commit: each plan's
+    launches (the table's range) over their fastest."""
+    spread = {r["case"]: r["launch_step_s"][-1] / r["launch_step_s"][0] - 1 for r in data
+              if not r.get("missing") and len(r.get("launch_step_s", [])) > 1}
+    if not spread:
         return ""
-    lines = ["| plan | earlier launch ms | latest launch ms | latest / earlier | error "
-             "against earlier | against latest |", "|---|---|---|---|---|---|"]
-    for case, before, c0, latest, c1, diff, e0, e1 in rows_:
-        lines.append(f"| {case} | {before * 1e3:.1f} ({c0}) | {latest * 1e3:.1f} ({c1}) | "
-                     f"{diff:+.1%} | {e0:+.1%} | {e1:+.1%} |")
-    spread = max(abs(d) for *_, d, _, _ in rows_)
-    return ("## Launch-to-launch repeatability\n\nThe 2-GPU plans were measured again in "
-            "launches of their own (`bash bench/run_campaign.sh h200_fidelity --only ...`); the "
-            "earlier launches are kept in `bench/results/h200/fidelity_repeat`. The runtime "
-            "code these plans run did not change between the two (the later commit adds only "
-            f"the per-rank expert-row count). Step times moved by up to {spread:.1%}: the "
-            "all-to-all plans of the skewed Qwen3 and DeepSeekMoE routers (5 to 13 times the "
-            "mean load on the busiest expert) vary most, within a launch too, while Mixtral "
-            "and the all-gather plans repeat within a few percent. The table above uses the "
-            "latest launch.\n\n" + "\n".join(lines) + "\n")
+    worst = max(spread, key=spread.get)
+    calm = sorted(v for v in spread.values())
+    return ("## Launch-to-launch repeatability\n\nEach 2-GPU plan ran in three launches of its "
+            "own at one commit (campaigns `h200_fidelity`, `h200_fidelity_launch_b` and `_c`); "
+            f"the slowest launch is within {calm[len(calm) // 2]:.1%} of the fastest for the "
+            f"median plan and within {spread[worst]:.1%} for the least repeatable, {worst}. "
+            "Before the router's host sync was removed, single launches of the skewed "
+            "all-to-all plans moved by up to 16.9% (`bench/results/h200/fidelity_repeat`, "
+            "87da2a2, against d1a3368).\n")
 
 
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
@@ -342,38 +335,40 @@ DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
 h200_profile_1gpu): the suite's 1-GPU plans re-measured, their profiled steps, host syncs."""
 
 
-def host_text(device: Path = DEVICE) -> str:
-    """The suite's 1-GPU plans measured again after the router's host sync was removed, with
-    the profiled step's idle device time and the host syncs one step counted."""
-    lines = ["| plan | suite ms (commit) | now ms (commit) | change | device idle in a "
-             "profiled step | implicit host syncs per step |", "|---|---|---|---|---|---|"]
-    for name in CASES:
-        now_path = device / f"train_step_{name}.json"
-        then_path = RESULTS / f"train_step_{name}.json"
-        if not (now_path.exists() and then_path.exists()):
+def host_text(data: list[dict], repeat: Path = REPEAT, device: Path = DEVICE) -> str:
+    """The runtime before and after the router's host sync was removed: each plan's step in the
+    earlier launch (``repeat``) against the suite's median launch now, the implicit host syncs
+    one step still has, and the idle device time of the profiled 1-GPU steps (``device``)."""
+    lines = ["| plan | before ms (commit) | now ms (commit) | change | implicit host syncs per "
+             "step, rank 0 |", "|---|---|---|---|---|"]
+    for r in data:
+        earlier = repeat / f"train_step_{r['case']}.json"
+        if r.get("missing") or not earlier.exists():
             continue
-        now, then = (json.loads(p.read_text()) for p in (now_path, then_path))
-        prof = device / f"profile_{name}.json"
-        idle = (f"{json.loads(prof.read_text())['idle_fraction']:.1%}" if prof.exists()
-                else "-")
-        syncs = sum(sum(r.values()) for r in now.get("host_syncs_per_rank") or [] if r)
-        lines.append(f"| {name} | {then['step_time_s'] * 1e3:.1f} ({then['commit']}) | "
-                     f"{now['step_time_s'] * 1e3:.1f} ({now['commit']}) | "
-                     f"{now['step_time_s'] / then['step_time_s'] - 1:+.1%} | {idle} | {syncs} |")
+        then = json.loads(earlier.read_text())
+        now = json.loads(Path(r["run"]).read_text())
+        syncs = (now.get("host_syncs_per_rank") or [None])[0]
+        lines.append(f"| {r['case']} | {then['step_time_s'] * 1e3:.1f} ({then['commit']}) | "
+                     f"{r['measured_step_s'] * 1e3:.1f} ({r['run_commit']}) | "
+                     f"{r['measured_step_s'] / then['step_time_s'] - 1:+.1%} | "
+                     f"{'-' if syncs is None else sum(syncs.values())} |")
+    idle = [json.loads(p.read_text())["idle_fraction"]
+            for p in sorted(device.glob("profile_*.json"))]
     if len(lines) == 2:
         return ""
     return ("## Host or device\n\nThe router built its token count with `torch.tensor(..., "
             "device=)`, a copy from pageable host memory after which PyTorch waits for the "
             "stream: the host waited for the GPU at every router call. It is a fill on the "
-            "device now, the step reads its loss after the optimizer is queued, and the inputs "
-            "cross to the device once per step. `bench/train_step.py` runs one more step under "
-            "CUDA's sync debug mode and counts the implicit host waits left (the step's end: "
-            "the input copy, the loss, the routing statistics). On one GPU the steps are then "
-            "device-bound: a profiled step's device is idle for under 1% of it "
-            "(`runtime.profile`). The suite's table above still holds the measurements of its "
-            "campaign (the 2-GPU plans need both GPUs, which were not lent since); the 1-GPU "
-            "plans now (`bench/results/h200/device_sweep`, campaigns `h200_device_sweep` and "
-            "`h200_profile_1gpu`):\n\n" + "\n".join(lines) + "\n")
+            "device now (42a604c), the step reads its loss after the optimizer is queued, and "
+            "the inputs cross to the device once per step. `bench/train_step.py` runs one more "
+            "step under CUDA's sync debug mode and counts the implicit host waits left (the "
+            "step's end: the input copy, the loss, the routing statistics; the all-to-all "
+            "dispatcher's split sizes are an explicit wait and not counted). On one GPU the "
+            "steps are then device-bound: the profiled 1-GPU steps' device is idle for "
+            + (f"{max(idle):.1%} of the step at most" if idle else "(not profiled)")
+            + " (`runtime.profile`, `bench/results/h200/device_sweep`). The skewed all-to-all "
+            "plans, whose forward was host-bound, gained most and now repeat within a few "
+            "percent from launch to launch:\n\n" + "\n".join(lines) + "\n")
 
 
 def rank_load_text(data: list[dict]) -> str:
@@ -438,8 +433,8 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                   "trainer.\n"]
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         parts.append(rank_load_text(data))
-        parts.append(host_text())
-        parts.append(repeat_text(results, data))
+        parts.append(host_text(data))
+        parts.append(repeat_text(data))
         if len(used) > 1:
             alone, _ = fit(results, with_profile=False)
             parts.append("Fitted from the micro-benchmarks alone (elementwise from the runtime's "

@@ -183,6 +183,24 @@ def trace_table() -> list[str]:
     return lines
 
 
+def schedule_table() -> list[str]:
+    """inter-op ms of the fused layer at EP = 2 under each schedule of runtime.parallel.overlap."""
+    docs = {name: _load(f"speed16/{stem}") for name, stem in (
+        ("collectives alone (the runtime's)", "moe_layer_x2_fused"),
+        ("every token move on the comm stream (before)", "moe_layer_x2_fused_token_moves"))}
+    if any(d is None for d in docs.values()):
+        return []
+    lines = ["| schedule | shape | dispatcher | inter-op ms | inter-op / max(alone) |",
+             "|---|---|---|---:|---:|"]
+    for name, doc in docs.items():
+        for shape, row in doc["shapes"].items():
+            for disp in ("a2a", "ag_rs"):
+                v = row[disp]["fwd_bwd_s"]
+                lines.append(f"| {name} | {shape} | {disp} | {v['inter_op'] * 1e3:.2f} | "
+                             f"{v['overlap_target']['ratio']:.2f} |")
+    return lines
+
+
 def probe_table() -> list[str]:
     """The overlap probes (bench/overlap_probe.sh): inter-op over max(alone) per setting."""
     probes = (("none (NCCL defaults)", "x2_base"), ("NCCL capped to 16 CTAs", "x2_cta16"),
@@ -291,11 +309,21 @@ def render() -> str:
         "",
         "`--trace`: each CUDA stream's busy time (the union of its kernels), split into GEMM, "
         "NCCL and other (memory-bound) kernels, and the time both streams had kernels running. "
-        "The permutations ride the communication stream with the collectives: at Qwen3's shape "
-        "that stream is busier than the compute stream, and the two run side by side for only "
-        "a few ms of the step, so the two-chunk schedule hides little.",
+        "Since eb63095 the dispatcher runs in phases and the schedule puts the collectives "
+        "alone on the communication stream, the permutations with the GEMMs "
+        "(`runtime.parallel.overlap.COLLECTIVES_ALONE`; before, every token move rode the "
+        "communication stream: at Qwen3's shape that stream was busier than the compute "
+        "stream, 11.6 ms against 10.3, side by side for 2.6). The communication stream now "
+        "carries NCCL alone and runs beside the compute stream for most of its time; what the "
+        "overlapped layer misses at Qwen3's shape is the compute stream itself, which holds "
+        "the EP permutations (heavier than the one-rank layer's: `compute alone`).",
         "",
         *trace_table(),
+        "",
+        "The two schedules, fused kernels, EP = 2, in one launch each "
+        "(`moe_layer_gpu.py --schedule`, `speed16/`):",
+        "",
+        *schedule_table(),
         "",
         "### Overlap probes (`bench/overlap_probe.sh`, results in `overlap14/`)",
         "",

@@ -19,9 +19,9 @@ from cost_models.memory import (
     grad_bytes_per_param,
     memory_breakdown,
 )
-from cost_models.params import chunk_dense_layers, part_params, stage_params_of
+from cost_models.params import StageParams, chunk_dense_layers, part_params, stage_params_of
 from plans.enums import OptimizerSharding
-from plans.layout import stage_of_chunk
+from plans.layout import moe_chunks, stage_of_chunk
 from plans.operators import Component
 from plans.plan import Plan, Prediction
 
@@ -109,15 +109,34 @@ def _accumulate_s(params: float, plan: Plan) -> float:
     return memory_s(params * per_param, plan.cluster)
 
 
+def _chunk_accumulate_s(params: float, plan: Plan) -> float:
+    """Adding one more chunk's weight gradients of ``params`` weights into their gradient: read
+    both bf16 gradients, write the sum (on the compute stream). Fused into the weight-gradient
+    GEMMs it costs nothing."""
+    if plan.grad_accumulation_fusion:
+        return 0.0
+    return memory_s(params * 3 * WEIGHT_BYTES, plan.cluster)
+
+
+def _grad_accumulation_s(params: StageParams, plan: Plan) -> float:
+    """One micro-batch's gradient accumulation over ``params``: into the main gradients, and
+    a chunked MoE layer (inter-operator overlap) computes its experts' weight gradients once per
+    chunk, each added into the gradient: chunks - 1 more passes over the expert weights
+    (plans.layout.moe_chunks)."""
+    chunks = moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep)
+    return (_accumulate_s(params.total, plan)
+            + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
+
+
 def stage_costs(plan: Plan) -> StageCosts:
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
     parts = part_params(plan.model, plan.degrees)
     return StageCosts(
-        moe.total_s + _accumulate_s(parts.moe_layer.total, plan),
-        dense.total_s + _accumulate_s(parts.dense_layer.total, plan),
-        emb.total_s + _accumulate_s(parts.embedding.total, plan),
-        head.total_s + _accumulate_s(parts.head.total, plan),
+        moe.total_s + _grad_accumulation_s(parts.moe_layer, plan),
+        dense.total_s + _grad_accumulation_s(parts.dense_layer, plan),
+        emb.total_s + _grad_accumulation_s(parts.embedding, plan),
+        head.total_s + _grad_accumulation_s(parts.head, plan),
         pl.p2p_transfer_s(plan),
     )
 
@@ -147,7 +166,7 @@ def evaluate(plan: Plan) -> Evaluation:
     bwd[0] += emb.bwd_s
     fwd[last] += head.fwd_s
     bwd[last] += head.bwd_s
-    accumulate_s = [_accumulate_s(p.total, plan) for p in stage_params_of(plan)]
+    accumulate_s = [_grad_accumulation_s(p, plan) for p in stage_params_of(plan)]
     bwd = [b + a for b, a in zip(bwd, accumulate_s, strict=True)]
     stage_s = [f + b for f, b in zip(fwd, bwd, strict=True)]
     busiest = max(range(d.pp), key=stage_s.__getitem__)

@@ -60,6 +60,13 @@ maximum of later micro-batches); backward through the routing weights and the ba
 The token count is a fill on the device: before 2026-12-01 it was ``torch.tensor([tokens],
 device=...)``, a host-to-device copy from pageable memory after which ATen waits for the
 stream, so the host waited for the GPU's queue to drain at every router call."""
+ROPE_LAUNCHES: Mapping[bool, tuple[int, int]] = MappingProxyType(
+    {True: (38, 26), False: (36, 24)})
+"""runtime.model.AttentionCore.prologue eager, by whether k and v are repeated to q's heads
+(GQA): the RoPE tables computed at the call (positions, frequencies, cos and sin), the
+rotate-half rotation of q and k (halves, negation, concatenation, products and sum, each cast),
+and the two repeat_interleave copies; backward the rotation's gradients and the repeats'
+sums."""
 SWIGLU_LAUNCHES = (2, 3)
 """runtime.kernels.swiglu eager: silu and the product; backward the two products' gradients and
 silu's."""
@@ -80,6 +87,8 @@ def eager_launches(op: LayerOperator, model: ModelSpec) -> tuple[int, int]:
             return SWIGLU_LAUNCHES
         case LayerOperator.attn_residual | LayerOperator.ffn_residual:
             return RESIDUAL_LAUNCHES
+        case LayerOperator.rope:
+            return ROPE_LAUNCHES[model.query_heads > model.kv_heads]
     return (0, 0)
 
 
@@ -215,7 +224,7 @@ class _Builder:
         return self.add(Op(name.value, name, OpKind.host, seconds, (0.0,)), *after)
 
     def attention(self, flops: float, *after: str | None) -> str:
-        """The attention core (RoPE and FlashAttention)."""
+        """FlashAttention (the core's prologue, RoPE and the GQA expansion, is LO.rope)."""
         c, name = self.key.cluster, LayerOperator.flash_attn
         op = Op(name.value, name, OpKind.attention, cc.flash_attention_fwd_s(flops, c),
                 (cc.flash_attention_bwd_s(flops, c),))
@@ -246,7 +255,7 @@ def _attention(g: _Builder, x: str | None) -> str:
             head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, fuse_with=LO.qkv_gemm, rows=t)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.sp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            roped = _rope(g, b * s, (m.q_dim + kv_dim) / k.sp, head_major)
+            roped = _rope(g, b * s, m.q_dim / k.sp, kv_dim / k.sp, head_major)
             attn = g.attention(flops, roped)
             seq_major = g.comm(LO.sp_a2a_out, a2a_out, attn, fuse_with=LO.out_gemm, rows=t)
             out = g.gemm(LO.out_gemm, t, h, m.q_dim, seq_major)
@@ -257,14 +266,14 @@ def _attention(g: _Builder, x: str | None) -> str:
             qkv = g.gemm(LO.qkv_gemm, b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, m.head_dim,
                                            cc.CAUSAL_FRACTION)
-            roped = _rope(g, b * s, (m.q_dim + kv_dim) / k.tp, qkv)
+            roped = _rope(g, b * s, m.q_dim / k.tp, kv_dim / k.tp, qkv)
             attn = g.attention(flops, roped)
             proj = g.gemm(LO.out_gemm, b * s, h, m.q_dim / k.tp, attn)
             out = g.comm(LO.tp_reduce_scatter, rs, proj, fuse_with=LO.out_gemm, rows=b * s)
         case CPAttention(zigzag=zigzag):
             (kv,) = vol.cp_attention(m, b, s, k.cp)
             qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * m.kv_dim, h, norm)
-            roped = _rope(g, t, m.q_dim + m.kv_dim, qkv)
+            roped = _rope(g, t, m.q_dim, m.kv_dim, qkv)
             ring = g.comm(LO.cp_kv_exchange, kv, roped, fuse_with=LO.flash_attn, rows=t)
             # The slowest rank sets the pace: zig-zag chunks balance the causal mask exactly;
             # contiguous chunks leave the last rank 1 - 1/(2 cp) of its full score rows.
@@ -275,15 +284,39 @@ def _attention(g: _Builder, x: str | None) -> str:
     return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out, fusable=False)
 
 
-def _rope(g: _Builder, rows: float, width: float, qk: str) -> str:
-    """RoPE on q and k (``width`` values per row, the query and key heads this rank rotates):
-    one read and one write, backward the same; recomputed with the attention core under
-    selective recomputation. Priced only as a fused region: the eager runtime's RoPE passes
-    are part of what calibration fitted efficiency.elementwise to (the step left after the
-    priced operators), so an eager plan's price stays what it was fitted as."""
-    if g.key.kernels != Kernels.fused:
-        return qk
-    return g.memory(LO.rope, 2 * rows * width * AB, 2 * rows * width * AB, qk)
+def prologue_bytes(rows: float, q_width: float, kv_width: float) -> tuple[float, float]:
+    """Forward and backward bytes of the attention core's prologue (runtime.model.
+    AttentionCore.prologue) over ``rows`` sequence positions with ``q_width`` query and
+    ``kv_width`` key values per row on this rank: RoPE reads and writes q and k (backward the
+    same); with GQA (q_width > kv_width) k and v are repeated to q's width (read kv, write q
+    wide; backward read the q-wide gradients, write kv)."""
+    rope = 2 * rows * (q_width + kv_width) * AB
+    gqa = 2 * rows * (q_width + kv_width) * AB if q_width > kv_width else 0.0
+    return rope + gqa, rope + gqa
+
+
+def _rope(g: _Builder, rows: float, q_width: float, kv_width: float, qk: str) -> str:
+    """The attention core's prologue (RoPE, GQA expansion) before FlashAttention, recomputed
+    with the attention core under selective recomputation: a fused region under fused kernels,
+    else the eager kernels ROPE_LAUNCHES counts."""
+    return g.memory(LO.rope, *prologue_bytes(rows, q_width, kv_width), qk)
+
+
+def attention_core_s(model: ModelSpec, batch: int, seq: int, heads: float, kv_heads: float,
+                     cluster: ClusterSpec, backward: bool) -> float:
+    """The eager runtime's attention core on one rank (``heads`` query and ``kv_heads`` key
+    heads of ``model``'s width): its prologue's eager kernels and causal FlashAttention, as the
+    layer graph prices them (bench/calibrate_gpu.py's attention_core rows)."""
+    d, rows = model.head_dim, batch * seq
+    fwd_bytes, bwd_bytes = prologue_bytes(rows, heads * d, kv_heads * d)
+    fwd_launches, bwd_launches = ROPE_LAUNCHES[heads > kv_heads]
+    flops = cc.attention_fwd_flops(batch, seq, seq, heads, d, cc.CAUSAL_FRACTION)
+    fwd = cc.elementwise_s(fwd_bytes, cluster, fwd_launches) + cc.flash_attention_fwd_s(
+        flops, cluster)
+    if not backward:
+        return fwd
+    return fwd + cc.elementwise_s(bwd_bytes, cluster, bwd_launches) + \
+        cc.flash_attention_bwd_s(flops, cluster)
 
 
 def _swiglu(g: _Builder, name: LayerOperator, rows: float, width: float, fc13: str,

@@ -52,7 +52,13 @@ from cost_models import comm
 from cost_models import compute as cc
 from cost_models import pipeline as pl
 from cost_models.layer import layer_key
-from cost_models.layer_graph import LayerKey, OpKind, backward_graph, forward_graph
+from cost_models.layer_graph import (
+    LayerKey,
+    OpKind,
+    attention_core_s,
+    backward_graph,
+    forward_graph,
+)
 from plans import (
     EPFFN,
     ClusterSpec,
@@ -214,11 +220,15 @@ def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
         case SweepOp.grouped_mm if sh:
             return sum(cc.grouped_gemm_s(sh["experts"], *g, cluster, bf16)
                        for g in _gemms(sh["rows"], sh["n"], sh["k"], row.backward))
-        case SweepOp.flash_attn | SweepOp.attention_core if sh:
+        case SweepOp.flash_attn if sh:
             flops = cc.attention_fwd_flops(sh["batch"], sh["seq"], sh["seq"], sh["heads"],
                                            sh["head_dim"], cc.CAUSAL_FRACTION)
             fwd = cc.flash_attention_fwd_s(flops, cluster)
             return fwd + (cc.flash_attention_bwd_s(flops, cluster) if row.backward else 0.0)
+        case SweepOp.attention_core if sh:
+            return attention_core_s(catalog.load_model(str(sh["model"])), int(sh["batch"]),
+                                    int(sh["seq"]), int(sh["heads"]), int(sh["kv_heads"]),
+                                    cluster, row.backward)
         case SweepOp.copy:
             return cc.memory_s(2 * row.bytes, cluster)
         case SweepOp.memory:
@@ -342,10 +352,10 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
         factors.update(fit_gemm(rows, base))
     if rows := kernel_rows(sweep, SweepOp.grouped_mm):
         factors.update(fit_grouped(rows, base))
-    # the runtime's attention core where the sweep has it (RoPE and the GQA expansion are
-    # priced inside FlashAttention's time), else bare SDPA
-    if rows := kernel_rows(sweep, SweepOp.attention_core) or kernel_rows(sweep,
-                                                                         SweepOp.flash_attn):
+    # FlashAttention alone (bare SDPA rows): the core's prologue (RoPE, GQA expansion) is its
+    # own memory-bound operator (cost_models.layer_graph.ROPE_LAUNCHES), and the runtime's
+    # attention_core rows check the two together
+    if rows := kernel_rows(sweep, SweepOp.flash_attn):
         factors["attention"] = fit_peak(rows, base, "attention")
     if rows := kernel_rows(sweep, SweepOp.layer_op):
         factors.update(fit_elementwise(rows, base))

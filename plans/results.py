@@ -241,12 +241,6 @@ class Sweep(Result):
     rows: list[SweepRow]
 
 
-class KernelSweep(Sweep):
-    """A sweep of one rank: its kernel rows, no collectives (what calibration cannot fit from,
-    and bench/hopper_factors.py reads for the kernels' device times)."""
-
-    world: int = Field(ge=1)
-
 
 # ---- EP dispatchers ------------------------------------------------------------------------------
 

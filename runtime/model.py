@@ -61,12 +61,19 @@ class AttentionCore(nn.Module):
                                                        q.device)
         return self.ops.rotate_qk(q, k, self.rope_cos, self.rope_sin)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def prologue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The memory-bound work before SDPA: RoPE on q and k, then k and v repeated to q's
+        heads (GQA). The cost model prices it as LayerOperator.rope."""
         q, k = self._rope(q, k)
         rep = q.shape[2] // k.shape[2]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
+        return q, k, v
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.prologue(q, k, v)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )

@@ -58,6 +58,10 @@ def synthetic_sweep(truth: ClusterSpec, noise: float = 0.0, collectives: bool = 
                     for bwd in (False, True):
                         rows.append(_row(SweepOp.grouped_mm, truth, backward=bwd, shape={
                             "experts": e, "rows": r, "n": n, "k": k}))
+    for b, seq, heads in ((2, 4096, 32), (1, 8192, 8), (4, 2048, 16)):
+        for bwd in (False, True):
+            rows.append(_row(SweepOp.flash_attn, truth, backward=bwd, shape={
+                "batch": b, "seq": seq, "heads": heads, "head_dim": 128}))
     for model in ("mixtral-8x7b", "qwen3-30b-a3b"):
         rows += [_row(SweepOp.attention_core, truth, backward=True, shape={
             "model": model, "batch": b, "seq": 4096, "heads": 32, "kv_heads": 8,

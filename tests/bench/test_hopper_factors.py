@@ -36,8 +36,7 @@ def test_the_gh100_clusters_carry_the_fit_and_only_they_do(hopper):
     for name in hopper.HOPPER:
         eff = catalog.load_cluster(name).efficiency
         assert {k: getattr(eff, k) for k in carried} == carried, name
-        # the fixed times per call and the eager memory-bound factor keep the priors
-        assert eff.gemm_launch_us == eff.grouped_gemm_launch_us == 0.0
+        # the eager memory-bound factor keeps the prior
         assert eff.elementwise == Efficiency().elementwise
     for name in ("a100", "b200", "gb200-nvl72"):
         assert catalog.load_cluster(name).efficiency == Efficiency(), name
@@ -58,11 +57,13 @@ def test_the_fused_rate_is_the_device_time_of_the_fused_operators(hopper):
 
 
 def test_on_the_device_a_gemm_call_has_almost_no_fixed_time(hopper):
-    """With the host ahead, the dense GEMMs' fixed time per call is the GPU's: a few us, where
-    one call on an idle GPU fitted tens (the host's dispatch)."""
+    """Fitted to device times (the host ahead), the dense GEMMs' fixed time per call is a few
+    us, where one call on an idle GPU fitted tens (the host's dispatch)."""
     doc = json.loads((ROOT / "bench/results/hopper_factors.json").read_text())
-    assert doc["device_fit"]["gemm_launch_us"] < 5.0
-    assert doc["not_carried"]["gemm_launch_us"]["fitted"] > 4 * doc["device_fit"]["gemm_launch_us"]
+    device_us = doc["carried"]["gemm_launch_us"]
+    one_call_us, _ = doc["not_carried"]["gemm_launch_us, grouped_gemm_launch_us (one call)"][
+        "fitted"]
+    assert device_us < 5.0 and one_call_us > 4 * device_us
 
 
 def test_the_host_dispatch_dominates_one_small_timed_call(hopper):

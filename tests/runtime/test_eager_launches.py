@@ -69,3 +69,17 @@ def test_router(model):
     router(logits.detach())
     counted = launches(lambda: router(logits), (logits,), lambda r: (r.weights, r.aux_loss))
     assert counted == eager_launches(LayerOperator.router_topk, m)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_attention_prologue(kv_heads):
+    """RoPE on q and k with the tables computed at the call, then k and v repeated to q's heads
+    when there are fewer (GQA): runtime.model.AttentionCore.prologue, eager."""
+    from runtime.model import AttentionCore
+
+    model = catalog.load_model("mixtral-8x7b").model_copy(
+        update={"query_heads": 4, "kv_heads": kv_heads})
+    core = AttentionCore(model.rope_theta)
+    q, k, v = bf16(2, 16, 4, 8), bf16(2, 16, kv_heads, 8), bf16(2, 16, kv_heads, 8)
+    counted = launches(lambda: core.prologue(q, k, v), (q, k, v), lambda out: out)
+    assert counted == eager_launches(LayerOperator.rope, model)
