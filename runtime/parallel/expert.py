@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,13 +99,13 @@ class _Timed:
 
 @dataclass
 class Moving:
-    """Tokens between two phases of a send or combine: the tensors in flight and what the next
-    phase needs (a dispatcher's own fields)."""
+    """Tokens between two phases of a send or combine: the rows in flight, the handle the later
+    phases read (a dispatcher keeps its own fields in ``handle.extra``) and, while sending, the
+    rows per local expert."""
 
     rows: torch.Tensor
-    handle: DispatchHandle | None = None
+    handle: DispatchHandle
     counts: torch.Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
