@@ -152,10 +152,11 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
             rows = m.expert_rows if rows is None else [a + b for a, b in
                                                        zip(rows, m.expert_rows, strict=True)]
     peak = m.peak_memory_gib
-    syncs = host_syncs(trainer, warmup + steps, device)
-    # the caching allocator's peak reserved bytes: what the cost model's peak predicts
+    # the caching allocator's peak reserved bytes: what the cost model's peak predicts (read
+    # before the unmeasured step that counts host syncs)
     reserved = (torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda"
                 else peak)
+    syncs = host_syncs(trainer, warmup + steps, device)
     per_rank: list = [(components, peak, reserved, skews, rows, syncs)]
     if world > 1:
         per_rank = [None] * world
