@@ -189,15 +189,17 @@ def results() -> dict:
 def main() -> None:
     doc = results()
     path = write("hopper_factors", doc)
-    print("carried to " + ", ".join(HOPPER) + ": "
-          + ", ".join(f"{k} {v:g}" for k, v in doc["carried"].items()))
+    print("carried to " + ", ".join(HOPPER) + ":")
+    for k, v in doc["carried"].items():
+        print(f"  {k} {v:g}")
     h = doc["host_share"]
     print(f"{h['row']}: measured {h['measured_us']:.1f} us, its FLOPs {h['work_us']:.1f} us")
+    print("the 352B job's per-rank kernels, us: device / priced")
     for r in doc["job_rows"]:
-        print(f"  {r['name']:44s} device {r['device_us']:8.1f} us, priced {r['priced_us']:8.1f}")
+        print(f"  {r['name']:46s} {r['device_us']:8.1f} {r['priced_us']:8.1f}")
     for shape, f in doc["fused_rate"]["per_shape"].items():
-        print(f"fused operators at {shape} shapes: {f['device']:.3f} of peak HBM on the device, "
-              f"{f['one_call']:.3f} one call at a time")
+        print(f"fused operators, {shape}: {f['device']:.3f} of peak HBM on the device, "
+              f"{f['one_call']:.3f} one call")
     print(f"wrote {path}")
 
 

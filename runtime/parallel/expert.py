@@ -56,11 +56,20 @@ class _Timed:
         self, tokens: torch.Tensor, routing: Routing, prepared: Any
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """Move one chunk's rows to their experts' ranks: expert-input rows grouped by local
-        expert, rows per local expert, and the handle ``combine`` undoes it with."""
-        return self.send_unpack(self.send_exchange(self.send_pack(tokens, routing, prepared)))
+        expert, rows per local expert, and the handle ``combine`` undoes it with. One timed
+        region: the serial layer's send runs its phases back to back."""
+        tokens = self.bwd_to(tokens, Component.dispatch)
+        with self.region(Component.dispatch):
+            rows, counts, handle = self._send_unpack(self._send_exchange(
+                self._send_pack(tokens, routing, prepared)))
+        return self.bwd_from(rows, Component.dispatch), counts, handle
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        return self.combine_unpack(self.combine_exchange(self.combine_pack(expert_out, handle)))
+        expert_out = self.bwd_to(expert_out, Component.combine)
+        with self.region(Component.combine):
+            y = self._combine_unpack(self._combine_exchange(
+                self._combine_pack(expert_out, handle)))
+        return self.bwd_from(y, Component.combine)
 
     # The phases of send and combine (Megatron-Core's dispatch / combine pre-process,
     # communication and post-process): the collectives alone in ``*_exchange``, the

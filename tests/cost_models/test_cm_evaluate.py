@@ -67,3 +67,30 @@ def test_optimizer_step_prices_the_states_this_gpu_holds(plan_352b):
     full_s = evaluate(full).breakdown_s["optimizer"]
     d = plan_352b.degrees
     assert full_s > 2 * sharded_s and full_s <= d.dp * d.sp * d.cp * sharded_s * 1.01
+
+
+def test_a_chunked_moe_layer_adds_its_expert_gradients_once_more(node_plan):
+    """Inter-op chunks compute each expert weight gradient once per chunk: without
+    accumulation fusion one more pass over the expert weights per micro-batch and MoE layer
+    (read two bf16 gradients, write the sum), and one more expert gradient held in the MoE
+    backward's working set; with fusion the time term is gone."""
+    from cost_models.compute import memory_s
+    from cost_models.params import part_params
+    from plans import Recompute
+
+    serial = node_plan(overlap=Overlap.none, recompute=Recompute.none,
+                       grad_accumulation_fusion=False)
+    chunked = serial.model_copy(update={"overlap": Overlap.inter_op})
+    experts = part_params(serial.model, serial.degrees).moe_layer.expert
+    layers = serial.model.layers - serial.model.dense_layers
+    m = serial.num_micro_batches
+    grow = (evaluate(chunked).breakdown_s["grad_accumulation"]
+            - evaluate(serial).breakdown_s["grad_accumulation"])
+    assert grow == pytest.approx(m * layers * memory_s(experts * 3 * 2, serial.cluster))
+    fused = [evaluate(p.model_copy(update={"grad_accumulation_fusion": True}))
+             for p in (serial, chunked)]
+    assert fused[0].breakdown_s["grad_accumulation"] == fused[1].breakdown_s[
+        "grad_accumulation"] == 0.0
+    working = [memory_breakdown(p).components_bytes["activation_working"]
+               for p in (serial, chunked)]
+    assert working[1] - working[0] == pytest.approx(2 * experts)
