@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from runtime.memory import GIB, configure_allocator  # noqa: E402
+from runtime.memory import GIB, allocator_breakdown, configure_allocator  # noqa: E402
 
 configure_allocator()  # as the runtime's launch does (runtime.train), before CUDA allocates
 
@@ -156,11 +156,13 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     # before the unmeasured step that counts host syncs)
     reserved = (torch.cuda.max_memory_reserved(device) / GIB if device.type == "cuda"
                 else peak)
+    allocator = allocator_breakdown(device)
     syncs = host_syncs(trainer, warmup + steps, device)
-    per_rank: list = [(components, peak, reserved, skews, rows, syncs)]
+    per_rank: list = [(components, peak, reserved, skews, rows, allocator, syncs)]
     if world > 1:
         per_rank = [None] * world
-        dist.all_gather_object(per_rank, (components, peak, reserved, skews, rows, syncs))
+        dist.all_gather_object(per_rank,
+                               (components, peak, reserved, skews, rows, allocator, syncs))
     trainer.close()  # its process groups: a launch measures several plans
     if rank != 0:
         return None
@@ -169,7 +171,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     flops = plan.model.flops_per_token(t.seq_len) * tokens
     peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
     keys = sorted({k for c, *_ in per_rank for k in c})
-    per_rank, syncs_per_rank = [r[:-1] for r in per_rank], [r[-1] for r in per_rank]
+    syncs_per_rank, allocator_per_rank = [r[-1] for r in per_rank], [r[-2] for r in per_rank]
+    per_rank = [r[:-2] for r in per_rank]
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
     # ranks, MoE layers and micro-batches
     all_skews = [s for _, _, _, rank_skews, _ in per_rank for s in rank_skews]
@@ -192,6 +195,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "losses": losses,
         "peak_memory_gib_per_rank": [p for _, p, *_ in per_rank],
         "peak_reserved_gib_per_rank": [r for _, _, r, *_ in per_rank],
+        "allocator_per_rank": allocator_per_rank,
         "components_s": {k: sum(c.get(k, 0.0) for c, *_ in per_rank) / world for k in keys},
         "components_s_per_rank": [c for c, *_ in per_rank],
         "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews) if all_skews else None),

@@ -73,6 +73,10 @@ class TrainStepResult(Result):
     peak_reserved_gib_per_rank: list[PositiveFloat] | None = None
     """Peak reserved by the caching allocator per rank (what the cost model's peak predicts);
     written since bench/train_step.py records it."""
+    allocator_per_rank: list[dict] | None = None
+    """Where the reserve over the allocated peak sits, per rank (runtime.memory.
+    allocator_breakdown: active, requested and fragment peaks, retries, reserved per stream;
+    empty off CUDA); written since bench/train_step.py records it."""
     components_s: ComponentSeconds = {}
     """Seconds per runtime component (plans.Component), mean over ranks."""
     tokens_per_step: PositiveInt | None = None

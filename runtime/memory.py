@@ -117,3 +117,32 @@ class MemoryPhases:
     def finish(self) -> None:
         torch.cuda.synchronize(self.device)
         self._read()
+
+
+def allocator_breakdown(device: torch.device) -> dict:
+    """Where the caching allocator's reserve over the allocated bytes sits, since the last
+    ``reset_peak_memory_stats``: the peaks of the allocated bytes, of the active bytes (allocated
+    plus blocks freed by their owner but still waiting for another stream's event: a tensor
+    ``record_stream``-ed on a stream, NCCL's among them, is reused only once that stream has
+    passed the free), of the requested bytes (before rounding) and of the free bytes inside
+    split blocks (fragments), all in GiB; the allocation retries (a request that found no block
+    freed its cache and tried again); and each stream's reserved segments (expandable segments
+    grow one segment per stream, and a block serves only its own stream's requests). Empty off
+    CUDA."""
+    if device.type != "cuda":
+        return {}
+    s = torch.cuda.memory_stats(device)
+    streams: dict[str, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", device.index) != device.index:
+            continue
+        key = str(seg.get("stream", 0))
+        streams[key] = streams.get(key, 0) + seg["total_size"]
+    current = torch.cuda.current_stream(device).cuda_stream
+    return {
+        **{f"{k}_peak_gib": s.get(f"{k}_bytes.all.peak", 0) / GIB
+           for k in ("allocated", "active", "requested", "reserved", "inactive_split")},
+        "alloc_retries": s.get("num_alloc_retries", 0),
+        "reserved_gib_by_stream": {("current" if int(k) == current else k): v / GIB
+                                   for k, v in sorted(streams.items())},
+    }

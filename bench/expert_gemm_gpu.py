@@ -1,0 +1,142 @@
+"""The expert GEMMs of one MoE layer, forward + backward, in each way the runtime could run
+them (issue 11: the Mixtral-shape layer is 85% grouped GEMMs, level with torchtitan's):
+
+- ``grouped``: the runtime's today: three ``torch._grouped_mm`` calls on weights stored
+  [E, out, in] (Linear layout, the B operand a transposed view), autograd's backward;
+- ``grouped_in_out``: the same on weights stored [E, in, out] (B contiguous);
+- ``grouped_w13``: w1 and w3 as one [E, 2 x ffn, hidden] weight, one grouped GEMM for both;
+- ``per_expert``: one cuBLAS matmul per expert (the row counts read on the host once per call);
+- ``per_expert_w13``: the same with w1 and w3 as one weight.
+
+Each is timed with the host ahead of the GPU (``_dist_bench.device_timed``), forward alone and
+forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. The routed rows
+per expert are drawn from a top-k router over random logits (a mildly uneven load). SwiGLU runs
+eagerly in every variant alike; it is not what is compared.
+
+    python bench/expert_gemm_gpu.py --shape mixtral-8x7b|qwen3-30b-a3b --out RESULT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _dist_bench import device_timed  # noqa: E402
+from _meta import metadata  # noqa: E402
+
+from plans.io import write_atomic  # noqa: E402
+
+SHAPES = {
+    # name: (experts, hidden, ffn_hidden, top_k), the models' published configurations
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+}
+
+
+def _counts(tokens: int, experts: int, top_k: int, device: torch.device) -> torch.Tensor:
+    logits = torch.randn(tokens, experts, device=device)
+    idx = logits.topk(top_k, dim=-1).indices.flatten()
+    return torch.bincount(idx, minlength=experts)
+
+
+def _grouped(x, w, offs, in_out: bool):
+    # w: [E, out, in] (Linear layout) or [E, in, out]
+    return torch._grouped_mm(x, w if in_out else w.transpose(-2, -1), offs=offs)
+
+
+def _per_expert(x, w, counts: list[int]):
+    # w: [E, out, in]
+    outs = [chunk @ w[e].t() for e, chunk in enumerate(torch.split(x, counts))]
+    return torch.cat(outs)
+
+
+def variants(experts, hidden, ffn, device, dtype):
+    def p(*shape):
+        return (torch.randn(*shape, device=device, dtype=dtype) * 0.02).requires_grad_()
+
+    w1, w3, w2 = p(experts, ffn, hidden), p(experts, ffn, hidden), p(experts, hidden, ffn)
+    w1t, w3t, w2t = (p(experts, hidden, ffn), p(experts, hidden, ffn), p(experts, ffn, hidden))
+    w13 = p(experts, 2 * ffn, hidden)
+
+    def grouped(x, offs, counts):
+        h = F.silu(_grouped(x, w1, offs, False)) * _grouped(x, w3, offs, False)
+        return _grouped(h, w2, offs, False)
+
+    def grouped_in_out(x, offs, counts):
+        h = F.silu(_grouped(x, w1t, offs, True)) * _grouped(x, w3t, offs, True)
+        return _grouped(h, w2t, offs, True)
+
+    def grouped_w13(x, offs, counts):
+        a, b = _grouped(x, w13, offs, False).chunk(2, dim=-1)
+        return _grouped(F.silu(a) * b, w2, offs, False)
+
+    def per_expert(x, offs, counts):
+        c = counts.tolist()
+        h = F.silu(_per_expert(x, w1, c)) * _per_expert(x, w3, c)
+        return _per_expert(h, w2, c)
+
+    def per_expert_w13(x, offs, counts):
+        c = counts.tolist()
+        a, b = _per_expert(x, w13, c).chunk(2, dim=-1)
+        return _per_expert(F.silu(a) * b, w2, c)
+
+    params = (w1, w3, w2, w1t, w3t, w2t, w13)
+    return params, {"grouped": grouped, "grouped_in_out": grouped_in_out, "grouped_w13": grouped_w13,
+            "per_expert": per_expert, "per_expert_w13": per_expert_w13}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", required=True, help="result JSON path")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("error: expert_gemm_gpu.py times CUDA kernels; no GPU here")
+    device, dtype = torch.device("cuda", 0), torch.bfloat16
+    torch.manual_seed(0)
+    experts, hidden, ffn, top_k = SHAPES[a.shape]
+    counts = _counts(a.tokens, experts, top_k, device)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = int(counts.sum())
+    x = (torch.randn(rows, hidden, device=device, dtype=dtype)).requires_grad_()
+    grad = torch.randn(rows, hidden, device=device, dtype=dtype)
+    gemm_flops = 3 * 2 * rows * hidden * ffn  # three GEMMs forward
+    results = {}
+    params, fns = variants(experts, hidden, ffn, device, dtype)
+    for name, fn in fns.items():
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn(x, offs, counts)
+
+        def fwd_bwd(fn=fn):
+            for t in (x, *params):  # each call's gradients are fresh tensors, never added
+                t.grad = None
+            fn(x, offs, counts).backward(grad)
+
+        f = device_timed(fwd, device, 3, a.repeats)
+        fb = device_timed(fwd_bwd, device, 3, a.repeats)
+        results[name] = {"fwd_s": f, "fwd_bwd_s": fb, "bwd_s": fb - f,
+                         "fwd_tflops": gemm_flops / f / 1e12,
+                         "fwd_bwd_tflops": 3 * gemm_flops / fb / 1e12}
+        print(f"{a.shape:14s} {name:16s} fwd {f * 1e3:7.2f} ms "
+              f"({gemm_flops / f / 1e12:5.0f} TF/s)  fwd+bwd {fb * 1e3:7.2f} ms "
+              f"({3 * gemm_flops / fb / 1e12:5.0f} TF/s)", flush=True)
+    doc = {**metadata(), "shape": a.shape, "tokens": a.tokens,
+        "experts": experts, "hidden": hidden, "ffn_hidden": ffn, "top_k": top_k,
+        "rows": rows, "rows_per_expert": counts.tolist(), "gemm_flops_fwd": gemm_flops,
+        "variants": results}
+    write_atomic(a.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
