@@ -6,7 +6,13 @@ them (issue 11: the Mixtral-shape layer is 85% grouped GEMMs, level with torchti
 - ``grouped_in_out``: the same on weights stored [E, in, out] (B contiguous);
 - ``grouped_w13``: w1 and w3 as one [E, 2 x ffn, hidden] weight, one grouped GEMM for both;
 - ``per_expert``: one cuBLAS matmul per expert (the row counts read on the host once per call);
-- ``per_expert_w13``: the same with w1 and w3 as one weight.
+- ``per_expert_w13``: the same with w1 and w3 as one weight;
+- ``per_expert_fn``: one cuBLAS matmul per expert in one autograd function (``ExpertLinear``),
+  each result written into its slice, each weight gradient into its slice;
+- ``grouped_accumulate``: ``grouped`` with each weight gradient then added into a main gradient
+  (the runtime's accumulation without fusion);
+- ``per_expert_fn_accumulate``: ``per_expert_fn`` with the weight gradients accumulated into
+  the main gradients by the GEMMs themselves (``addmm_``: gradient-accumulation fusion).
 
 Each is timed with the host ahead of the GPU (``_dist_bench.device_timed``), forward alone and
 forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. The routed rows
@@ -57,6 +63,38 @@ def _per_expert(x, w, counts: list[int]):
     return torch.cat(outs)
 
 
+class ExpertLinear(torch.autograd.Function):
+    """Rows grouped by expert times each expert's ``w[e]`` ([E, out, in]) as one cuBLAS matmul
+    per expert, every result written into its slice of one output (no split / cat / select
+    backward). With ``main_grad`` the weight gradient is added into it by the GEMM itself
+    (``addmm_``, beta = 1: gradient-accumulation fusion) and no weight gradient is returned."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts: list[int], main_grad):
+        ctx.save_for_backward(x, w)
+        ctx.counts, ctx.main_grad = counts, main_grad
+        out = x.new_empty(x.shape[0], w.shape[1])
+        start = 0
+        for e, c in enumerate(counts):
+            torch.mm(x[start:start + c], w[e].t(), out=out[start:start + c])
+            start += c
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = torch.empty_like(x)
+        gw = None if ctx.main_grad is not None else torch.zeros_like(w)
+        target = ctx.main_grad if ctx.main_grad is not None else gw
+        start = 0
+        for e, c in enumerate(ctx.counts):
+            ge, xe = g[start:start + c], x[start:start + c]
+            torch.mm(ge, w[e], out=gx[start:start + c])
+            target[e].addmm_(ge.t(), xe)
+            start += c
+        return gx, gw, None, None
+
+
 def variants(experts, hidden, ffn, device, dtype):
     def p(*shape):
         return (torch.randn(*shape, device=device, dtype=dtype) * 0.02).requires_grad_()
@@ -87,9 +125,33 @@ def variants(experts, hidden, ffn, device, dtype):
         a, b = _per_expert(x, w13, c).chunk(2, dim=-1)
         return _per_expert(F.silu(a) * b, w2, c)
 
+    main = [torch.zeros_like(w) for w in (w1, w3, w2)]
+
+    def per_expert_fn(x, offs, counts, fused=False):
+        c = counts.tolist()
+        m1, m3, m2 = main if fused else (None, None, None)
+        h = (F.silu(ExpertLinear.apply(x, w1, c, m1)) * ExpertLinear.apply(x, w3, c, m3))
+        return ExpertLinear.apply(h, w2, c, m2)
+
+    def per_expert_fn_accumulate(x, offs, counts):
+        return per_expert_fn(x, offs, counts, fused=True)
+
+    def grouped_accumulate(x, offs, counts):
+        return grouped(x, offs, counts)
+
+    def add_into_main():
+        # today's unfused accumulation: each weight gradient added into its main gradient
+        for w, m in zip((w1, w3, w2), main, strict=True):
+            m.add_(w.grad)
+
+    grouped_accumulate.after_backward = add_into_main
+
     params = (w1, w3, w2, w1t, w3t, w2t, w13)
-    return params, {"grouped": grouped, "grouped_in_out": grouped_in_out, "grouped_w13": grouped_w13,
-            "per_expert": per_expert, "per_expert_w13": per_expert_w13}
+    return params, {
+        "grouped": grouped, "grouped_in_out": grouped_in_out, "grouped_w13": grouped_w13,
+        "per_expert": per_expert, "per_expert_w13": per_expert_w13,
+        "per_expert_fn": per_expert_fn, "grouped_accumulate": grouped_accumulate,
+        "per_expert_fn_accumulate": per_expert_fn_accumulate}
 
 
 def main() -> None:
@@ -121,6 +183,8 @@ def main() -> None:
             for t in (x, *params):  # each call's gradients are fresh tensors, never added
                 t.grad = None
             fn(x, offs, counts).backward(grad)
+            if hasattr(fn, "after_backward"):
+                fn.after_backward()
 
         f = device_timed(fwd, device, 3, a.repeats)
         fb = device_timed(fwd_bwd, device, 3, a.repeats)
@@ -134,7 +198,7 @@ def main() -> None:
         "experts": experts, "hidden": hidden, "ffn_hidden": ffn, "top_k": top_k,
         "rows": rows, "rows_per_expert": counts.tolist(), "gemm_flops_fwd": gemm_flops,
         "variants": results}
-    write_atomic(a.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
+    write_atomic(Path(a.out), json.dumps(doc, indent=2) + "\n", "--out", force=True)
     print(f"wrote {a.out}")
 
 
