@@ -114,6 +114,10 @@ PLANS |= {f"{name}_gsync": with_gsync(PLANS[name])
 # fused kernels with the overlapped gradient sync, serial MoE layer (campaign h200_speed13)
 PLANS |= {f"{name}_fused_gsync": with_gsync(PLANS[f"{name}_fused"])
           for name in ("mixtral2l_dp2_ep2_ag_mbs4", "mixtral2l_sp2_ep2_ag_mbs8")}
+# gradient-accumulation fusion (runtime.parallel.grad_accumulation) beside the same plans
+# without: eight micro-batches of one sequence, and the whole batch in one with fused kernels
+PLANS |= {f"{name}_gaf": PLANS[name].model_copy(update={"grad_accumulation_fusion": True})
+          for name in ("mixtral2l_1gpu", "mixtral2l_1gpu_mbs8_fused")}
 
 
 NODE_SIZES = (8, 2)

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from cost_models.memory import GIB, memory_breakdown  # noqa: E402
 from plans import Plan  # noqa: E402
+from plans.execution import executed_as_measured  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "memory"
 DOC = ROOT / "docs" / "memory.md"
@@ -36,7 +37,9 @@ def rows(results: Path = RESULTS) -> list[dict]:
         if len(ranks) != len(doc["ranks"]):
             continue
         plan = Plan.model_validate(doc["plan"])
-        predicted = memory_breakdown(plan).peak_bytes / GIB
+        # priced as the run executed it (what it recorded; none: before fusion ran)
+        ran = executed_as_measured(plan, doc.get("deviations"))
+        predicted = memory_breakdown(ran).peak_bytes / GIB
         reserved = max(r["peak_reserved_bytes"] for r in ranks) / GIB
         allocated = max(r["peak_allocated_bytes"] for r in ranks) / GIB
         out.append({

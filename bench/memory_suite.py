@@ -48,7 +48,9 @@ from memory_cases import CASES  # noqa: E402
 
 from plans import Plan  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
+from plans.execution import record  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
+from runtime.parallel.parallelize import backend_of  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
 
@@ -176,6 +178,7 @@ def main(argv=None) -> int:
             doc = {**metadata(), "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    "world": world, "case": name, "plan_summary": result["plan_summary"],
                    "plan": result["plan"],
+                   "deviations": record(plan, backend_of(device)),
                    "ranks": [{k: v for k, v in r.items() if k not in ("plan", "plan_summary")}
                              for r in ranks]}
             (args.out_dir / f"memory_{name}.json").write_text(json.dumps(doc, indent=1) + "\n")

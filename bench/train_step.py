@@ -42,7 +42,7 @@ from _meta import metadata  # noqa: E402
 
 from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
-from plans.execution import UnsupportedFeature, deviations  # noqa: E402
+from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
@@ -207,8 +207,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "ep_rank_load_layer": ep_rank_load(plan, rows_per_rank),
         "host_syncs_per_rank": syncs_per_rank,
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
-        "deviations": [{"field": d.field, "planned": d.planned, "executed": d.executed}
-                       for d in deviations(plan, backend_of(device))],
+        "deviations": record(plan, backend_of(device)),
     }
 
 

@@ -19,7 +19,13 @@ from cost_models.memory import (
     grad_bytes_per_param,
     memory_breakdown,
 )
-from cost_models.params import StageParams, chunk_dense_layers, part_params, stage_params_of
+from cost_models.params import (
+    StageParams,
+    chunk_dense_layers,
+    experts_in_gemm,
+    part_params,
+    stage_params_of,
+)
 from plans.enums import OptimizerSharding
 from plans.layout import moe_chunks, stage_of_chunk
 from plans.operators import Component
@@ -101,31 +107,46 @@ def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
 
 def _accumulate_s(params: float, plan: Plan) -> float:
     """Adding one micro-batch's gradients of ``params`` weights into the main-gradient buffers
-    without gradient-accumulation fusion: read the bf16 gradient, read and write the main
-    gradient (on the compute stream). Fused into the weight-gradient GEMMs it costs nothing."""
-    if plan.grad_accumulation_fusion:
-        return 0.0
+    in a separate pass: read the bf16 gradient, read and write the main gradient (on the
+    compute stream)."""
     per_param = WEIGHT_BYTES + 2 * grad_bytes_per_param(plan.grad_sync_precision)
     return memory_s(params * per_param, plan.cluster)
 
 
 def _chunk_accumulate_s(params: float, plan: Plan) -> float:
     """Adding one more chunk's weight gradients of ``params`` weights into their gradient: read
-    both bf16 gradients, write the sum (on the compute stream). Fused into the weight-gradient
-    GEMMs it costs nothing."""
-    if plan.grad_accumulation_fusion:
-        return 0.0
+    both bf16 gradients, write the sum (on the compute stream)."""
     return memory_s(params * 3 * WEIGHT_BYTES, plan.cluster)
 
 
-def _grad_accumulation_s(params: StageParams, plan: Plan) -> float:
-    """One micro-batch's gradient accumulation over ``params``: into the main gradients, and
-    a chunked MoE layer (inter-operator overlap) computes its experts' weight gradients once per
-    chunk, each added into the gradient: chunks - 1 more passes over the expert weights
-    (plans.layout.moe_chunks)."""
+def _grad_accumulation_s(params: StageParams, plan: Plan, edge: bool = False) -> float:
+    """One micro-batch's gradient accumulation over ``params`` in separate passes. With
+    gradient-accumulation fusion (runtime.parallel.grad_accumulation) the blocks' dense weights
+    accumulate inside their GEMMs (their norms' few weights aside), and so do the routed
+    experts where ``experts_in_gemm``; the embedding and LM head (``edge``) never do. A chunked
+    MoE layer (inter-operator overlap) computes its experts' weight gradients once per chunk:
+    chunks - 1 more passes over them (plans.layout.moe_chunks) unless they accumulate in the
+    GEMM."""
+    fused = plan.grad_accumulation_fusion
+    dense = params.dense if edge or not fused else 0.0
+    if experts_in_gemm(plan):
+        return _accumulate_s(dense, plan)
     chunks = moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep)
-    return (_accumulate_s(params.total, plan)
+    return (_accumulate_s(dense + params.expert, plan)
             + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
+
+
+def _stage_accumulation_s(plan: Plan, stage: int) -> float:
+    """One micro-batch's gradient accumulation on ``stage``: its layers', the embedding's on
+    the first stage, the LM head's on the last."""
+    parts = part_params(plan.model, plan.degrees)
+    n_moe, n_dense = _stage_layers(plan.stage_layers, plan.degrees.pp,
+                                   plan.model.dense_layers)[stage]
+    return (n_moe * _grad_accumulation_s(parts.moe_layer, plan)
+            + n_dense * _grad_accumulation_s(parts.dense_layer, plan)
+            + (_grad_accumulation_s(parts.embedding, plan, edge=True) if stage == 0 else 0.0)
+            + (_grad_accumulation_s(parts.head, plan, edge=True)
+               if stage == plan.degrees.pp - 1 else 0.0))
 
 
 def stage_costs(plan: Plan) -> StageCosts:
@@ -135,8 +156,8 @@ def stage_costs(plan: Plan) -> StageCosts:
     return StageCosts(
         moe.total_s + _grad_accumulation_s(parts.moe_layer, plan),
         dense.total_s + _grad_accumulation_s(parts.dense_layer, plan),
-        emb.total_s + _grad_accumulation_s(parts.embedding, plan),
-        head.total_s + _grad_accumulation_s(parts.head, plan),
+        emb.total_s + _grad_accumulation_s(parts.embedding, plan, edge=True),
+        head.total_s + _grad_accumulation_s(parts.head, plan, edge=True),
         pl.p2p_transfer_s(plan),
     )
 
@@ -166,7 +187,7 @@ def evaluate(plan: Plan) -> Evaluation:
     bwd[0] += emb.bwd_s
     fwd[last] += head.fwd_s
     bwd[last] += head.bwd_s
-    accumulate_s = [_grad_accumulation_s(p, plan) for p in stage_params_of(plan)]
+    accumulate_s = [_stage_accumulation_s(plan, i) for i in range(d.pp)]
     bwd = [b + a for b, a in zip(bwd, accumulate_s, strict=True)]
     stage_s = [f + b for f, b in zip(fwd, bwd, strict=True)]
     busiest = max(range(d.pp), key=stage_s.__getitem__)

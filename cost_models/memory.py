@@ -12,7 +12,7 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from cost_models.compute import ACT_BYTES, FP32_BYTES
-from cost_models.params import chunk_dense_layers, part_params, stage_params
+from cost_models.params import chunk_dense_layers, experts_in_gemm, part_params, stage_params
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
 from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
@@ -279,7 +279,8 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             seq_len: int, batch: int, micro_batches: int, schedule: PipelineSchedule,
             policy: Recompute, grad_precision: Precision, opt: Optimizer, capacity: float,
             cross_entropy: CrossEntropy, sharding: OptimizerSharding,
-            kernels: Kernels = Kernels.eager, chunks: int = 1) -> MemoryBreakdown:
+            kernels: Kernels = Kernels.eager, chunks: int = 1,
+            experts_accumulate_in_gemm: bool = False) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
@@ -306,8 +307,9 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     # A chunked MoE layer (inter-operator overlap) uses each expert weight once per chunk:
     # autograd holds one chunk's weight gradient in the node's input buffer until the next
     # chunk's arrives and sums them, so the layer's backward holds one more expert weight
-    # gradient (bf16, the parameters' dtype) than the serial layer's.
-    if chunks > 1:
+    # gradient (bf16, the parameters' dtype) than the serial layer's; none when the experts'
+    # GEMMs add into the main gradients (no weight gradient is made).
+    if chunks > 1 and not experts_accumulate_in_gemm:
         working_of[False] += WEIGHT_BYTES * part_params(model, d).moe_layer.expert
     names = ("params", "grads", "optimizer", "activations", "activation_working", "comm_buffers",
              "logits", "optimizer_step_workspace", "allocator_reserve")
@@ -347,5 +349,5 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
-        moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep),
+        moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep), experts_in_gemm(plan),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.layout import stage_of_chunk
+from plans.layout import accumulates_experts_in_gemm, stage_of_chunk
 from plans.plan import Degrees, OptimizerSharding, Plan
 from plans.specs import ModelSpec
 
@@ -89,3 +89,12 @@ def stage_params(model: ModelSpec, degrees: Degrees, stage_layers: tuple[int, ..
 
 def stage_params_of(plan: Plan) -> tuple[StageParams, ...]:
     return stage_params(plan.model, plan.degrees, plan.stage_layers)
+
+
+def experts_in_gemm(plan: Plan) -> bool:
+    """Whether the plan's routed experts add their weight gradients into the main gradients
+    inside their GEMMs (plans.layout.accumulates_experts_in_gemm on the experts per rank: E / ep
+    of width F / etp), as the runtime decides it from the same rule."""
+    m, d = plan.model, plan.degrees
+    return accumulates_experts_in_gemm(plan.grad_accumulation_fusion, m.experts // d.ep,
+                                       m.expert_ffn_hidden // d.etp)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 import cost_models
 from cost_models import comm
@@ -71,7 +71,7 @@ from plans import (
     catalog,
 )
 from plans.errors import describe
-from plans.execution import deviations, executed_plan
+from plans.execution import executed_as_measured, measured_deviations
 from plans.results import (
     ProfileResult,
     Sweep,
@@ -138,7 +138,7 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
 def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[str, float]:
     """gemm, grouped_gemm and attention from the profiled step's kernel classes, then
     elementwise from what is left of its wall time."""
-    executed = executed_plan(on(plan, base))
+    executed = executed_as_measured(on(plan, base), _recorded(profile))
     meas, pred = measured_classes(profile), predicted_classes(executed)
     factors = {k: min(1.0, getattr(base.efficiency, k) * pred[k] / meas[k])
                for k in COMPUTE_FACTORS if meas[k] > 0 and pred[k] > 0}
@@ -375,7 +375,7 @@ def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) 
     if plan.degrees.world != 1:
         raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
                         f"communication); this one runs on {plan.degrees.world} GPUs")
-    plan = executed_plan(on(plan, cluster))
+    plan = executed_as_measured(on(plan, cluster), _recorded(profile))
 
     name = residual_factor(plan)
 
@@ -458,6 +458,14 @@ class Measured:
     routing_skew: float | None = None
     """Max / mean routed tokens per expert the run logged (TrainingSpec.routing_skew's
     measurement); None where the run did not log it."""
+    deviations: list[dict] | None = None
+    """The plan fields the run executed differently (plans.execution.record); None where it
+    did not record them."""
+
+
+def _recorded(result: BaseModel) -> list[dict] | None:
+    """The deviations a result recorded (plans.execution.record), None where it has none."""
+    return (result.model_extra or {}).get("deviations")
 
 
 def measured_run(path: Path, skip: int = 2) -> Measured:
@@ -468,7 +476,7 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
         return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
-                        r.routing_skew)
+                        r.routing_skew, _recorded(r))
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
@@ -480,7 +488,8 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
     return Measured(statistics.median(s.step_time_s for s in steady),
                     statistics.median(s.mfu for s in steady),
                     max(s.peak_memory_gib for s in steps),
-                    {k: statistics.median(v) for k, v in components.items()}, len(steady), None)
+                    {k: statistics.median(v) for k, v in components.items()}, len(steady), None,
+                    deviations=_recorded(steps[0]))
 
 
 def runs_with_plans(runs: Path, plans: Path) -> list[tuple[Path, Path]]:
@@ -507,11 +516,12 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
     if measured_skew and m.routing_skew is not None:
         plan = plan.model_copy(update={"training": plan.training.model_copy(
             update={"routing_skew": max(1.0, m.routing_skew)})})
-    e = cost_models.evaluate(executed_plan(plan))
+    e = cost_models.evaluate(executed_as_measured(plan, m.deviations))
     return {
         "plan": plan_path.stem,
         "layout": plan.summary(),
-        "evaluated_as_executed": [f"{d.field}={d.executed}" for d in deviations(plan)],
+        "evaluated_as_executed": [f"{d.field}={d.executed}"
+                                  for d in measured_deviations(plan, m.deviations)],
         "gpus": plan.cluster.gpus,
         "measured_step_s": m.step_s,
         "predicted_step_s": e.step_time_s,

@@ -3,8 +3,8 @@
 
 The result is a bench/train_step.py document (plans.results.TrainStepResult); it must be a
 run of this plan: the same ranks, model and tokens per step, and the same layout. The plan is
-priced as the runtime executed it (plans.execution.executed_plan), in the runtime's components
-(cost_models.components).
+priced as the runtime executed it (plans.execution.executed_as_measured: what the run
+recorded), in the runtime's components (cost_models.components).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from cost_models import Evaluation, evaluate
 from cost_models.components import LAYER_COMPONENTS, STEP_COMPONENTS, predicted_components
 from plans import Plan, SpecError
-from plans.execution import Deviation, deviations, executed_plan
+from plans.execution import Deviation, executed_as_measured, measured_deviations
 from plans.results import TrainStepResult, read
 
 COMPONENT_ORDER = (*(k for c in LAYER_COMPONENTS for k in (c, f"{c}_bwd")), *STEP_COMPONENTS)
@@ -111,9 +111,10 @@ def compare(plan: Plan, path: Path) -> Comparison:
     """Read ``path`` (a bench/train_step.py result of ``plan``) and price its components."""
     r = read(TrainStepResult, path, "--measured")
     check_pairing(plan, r, path)
-    ran = executed_plan(plan)
+    recorded = (r.model_extra or {}).get("deviations")
+    ran = executed_as_measured(plan, recorded)
     e = evaluate(ran)
     predicted = predicted_components(ran, e)
     rows = [ComponentRow(k, predicted[k], r.components_s.get(k)) for k in COMPONENT_ORDER]
     rows.append(ComponentRow(STEP, e.step_time_s, r.step_time_s))
-    return Comparison(ran, e, tuple(deviations(plan)), tuple(rows), r)
+    return Comparison(ran, e, tuple(measured_deviations(plan, recorded)), tuple(rows), r)

@@ -139,11 +139,12 @@ TABLE: tuple[Capability, ...] = (
     *_executed("grad_sync_overlap", False, True,
                reason="true: buckets of 40M parameters launched from the last micro-batch's "
                "backward hooks, waited for before the optimizer"),
-    Capability("grad_accumulation_fusion", False, Support.executed),
-    Capability("grad_accumulation_fusion", True, Support.runs_as,
-               "autograd adds each micro-batch's weight gradient into the main-gradient bucket "
-               "in place, a memory-bound pass like the unfused one; the weight-gradient GEMMs "
-               "do not accumulate in their epilogue", False),
+    *_executed("grad_accumulation_fusion", False, True,
+               reason="true: the blocks' Linear layers, and routed experts where "
+               "plans.layout.accumulates_experts_in_gemm holds (few wide experts per rank, one "
+               "matmul each), add their weight gradients into the main gradients inside the GEMM "
+               "(addmm); the grouped-GEMM experts, the embedding and the LM head add theirs in a "
+               "separate pass (runtime.parallel.grad_accumulation)"),
 )
 """The capability table: every plan field, every value, per backend."""
 
@@ -251,19 +252,72 @@ def _typed(current: object, text: object) -> object:
     return type(current)(text) if isinstance(current, Enum) else text
 
 
-def executed_plan(plan: Plan, backend: Backend = Backend.cuda_nccl) -> Plan:
+def executed_plan(plan: Plan, backend: Backend = Backend.cuda_nccl,
+                  recorded: list[dict] | None = None) -> Plan:
     """The plan as this runtime runs it on ``backend`` (for the cost model; not re-validated,
     since e.g. fp8 gradient sync over bf16 GEMMs is a combination plans do not offer).
-    UnsupportedFeature when a field is refused."""
+    UnsupportedFeature when a field is refused. ``recorded``: the deviations a measured run
+    wrote (``{"field", "executed"}`` each: what the runtime of its commit ran), applied
+    instead of this table's."""
     check(plan, backend)
+    ran = ([(row.field, value, row.runs) for row, value in _deviating(plan, backend)]
+           if recorded is None else
+           [(d["field"], v, _parsed(v, d["executed"]))
+            for d in recorded for v in (_value_of(plan, d["field"]),)])
     updates: dict[str, dict[str, object]] = {}
     top: dict[str, object] = {"prediction": None}
-    for row, value in _deviating(plan, backend):
-        head, _, leaf = row.field.partition(".")
+    for field, value, runs in ran:
+        head, _, leaf = field.partition(".")
         if leaf:
-            updates.setdefault(head, {})[leaf] = _typed(value, row.runs)
+            updates.setdefault(head, {})[leaf] = _typed(value, runs)
         else:
-            top[head] = _typed(value, row.runs)
+            top[head] = _typed(value, runs)
     for head, fields in updates.items():
         top[head] = getattr(plan, head).model_copy(update=fields)
     return plan.model_copy(update=top)
+
+
+def _value_of(plan: Plan, field: str) -> object:
+    value: object = plan
+    for part in field.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _parsed(current: object, text: object) -> object:
+    return text == "true" if isinstance(current, bool) and isinstance(text, str) else text
+
+
+_BEFORE_FUSION = ("results without the record predate it, and no runtime before it fused the "
+                  "gradient accumulation")
+
+
+def record(plan: Plan, backend: Backend) -> list[dict]:
+    """What a measured result writes of how its run executed ``plan`` (``deviations``): read
+    back by ``executed_as_measured``."""
+    return [{"field": d.field, "planned": d.planned, "executed": d.executed}
+            for d in deviations(plan, backend)]
+
+
+def measured_deviations(plan: Plan, recorded: list[dict] | None,
+                        backend: Backend = Backend.cuda_nccl) -> list[Deviation]:
+    """The fields a measured run executed differently from ``plan`` (``executed_as_measured``)."""
+    if recorded is not None:
+        return [Deviation(d["field"], d["planned"], d["executed"], "recorded by the run")
+                for d in recorded]
+    legacy = deviations(plan.model_copy(update={"grad_accumulation_fusion": False}), backend)
+    if plan.grad_accumulation_fusion:
+        legacy.insert(0, Deviation("grad_accumulation_fusion", "true", "false", _BEFORE_FUSION))
+    return legacy
+
+
+def executed_as_measured(plan: Plan, recorded: list[dict] | None,
+                         backend: Backend = Backend.cuda_nccl) -> Plan:
+    """The plan as a measured run executed it: the deviations the run recorded
+    (bench/train_step.py, ``moeplan profile`` and the runtime's log write them), or, for a
+    result that recorded none, this table's with gradient-accumulation fusion run as false:
+    results without the record predate it, and no runtime before it fused the gradient
+    accumulation."""
+    if recorded is None:
+        return executed_plan(plan.model_copy(update={"grad_accumulation_fusion": False}), backend)
+    return executed_plan(plan, backend, recorded)

@@ -122,3 +122,24 @@ def moe_chunks(overlap: Overlap, ffn: FFNStrategy, ep: int) -> int:
     to hide), else 1. ``overlap`` is the value the runtime executes (plans.execution)."""
     spread = isinstance(ffn, EPFFN) and ep > 1
     return INTER_OP_CHUNKS if overlap == Overlap.inter_op and spread else 1
+
+
+PER_EXPERT_MAX_LOCAL_EXPERTS = 16
+PER_EXPERT_MIN_FFN = 4096
+"""When each rank's experts are this few and this wide, one cuBLAS matmul per expert runs at
+the grouped GEMM's rate and can add its weight gradient into the main gradient (cuBLAS beta =
+1). Measured on one H200, three expert GEMMs forward + backward with the accumulation into the
+main gradients (bench/expert_gemm_gpu.py, bench/results/h200/speed17/): Mixtral-8x7B's 8
+experts of 14,336 at 16k tokens, 50.98 ms per expert against 56.86 ms grouped + add pass;
+Qwen3-30B-A3B's 128 of 768, 35.78 ms against 7.84 ms (per-expert launches dominate)."""
+
+
+def accumulates_experts_in_gemm(fusion: bool, local_experts: int, local_ffn: int) -> bool:
+    """Whether a rank's routed experts (``local_experts`` of ``local_ffn`` width each, after
+    EP and expert TP) add their weight gradients into the main gradients inside the GEMM
+    (per-expert matmuls): under gradient-accumulation fusion with at most
+    PER_EXPERT_MAX_LOCAL_EXPERTS experts at least PER_EXPERT_MIN_FFN wide. Otherwise the grouped
+    GEMM writes each weight gradient and a separate pass adds it. ``fusion`` is the value the
+    runtime executes (plans.execution)."""
+    return (fusion and local_experts <= PER_EXPERT_MAX_LOCAL_EXPERTS
+            and local_ffn >= PER_EXPERT_MIN_FFN)

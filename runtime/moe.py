@@ -184,8 +184,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[1])
 
 
+def grouped_matmul(counts: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``GroupedExperts.matmul``'s default: ``grouped_mm`` over ``counts``."""
+    return lambda x, w: grouped_mm(x, w, counts)
+
+
 class GroupedExperts(nn.Module):
-    """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts."""
+    """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts.
+    ``matmul(counts)`` gives the product of grouped rows with a stacked weight: ``grouped_mm``
+    unless a transform sets another (runtime.parallel.grad_accumulation)."""
 
     def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER):
         super().__init__()
@@ -193,6 +200,7 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
         self.ops = ops
+        self.matmul = grouped_matmul
         self.rows = 0
         """Routed rows these experts computed since ``take_rows`` (the rows tensor's shape, on
         the host: no device read). A recomputed forward counts again, on every rank alike."""
@@ -203,8 +211,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         self.rows += x.shape[0]
-        h = self.ops.swiglu(grouped_mm(x, self.w1, counts), grouped_mm(x, self.w3, counts))
-        return grouped_mm(h, self.w2, counts)
+        mm = self.matmul(counts)
+        h = self.ops.swiglu(mm(x, self.w1), mm(x, self.w3))
+        return mm(h, self.w2)
 
 
 class FeedForward(nn.Module):

@@ -30,10 +30,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from plans import COMPONENT_KEYS, Plan, SpecError
 from plans.catalog import load_plan
-from plans.execution import UnsupportedFeature
+from plans.execution import UnsupportedFeature, record
 from plans.io import check_destination, write_atomic
 from runtime.data import SyntheticTokens
-from runtime.parallel.parallelize import check_supported, launch_backend
+from runtime.parallel.parallelize import backend_of, check_supported, launch_backend
 from runtime.provenance import metadata
 from runtime.trainer import Trainer, build_trainer
 
@@ -99,6 +99,7 @@ def profile_steps(trainer: Trainer, plan: Plan, steps: int, warmup: int, top: in
     return {
         **metadata(),
         "plan_summary": plan.summary(),
+        "deviations": record(plan, backend_of(trainer.device)),
         "profiled_steps": steps,
         "step_wall_s": wall,
         "device_busy_s": busy,

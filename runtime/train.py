@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from plans import Plan, SpecError
 from plans.catalog import load_plan
-from plans.execution import UnsupportedFeature, deviations
+from plans.execution import UnsupportedFeature, deviations, record
 from plans.io import check_appendable, check_folder_target
 from plans.proc import die_with_parent
 from runtime import checkpoint
@@ -120,7 +120,9 @@ def run_record(args: argparse.Namespace, plan: Plan) -> checkpoint.RunRecord:
     return checkpoint.RunRecord.of(plan, args.data, args.seed)
 
 
-def report(m: StepMetrics, log: Path | None) -> None:
+def report(m: StepMetrics, log: Path | None, ran: list[dict]) -> None:
+    """Print a step's line; append it to ``log`` with the plan fields the run executed
+    differently (``ran``, plans.execution.record), which the cost model prices it by."""
     line = (
         f"step {m.step + 1} loss {m.loss:.4f} tok/s {m.tokens_per_s:,.0f} mfu {m.mfu:.2%} "
         f"step {m.step_time_s * 1e3:.0f} ms peak {m.peak_memory_gib:.2f} GiB"
@@ -128,7 +130,7 @@ def report(m: StepMetrics, log: Path | None) -> None:
     print(line, flush=True)
     if log is not None:
         with log.open("a") as f:
-            f.write(json.dumps({**asdict(m), "step": m.step + 1}) + "\n")
+            f.write(json.dumps({**asdict(m), "step": m.step + 1, "deviations": ran}) + "\n")
 
 
 def resume_point(ckpt_dir: Path, rank: int) -> tuple[Path, int] | None:
@@ -227,11 +229,12 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
         start = checkpoint.load(trainer, found[0])
         if rank == 0:
             print(f"resumed from {found[0]} after step {start}", flush=True)
+    ran = record(plan, backend_of(device))
     for step in range(start, args.steps):
         _Progress.step = step
         metrics = trainer.train_step(step)
         if rank == 0:
-            report(metrics, args.log)
+            report(metrics, args.log, ran)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             checkpoint.save(trainer, args.ckpt_dir, step + 1)
     if owns_group:

@@ -17,6 +17,7 @@ from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
 from runtime.moe import routing_skew
+from runtime.parallel.grad_accumulation import mark_parameters
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.optimizer import OptimizerConfig, build_optimizer
 from runtime.parallel.parallelize import ParallelModel, backend_of, parallelize
@@ -97,6 +98,7 @@ class Trainer:
             model = Transformer(cfg)
         self.pm: ParallelModel = parallelize(model, plan, mesh, self.timers, backend_of(device))
         init_weights(model, seed, self.pm.shards, device, self.param_dtype)
+        mark_parameters(model)  # before the gradient sync attaches to the parameters
         model.train()
         model.head_logits = plan.cross_entropy == CrossEntropy.materialized
         self.model = model

@@ -19,10 +19,11 @@ group's own stream, gloo on its worker threads) from the post-accumulate hook of
 micro-batch's backward as soon as every parameter of the bucket has accumulated its gradient,
 and waited for before the optimizer; without it every bucket is synchronised after the whole
 backward. The buckets, casts and quantisation are the same either way, so both give the same
-bits. With ``grad_accumulation_fusion`` each parameter's ``.grad`` is the view of its main
-gradient in the bucket (torch DDP's ``gradient_as_bucket_view``): autograd adds every
-micro-batch's weight gradient straight into the bucket; without it the gradient lands in its own
-tensor and a hook adds it into the bucket and frees it.
+bits. With ``grad_accumulation_fusion`` the weight-gradient GEMMs of the blocks' Linear layers
+(and of few wide experts) add into the bucket themselves (runtime.parallel.grad_accumulation);
+every other parameter's ``.grad`` is the view of its main gradient in the bucket (torch DDP's
+``gradient_as_bucket_view``), so autograd adds each micro-batch's gradient into it. Without
+fusion the gradient lands in its own tensor and a hook adds it into the bucket and frees it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from plans import MeshAxis, Precision
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from runtime.model import Shard, Transformer
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
+from runtime.parallel.grad_accumulation import in_gemm, on_grad_ready
 from runtime.parallel.mesh import Mesh
 
 SYNC_DTYPES = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
@@ -198,14 +200,17 @@ def split_buckets(names: list[str], params: dict[str, nn.Parameter],
 def attach_main_grads(
     params: list[nn.Parameter], buffer: torch.Tensor, offsets: list[int], fused: bool
 ) -> list[nn.Parameter]:
-    """Make each parameter's ``main_grad`` the view of ``buffer`` at its offset. Fused (and
-    the same dtype): ``.grad`` is that view, so autograd accumulates into the buffer in place;
-    otherwise a post-accumulate hook adds each micro-batch's ``.grad`` into it and frees it
-    (Megatron-LM ``param.main_grad``). Returns the parameters whose ``.grad`` is the view
+    """Make each parameter's ``main_grad`` the view of ``buffer`` at its offset. A parameter
+    whose GEMM adds into it (``in_gemm``) needs nothing more. Else fused (and the same dtype):
+    ``.grad`` is that view, so autograd adds each micro-batch's gradient into the buffer in
+    place; otherwise a post-accumulate hook adds each micro-batch's ``.grad`` into it and frees
+    it (Megatron-LM ``param.main_grad``). Returns the parameters whose ``.grad`` is the view
     (``alias_grads`` re-establishes it after an optimizer has cleared it)."""
     aliased = []
     for p, offset in zip(params, offsets, strict=True):
         p.main_grad = buffer[offset : offset + p.numel()].view_as(p)
+        if in_gemm(p):  # its GEMM adds into main_grad (runtime.parallel.grad_accumulation)
+            continue
         if fused and p.dtype == buffer.dtype:
             p.grad = p.main_grad
             aliased.append(p)
@@ -314,7 +319,9 @@ class BucketLauncher:
         self.launches.append(_Launch(lane, start, len(params), len(params)))
         if self.overlap:
             for p in params:
-                self.hooks.append(p.register_post_accumulate_grad_hook(self._hook(index)))
+                hook = self._hook(index)
+                self.hooks.append(on_grad_ready(p, hook) if in_gemm(p)
+                                  else p.register_post_accumulate_grad_hook(hook))
         return index
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The plan's parallelism as ordered transforms of the plain (meta-device) model:
 pipeline stage -> attention (Ulysses or TP) -> experts (EP, with the inter-operator overlapped
-schedule when the plan runs it) -> recomputation -> timers.
+schedule when the plan runs it) -> gradient-accumulation fusion -> recomputation -> timers.
 Weights are materialised afterwards from the seed, so every layout starts identical."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from runtime.model import AttentionCore, Shard, Transformer, TransformerBlock
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
 from runtime.parallel.data_parallel import replication_groups
 from runtime.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
+from runtime.parallel.grad_accumulation import apply_grad_accumulation_fusion
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.overlap import apply_inter_op_overlap
 from runtime.parallel.pipeline import apply_pipeline
@@ -121,6 +122,8 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     elif isinstance(plan.ffn, TPFFN):
         apply_expert_tensor_parallel(model, mesh, shards, timers)
     expert_shards = set(shards) - attention_shards
+    if executed_value("grad_accumulation_fusion", plan.grad_accumulation_fusion, backend):
+        apply_grad_accumulation_fusion(model)
     apply_recompute(model, RECOMPUTED[plan.recompute])
     if timers is not None:
         apply_expert_timers(model, timers)

@@ -128,6 +128,8 @@ def overlapped_and_serial_sync(plan_json: str, bucket_params: int) -> list[dict]
     second step's loss."""
     from dataclasses import replace
 
+    from runtime.parallel.grad_accumulation import in_gemm
+
     plan = Plan.model_validate_json(plan_json)
     runs = []
     for on in (False, True):
@@ -142,7 +144,10 @@ def overlapped_and_serial_sync(plan_json: str, bucket_params: int) -> list[dict]
         grads = {k: g for k, (g, _) in trainer.local_gradients().items()}
         trainer.optimizer_step()
         params = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+        marked = [n for n, p in trainer.model.named_parameters()
+                  if in_gemm(p) and ".experts." in n]
         runs.append({"loss": loss, "launched": launched, "buckets": len(launcher.launches),
+                     "marked_experts": marked,
                      "grads": grads, "params": params, "next_loss": trainer.train_step(1).loss})
     return runs
 

@@ -1,0 +1,190 @@
+"""Gradient-accumulation fusion (plan field ``grad_accumulation_fusion``): the weight-gradient
+GEMMs add each micro-batch's gradient into the parameter's main gradient themselves (cuBLAS
+with beta = 1), so no gradient tensor is written and no separate pass reads it back and adds
+it. Megatron-LM's ``gradient_accumulation_fusion`` (its ``fused_weight_gradient_mlp_cuda``);
+here ``addmm`` into ``param.main_grad`` (data_parallel.attach_main_grads), with ``out_dtype``
+when the main gradient is fp32 and the GEMM's operands bf16.
+
+Applied as the last transform of the model (``apply_grad_accumulation_fusion``):
+
+- every ``nn.Linear`` of the transformer blocks (the attention projections, the router's gate,
+  dense and shared-expert FFNs). The LM head and the embedding keep autograd's gradient: the
+  chunked loss computes the head's weight gradient itself (runtime.loss) and the embedding's is
+  a scatter, and a tied pair shares one weight;
+- the routed experts where ``plans.layout.accumulates_experts_in_gemm`` says so (few wide
+  experts per rank): one matmul per expert (the row counts read on the host once per call).
+  Many narrow experts stay on the grouped GEMM, whose gradient a separate pass adds
+  (``torch._grouped_mm`` has no accumulating form).
+
+Such a GEMM's autograd function returns no gradient for its weight: its backward adds into
+``main_grad`` and then calls ``grad_ready``, which runs the hooks the gradient sync put on the
+parameter (``on_grad_ready``) where a post-accumulate hook would have run on a gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plans.layout import accumulates_experts_in_gemm
+from runtime.model import Transformer
+from runtime.moe import GroupedExperts
+
+IN_GEMM = "accumulates_in_gemm"
+"""Attribute marking a parameter whose weight-gradient GEMM adds into its main gradient."""
+_HOOKS = "grad_ready_hooks"
+
+
+def in_gemm(p: torch.Tensor) -> bool:
+    return getattr(p, IN_GEMM, False)
+
+
+class _Handle:
+    def __init__(self, p: torch.Tensor, fn: Callable):
+        self.p, self.fn = p, fn
+
+    def remove(self) -> None:
+        hooks = getattr(self.p, _HOOKS, [])
+        if self.fn in hooks:
+            hooks.remove(self.fn)
+
+
+def on_grad_ready(p: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> _Handle:
+    """Run ``fn(p)`` each time a GEMM has added a micro-batch's gradient into ``p.main_grad``
+    (what ``register_post_accumulate_grad_hook`` is for autograd's gradients)."""
+    if not hasattr(p, _HOOKS):
+        setattr(p, _HOOKS, [])
+    getattr(p, _HOOKS).append(fn)
+    return _Handle(p, fn)
+
+
+def grad_ready(p: torch.Tensor) -> None:
+    for fn in list(getattr(p, _HOOKS, ())):
+        fn(p)
+
+
+def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b`` inside the GEMM."""
+    if target.dtype == a.dtype:
+        target.addmm_(a, b)
+    elif target.is_cuda:  # bf16 operands, fp32 main gradient: cuBLAS accumulates in fp32
+        torch.addmm(target, a, b, out_dtype=target.dtype, out=target)
+    else:  # CPU has no mixed-dtype addmm: the operands widened (the same sums, exact casts)
+        target.addmm_(a.to(target.dtype), b.to(target.dtype))
+
+
+def _main_grad(param: torch.Tensor) -> torch.Tensor:
+    """The tensor the GEMM adds into: the main gradient the gradient sync attached, else (a
+    model outside a trainer) ``.grad``, started at zero."""
+    target = getattr(param, "main_grad", None)
+    if target is None:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        target = param.grad
+    return target
+
+
+class _LinearAccumulating(torch.autograd.Function):
+    """``x @ W.T`` whose backward adds ``g.T @ x`` into W's main gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.param = weight
+        return F.linear(x, weight.detach())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (x,), weight = ctx.saved_tensors, ctx.param
+        gx = g @ weight.detach() if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            _add_product(_main_grad(weight), g.reshape(-1, g.shape[-1]).t(),
+                         x.reshape(-1, x.shape[-1]))
+            grad_ready(weight)
+        return gx, None
+
+
+def linear_accumulating(param: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
+    return _LinearAccumulating.apply(x, param)
+
+
+class _ExpertsAccumulating(torch.autograd.Function):
+    """Rows grouped by expert times each expert's ``w[e]`` ([E, out, in]), one matmul per
+    expert written into its slice of one output; the backward adds each expert's ``g_e.T @
+    x_e`` into its slice of the main gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: list[int]) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.counts, ctx.param = counts, weight
+        w = weight.detach()
+        out = x.new_empty(x.shape[0], w.shape[1])
+        start = 0
+        for e, c in enumerate(counts):
+            torch.mm(x[start:start + c], w[e].t(), out=out[start:start + c])
+            start += c
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (x,), w = ctx.saved_tensors, ctx.param.detach()
+        gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        target = _main_grad(ctx.param) if ctx.needs_input_grad[1] else None
+        start = 0
+        for e, c in enumerate(ctx.counts):
+            if c:
+                ge = g[start:start + c]
+                if gx is not None:
+                    torch.mm(ge, w[e], out=gx[start:start + c])
+                if target is not None:
+                    _add_product(target[e], ge.t(), x[start:start + c])
+            start += c
+        if target is not None:
+            grad_ready(ctx.param)
+        return gx, None, None
+
+
+def per_expert_accumulating(counts: torch.Tensor):
+    """``GroupedExperts.matmul``'s per-expert form: the counts read on the host once, each
+    weight's gradient added in the GEMMs."""
+    host = counts.tolist()
+
+    def mm(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
+        return _ExpertsAccumulating.apply(x, w, host)
+    return mm
+
+
+_FUSED = "grad_accumulation_fused"
+"""Attribute of a module whose weights' GEMMs add into their main gradients."""
+
+
+def apply_grad_accumulation_fusion(model: Transformer) -> None:
+    """Route the weight gradients of the blocks' Linear layers, and of the routed experts where
+    ``accumulates_experts_in_gemm`` holds, into their main gradients inside the GEMMs. The
+    modules are flagged; ``mark_parameters`` marks their parameters once the model is
+    materialised (materialising replaces the parameter objects)."""
+    for block in model.layers.values():
+        for module in block.modules():
+            if isinstance(module, nn.Linear):
+                if module.bias is not None:
+                    raise ValueError(f"{type(module).__name__} with a bias: the runtime's "
+                                     "Linear layers have none")
+                module.forward = lambda x, m=module: linear_accumulating(m.weight, x)
+                setattr(module, _FUSED, True)
+            elif isinstance(module, GroupedExperts):
+                local_experts, local_ffn, _ = module.w1.shape
+                if accumulates_experts_in_gemm(True, local_experts, local_ffn):
+                    module.matmul = per_expert_accumulating
+                    setattr(module, _FUSED, True)
+
+
+def mark_parameters(model: nn.Module) -> None:
+    """Mark (``in_gemm``) the parameters of the modules ``apply_grad_accumulation_fusion``
+    routed, for the gradient sync to attach (data_parallel.attach_main_grads)."""
+    for module in model.modules():
+        if getattr(module, _FUSED, False):
+            for p in module.parameters(recurse=False):
+                setattr(p, IN_GEMM, True)
