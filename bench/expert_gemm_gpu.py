@@ -12,7 +12,9 @@ them (issue 11: the Mixtral-shape layer is 85% grouped GEMMs, level with torchti
 - ``grouped_accumulate``: ``grouped`` with each weight gradient then added into a main gradient
   (the runtime's accumulation without fusion);
 - ``per_expert_fn_accumulate``: ``per_expert_fn`` with the weight gradients accumulated into
-  the main gradients by the GEMMs themselves (``addmm_``: gradient-accumulation fusion).
+  the main gradients by the GEMMs themselves (``addmm_``: gradient-accumulation fusion);
+- ``runtime_accumulating``: the runtime's form of that (runtime.parallel.grad_accumulation):
+  grouped GEMMs forward and for the rows' gradient, per-expert accumulating weight gradients.
 
 Each is timed with the host ahead of the GPU (``_dist_bench.device_timed``), forward alone and
 forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. The routed rows
@@ -38,6 +40,7 @@ from _dist_bench import device_timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 
 from plans.io import write_atomic  # noqa: E402
+from runtime.parallel.grad_accumulation import per_expert_accumulating  # noqa: E402
 
 SHAPES = {
     # name: (experts, hidden, ffn_hidden, top_k), the models' published configurations
@@ -146,12 +149,21 @@ def variants(experts, hidden, ffn, device, dtype):
 
     grouped_accumulate.after_backward = add_into_main
 
+    for w, m in zip((w1, w3, w2), main, strict=True):
+        w.main_grad = m
+
+    def runtime_accumulating(x, offs, counts):
+        # what the runtime runs under gradient-accumulation fusion for few wide experts
+        mm = per_expert_accumulating(counts)
+        return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
+
     params = (w1, w3, w2, w1t, w3t, w2t, w13)
     return params, {
         "grouped": grouped, "grouped_in_out": grouped_in_out, "grouped_w13": grouped_w13,
         "per_expert": per_expert, "per_expert_w13": per_expert_w13,
         "per_expert_fn": per_expert_fn, "grouped_accumulate": grouped_accumulate,
-        "per_expert_fn_accumulate": per_expert_fn_accumulate}
+        "per_expert_fn_accumulate": per_expert_fn_accumulate,
+        "runtime_accumulating": runtime_accumulating}
 
 
 def main() -> None:

@@ -12,9 +12,9 @@ Applied as the last transform of the model (``apply_grad_accumulation_fusion``):
   chunked loss computes the head's weight gradient itself (runtime.loss) and the embedding's is
   a scatter, and a tied pair shares one weight;
 - the routed experts where ``plans.layout.accumulates_experts_in_gemm`` says so (few wide
-  experts per rank): one matmul per expert (the row counts read on the host once per call).
-  Many narrow experts stay on the grouped GEMM, whose gradient a separate pass adds
-  (``torch._grouped_mm`` has no accumulating form).
+  experts per rank): their weight gradients as one matmul per expert (the forward and the
+  rows' gradient stay grouped GEMMs). Many narrow experts keep autograd's grouped weight
+  gradient, which a separate pass adds (``torch._grouped_mm`` has no accumulating form).
 
 Such a GEMM's autograd function returns no gradient for its weight: its backward adds into
 ``main_grad`` and then calls ``grad_ready``, which runs the hooks the gradient sync put on the
@@ -31,7 +31,7 @@ from torch import nn
 
 from plans.layout import accumulates_experts_in_gemm
 from runtime.model import Transformer
-from runtime.moe import GroupedExperts
+from runtime.moe import GroupedExperts, grouped_mm
 
 IN_GEMM = "accumulates_in_gemm"
 """Attribute marking a parameter whose weight-gradient GEMM adds into its main gradient."""
@@ -111,46 +111,61 @@ def linear_accumulating(param: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
     return _LinearAccumulating.apply(x, param)
 
 
+class HostCounts:
+    """Rows per expert, copied to the host without waiting: on CUDA into pinned memory behind
+    an event, started in the forward and read in the backward, when the GPU has long passed
+    the copy (reading them in the forward made the host wait for the GPU at every MoE layer:
+    +36 ms on the eight-micro-batch Mixtral step, bench/results/h200/speed17)."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.device = counts
+        if counts.is_cuda:
+            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.host.copy_(counts, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = counts, None
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 class _ExpertsAccumulating(torch.autograd.Function):
-    """Rows grouped by expert times each expert's ``w[e]`` ([E, out, in]), one matmul per
-    expert written into its slice of one output; the backward adds each expert's ``g_e.T @
-    x_e`` into its slice of the main gradient."""
+    """Rows grouped by expert times each expert's ``w[e]`` ([E, out, in]) and the rows'
+    gradient as grouped GEMMs (runtime.moe.grouped_mm); the weight gradient as one matmul per
+    expert that adds ``g_e.T @ x_e`` into the expert's slice of the main gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: list[int]) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: HostCounts) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.counts, ctx.param = counts, weight
-        w = weight.detach()
-        out = x.new_empty(x.shape[0], w.shape[1])
-        start = 0
-        for e, c in enumerate(counts):
-            torch.mm(x[start:start + c], w[e].t(), out=out[start:start + c])
-            start += c
-        return out
+        return grouped_mm(x, weight.detach(), counts.device)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (x,), w = ctx.saved_tensors, ctx.param.detach()
-        gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        target = _main_grad(ctx.param) if ctx.needs_input_grad[1] else None
-        start = 0
-        for e, c in enumerate(ctx.counts):
-            if c:
-                ge = g[start:start + c]
-                if gx is not None:
-                    torch.mm(ge, w[e], out=gx[start:start + c])
-                if target is not None:
-                    _add_product(target[e], ge.t(), x[start:start + c])
-            start += c
-        if target is not None:
+        gx = None
+        if ctx.needs_input_grad[0]:  # g_e @ w[e]: the grouped product with w[e].T
+            gx = grouped_mm(g, w.transpose(-2, -1), ctx.counts.device)
+        if ctx.needs_input_grad[1]:
+            target = _main_grad(ctx.param)
+            start = 0
+            for e, c in enumerate(ctx.counts.tolist()):
+                if c:
+                    _add_product(target[e], g[start:start + c].t(), x[start:start + c])
+                start += c
             grad_ready(ctx.param)
         return gx, None, None
 
 
 def per_expert_accumulating(counts: torch.Tensor):
-    """``GroupedExperts.matmul``'s per-expert form: the counts read on the host once, each
-    weight's gradient added in the GEMMs."""
-    host = counts.tolist()
+    """``GroupedExperts.matmul``'s accumulating form: grouped GEMMs, and each weight's gradient
+    added into its main gradient by per-expert GEMMs (the counts reach the host in the
+    background, ``HostCounts``)."""
+    host = HostCounts(counts)
 
     def mm(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
         return _ExpertsAccumulating.apply(x, w, host)
