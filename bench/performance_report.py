@@ -51,6 +51,13 @@ STEPS = (
     ("1 GPU", "fused + fused AdamW, no host sync in the router, one input copy per step, mbs 8",
      "speed16/mixtral2l_1gpu_mbs8_fused"),
     ("pp2", "eager, mbs 1", "mixtral2l_pp2"),
+    # gradient-accumulation fusion, each beside its twin without it in the same campaign
+    ("1 GPU", "eager, mbs 1, accumulation pass (h200_gaf's twin)", "speed17/mixtral2l_1gpu"),
+    ("1 GPU", "eager, mbs 1, + gradient-accumulation fusion", "speed17/mixtral2l_1gpu_gaf"),
+    ("1 GPU", "fused + fused AdamW, mbs 8, accumulation pass (h200_gaf's twin)",
+     "speed17/mixtral2l_1gpu_mbs8_fused"),
+    ("1 GPU", "fused + fused AdamW, mbs 8, + gradient-accumulation fusion",
+     "speed17/mixtral2l_1gpu_mbs8_fused_gaf"),
 )
 LAYERS = ("speed16", "speed14")
 """The campaign folders of the MoE layer results, newest first (h200_speed16_1gpu: 1 GPU;
@@ -256,6 +263,46 @@ def copy_engine_table() -> list[str]:
     return lines
 
 
+EXPERT_GEMMS = (("mixtral-8x7b, 16k tokens", "speed17/expert_gemm_mixtral"),
+                ("mixtral-8x7b, 4,096 tokens", "speed17/expert_gemm_mixtral_4k"),
+                ("qwen3-30b-a3b, 16k tokens", "speed17/expert_gemm_qwen3"))
+
+
+def expert_gemm_table() -> list[str]:
+    docs = [(name, d) for name, stem in EXPERT_GEMMS if (d := _load(stem)) is not None]
+    variants = list(dict.fromkeys(v for _, d in docs for v in d["variants"]))
+    lines = ["| variant | " + " | ".join(n for n, _ in docs) + " |",
+             "|---|" + "---:|" * len(docs)]
+    for v in variants:
+        cells = [f"{d['variants'][v]['fwd_bwd_s'] * 1e3:.2f}" if v in d["variants"] else "-"
+                 for _, d in docs]
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
+    lines.append("| commit | " + " | ".join(d.get("commit", "?") for _, d in docs) + " |")
+    return lines
+
+
+def _qwen_per_expert() -> float:
+    v = _load("speed17/expert_gemm_qwen3")["variants"]
+    return v["per_expert_fn_accumulate"]["fwd_bwd_s"] / v["grouped_accumulate"]["fwd_bwd_s"]
+
+
+def fusion_text() -> str:
+    """The fused steps against their twins, and the first form (counts read in the forward)."""
+    def gain(folder: str, stem: str) -> tuple[float, float, float, str]:
+        a, b = _step(f"{folder}/{stem}"), _step(f"{folder}/{stem}_gaf")
+        return (a["step_time_s"] * 1e3, b["step_time_s"] * 1e3,
+                1 - b["step_time_s"] / a["step_time_s"], b.get("commit", "?"))
+    mbs1, mbs8 = gain("speed17", "mixtral2l_1gpu"), gain("speed17", "mixtral2l_1gpu_mbs8_fused")
+    first = gain("speed17/counts_in_forward", "mixtral2l_1gpu")
+    return (f"The train steps above (same launch): eight micro-batches {mbs1[0]:.1f} -> "
+            f"{mbs1[1]:.1f} ms ({mbs1[2]:.1%} faster), one micro-batch of the whole batch "
+            f"{mbs8[0]:.1f} -> {mbs8[1]:.1f} ms ({mbs8[2]:.1%}: one accumulation pass less). "
+            f"The first form ran the experts' forward per expert too and read the row counts "
+            f"on the host there: the host waited for the GPU at every MoE layer and the "
+            f"eight-micro-batch step went {first[0]:.1f} -> {first[1]:.1f} ms "
+            f"(`speed17/counts_in_forward/`, {first[3]}).")
+
+
 def render() -> str:
     return "\n".join([
         "# Runtime performance on H200",
@@ -376,9 +423,35 @@ def render() -> str:
         "- Intra-operator (tile-fused) overlap is not built: torch's symmetric-memory fused "
         "all-gather-matmul and matmul-reduce-scatter measured no gain on 2 H200s; "
         "`inter_intra_op` runs as `inter_op`.",
-        "- Gradient-accumulation fusion stays `runs_as false`: `torch._grouped_mm` cannot "
-        "accumulate into the main gradient; the whole-batch micro-batch (mbs 8 on 1 GPU, "
-        "mbs 4 on dp2) removes the accumulation passes instead.",
+        "- Weight layouts and fused w1|w3 for the expert GEMMs (next section): none beats "
+        "the grouped GEMM on the Linear-layout weights, so Mixtral's layer stays level with "
+        "torchtitan's.",
+        "",
+        "## Expert GEMMs and gradient-accumulation fusion",
+        "",
+        "`bench/expert_gemm_gpu.py` (campaigns `h200_gemm_mem`, `h200_gaf`; `speed17/`): the "
+        "three expert GEMMs of one MoE layer with SwiGLU between them, forward + backward, "
+        "timed with the host ahead of the GPU, ms. `grouped`: the runtime's "
+        "`torch._grouped_mm` on [E, out, in] weights; `grouped_in_out`: [E, in, out] weights; "
+        "`grouped_w13`: w1 and w3 as one weight; `per_expert`: one matmul per expert through "
+        "autograd (its `w[e]` select backward writes whole-weight zeros per expert); "
+        "`per_expert_fn`: one matmul per expert in one autograd function; "
+        "`grouped_accumulate`: `grouped` with each weight gradient then added into a main "
+        "gradient (the accumulation pass without fusion); `per_expert_fn_accumulate`: the "
+        "weight gradients added by the GEMMs themselves (`addmm_`, beta = 1); "
+        "`runtime_accumulating`: what the runtime runs under `grad_accumulation_fusion` for "
+        "few wide experts (`runtime.parallel.grad_accumulation`: grouped forward and rows' "
+        "gradient, accumulating per-expert weight gradients, the row counts copied to the host "
+        "in the background).",
+        "",
+        *expert_gemm_table(),
+        "",
+        "With gradient-accumulation fusion the blocks' Linear layers add their weight "
+        "gradients into the main gradients inside the GEMM, and so do the experts where "
+        "`plans.layout.accumulates_experts_in_gemm` holds (at most 16 experts per rank, each "
+        "at least 4,096 wide: Mixtral yes, Qwen3-30B-A3B's 128 of 768 no, where the "
+        f"accumulating per-expert GEMMs take {_qwen_per_expert():.1f}x the grouped GEMMs and "
+        "their accumulation pass). " + fusion_text(),
         "",
     ])
 
