@@ -32,7 +32,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from runtime.memory import GIB, allocator_breakdown, configure_allocator  # noqa: E402
+from runtime.memory import (  # noqa: E402
+    GIB,
+    allocator_breakdown,
+    configure_allocator,
+    memory_timeline,
+)
 
 configure_allocator()  # as the runtime's launch does (runtime.train), before CUDA allocates
 
@@ -63,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="JSON result (written by rank 0); with --plan")
     p.add_argument("--out-dir", type=Path, help="folder of the results; with --plans")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-timeline", action="store_true",
+                   help="one more unmeasured step with the allocator's history recorded: what "
+                   "is live when the reserved bytes peak (runtime.memory.memory_timeline)")
     args = p.parse_args(argv)
     if (args.plan is not None) != (args.out is not None) or (args.plans is None) != (
             args.out_dir is None):
@@ -124,7 +132,7 @@ def setup(plan_path: Path, share_gpu: bool = False):
 
 
 def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.device,
-            steps: int, warmup: int, seed: int) -> dict | None:
+            steps: int, warmup: int, seed: int, memory_history: bool = False) -> dict | None:
     """``warmup`` then ``steps`` measured steps of ``plan``; the result document on rank 0."""
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, seed)
@@ -158,11 +166,13 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
                 else peak)
     allocator = allocator_breakdown(device)
     syncs = host_syncs(trainer, warmup + steps, device)
-    per_rank: list = [(components, peak, reserved, skews, rows, allocator, syncs)]
+    timeline = (memory_timeline(lambda: trainer.train_step(warmup + steps + 1), device)
+                if memory_history else None)
+    per_rank: list = [(components, peak, reserved, skews, rows, allocator, timeline, syncs)]
     if world > 1:
         per_rank = [None] * world
-        dist.all_gather_object(per_rank,
-                               (components, peak, reserved, skews, rows, allocator, syncs))
+        dist.all_gather_object(per_rank, (components, peak, reserved, skews, rows, allocator,
+                                          timeline, syncs))
     trainer.close()  # its process groups: a launch measures several plans
     if rank != 0:
         return None
@@ -171,8 +181,9 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     flops = plan.model.flops_per_token(t.seq_len) * tokens
     peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
     keys = sorted({k for c, *_ in per_rank for k in c})
-    syncs_per_rank, allocator_per_rank = [r[-1] for r in per_rank], [r[-2] for r in per_rank]
-    per_rank = [r[:-2] for r in per_rank]
+    syncs_per_rank, timeline_per_rank = [r[-1] for r in per_rank], [r[-2] for r in per_rank]
+    allocator_per_rank = [r[-3] for r in per_rank]
+    per_rank = [r[:-3] for r in per_rank]
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
     # ranks, MoE layers and micro-batches
     all_skews = [s for _, _, _, rank_skews, _ in per_rank for s in rank_skews]
@@ -196,6 +207,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "peak_memory_gib_per_rank": [p for _, p, *_ in per_rank],
         "peak_reserved_gib_per_rank": [r for _, _, r, *_ in per_rank],
         "allocator_per_rank": allocator_per_rank,
+        **({"memory_timeline_per_rank": timeline_per_rank} if memory_history else {}),
         "components_s": {k: sum(c.get(k, 0.0) for c, *_ in per_rank) / world for k in keys},
         "components_s_per_rank": [c for c, *_ in per_rank],
         "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews) if all_skews else None),
@@ -296,7 +308,8 @@ def main(argv=None) -> int:
         rank, world, device = init()
     for plan, path, out in runs:
         try:
-            result = measure(plan, path, rank, world, device, args.steps, args.warmup, args.seed)
+            result = measure(plan, path, rank, world, device, args.steps, args.warmup, args.seed,
+                             args.memory_timeline)
         except torch.OutOfMemoryError as e:
             # every rank of a layout holds its share: they all stop here, and the next plan runs
             print(f"{path}: out of memory on rank {rank}: {str(e).splitlines()[0][:200]}",

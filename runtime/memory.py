@@ -9,6 +9,7 @@ allocator's reserved bytes at the step's peak); the runtime never prices a plan 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -146,3 +147,80 @@ def allocator_breakdown(device: torch.device) -> dict:
         "reserved_gib_by_stream": {("current" if int(k) == current else k): v / GIB
                                    for k, v in sorted(streams.items())},
     }
+
+
+def memory_timeline(run_step: Callable[[], object], device: torch.device, top: int = 12) -> dict:
+    """Run ``run_step`` (one training step) with the caching allocator's history recorded and
+    replay it: at the moment the reserved bytes peak, the allocated bytes, the active bytes
+    (allocated plus blocks freed but waiting for another stream's event), the reserved bytes of
+    each stream, and the live allocations grouped by the repository source line that made them
+    (the largest ``top`` groups), all in GiB. The history starts mid-run, so the replay starts
+    from the allocator's counters before the step. Empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    base_alloc = torch.cuda.memory_allocated(device)
+    base_streams: dict[int, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", device.index) == device.index:
+            base_streams[seg["stream"]] = base_streams.get(seg["stream"], 0) + seg["total_size"]
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=2_000_000)
+    try:
+        run_step()
+        torch.cuda.synchronize(device)
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    allocated = active = base_alloc
+    streams = dict(base_streams)
+    live: dict[int, tuple[int, str]] = {}  # blocks allocated during the step: size, source
+    pending: dict[int, int] = {}  # freed by their owner, waiting for another stream
+    best = (sum(streams.values()), allocated, active, dict(streams), dict(live))
+    for e in trace:
+        action, size, addr = e["action"], e["size"], e["addr"]
+        if action == "alloc":
+            allocated += size
+            active += size
+            live[addr] = (size, _source_of(e.get("frames", ())))
+        elif action == "free_requested":
+            allocated -= size
+            pending[addr] = size
+            live.pop(addr, None)
+        elif action == "free_completed":
+            active -= size
+            pending.pop(addr, None)
+        elif action in ("segment_alloc", "segment_map"):
+            streams[e["stream"]] = streams.get(e["stream"], 0) + size
+        elif action in ("segment_free", "segment_unmap"):
+            streams[e["stream"]] = streams.get(e["stream"], 0) - size
+        else:
+            continue
+        if sum(streams.values()) > best[0]:
+            best = (sum(streams.values()), allocated, active, dict(streams), dict(live))
+    reserved, allocated, active, streams, live = best
+    by_source: dict[str, int] = {}
+    for size, source in live.values():
+        by_source[source] = by_source.get(source, 0) + size
+    current = torch.cuda.current_stream(device).cuda_stream
+    return {
+        "reserved_peak_gib": reserved / GIB,
+        "allocated_at_peak_gib": allocated / GIB,
+        "active_at_peak_gib": active / GIB,
+        "reserved_at_peak_gib_by_stream": {("current" if s == current else str(s)): b / GIB
+                                           for s, b in sorted(streams.items())},
+        "step_allocations_live_at_peak_gib": sum(s for s, _ in live.values()) / GIB,
+        "live_at_peak_gib_by_source": {k: v / GIB for k, v in sorted(
+            by_source.items(), key=lambda kv: -kv[1])[:top]},
+    }
+
+
+def _source_of(frames) -> str:
+    """The innermost frame in this repository (``runtime/...:line``), else the innermost."""
+    for f in frames:
+        name = f.get("filename", "")
+        for root in ("runtime/", "bench/", "plans/"):
+            i = name.rfind("/" + root)
+            if i >= 0:
+                return f"{name[i + 1:]}:{f.get('line', 0)}"
+    return f"{frames[0].get('filename', '?')}:{frames[0].get('line', 0)}" if frames else "?"
