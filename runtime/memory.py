@@ -154,11 +154,16 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
     replay it: at the moment the reserved bytes peak, the allocated bytes, the active bytes
     (allocated plus blocks freed but waiting for another stream's event), the reserved bytes of
     each stream, and the live allocations grouped by the repository source line that made them
-    (the largest ``top`` groups), all in GiB. The history starts mid-run, so the replay starts
-    from the allocator's counters before the step. Empty off CUDA."""
+    (the largest ``top`` groups), all in GiB; and the step's allocated peak. The free pages are
+    released first (``empty_cache``), so the step maps what it needs anew and the replay, which
+    starts from the allocator's counters before the step, sees the reserved peak form. Empty
+    off CUDA."""
     if device.type != "cuda":
         return {}
     torch.cuda.synchronize(device)
+    # expandable segments keep their pages mapped: release the free ones, so the step maps
+    # (and the history records) every page its peak needs
+    torch.cuda.empty_cache()
     base_alloc = torch.cuda.memory_allocated(device)
     base_streams: dict[int, int] = {}
     for seg in torch.cuda.memory_snapshot():
@@ -177,6 +182,7 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
     live: dict[int, tuple[int, str]] = {}  # blocks allocated during the step: size, source
     pending: dict[int, int] = {}  # freed by their owner, waiting for another stream
     best = (sum(streams.values()), allocated, active, dict(streams), dict(live))
+    peak_allocated = allocated
     for e in trace:
         action, size, addr = e["action"], e["size"], e["addr"]
         if action == "alloc":
@@ -196,8 +202,10 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
             streams[e["stream"]] = streams.get(e["stream"], 0) - size
         else:
             continue
+        peak_allocated = max(peak_allocated, allocated)
         if sum(streams.values()) > best[0]:
             best = (sum(streams.values()), allocated, active, dict(streams), dict(live))
+    peak_allocated = allocated
     reserved, allocated, active, streams, live = best
     by_source: dict[str, int] = {}
     for size, source in live.values():
@@ -205,6 +213,7 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
     current = torch.cuda.current_stream(device).cuda_stream
     return {
         "reserved_peak_gib": reserved / GIB,
+        "allocated_peak_gib": peak_allocated / GIB,
         "allocated_at_peak_gib": allocated / GIB,
         "active_at_peak_gib": active / GIB,
         "reserved_at_peak_gib_by_stream": {("current" if s == current else str(s)): b / GIB
