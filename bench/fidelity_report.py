@@ -302,14 +302,28 @@ priced; fused regions have no fixed time of their own (`fused_elementwise` keeps
 device rate); the suite's worst plan is the overlapped Qwen3 layer with the all-gather
 dispatcher (its chunks cost more than they hide, measured 343.8 ms against 300.5 serial; the
 model adds the second chunk's expert weight-gradient accumulation, +8 ms, and still predicts
-it 10.0% fast), and selective recomputation of Qwen3 on one GPU (-9.5%). Peak memory misses
-on two plans with a second stream: the overlapped Mixtral layer (-7.5%) and Mixtral's PP (-6.2%,
-first stage). Their allocated peaks are predicted (30.2 GiB both, as measured); the caching
-allocator's reserve over it is 2.5-2.7 GiB there against 0.9-1.6 GiB in the single-stream plans,
-and was 0.4 GiB on the PP plan's first stage before the router's host sync was removed: blocks
-another stream still reads are not reused until it catches up, and a host that runs further
-ahead leaves more of them pending. The memory model's reserve (3% of the transients) does not
-see it.
+it 10.0% fast), and selective recomputation of Qwen3 on one GPU, the suite's worst since its
+re-measurement at 642dfa0 (-10.3%; four launches of the plan measured 454.4-463.0 ms, so it sits
+on the 10% line). Its profiled step (`speed17/memory/profile_qwen4l_1gpu_mbs4_sel.json`) has
+296 ms of memory-bound kernels (elementwise 141, index/sort/softmax 79, copies and casts 74)
+where the model prices about 217, and GEMMs (92.5 against 103.7 ms) and FlashAttention (35.8
+against 48.1) faster than priced: the eager memory-bound work of 128 experts at top-8 is what
+the Mixtral-fitted factor misses. Pricing Qwen3's per-head q and k norms at the eager norms' rate
+(two RMSNorms over q and k) was tried and not kept: it moves Qwen3's mbs-1 plan from +2.7% to
++9.3% and its dp2 x ep2 plan to +10.4%, because that rate already over-prices the eager norm.
+Peak memory misses on two plans with a second stream: the overlapped Mixtral layer (-7.5%) and
+Mixtral's PP (-6.2%, first stage). Their allocated peaks are predicted (30.2 GiB both, as
+measured); the caching allocator's reserve over it is 2.5-2.7 GiB there against 0.9-1.6 GiB in
+the single-stream plans, and was 0.4 GiB on the PP plan's first stage before the router's host
+sync was removed. Where a reserve comes from was measured on one GPU by replaying the
+allocator's history of a step (`bench/train_step.py --memory-timeline`, `speed17/memory/`): the
+single-stream plans' reserve is fragmentation inside the one expandable segment, no pending
+cross-stream frees (active = allocated) and no second stream's segment; Qwen3's mbs-4 plan maps
+its last pages (94.4 GiB) at a moment when 61.0 GiB is allocated (a 3 GiB grouped-GEMM output
+finds no hole), Mixtral's mbs-1 plan at its optimizer step (the fp32 copies of the main
+gradients). The two-stream plans need the same replay on two GPUs (campaign `h200_memory_x2`),
+which no lent machine has run yet. The memory model's reserve (3% of the transients and 22% of
+the loss) does not see either.
 """
 
 

@@ -205,7 +205,6 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
         peak_allocated = max(peak_allocated, allocated)
         if sum(streams.values()) > best[0]:
             best = (sum(streams.values()), allocated, active, dict(streams), dict(live))
-    peak_allocated = allocated
     reserved, allocated, active, streams, live = best
     by_source: dict[str, int] = {}
     for size, source in live.values():
