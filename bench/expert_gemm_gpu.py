@@ -21,7 +21,7 @@ forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. 
 per expert are drawn from a top-k router over random logits (a mildly uneven load). SwiGLU runs
 eagerly in every variant alike; it is not what is compared.
 
-    python bench/expert_gemm_gpu.py --shape mixtral-8x7b|qwen3-30b-a3b --out RESULT.json
+    python bench/expert_gemm_gpu.py --shape mixtral-8x7b|qwen3-30b-a3b|deepseekmoe-16b --out RESULT.json
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ SHAPES = {
     # name: (experts, hidden, ffn_hidden, top_k), the models' published configurations
     "mixtral-8x7b": (8, 4096, 14336, 2),
     "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "deepseekmoe-16b": (64, 2048, 1408, 6),
 }
 
 

@@ -265,7 +265,8 @@ def copy_engine_table() -> list[str]:
 
 EXPERT_GEMMS = (("mixtral-8x7b, 16k tokens", "speed17/expert_gemm_mixtral"),
                 ("mixtral-8x7b, 4,096 tokens", "speed17/expert_gemm_mixtral_4k"),
-                ("qwen3-30b-a3b, 16k tokens", "speed17/expert_gemm_qwen3"))
+                ("qwen3-30b-a3b, 16k tokens", "speed17/expert_gemm_qwen3"),
+                ("deepseekmoe-16b, 16k tokens", "speed17/expert_gemm_deepseekmoe"))
 
 
 def expert_gemm_table() -> list[str]:
