@@ -32,6 +32,7 @@ from torch import nn
 from plans.layout import accumulates_experts_in_gemm
 from runtime.model import Transformer
 from runtime.moe import GroupedExperts, grouped_mm
+from runtime.parallel.expert import start_host_copy
 
 IN_GEMM = "accumulates_in_gemm"
 """Attribute marking a parameter whose weight-gradient GEMM adds into its main gradient."""
@@ -112,25 +113,21 @@ def linear_accumulating(param: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
 
 
 class HostCounts:
-    """Rows per expert, copied to the host without waiting: on CUDA into pinned memory behind
-    an event, started in the forward and read in the backward, when the GPU has long passed
-    the copy (reading them in the forward made the host wait for the GPU at every MoE layer:
-    +36 ms on the eight-micro-batch Mixtral step, bench/results/h200/speed17)."""
+    """Rows per expert, copied to the host without waiting (``expert.start_host_copy``: pinned
+    memory behind an event), started in the forward and read once in the backward, when the
+    GPU has long passed the copy. Reading them in the forward made the host wait for the GPU at
+    every MoE layer: +36 ms on the eight-micro-batch Mixtral step
+    (bench/results/h200/speed17/counts_in_forward)."""
 
     def __init__(self, counts: torch.Tensor):
         self.device = counts
-        if counts.is_cuda:
-            self.host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.host.copy_(counts, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.host, self.ready = counts, None
+        self._read = start_host_copy(counts)
+        self._host: list[int] | None = None
 
     def tolist(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
+        if self._host is None:
+            self._host = self._read()
+        return self._host
 
 
 class _ExpertsAccumulating(torch.autograd.Function):
