@@ -321,9 +321,11 @@ single-stream plans' reserve is fragmentation inside the one expandable segment,
 cross-stream frees (active = allocated) and no second stream's segment; Qwen3's mbs-4 plan maps
 its last pages (94.4 GiB) at a moment when 61.0 GiB is allocated (a 3 GiB grouped-GEMM output
 finds no hole), Mixtral's mbs-1 plan at its optimizer step (the fp32 copies of the main
-gradients). The two-stream plans need the same replay on two GPUs (campaign `h200_memory_x2`),
-which no lent machine has run yet. The memory model's reserve (3% of the transients and 22% of
-the loss) does not see either.
+gradients). Capped at its prediction, a plan trains when the prediction covers its allocated
+peak (table above: Mixtral's mbs-1 plan fits 1.9% under its uncapped reserved peak). The
+two-stream plans need the same replay and the capped run on two GPUs (campaigns
+`h200_memory_x2`, `h200_memory_cap_x2`), which no lent machine has run yet. The memory model's
+reserve (3% of the transients and 22% of the loss) does not see the uncapped fragments.
 """
 
 
