@@ -5,7 +5,8 @@ it. Megatron-LM's ``gradient_accumulation_fusion`` (its ``fused_weight_gradient_
 here ``addmm`` into ``param.main_grad`` (data_parallel.attach_main_grads), with ``out_dtype``
 when the main gradient is fp32 and the GEMM's operands bf16.
 
-Applied as the last transform of the model (``apply_grad_accumulation_fusion``):
+Applied as a transform of the model after the parallel ones (``apply_grad_accumulation_fusion``,
+runtime.parallel.parallelize):
 
 - every ``nn.Linear`` of the transformer blocks (the attention projections, the router's gate,
   dense and shared-expert FFNs). The LM head and the embedding keep autograd's gradient: the
