@@ -21,7 +21,7 @@ forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. 
 per expert are drawn from a top-k router over random logits (a mildly uneven load). SwiGLU runs
 eagerly in every variant alike; it is not what is compared.
 
-    python bench/expert_gemm_gpu.py --shape mixtral-8x7b|qwen3-30b-a3b|deepseekmoe-16b --out RESULT.json
+    python bench/expert_gemm_gpu.py --shape SHAPE --out RESULT.json    (SHAPE: see SHAPES)
 """
 
 from __future__ import annotations
