@@ -306,10 +306,11 @@ it 10.0% fast), and selective recomputation of Qwen3 on one GPU (-8.6% on its me
 launches at b5245db; a single launch at 642dfa0 read -10.3%, and the plan measured 453.0-463.0
 ms over six launches since 2026-12-01: the 1-GPU plans are now priced on three launches of one
 commit, as the 2-GPU plans are). Its profiled step
-(`speed17/memory/profile_qwen4l_1gpu_mbs4_sel.json`) has 296 ms of memory-bound kernels (elementwise 141, index/sort/softmax 79, copies and casts 74)
-where the model prices about 217, and GEMMs (92.5 against 103.7 ms) and FlashAttention (35.8
-against 48.1) faster than priced: the eager memory-bound work of 128 experts at top-8 is what
-the Mixtral-fitted factor misses. Pricing Qwen3's per-head q and k norms at the eager norms' rate
+(`speed17/memory/profile_qwen4l_1gpu_mbs4_sel.json`) has 296 ms of memory-bound kernels
+(elementwise 141, index/sort/softmax 79, copies and casts 74) where the model prices about 217,
+and GEMMs (92.5 against 103.7 ms) and FlashAttention (35.8 against 48.1) faster than priced: the
+eager memory-bound work of 128 experts at top-8 is what the Mixtral-fitted factor misses.
+Pricing Qwen3's per-head q and k norms at the eager norms' rate
 (two RMSNorms over q and k) was tried and not kept: it moves Qwen3's mbs-1 plan from +2.7% to
 +9.3% and its dp2 x ep2 plan to +10.4%, because that rate already over-prices the eager norm.
 Peak memory misses on two plans with a second stream: the overlapped Mixtral layer (-7.5%) and
