@@ -52,9 +52,9 @@ STEPS = (
      "speed16/mixtral2l_1gpu_mbs8_fused"),
     ("pp2", "eager, mbs 1", "mixtral2l_pp2"),
     # gradient-accumulation fusion, each beside its twin without it in the same campaign
-    ("1 GPU", "eager, mbs 1, accumulation pass (h200_gaf's twin)", "speed17/mixtral2l_1gpu"),
+    ("1 GPU", "eager, mbs 1, accumulation pass (the twin)", "speed17/mixtral2l_1gpu"),
     ("1 GPU", "eager, mbs 1, + gradient-accumulation fusion", "speed17/mixtral2l_1gpu_gaf"),
-    ("1 GPU", "fused + fused AdamW, mbs 8, accumulation pass (h200_gaf's twin)",
+    ("1 GPU", "fused + fused AdamW, mbs 8, accumulation pass (the twin)",
      "speed17/mixtral2l_1gpu_mbs8_fused"),
     ("1 GPU", "fused + fused AdamW, mbs 8, + gradient-accumulation fusion",
      "speed17/mixtral2l_1gpu_mbs8_fused_gaf"),
@@ -295,7 +295,8 @@ def fusion_text() -> str:
                 1 - b["step_time_s"] / a["step_time_s"], b.get("commit", "?"))
     mbs1, mbs8 = gain("speed17", "mixtral2l_1gpu"), gain("speed17", "mixtral2l_1gpu_mbs8_fused")
     first = gain("speed17/counts_in_forward", "mixtral2l_1gpu")
-    return (f"The train steps above (same launch): eight micro-batches {mbs1[0]:.1f} -> "
+    return (f"The train steps above (one device call, each plan in its own launch; campaign "
+            f"`h200_gaf_steps`): eight micro-batches {mbs1[0]:.1f} -> "
             f"{mbs1[1]:.1f} ms ({mbs1[2]:.1%} faster), one micro-batch of the whole batch "
             f"{mbs8[0]:.1f} -> {mbs8[1]:.1f} ms ({mbs8[2]:.1%}: one accumulation pass less). "
             f"The first form ran the experts' forward per expert too and read the row counts "
