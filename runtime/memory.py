@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -177,10 +178,20 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
         trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+    return replay_history(trace, base_alloc, base_streams,
+                          torch.cuda.current_stream(device).cuda_stream, top)
+
+
+def replay_history(trace: list[dict], base_alloc: int, base_streams: dict[int, int],
+                   current: int, top: int = 12) -> dict:
+    """``memory_timeline``'s replay of an allocator history (``torch.cuda.memory._snapshot()``'s
+    device trace: alloc, free_requested, free_completed, segment_alloc / segment_map,
+    segment_free / segment_unmap) from ``base_alloc`` allocated bytes and ``base_streams``
+    reserved bytes per stream; ``current`` names the training stream. The state kept is the one
+    at the first moment the reserved bytes reach their maximum."""
     allocated = active = base_alloc
     streams = dict(base_streams)
     live: dict[int, tuple[int, str]] = {}  # blocks allocated during the step: size, source
-    pending: dict[int, int] = {}  # freed by their owner, waiting for another stream
     best = (sum(streams.values()), allocated, active, dict(streams), dict(live))
     peak_allocated = allocated
     for e in trace:
@@ -189,13 +200,11 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
             allocated += size
             active += size
             live[addr] = (size, _source_of(e.get("frames", ())))
-        elif action == "free_requested":
+        elif action == "free_requested":  # the owner let go; another stream may still read it
             allocated -= size
-            pending[addr] = size
             live.pop(addr, None)
         elif action == "free_completed":
             active -= size
-            pending.pop(addr, None)
         elif action in ("segment_alloc", "segment_map"):
             streams[e["stream"]] = streams.get(e["stream"], 0) + size
         elif action in ("segment_free", "segment_unmap"):
@@ -209,7 +218,6 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
     by_source: dict[str, int] = {}
     for size, source in live.values():
         by_source[source] = by_source.get(source, 0) + size
-    current = torch.cuda.current_stream(device).cuda_stream
     return {
         "reserved_peak_gib": reserved / GIB,
         "allocated_peak_gib": peak_allocated / GIB,
@@ -223,12 +231,16 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
     }
 
 
-def _source_of(frames) -> str:
-    """The innermost frame in this repository (``runtime/...:line``), else the innermost."""
+REPOSITORY = Path(__file__).resolve().parent.parent
+"""The checkout this runtime runs from: allocations are attributed to its source lines."""
+
+
+def _source_of(frames, root: Path = REPOSITORY) -> str:
+    """The innermost frame in the repository at ``root`` (``runtime/moe.py:181``), else the
+    innermost frame."""
+    prefix = f"{root}/"
     for f in frames:
         name = f.get("filename", "")
-        for root in ("runtime/", "bench/", "plans/"):
-            i = name.rfind("/" + root)
-            if i >= 0:
-                return f"{name[i + 1:]}:{f.get('line', 0)}"
+        if name.startswith(prefix):
+            return f"{name[len(prefix):]}:{f.get('line', 0)}"
     return f"{frames[0].get('filename', '?')}:{frames[0].get('line', 0)}" if frames else "?"
