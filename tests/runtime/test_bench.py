@@ -119,3 +119,19 @@ def test_train_step_measures_several_plans_in_one_launch(tmp_path):
         res = json.loads((out / f"train_step_{name}.json").read_text())
         assert res["plan_summary"] == names[name].summary() and res["world"] == 2
         assert res["measured_steps"] == 1 and res["step_time_s"] > 0
+
+
+def test_memory_cap_needs_a_gpu_and_says_so_in_one_line(tmp_path):
+    """bench/memory_cap.py caps a CUDA allocator: on CPU it stops before any work, exit 2."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the script would run for real")
+    out = tmp_path / "cap.json"
+    r = subprocess.run([sys.executable, "bench/memory_cap.py", "--plan",
+                        "bench/gpu_plans/fidelity/mixtral2l_1gpu_mbs1.json", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "error: memory_cap.py caps a CUDA device's allocator; no GPU here"]
+    assert not out.exists()
