@@ -319,7 +319,9 @@ def render() -> str:
         "`h200_speed13` (the fused AdamW step: `kernels: fused` with AdamW updates master, "
         "moments and bf16 weights in one compiled pass reading the bf16 gradient), `h200_speed14` "
         "(the fused set with the router eager and the permutation by gathers; the MoE layer "
-        "against torchtitan at 1 GPU and EP = 2, traced).",
+        "against torchtitan at 1 GPU and EP = 2, traced), `h200_gaf_steps` (the 1-GPU steps with "
+        "and without gradient-accumulation fusion), `h200_gemm_mem` and `h200_gemm_rule` (the "
+        "expert GEMM variants).",
         "",
         "## Training steps",
         "",
