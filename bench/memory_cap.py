@@ -102,8 +102,8 @@ def main(argv=None) -> int:
         a.out.write_text(json.dumps(doc, indent=2) + "\n")
         worst = max(r["reserved_peak_gib"] for r in per_rank)
         retries = max(r["alloc_retries"] for r in per_rank)
-        print(f"{plan.summary()}: fits under {cap / GIB:.2f} GiB (reserved peak {worst:.2f}, "
-              f"{retries} allocation retries)", flush=True)
+        print(f"{plan.summary()}\n  fits under {cap / GIB:.2f} GiB: reserved peak "
+              f"{worst:.2f} GiB, {retries} allocation retries", flush=True)
     return 0
 
 

@@ -168,11 +168,11 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     syncs = host_syncs(trainer, warmup + steps, device)
     timeline = (memory_timeline(lambda: trainer.train_step(warmup + steps + 1), device)
                 if memory_history else None)
-    per_rank: list = [(components, peak, reserved, skews, rows, allocator, timeline, syncs)]
+    extra = {"allocator": allocator, "memory_timeline": timeline, "host_syncs": syncs}
+    gathered: list = [((components, peak, reserved, skews, rows), extra)]
     if world > 1:
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, (components, peak, reserved, skews, rows, allocator,
-                                          timeline, syncs))
+        gathered = [None] * world
+        dist.all_gather_object(gathered, ((components, peak, reserved, skews, rows), extra))
     trainer.close()  # its process groups: a launch measures several plans
     if rank != 0:
         return None
@@ -180,10 +180,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     tokens = t.tokens_per_step
     flops = plan.model.flops_per_token(t.seq_len) * tokens
     peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
+    per_rank, extras = [m for m, _ in gathered], [e for _, e in gathered]
     keys = sorted({k for c, *_ in per_rank for k in c})
-    syncs_per_rank, timeline_per_rank = [r[-1] for r in per_rank], [r[-2] for r in per_rank]
-    allocator_per_rank = [r[-3] for r in per_rank]
-    per_rank = [r[:-3] for r in per_rank]
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
     # ranks, MoE layers and micro-batches
     all_skews = [s for _, _, _, rank_skews, _ in per_rank for s in rank_skews]
@@ -206,8 +204,9 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "losses": losses,
         "peak_memory_gib_per_rank": [p for _, p, *_ in per_rank],
         "peak_reserved_gib_per_rank": [r for _, _, r, *_ in per_rank],
-        "allocator_per_rank": allocator_per_rank,
-        **({"memory_timeline_per_rank": timeline_per_rank} if memory_history else {}),
+        "allocator_per_rank": [e["allocator"] for e in extras],
+        **({"memory_timeline_per_rank": [e["memory_timeline"] for e in extras]}
+           if memory_history else {}),
         "components_s": {k: sum(c.get(k, 0.0) for c, *_ in per_rank) / world for k in keys},
         "components_s_per_rank": [c for c, *_ in per_rank],
         "routing_skew": (sum(s for s, _ in all_skews) / len(all_skews) if all_skews else None),
@@ -217,7 +216,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "ep_rank_load_step": ep_rank_load(plan, [None if r is None else [sum(r)]
                                                  for r in rows_per_rank]),
         "ep_rank_load_layer": ep_rank_load(plan, rows_per_rank),
-        "host_syncs_per_rank": syncs_per_rank,
+        "host_syncs_per_rank": [e["host_syncs"] for e in extras],
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "deviations": record(plan, backend_of(device)),
     }

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 import cost_models
 from cost_models import comm
@@ -80,6 +80,7 @@ from plans.results import (
     TrainStepResult,
     read,
     read_log,
+    recorded_deviations,
 )
 
 GIB = 2**30
@@ -138,7 +139,7 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
 def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[str, float]:
     """gemm, grouped_gemm and attention from the profiled step's kernel classes, then
     elementwise from what is left of its wall time."""
-    executed = executed_as_measured(on(plan, base), _recorded(profile))
+    executed = executed_as_measured(on(plan, base), recorded_deviations(profile))
     meas, pred = measured_classes(profile), predicted_classes(executed)
     factors = {k: min(1.0, getattr(base.efficiency, k) * pred[k] / meas[k])
                for k in COMPUTE_FACTORS if meas[k] > 0 and pred[k] > 0}
@@ -375,7 +376,7 @@ def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) 
     if plan.degrees.world != 1:
         raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
                         f"communication); this one runs on {plan.degrees.world} GPUs")
-    plan = executed_as_measured(on(plan, cluster), _recorded(profile))
+    plan = executed_as_measured(on(plan, cluster), recorded_deviations(profile))
 
     name = residual_factor(plan)
 
@@ -463,11 +464,6 @@ class Measured:
     did not record them."""
 
 
-def _recorded(result: BaseModel) -> list[dict] | None:
-    """The deviations a result recorded (plans.execution.record), None where it has none."""
-    return (result.model_extra or {}).get("deviations")
-
-
 def measured_run(path: Path, skip: int = 2) -> Measured:
     """A bench/train_step.py result (.json) or the runtime's per-step log (.jsonl, the first
     ``skip`` steps left out, medians of the rest)."""
@@ -476,7 +472,7 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
         return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
-                        r.routing_skew, _recorded(r))
+                        r.routing_skew, recorded_deviations(r))
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
@@ -489,7 +485,7 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
                     statistics.median(s.mfu for s in steady),
                     max(s.peak_memory_gib for s in steps),
                     {k: statistics.median(v) for k, v in components.items()}, len(steady), None,
-                    deviations=_recorded(steps[0]))
+                    deviations=recorded_deviations(steps[0]))
 
 
 def runs_with_plans(runs: Path, plans: Path) -> list[tuple[Path, Path]]:

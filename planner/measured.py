@@ -18,7 +18,7 @@ from cost_models import Evaluation, evaluate
 from cost_models.components import LAYER_COMPONENTS, STEP_COMPONENTS, predicted_components
 from plans import Plan, SpecError
 from plans.execution import Deviation, executed_as_measured, measured_deviations
-from plans.results import TrainStepResult, read
+from plans.results import TrainStepResult, read, recorded_deviations
 
 COMPONENT_ORDER = (*(k for c in LAYER_COMPONENTS for k in (c, f"{c}_bwd")), *STEP_COMPONENTS)
 """Rows in the order a step runs: the layers' regions, then the step's."""
@@ -111,7 +111,7 @@ def compare(plan: Plan, path: Path) -> Comparison:
     """Read ``path`` (a bench/train_step.py result of ``plan``) and price its components."""
     r = read(TrainStepResult, path, "--measured")
     check_pairing(plan, r, path)
-    recorded = (r.model_extra or {}).get("deviations")
+    recorded = recorded_deviations(r)
     ran = executed_as_measured(plan, recorded)
     e = evaluate(ran)
     predicted = predicted_components(ran, e)

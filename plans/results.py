@@ -324,3 +324,10 @@ def read_log(path: Path, what: str) -> list[LogStep]:
     """The runtime's JSON-lines log, one LogStep per line."""
     lines = [ln for ln in _text(path, what).splitlines() if ln.strip()]
     return [parse(LogStep, ln, what, path) for ln in lines]
+
+
+def recorded_deviations(result: BaseModel) -> list[dict] | None:
+    """The plan fields a measured run executed differently, as the result recorded them
+    (plans.execution.record); None where it recorded none (plans.execution.executed_as_measured
+    reads that as a result from before the record)."""
+    return (result.model_extra or {}).get("deviations")

@@ -134,20 +134,27 @@ def allocator_breakdown(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
     s = torch.cuda.memory_stats(device)
-    streams: dict[str, int] = {}
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", device.index) != device.index:
-            continue
-        key = str(seg.get("stream", 0))
-        streams[key] = streams.get(key, 0) + seg["total_size"]
-    current = torch.cuda.current_stream(device).cuda_stream
     return {
         **{f"{k}_peak_gib": s.get(f"{k}_bytes.all.peak", 0) / GIB
            for k in ("allocated", "active", "requested", "reserved", "inactive_split")},
         "alloc_retries": s.get("num_alloc_retries", 0),
-        "reserved_gib_by_stream": {("current" if int(k) == current else k): v / GIB
-                                   for k, v in sorted(streams.items())},
+        "reserved_gib_by_stream": _gib_by_stream(
+            _reserved_by_stream(device), torch.cuda.current_stream(device).cuda_stream),
     }
+
+
+def _reserved_by_stream(device: torch.device) -> dict[int, int]:
+    """Bytes of the caching allocator's segments on ``device``, per CUDA stream."""
+    out: dict[int, int] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", device.index) == device.index:
+            out[seg["stream"]] = out.get(seg["stream"], 0) + seg["total_size"]
+    return out
+
+
+def _gib_by_stream(streams: dict[int, int], current: int) -> dict[str, float]:
+    """GiB per stream, the training stream named ``current``."""
+    return {("current" if s == current else str(s)): b / GIB for s, b in sorted(streams.items())}
 
 
 def memory_timeline(run_step: Callable[[], object], device: torch.device, top: int = 12) -> dict:
@@ -166,10 +173,7 @@ def memory_timeline(run_step: Callable[[], object], device: torch.device, top: i
     # (and the history records) every page its peak needs
     torch.cuda.empty_cache()
     base_alloc = torch.cuda.memory_allocated(device)
-    base_streams: dict[int, int] = {}
-    for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", device.index) == device.index:
-            base_streams[seg["stream"]] = base_streams.get(seg["stream"], 0) + seg["total_size"]
+    base_streams = _reserved_by_stream(device)
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                              max_entries=2_000_000)
     try:
@@ -223,8 +227,7 @@ def replay_history(trace: list[dict], base_alloc: int, base_streams: dict[int, i
         "allocated_peak_gib": peak_allocated / GIB,
         "allocated_at_peak_gib": allocated / GIB,
         "active_at_peak_gib": active / GIB,
-        "reserved_at_peak_gib_by_stream": {("current" if s == current else str(s)): b / GIB
-                                           for s, b in sorted(streams.items())},
+        "reserved_at_peak_gib_by_stream": _gib_by_stream(streams, current),
         "step_allocations_live_at_peak_gib": sum(s for s, _ in live.values()) / GIB,
         "live_at_peak_gib_by_source": {k: v / GIB for k, v in sorted(
             by_source.items(), key=lambda kv: -kv[1])[:top]},
