@@ -137,13 +137,20 @@ class Script(_Step):
     """The file (under the campaign's results folder) the script writes."""
     needs: list[str] = []
     """Results files that must exist first; the step is skipped otherwise."""
+    share_gpu: bool = False
+    """Every rank on the one GPU (the script's ``--share-gpu``, which it is given): memory and
+    numerics, never speed."""
 
     def ranks(self) -> int:
         return self.ranks_
 
+    def gpus_needed(self) -> int:
+        return 1 if self.share_gpu else self.ranks_
+
     def command(self, results: Path) -> list[str]:
         args = [a.replace("{results}", str(results)) for a in self.args]
-        return [*_launcher(self.ranks_), self.script, *args]
+        return [*_launcher(self.ranks_), self.script, *args,
+                *(["--share-gpu"] if self.share_gpu else [])]
 
 
 def _launcher(ranks: int, force_torchrun: bool = False) -> list[str]:

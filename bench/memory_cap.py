@@ -49,8 +49,11 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=1.0,
                    help="cap at this multiple of the predicted peak (below 1: a control that "
                    "must run out of memory when the allocated peak is above the cap)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="ranks share the visible GPUs over gloo, each capped at the prediction "
+                   "(more ranks than GPUs; the step times are then not the layout's)")
     a = p.parse_args(argv)
-    plan, rank, world, device = setup(a.plan)
+    plan, rank, world, device = setup(a.plan, a.share_gpu)
     if device.type != "cuda":
         print("error: memory_cap.py caps a CUDA device's allocator; no GPU here",
               file=sys.stderr)
@@ -95,7 +98,9 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
     if rank == 0:
         doc = {**metadata(), "plan": str(a.plan), "plan_summary": plan.summary(),
-               "world": world, "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB,
+               "world": world, "backend": dist.get_backend() if world > 1 else "none",
+               "ranks_per_gpu": -(-world // torch.cuda.device_count()),
+               "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB,
                "scale": a.scale, "fits": True,
                "deviations": record(plan, backend_of(device)), "per_rank": per_rank}
         a.out.parent.mkdir(parents=True, exist_ok=True)

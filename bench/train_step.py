@@ -71,7 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-timeline", action="store_true",
                    help="one more unmeasured step with the allocator's history recorded: what "
                    "is live when the reserved bytes peak (runtime.memory.memory_timeline)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="ranks share the visible GPUs over gloo (more ranks than GPUs): each "
+                   "rank's memory, never the layout's speed; with --plan")
     args = p.parse_args(argv)
+    if args.share_gpu and args.plan is None:
+        p.error("--share-gpu goes with --plan")
     if (args.plan is not None) != (args.out is not None) or (args.plans is None) != (
             args.out_dir is None):
         p.error("--plan goes with --out, --plans with --out-dir")
@@ -190,6 +195,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         **metadata(),
         "world": world,
         "backend": dist.get_backend() if world > 1 else "none",
+        # above 1 (--share-gpu): the ranks' memory is theirs, their times are not the layout's
+        "ranks_per_gpu": -(-world // torch.cuda.device_count()) if device.type == "cuda" else 1,
         "plan": str(plan_path),
         "plan_summary": plan.summary(),
         "optimizer_sharding": plan.optimizer_sharding.value,
@@ -283,7 +290,7 @@ def main(argv=None) -> int:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.plan is not None:
-        plan, rank, world, device = setup(args.plan)
+        plan, rank, world, device = setup(args.plan, args.share_gpu)
         runs = [(plan, args.plan, args.out)]
     else:
         world = int(os.environ.get("WORLD_SIZE", 1))

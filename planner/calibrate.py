@@ -73,6 +73,7 @@ from plans import (
 from plans.errors import describe
 from plans.execution import executed_as_measured, measured_deviations
 from plans.results import (
+    OverlapBench,
     ProfileResult,
     Sweep,
     SweepOp,
@@ -363,6 +364,17 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
     return factors
 
 
+def fit_overlap(bench: OverlapBench) -> float:
+    """efficiency.overlap from NCCL beside the expert GEMMs (bench/copy_engine_gpu.py): the
+    share of the collectives' time that running beside the GEMMs saved, pooled over the
+    shapes, sum(compute + nccl - beside) / sum(nccl), within [0, 1]. Below 0 (together slower
+    than one after the other: the collective's SMs and memory traffic slow the GEMMs) nothing
+    was hidden, and the cost model's inter-operator schedule then prices its chunked layer run
+    serially (cost_models.layer)."""
+    saved = sum(r.compute_s + r.nccl_s - r.nccl_beside_compute_s for r in bench.rows)
+    return min(1.0, max(0.0, saved / sum(r.nccl_s for r in bench.rows)))
+
+
 def residual_factor(plan: Plan) -> str:
     """The memory-bound factor a plan's layer operators are priced at (cost_models.layer_graph):
     fused_elementwise when it ran fused kernels, else elementwise."""
@@ -410,9 +422,11 @@ def with_fused_step(cal: Calibration, profile: ProfileResult, plan: Plan) -> Cal
 
 
 def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpec, name: str,
-              sweep: Sweep | None = None) -> Calibration:
+              sweep: Sweep | None = None, overlap: OverlapBench | None = None) -> Calibration:
     """Factors from the sweep's micro-benchmarks where it has them (fit_kernels), else from the
-    profiled step (fit_compute); with both, the profiled step sets only elementwise."""
+    profiled step (fit_compute); with both, the profiled step sets only elementwise. With
+    ``overlap``, efficiency.overlap is what it measured (fit_overlap), before any residual is
+    taken (a profiled step has no communication, so the order does not change the residual)."""
     kernels = fit_kernels(sweep, base) if sweep is not None else {}
     if profile is not None and plan is None:
         raise SpecError("--plan: the profiled 1-GPU plan is needed with a profile")
@@ -428,6 +442,8 @@ def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpe
         if not kernels or any(r.op.collective for r in sweep.rows):
             factors.update(fit_links(sweep, base))
             node = node.model_copy(update={"nvlink_latency_us": factors["nvlink_latency_us"]})
+    if overlap is not None:
+        factors["overlap"] = fit_overlap(overlap)
     if profile is not None and kernels:
         # the profiled step's residual, with every factor the sweep gave (hbm prices its
         # optimizer step and loss)

@@ -247,9 +247,9 @@ def search_cmd(
         "--kernels", help="The layers' memory-bound operators: fused torch.compile regions "
         "(default) or eager PyTorch.")] = Kernels.fused,
     runnable: Annotated[bool, typer.Option(
-        "--runnable", help="Only what moeplan's runtime executes today (inter-operator "
-        "overlap of EP layers only, gradient sync after the backward, no gradient-accumulation "
-        "fusion, bf16 GEMMs): predictions for the run `moeplan train` makes.")] = False,
+        "--runnable", help="Only what moeplan's runtime executes as written (plans.execution: "
+        "no tile-fused overlap, bf16 GEMMs): predictions for the run `moeplan train` makes.")
+    ] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     json_out: JsonOpt = False,
@@ -598,6 +598,10 @@ def calibrate_cmd(
         "--collectives", help="bench/calibrate_gpu.py's sweep (kernel micro-benchmarks, "
                               "copies, NCCL collectives).")
     ] = None,
+    overlap: Annotated[Path | None, typer.Option(
+        "--overlap", help="bench/copy_engine_gpu.py's result (NCCL beside the expert GEMMs, "
+                          "2 GPUs): sets efficiency.overlap.")
+    ] = None,
     base: Annotated[str, typer.Option(
         "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",
     fused_profile: Annotated[Path | None, typer.Option(
@@ -629,7 +633,7 @@ def calibrate_cmd(
     import yaml
 
     from planner import calibrate as cal
-    from plans.results import ProfileResult, Sweep, read
+    from plans.results import OverlapBench, ProfileResult, Sweep, read
 
     _check_out(out, force)
     base_cluster = plans.catalog.load_cluster(base)
@@ -640,12 +644,14 @@ def calibrate_cmd(
                               "profile")
     measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
+    beside = read(OverlapBench, overlap, "--overlap") if overlap else None
     if runs is not None and not runs.is_dir():
         raise plans.SpecError(f"--runs: {runs} is not a folder")
     if (fused_profile is None) != (fused_plan is None):
         raise plans.SpecError("--fused-profile: goes with --fused-plan, the plan it profiled")
     result = cal.calibrate(measured_profile, plans.catalog.load_plan(plan) if plan else None,
-                           base_cluster, name or f"{base_cluster.name}-calibrated", sweep)
+                           base_cluster, name or f"{base_cluster.name}-calibrated", sweep,
+                           beside)
     fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
     if fused is not None:
         result = cal.with_fused_step(result, fused, plans.catalog.load_plan(fused_plan))
@@ -663,7 +669,8 @@ def calibrate_cmd(
     sources = ([f"profile {profile.name}, commit {measured_profile.commit}"] if profile else []
                ) + ([f"collectives {collectives.name}, commit {sweep.commit}"] if sweep else []
                     ) + ([f"fused profile {fused_profile.name}, commit {fused.commit}"]
-                         if fused else [])
+                         if fused else []
+                         ) + ([f"overlap {overlap.name}, commit {beside.commit}"] if beside else [])
     header = (f"# {result.cluster.name}: {base_cluster.name} with efficiency factors fitted to "
               f"moeplan's runtime by `moeplan calibrate`\n# ({'; '.join(sources)}).\n")
     _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),

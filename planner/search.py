@@ -42,6 +42,7 @@ from plans import (
     SpecError,
     TrainingSpec,
 )
+from plans.layout import moe_chunks
 
 MAX_SEARCHES = 32
 """Most searches one command runs (`scale` GPU counts, `whatif` grid points): one search of a
@@ -200,21 +201,22 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
         if not _fits_leanest(entry.plan, options):
             stats.pruned_memory += entry.options
             continue
-        groups = _option_groups(options, exhaustive)
-        # per dispatcher, the lowest-precision sync's best bounds the others: a higher
-        # precision needs at least as much recomputation and sync traffic, and saves at most
-        # the optimizer step's cast (bounded here by the whole optimizer step)
+        groups = _option_groups(entry.plan, options, exhaustive)
+        stats.dominated += len(options) - sum(map(len, groups))
+        # per dispatcher and overlap level, the lowest-precision sync's best bounds the others:
+        # a higher precision needs at least as much recomputation and sync traffic, and saves
+        # at most the optimizer step's cast (bounded here by the whole optimizer step)
         floor: dict = {}
         for group in groups:
-            dispatch = group[0][0]
-            if not exhaustive and dispatch in floor and (
-                    floor[dispatch] is None
-                    or (len(kept) == top and floor[dispatch] >= -kept[0][0])):
+            pair = group[0][:2]
+            if not exhaustive and pair in floor and (
+                    floor[pair] is None
+                    or (len(kept) == top and floor[pair] >= -kept[0][0])):
                 stats.dominated += len(group)
                 continue
             ranked, tried = _best_of_group(entry.plan, group)
-            if not exhaustive and dispatch not in floor:
-                floor[dispatch] = None if ranked is None else (
+            if not exhaustive and pair not in floor:
+                floor[pair] = None if ranked is None else (
                     ranked.evaluation.step_time_s - ranked.evaluation.breakdown_s["optimizer"])
             stats.evaluated += tried
             stats.dominated += len(group) - tried
@@ -232,36 +234,59 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
     return [r for *_, r in ordered]
 
 
-def _option_groups(options: list, exhaustive: bool) -> list[list]:
+def _overlap_levels(plan: Plan, dispatch, overlaps) -> list[Overlap]:
+    """The overlap levels of ``overlaps`` worth evaluating for ``plan``'s layout under
+    ``dispatch``, the fastest MoE layer first. Overlap changes a layer's time and, through its
+    token chunks (plans.layout.moe_chunks), its memory: a level is dominated by another that is
+    no slower and keeps no more chunks (equal on both: the stronger level is kept). A stronger
+    level is not always the faster: where communication beside compute hides little
+    (efficiency.overlap), the chunks cost more than they hide."""
+    d = plan.degrees
+
+    def cost(o: Overlap) -> tuple[float, int]:
+        q = _with_option(plan, (dispatch, o, Recompute.none, plan.grad_sync_precision))
+        return cost_models.layer_timing(q).total_s, moe_chunks(o, q.ffn, d.ep)
+
+    costs = {o: cost(o) for o in sorted(set(overlaps), key=_OVERLAP_STRENGTH.index)}
+
+    def dominated(o: Overlap) -> bool:
+        (t, c), strength = costs[o], _OVERLAP_STRENGTH.index(o)
+        return any(t2 <= t and c2 <= c and (t2 < t or c2 < c or _OVERLAP_STRENGTH.index(o2)
+                                            > strength)
+                   for o2, (t2, c2) in costs.items() if o2 != o)
+
+    kept = [o for o in costs if not dominated(o)]
+    return sorted(kept, key=lambda o: (costs[o][0], -_OVERLAP_STRENGTH.index(o)))
+
+
+def _option_groups(plan: Plan, options: list, exhaustive: bool) -> list[list]:
     """Options of one layout in groups ordered fastest-first, where within a group each option
-    is never faster and never leaner than the one before it (dominance):
-    - stronger overlap hides more communication at the same memory;
-    - less recomputation is faster (more memory): the first that fits beats the rest.
-    The dispatcher and the gradient-sync precision trade time against memory (a bf16 or fp8
-    sync keeps smaller buffers but its optimizer step casts the gradient slice to fp32), so
-    each pair of them forms a group."""
+    is never faster and never leaner than the one before it (dominance): less recomputation is
+    faster (more memory), so the first that fits beats the rest. The dispatcher, the overlap
+    level (_overlap_levels: the dominated ones are left out) and the gradient-sync precision
+    trade time against memory (a bf16 or fp8 sync keeps smaller buffers but its optimizer step
+    casts the gradient slice to fp32), so each triple of them forms a group."""
     if exhaustive:
         return [[o] for o in options]
-    overlap = max({o[1] for o in options}, key=_OVERLAP_STRENGTH.index)
     groups = []
     syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)  # the leanest first
     for dispatch in dict.fromkeys(o[0] for o in options):
-        for sync in syncs:
-            same = [o for o in options if o[0] == dispatch and o[3] == sync]
-            group = [o for o in same if o[1] == overlap]
-            group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
-            groups.append(group + [o for o in same if o not in group])
-    return groups
+        mine = [o for o in options if o[0] == dispatch]
+        for overlap in _overlap_levels(plan, dispatch, {o[1] for o in mine}):
+            for sync in syncs:
+                group = [o for o in mine if o[1] == overlap and o[3] == sync]
+                group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
+                groups.append(group)
+    return [g for g in groups if g]
 
 
 def _best_of_group(plan: Plan, group: list) -> tuple[Ranked | None, int]:
     """Evaluate a dominance group in order; the first feasible option is its best."""
-    lead = [o for o in group if o[1] == group[0][1] and o[3] == group[0][3]]
-    for tried, option in enumerate(lead, start=1):
+    for tried, option in enumerate(group, start=1):
         ranked = _evaluate_option(plan, option)
         if ranked is not None:
             return ranked, tried
-    return None, len(lead)
+    return None, len(group)
 
 
 def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSpace
@@ -311,11 +336,12 @@ def _fits_leanest(plan: Plan, options) -> bool:
 
 
 def _fastest_costs(plan: Plan, options) -> StageCosts:
-    """Stage costs under the fastest options of a layout: the strongest overlap and the least
-    recomputation (see _option_groups), the faster dispatcher."""
-    overlap = max({o[1] for o in options}, key=_OVERLAP_STRENGTH.index)
+    """Stage costs under the fastest options of a layout: per dispatcher its fastest overlap
+    level and the least recomputation (see _option_groups), the faster dispatcher."""
     recompute = max({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
-    fastest = {(d, overlap, recompute, options[0][3]) for d, _, _, _ in options}
+    overlaps = {o[1] for o in options}
+    fastest = {(d, _overlap_levels(plan, d, overlaps)[0], recompute, options[0][3])
+               for d in dict.fromkeys(o[0] for o in options)}
     return min((cost_models.stage_costs(_with_option(plan, o)) for o in fastest),
                key=lambda c: c.layer_s)
 

@@ -246,6 +246,32 @@ class Sweep(Result):
 
 
 
+# ---- communication beside compute -------------------------------------------------------------
+
+
+class OverlapRow(BaseModel):
+    """One MoE shape at EP = 2: its expert GEMMs alone, the dispatch's NCCL all-to-all alone,
+    and the two launched together on two streams."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    shape: dict[str, str | int] = {}
+    """The MoE shape: name, tokens, top_k, hidden, ffn, experts."""
+    compute_s: PositiveFloat
+    nccl_s: PositiveFloat
+    nccl_beside_compute_s: PositiveFloat
+
+
+class OverlapBench(Result):
+    """An NCCL collective on a side stream beside the expert GEMMs (and a copy-engine peer
+    copy beside them, which calibration does not read)."""
+
+    SOURCE: ClassVar[str] = "bench/copy_engine_gpu.py"
+
+    world: int = Field(ge=2)
+    rows: list[OverlapRow] = Field(min_length=1)
+
+
 # ---- EP dispatchers ------------------------------------------------------------------------------
 
 

@@ -360,8 +360,10 @@ class Efficiency(Frozen):
     """Achieved NVLink bandwidth / peak for all-to-all (every peer at once)."""
     network: Fraction = 0.80
     """Achieved network bandwidth / peak."""
-    overlap: Fraction = 0.90
-    """Fraction of overlappable communication actually hidden when compute runs beside it."""
+    overlap: float = Field(0.90, ge=0, le=1)
+    """Share of overlappable communication actually hidden when compute runs beside it: 0 when
+    a collective beside compute costs as much as after it (`moeplan calibrate --overlap`
+    measures it: NCCL beside the expert GEMMs on the device, planner.calibrate.fit_overlap)."""
     memory_usable: Fraction = 0.92
     """The planner's memory safety margin: the fraction of HBM a plan's predicted peak (the
     caching allocator's reserve included) may use. The rest stays free for the CUDA context,

@@ -43,7 +43,8 @@ def calibrated(tmp_path_factory):
     out = tmp_path_factory.mktemp("cal") / "h200.yaml"
     r = calibrate(PROFILE, "--plan", PLAN, "--collectives", SWEEP, "--name", "H200-SXM-runtime",
                   "--fused-profile", FUSED_PROFILE, "--fused-plan", FUSED_PLAN,
-                  "--runs", H200, "--plans", PLAN.parent, "--out", out, "--json")
+                  "--overlap", H200 / "copy_engine_x2.json", "--runs", H200,
+                  "--plans", PLAN.parent, "--out", out, "--json")
     assert r.exit_code == 0, r.output
     return out, json.loads(r.output)
 

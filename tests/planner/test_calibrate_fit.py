@@ -15,16 +15,18 @@ from planner.calibrate import (
     fit_compute,
     fit_kernels,
     fit_links,
+    fit_overlap,
     on,
     predicted_classes,
     with_efficiency,
 )
 from plans import catalog
 from plans.execution import executed_plan
-from plans.results import KernelRow, Sweep, SweepOp, SweepRow
+from plans.results import KernelRow, OverlapBench, Sweep, SweepOp, SweepRow, read
 from plans.results import ProfileResult as Profile
 
 MIB = 2**20
+ROOT = Path(__file__).resolve().parents[2]
 PLAN = "bench/gpu_plans/mixtral2l_1gpu.json"
 
 
@@ -151,3 +153,33 @@ def test_with_micro_benchmarks_the_profiled_step_sets_only_elementwise():
     assert cal.factors["elementwise_launch_us"] == pytest.approx(TRUTH["elementwise_launch_us"],
                                                                  abs=1.0)
     assert cal.factors["grouped_gemm"] == pytest.approx(TRUTH["grouped_gemm"], rel=0.01)
+
+
+def _beside(rows: list[tuple[float, float, float]]) -> OverlapBench:
+    return OverlapBench(world=2, rows=[
+        {"compute_s": c, "nccl_s": n, "nccl_beside_compute_s": b} for c, n, b in rows])
+
+
+def test_overlap_fit_is_the_share_of_the_collectives_time_that_running_beside_saved():
+    assert fit_overlap(_beside([(10e-3, 2e-3, 10e-3)])) == pytest.approx(1.0)   # all hidden
+    assert fit_overlap(_beside([(10e-3, 2e-3, 12e-3)])) == pytest.approx(0.0)   # none
+    assert fit_overlap(_beside([(10e-3, 2e-3, 11e-3)])) == pytest.approx(0.5)
+    # pooled over the shapes by the collectives' time: (1 + 0) / (2 + 2)
+    assert fit_overlap(_beside([(10e-3, 2e-3, 11e-3), (5e-3, 2e-3, 7e-3)])) == pytest.approx(0.25)
+    # together slower than one after the other: nothing hidden, never a negative share
+    assert fit_overlap(_beside([(10e-3, 2e-3, 13e-3)])) == 0.0
+
+
+def test_the_committed_h200_measurement_hid_nothing_and_inter_op_then_never_wins():
+    bench = read(OverlapBench, ROOT / "bench/results/h200/copy_engine_x2.json", "overlap")
+    assert fit_overlap(bench) == 0.0
+    sweep = read(Sweep, ROOT / "bench/results/h200/fidelity/calibration_h200.json", "sweep")
+    cal = calibrate(None, None, catalog.load_cluster("h200"), "H200-beside", sweep, bench)
+    assert cal.cluster.efficiency.overlap == 0.0 == cal.factors["overlap"]
+    plan = on(catalog.load_plan("bench/gpu_plans/fidelity/mixtral2l_dp2_ep2_interop_mbs1.json"),
+              cal.cluster)
+    serial = plan.model_copy(update={"overlap": "none"})
+    # nothing hidden: the chunked layer costs what it costs serially, plus its chunking
+    assert cost_models.evaluate(plan).step_time_s >= cost_models.evaluate(serial).step_time_s
+    hiding = on(plan, with_efficiency(cal.cluster, overlap=0.9))
+    assert cost_models.evaluate(hiding).step_time_s < cost_models.evaluate(plan).step_time_s

@@ -58,6 +58,7 @@ SURFACE = {
                      'PROFILE',
                      '--plan <path>',
                      '--collectives <path>',
+                     '--overlap <path>',
                      '--base <str>',
                      '--fused-profile <path>',
                      '--fused-plan <path>',

@@ -23,6 +23,32 @@ def test_pruned_search_finds_the_exhaustive_best():
     assert fast[0].plan.summary() == full[0].plan.summary()
 
 
+def test_pruned_search_is_exact_where_overlap_hides_nothing():
+    # h200-runtime's measured overlap hides nothing: an overlapped EP layer's chunks then cost
+    # more than they hide, the stronger overlap is the slower, and dominance must not assume
+    # otherwise (planner.search._overlap_levels)
+    from planner.search import SearchStats, _search
+
+    model = catalog.load_model("mixtral-8x7b").model_copy(update={"layers": 2})
+    cluster = catalog.load_cluster("h200-runtime", gpus=2)
+    assert cluster.efficiency.overlap == 0
+    training = TrainingSpec(global_batch=8, seq_len=4096)
+    space = SearchSpace(micro_batch_sizes=(1, 2, 4)).runnable()
+    fast = _search(model, cluster, training, space, 5, SearchStats(), None)
+    full = _search(model, cluster, training, space, 5, SearchStats(), None, exhaustive=True)
+    # (the exhaustive search ranks every option of a layout, the pruned one its best)
+    assert fast[0].evaluation.step_time_s == pytest.approx(full[0].evaluation.step_time_s)
+    assert fast[0].plan.summary() == full[0].plan.summary()
+    best_of = {}
+    for r in full:
+        best_of.setdefault(r.plan.model_copy(update={"overlap": Overlap.none}).summary(), r)
+    assert [r.evaluation.step_time_s for r in fast[:3]] == pytest.approx(
+        [r.evaluation.step_time_s for r in list(best_of.values())[:3]])
+    # no plan of an EP layer is overlapped: serial measured (and is priced) faster
+    assert all(r.plan.overlap == Overlap.none for r in fast
+               if r.plan.ffn.kind == "ep" and r.plan.degrees.ep > 1)
+
+
 def test_bound_never_exceeds_the_evaluated_step_time():
     model, cluster, training = small_job()
     result = search(model, cluster, training, top=10)
