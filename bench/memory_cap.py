@@ -91,6 +91,7 @@ def main(argv=None) -> int:
             "alloc_retries": s.get("num_alloc_retries", 0),
             "step_time_s": sum(times) / len(times)}
     per_rank = [mine]
+    backend = dist.get_backend() if world > 1 else "none"
     if world > 1:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, mine)
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
     if rank == 0:
         doc = {**metadata(), "plan": str(a.plan), "plan_summary": plan.summary(),
-               "world": world, "backend": dist.get_backend() if world > 1 else "none",
+               "world": world, "backend": backend,
                "ranks_per_gpu": -(-world // torch.cuda.device_count()),
                "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB,
                "scale": a.scale, "fits": True,
