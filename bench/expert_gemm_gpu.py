@@ -14,7 +14,15 @@ them (issue 11: the Mixtral-shape layer is 85% grouped GEMMs, level with torchti
 - ``per_expert_fn_accumulate``: ``per_expert_fn`` with the weight gradients accumulated into
   the main gradients by the GEMMs themselves (``addmm_``: gradient-accumulation fusion);
 - ``runtime_accumulating``: the runtime's form of that (runtime.parallel.grad_accumulation):
-  grouped GEMMs forward and for the rows' gradient, per-expert accumulating weight gradients.
+  grouped GEMMs forward and for the rows' gradient, per-expert accumulating weight gradients;
+- ``dense``: every row through expert 0's weights as plain cuBLAS matmuls, the same FLOPs as
+  one GEMM per weight: the ceiling a grouped GEMM could reach at this shape;
+- ``swiglu``: the SwiGLU between the GEMMs alone (its inputs made by no GEMM), which every
+  variant above runs alike: a variant's GEMM time is its time less this one's.
+
+``--balanced`` gives every expert the same row count (a multiple of the tile sizes where the
+token count allows) instead of a router's mildly uneven one: how much uneven, unaligned row
+counts cost the GEMMs.
 
 Each is timed with the host ahead of the GPU (``_dist_bench.device_timed``), forward alone and
 forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. The routed rows
@@ -158,8 +166,23 @@ def variants(experts, hidden, ffn, device, dtype):
         mm = per_expert_accumulating(counts)
         return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
 
+    def dense(x, offs, counts):
+        h = F.silu(x @ w1[0].t()) * (x @ w3[0].t())
+        return h @ w2[0].t()
+
+    gates: list[torch.Tensor] = []  # the SwiGLU's two inputs, made once at the rows' count
+
+    def swiglu(x, offs, counts):
+        if not gates:
+            gates.extend(torch.randn(x.shape[0], ffn, device=device, dtype=dtype)
+                         .requires_grad_() for _ in range(2))
+        return F.silu(gates[0]) * gates[1]
+
+    swiglu.inputs = lambda: tuple(gates)
+
     params = (w1, w3, w2, w1t, w3t, w2t, w13)
     return params, {
+        "dense": dense, "swiglu": swiglu,
         "grouped": grouped, "grouped_in_out": grouped_in_out, "grouped_w13": grouped_w13,
         "per_expert": per_expert, "per_expert_w13": per_expert_w13,
         "per_expert_fn": per_expert_fn, "grouped_accumulate": grouped_accumulate,
@@ -172,6 +195,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="mixtral-8x7b")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--balanced", action="store_true",
+                    help="every expert the same row count instead of a router's")
     ap.add_argument("--out", required=True, help="result JSON path")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -179,11 +204,13 @@ def main() -> None:
     device, dtype = torch.device("cuda", 0), torch.bfloat16
     torch.manual_seed(0)
     experts, hidden, ffn, top_k = SHAPES[a.shape]
-    counts = _counts(a.tokens, experts, top_k, device)
+    counts = (torch.full((experts,), a.tokens * top_k // experts, device=device)
+              if a.balanced else _counts(a.tokens, experts, top_k, device))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = int(counts.sum())
     x = (torch.randn(rows, hidden, device=device, dtype=dtype)).requires_grad_()
-    grad = torch.randn(rows, hidden, device=device, dtype=dtype)
+    grads = {(rows, hidden): torch.randn(rows, hidden, device=device, dtype=dtype),
+             (rows, ffn): torch.randn(rows, ffn, device=device, dtype=dtype)}
     gemm_flops = 3 * 2 * rows * hidden * ffn  # three GEMMs forward
     results = {}
     params, fns = variants(experts, hidden, ffn, device, dtype)
@@ -193,9 +220,10 @@ def main() -> None:
                 fn(x, offs, counts)
 
         def fwd_bwd(fn=fn):
-            for t in (x, *params):  # each call's gradients are fresh tensors, never added
-                t.grad = None
-            fn(x, offs, counts).backward(grad)
+            for t in (x, *params, *getattr(fn, "inputs", tuple)()):
+                t.grad = None  # each call's gradients are fresh tensors, never added
+            out = fn(x, offs, counts)
+            out.backward(grads[tuple(out.shape)])
             if hasattr(fn, "after_backward"):
                 fn.after_backward()
 
@@ -207,7 +235,7 @@ def main() -> None:
         print(f"{a.shape:14s} {name:16s} fwd {f * 1e3:7.2f} ms "
               f"({gemm_flops / f / 1e12:5.0f} TF/s)  fwd+bwd {fb * 1e3:7.2f} ms "
               f"({3 * gemm_flops / fb / 1e12:5.0f} TF/s)", flush=True)
-    doc = {**metadata(), "shape": a.shape, "tokens": a.tokens,
+    doc = {**metadata(), "shape": a.shape, "tokens": a.tokens, "balanced": a.balanced,
         "experts": experts, "hidden": hidden, "ffn_hidden": ffn, "top_k": top_k,
         "rows": rows, "rows_per_expert": counts.tolist(), "gemm_flops_fwd": gemm_flops,
         "variants": results}

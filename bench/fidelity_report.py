@@ -336,10 +336,39 @@ its last pages (94.4 GiB) at a moment when 61.0 GiB is allocated (a 3 GiB groupe
 finds no hole), Mixtral's mbs-1 plan at its optimizer step (the fp32 copies of the main
 gradients). Capped at its prediction, a plan trains when the prediction covers its allocated
 peak (table above: Mixtral's mbs-1 plan fits 1.9% under its uncapped reserved peak). The
-two-stream plans need the same replay and the capped run on two GPUs (campaigns
-`h200_memory_x2`, `h200_memory_cap_x2`), which no lent machine has run yet. The memory model's
-reserve (3% of the transients and 22% of the loss) does not see the uncapped fragments.
+two-stream plans on NCCL need the same replay and the capped run on two GPUs (campaigns
+`h200_memory_x2`, `h200_memory_cap_x2`), which no lent machine has run yet; the overlapped
+layer's ranks sharing one GPU over gloo are below. The memory model's reserve (3% of the
+transients and 22% of the loss) does not see the uncapped fragments.
 """
+
+
+def shared_text(folder: Path) -> str:
+    """Two-rank plans with both ranks on one GPU over gloo (bench/train_step.py --share-gpu
+    --memory-timeline): each rank's allocated and reserved peaks and its streams' reserve."""
+    runs = sorted(folder.glob("train_step_*.json")) if folder.is_dir() else []
+    if not runs:
+        return ""
+    lines = ["| plan | allocated peak GiB | reserved peak GiB (per rank) | reserved at the peak "
+             "by stream GiB (highest rank) | commit |", "|---|---|---|---|---|"]
+    for path in runs:
+        d = json.loads(path.read_text())
+        timeline = max(d.get("memory_timeline_per_rank") or [{}],
+                       key=lambda t: t.get("reserved_peak_gib", 0))
+        streams = sorted(timeline.get("reserved_at_peak_gib_by_stream", {}).values(),
+                         reverse=True)
+        lines.append(f"| {Path(d['plan']).stem} | {max(d['peak_memory_gib_per_rank']):.2f} | "
+                     + ", ".join(f"{g:.2f}" for g in d["peak_reserved_gib_per_rank"]) + " | "
+                     + " + ".join(f"{g:.2f}" for g in streams) + f" | {d.get('commit', '?')} |")
+    return ("The overlapped Mixtral layer and its serial twin with both ranks on the one GPU of "
+            "a 1-GPU machine, over gloo (`bench/train_step.py --share-gpu --memory-timeline`, "
+            "campaign `h200_memory_shared`, `speed17/memory_shared/`): each rank's caching "
+            "allocator runs the plan's streams, while the collectives are gloo's (staged "
+            "through host memory), not NCCL's kernels in flight on the GPU. The streams beside "
+            "the compute stream (the communication stream and gloo's) keep the small further "
+            "terms; the overlapped layer's reserve in its NCCL run (table at the top) is not "
+            "reproduced here, so what holds it is NCCL's, which only two GPUs show:\n\n"
+            + "\n".join(lines) + "\n")
 
 
 def repeat_text(data: list[dict]) -> str:
@@ -466,35 +495,51 @@ def rank_load_text(data: list[dict]) -> str:
             + step_only + "Not yet used for pricing.\n\n" + "\n".join(lines) + "\n")
 
 
-def cap_text(folder: Path) -> str:
+def cap_text(folders: list[Path]) -> str:
     """The suite plans run with each rank's caching allocator capped at the predicted peak
-    (bench/memory_cap.py): whether they fit, and what the cap cost."""
-    docs = sorted(folder.glob("memory_cap_*.json")) if folder.is_dir() else []
+    (bench/memory_cap.py): whether they fit, and what the cap cost. A run that stopped out of
+    memory wrote one file per rank that stopped; it is one row."""
+    docs: dict[tuple, dict] = {}
+    for folder in folders:
+        for path in sorted(folder.glob("memory_cap_*.json")) if folder.is_dir() else []:
+            d = json.loads(path.read_text())
+            key = (folder.name, d["plan"], d.get("scale", 1.0))
+            if key in docs:  # another rank of the same run out of memory
+                docs[key]["ranks"].append(d["rank"])
+                continue
+            docs[key] = {**d, "ranks": [d.get("rank")], "folder": folder.name}
     if not docs:
         return ""
-    lines = ["| plan | cap (the predicted peak) GiB | fits | reserved peak under the cap GiB "
-             "| allocation retries | step ms under the cap | commit |",
-             "|---|---|---|---|---|---|---|"]
-    for path in docs:
-        d = json.loads(path.read_text())
+    lines = ["| plan | GPUs | cap (the predicted peak) GiB | fits | reserved peak under the cap "
+             "GiB | allocation retries | step ms under the cap | commit |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in docs.values():
         name = Path(d["plan"]).stem
         if d.get("scale", 1.0) != 1.0:
             name += f" (control: {d['scale']:g} x the prediction)"
+        shared = d.get("ranks_per_gpu", 1) > 1 or d["folder"] == "memory_shared"
+        gpus = "1, both ranks (gloo)" if shared else str(d.get("world", 1))
         if d["fits"]:
             r = max(d["per_rank"], key=lambda x: x["reserved_peak_gib"])
-            lines.append(f"| {name} | {d['cap_gib']:.2f} | yes | {r['reserved_peak_gib']:.2f} | "
-                         f"{max(x['alloc_retries'] for x in d['per_rank'])} | "
-                         f"{max(x['step_time_s'] for x in d['per_rank']) * 1e3:.1f} | "
+            step = ("(shared)" if shared else
+                    f"{max(x['step_time_s'] for x in d['per_rank']) * 1e3:.1f}")
+            lines.append(f"| {name} | {gpus} | {d['cap_gib']:.2f} | yes | "
+                         f"{r['reserved_peak_gib']:.2f} | "
+                         f"{max(x['alloc_retries'] for x in d['per_rank'])} | {step} | "
                          f"{d.get('commit', '?')} |")
         else:
-            lines.append(f"| {name} | {d['cap_gib']:.2f} | no: out of memory (rank "
-                         f"{d['rank']}) | | | | {d.get('commit', '?')} |")
-    return ("Capped at the prediction (`bench/memory_cap.py`, `speed17/memory_cap/`): the peak "
-            "above is the caching allocator's reserve on an otherwise empty 141 GB GPU, which "
-            "keeps fragments it gives back under pressure (expandable segments: a request that "
-            "finds no block unmaps every free page and retries). With each rank's allocator "
-            "capped at the predicted peak, a plan either trains or stops out of memory; the "
-            "control, capped 3% under the prediction and so under its allocated peak, stops:\n\n"
+            ranks = ", ".join(str(r) for r in sorted(d["ranks"]))
+            lines.append(f"| {name} | {gpus} | {d['cap_gib']:.2f} | no: out of memory (rank "
+                         f"{ranks}) | | | | {d.get('commit', '?')} |")
+    return ("Capped at the prediction (`bench/memory_cap.py`, `speed17/memory_cap/`, "
+            "`speed17/memory_shared/`): the peak above is the caching allocator's reserve on an "
+            "otherwise empty 141 GB GPU, which keeps fragments it gives back under pressure "
+            "(expandable segments: a request that finds no block unmaps every free page and "
+            "retries). With each rank's allocator capped at the predicted peak, a plan either "
+            "trains or stops out of memory; the controls, capped 3% under the prediction and so "
+            "under the allocated peak, stop. Two-rank plans on the one GPU of a 1-GPU machine "
+            "run both ranks there over gloo (`--share-gpu`): each rank's allocator and streams "
+            "are the plan's, NCCL's timing is not, and the step times are not the layout's:\n\n"
             + "\n".join(lines) + "\n")
 
 
@@ -520,7 +565,9 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                   "hooks and the process groups, and `bench/train_step.py` closes each plan's "
                   "trainer.\n"]
         parts.append(overlap_text(results, cal, data))
-        parts.append(cap_text(results.parent / "speed17" / "memory_cap"))
+        parts.append(shared_text(results.parent / "speed17" / "memory_shared"))
+        parts.append(cap_text([results.parent / "speed17" / d
+                               for d in ("memory_cap", "memory_shared")]))
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         parts.append(rank_load_text(data))
         parts.append(host_text(data))
