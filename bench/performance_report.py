@@ -458,7 +458,10 @@ def render() -> str:
         "on 2 H200s it measured slower than serial in the train step (dp2 x ep2: 272.0 against "
         "259.1 ms) and no faster per layer: NCCL on a side stream beside a full-GPU grouped "
         "GEMM slows the GEMM as much as it hides (the lesson of the earlier spike). The search "
-        "prices it by the same two-chunk schedule.",
+        "prices it by the same two-chunk schedule, with the share of communication that "
+        "running beside compute hides as measured (`efficiency.overlap`, `moeplan calibrate "
+        "--overlap` on `copy_engine_x2.json`: 0 on these H200s, in `h200-runtime`), so "
+        "`moeplan search --runnable` on `h200-runtime` plans serial EP layers.",
         "- Intra-operator (tile-fused) overlap is not built: torch's symmetric-memory fused "
         "all-gather-matmul and matmul-reduce-scatter measured no gain on 2 H200s; "
         "`inter_intra_op` runs as `inter_op`.",

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from plans.results import (
+    OverlapBench,
     ParityResult,
     ProfileResult,
     Sweep,
@@ -108,11 +109,12 @@ def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_pat
 
 
 def test_every_committed_result_parses_as_its_typed_document():
-    found = {TrainStepResult: 0, ParityResult: 0, ProfileResult: 0}
+    found = {TrainStepResult: 0, ParityResult: 0, ProfileResult: 0, OverlapBench: 0}
     for path in sorted(RESULTS.rglob("*.json")):
         kind = (TrainStepResult if path.name.startswith("train_step_") else
                 ParityResult if path.name.startswith("parity_") else
-                ProfileResult if path.name.startswith("profile_") else None)
+                ProfileResult if path.name.startswith("profile_") else
+                OverlapBench if path.name.startswith("copy_engine_") else None)
         if kind is not None:
             read(kind, path, "result")
             found[kind] += 1
