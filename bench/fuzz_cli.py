@@ -40,6 +40,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from planner import launch  # noqa: E402
 from planner.cli import app  # noqa: E402
+from planner.whatif import Knob  # noqa: E402
 from plans import SpecError, catalog  # noqa: E402
 
 MODELS = ["tiny-moe", "tiny-moe-shared"]
@@ -55,7 +56,7 @@ BATCHES = ["1", "2", "8", "16", "32", "3", "0", "-4", "x", "1000000007"]
 SEQS = ["64", "128", "256", "512", "7", "0", "-1", "abc", "100000000000"]
 FUZZ_VALUES = [0, -1, 1, 2, 3, 7, 10**9, 10**30, 2**63, 1e-320, 1e308, -0.5, 0.5, 1.5, "x", "",
                None, True, False, [], {}, [1, 2], "1", float("inf"), float("nan"), "Infinity"]
-KNOBS = ["gpu_tflops", "hbm_gib", "hbm_tb_s", "nvlink_gb_s", "nvlink_domain", "network_gb_s"]
+KNOBS = [k.value for k in Knob]
 KNOB_VALUES = ["2x", "0.5x", "1", "900", "8", "16", "3", "0", "-1", "x", "2xx", "", "nan", "inf",
                "1e-320", "1e400", "1e30", "72", "0.0001x", "1e9", "1e-6"]
 

@@ -127,6 +127,19 @@ PrecisionOpt = Annotated[
     TrainingPrecision, typer.Option("--precision", help="Training compute precision.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")]
+RunnableOpt = Annotated[bool, typer.Option(
+    "--runnable", help="Only what moeplan's runtime executes as written (plans.execution: no "
+    "tile-fused overlap, bf16 GEMMs): predictions for the run `moeplan train` makes.")]
+
+
+def _runnable(space, precision: TrainingPrecision):
+    """``space`` narrowed to what the runtime executes as written; fp8 GEMMs are refused."""
+    from plans.execution import executes
+
+    if not executes("training.precision", precision):
+        raise plans.SpecError(f"--precision: the runtime does not run {precision} GEMMs as "
+                              "written (plans.execution); drop --runnable or use bf16")
+    return space.runnable()
 
 
 def _fail(message: str) -> typer.Exit:
@@ -246,10 +259,7 @@ def search_cmd(
     kernels: Annotated[Kernels, typer.Option(
         "--kernels", help="The layers' memory-bound operators: fused torch.compile regions "
         "(default) or eager PyTorch.")] = Kernels.fused,
-    runnable: Annotated[bool, typer.Option(
-        "--runnable", help="Only what moeplan's runtime executes as written (plans.execution: "
-        "no tile-fused overlap, bf16 GEMMs): predictions for the run `moeplan train` makes.")
-    ] = False,
+    runnable: RunnableOpt = False,
     out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     json_out: JsonOpt = False,
@@ -277,12 +287,7 @@ def search_cmd(
         kernels=kernels,
     )
     if runnable:
-        from plans.execution import executes
-
-        if not executes("training.precision", precision):
-            raise plans.SpecError(f"--precision: the runtime does not run {precision} GEMMs as "
-                                  "written (plans.execution); drop --runnable or use bf16")
-        space = space.runnable()
+        space = _runnable(space, precision)
     if json_out:
         result = search(spec_model, spec_cluster, training, space, top=top)
     else:
@@ -432,10 +437,12 @@ def whatif_cmd(
     gpus: GpusOpt,
     vary: Annotated[list[str], typer.Option(
         "--vary", help="KNOB=V1,V2,... with values absolute or multipliers (2x); repeat for a "
-        "grid. Knobs: gpu_tflops, hbm_gib, hbm_tb_s, nvlink_gb_s, nvlink_domain, network_gb_s.")],
+        "grid. Knobs: gpu_tflops, hbm_gib, hbm_tb_s, nvlink_gb_s, nvlink_domain, network_gb_s, "
+        "overlap_share (0-1: communication hidden beside compute).")],
     global_batch: BatchOpt = None,
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
+    runnable: RunnableOpt = False,
     plot: PlotOpt = None,
     force: PlotForceOpt = False,
     json_out: JsonOpt = False,
@@ -447,8 +454,11 @@ def whatif_cmd(
       moeplan whatif mixtral-8x7b h800 --gpus 64 --global-batch 256 --vary gpu_tflops=1x,2x,4x
       moeplan whatif internal-352b h800 --gpus 1440 --global-batch 720 \\
           --vary nvlink_gb_s=400,900 --vary network_gb_s=25,50 --plot whatif.png
+      moeplan whatif qwen3-30b-a3b h200-runtime --gpus 8 --runnable \\
+          --vary overlap_share=0,0.5,0.9
     """
     from planner.report import job_document, job_text, print_whatif, whatif_document
+    from planner.space import SearchSpace
     from planner.whatif import parse_vary, whatif
 
     _check_plot(plot, force)
@@ -456,8 +466,9 @@ def whatif_cmd(
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
     varies = [parse_vary(v) for v in vary]
+    space = _runnable(SearchSpace(), precision) if runnable else None
     with _progress_search(json_out, "re-planning") as progress:
-        points = whatif(spec_model, spec_cluster, training, varies, progress=progress)
+        points = whatif(spec_model, spec_cluster, training, varies, space, progress=progress)
     title = f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}"
     _finish(points, json_out, plot,
             lambda pts: whatif_document(pts, job_document(spec_model, spec_cluster, training)),

@@ -13,7 +13,8 @@ from plans import ClusterSpec, ModelSpec, Plan, SpecError, TrainingSpec
 
 
 class Knob(StrEnum):
-    """Hardware knobs. Values are absolute (in the unit named) or multipliers like `2x`."""
+    """Hardware knobs, and how much communication the runtime hides beside compute. Values are
+    absolute (in the unit named) or multipliers like `2x`."""
 
     gpu_tflops = "gpu_tflops"
     """Dense bf16 TFLOP/s (fp8 scales with it)."""
@@ -25,6 +26,10 @@ class Knob(StrEnum):
     """GPUs per NVLink domain (8 for a node, 72 for an NVL72 rack)."""
     network_gb_s = "network_gb_s"
     """Scale-out GB/s per GPU per direction."""
+    overlap_share = "overlap_share"
+    """Share of communication hidden while compute runs beside it, 0 to 1
+    (efficiency.overlap): what copy-engine transfers would buy over NCCL beside the GEMMs,
+    which hid none of it on H200s (`moeplan calibrate --overlap`)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class Setting:
             Knob.nvlink_gb_s: node["nvlink_gb_s"],
             Knob.nvlink_domain: node["gpus_per_node"],
             Knob.network_gb_s: cluster.network_gb_s_per_gpu,
+            Knob.overlap_share: cluster.efficiency.overlap,
         }[self.knob]
         value = self.value(current)
         if self.knob == Knob.gpu_tflops:
@@ -52,6 +58,8 @@ class Setting:
             gpu[self.knob.value] = value
         elif self.knob == Knob.nvlink_gb_s:
             node["nvlink_gb_s"] = value
+        elif self.knob == Knob.overlap_share:
+            data["efficiency"]["overlap"] = value
         elif self.knob == Knob.nvlink_domain:
             if value != int(value):
                 raise SpecError(f"--vary nvlink_domain: {self.text} is not a whole GPU count")
@@ -77,7 +85,10 @@ class Setting:
                             "multiplier like 2x") from None
         if not math.isfinite(number):
             raise SpecError(f"--vary {self.knob}: {self.text!r} must be a finite number")
-        if number <= 0:
+        if self.knob == Knob.overlap_share:
+            if number < 0:
+                raise SpecError(f"--vary {self.knob}: {self.text!r} must be 0 or more")
+        elif number <= 0:
             raise SpecError(f"--vary {self.knob}: {self.text!r} must be positive")
         return current * number if text.endswith("x") else number
 

@@ -36,6 +36,7 @@ SURFACE = {
                   '--global-batch <int range>',
                   '--seq-len <int range>',
                   '--precision <bf16|fp8>',
+                  '--runnable <bool>',
                   '--plot <path>',
                   '--force <bool>',
                   '--json <bool>'],

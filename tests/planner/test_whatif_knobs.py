@@ -52,3 +52,18 @@ def test_plan_changes_lists_differences():
     b = Plan(**base, degrees=Degrees(dp=2, sp=4, ep=4), micro_batch_size=2)
     assert plan_changes(a, b) == ["dp 1->2", "sp 8->4", "micro_batch_size 1->2"]
     assert plan_changes(a, None) == ["no longer fits"]
+
+
+def test_overlap_share_sets_the_hidden_share_and_takes_0_to_1():
+    c = catalog.load_cluster("h200-runtime", gpus=8)
+    assert c.efficiency.overlap == 0
+    assert Setting(Knob.overlap_share, "0.9").apply(c).efficiency.overlap == 0.9
+    assert Setting(Knob.overlap_share, "0").apply(c).efficiency.overlap == 0
+    assert Setting(Knob.overlap_share, "0.5x").apply(
+        catalog.load_cluster("h800")).efficiency.overlap == pytest.approx(0.45)
+    with pytest.raises(SpecError, match="overlap_share=1.5: efficiency.overlap"):
+        Setting(Knob.overlap_share, "1.5").apply(c)
+    with pytest.raises(SpecError, match="must be 0 or more"):
+        Setting(Knob.overlap_share, "-0.1").apply(c)
+    with pytest.raises(SpecError, match="must be positive"):
+        Setting(Knob.hbm_gib, "0").apply(c)

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.cli import app
+from plans import catalog
 
 runner = CliRunner(env={"COLUMNS": "250"})
 JOB = ["mixtral-8x7b", "h800", "--global-batch", "256", "--seq-len", "4096"]
@@ -48,6 +49,22 @@ def test_nvlink_domain_and_bandwidth_knobs():
     assert len(points) == 4
     assert {p["settings"]["nvlink_domain"] for p in points} == {"8", "72"}
     assert all(p["best"]["tokens_per_s"] for p in points)
+
+
+def test_runnable_whatif_of_the_overlap_share_plans_serial_ep_layers_where_it_hides_nothing(
+        tmp_path):
+    model = tmp_path / "mixtral-2l.json"  # the fidelity suite's reduced depth
+    model.write_text(catalog.load_model("mixtral-8x7b").model_copy(
+        update={"layers": 2}).model_dump_json())
+    reduced = [str(model), "h200-runtime", "--gpus", "2", "--global-batch", "8",
+               "--seq-len", "4096", "--runnable", "--json"]
+    result = run("whatif", *reduced, "--vary", "overlap_share=0,0.9")
+    assert result.exit_code == 0, result.output
+    none, hiding = json.loads(result.output)["points"]
+    assert none["best"]["plan"]["overlap"] == "none"
+    assert hiding["best"]["tokens_per_s"] >= none["best"]["tokens_per_s"]
+    result = run("whatif", *reduced[:-1], "--precision", "fp8", "--vary", "overlap_share=0")
+    assert result.exit_code == 2 and "--precision" in result.output
 
 
 @pytest.mark.parametrize("suffix", ["png", "svg"])
