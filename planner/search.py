@@ -234,29 +234,30 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
     return [r for *_, r in ordered]
 
 
-def _overlap_levels(plan: Plan, dispatch, overlaps) -> list[Overlap]:
-    """The overlap levels of ``overlaps`` worth evaluating for ``plan``'s layout under
+def _overlap_levels(plan: Plan, dispatch, overlaps, recompute: Recompute) -> list[Overlap]:
+    """The overlap levels of ``overlaps`` worth searching for ``plan``'s layout under
     ``dispatch``, the fastest MoE layer first. Overlap changes a layer's time and, through its
     token chunks (plans.layout.moe_chunks), its memory: a level is dominated by another that is
-    no slower and keeps no more chunks (equal on both: the stronger level is kept). A stronger
-    level is not always the faster: where communication beside compute hides little
-    (efficiency.overlap), the chunks cost more than they hide."""
-    d = plan.degrees
+    no slower and keeps no more chunks, judged at ``recompute``, the least recomputation
+    searched (recomputation reruns the same operators under every level). Equal on both (a
+    layer with nothing to overlap: expert TP, no EP), the weaker level is kept, so the plan
+    says what runs. A stronger level is not always the faster: where communication beside
+    compute hides little (efficiency.overlap), the chunks cost more than they hide."""
 
     def cost(o: Overlap) -> tuple[float, int]:
-        q = _with_option(plan, (dispatch, o, Recompute.none, plan.grad_sync_precision))
-        return cost_models.layer_timing(q).total_s, moe_chunks(o, q.ffn, d.ep)
+        q = _with_option(plan, (dispatch, o, recompute, plan.grad_sync_precision))
+        return cost_models.layer_timing(q).total_s, moe_chunks(o, q.ffn, q.degrees.ep)
 
     costs = {o: cost(o) for o in sorted(set(overlaps), key=_OVERLAP_STRENGTH.index)}
 
     def dominated(o: Overlap) -> bool:
         (t, c), strength = costs[o], _OVERLAP_STRENGTH.index(o)
-        return any(t2 <= t and c2 <= c and (t2 < t or c2 < c or _OVERLAP_STRENGTH.index(o2)
-                                            > strength)
+        return any(t2 <= t and c2 <= c
+                   and (t2 < t or c2 < c or _OVERLAP_STRENGTH.index(o2) < strength)
                    for o2, (t2, c2) in costs.items() if o2 != o)
 
     kept = [o for o in costs if not dominated(o)]
-    return sorted(kept, key=lambda o: (costs[o][0], -_OVERLAP_STRENGTH.index(o)))
+    return sorted(kept, key=lambda o: (costs[o][0], _OVERLAP_STRENGTH.index(o)))
 
 
 def _option_groups(plan: Plan, options: list, exhaustive: bool) -> list[list]:
@@ -272,7 +273,8 @@ def _option_groups(plan: Plan, options: list, exhaustive: bool) -> list[list]:
     syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)  # the leanest first
     for dispatch in dict.fromkeys(o[0] for o in options):
         mine = [o for o in options if o[0] == dispatch]
-        for overlap in _overlap_levels(plan, dispatch, {o[1] for o in mine}):
+        least = max({o[2] for o in mine}, key=_LEAN_RECOMPUTE.index)
+        for overlap in _overlap_levels(plan, dispatch, {o[1] for o in mine}, least):
             for sync in syncs:
                 group = [o for o in mine if o[1] == overlap and o[3] == sync]
                 group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
@@ -336,12 +338,13 @@ def _fits_leanest(plan: Plan, options) -> bool:
 
 
 def _fastest_costs(plan: Plan, options) -> StageCosts:
-    """Stage costs under the fastest options of a layout: per dispatcher its fastest overlap
-    level and the least recomputation (see _option_groups), the faster dispatcher."""
+    """Stage costs under the fastest options of a layout: the least recomputation, and of the
+    dispatchers and their overlap levels (_overlap_levels) the one with the fastest layer."""
     recompute = max({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
     overlaps = {o[1] for o in options}
-    fastest = {(d, _overlap_levels(plan, d, overlaps)[0], recompute, options[0][3])
-               for d in dict.fromkeys(o[0] for o in options)}
+    fastest = {(d, overlap, recompute, options[0][3])
+               for d in dict.fromkeys(o[0] for o in options)
+               for overlap in _overlap_levels(plan, d, overlaps, recompute)}
     return min((cost_models.stage_costs(_with_option(plan, o)) for o in fastest),
                key=lambda c: c.layer_s)
 
