@@ -140,6 +140,9 @@ class Script(_Step):
     share_gpu: bool = False
     """Every rank on the one GPU (the script's ``--share-gpu``, which it is given): memory and
     numerics, never speed."""
+    env: dict[str, str] = {}
+    """Environment variables of this step alone (e.g. a collective library's switch whose
+    effect the step measures); results record the NCCL ones (runtime.provenance)."""
 
     def ranks(self) -> int:
         return self.ranks_
@@ -269,6 +272,12 @@ def _report(step, result: Path) -> str:
     return "ok"
 
 
+def _shown(step: _Step, results: Path) -> str:
+    """A step's command as a shell line, its own environment variables first."""
+    env = step.env if isinstance(step, Script) else {}
+    return shlex.join([*(f"{k}={v}" for k, v in env.items()), *step.command(results)])
+
+
 def run(name: str, campaign: Campaign, out: Path) -> int:
     results = ROOT / campaign.results  # a relative folder is the repository's
     results.mkdir(parents=True, exist_ok=True)
@@ -288,12 +297,13 @@ def run(name: str, campaign: Campaign, out: Path) -> int:
             continue
         limit = min(step.timeout_s, left)
         cmd = step.command(results)
-        print(f"=== {step.name} (timeout {limit:.0f} s): {shlex.join(cmd)}", flush=True)
+        print(f"=== {step.name} (timeout {limit:.0f} s): {_shown(step, results)}", flush=True)
         log = results / f"{step.name}.log"
         with log.open("w") as f:
             try:
-                rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=limit).returncode
+                step_env = {**env, **step.env} if isinstance(step, Script) else env
+                rc = subprocess.run(cmd, cwd=ROOT, env=step_env, stdout=f,
+                                    stderr=subprocess.STDOUT, timeout=limit).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
         result = results / (step.result if isinstance(step, Script) else f"{step.name}.json")
@@ -328,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         results = Path(campaign.results)
         for step in campaign.steps:
-            print(f"{step.name}: {shlex.join(step.command(results))}")
+            print(f"{step.name}: {_shown(step, results)}")
         return 0
     return run(args.name, campaign, Path(os.environ.get("OUT", "/tmp/out")))
 

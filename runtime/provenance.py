@@ -31,6 +31,10 @@ def metadata() -> dict:
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     except ImportError:
         torch_version, gpu = None, None
+    # the collectives' switches the run was launched with (NVLink multicast off, record-stream
+    # behaviour, ...): two runs of one commit differ by them
+    switches = {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("NCCL_", "TORCH_NCCL_"))}
     return {
         "commit": commit(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -39,4 +43,5 @@ def metadata() -> dict:
         "processor": platform.processor() or platform.machine(),
         "torch": torch_version,
         "gpu": gpu,
+        **({"nccl_switches": switches} if switches else {}),
     }

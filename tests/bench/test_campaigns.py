@@ -78,6 +78,20 @@ def test_only_cuts_a_campaign_to_named_steps_and_names_an_unknown_one(capsys):
     assert "closest: calibration" in err and len(err.splitlines()) == 1 and len(err) < 160
 
 
+def test_a_step_of_its_own_environment_shows_it_and_results_record_nccl_switches(
+        capsys, monkeypatch):
+    assert campaign.main(["h200_memory_x2", "--dry-run"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines()
+            if ln.startswith("train_step_mixtral2l_dp2_ep2_interop_mbs1_avoid_record_streams:")]
+    assert line and ": TORCH_NCCL_AVOID_RECORD_STREAMS=1 " in line[0]
+    from runtime.provenance import metadata
+
+    monkeypatch.setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    assert metadata()["nccl_switches"] == {"NCCL_NVLS_ENABLE": "0",
+                                           "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
+
+
 def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_path):
     sys.path.insert(0, str(ROOT / "tests" / "runtime"))
     from dist_workers import make_plan
