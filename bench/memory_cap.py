@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _meta import metadata  # noqa: E402
-from train_step import setup  # noqa: E402  (sets the allocator before CUDA starts)
+from train_step import ranks_per_gpu, setup  # noqa: E402  (sets the allocator first)
 
 from cost_models.memory import memory_breakdown  # noqa: E402
 from plans.execution import executed_plan, record  # noqa: E402
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     if rank == 0:
         doc = {**metadata(), "plan": str(a.plan), "plan_summary": plan.summary(),
                "world": world, "backend": backend,
-               "ranks_per_gpu": -(-world // torch.cuda.device_count()),
+               "ranks_per_gpu": ranks_per_gpu(world, device),
                "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB,
                "scale": a.scale, "fits": True,
                "deviations": record(plan, backend_of(device)), "per_rank": per_rank}

@@ -119,6 +119,12 @@ def init(share_gpu: bool = False) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def ranks_per_gpu(world: int, device: torch.device) -> int:
+    """Ranks on each GPU of the launch: above 1 under --share-gpu, where each rank's memory is
+    its own and the step times are not the layout's."""
+    return -(-world // torch.cuda.device_count()) if device.type == "cuda" else 1
+
+
 def setup(plan_path: Path, share_gpu: bool = False):
     """(plan, rank, world, device) with the process group initialised; exits 2 on bad input.
 
@@ -195,8 +201,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         **metadata(),
         "world": world,
         "backend": dist.get_backend() if world > 1 else "none",
-        # above 1 (--share-gpu): the ranks' memory is theirs, their times are not the layout's
-        "ranks_per_gpu": -(-world // torch.cuda.device_count()) if device.type == "cuda" else 1,
+        "ranks_per_gpu": ranks_per_gpu(world, device),
         "plan": str(plan_path),
         "plan_summary": plan.summary(),
         "optimizer_sharding": plan.optimizer_sharding.value,
