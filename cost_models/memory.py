@@ -12,7 +12,15 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from cost_models.compute import ACT_BYTES, FP32_BYTES
-from cost_models.params import chunk_dense_layers, experts_in_gemm, part_params, stage_params
+from cost_models.params import (
+    StageParams,
+    chunk_dense_layers,
+    experts_in_gemm,
+    largest_param,
+    part_params,
+    stage_params,
+)
+from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
 from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
@@ -23,13 +31,21 @@ LO = LayerOperator
 GIB = 2**30
 WEIGHT_BYTES = Precision.bf16.bytes
 """Model weights are held in bf16."""
-OPTIMIZER_STEP_WORKSPACE_BYTES = 4
-"""Per parameter whose states this GPU holds (the ZeRO-1 shard, or all of them unsharded),
-alive only during the optimizer step: the fp32
-gradient slice the reduce-scatter (or, on one rank, the bf16-to-fp32 cast) lands in; the fused
-AdamW needs no temporaries. Measured on H200 (bench/results/gpu_fidelity_h200.json): 1-GPU
-Mixtral-2L peak 59.0 GiB, 11.8 GiB of it this workspace; without it the predictions of 2-GPU
-runs fall up to 30% short."""
+def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
+                             sharding: OptimizerSharding, grad_bytes: int, fused: bool) -> float:
+    """Bytes alive only during the optimizer step (runtime.parallel.optimizer): the slices of
+    the sharded groups, where their reduce-scatters landed (fp32; for the fused AdamW in the
+    main gradients' dtype), all at once; the parameters updated in full cast their main
+    gradients to fp32 and step one bucket at a time (the fused AdamW reads them as they are).
+    A bucket closes once it holds GRAD_SYNC_BUCKET_PARAMS, so it holds at most that many and
+    its largest parameter. Measured on H200 before the buckets stepped one at a time
+    (bench/results/gpu_fidelity_h200.json): 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
+    this workspace, every gradient cast at once."""
+    sharded, local = p.sharded_and_local(d, sharding)
+    if fused:
+        return grad_bytes * sharded
+    bucket = GRAD_SYNC_BUCKET_PARAMS + largest_param(model, d)
+    return FP32_BYTES * (sharded + min(local, bucket))
 
 
 @dataclass(frozen=True)
@@ -328,7 +344,8 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
         working = working_of[moe == 0] if moe + dense else 0.0
         loss = logits if i == d.pp - 1 else 0.0
-        step = OPTIMIZER_STEP_WORKSPACE_BYTES * shard
+        step = optimizer_step_workspace(model, d, p, sharding, grad_bytes,
+                                        opt.runs_fused(kernels))
         transient = max(activations + buffers + max(working, loss), step)
         reserve = ALLOCATOR_RESERVE * transient + LOSS_RESERVE * loss
         return (sum(states) + transient + reserve,

@@ -24,6 +24,16 @@ class StageParams:
     def total(self) -> float:
         return self.dense + self.expert
 
+    def sharded_and_local(self, d: Degrees, sharding: OptimizerSharding) -> tuple[float, float]:
+        """This GPU's optimizer shard split in two: the slices of the groups ZeRO-1 shards over
+        more than one rank, and the parameters it updates in full (a group on one rank, or
+        every group without sharding)."""
+        if sharding == OptimizerSharding.none:
+            return 0.0, self.total
+        dense, expert = self.dense / (d.dp * d.cp * d.sp), self.expert / d.edp
+        sharded = (dense if d.dp * d.cp * d.sp > 1 else 0.0) + (expert if d.edp > 1 else 0.0)
+        return sharded, self.optimizer_shard(d, sharding) - sharded
+
     def optimizer_shard(self, d: Degrees, sharding: OptimizerSharding) -> float:
         """Parameters whose optimizer states (and update) this GPU holds: with ZeRO-1 a
         1/replicas slice of each group (dense over dp x cp x sp, experts over edp), else
@@ -31,6 +41,19 @@ class StageParams:
         if sharding == OptimizerSharding.none:
             return self.total
         return self.dense / (d.dp * d.cp * d.sp) + self.expert / d.edp
+
+
+def largest_param(model: ModelSpec, d: Degrees) -> float:
+    """An upper bound on one parameter tensor on a GPU: the embedding or head (V x h / tp), one
+    of a layer's three routed-expert weights (runtime.moe holds w1, w3 and w2 of its E / ep
+    experts as one tensor each), a dense FFN's weight, or a layer's attention or shared experts
+    whole."""
+    m = model
+    return max(m.vocab * m.hidden / d.tp,
+               m.experts // d.ep * m.hidden * m.expert_ffn_hidden / d.etp,
+               m.dense_ffn_hidden * m.hidden / d.tp,
+               m.attention_params / d.tp,
+               m.shared_expert_params / d.etp)
 
 
 def chunk_dense_layers(stage_layers: tuple[int, ...], dense_layers: int) -> tuple[int, ...]:

@@ -171,28 +171,34 @@ class _Replicated:
         self.sync = GradSync(params, mesh, replication, sync.precision, dtype, launcher,
                              sync.fused, bucket_params)
         self.masters = {name: _master(p) for name, p in params.items()}
+        self.pieces = split_buckets(list(params), params, bucket_params) if params else []
+        """The eager step's pieces: each casts its main gradients to fp32 and steps alone."""
 
     def decay_split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ms = [(self.params[n].ndim >= 2, m) for n, m in self.masters.items()]
         return [m for d, m in ms if d], [m for d, m in ms if not d]
 
-    def load_grads(self) -> None:
-        for name, p in self.params.items():
-            self.masters[name].grad = p.main_grad.float()
+    @torch.no_grad()
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        """The eager update, a piece (about a bucket of parameters) at a time: its main
+        gradients cast to fp32 into the masters' ``grad``, the optimizer stepped on them (it
+        skips masters without one), the masters copied back into bf16 parameters. One
+        piece's fp32 gradients are alive at once (cost_models.params.step_workspace)."""
+        for names in self.pieces:
+            for name in names:
+                self.masters[name].grad = self.params[name].main_grad.float()
+            opt.step()
+            for name in names:
+                m, p = self.masters[name], self.params[name]
+                m.grad = None
+                if m is not p:
+                    p.copy_(m)
 
     @torch.no_grad()
     def fused_step(self, fused: FusedAdamW) -> None:
         for name, p in self.params.items():
             m = self.masters[name]
             fused.step(m, p.main_grad, None if m is p else p)
-
-    @torch.no_grad()
-    def write_back(self) -> None:
-        for name, p in self.params.items():
-            m = self.masters[name]
-            m.grad = None
-            if m is not p:
-                p.copy_(m)
 
     def checkpoint_state(self, opt, key_of: KeyOf) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -267,9 +273,7 @@ class ReplicatedOptimizer:
         if self.fused is not None:
             self.replicated.fused_step(self.fused)
             return
-        self.replicated.load_grads()
-        self.opt.step()
-        self.replicated.write_back()
+        self.replicated.step(self.opt)
 
     def checkpoint_state(self, key_of: KeyOf) -> dict[str, torch.Tensor]:
         return self.replicated.checkpoint_state(self.opt, key_of)
@@ -397,32 +401,43 @@ class ShardedOptimizer:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         """Reduce-scatter each sharded bucket's main gradients into its fp32 shard gradient
-        (a bucket on one rank: its main gradients, as fp32), waiting for the ones launched
-        during the backward. The fused AdamW reads them in their own dtype instead: the main
-        gradients themselves on one rank, the reduce-scatter's output in the wire dtype."""
+        (a bucket on one rank: its main gradients, cast in the step), waiting for the ones
+        launched during the backward. The fused AdamW reads them in their own dtype instead:
+        the main gradients themselves on one rank, the reduce-scatter's output in the wire
+        dtype."""
         done = self.launcher.finish()
         for b, _ in self.buckets:
             if b.group is not None:
                 b.shard_grad = done[b.launch]
             else:
-                b.shard_grad = b.grad_buffer if self.fused is not None else b.grad_buffer.float()
+                b.shard_grad = b.grad_buffer
 
     @torch.no_grad()
     def step(self) -> None:
+        """The sharded buckets' fp32 gradients (the reduce-scatters' outputs) are all alive
+        and stepped at once; the replicated rest and each bucket on one rank cast their main
+        gradients to fp32 and step alone, so one such bucket's copy is alive beside them
+        (cost_models.params.step_workspace). The optimizer skips masters without a
+        ``grad``, and every update is elementwise: the pieces give the one-step weights."""
         if self.fused is not None:
             self._fused_step(self.fused)
             return
+        sharded = [b for b, _ in self.buckets if b.group is not None]
+        if sharded:
+            for b in sharded:
+                b.shard.grad, b.shard_grad = b.shard_grad, None
+            self.opt.step()
+            for b in sharded:
+                b.shard.grad = None
+        self.rest.step(self.opt)
         for b, _ in self.buckets:
-            b.shard.grad, b.shard_grad = b.shard_grad, None
-        self.rest.load_grads()
-        self.opt.step()
-        self.rest.write_back()
-        for b, _ in self.buckets:
-            b.shard.grad = None
             if b.group is None:
+                b.shard.grad, b.shard_grad = b.shard_grad.float(), None
+                self.opt.step()
+                b.shard.grad = None
                 if b.shard.data_ptr() != b.param_buffer.data_ptr():
                     b.param_buffer.copy_(b.shard)
-                continue
+        for b in sharded:
             # parameter all-gather in the parameter dtype (bf16 on CUDA), into the views
             all_gather_into(
                 b.param_buffer, b.shard.to(b.param_buffer.dtype), group=b.group

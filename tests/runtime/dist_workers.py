@@ -88,13 +88,13 @@ def trainer_for(plan: Plan, rank: int, world: int, dtype: str = "fp32",
     )
 
 
-def reference_trainer(plan: Plan, dtype: str = "fp32"):
+def reference_trainer(plan: Plan, dtype: str = "fp32", optim: OptimizerConfig = OPTIM):
     """The one-rank model the parallel ``plan`` must reproduce (same balance groups)."""
     ref = reference_plan(plan)
     t = ref.training
     data = SyntheticTokens(t.global_batch, t.seq_len, ref.model.vocab, SEED)
     return build_trainer(
-        ref, 0, 1, torch.device("cpu"), SEED, data, model_options(plan), OPTIM,
+        ref, 0, 1, torch.device("cpu"), SEED, data, model_options(plan), optim,
         DTYPES[dtype],
     )
 

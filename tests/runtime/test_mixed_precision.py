@@ -4,12 +4,15 @@ parameter of the ZeRO-1 shard), and parallel layouts follow the one-rank bf16 ru
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from dist_workers import make_plan, reference_trainer
+from dist_workers import OPTIM, make_plan, reference_trainer
 from test_parity import A2A, AG, _rel
 
-from cost_models.memory import memory_breakdown
+from cost_models.memory import memory_breakdown, optimizer_step_workspace
+from cost_models.params import largest_param, stage_params_of
 from plans import Optimizer, OptimizerSharding, Precision
 
 ZERO1, NONE = OptimizerSharding.zero1, OptimizerSharding.none
@@ -73,6 +76,44 @@ def test_sgd_keeps_only_fp32_masters_as_the_cost_model_prices(sharding):
     numel = sum(p.numel() for p in trainer.model.parameters())
     assert trainer.state_bytes()["optimizer"] == 4 * numel
     assert memory_breakdown(plan).components_bytes["optimizer"] == 4 * numel
+
+
+@pytest.mark.parametrize("sharding", list(OptimizerSharding))
+def test_eager_step_casts_one_bucket_at_a_time(sharding):
+    """The eager AdamW casts bf16 main gradients to fp32 and steps them a bucket at a time: no
+    optimizer call sees more fp32 gradients than a bucket (its size plus its largest
+    parameter, cost_models.memory.optimizer_step_workspace), and the weights are the ones of a
+    single step over everything."""
+    plan = make_plan(grad_sync_precision=Precision.bf16, optimizer_sharding=sharding)
+    bucket = 3000
+    pieces = reference_trainer(plan, "bf16", dataclasses.replace(OPTIM, bucket_params=bucket))
+    whole = reference_trainer(plan, "bf16", dataclasses.replace(OPTIM, bucket_params=10**9))
+    seen: list[int] = []
+    for trainer, log in ((pieces, seen), (whole, [])):
+        opt = trainer.optimizer.opt
+        step = opt.step
+
+        def counting(step=step, opt=opt, log=log):
+            log.append(sum(p.numel() for g in opt.param_groups for p in g["params"]
+                           if p.grad is not None))
+            return step()
+
+        opt.step = counting
+        for s in range(2):
+            trainer.train_step(s)
+    total = sum(p.numel() for p in pieces.model.parameters())
+    largest = max(p.numel() for p in pieces.model.parameters())
+    assert len(seen) > 2 and max(seen) <= bucket + largest < total, (seen, total)
+    assert sum(seen) == 2 * total  # every parameter stepped once per step
+    for (name, a), b in zip(pieces.model.named_parameters(), whole.model.parameters(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    # the cost model's largest parameter bounds the runtime's; at 40M per bucket this model
+    # is one bucket
+    (stage,) = stage_params_of(plan)
+    assert largest <= largest_param(plan.model, plan.degrees)
+    assert optimizer_step_workspace(plan.model, plan.degrees, stage, sharding, 2,
+                                    False) == 4 * total
 
 
 @pytest.mark.parametrize("sharding", list(OptimizerSharding))
