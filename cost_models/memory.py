@@ -20,8 +20,8 @@ from cost_models.params import (
     part_params,
     stage_params,
 )
-from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
+from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
