@@ -17,6 +17,7 @@ import argparse
 import difflib
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
@@ -300,11 +301,16 @@ def run(name: str, campaign: Campaign, out: Path) -> int:
         print(f"=== {step.name} (timeout {limit:.0f} s): {_shown(step, results)}", flush=True)
         log = results / f"{step.name}.log"
         with log.open("w") as f:
+            step_env = {**env, **step.env} if isinstance(step, Script) else env
+            # a session of its own: on a timeout the whole group goes (torchrun's workers too,
+            # which would otherwise keep their GPU memory through the next steps)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=step_env, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                step_env = {**env, **step.env} if isinstance(step, Script) else env
-                rc = subprocess.run(cmd, cwd=ROOT, env=step_env, stdout=f,
-                                    stderr=subprocess.STDOUT, timeout=limit).returncode
+                rc = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
                 rc = 124
         result = results / (step.result if isinstance(step, Script) else f"{step.name}.json")
         failed += rc != 0

@@ -129,7 +129,11 @@ def run_case(name: str, plan: Plan, rank: int, world: int, device: torch.device,
                    peak_reserved_bytes=torch.cuda.max_memory_reserved(device))
     out["device_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
     out["run_s"] = time.perf_counter() - t0
-    del trainer  # its process groups stay (DeviceMesh caches them; a layout reuses them)
+    if trainer is not None:
+        # its gradient-sync hooks on the parameters keep the optimizer and its buffers alive
+        # (2-GPU cases after the first carried every earlier case's states, 9f4bed9)
+        trainer.close()
+    del trainer
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,33 @@ def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_pat
     assert doc.measured_steps == 2 and doc.optimizer_sharding == "none"
     with tarfile.open(out / "results.tgz") as tar:
         assert "res/train_step_tiny.json" in tar.getnames()
+
+
+def test_a_step_past_its_timeout_is_stopped_with_every_process_it_started(tmp_path,
+                                                                         monkeypatch):
+    """A timed-out torchrun left its workers holding GPU memory through the next steps."""
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "spawns.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n")
+    manifest = _manifest(tmp_path, {"slow": {"about": "a step that outlives its timeout",
+                                             "gpus": 1, "results": str(tmp_path / "res"),
+                                             "steps": [{"script": str(script), "name": "slow",
+                                                        "result": "never.json",
+                                                        "timeout_s": 3}]}})
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert campaign.main(["slow", "--manifest", str(manifest)]) == 1
+    child = int(pid_file.read_text())
+    status = Path(f"/proc/{child}/status")
+    for _ in range(50):  # killed: gone, or a zombie where nothing reaps orphans
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the step's child {child} outlived the step")
 
 
 # ---- committed results parse as typed documents ------------------------------------------------
