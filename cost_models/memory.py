@@ -107,7 +107,8 @@ class Kept:
 
 
 def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: bool,
-                  micro_batch: int, kernels: Kernels = Kernels.eager) -> list[Kept]:
+                  micro_batch: int, kernels: Kernels = Kernels.eager,
+                  linears_accumulate: bool = False) -> list[Kept]:
     """The tensors of one layer that this runtime's autograd graph can keep, per token. Fused
     kernels (runtime.kernels, torch.compile regions) keep less: an RMSNorm only its bf16 output
     (which the next GEMM keeps) and the fp32 inverse norm instead of fp32 copies of its input
@@ -125,7 +126,11 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
         Kept("norms", norm, frozenset({LO.ffn_norm})),
     ]
     if degrees.tp > 1:
-        copies = 3 if micro_batch > 1 else 1
+        # torch's Linear makes (and keeps) a batch-major copy of a non-contiguous input per
+        # projection; the accumulating Linear (grad_accumulation_fusion) keeps the input as
+        # given, one tensor for the three (measured on H200: deepseek4l_tp2_etp2_mbs4's
+        # attention kept 2 tp h per token at 2feebb8, 8 tp h at 5dc7a2f)
+        copies = 3 if micro_batch > 1 and not linears_accumulate else 1
         out.append(Kept("attention_input", copies * 2.0 * degrees.tp * h,
                         frozenset({LO.qkv_gemm}), LO.tp_all_gather, frozenset({LO.qkv_gemm})))
     if model.qk_norm:
@@ -179,6 +184,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
 def layer_activation_terms(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
+    linears_accumulate: bool = False,
 ) -> dict[str, float]:
     """Bytes one layer keeps for backward per micro-batch, ``tokens`` per rank, by the tensor
     this runtime's autograd graph saves (runtime/model.py, runtime/moe.py, runtime/parallel/);
@@ -190,7 +196,8 @@ def layer_activation_terms(
     - norms: each RMSNorm keeps its fp32 input copy and fp32 normalised value and hands a bf16
       output to the next operator: 10 h per norm;
     - attention_input (TP attention): the all-gathered sequence, one batch-major copy per
-      Q/K/V projection when the micro-batch has more than one sequence: 2 tp h each;
+      Q/K/V projection when the micro-batch has more than one sequence, one in all when the
+      Linear layers accumulate in their GEMMs (``linears_accumulate``): 2 tp h each;
     - qk_norm (Qwen3): the per-head RMSNorms of q and k keep their fp32 input and normalised
       copies, 8 (q_dim + kv_dim);
     - attention_core: RoPE'd q, k and v expanded to the query heads (GQA repeat) and the SDPA
@@ -207,7 +214,7 @@ def layer_activation_terms(
     - layer_input: recomputing the whole layer keeps its input (2 h) only."""
     recomputed = RECOMPUTED[policy]
     terms: dict[str, float] = {}
-    for t in _kept_tensors(model, degrees, ffn, dense, micro_batch, kernels):
+    for t in _kept_tensors(model, degrees, ffn, dense, micro_batch, kernels, linears_accumulate):
         if t.kept(recomputed):
             terms[t.term] = terms.get(t.term, 0.0) + t.bytes_per_token
     return {name: b * tokens for name, b in terms.items()}
@@ -217,10 +224,11 @@ def layer_activation_terms(
 def layer_activation_bytes(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
+    linears_accumulate: bool = False,
 ) -> float:
     """The sum of ``layer_activation_terms``."""
     return sum(layer_activation_terms(model, tokens, degrees, ffn, policy, dense,
-                                      micro_batch, kernels).values())
+                                      micro_batch, kernels, linears_accumulate).values())
 
 
 LOSS_BYTES_PER_LOGIT = 12
@@ -296,12 +304,14 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             policy: Recompute, grad_precision: Precision, opt: Optimizer, capacity: float,
             cross_entropy: CrossEntropy, sharding: OptimizerSharding,
             kernels: Kernels = Kernels.eager, chunks: int = 1,
-            experts_accumulate_in_gemm: bool = False) -> MemoryBreakdown:
+            experts_accumulate_in_gemm: bool = False,
+            linears_accumulate: bool = False) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     per_layer = {
-        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch, kernels)
+        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch, kernels,
+                                             linears_accumulate)
         for dense in (False, True) for pol in (policy, Recompute.none)
     }
     layers = [[0, 0] for _ in range(d.pp)]
@@ -367,4 +377,5 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
         moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep), experts_in_gemm(plan),
+        plan.grad_accumulation_fusion,
     )

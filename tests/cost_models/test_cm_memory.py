@@ -36,7 +36,8 @@ def test_layer_terms_match_the_bytes_each_layer_kept_on_h200(case):
     d, t = plan.degrees, plan.training
     tokens = plan.micro_batch_size * t.seq_len / (d.sp * d.cp * d.tp)
     predicted = layer_activation_bytes(plan.model, tokens, d, plan.ffn, plan.recompute, False,
-                                       plan.micro_batch_size)
+                                       plan.micro_batch_size, plan.kernels,
+                                       plan.grad_accumulation_fusion)
     measured = rank["module_kept_bytes"]["layers.0"]
     assert predicted == pytest.approx(measured, rel=0.03)
 
@@ -49,7 +50,8 @@ def test_ep_layer_terms_bracket_the_ranks_measured_layers():
     d = plan.degrees
     tokens = plan.micro_batch_size * plan.training.seq_len / d.sp
     predicted = layer_activation_bytes(plan.model, tokens, d, plan.ffn, plan.recompute, False,
-                                       plan.micro_batch_size)
+                                       plan.micro_batch_size, plan.kernels,
+                                       plan.grad_accumulation_fusion)
     for rank in doc["ranks"]:
         layers = [v for k, v in rank["module_kept_bytes"].items() if k.count(".") == 1]
         assert sum(layers) / len(layers) <= predicted
