@@ -69,6 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peer", action="store_true", help="skip torchtitan's layer")
+    p.add_argument("--grad-accumulation-fusion", action="store_true",
+                   help="our layer as a plan with grad_accumulation_fusion runs it: the router's "
+                        "gate and, where plans.layout.accumulates_experts_in_gemm holds, the "
+                        "experts add their weight gradients into bf16 main gradients in the "
+                        "GEMMs (runtime.parallel.grad_accumulation)")
     p.add_argument("--kernels", choices=["eager", "fused"], default="eager",
                    help="our layer's memory-bound operators (plan kernels: runtime.kernels)")
     p.add_argument("--sm-carveout", type=int, default=0,
@@ -98,14 +103,19 @@ def shape_of(args, name: str) -> dict:
 # ---- our layer ------------------------------------------------------------------------------
 
 
-def build_moe(shape: dict, local_experts: int, device, dtype, seed: int, ops):
+def build_moe(shape: dict, local_experts: int, device, dtype, seed: int, ops,
+              accumulate: bool = False):
     """runtime.moe.MoE with every expert weight N(0, 0.02) (the router's gate too), holding
     ``local_experts`` of the shape's experts; the router still routes over all of them.
-    ``ops``: the memory-bound operators' kernels (runtime.kernels.kernel_ops)."""
+    ``ops``: the memory-bound operators' kernels (runtime.kernels.kernel_ops). ``accumulate``:
+    gradient-accumulation fusion as the runtime applies it, each routed weight's gradient
+    added into a main gradient in the parameters' dtype (a bf16 sync's), kept across steps as
+    a step's micro-batches add into it."""
     import torch
     from torch import nn
 
     from runtime.moe import MoE, Router
+    from runtime.parallel.grad_accumulation import fuse_accumulation, in_gemm, mark_parameters
 
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs (GBs of experts at full width)
@@ -114,7 +124,14 @@ def build_moe(shape: dict, local_experts: int, device, dtype, seed: int, ops):
         moe.router = Router(shape["hidden"], shape["experts"], shape["top_k"], 1, ops=ops)
     for p in moe.parameters():
         nn.init.normal_(p, 0.0, 0.02)
-    return moe.to(dtype=dtype)
+    moe = moe.to(dtype=dtype)
+    if accumulate:
+        fuse_accumulation(moe)
+        mark_parameters(moe)
+        for p in moe.parameters():
+            if in_gemm(p):
+                p.main_grad = torch.zeros_like(p)
+    return moe
 
 
 def step_fn(layer, x, grad_out):
@@ -382,7 +399,7 @@ def measure(args) -> int:
         # the layer's local experts routed to by a router over them alone: the rows per local
         # expert of the EP layer under balanced routing (n T k / E), no token movement
         alone = build_moe({**shape, "experts": local, "top_k": min(shape["top_k"], local)},
-                          local, device, dtype, args.seed, ops)
+                          local, device, dtype, args.seed, ops, args.grad_accumulation_fusion)
         compute = time_of(step_fn(alone, x, grad_out))
         carved_compute = (time_of(carved(step_fn(alone, x, grad_out), args.sm_carveout))
                           if args.sm_carveout else None)
@@ -392,7 +409,8 @@ def measure(args) -> int:
             "ag_rs": lambda e=shape["experts"]: AllGatherDispatcher(e, group, n, rank, ops=ops),
         }
         for label, make in dispatchers.items():
-            moe = build_moe(shape, local, device, dtype, args.seed, ops)
+            moe = build_moe(shape, local, device, dtype, args.seed, ops,
+                            args.grad_accumulation_fusion)
             if make is not None:
                 moe.dispatcher = make()
             variants = {"serial": time_of(step_fn(moe, x, grad_out))}
@@ -444,6 +462,7 @@ def measure(args) -> int:
             "dtype": str(dtype).removeprefix("torch."), "inter_op_chunks": args.chunks,
             "inter_op_schedule": args.schedule,
             "kernels": args.kernels, "nccl_env": nccl_env(),
+            "grad_accumulation_fusion": args.grad_accumulation_fusion,
             "sm_carveout": args.sm_carveout,
             "warmup": args.warmup, "repeats": args.repeats, "scale": args.scale,
             "overlap_target": f"inter_op <= {OVERLAP_TARGET} x max(compute_alone, comm_alone)",

@@ -181,18 +181,24 @@ def apply_grad_accumulation_fusion(model: Transformer) -> None:
     modules are flagged; ``mark_parameters`` marks their parameters once the model is
     materialised (materialising replaces the parameter objects)."""
     for block in model.layers.values():
-        for module in block.modules():
-            if isinstance(module, nn.Linear):
-                if module.bias is not None:
-                    raise ValueError(f"{type(module).__name__} with a bias: the runtime's "
-                                     "Linear layers have none")
-                module.forward = lambda x, m=module: linear_accumulating(m.weight, x)
+        fuse_accumulation(block)
+
+
+def fuse_accumulation(root: nn.Module) -> None:
+    """The transform on one module tree: a block, or one bare MoE layer
+    (bench/moe_layer_gpu.py --grad-accumulation-fusion)."""
+    for module in root.modules():
+        if isinstance(module, nn.Linear):
+            if module.bias is not None:
+                raise ValueError(f"{type(module).__name__} with a bias: the runtime's "
+                                 "Linear layers have none")
+            module.forward = lambda x, m=module: linear_accumulating(m.weight, x)
+            setattr(module, _FUSED, True)
+        elif isinstance(module, GroupedExperts):
+            local_experts, local_ffn, _ = module.w1.shape
+            if accumulates_experts_in_gemm(True, local_experts, local_ffn):
+                module.matmul = per_expert_accumulating
                 setattr(module, _FUSED, True)
-            elif isinstance(module, GroupedExperts):
-                local_experts, local_ffn, _ = module.w1.shape
-                if accumulates_experts_in_gemm(True, local_experts, local_ffn):
-                    module.matmul = per_expert_accumulating
-                    setattr(module, _FUSED, True)
 
 
 def mark_parameters(model: nn.Module) -> None:

@@ -46,3 +46,17 @@ def test_moe_layer_script(tmp_path, procs, shape):
             bound = max(times["compute_alone"], times["comm_alone"])
             assert target["bound_s"] == bound
             assert target["met"] == (times["inter_op"] <= 1.1 * bound)
+
+
+def test_moe_layer_script_with_gradient_accumulation_fusion(tmp_path):
+    """--grad-accumulation-fusion: our layer with the runtime's accumulating GEMMs runs every
+    variant at EP = 2 and says so in its result."""
+    out = tmp_path / "m.json"
+    r = _run(2, "--shapes", "mixtral-8x7b", *SMALL, "--grad-accumulation-fusion",
+             "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["grad_accumulation_fusion"] is True
+    for label in ("a2a", "ag_rs"):
+        times = res["shapes"]["mixtral-8x7b"][label]["fwd_bwd_s"]
+        assert all(times[k] > 0 for k in ("serial", "inter_op", "compute_alone"))
