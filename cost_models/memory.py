@@ -32,7 +32,8 @@ GIB = 2**30
 WEIGHT_BYTES = Precision.bf16.bytes
 """Model weights are held in bf16."""
 def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
-                             sharding: OptimizerSharding, grad_bytes: int, fused: bool) -> float:
+                             sharding: OptimizerSharding, grad_bytes: int, fused: bool,
+                             in_buckets: bool = True) -> float:
     """Bytes alive only during the optimizer step (runtime.parallel.optimizer): the slices of
     the sharded groups, where their reduce-scatters landed (fp32; for the fused AdamW in the
     main gradients' dtype), all at once; the parameters updated in full cast their main
@@ -40,11 +41,12 @@ def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
     A bucket closes once it holds GRAD_SYNC_BUCKET_PARAMS, so it holds at most that many and
     its largest parameter. Measured on H200 before the buckets stepped one at a time
     (bench/results/gpu_fidelity_h200.json): 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
-    this workspace, every gradient cast at once."""
+    this workspace, every gradient cast at once (``in_buckets`` False: how runs before
+    plans.execution.EAGER_STEP_IN_BUCKETS_SINCE executed it)."""
     sharded, local = p.sharded_and_local(d, sharding)
     if fused:
         return grad_bytes * sharded
-    bucket = GRAD_SYNC_BUCKET_PARAMS + largest_param(model, d)
+    bucket = GRAD_SYNC_BUCKET_PARAMS + largest_param(model, d) if in_buckets else local
     return FP32_BYTES * (sharded + min(local, bucket))
 
 
@@ -305,7 +307,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             cross_entropy: CrossEntropy, sharding: OptimizerSharding,
             kernels: Kernels = Kernels.eager, chunks: int = 1,
             experts_accumulate_in_gemm: bool = False,
-            linears_accumulate: bool = False) -> MemoryBreakdown:
+            linears_accumulate: bool = False, step_in_buckets: bool = True) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
@@ -355,7 +357,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         working = working_of[moe == 0] if moe + dense else 0.0
         loss = logits if i == d.pp - 1 else 0.0
         step = optimizer_step_workspace(model, d, p, sharding, grad_bytes,
-                                        opt.runs_fused(kernels))
+                                        opt.runs_fused(kernels), step_in_buckets)
         transient = max(activations + buffers + max(working, loss), step)
         reserve = ALLOCATOR_RESERVE * transient + LOSS_RESERVE * loss
         return (sum(states) + transient + reserve,
@@ -368,8 +370,10 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
                            capacity, peak_stage)
 
 
-def memory_breakdown(plan: Plan) -> MemoryBreakdown:
-    """Peak bytes per GPU of ``plan`` and the capacity it must fit in."""
+def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdown:
+    """Peak bytes per GPU of ``plan`` and the capacity it must fit in; ``step_in_buckets``
+    False prices a run of the runtime before its eager optimizer stepped bucket by bucket
+    (plans.execution.steps_in_buckets)."""
     c, t = plan.cluster, plan.training
     capacity = c.gpu.hbm_gib * GIB * c.efficiency.memory_usable
     return _memory(
@@ -377,5 +381,5 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
         moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep), experts_in_gemm(plan),
-        plan.grad_accumulation_fusion,
+        plan.grad_accumulation_fusion, step_in_buckets,
     )

@@ -59,6 +59,7 @@ from cost_models.layer_graph import (
     backward_graph,
     forward_graph,
 )
+from cost_models.memory import memory_breakdown
 from plans import (
     EPFFN,
     ClusterSpec,
@@ -71,7 +72,7 @@ from plans import (
     catalog,
 )
 from plans.errors import describe
-from plans.execution import executed_as_measured, measured_deviations
+from plans.execution import executed_as_measured, measured_deviations, steps_in_buckets
 from plans.results import (
     OverlapBench,
     ProfileResult,
@@ -478,6 +479,8 @@ class Measured:
     deviations: list[dict] | None = None
     """The plan fields the run executed differently (plans.execution.record); None where it
     did not record them."""
+    date: str | None = None
+    """When it ran (plans.execution.steps_in_buckets: which optimizer step made its peak)."""
 
 
 def measured_run(path: Path, skip: int = 2) -> Measured:
@@ -488,7 +491,7 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
         return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
-                        r.routing_skew, recorded_deviations(r))
+                        r.routing_skew, recorded_deviations(r), r.date)
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
@@ -528,7 +531,9 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
     if measured_skew and m.routing_skew is not None:
         plan = plan.model_copy(update={"training": plan.training.model_copy(
             update={"routing_skew": max(1.0, m.routing_skew)})})
-    e = cost_models.evaluate(executed_as_measured(plan, m.deviations))
+    ran = executed_as_measured(plan, m.deviations)
+    e = cost_models.evaluate(ran)
+    peak = memory_breakdown(ran, steps_in_buckets(m.date)).peak_bytes / GIB
     return {
         "plan": plan_path.stem,
         "layout": plan.summary(),
@@ -542,8 +547,8 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
         "measured_mfu": m.mfu,
         "predicted_mfu": e.mfu,
         "measured_peak_gib": m.peak_gib,
-        "predicted_peak_gib": e.memory.peak_bytes / GIB,
-        "memory_error": e.memory.peak_bytes / GIB / m.peak_gib - 1,
+        "predicted_peak_gib": peak,
+        "memory_error": peak / m.peak_gib - 1,
         "measured_components_s": m.components_s,
         "predicted_components_s": dict(e.components_s),
         "predicted_breakdown_s": dict(e.breakdown_s),

@@ -149,3 +149,28 @@ def test_over_hbm_is_infeasible_with_numbers(plan_352b):
     assert not ev.feasible and not ev.memory.fits
     peak = ev.memory.peak_bytes / GIB
     assert ev.reason == f"peak memory {peak:.1f} GiB > usable 73.6 GiB on stage 0"
+
+
+def test_runs_before_the_bucketed_step_are_priced_with_every_gradient_cast_at_once():
+    # the eager optimizer casts one bucket at a time since plans.execution's date; the
+    # 1-GPU Mixtral plan's peak was set by the fp32 copies of all its gradients before it
+    from cost_models.memory import optimizer_step_workspace
+    from cost_models.params import largest_param, stage_params_of
+    from plans.catalog import load_plan
+    from plans.execution import EAGER_STEP_IN_BUCKETS_SINCE, steps_in_buckets
+
+    plan = load_plan(Path(__file__).resolve().parents[2] / "bench" / "gpu_plans" / "fidelity"
+                     / "mixtral2l_1gpu_mbs1.json")
+    assert steps_in_buckets(None) and steps_in_buckets(EAGER_STEP_IN_BUCKETS_SINCE)
+    assert not steps_in_buckets("2026-11-30T23:59:00+00:00")
+    (stage,) = stage_params_of(plan)
+    d, m = plan.degrees, plan.model
+    bucket = 40_000_000 + largest_param(m, d)
+    # one of a layer's three [E, F, h] expert weights, above the embedding
+    assert largest_param(m, d) == m.experts * m.expert_ffn_hidden * m.hidden > m.vocab * m.hidden
+    whole = optimizer_step_workspace(m, d, stage, plan.optimizer_sharding, 2, False, False)
+    assert optimizer_step_workspace(m, d, stage, plan.optimizer_sharding, 2, False) == 4 * bucket
+    assert whole == 4 * stage.total
+    before, now = memory_breakdown(plan, step_in_buckets=False), memory_breakdown(plan)
+    assert before.components_bytes["optimizer_step_workspace"] == whole
+    assert before.peak_bytes - now.peak_bytes > 5 * GIB
