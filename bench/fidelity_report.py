@@ -324,22 +324,25 @@ eager memory-bound work of 128 experts at top-8 is what the Mixtral-fitted facto
 Pricing Qwen3's per-head q and k norms at the eager norms' rate
 (two RMSNorms over q and k) was tried and not kept: it moves Qwen3's mbs-1 plan from +2.7% to
 +9.3% and its dp2 x ep2 plan to +10.4%, because that rate already over-prices the eager norm.
-Peak memory misses on two plans with a second stream: the overlapped Mixtral layer (-7.5%) and
-Mixtral's PP (-6.2%, first stage). Their allocated peaks are predicted (30.2 GiB both, as
-measured); the caching allocator's reserve over it is 2.5-2.7 GiB there against 0.9-1.6 GiB in
-the single-stream plans, and was 0.4 GiB on the PP plan's first stage before the router's host
-sync was removed. Where a reserve comes from was measured on one GPU by replaying the
-allocator's history of a step (`bench/train_step.py --memory-timeline`, `speed17/memory/`): the
-single-stream plans' reserve is fragmentation inside the one expandable segment, no pending
-cross-stream frees (active = allocated) and no second stream's segment; Qwen3's mbs-4 plan maps
-its last pages (94.4 GiB) at a moment when 61.0 GiB is allocated (a 3 GiB grouped-GEMM output
-finds no hole), Mixtral's mbs-1 plan at its optimizer step (the fp32 copies of the main
-gradients). Capped at its prediction, a plan trains when the prediction covers its allocated
-peak (table above: Mixtral's mbs-1 plan fits 1.9% under its uncapped reserved peak). The
-two-stream plans on NCCL need the same replay and the capped run on two GPUs (campaigns
-`h200_memory_x2`, `h200_memory_cap_x2`), which no lent machine has run yet; the overlapped
-layer's ranks sharing one GPU over gloo are below. The memory model's reserve (3% of the
-transients and 22% of the loss) does not see the uncapped fragments.
+Peak memory. The two-GPU plans' misses (Mixtral's pp2 -6.2%, the overlapped Mixtral layer
+-7.5%, at eb63095) were the eager optimizer step: it cast every main gradient to fp32 at once
+(4.4 GiB on each rank of those plans, 11.8 GiB on one GPU), and the caching allocator mapped
+fresh pages for the block where no hole held it. Replayed on two GPUs at 3973f9b
+(`speed17/memory_x2/`, `bench/train_step.py --memory-timeline`), the reserved peak came at the
+optimizer step on both plans, with those copies live (4.1-4.4 GiB); the second stream kept
+0.3-0.4 GiB of its own and `TORCH_NCCL_AVOID_RECORD_STREAMS=1` moved the peak by under 0.4 GiB.
+Since 029a588 the eager step casts and steps one bucket at a time
+(`runtime.parallel.optimizer`; `cost_models.memory.optimizer_step_workspace` prices one
+bucket): the plans re-measured at 2feebb8 (every Mixtral plan and Qwen3's mbs-1 plan, three
+launches each) hold 52.2 GiB on one GPU where they held 60.8, and every 2-GPU Mixtral plan is
+within 5% (pp2 -4.9%, inter-op -2.0%). In the same device call an A/B/A of the 1-GPU Mixtral
+step (`bench/ab/ab_optimizer.sh`, `speed18/ab_optimizer/`): bucket by bucket 467.1 and
+463.0 ms, every cast at once 463.6 ms. The other plans' peaks are not set by that workspace
+under either rule and keep their earlier launches. Runs measured before the change are priced
+as they ran (`plans.execution.steps_in_buckets`, by the result's date). Capped at the
+prediction (below), Mixtral's pp2 plan stops out of memory on its first stage: the prediction
+covers its allocated peak (27.3 against 27.1 GiB) but not the 0.25 GiB its allocator could not
+reuse, so it is the one plan whose prediction is a lower bound of what it needs.
 """
 
 
@@ -366,8 +369,9 @@ def shared_text(folder: Path) -> str:
             "allocator runs the plan's streams, while the collectives are gloo's (staged "
             "through host memory), not NCCL's kernels in flight on the GPU. The streams beside "
             "the compute stream (the communication stream and gloo's) keep the small further "
-            "terms; the overlapped layer's reserve in its NCCL run (table at the top) is not "
-            "reproduced here, so what holds it is NCCL's, which only two GPUs show:\n\n"
+            "terms. Measured before the eager optimizer step went bucket by bucket (3973f9b "
+            "and earlier); on two GPUs the larger reserve of the NCCL run came from that step "
+            "(the section on peak memory):\n\n"
             + "\n".join(lines) + "\n")
 
 

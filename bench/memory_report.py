@@ -84,7 +84,7 @@ of the same plan, the allocator reserve included. Target: within 10%, never more
 
 How the prediction is built, term by term, with the runtime's allocations named:
 `cost_models/memory.py` (`layer_activation_terms`, `LOSS_BYTES_PER_LOGIT`,
-`OPTIMIZER_STEP_WORKSPACE_BYTES`, `ALLOCATOR_RESERVE`, `EP_LOAD`). Each result file also holds the
+`optimizer_step_workspace`, `ALLOCATOR_RESERVE`, `EP_LOAD`). Each result file also holds the
 per-phase peaks (forward, loss, backward, gradient sync, optimizer step) and the bytes each
 module keeps after its forward.
 
