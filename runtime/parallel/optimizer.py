@@ -183,7 +183,8 @@ class _Replicated:
         """The eager update, a piece (about a bucket of parameters) at a time: its main
         gradients cast to fp32 into the masters' ``grad``, the optimizer stepped on them (it
         skips masters without one), the masters copied back into bf16 parameters. One
-        piece's fp32 gradients are alive at once (cost_models.params.step_workspace)."""
+        piece's fp32 gradients are alive at once
+        (cost_models.memory.optimizer_step_workspace)."""
         for names in self.pieces:
             for name in names:
                 self.masters[name].grad = self.params[name].main_grad.float()
@@ -417,8 +418,8 @@ class ShardedOptimizer:
         """The sharded buckets' fp32 gradients (the reduce-scatters' outputs) are all alive
         and stepped at once; the replicated rest and each bucket on one rank cast their main
         gradients to fp32 and step alone, so one such bucket's copy is alive beside them
-        (cost_models.params.step_workspace). The optimizer skips masters without a
-        ``grad``, and every update is elementwise: the pieces give the one-step weights."""
+        (cost_models.memory.optimizer_step_workspace). The optimizer skips masters without
+        a ``grad``, and every update is elementwise: the pieces give the one-step weights."""
         if self.fused is not None:
             self._fused_step(self.fused)
             return
