@@ -184,7 +184,11 @@ class _Replicated:
         gradients cast to fp32 into the masters' ``grad``, the optimizer stepped on them (it
         skips masters without one), the masters copied back into bf16 parameters. One
         piece's fp32 gradients are alive at once
-        (cost_models.memory.optimizer_step_workspace)."""
+        (cost_models.memory.optimizer_step_workspace). A parameter that is its own master
+        can come with ``.grad`` aliasing its main gradient (attach_main_grads): it is dropped
+        first, so that no call steps a master outside its piece (zero_grad aliases it again)."""
+        for m in self.masters.values():
+            m.grad = None
         for names in self.pieces:
             for name in names:
                 self.masters[name].grad = self.params[name].main_grad.float()
@@ -423,6 +427,7 @@ class ShardedOptimizer:
         if self.fused is not None:
             self._fused_step(self.fused)
             return
+        self.rest.step(self.opt)  # first: it drops the gradients its masters came with
         sharded = [b for b, _ in self.buckets if b.group is not None]
         if sharded:
             for b in sharded:
@@ -430,7 +435,6 @@ class ShardedOptimizer:
             self.opt.step()
             for b in sharded:
                 b.shard.grad = None
-        self.rest.step(self.opt)
         for b, _ in self.buckets:
             if b.group is None:
                 b.shard.grad, b.shard_grad = b.shard_grad.float(), None
