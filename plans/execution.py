@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import Enum, StrEnum
 
 from pydantic import BaseModel
@@ -305,8 +305,13 @@ def steps_in_buckets(measured_on: str | None) -> bool:
     eager optimizer one bucket at a time; a run without a date is taken as the runtime's now."""
     if measured_on is None:
         return True
-    return datetime.fromisoformat(measured_on) >= datetime.fromisoformat(
-        EAGER_STEP_IN_BUCKETS_SINCE)
+    try:
+        when = datetime.fromisoformat(measured_on)
+    except ValueError:
+        raise SpecError(f"date: '{measured_on}' is not an ISO 8601 time") from None
+    if when.tzinfo is None:  # written without an offset: UTC, as the results are
+        when = when.replace(tzinfo=UTC)
+    return when >= datetime.fromisoformat(EAGER_STEP_IN_BUCKETS_SINCE)
 
 
 def record(plan: Plan, backend: Backend) -> list[dict]:

@@ -10,7 +10,7 @@ import pytest
 from cost_models import memory_breakdown
 from cost_models.memory import in_flight_micro_batches, layer_activation_bytes
 from cost_models.params import stage_params
-from plans import Degrees, Plan, Recompute
+from plans import Degrees, Plan, Recompute, SpecError
 from plans.catalog import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -163,6 +163,9 @@ def test_runs_before_the_bucketed_step_are_priced_with_every_gradient_cast_at_on
                      / "mixtral2l_1gpu_mbs1.json")
     assert steps_in_buckets(None) and steps_in_buckets(EAGER_STEP_IN_BUCKETS_SINCE)
     assert not steps_in_buckets("2026-11-30T23:59:00+00:00")
+    assert steps_in_buckets("2026-12-02T00:00:00")  # no offset: UTC
+    with pytest.raises(SpecError, match="date: 'yesterday' is not an ISO 8601 time"):
+        steps_in_buckets("yesterday")
     (stage,) = stage_params_of(plan)
     d, m = plan.degrees, plan.model
     bucket = 40_000_000 + largest_param(m, d)
