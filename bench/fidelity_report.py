@@ -522,7 +522,9 @@ def cap_text(folders: list[Path]) -> str:
         if d.get("scale", 1.0) != 1.0:
             name += f" (control: {d['scale']:g} x the prediction)"
         shared = d.get("ranks_per_gpu", 1) > 1 or d["folder"] == "memory_shared"
-        gpus = "1, both ranks (gloo)" if shared else str(d.get("world", 1))
+        # an out-of-memory record before 2026-12-01 did not say its world: the plan's
+        world = d.get("world") or catalog.load_plan(ROOT / d["plan"]).degrees.world
+        gpus = "1, both ranks (gloo)" if shared else str(world)
         if d["fits"]:
             r = max(d["per_rank"], key=lambda x: x["reserved_peak_gib"])
             step = ("(shared)" if shared else

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:
-        oom = {**metadata(), "plan": str(a.plan), "rank": rank, "cap_gib": cap / GIB,
+        oom = {**metadata(), "plan": str(a.plan), "rank": rank, "world": world,
+               "ranks_per_gpu": ranks_per_gpu(world, device), "cap_gib": cap / GIB,
                "predicted_peak_gib": predicted / GIB, "scale": a.scale,
                "fits": False, "error": str(e).splitlines()[0][:300],
                "deviations": record(plan, backend_of(device))}
