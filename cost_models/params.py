@@ -30,17 +30,14 @@ class StageParams:
         every group without sharding)."""
         if sharding == OptimizerSharding.none:
             return 0.0, self.total
-        dense, expert = self.dense / (d.dp * d.cp * d.sp), self.expert / d.edp
-        sharded = (dense if d.dp * d.cp * d.sp > 1 else 0.0) + (expert if d.edp > 1 else 0.0)
-        return sharded, self.optimizer_shard(d, sharding) - sharded
+        groups = ((self.dense, d.dp * d.cp * d.sp), (self.expert, d.edp))  # (params, replicas)
+        return (sum(n / r for n, r in groups if r > 1), sum(n for n, r in groups if r == 1))
 
     def optimizer_shard(self, d: Degrees, sharding: OptimizerSharding) -> float:
         """Parameters whose optimizer states (and update) this GPU holds: with ZeRO-1 a
         1/replicas slice of each group (dense over dp x cp x sp, experts over edp), else
         all of them (Plan.optimizer_sharding)."""
-        if sharding == OptimizerSharding.none:
-            return self.total
-        return self.dense / (d.dp * d.cp * d.sp) + self.expert / d.edp
+        return sum(self.sharded_and_local(d, sharding))
 
 
 def largest_param(model: ModelSpec, d: Degrees) -> float:
