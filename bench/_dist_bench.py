@@ -17,6 +17,7 @@ import torch.distributed as dist
 from cost_models.compute import ACT_BYTES
 from cost_models.volumes import Collective, Transfer
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
+from runtime.parallel.mesh import end_process_groups
 
 
 def init() -> tuple[int, int, torch.device, torch.dtype]:
@@ -38,9 +39,7 @@ def init() -> tuple[int, int, torch.device, torch.dtype]:
 
 def finish(world: int) -> None:
     if world > 1:
-        # every rank past its last collective before any tears down
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_groups()
 
 
 def _sync(device: torch.device) -> None:

@@ -60,6 +60,7 @@ from runtime.loss import chunked_cross_entropy, materialized_cross_entropy  # no
 from runtime.model import AttentionCore, RMSNorm  # noqa: E402
 from runtime.moe import Router, grouped_mm, sort_by_expert  # noqa: E402
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into  # noqa: E402
+from runtime.parallel.mesh import end_process_groups  # noqa: E402
 
 
 class Grid:
@@ -398,8 +399,7 @@ def main() -> None:
         sweep.rows = []
         collective_rows(sweep, world)
         rows += sweep.rows
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_groups()
     if rank != 0:
         return
     payload = {

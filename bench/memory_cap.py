@@ -35,6 +35,7 @@ from cost_models.memory import memory_breakdown  # noqa: E402
 from plans.execution import executed_plan, record  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.memory import GIB  # noqa: E402
+from runtime.parallel.mesh import end_process_groups  # noqa: E402
 from runtime.parallel.parallelize import backend_of  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
@@ -96,8 +97,7 @@ def main(argv=None) -> int:
     if world > 1:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, mine)
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_groups()
     if rank == 0:
         doc = {**metadata(), "plan": str(a.plan), "plan_summary": plan.summary(),
                "world": world, "backend": backend,

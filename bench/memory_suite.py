@@ -38,6 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from runtime.memory import GIB, MemoryPhases, configure_allocator  # noqa: E402
+from runtime.parallel.mesh import end_process_groups  # noqa: E402
 
 configure_allocator()
 
@@ -191,8 +192,7 @@ def main(argv=None) -> int:
             print(f"{name}: {ranks[0]['status']} peak {alloc:.2f} GiB allocated, "
                   f"{peak:.2f} GiB reserved ({result['run_s']:.0f} s)", flush=True)
     if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_groups()
     return 0
 
 

@@ -36,6 +36,7 @@ from train_step import setup  # noqa: E402
 
 from plans import OptimizerSharding  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
+from runtime.parallel.mesh import end_process_groups  # noqa: E402
 from runtime.trainer import build_trainer, model_options, reference_plan  # noqa: E402
 
 FP32_TOLERANCE = {"loss": 1e-5, "grad": 1e-4}
@@ -190,10 +191,7 @@ def main(argv=None) -> int:
               f"{'pass' if result['pass'] else 'FAIL'} -> {args.out}")
         status = 0 if result["pass"] else 1
     if world > 1:
-        # every rank past its last collective before any tears down (gloo aborts a peer
-        # whose pair closes under it)
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_groups()
     return status
 
 

@@ -51,6 +51,7 @@ from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
+from runtime.parallel.mesh import end_process_groups  # noqa: E402
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
@@ -330,10 +331,7 @@ def main(argv=None) -> int:
             report(result, out)
         release(device)
     if world > 1:
-        # every rank past its last collective before any tears down (gloo aborts a peer
-        # whose pair closes under it)
-        dist.barrier()
-        dist.destroy_process_group()
+        end_process_groups()
     return 0
 
 

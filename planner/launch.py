@@ -72,17 +72,23 @@ def _root_cause(log_text: str) -> tuple[int, int] | None:
     """(rank, status) of the failure that caused the others. torchrun's root cause is the
     first it observed; when a worker is killed, its peers abort (SIGABRT, from gloo or NCCL
     losing the peer) within milliseconds and one of them can be observed first. A worker
-    killed by another signal is then the cause."""
+    killed by another signal is then the cause, except SIGTERM: torchrun sends it to the
+    workers still running once one failed (and its failure times are whole seconds, so such a
+    worker can be listed as the root cause)."""
     found = _ROOT.search(log_text)
     if found is None:
         return None
-    rank, status = int(found.group(1)), int(found.group(2))
-    if status == -signal.SIGABRT:
-        start = log_text.rfind("Failures:", 0, found.start())
-        for f in _FAILURE.finditer(log_text, max(start, 0)):
-            if int(f.group(2)) < 0 and int(f.group(2)) != -signal.SIGABRT:
-                return int(f.group(1)), int(f.group(2))
-    return rank, status
+    start = max(log_text.rfind("Failures:", 0, found.start()), 0)
+    failures = [(int(f.group(1)), int(f.group(2)))
+                for f in _FAILURE.finditer(log_text, start)]
+    root = int(found.group(1)), int(found.group(2))
+    stopped = -signal.SIGTERM
+    if root[1] == stopped:  # stopped by torchrun: any other failure came first
+        root = next((f for f in failures if f[1] != stopped), root)
+    if root[1] == -signal.SIGABRT:
+        root = next((f for f in failures if f[1] < 0 and f[1] not in (-signal.SIGABRT, stopped)),
+                    root)
+    return root
 
 
 def explain_failure(code: int, log_text: str, log: Path) -> Outcome:

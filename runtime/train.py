@@ -39,7 +39,7 @@ from runtime import checkpoint
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
 from runtime.machine import check_machine
 from runtime.memory import InsufficientMemory, check_fits, configure_allocator, out_of_memory_line
-from runtime.parallel.mesh import WorldSizeMismatch
+from runtime.parallel.mesh import WorldSizeMismatch, end_process_groups
 from runtime.parallel.optimizer import OptimizerConfig
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend
 from runtime.trainer import StepMetrics, build_trainer, model_options
@@ -237,9 +237,13 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
             report(metrics, args.log, ran)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             checkpoint.save(trainer, args.ckpt_dir, step + 1)
+    # Process groups die while the interpreter is whole (mesh.end_process_groups says why):
+    # the trainer's gradient hooks form a cycle that keeps it and its groups alive, so close()
+    # unhooks them and destroys the trainer's groups first.
+    trainer.close()
+    del trainer
     if owns_group:
-        dist.barrier()  # no rank tears down while a peer is still in a collective
-        dist.destroy_process_group()
+        end_process_groups()
     return 0
 
 

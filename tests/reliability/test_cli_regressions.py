@@ -105,3 +105,21 @@ def test_a_killed_worker_is_named_even_when_its_peers_abort_first():
     # another rank that merely exited: the abort stays the root cause
     exited = explain_failure(1, _SUMMARY.format(other=1), log)
     assert (exited.code, exited.message) == (134, f"rank 0: SIGABRT (worker logs: {log})")
+
+
+def test_workers_torchrun_stopped_are_never_the_cause():
+    """Once a worker fails, torchrun sends SIGTERM to the others, and its failure times are whole
+    seconds: a worker it stopped can be listed first (a CI run at 1024a47 said 'rank 0: SIGTERM'
+    for a rank that aborted at exit). The worker that failed is named."""
+    from pathlib import Path
+
+    from planner.launch import explain_failure
+
+    log = Path("/tmp/w.log")
+    # the abort is listed among the failures, a stopped worker as the root cause
+    stopped_first = _SUMMARY.replace("exitcode  : -6", "exitcode  : -15").format(other=-6)
+    out = explain_failure(1, stopped_first, log)
+    assert (out.code, out.message) == (134, f"rank 1: SIGABRT (worker logs: {log})")
+    # the abort is the root cause and the stopped worker is listed: the abort stays the cause
+    out = explain_failure(1, _SUMMARY.format(other=-15), log)
+    assert (out.code, out.message) == (134, f"rank 0: SIGABRT (worker logs: {log})")
