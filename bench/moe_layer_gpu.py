@@ -24,12 +24,13 @@ the local permutation) the variants are:
 
 ``overlap_target`` holds inter_op against 1.1 x max(compute_alone, comm_alone) (issue 11's
 target). The peer is torchtitan's ``torchtitan.models.common.moe.MoE`` (the 0.3.0 wheel carried
-in .whl/, softmax router with renormalised top-k, no load-balance bias): on one GPU with its
-local dispatcher; at N = 2 with its AllToAllTokenDispatcher on a one-dimensional EP DeviceMesh
-and E / N local experts as plain tensors (what RoutedExperts.parallelize wires, without DTensor
-parameters). Where it cannot be imported or built, the result records the reason instead.
-Timing: CUDA events (wall clock on CPU), median after warm-up, the slowest rank's median; the
-ranks line up at a barrier before each repeat.
+in .whl/ with what its import needs beyond the device image: spmd_types 0.2.3, tyro,
+docstring-parser and typeguard; softmax router with renormalised top-k, no load-balance bias):
+on one GPU with its local dispatcher; at N = 2 with its AllToAllTokenDispatcher on a
+one-dimensional EP DeviceMesh and E / N local experts as plain tensors (what
+RoutedExperts.parallelize wires, without DTensor parameters). Where it cannot be imported or
+built, the result records the reason instead. Timing: CUDA events (wall clock on CPU), median
+after warm-up, the slowest rank's median; the ranks line up at a barrier before each repeat.
 """
 
 from __future__ import annotations

@@ -342,6 +342,43 @@ def fusion_text() -> str:
             f"(`speed17/counts_in_forward/`, {first[3]}).")
 
 
+def per_expert_forward_text() -> str:
+    """The A/B of one matmul per expert in the forward too (its counts read on the host
+    there) against the runtime's grouped forward: bench/ab/ab_experts.sh."""
+    ab = "speed19/ab_experts"
+    layers = {form: _load(f"{ab}/moe_layer_x1_fused_gaf_{form}")
+              for form in ("per_expert", "grouped")}
+    steps = {run: _step(f"{ab}/{run}") for run in (
+        "mixtral2l_1gpu_mbs8_fused_gaf_grouped_a", "mixtral2l_1gpu_mbs8_fused_gaf_per_expert",
+        "mixtral2l_1gpu_mbs8_fused_gaf_grouped_b", "mixtral2l_1gpu_gaf_grouped",
+        "mixtral2l_1gpu_gaf_per_expert")}
+    gemms = _load(f"{ab}/expert_gemm_mixtral")
+    if any(d is None for d in (*layers.values(), *steps.values(), gemms)):
+        return ""
+    layer = {f: d["shapes"]["mixtral-8x7b"]["local"]["fwd_bwd_s"]["serial"] * 1e3
+             for f, d in layers.items()}
+    ms = {run: d["step_time_s"] * 1e3 for run, d in steps.items()}
+    v = {k: x["fwd_bwd_s"] * 1e3 for k, x in gemms["variants"].items()}
+    ceiling = _load("speed17/gemm_ceiling/expert_gemm_mixtral")
+    before = ceiling["variants"]["runtime_accumulating"]["fwd_bwd_s"] * 1e3
+    return (
+        "- One cuBLAS matmul per expert in the forward and the rows' gradient too, for few "
+        "wide experts under gradient-accumulation fusion (`bench/ab/ab_experts.sh`, "
+        f"`speed19/ab_experts/`, {gemms.get('commit', '?')}): the forward needs the row "
+        "counts on the host, so the host waits for the GPU at every MoE layer. The expert "
+        f"GEMMs take {v['runtime_accumulating']:.2f} ms (the runtime's grouped form "
+        f"{before:.2f} in `speed17/gemm_ceiling/`, another machine), and the Mixtral layer "
+        f"{layer['per_expert']:.2f} against {layer['grouped']:.2f} ms in the same call; "
+        "but the train steps gain nothing: one micro-batch of the whole batch "
+        f"{ms['mixtral2l_1gpu_mbs8_fused_gaf_per_expert']:.1f} ms against "
+        f"{ms['mixtral2l_1gpu_mbs8_fused_gaf_grouped_a']:.1f} and "
+        f"{ms['mixtral2l_1gpu_mbs8_fused_gaf_grouped_b']:.1f} for the grouped forward before "
+        "and after it (A/B/A), eight micro-batches "
+        f"{ms['mixtral2l_1gpu_gaf_per_expert']:.1f} against "
+        f"{ms['mixtral2l_1gpu_gaf_grouped']:.1f} ms (its slowest steps the host's waits). "
+        "The runtime keeps the grouped forward.")
+
+
 def render() -> str:
     return "\n".join([
         "# Runtime performance on H200",
@@ -479,6 +516,7 @@ def render() -> str:
         "- Weight layouts and fused w1|w3 for the expert GEMMs (next section): none beats "
         "the grouped GEMM on the Linear-layout weights, so Mixtral's layer stays level with "
         "torchtitan's.",
+        per_expert_forward_text(),
         "",
         "## Expert GEMMs and gradient-accumulation fusion",
         "",

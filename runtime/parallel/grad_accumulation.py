@@ -13,10 +13,9 @@ runtime.parallel.parallelize):
   chunked loss computes the head's weight gradient itself (runtime.loss) and the embedding's is
   a scatter, and a tied pair shares one weight;
 - the routed experts where ``plans.layout.accumulates_experts_in_gemm`` says so (few wide
-  experts per rank): one cuBLAS matmul per expert in the forward, the rows' gradient and the
-  accumulating weight gradient, the row counts read on the host once per layer's forward.
-  Many narrow experts keep the grouped GEMMs and autograd's grouped weight gradient, which a
-  separate pass adds (``torch._grouped_mm`` has no accumulating form).
+  experts per rank): their weight gradients as one matmul per expert (the forward and the
+  rows' gradient stay grouped GEMMs). Many narrow experts keep autograd's grouped weight
+  gradient, which a separate pass adds (``torch._grouped_mm`` has no accumulating form).
 
 Such a GEMM's autograd function returns no gradient for its weight: its backward adds into
 ``main_grad`` and then calls ``grad_ready``, which runs the hooks the gradient sync put on the
@@ -33,7 +32,7 @@ from torch import nn
 
 from plans.layout import accumulates_experts_in_gemm
 from runtime.model import Transformer
-from runtime.moe import GroupedExperts
+from runtime.moe import GroupedExperts, grouped_mm
 from runtime.parallel.expert import start_host_copy
 
 IN_GEMM = "accumulates_in_gemm"
@@ -115,8 +114,12 @@ def linear_accumulating(param: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
 
 
 class HostCounts:
-    """Rows per expert on the host, copied without waiting for the kernels queued after the
-    copy (``expert.start_host_copy``: pinned memory behind an event) and read once."""
+    """Rows per expert, copied to the host without waiting (``expert.start_host_copy``: pinned
+    memory behind an event), started in the forward and read once in the backward, when the
+    GPU has long passed the copy. Reading them in the forward made the host wait for the GPU at
+    every MoE layer: the eight-micro-batch Mixtral step then took 487.1 ms against its unfused
+    twin's 481.7 (bench/results/h200/speed17/counts_in_forward, f851b03); read here, 440.0
+    against 467.0 (speed17/, 835712a)."""
 
     def __init__(self, counts: torch.Tensor):
         self.device = counts
@@ -129,53 +132,38 @@ class HostCounts:
         return self._host
 
 
-def _per_expert(counts: list[int]):
-    """(expert, first row, end row) of every expert that got rows."""
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            yield e, start, start + c
-        start += c
-
-
 class _ExpertsAccumulating(torch.autograd.Function):
-    """Rows grouped by expert times each expert's ``w[e]`` ([E, out, in]) as one cuBLAS matmul
-    per expert, each written into its slice of one output; the rows' gradient likewise
-    (``g_e @ w[e]``), and the weight gradient ``g_e.T @ x_e`` added into the expert's slice of
-    the main gradient by the GEMM itself. The row counts are read on the host in the forward,
-    once per layer (``HostCounts``)."""
+    """Rows grouped by expert times each expert's ``w[e]`` ([E, out, in]) and the rows'
+    gradient as grouped GEMMs (runtime.moe.grouped_mm); the weight gradient as one matmul per
+    expert that adds ``g_e.T @ x_e`` into the expert's slice of the main gradient."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: HostCounts) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.counts, ctx.param = counts, weight
-        w = weight.detach()
-        out = x.new_empty(x.shape[0], w.shape[1])
-        for e, a, b in _per_expert(counts.tolist()):
-            torch.mm(x[a:b], w[e].t(), out=out[a:b])
-        return out
+        return grouped_mm(x, weight.detach(), counts.device)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (x,), w = ctx.saved_tensors, ctx.param.detach()
-        spans = list(_per_expert(ctx.counts.tolist()))
         gx = None
-        if ctx.needs_input_grad[0]:
-            gx = g.new_empty(x.shape)  # the experts' rows cover every row
-            for e, a, b in spans:
-                torch.mm(g[a:b], w[e], out=gx[a:b])
+        if ctx.needs_input_grad[0]:  # g_e @ w[e]: the grouped product with w[e].T
+            gx = grouped_mm(g, w.transpose(-2, -1), ctx.counts.device)
         if ctx.needs_input_grad[1]:
             target = _main_grad(ctx.param)
-            for e, a, b in spans:
-                _add_product(target[e], g[a:b].t(), x[a:b])
+            start = 0
+            for e, c in enumerate(ctx.counts.tolist()):
+                if c:
+                    _add_product(target[e], g[start:start + c].t(), x[start:start + c])
+                start += c
             grad_ready(ctx.param)
         return gx, None, None
 
 
 def per_expert_accumulating(counts: torch.Tensor):
-    """``GroupedExperts.matmul``'s accumulating form: one matmul per expert in the forward and
-    both gradients, each weight's gradient added into its main gradient (the counts are copied
-    to the host once per layer, ``HostCounts``)."""
+    """``GroupedExperts.matmul``'s accumulating form: grouped GEMMs, and each weight's gradient
+    added into its main gradient by per-expert GEMMs (the counts reach the host in the
+    background, ``HostCounts``)."""
     host = HostCounts(counts)
 
     def mm(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
