@@ -59,10 +59,11 @@ STEPS = (
     ("1 GPU", "fused + fused AdamW, mbs 8, + gradient-accumulation fusion",
      "speed17/mixtral2l_1gpu_mbs8_fused_gaf"),
 )
-LAYERS = ("speed18", "speed16", "speed14")
-"""The campaign folders of the MoE layer results, newest first (h200_layer_gaf: Mixtral with
-gradient-accumulation fusion; h200_speed16_1gpu: 1 GPU; h200_speed14: 1 GPU and EP = 2,
-traced): each result is read from the newest that has it."""
+LAYERS = ("speed19", "speed18", "speed16", "speed14")
+"""The campaign folders of the MoE layer results, newest first (speed19: the 1-GPU layers
+re-measured at 335e8e5 beside the peer; h200_layer_gaf: Mixtral with gradient-accumulation
+fusion; h200_speed16_1gpu: 1 GPU; h200_speed14: 1 GPU and EP = 2, traced): each shape's row
+is read from the newest folder that has it."""
 PEER_TARGET = 1.15
 TARGETS = {"1 GPU": ("MFU >= 50%", None, 0.50), "dp2 x ep2": ("<= 215 ms", 0.215, 0.45),
            "sp2 x ep2": ("<= 250 ms", 0.250, 0.45)}
@@ -112,21 +113,28 @@ def _ours_s(row: dict) -> float:
 
 
 def _layer_docs() -> list[tuple[str, dict]]:
-    """(kernels, result) of the MoE layer runs: eager and fused, 1 GPU then EP = 2."""
+    """(kernels, result) of the MoE layer runs: eager and fused, 1 GPU then EP = 2; each
+    shape's row from the newest of LAYERS that measured it (with its commit)."""
     out = []
     for world in ("x1", "x2"):
         for kernels, suffix in (("eager", ""), ("fused", "_fused"),
                                 ("fused + accumulation fusion", "_fused_gaf")):
-            docs = (_load(f"{folder}/moe_layer_{world}{suffix}") for folder in LAYERS)
-            if (doc := next((d for d in docs if d is not None), None)) is not None:
-                out.append((kernels, doc))
+            docs = [d for folder in LAYERS
+                    if (d := _load(f"{folder}/moe_layer_{world}{suffix}")) is not None]
+            if not docs:
+                continue
+            shapes: dict[str, dict] = {}
+            for d in docs:
+                for shape, row in d["shapes"].items():
+                    shapes.setdefault(shape, {**row, "commit": d.get("commit", "?")})
+            out.append((kernels, {"world": docs[0]["world"], "shapes": shapes}))
     return out
 
 
 def layer_table() -> list[str]:
     lines = ["| GPUs | shape | kernels | dispatcher | serial ms | inter-op ms | compute alone ms "
-             "| comm alone ms | inter-op / max(alone) | torchtitan ms |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| comm alone ms | inter-op / max(alone) | torchtitan ms | commit |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for kernels, doc in _layer_docs():
         for shape, row in doc["shapes"].items():
             peer = row.get("peer", {})
@@ -142,7 +150,8 @@ def layer_table() -> list[str]:
                          if "overlap_target" in t else "-")
                 lines.append(f"| {doc['world']} | {shape} | {kernels} | {disp} | "
                              f"{t['serial'] * 1e3:.2f} | {inter} | "
-                             f"{t['compute_alone'] * 1e3:.2f} | {comm} | {ratio} | {peer_ms} |")
+                             f"{t['compute_alone'] * 1e3:.2f} | {comm} | {ratio} | {peer_ms} "
+                             f"| {row['commit']} |")
     return lines
 
 
@@ -410,7 +419,8 @@ def render() -> str:
         "`bench/moe_layer_gpu.py` (campaigns `h200_speed16_1gpu`, 1 GPU, results in `speed16/`, "
         "after the router's host sync was removed; `h200_speed14`, EP = 2 and traced, in "
         "`speed14/`; `h200_layer_gaf`, Mixtral at 1 GPU and EP = 2 with "
-        "`--grad-accumulation-fusion`, in `speed18/`): our layer "
+        "`--grad-accumulation-fusion`, in `speed18/`; the 1-GPU fused layers re-measured at "
+        "335e8e5 in `speed19/`): our layer "
         "with eager or fused memory-bound kernels (`--kernels`), and with gradient-accumulation "
         "fusion as a plan runs it (the experts' weight gradients added into bf16 main "
         "gradients by one cuBLAS GEMM per expert, the router's gate by an accumulating GEMM; "
@@ -437,7 +447,8 @@ def render() -> str:
         "level (1.03x, 1.08x) until the experts' weight gradients went to per-expert cuBLAS "
         "GEMMs that add into the main gradients (gradient-accumulation fusion, a plan field): "
         "1.06x on 1 GPU, 1.11x at EP = 2. The peer's own time moved between machines (59.45 "
-        "ms at 1 GPU in `speed16/`, 62.22 in `speed18/`): each ratio is of one launch.",
+        "ms at 1 GPU in `speed16/`, 62.22 in `speed18/`, 61.60 in `speed19/`): each ratio is of "
+        "one launch.",
         "",
         "### Where the overlapped layer's time goes (EP = 2, one traced step)",
         "",
