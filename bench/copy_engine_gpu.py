@@ -106,6 +106,19 @@ def peer_copy(n: int, device: torch.device, dtype: torch.dtype):
     return copy, None
 
 
+def peer_access(device: torch.device) -> dict:
+    """Whether CUDA lets this GPU address the peer's memory directly (cudaDeviceCanAccessPeer):
+    without it a copy across GPUs is staged through host memory, the 32 GB/s measured at
+    0a9d563, while NCCL may still reach the peer its own way. Recorded so the next 2-GPU run
+    says which it was."""
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return {"visible_gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
+                "can_access_peer": None}
+    peer = 1 - device.index if device.index in (0, 1) else 0
+    return {"visible_gpus": torch.cuda.device_count(),
+            "can_access_peer": torch.cuda.can_device_access_peer(device.index, peer)}
+
+
 def beside(compute, comm, stream: torch.cuda.Stream | None):
     """compute on the current stream, comm on ``stream`` started at the same point; the
     current stream waits for both."""
@@ -189,7 +202,8 @@ def main(argv=None) -> int:
             for s in SHAPES]
     if rank == 0:
         doc = {**metadata(), "benchmark": "copy-engine peer copy vs NCCL beside expert GEMMs",
-               "world": world, "backend": dist.get_backend(), "dtype": str(dtype), "rows": rows}
+               "world": world, "backend": dist.get_backend(), "dtype": str(dtype),
+               "peer_access": peer_access(device), "rows": rows}
         write_atomic(args.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
         for r in rows:
             ce = r["copy_engine"]
