@@ -143,11 +143,10 @@ def end_process_groups() -> None:
     in ``~AsyncBarrierWork`` under ``PyThread_exit_thread``). A group's destructor joins its
     worker threads, so the groups must die before finalisation; destroy_process_group only
     unregisters them, and a reference cycle (a dispatcher inside a module cycle) can keep one
-    alive until the collector runs at finalisation. So a collection is also registered to run
-    at exit, before finalisation, when the caller's frames (which may hold a group) are gone."""
+    alive until the collector runs at finalisation. So a collection is registered to run at
+    exit, before finalisation, when the caller's frames (which may hold a group) are gone."""
     if not dist.is_initialized():
         return
     dist.barrier()
     dist.destroy_process_group()
-    gc.collect()
     atexit.register(gc.collect)

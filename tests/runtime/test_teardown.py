@@ -35,11 +35,15 @@ class Holder:  # a cycle that holds the group, as a dispatcher inside a module c
     def __init__(self):
         self.group, self.me = dist.group.WORLD, self
 
-Holder()
-x = torch.ones(4)
-dist.all_reduce(x)
-during = threads()
-{end}
+def main():
+    global during
+    held = Holder()  # alive while the run ends; garbage (a cycle) once main returns
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    during = threads()
+    {end}
+
+main()
 """
 
 
