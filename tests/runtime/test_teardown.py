@@ -47,13 +47,16 @@ main()
 """
 
 
-def _run(tmp_path: Path, end: str) -> list[dict]:
+def _run(tmp_path: Path, end: str, clean_exit: bool = True) -> list[dict]:
+    """Each rank's thread counts. ``clean_exit``: the launch must end with status 0 (the
+    control may not: its held group's threads can abort the process in finalisation, after
+    the exit handler wrote its counts)."""
     script = tmp_path / "t.py"
     script.write_text(SCRIPT.format(root=str(ROOT), out=str(tmp_path / "threads."), end=end))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         "--nproc-per-node", "2", str(script)], cwd=tmp_path, capture_output=True,
                        text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.returncode == 0 or not clean_exit, r.stdout + r.stderr
     return [json.loads((tmp_path / f"threads.{rank}").read_text()) for rank in (0, 1)]
 
 
@@ -68,5 +71,5 @@ def test_groups_and_their_threads_are_gone_before_finalisation(tmp_path):
 def test_without_it_the_cycle_keeps_the_threads_into_finalisation(tmp_path):
     """The control: destroy_process_group alone leaves the held group's threads running when
     Python starts to finalise (what aborted about one CPU run in ten)."""
-    counts = _run(tmp_path, "dist.barrier(); dist.destroy_process_group()")
+    counts = _run(tmp_path, "dist.barrier(); dist.destroy_process_group()", clean_exit=False)
     assert all(c["at_exit"] > c["before"] for c in counts), counts
