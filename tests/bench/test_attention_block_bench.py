@@ -1,0 +1,66 @@
+"""bench/attention_block_gpu.py on CPU: gloo, 1 and 2 processes, tiny shapes via flags (smoke
+tests of the script the h200_attention_block campaign runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--hidden", "64", "--ffn-hidden", "128", "--experts", "4", "--heads", "4",
+        "--kv-heads", "2", "--head-dim", "16", "--vocab", "128", "--seq", "64", "--batch", "2",
+        "--warmup", "1", "--repeats", "2"]
+
+
+def _run(procs: int, *args: str) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+              str(procs)] if procs > 1 else [sys.executable]
+    return subprocess.run([*launch, "bench/attention_block_gpu.py", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_attention_block_script(tmp_path, procs):
+    out = tmp_path / "a.json"
+    r = _run(procs, *TINY, "--kernels", "eager", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["world"] == procs and res["dtype"] == "float32"
+    assert set(res["models"]) == {"mixtral-8x7b", "qwen3-30b-a3b"}
+    for row in res["models"].values():
+        assert row["tokens_per_rank"] == 2 * 64 // procs and row["hidden"] == 64
+        assert set(row["variants"]) == {"eager/none", "eager/selective"}
+        for v in row["variants"].values():
+            assert v["block_s"] > 0
+            if procs > 1:
+                assert v["compute_alone_s"] > 0
+                assert v["exposed_comm_s"] == pytest.approx(v["block_s"] - v["compute_alone_s"])
+        assert ("comm_alone_s" in row) == (procs > 1)
+    assert res["models"]["qwen3-30b-a3b"]["qk_norm"] is True
+
+
+def test_attention_block_compute_alone_has_the_block_shapes():
+    """The all-to-alls' local stand-ins change the layout as the exchange does ([b, s/n, H, d]
+    -> [b, s, H/n, d] and back) and, one after the other, give back their input."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+    import torch
+    from attention_block_gpu import local_head_to_seq, local_seq_to_head
+
+    x = torch.randn(2, 8, 6, 4)
+    heads = local_seq_to_head(x, 2)
+    assert heads.shape == (2, 16, 3, 4)
+    assert torch.equal(heads[:, :8], x[:, :, :3]) and torch.equal(heads[:, 8:], x[:, :, 3:])
+    assert torch.equal(local_head_to_seq(heads, 2), x)
+
+
+def test_attention_block_bad_shape_is_one_line(tmp_path):
+    r = _run(1, *TINY, "--heads", "3", "--out", str(tmp_path / "a.json"))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "a.json").exists()
