@@ -22,7 +22,9 @@ recomputation (``--recompute``: none, or selective, which reruns RoPE and SDPA i
 - ``comm_alone`` (N > 1, once per model): the four all-to-alls forward + backward on tensors of
   the block's shapes, pack and unpack included.
 
-``exposed_comm`` = block - compute_alone. Timing: CUDA events (wall clock on CPU), median after
+``exposed_comm`` = block - compute_alone; ``predicted`` is the cost model's block for the same
+plan (``--cluster``, default the fitted ``h200-runtime``): its attention operators forward and
+backward, recomputed ones included, summed as overlap none runs them. Timing: CUDA events (wall clock on CPU), median after
 warm-up, the slowest rank's; ranks line up at a barrier before each repeat (bench/_dist_bench).
 bf16 on CUDA, fp32 over gloo on CPU (smoke tests shrink the model with the override flags).
 """
@@ -41,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from _dist_bench import finish, init, slowest, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
-from layers_gpu import OVERRIDES, build_block  # noqa: E402
+from layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 
 from plans import (  # noqa: E402
     EPFFN,
@@ -55,6 +57,8 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
+from cost_models.layer import layer_key  # noqa: E402
+from cost_models.layer_graph import OpKind, backward_graph, forward_graph  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
 from plans.specs import ModelSpec  # noqa: E402
 from runtime.parallel.attention import UlyssesCore  # noqa: E402
@@ -68,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON result (rank 0 writes it)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--cluster", default="h200")
+    p.add_argument("--cluster", default="h200-runtime",
+                   help="catalog cluster of the plans (the cost model's prediction)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=4, help="sequences")
     p.add_argument("--kernels", nargs="+", default=[k.value for k in Kernels],
@@ -84,16 +89,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_spec(name: str, args) -> ModelSpec:
-    base = catalog.load_model(name)
-    update = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
-              if getattr(args, flag)}
-    if "experts" in update:  # smoke tests: fewer experts than the model routes to
-        update["top_k"] = min(base.top_k, update["experts"])
-    update.update(layers=1, dense_layers=0, dense_ffn_hidden=0, name=f"{base.name}-1L")
-    return ModelSpec.model_validate({**base.model_dump(), **update})
-
-
 def block_plan(model: ModelSpec, args, n: int, kernels: Kernels, recompute: Recompute) -> Plan:
     return Plan(
         model=model, cluster=catalog.load_cluster(args.cluster, gpus=n),
@@ -102,6 +97,22 @@ def block_plan(model: ModelSpec, args, n: int, kernels: Kernels, recompute: Reco
         attention=UlyssesAttention(), ffn=EPFFN(dispatch=Dispatch.all_to_all),
         overlap=Overlap.none, recompute=recompute, kernels=kernels,
     )
+
+
+def predict(plan: Plan) -> dict:
+    """The cost model's block: its attention operators (the forward graph up to the attention
+    residual) forward, and their nodes of the backward graph (recomputed ones included); under
+    overlap none every operator blocks, so the block is their sum."""
+    fwd = forward_graph(layer_key(plan))
+    order = sorted(fwd.nodes, key=lambda name: fwd.nodes[name]["order"])
+    block = [fwd.nodes[name]["op"] for name in order[:order.index("attn_residual") + 1]]
+    operators = {op.operator for op in block}
+    bwd = [node["op"] for node in backward_graph(fwd, plan.recompute).nodes.values()
+           if node["op"].operator in operators]
+    ops = block + bwd
+    return {"block_s": sum(op.duration_s for op in ops),
+            "comm_s": sum(op.duration_s for op in ops if op.kind == OpKind.comm),
+            "recompute_s": sum(op.duration_s for op in bwd if op.recompute)}
 
 
 # ---- the all-to-alls' local stand-ins (compute alone) ---------------------------------------
@@ -177,7 +188,7 @@ def measure(args) -> int:
     rows: dict[str, dict] = {}
     for name in args.models:
         try:
-            model = model_spec(name, args)
+            model = model_spec(args, name)
             block_plan(model, args, n, Kernels.eager, Recompute.none)
         except ValueError as e:
             if rank == 0:
@@ -203,7 +214,8 @@ def measure(args) -> int:
                 plan = block_plan(model, args, n, kernels, recompute)
                 layer = build_block(plan, rank, n, device, dtype, args.seed)
                 variant = {"kernels": kernels.value, "recompute": recompute.value,
-                           "block_s": time_of(step_fn(layer, x, grad))}
+                           "block_s": time_of(step_fn(layer, x, grad)),
+                           "predicted": predict(plan)}
                 if n > 1:
                     core = layer.attention.core
                     layer.attention.core = LocalUlyssesCore(core.inner, None, n, None)
@@ -213,6 +225,7 @@ def measure(args) -> int:
                 if rank == 0:
                     text = "  ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms"
                                      for k, v in variant.items() if k.endswith("_s"))
+                    text += f"  (predicted {variant['predicted']['block_s'] * 1e3:.2f} ms)"
                     print(f"{name} {kernels.value} recompute {recompute.value}: {text}",
                           flush=True)
                 del layer
@@ -229,7 +242,10 @@ def measure(args) -> int:
                          "all-to-alls alone and their exposed time",
             "world": n, "backend": dist.get_backend() if n > 1 else "none",
             "dtype": str(dtype).removeprefix("torch."), "seq_len": args.seq,
-            "batch": args.batch, "warmup": args.warmup, "repeats": args.repeats,
+            "batch": args.batch, "cluster_spec": args.cluster,
+            "prediction": "cost_models.layer_graph: the attention operators' forward and "
+                          "backward (recomputation included) summed, overlap none",
+            "warmup": args.warmup, "repeats": args.repeats,
             "models": rows,
         }
         write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)

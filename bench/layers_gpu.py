@@ -83,11 +83,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_spec(args) -> ModelSpec:
-    base = catalog.load_model(args.model)
+def model_spec(args, name: str | None = None) -> ModelSpec:
+    """Catalog model ``name`` (default ``--model``) as one MoE layer, with the override flags
+    (``--top-k`` where the script has it; fewer ``--experts`` than the model routes to clip
+    the top-k)."""
+    base = catalog.load_model(name or args.model)
     update = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
               if getattr(args, flag)}
-    if args.top_k:
+    if "experts" in update:
+        update["top_k"] = min(base.top_k, update["experts"])
+    if getattr(args, "top_k", None):
         update["top_k"] = args.top_k
     update.update(layers=1, dense_layers=0, dense_ffn_hidden=0,
                   name=f"{base.name}-1L")

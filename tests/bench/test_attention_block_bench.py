@@ -38,6 +38,9 @@ def test_attention_block_script(tmp_path, procs):
         assert set(row["variants"]) == {"eager/none", "eager/selective"}
         for v in row["variants"].values():
             assert v["block_s"] > 0
+            pred = v["predicted"]  # the cost model's block for the same plan
+            assert pred["block_s"] > pred["comm_s"] >= 0 and (pred["comm_s"] > 0) == (procs > 1)
+            assert (pred["recompute_s"] > 0) == (v["recompute"] == "selective")
             if procs > 1:
                 assert v["compute_alone_s"] > 0
                 assert v["exposed_comm_s"] == pytest.approx(v["block_s"] - v["compute_alone_s"])
