@@ -303,8 +303,9 @@ ATTENTION_BLOCKS = ("speed20/attention_block_x1", "speed20/attention_block_x2")
 
 
 def attention_table() -> list[str]:
-    lines = ["| GPUs | shape | kernels | recompute | block ms | compute alone ms | exposed comm ms "
-             "| all-to-alls alone ms | commit |", "|---|---|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| GPUs | shape | kernels | recompute | block ms | predicted ms | error | compute "
+             "alone ms | exposed comm ms | all-to-alls alone ms | commit |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for stem in ATTENTION_BLOCKS:
         doc = _load(stem)
         if doc is None:
@@ -312,9 +313,12 @@ def attention_table() -> list[str]:
         for shape, row in doc["models"].items():
             comm = row.get("comm_alone_s")
             for v in row["variants"].values():
-                alone, exposed = v.get("compute_alone_s"), v.get("exposed_comm_s")
+                pred = v["predicted"]["block_s"]
                 cells = [f"{x * 1e3:.2f}" if x is not None else "-"
-                         for x in (v["block_s"], alone, exposed, comm)]
+                         for x in (v["block_s"], pred)]
+                cells.append(f"{pred / v['block_s'] - 1:+.1%}")
+                cells += [f"{x * 1e3:.2f}" if x is not None else "-"
+                          for x in (v.get("compute_alone_s"), v.get("exposed_comm_s"), comm)]
                 lines.append(f"| {doc['world']} | {shape} | {v['kernels']} | {v['recompute']} | "
                              + " | ".join(cells) + f" | {doc.get('commit', '?')} |")
     return lines
@@ -539,7 +543,12 @@ def render() -> str:
         "recomputation (RoPE and SDPA rerun in backward). Under SP its four all-to-alls block "
         "(the runtime overlaps no attention collective); `compute alone` is the block with "
         "each all-to-all replaced by its local pack and unpack, `exposed comm` the block less "
-        "that, `all-to-alls alone` the four forward + backward on the block's shapes.",
+        "that, `all-to-alls alone` the four forward + backward on the block's shapes. "
+        "`predicted` is the cost model's block for the same plan on the fitted `h200-runtime` "
+        "(its attention operators forward and backward, recomputed ones included): it prices "
+        "no time for Qwen3's per-head q and k norms (`plans.operators.LayerOperator.qk_norm`; "
+        "docs/fidelity.md says why), two RMSNorms over 4,608 values a token where the "
+        "block's norm reads 2,048.",
         "",
         *attention_table(),
         "",
