@@ -24,8 +24,9 @@ recomputation (``--recompute``: none, or selective, which reruns RoPE and SDPA i
 
 ``exposed_comm`` = block - compute_alone; ``predicted`` is the cost model's block for the same
 plan (``--cluster``, default the fitted ``h200-runtime``): its attention operators forward and
-backward, recomputed ones included, summed as overlap none runs them. Timing: CUDA events (wall clock on CPU), median after
-warm-up, the slowest rank's; ranks line up at a barrier before each repeat (bench/_dist_bench).
+backward, recomputed ones included, summed as overlap none runs them. Timing: CUDA events
+(wall clock on CPU), median after warm-up, the slowest rank's; ranks line up at a barrier
+before each repeat (bench/_dist_bench).
 bf16 on CUDA, fp32 over gloo on CPU (smoke tests shrink the model with the override flags).
 """
 
@@ -45,6 +46,8 @@ from _dist_bench import finish, init, slowest, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 from layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 
+from cost_models.layer import layer_key  # noqa: E402
+from cost_models.layer_graph import OpKind, backward_graph, forward_graph  # noqa: E402
 from plans import (  # noqa: E402
     EPFFN,
     Degrees,
@@ -57,8 +60,6 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
-from cost_models.layer import layer_key  # noqa: E402
-from cost_models.layer_graph import OpKind, backward_graph, forward_graph  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
 from plans.specs import ModelSpec  # noqa: E402
 from runtime.parallel.attention import UlyssesCore  # noqa: E402

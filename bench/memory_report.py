@@ -3,10 +3,11 @@ cost model of this tree.
 
     python bench/memory_report.py [--check]
 
-Prints the table and writes it to docs/memory.md; ``--check`` exits 1 when a plan misses the
-target (prediction within 10% of the measured peak and never more than 3% below it). The
-measured peak is the caching allocator's peak reserved bytes on the rank with the highest (what
-the device must hold); the cost model predicts it, allocator reserve included.
+Prints the table and writes it to docs/memory.md; ``--check`` writes nothing and exits 1 when
+docs/memory.md is not what this script writes or a plan misses the target (prediction within
+10% of the measured peak and never more than 3% below it). The measured peak is the caching
+allocator's peak reserved bytes on the rank with the highest (what the device must hold); the
+cost model predicts it, allocator reserve included.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from cost_models.memory import GIB, memory_breakdown  # noqa: E402
 from plans import Plan  # noqa: E402
 from plans.execution import executed_as_measured  # noqa: E402
+from plans.io import write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "memory"
 DOC = ROOT / "docs" / "memory.md"
@@ -93,13 +95,27 @@ module keeps after its forward.
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 when a plan misses the target")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when docs/memory.md is stale or a plan misses "
+                        "the target")
     args = p.parse_args(argv)
     data = rows()
     text = table(data)
-    print(text)
-    DOC.write_text(HEADER + text + "\n")
-    return 1 if args.check and not all(meets(r) for r in data) else 0
+    doc = HEADER + text + "\n"
+    if not args.check:
+        write_atomic(DOC, doc, "docs/memory.md", force=True)
+        print(text)
+        return 0
+    failed = []
+    if not DOC.exists() or DOC.read_text() != doc:
+        failed.append("docs/memory.md is stale: python bench/memory_report.py")
+    if not all(meets(r) for r in data):
+        failed.append("a plan misses the memory target (see python bench/memory_report.py)")
+    for line in failed:
+        print(line, file=sys.stderr)
+    if not failed:
+        print("docs/memory.md current; every plan meets the target")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

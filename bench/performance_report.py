@@ -337,9 +337,10 @@ def clocks_text() -> str:
     watts = statistics.median(float(r[3].split()[0]) for r in busy)
     shape = layer["shapes"]["mixtral-8x7b"]
     ours, peer = shape["local"]["fwd_bwd_s"]["serial"] * 1e3, shape["peer"]["fwd_bwd_s"] * 1e3
-    return (f"Why (`speed20/clocks/`, {layer.get('commit', '?')}: nvidia-smi every 250 ms "
-            f"beside `moe_layer_gpu.py --shapes mixtral-8x7b --kernels fused "
-            f"--grad-accumulation-fusion`, ours {ours:.2f} ms against torchtitan's {peer:.2f}, "
+    return (f"Why (`speed20/clocks/`, campaign `h200_layer_clocks`, "
+            f"{layer.get('commit', '?')}: nvidia-smi every 250 ms beside `moe_layer_gpu.py "
+            f"--shapes mixtral-8x7b --kernels fused --grad-accumulation-fusion`, ours "
+            f"{ours:.2f} ms against torchtitan's {peer:.2f}, "
             f"{peer / ours:.2f}x): of the {len(busy)} samples above 300 W, {capped} have the "
             f"clock held by the software power cap; the median draw is {watts:.0f} W of the "
             f"{busy[0][4].strip()} limit and the SM clock median "
@@ -440,6 +441,15 @@ def per_expert_forward_text() -> str:
         "The runtime keeps the grouped forward.")
 
 
+def interop_step_text() -> str:
+    """The overlapped dp2 x ep2 step against its serial twin, from their results."""
+    over, serial = _step("mixtral2l_dp2_ep2_interop"), _step("mixtral2l_dp2_ep2")
+    if over is None or serial is None:
+        return "not measured"
+    return (f"{over['step_time_s'] * 1e3:.1f} against {serial['step_time_s'] * 1e3:.1f} ms, "
+            f"{over.get('commit', '?')} and {serial.get('commit', '?')}")
+
+
 def render() -> str:
     return "\n".join([
         "# Runtime performance on H200",
@@ -472,7 +482,7 @@ def render() -> str:
         "after the router's host sync was removed; `h200_speed14`, EP = 2 and traced, in "
         "`speed14/`; `h200_layer_gaf`, Mixtral at 1 GPU and EP = 2 with "
         "`--grad-accumulation-fusion`, in `speed18/`; the 1-GPU fused layers re-measured at "
-        "335e8e5 in `speed19/`): our layer "
+        "335e8e5 in `speed19/`, campaign `h200_speed19_1gpu`): our layer "
         "with eager or fused memory-bound kernels (`--kernels`), and with gradient-accumulation "
         "fusion as a plan runs it (the experts' weight gradients added into bf16 main "
         "gradients by one cuBLAS GEMM per expert, the router's gate by an accumulating GEMM; "
@@ -537,7 +547,10 @@ def render() -> str:
         "## One attention block, forward + backward",
         "",
         "`bench/attention_block_gpu.py` (campaigns `h200_attention_block_1gpu` and, on two "
-        "GPUs, `h200_issue11_x2`; `speed20/`): x + attention(norm(x)) of a one-layer model the "
+        "GPUs, `h200_issue11_x2`"
+        + ("" if _load(ATTENTION_BLOCKS[1]) else ", which has not run: no two-GPU machine was "
+           "lent since the bench was written")
+        + "; `speed20/`): x + attention(norm(x)) of a one-layer model the "
         "runtime builds from a plan, 4 sequences of 4,096 tokens (16k tokens on one GPU, each "
         "rank seq / N under Ulysses SP = N), eager or fused kernels, without or with selective "
         "recomputation (RoPE and SDPA rerun in backward). Under SP its four all-to-alls block "
@@ -584,9 +597,10 @@ def render() -> str:
         "## Mechanisms not kept or not built",
         "",
         "- Inter-operator overlap (`overlap: inter_op`) is executed and passes bf16 parity, but "
-        "on 2 H200s it measured slower than serial in the train step (dp2 x ep2: 272.0 against "
-        "259.1 ms) and no faster per layer: NCCL on a side stream beside a full-GPU grouped "
-        "GEMM slows the GEMM as much as it hides (the lesson of the earlier spike). The search "
+        "on 2 H200s it measured slower than serial in the train step (dp2 x ep2: "
+        + interop_step_text() + ") and no faster per layer: NCCL on a side stream beside a "
+        "full-GPU grouped GEMM slows the GEMM as much as it hides (the lesson of the earlier "
+        "spike). The search "
         "prices it by the same two-chunk schedule, with the share of communication that "
         "running beside compute hides as measured (`efficiency.overlap`, `moeplan calibrate "
         "--overlap` on `copy_engine_x2.json`: 0 on these H200s, in `h200-runtime`), so "

@@ -55,9 +55,16 @@ def test_the_fit_on_micro_benchmarks_recovers_the_truth_and_the_table_meets_the_
     assert f"Fitted from `calibration_h200.json`, `profile_{PROFILED}.json`" in text
     assert "Fitted from the micro-benchmarks alone" in text
     doc = tmp_path / "fidelity.md"
+    # --check writes nothing: a missing document is stale
+    assert fidelity_report.main(["--check", "--results", str(synthetic), "--doc",
+                                 str(doc)]) == 1
+    assert not doc.exists()
+    assert fidelity_report.main(["--results", str(synthetic), "--doc", str(doc)]) == 0
+    assert doc.read_text() == fidelity_report.render(synthetic)[0]
+    before = doc.stat().st_mtime_ns
     assert fidelity_report.main(["--check", "--results", str(synthetic), "--doc",
                                  str(doc)]) == 0
-    assert doc.read_text() == fidelity_report.render(synthetic)[0]
+    assert doc.stat().st_mtime_ns == before
 
 
 def test_check_fails_on_a_missed_target(tmp_path):
@@ -65,8 +72,10 @@ def test_check_fails_on_a_missed_target(tmp_path):
     write_suite(tmp_path, {n: plan_path(n) for n in CASES}, true_cluster(), noise=0.15)
     _, s = fidelity_report.render(tmp_path)
     assert s["worst_abs"] > fidelity_report.WORST and not fidelity_report.meets(s)
+    doc = tmp_path / "d.md"
+    fidelity_report.main(["--results", str(tmp_path), "--doc", str(doc)])
     assert fidelity_report.main(["--check", "--results", str(tmp_path), "--doc",
-                                 str(tmp_path / "d.md")]) == 1
+                                 str(doc)]) == 1
 
 
 def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
