@@ -346,7 +346,7 @@ def clocks_text() -> str:
             f"{busy[0][4].strip()} limit and the SM clock median "
             f"{statistics.median(clocks):.0f} MHz (range {clocks[0]}-{clocks[-1]}) against the "
             f"{busy[0][2].strip()} maximum it holds below the cap. The expert GEMMs run at the "
-            "rate the power limit leaves, the peer's the same kernels at the same limit: a "
+            "rate the power limit leaves, and the peer's grouped GEMMs under the same limit: a "
             "1.15x lead at this shape needs the same FLOPs for less energy.")
 
 
