@@ -696,11 +696,9 @@ def calibrate_cmd(
                                "factors": result.factors, "out": str(out), "runs": rows,
                                "held_out": summary}, indent=2))
         return
-    from rich.console import Console
+    from planner.report import echo_calibration
 
-    from planner.report import calibration_tables
-
-    Console().print(*calibration_tables(base_cluster, result, rows))
+    echo_calibration(base_cluster, result, rows)
     if held:
         before = summary["median_abs_step_error_before"]
         typer.echo(f"held-out step-time error: median {summary['median_abs_step_error']:.1%} "

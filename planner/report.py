@@ -426,27 +426,22 @@ def print_scale(points, job: str) -> None:
         echo(w)
 
 
-def calibration_tables(base, result, rows: list[dict]) -> list:
+def echo_calibration(base, result, rows: list[dict]) -> None:
     """The fitted factors against the base cluster's, and measured runs against predictions
-    before and after (``held_out`` runs were not used for fitting)."""
-    from rich.table import Table
-
-    factors = Table(title=f"{result.cluster.name}: fitted factors")
-    for col in ("factor", base.name, "fitted"):
-        factors.add_column(col, justify="right" if col != "factor" else "left")
+    before and after (``held_out`` runs were not used for fitting), as plain tables."""
+    factors = []
     for name, value in result.factors.items():
         old = (base.node.nvlink_latency_us if name == "nvlink_latency_us"
                else getattr(base.efficiency, name))
-        factors.add_row(name, f"{old:g}", f"{value:.3f}")
-    tables = [factors]
-    if rows:
-        runs = Table(title="measured steps against predictions (plans priced as executed)")
-        for col in ("plan", "measured ms", "before", "after", "memory"):
-            runs.add_column(col, justify="left" if col == "plan" else "right")
-        for r in rows:
-            label = r["plan"] + ("" if r["held_out"] else " (fitted on)")
-            runs.add_row(label, f"{r['measured_step_s'] * 1e3:.1f}",
-                         f"{r['step_error_before']:+.0%}", f"{r['step_error']:+.0%}",
-                         f"{r['memory_error']:+.0%}")
-        tables.append(runs)
-    return tables
+        factors.append((name, f"{old:g}", f"{value:.3f}"))
+    echo_table(f"{result.cluster.name}: fitted factors",
+               (Column("factor", False), Column(base.name), Column("fitted")), factors)
+    if not rows:
+        return
+    runs = [(r["plan"] + ("" if r["held_out"] else " (fitted on)"),
+             f"{r['measured_step_s'] * 1e3:.1f}", f"{r['step_error_before']:+.0%}",
+             f"{r['step_error']:+.0%}", f"{r['memory_error']:+.0%}") for r in rows]
+    print()
+    echo_table("measured steps against predictions (plans priced as executed)",
+               (Column("plan", False), Column("measured ms"), Column("before"),
+                Column("after"), Column("memory")), runs)

@@ -77,6 +77,18 @@ def test_table_output(tmp_path):
     assert "nvlink_latency_us" not in r.output  # no collective sweep: links keep the base's
 
 
+def test_tables_are_plain_and_whole_at_60_columns(tmp_path):
+    """Piped at 60 columns: no box drawing, no value cut (each plan's name appears whole)."""
+    r = CliRunner(env={"COLUMNS": "60"}).invoke(app, [
+        "calibrate", str(PROFILE), "--plan", str(PLAN), "--runs", str(H200), "--plans",
+        str(PLAN.parent), "--out", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 0, r.output
+    assert not set(r.output) & set("─│┏┃━┳╇└┘"), r.output
+    assert "…" not in r.output  # rich's ellipsis for a cut value
+    for name in ("mixtral2l_1gpu", "mixtral2l_dp2_ep2"):
+        assert name in r.output
+
+
 def test_bad_inputs_write_nothing(tmp_path):
     out = tmp_path / "c.yaml"
     one_line_error(calibrate(tmp_path / "none.json", "--plan", PLAN, "--out", out),
