@@ -6,6 +6,7 @@ Anywhere a catalog name is accepted, a path to a YAML or JSON file of the same s
 from __future__ import annotations
 
 import difflib
+import os
 from functools import cache
 from pathlib import Path
 from typing import TypeVar
@@ -51,11 +52,20 @@ def names(kind: str) -> list[str]:
 
 
 @cache
+def _path_shaped(text: str) -> bool:
+    """A spec file rather than a catalog name: a spec suffix or a folder in it."""
+    return Path(text).suffix in (".yaml", ".yml", ".json") or "/" in text or os.sep in text
+
+
 def _load(kind: str, name_or_path: str, spec: type[T]) -> T:
+    """A catalog name, or a path to a spec file. A catalog name wins over a file of the same
+    name in the working directory (``h200`` is the cluster even beside a folder ``h200``);
+    give ``./h200`` for the file. A blank name is a name (never the working directory)."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml", ".json") or _exists(path):
-        return parse(spec, read_document(path), str(path))
     builtin = CATALOG_DIR / kind / f"{name_or_path.lower()}.yaml"
+    if _path_shaped(name_or_path) or (name_or_path.strip() and not _exists(builtin)
+                                      and _exists(path)):
+        return parse(spec, read_document(path), str(path))
     if not _exists(builtin):
         close = difflib.get_close_matches(name_or_path.lower(), names(kind), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}? " if close else ""

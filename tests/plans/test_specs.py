@@ -145,3 +145,18 @@ def test_spec_files_by_path(tmp_path):
 def test_cluster_round_trip():
     c = catalog.load_cluster("gb200-nvl72", gpus=144)
     assert ClusterSpec.model_validate_json(c.model_dump_json()) == c
+
+
+def test_a_catalog_name_wins_over_a_file_of_that_name(tmp_path, monkeypatch):
+    """A folder or stray file called like a catalog entry in the working directory does not
+    hide the entry; a path-shaped argument (./h200) is the file; a blank name is a name."""
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "tiny-moe").write_text("junk: 1\n")
+    assert catalog.load_cluster("h200").name == "H200-SXM"
+    assert catalog.load_model("tiny-moe").experts > 0
+    with pytest.raises(SpecError, match=r"^h200: cannot read \(a directory"):
+        catalog.load_cluster("./h200")
+    with pytest.raises(SpecError, match=r"^model: unknown name ''"):
+        catalog.load_model("")
