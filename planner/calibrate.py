@@ -382,13 +382,18 @@ def residual_factor(plan: Plan) -> str:
     return "fused_elementwise" if plan.kernels == Kernels.fused else "elementwise"
 
 
+def check_one_gpu(plan: Plan, option: str) -> None:
+    """A profiled step calibrates only as a 1-GPU plan (no communication in its kernels)."""
+    if plan.degrees.world != 1:
+        raise SpecError(f"{option}: calibrate on the 1-GPU plan that was profiled (no "
+                        f"communication); this one runs on {plan.degrees.world} GPUs")
+
+
 def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -> float:
     """The plan's memory-bound factor (residual_factor) such that the profiled 1-GPU step's wall
     time is what the cost model predicts with every other factor of ``cluster`` (the step is
     T0 + E / factor, E the layers' memory-bound bytes at full bandwidth)."""
-    if plan.degrees.world != 1:
-        raise SpecError(f"--plan: calibrate on the 1-GPU plan that was profiled (no "
-                        f"communication); this one runs on {plan.degrees.world} GPUs")
+    check_one_gpu(plan, "--plan")
     plan = executed_as_measured(on(plan, cluster), recorded_deviations(profile))
 
     name = residual_factor(plan)

@@ -660,12 +660,22 @@ def calibrate_cmd(
         raise plans.SpecError(f"--runs: {runs} is not a folder")
     if (fused_profile is None) != (fused_plan is None):
         raise plans.SpecError("--fused-profile: goes with --fused-plan, the plan it profiled")
-    result = cal.calibrate(measured_profile, plans.catalog.load_plan(plan) if plan else None,
-                           base_cluster, name or f"{base_cluster.name}-calibrated", sweep,
-                           beside)
+    from planner.measured import check_profile_pairing
+
+    profiled_plan = plans.catalog.load_plan(plan) if plan else None
+    if measured_profile is not None:
+        cal.check_one_gpu(profiled_plan, "--plan")
+        check_profile_pairing(profiled_plan, measured_profile, profile, "profile", "--plan")
     fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
+    fused_plan_spec = plans.catalog.load_plan(fused_plan) if fused_plan else None
     if fused is not None:
-        result = cal.with_fused_step(result, fused, plans.catalog.load_plan(fused_plan))
+        cal.check_one_gpu(fused_plan_spec, "--fused-plan")
+        check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
+                              "--fused-plan")
+    result = cal.calibrate(measured_profile, profiled_plan, base_cluster,
+                           name or f"{base_cluster.name}-calibrated", sweep, beside)
+    if fused is not None:
+        result = cal.with_fused_step(result, fused, fused_plan_spec)
     pairs = cal.runs_with_plans(runs, plans_dir) if runs else []
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "

@@ -18,7 +18,7 @@ from cost_models import Evaluation, evaluate
 from cost_models.components import LAYER_COMPONENTS, STEP_COMPONENTS, predicted_components
 from plans import Plan, SpecError
 from plans.execution import Deviation, executed_as_measured, measured_deviations
-from plans.results import TrainStepResult, read, recorded_deviations
+from plans.results import ProfileResult, TrainStepResult, read, recorded_deviations
 
 COMPONENT_ORDER = (*(k for c in LAYER_COMPONENTS for k in (c, f"{c}_bwd")), *STEP_COMPONENTS)
 """Rows in the order a step runs: the layers' regions, then the step's."""
@@ -105,6 +105,46 @@ def check_pairing(plan: Plan, r: TrainStepResult, path: Path) -> None:
                         f"'{layout}'")
     if not r.components_s:
         raise SpecError(f"{where}: components_s: the result has no per-component times")
+
+
+_RECOMPUTE = re.compile(r"(?:rc:|recompute=)(\w+)")
+
+
+def _options_of(summary: str) -> dict[str, str]:
+    """Recomputation and kernels of a plan summary (either notation: `rc:sel`, `recompute=
+    selective`; `k:fused`, absent for eager)."""
+    m = _RECOMPUTE.search(summary)
+    rc = {"sel": "selective"}.get(m.group(1), m.group(1)) if m else "none"
+    return {"recompute": rc, "kernels": "fused" if "k:fused" in summary.split() else "eager"}
+
+
+def check_profile_pairing(plan: Plan, profile: ProfileResult, path: Path, what: str,
+                          plan_option: str) -> None:
+    """One line naming what differs when the profile at ``path`` is not a run of ``plan``: its
+    model (recorded since profiles name it; before, read from the plan file it names where that
+    file is here), its layout, recomputation and kernels (its ``plan_summary``)."""
+    where = f"{what}: {path}"
+    model = profile.model
+    if not model and profile.plan and Path(profile.plan).is_file():
+        from plans import catalog
+
+        try:
+            model = catalog.load_plan(profile.plan).model.name
+        except SpecError:
+            model = ""
+    if model and model != plan.model.name:
+        raise SpecError(f"{where}: model: the profile ran {model}, {plan_option} is a plan of "
+                        f"{plan.model.name}")
+    if not profile.plan_summary:
+        return
+    ran, planned = layout_of(profile.plan_summary), layout_of(plan.layout_notation())
+    ran_opts, planned_opts = _options_of(profile.plan_summary), _options_of(plan.summary())
+    for key, value in {**planned, **planned_opts}.items():
+        got = {**ran, **ran_opts}.get(key)
+        if got is not None and got != value:
+            raise SpecError(f"{where}: plan_summary: the profile ran {key} {got}, {plan_option}"
+                            f" has {value} ({profile.plan_summary!r} against "
+                            f"{plan.summary()!r})")
 
 
 def compare(plan: Plan, path: Path) -> Comparison:

@@ -151,6 +151,11 @@ class ProfileResult(Result):
 
     SOURCE: ClassVar[str] = "moeplan profile"
 
+    plan: str = ""
+    """The plan file that ran, as given."""
+    plan_summary: str = ""
+    model: str = ""
+    """The plan's model name; written since profiles record it."""
     step_wall_s: PositiveFloat
     class_s: dict[str, NonNegativeFloat]
     components_s: ComponentSeconds = {}

@@ -99,6 +99,7 @@ def profile_steps(trainer: Trainer, plan: Plan, steps: int, warmup: int, top: in
     return {
         **metadata(),
         "plan_summary": plan.summary(),
+        "model": plan.model.name,
         "deviations": record(plan, backend_of(trainer.device)),
         "profiled_steps": steps,
         "step_wall_s": wall,

@@ -91,6 +91,14 @@ def test_tables_are_plain_and_whole_at_60_columns(tmp_path):
 
 def test_bad_inputs_write_nothing(tmp_path):
     out = tmp_path / "c.yaml"
+    # a profile of another model, micro-batch or recomputation than --plan: refused, not fitted
+    one_line_error(calibrate(H200 / "device_sweep" / "profile_qwen4l_1gpu_mbs1.json", "--plan",
+                             PLAN, "--out", out), "profile", "model", "Qwen3", "Mixtral")
+    one_line_error(calibrate(PROFILE, "--plan", PLAN.parent / "mixtral2l_1gpu_mbs8.json",
+                             "--out", out), "profile", "plan_summary", "mbs 1", "has 8")
+    one_line_error(calibrate(PROFILE, "--plan", PLAN, "--fused-profile", FUSED_PROFILE,
+                             "--fused-plan", PLAN, "--out", out), "--fused-profile",
+                   "--fused-plan")
     one_line_error(calibrate(tmp_path / "none.json", "--plan", PLAN, "--out", out),
                    "profile", "No such file")
     bad = tmp_path / "bad.json"
