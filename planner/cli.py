@@ -506,6 +506,9 @@ def scale_cmd(
     from planner.scale import scale
 
     counts = _int_list(gpus, "--gpus")
+    if weak is not None and global_batch is not None:
+        raise plans.SpecError("--global-batch: weak scaling (--weak) sets the global batch at "
+                              "each GPU count; give one of the two")
     _check_plot(plot, force)
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster)
@@ -560,6 +563,9 @@ def _int_list(text: str, option: str) -> list[int]:
         raise plans.SpecError(f"{option}: {text!r} must be comma-separated whole numbers") from None
     if not values or min(values) < 1:
         raise plans.SpecError(f"{option}: {text!r} must list positive GPU counts")
+    if len(set(values)) < len(values):
+        twice = next(v for v in values if values.count(v) > 1)
+        raise plans.SpecError(f"{option}: {twice} given twice")
     return values
 
 
@@ -591,6 +597,13 @@ def profile_cmd(
     code = subprocess.call([sys.executable, "-m", "runtime.profile", "--plan", str(plan),
                             "--out", str(out), "--steps", str(steps), "--warmup", str(warmup),
                             *(["--force"] if force else [])])
+    if code < 0:  # killed by a signal: say which, exit as a shell reports it (128 + N)
+        import signal
+
+        name = signal.Signals(-code).name
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        typer.echo(f"error: profiling was killed by {name}{hint}", err=True)
+        raise typer.Exit(128 - code)
     if code != 0:
         typer.echo(f"error: profiling exited with status {code}", err=True)
         raise typer.Exit(code)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from planner.search import SearchResult, check_searches, search
 from planner.space import SearchSpace
 from plans import ClusterSpec, ModelSpec, SpecError, TrainingSpec, catalog
+from plans.errors import describe
 
 SECONDS_PER_DAY = 86_400
 
@@ -16,6 +19,16 @@ class ScalePoint:
     gpus: int
     training: TrainingSpec
     result: SearchResult
+
+
+def weak_training(training: TrainingSpec, global_batch: int, gpus: int) -> TrainingSpec:
+    """``training`` with weak scaling's global batch at ``gpus``, validated like any batch
+    (``model_copy`` would not check it)."""
+    try:
+        return TrainingSpec.model_validate({**training.model_dump(), "global_batch": global_batch})
+    except ValidationError as e:
+        raise SpecError(f"--weak: at {gpus:,} GPUs the global batch would be {global_batch:,} "
+                        f"sequences: {describe(e)}") from None
 
 
 def scale(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, gpu_counts: list[int],
@@ -30,7 +43,7 @@ def scale(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, gpu_co
         job = training
         if weak_seqs_per_replica is not None:
             replicas = max(1, gpus // sized.nvlink_domain)
-            job = training.model_copy(update={"global_batch": weak_seqs_per_replica * replicas})
+            job = weak_training(training, weak_seqs_per_replica * replicas, gpus)
         result = search(model, sized, job, space, top=1)
         if result.best is None and result.baseline is None:
             raise SpecError(f"--gpus: no plan of {model.name} fits {gpus} x {sized.gpu.name}")

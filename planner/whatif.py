@@ -104,10 +104,24 @@ def parse_vary(spec: str) -> list[Setting]:
     except ValueError:
         raise SpecError(f"--vary: unknown knob {name.strip()!r}; knobs: "
                         f"{', '.join(k.value for k in Knob)}") from None
-    items = [v for v in values.split(",") if v.strip()]
+    items = [v.strip() for v in values.split(",") if v.strip()]
     if not items:
         raise SpecError(f"--vary {knob}: no values given")
-    return [Setting(knob, v.strip()) for v in items]
+    if len(set(items)) < len(items):
+        twice = next(v for v in items if items.count(v) > 1)
+        raise SpecError(f"--vary {knob}: value {twice!r} given twice")
+    return [Setting(knob, v) for v in items]
+
+
+def check_knobs_once(varies: list[list[Setting]]) -> None:
+    """Each knob in one --vary: two would multiply into one point, not make a grid."""
+    seen: set[Knob] = set()
+    for settings in varies:
+        knob = settings[0].knob
+        if knob in seen:
+            raise SpecError(f"--vary {knob}: given twice; list its values in one --vary "
+                            f"({knob}=V1,V2)")
+        seen.add(knob)
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,7 @@ def whatif(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
            varies: list[list[Setting]], space: SearchSpace | None = None,
            progress=None) -> list[Point]:
     """Re-plan at every point of the grid of knob values (the cartesian product)."""
+    check_knobs_once(varies)
     check_searches(math.prod(len(v) for v in varies), "--vary")
     grid = list(itertools.product(*varies)) if varies else [()]
     points = []

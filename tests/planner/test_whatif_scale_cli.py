@@ -99,8 +99,9 @@ def test_strong_and_weak_scaling(tmp_path):
         assert p["speedup"] > 1
     assert strong[1]["best"]["tokens_per_s"] > strong[0]["best"]["tokens_per_s"]
     plot = tmp_path / "scale.png"
-    result = run("scale", *JOB, "--gpus", "64,128", "--weak", "32", "--json", "--plot",
-                 str(plot))
+    # weak scaling sets the batch itself (--global-batch beside --weak is refused)
+    result = run("scale", "mixtral-8x7b", "h800", "--seq-len", "4096", "--gpus", "64,128",
+                 "--weak", "32", "--json", "--plot", str(plot))
     weak = json.loads(result.output)["points"]
     assert [p["global_batch"] for p in weak] == [256, 512]  # 32 sequences per 8-GPU domain
     assert plot.exists()

@@ -123,3 +123,40 @@ def test_workers_torchrun_stopped_are_never_the_cause():
     # the abort is the root cause and the stopped worker is listed: the abort stays the cause
     out = explain_failure(1, _SUMMARY.format(other=-15), log)
     assert (out.code, out.message) == (134, f"rank 0: SIGABRT (worker logs: {log})")
+
+
+# ---- the CLI audit of 2026-12-01 ---------------------------------------------------------------
+
+SMALL = ["tiny-moe", "h100", "--seq-len", "256"]
+
+
+def test_weak_scaling_validates_its_batch_and_owns_it():
+    # model_copy skipped validation: a plan `validate` rejects came out with exit 0
+    assert_one_line_error(run("scale", *SMALL, "--gpus", "8", "--weak", "99999999999"),
+                          "--weak:", "99,999,999,999", "global_batch")
+    # --global-batch beside --weak was dropped without a word
+    assert_one_line_error(run("scale", *SMALL, "--gpus", "8,16", "--weak", "4",
+                              "--global-batch", "16"), "--global-batch:", "--weak")
+    assert_one_line_error(run("scale", *SMALL, "--gpus", "8,8", "--global-batch", "16"),
+                          "--gpus:", "8 given twice")
+
+
+def test_whatif_knob_given_twice_is_refused():
+    # two --vary of one knob multiplied into one point instead of making a grid
+    base = ["whatif", *SMALL, "--gpus", "8", "--global-batch", "16"]
+    assert_one_line_error(run(*base, "--vary", "hbm_gib=2x", "--vary", "hbm_gib=3x"),
+                          "--vary hbm_gib:", "given twice")
+    assert_one_line_error(run(*base, "--vary", "gpu_tflops=1x,1x"),
+                          "--vary gpu_tflops:", "'1x' given twice")
+
+
+def test_profile_names_the_signal_that_killed_it(tmp_path, monkeypatch):
+    import subprocess
+    from pathlib import Path
+
+    plan = Path(__file__).resolve().parents[2] / "bench" / "gpu_plans" / "mixtral2l_1gpu.json"
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: -9)
+    result = run("profile", str(plan), "--out", str(tmp_path / "p.json"))
+    assert result.exit_code == 137, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert lines == ["error: profiling was killed by SIGKILL (out of memory?)"], result.output
