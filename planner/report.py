@@ -243,7 +243,8 @@ def explain_document(plan: Plan, e: Evaluation) -> dict:
         step={"breakdown_s": dict(e.breakdown_s)},
         layer={
             "forward_s": e.layer.fwd_s, "backward_s": e.layer.bwd_s,
-            "compute_s": e.layer.compute_s, "exposed_comm_s": dict(e.layer.exposed_comm_s),
+            "compute_s": e.layer.compute_s, "recompute_s": e.layer.recompute_s,
+            "exposed_comm_s": dict(e.layer.exposed_comm_s),
             "critical_path": list(e.layer.critical_path),
         },
         memory_gib={k: v / GIB for k, v in e.memory.components_bytes.items()},
@@ -260,7 +261,10 @@ def print_explain(plan: Plan, e: Evaluation) -> None:
                rows)
     print(f"tokens/s {e.tokens_per_s:,.0f}   MFU {e.mfu:.1%}")
     rows = [["forward", f"{e.layer.fwd_s * 1e3:.3f}"], ["backward", f"{e.layer.bwd_s * 1e3:.3f}"],
-            ["compute (fwd+bwd)", f"{e.layer.compute_s * 1e3:.3f}"]]
+            ["compute (fwd+bwd, no reruns)", f"{e.layer.compute_s * 1e3:.3f}"]]
+    if e.layer.recompute_s:
+        rows.append(["recompute (reruns in bwd)", f"{e.layer.recompute_s * 1e3:.3f}"])
+    # forward + backward = compute + recompute + the exposed communication below
     rows += [[f"exposed {k}", f"{v * 1e3:.3f}"] for k, v in e.layer.exposed_comm_s.items()]
     echo_table("One MoE layer, one micro-batch", (Column("part", False), Column("ms")), rows)
     echo("critical path: " + " -> ".join(e.layer.critical_path))

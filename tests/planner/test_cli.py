@@ -105,6 +105,18 @@ def test_explain_and_validate_a_written_plan(tmp_path):
     assert doc["plan"]["step_time_s"] == pytest.approx(sum(doc["step"]["breakdown_s"].values()))
 
 
+def test_explain_layer_parts_add_up_with_recomputation(tmp_path):
+    """forward + backward = compute + recompute + exposed communication (the recomputed
+    operators were shown nowhere)."""
+    out = tmp_path / "plan.json"
+    assert run("search", *SMALL, "--recompute", "full", "--out", str(out)).exit_code == 0
+    layer = json.loads(run("explain", str(out), "--json").output)["layer"]
+    assert layer["recompute_s"] > 0
+    assert layer["forward_s"] + layer["backward_s"] == pytest.approx(
+        layer["compute_s"] + layer["recompute_s"] + sum(layer["exposed_comm_s"].values()))
+    assert "recompute (reruns in bwd)" in run("explain", str(out)).output
+
+
 @pytest.mark.parametrize(
     "args,words",
     [
