@@ -76,7 +76,8 @@ app = typer.Typer(
     help="Plan, explain and run Mixture-of-Experts training the MegaScale-MoE way.\n\n"
     "\b\nExamples:\n"
     "  moeplan catalog\n"
-    "  moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 --out plan.json\n"
+    "  moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 \\\n"
+    "      --out plan.json\n"
     "  moeplan explain plan.json\n"
     "  moeplan export plan.json --to megatron --steps 1000 > megatron.sh",
 )
@@ -232,7 +233,7 @@ def schema() -> None:
     typer.echo(json.dumps(plans.Plan.model_json_schema(), indent=2))
 
 
-@app.command("search")
+@app.command("search", short_help="Find the fastest plans that fit, beside Megatron-LM's layout.")
 @user_errors
 def search_cmd(
     model: ModelArg,
@@ -312,7 +313,7 @@ def search_cmd(
             typer.echo(f"best plan written to {out}")
 
 
-@app.command()
+@app.command(short_help="Time and memory breakdown of a plan, per step and per layer.")
 @user_errors
 def explain(
     plan: PlanArg,
@@ -364,7 +365,7 @@ def explain(
         print_explain(loaded, evaluation)
 
 
-@app.command()
+@app.command(short_help="Re-check a plan file and say how the runtime would run it.")
 @user_errors
 def validate(plan: PlanArg) -> None:
     """Re-check a plan, generated or hand-written, against its specs and memory.
@@ -429,7 +430,7 @@ def _progress_search(json_out: bool, label: str):
     return bar()
 
 
-@app.command("whatif")
+@app.command("whatif", short_help="Change the hardware, re-plan at every point, compare.")
 @user_errors
 def whatif_cmd(
     model: ModelArg,
@@ -451,7 +452,8 @@ def whatif_cmd(
 
     \b
     Examples:
-      moeplan whatif mixtral-8x7b h800 --gpus 64 --global-batch 256 --vary gpu_tflops=1x,2x,4x
+      moeplan whatif mixtral-8x7b h800 --gpus 64 --global-batch 256 \\
+          --vary gpu_tflops=1x,2x,4x
       moeplan whatif internal-352b h800 --gpus 1440 --global-batch 720 \\
           --vary nvlink_gb_s=400,900 --vary network_gb_s=25,50 --plot whatif.png
       moeplan whatif qwen3-30b-a3b h200-runtime --gpus 8 --runnable \\
@@ -477,7 +479,7 @@ def whatif_cmd(
             lambda pts, path: _plots().whatif_plot(pts, path, title, force))
 
 
-@app.command("scale")
+@app.command("scale", short_help="Strong or weak scaling of the best plan and the baseline.")
 @user_errors
 def scale_cmd(
     model: ModelArg,
@@ -499,8 +501,10 @@ def scale_cmd(
 
     \b
     Examples:
-      moeplan scale internal-352b h800 --gpus 240,480,720,960,1440 --global-batch 720
-      moeplan scale internal-352b h800 --gpus 240,480,960 --weak 24 --plot scale.svg
+      moeplan scale internal-352b h800 --gpus 240,480,720,960,1440 \\
+          --global-batch 720
+      moeplan scale internal-352b h800 --gpus 240,480,960 --weak 24 \\
+          --plot scale.svg
     """
     from planner.report import job_document, print_scale, scale_document
     from planner.scale import scale
@@ -572,7 +576,7 @@ def _int_list(text: str, option: str) -> list[int]:
 # ---- export and training ------------------------------------------------------------------
 
 
-@app.command("profile")
+@app.command("profile", short_help="Profile a 1-GPU plan's step kernel by kernel (for calibrate).")
 @user_errors
 def profile_cmd(
     plan: PlanArg,
@@ -609,7 +613,7 @@ def profile_cmd(
         raise typer.Exit(code)
 
 
-@app.command("calibrate")
+@app.command("calibrate", short_help="Fit the cost model's efficiency factors to measurements.")
 @user_errors
 def calibrate_cmd(
     out: Annotated[Path, typer.Option("--out", help="Calibrated cluster YAML to write.")],
@@ -735,7 +739,7 @@ def _median_abs(rows: list[dict], key: str) -> float | None:
     return statistics.median(abs(r[key]) for r in rows) if rows else None
 
 
-@app.command("export")
+@app.command("export", short_help="Print a launch script: Megatron-LM, torchrun or Slurm.")
 @user_errors
 def export_cmd(
     plan: PlanArg,
@@ -758,31 +762,40 @@ def export_cmd(
     from planner.export import megatron_script, slurm_script, torchrun_script
 
     loaded = plans.catalog.load_plan(plan)
+    # the scripts run on other nodes and from other folders: the plan by its absolute path
+    where = str(plan.resolve())
     if to == ExportTarget.megatron:
         script = megatron_script(loaded, steps)  # refuses what Megatron cannot express
     elif to == ExportTarget.torchrun:
-        script = torchrun_script(loaded, str(plan), steps)
+        script = torchrun_script(loaded, where, steps)
     else:
-        script = slurm_script(loaded, str(plan), steps)
+        script = slurm_script(loaded, where, steps)
     evaluation = cost_models.evaluate(loaded)
     if not evaluation.feasible:
         typer.echo(f"warning: {plan}: the plan does not fit: {evaluation.reason}", err=True)
     typer.echo(script, nl=False)
 
 
-@app.command("train")
+@app.command("train", short_help="Train with the plan on this machine under torchrun.")
 @user_errors
 def train_cmd(
     plan: PlanArg,
-    steps: Annotated[int, typer.Option("--steps", min=1)] = 10,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps to train (with "
+                                       "--resume: the step to reach).")] = 10,
     data: Annotated[Path | None, typer.Option("--data", help="Token file (.u16/.u32).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option(
         "--nproc-per-node", min=1, help="Processes on this machine; default the plan's world.")
     ] = None,
-    log: Annotated[Path | None, typer.Option("--log", help="JSON-lines log file.")] = None,
-    ckpt_dir: Annotated[Path | None, typer.Option("--ckpt-dir")] = None,
-    ckpt_every: Annotated[int | None, typer.Option("--ckpt-every", min=1)] = None,
-    resume: Annotated[bool, typer.Option("--resume")] = False,
+    log: Annotated[Path | None, typer.Option(
+        "--log", help="JSON-lines log, one record per step; an existing log is appended to "
+        "(a resumed run continues it).")] = None,
+    ckpt_dir: Annotated[Path | None, typer.Option(
+        "--ckpt-dir", help="Folder of checkpoints (torch DCP), one per saved step.")] = None,
+    ckpt_every: Annotated[int | None, typer.Option(
+        "--ckpt-every", min=1, help="Save a checkpoint every N steps (needs --ckpt-dir).")
+    ] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue from the newest checkpoint in --ckpt-dir.")] = False,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Start afresh in a --ckpt-dir holding another run's checkpoints "
         "(they are deleted first).")] = False,
@@ -791,7 +804,8 @@ def train_cmd(
 
     \b
     Example:
-      moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 --out tiny.json
+      moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 \\
+          --out tiny.json
       moeplan train tiny.json --steps 20 --log metrics.jsonl
     """
     from planner import launch

@@ -160,3 +160,36 @@ def test_profile_names_the_signal_that_killed_it(tmp_path, monkeypatch):
     assert result.exit_code == 137, result.output
     lines = [ln for ln in result.output.splitlines() if ln.strip()]
     assert lines == ["error: profiling was killed by SIGKILL (out of memory?)"], result.output
+
+
+def test_help_reads_whole_at_80_columns():
+    """Command summaries were cut at about 45 characters ("beside the..."), examples ran past
+    80 columns; train's checkpoint options had no help."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    narrow = CliRunner(env={"COLUMNS": "80"})
+    top = narrow.invoke(app, ["--help"]).output
+    commands = top.split("Commands:")[1]
+    assert "..." not in commands and "Megatron-LM's layout" in commands
+    for command in ("", "search", "whatif", "scale", "train", "export", "calibrate"):
+        out = narrow.invoke(app, [command, "--help"] if command else ["--help"]).output
+        assert max(len(line) for line in out.splitlines()) <= 80, (command, out)
+    train = narrow.invoke(app, ["train", "--help"]).output
+    for option, words in (("--ckpt-every", "every N steps"), ("--resume", "newest checkpoint"),
+                          ("--log", "appended")):
+        assert words in " ".join(train.split()), option
+
+
+def test_exported_scripts_name_the_plan_by_its_absolute_path(tmp_path, monkeypatch):
+    import shlex
+
+    plan = tmp_path / "plan.json"
+    assert run("search", *SMALL, "--gpus", "8", "--global-batch", "16", "--out",
+               str(plan)).exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    for target in ("torchrun", "slurm"):
+        script = run("export", "plan.json", "--to", target).output
+        words = shlex.split(script.strip().splitlines()[-1])
+        assert words[words.index("--plan") + 1] == str(plan.resolve()), target
