@@ -170,17 +170,36 @@ def default_global_batch(gpus: int) -> int:
 def _training(global_batch: int | None, seq_len: int, precision: TrainingPrecision,
               gpus: int) -> tuple[plans.TrainingSpec, str]:
     """The job's TrainingSpec, and a note for the job header when the batch was defaulted."""
+    from pydantic import ValidationError
+
     from plans.errors import describe
 
-    note = ""
-    if global_batch is None:
+    note, defaulted = "", global_batch is None
+    if defaulted:
         global_batch, note = default_global_batch(gpus), " (default: GPUs / 2)"
     try:
         spec = plans.TrainingSpec(global_batch=global_batch, seq_len=seq_len,
                                   precision=Precision(precision.value))
-    except Exception as e:  # pydantic ValidationError
-        raise plans.SpecError(f"training: {describe(e)}") from None
+    except ValidationError as e:
+        # the option the user gave (or, for a defaulted batch, the --gpus it came from)
+        field = str(e.errors()[0]["loc"][0]) if e.errors()[0]["loc"] else ""
+        option = {"global_batch": "--global-batch", "seq_len": "--seq-len",
+                  "precision": "--precision"}.get(field)
+        if field == "global_batch" and defaulted:
+            raise plans.SpecError(f"--gpus: the default global batch ({global_batch:,}, half "
+                                  f"the GPUs) is out of range: {describe(e)}") from None
+        raise plans.SpecError(f"{option}: {describe(e)}" if option
+                              else f"training: {describe(e)}") from None
     return spec, note
+
+
+def _cluster_option(name: str, option: str) -> plans.ClusterSpec:
+    """A cluster given by an option: its errors name the option, not the argument."""
+    try:
+        return plans.catalog.load_cluster(name)
+    except plans.SpecError as e:
+        text = str(e)
+        raise plans.SpecError(f"{option}: {text.removeprefix('cluster: ')}") from None
 
 
 def _write_new(path: Path, text: str, force: bool) -> None:
@@ -348,7 +367,7 @@ def explain(
     if cluster is not None:
         from planner.calibrate import on
 
-        loaded = on(loaded, plans.catalog.load_cluster(cluster))
+        loaded = on(loaded, _cluster_option(cluster, "--cluster"))
     if measured is not None:
         from planner.measured import compare
 
@@ -664,7 +683,7 @@ def calibrate_cmd(
     from plans.results import OverlapBench, ProfileResult, Sweep, read
 
     _check_out(out, force)
-    base_cluster = plans.catalog.load_cluster(base)
+    base_cluster = _cluster_option(base, "--base")
     if profile is None and collectives is None:
         raise plans.SpecError("profile: give a profiled step, a --collectives sweep, or both")
     if profile is not None and plan is None:

@@ -193,3 +193,13 @@ def test_exported_scripts_name_the_plan_by_its_absolute_path(tmp_path, monkeypat
         script = run("export", "plan.json", "--to", target).output
         words = shlex.split(script.strip().splitlines()[-1])
         assert words[words.index("--plan") + 1] == str(plan.resolve()), target
+
+
+def test_errors_name_the_option_the_user_gave():
+    assert_one_line_error(run("search", *SMALL, "--gpus", "8", "--seq-len", "99999999999"),
+                          "--seq-len:")
+    assert_one_line_error(run("search", *SMALL, "--gpus", "8", "--global-batch",
+                              "99999999999"), "--global-batch:")
+    # a batch defaulted from --gpus names --gpus, not a --global-batch nobody gave
+    assert_one_line_error(run("scale", *SMALL, "--gpus", "99999999999999"),
+                          "--gpus:", "default global batch")
