@@ -860,11 +860,19 @@ def train_cmd(
         raise typer.Exit(outcome.code)
 
 
+def _interrupted(signum, frame) -> None:
+    """Ctrl-C: say so (click ends the run with status 130 and no word of its own)."""
+    typer.echo("interrupted", err=True)
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, _interrupted)  # `train`'s launcher installs its own
     try:
         app()
     except KeyboardInterrupt:
-        typer.echo("interrupted", err=True)
         sys.exit(130)
 
 

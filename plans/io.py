@@ -100,6 +100,29 @@ class BoundedLoader(yaml.SafeLoader):
             _expanded_nodes(node)
         return node
 
+    def construct_mapping(self, node, deep=False):
+        """A key given twice in one mapping is refused (YAML's spec forbids it; PyYAML keeps
+        the last silently)."""
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                merge = key_node.tag == "tag:yaml.org,2002:merge"
+                if isinstance(key_node, yaml.ScalarNode) and not merge:
+                    if key_node.value in seen:
+                        raise yaml.YAMLError(f"key {key_node.value!r} appears twice")
+                    seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are unique (json.loads keeps the last of a repeated key)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
+
 
 def _expanded_nodes(root: yaml.Node) -> int:
     sizes: dict[int, int] = {}
@@ -129,7 +152,8 @@ def _expanded_nodes(root: yaml.Node) -> int:
 def parse_text(text: str, where: str, kind: str) -> object:
     """A JSON (``kind == "json"``) or YAML document; one-line SpecError when it is not one."""
     try:
-        return json.loads(text) if kind == "json" else yaml.load(text, Loader=BoundedLoader)
+        return (json.loads(text, object_pairs_hook=_unique_keys) if kind == "json"
+                else yaml.load(text, Loader=BoundedLoader))
     except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError, a bad YAML date, huge ints
         reason = (str(e).splitlines() or [type(e).__name__])[0]
         raise SpecError(f"{where}: not valid {kind} ({reason})") from None

@@ -160,3 +160,20 @@ def test_a_catalog_name_wins_over_a_file_of_that_name(tmp_path, monkeypatch):
         catalog.load_cluster("./h200")
     with pytest.raises(SpecError, match=r"^model: unknown name ''"):
         catalog.load_model("")
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    """json.loads and PyYAML keep the last of a repeated key silently; the loader refuses it
+    (YAML merge keys still merge)."""
+    from pathlib import Path
+
+    from plans.io import read_document
+
+    for name, text in (("p.json", '{"a": 1, "a": 2}'), ("p.yaml", "a: 1\nb: 2\na: 3\n")):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(SpecError, match=r"key 'a' appears twice"):
+            read_document(path)
+    merged = tmp_path / "m.yaml"
+    merged.write_text("b: &x {c: 1}\nd:\n  <<: *x\n  e: 2\n")
+    assert read_document(Path(merged))["d"] == {"c": 1, "e": 2}

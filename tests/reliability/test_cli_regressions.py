@@ -203,3 +203,23 @@ def test_errors_name_the_option_the_user_gave():
     # a batch defaulted from --gpus names --gpus, not a --global-batch nobody gave
     assert_one_line_error(run("scale", *SMALL, "--gpus", "99999999999999"),
                           "--gpus:", "default global batch")
+
+
+def test_ctrl_c_says_interrupted(tmp_path):
+    """SIGINT during a search: `interrupted` on stderr, status 130, no traceback, no --out."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "plan.json"
+    proc = subprocess.Popen([sys.executable, "-m", "planner.cli", "search", "internal-352b",
+                             "h800", "--gpus", "1440", "--out", str(out)], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # past the imports, inside the search
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == "interrupted" and not out.exists(), err
