@@ -193,15 +193,6 @@ def _training(global_batch: int | None, seq_len: int, precision: TrainingPrecisi
     return spec, note
 
 
-def _cluster_option(name: str, option: str) -> plans.ClusterSpec:
-    """A cluster given by an option: its errors name the option, not the argument."""
-    try:
-        return plans.catalog.load_cluster(name)
-    except plans.SpecError as e:
-        text = str(e)
-        raise plans.SpecError(f"{option}: {text.removeprefix('cluster: ')}") from None
-
-
 def _write_new(path: Path, text: str, force: bool) -> None:
     """Write atomically; never replace a file the user made unless asked (plans.io)."""
     from plans.io import write_atomic
@@ -367,7 +358,7 @@ def explain(
     if cluster is not None:
         from planner.calibrate import on
 
-        loaded = on(loaded, _cluster_option(cluster, "--cluster"))
+        loaded = on(loaded, plans.catalog.load_cluster(cluster, what="--cluster"))
     if measured is not None:
         from planner.measured import compare
 
@@ -683,7 +674,7 @@ def calibrate_cmd(
     from plans.results import OverlapBench, ProfileResult, Sweep, read
 
     _check_out(out, force)
-    base_cluster = _cluster_option(base, "--base")
+    base_cluster = plans.catalog.load_cluster(base, what="--base")
     if profile is None and collectives is None:
         raise plans.SpecError("profile: give a profiled step, a --collectives sweep, or both")
     if profile is not None and plan is None:

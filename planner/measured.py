@@ -18,6 +18,7 @@ from cost_models import Evaluation, evaluate
 from cost_models.components import LAYER_COMPONENTS, STEP_COMPONENTS, predicted_components
 from plans import Plan, SpecError
 from plans.execution import Deviation, executed_as_measured, measured_deviations
+from plans.plan import RECOMPUTE_TAGS
 from plans.results import ProfileResult, TrainStepResult, read, recorded_deviations
 
 COMPONENT_ORDER = (*(k for c in LAYER_COMPONENTS for k in (c, f"{c}_bwd")), *STEP_COMPONENTS)
@@ -114,7 +115,8 @@ def _options_of(summary: str) -> dict[str, str]:
     """Recomputation and kernels of a plan summary (either notation: `rc:sel`, `recompute=
     selective`; `k:fused`, absent for eager)."""
     m = _RECOMPUTE.search(summary)
-    rc = {"sel": "selective"}.get(m.group(1), m.group(1)) if m else "none"
+    tags = {tag: policy.value for policy, tag in RECOMPUTE_TAGS.items()}
+    rc = tags.get(m.group(1), m.group(1)) if m else "none"
     return {"recompute": rc, "kernels": "fused" if "k:fused" in summary.split() else "eager"}
 
 

@@ -51,16 +51,17 @@ def names(kind: str) -> list[str]:
     return sorted(p.stem for p in (CATALOG_DIR / kind).glob("*.yaml"))
 
 
-@cache
 def _path_shaped(text: str) -> bool:
     """A spec file rather than a catalog name: a spec suffix or a folder in it."""
     return Path(text).suffix in (".yaml", ".yml", ".json") or "/" in text or os.sep in text
 
 
-def _load(kind: str, name_or_path: str, spec: type[T]) -> T:
+@cache
+def _load(kind: str, name_or_path: str, spec: type[T], what: str) -> T:
     """A catalog name, or a path to a spec file. A catalog name wins over a file of the same
     name in the working directory (``h200`` is the cluster even beside a folder ``h200``);
-    give ``./h200`` for the file. A blank name is a name (never the working directory)."""
+    give ``./h200`` for the file. A blank name is a name (never the working directory).
+    ``what`` names the argument in an unknown name's error."""
     path = Path(name_or_path)
     builtin = CATALOG_DIR / kind / f"{name_or_path.lower()}.yaml"
     if _path_shaped(name_or_path) or (name_or_path.strip() and not _exists(builtin)
@@ -70,7 +71,7 @@ def _load(kind: str, name_or_path: str, spec: type[T]) -> T:
         close = difflib.get_close_matches(name_or_path.lower(), names(kind), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise SpecError(
-            f"{kind[:-1]}: unknown name {name_or_path!r}; {hint}built-in {kind}: "
+            f"{what}: unknown name {name_or_path!r}; {hint}built-in {kind}: "
             f"{', '.join(names(kind))} (or give a path to a .yaml/.json file)"
         )
     return parse(spec, read_document(builtin), f"{kind[:-1]} {name_or_path}")
@@ -85,12 +86,14 @@ def _exists(path: Path) -> bool:
 
 
 def load_model(name_or_path: str) -> ModelSpec:
-    return _load("models", name_or_path, ModelSpec)
+    return _load("models", name_or_path, ModelSpec, "model")
 
 
-def load_cluster(name_or_path: str, gpus: int | None = None) -> ClusterSpec:
-    """A cluster by name or path; ``gpus`` replaces the job size."""
-    cluster = _load("clusters", name_or_path, ClusterSpec)
+def load_cluster(name_or_path: str, gpus: int | None = None, what: str = "cluster"
+                 ) -> ClusterSpec:
+    """A cluster by name or path; ``gpus`` replaces the job size; ``what`` names the argument
+    or option it came from in errors."""
+    cluster = _load("clusters", name_or_path, ClusterSpec, what)
     return cluster if gpus is None else resize(cluster, gpus, "--gpus")
 
 

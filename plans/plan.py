@@ -207,6 +207,10 @@ class Prediction(Frozen):
 # ---- the plan -----------------------------------------------------------------------------------
 
 
+RECOMPUTE_TAGS = {Recompute.none: "none", Recompute.selective: "sel", Recompute.full: "full"}
+"""A plan's recomputation in its notation (``rc:sel``)."""
+
+
 class Plan(Frozen):
     schema_version: Literal[1] = SCHEMA_VERSION
     """Version of this schema; a plan of another version is refused."""
@@ -331,9 +335,8 @@ class Plan(Frozen):
         sync is not overlapped, gradient accumulation not fused or the loss chunked, and
         `k:fused` where the memory-bound operators are fused."""
         overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
-        recompute = {"none": "none", "selective": "sel", "full": "full"}
         sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
-        out = (f"{sched} ov:{overlap[self.overlap.value]} rc:{recompute[self.recompute.value]} "
+        out = (f"{sched} ov:{overlap[self.overlap.value]} rc:{RECOMPUTE_TAGS[self.recompute]} "
                f"sync:{self.grad_sync_precision.value}")
         if not self.grad_sync_overlap:
             out += " sync-after-bwd"
