@@ -1,32 +1,44 @@
 """One attention block, forward + backward, as the runtime runs it, per kernel set and
-recomputation: on one GPU the block alone, under Ulysses SP = N its all-to-alls' exposed time.
+recomputation: on one GPU the block alone, under Ulysses SP = N its all-to-alls' exposed time,
+blocking and in overlapped head groups.
 
     torchrun --nproc-per-node N bench/attention_block_gpu.py --out $OUT/attention_block_xN.json
     (N = 1: one GPU, no communication; N = 2: Ulysses SP = 2 over NCCL)
+    python bench/attention_block_gpu.py --simulate-sp 2 --out ...  (one GPU: one SP rank's
+    compute, its all-to-alls kept on the rank)
 
 The block is x + attention(attention_norm(x)) of a one-layer model built and parallelised by the
-runtime from a plan (runtime.parallel.parallelize: Ulysses SP = N and EP = N, overlap none,
-``kernels`` and ``recompute`` as the variant says; bench/layers_gpu.build_block), at the
-attention shapes of the catalog models (``--models``; Mixtral-8x7B: hidden 4096, 32 query and 8
-KV heads of 128; Qwen3-30B-A3B: hidden 2048, 32 and 4 heads of 128 with QK norm), ``--batch``
-sequences of ``--seq`` tokens (default 4 x 4,096: 16k tokens, the MoE layer bench's), each rank
-holding seq / N tokens of every sequence. Variants, for each kernel set (``--kernels``) and
+runtime from a plan (runtime.parallel.parallelize: Ulysses SP = N and EP = N, ``kernels`` and
+``recompute`` as the variant says; bench/layers_gpu.build_block), at the attention shapes of the
+catalog models (``--models``; Mixtral-8x7B: hidden 4096, 32 query and 8 KV heads of 128;
+Qwen3-30B-A3B: hidden 2048, 32 and 4 heads of 128 with QK norm), ``--batch`` sequences of
+``--seq`` tokens (default 4 x 4,096: 16k tokens, the MoE layer bench's), each rank holding
+seq / N tokens of every sequence. Variants, for each kernel set (``--kernels``) and
 recomputation (``--recompute``: none, or selective, which reruns RoPE and SDPA in backward):
 
-- ``block``: the runtime's block; at N > 1 its four all-to-alls (q, k, v to head shards, the
-  output back; runtime.parallel.attention.UlyssesCore) block, as the runtime runs them under
-  every overlap setting (plans.execution: the attention's collectives block);
+- ``block``: the runtime's block under overlap none; at N > 1 its four all-to-alls (q, k, v to
+  head shards, the output back; runtime.parallel.attention.UlyssesCore) block;
 - ``compute_alone`` (N > 1): the same block with each all-to-all replaced by its local pack and
   unpack (the same copies, no exchange): what the block would take with its communication
   hidden entirely;
 - ``comm_alone`` (N > 1, once per model): the four all-to-alls forward + backward on tensors of
-  the block's shapes, pack and unpack included.
+  the block's shapes, pack and unpack included;
+- ``head_groups`` (where plans.layout.ulysses_chunks gives more than one group at SP = N): the
+  block under overlap inter_op, Ulysses in head groups on two streams
+  (runtime.parallel.attention.ChunkedUlyssesCore), with its own ``compute_alone`` (each group's
+  exchange left out, the packing, the streams and their events kept), ``comm_alone`` (each
+  group's two all-to-alls) and ``exposed_comm``.
+
+With ``--simulate-sp N`` on one process the block is one rank of Ulysses SP = N without the
+exchange: seq / N tokens of every sequence, the core on full sequences of H / N heads (the
+weights are the ones every SP rank holds); it gives ``compute_alone`` of both cores, so one GPU
+measures what the head groups cost the compute.
 
 ``exposed_comm`` = block - compute_alone; ``predicted`` is the cost model's block for the same
 plan (``--cluster``, default the fitted ``h200-runtime``): its attention operators forward and
-backward, recomputed ones included, summed as overlap none runs them. Timing: CUDA events
-(wall clock on CPU), median after warm-up, the slowest rank's; ranks line up at a barrier
-before each repeat (bench/_dist_bench).
+backward, recomputed ones included, scheduled on two streams as the plan's overlap runs them
+(overlap none: their sum). Timing: CUDA events (wall clock on CPU), median after warm-up, the
+slowest rank's; ranks line up at a barrier before each repeat (bench/_dist_bench).
 bf16 on CUDA, fp32 over gloo on CPU (smoke tests shrink the model with the override flags).
 """
 
@@ -46,8 +58,8 @@ from _dist_bench import finish, init, slowest, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 from layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 
-from cost_models.layer import layer_key  # noqa: E402
-from cost_models.layer_graph import OpKind, backward_graph, forward_graph  # noqa: E402
+from cost_models.layer import layer_graphs, layer_key, schedule_s  # noqa: E402
+from cost_models.layer_graph import OpKind  # noqa: E402
 from plans import (  # noqa: E402
     EPFFN,
     Degrees,
@@ -61,9 +73,11 @@ from plans import (  # noqa: E402
     catalog,
 )
 from plans.io import write_atomic  # noqa: E402
+from plans.layout import kv_heads_sent, ulysses_chunks  # noqa: E402
 from plans.specs import ModelSpec  # noqa: E402
-from runtime.parallel.attention import UlyssesCore  # noqa: E402
-from runtime.parallel.comm import head_to_seq, seq_to_head  # noqa: E402
+from runtime.parallel.attention import ChunkedUlyssesCore, UlyssesCore  # noqa: E402
+from runtime.parallel.comm import all_to_all, head_to_seq, seq_to_head  # noqa: E402
+from runtime.parallel.overlap import Chunk  # noqa: E402
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 """Issue 11's two shapes (the MoE layer bench's), here their attention."""
@@ -81,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=[k.value for k in Kernels])
     p.add_argument("--recompute", nargs="+", default=["none", "selective"],
                    choices=["none", "selective"])
+    p.add_argument("--simulate-sp", type=int, default=1, metavar="N",
+                   help="on one process: one rank of Ulysses SP = N, all-to-alls kept local")
     for flag in OVERRIDES:
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag,
                        help=f"override model.{OVERRIDES[flag]} (smoke tests)")
@@ -90,30 +106,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def block_plan(model: ModelSpec, args, n: int, kernels: Kernels, recompute: Recompute) -> Plan:
+def block_plan(model: ModelSpec, args, n: int, kernels: Kernels, recompute: Recompute,
+               overlap: Overlap = Overlap.none) -> Plan:
     return Plan(
         model=model, cluster=catalog.load_cluster(args.cluster, gpus=n),
         training=TrainingSpec(global_batch=args.batch, seq_len=args.seq), stage_layers=(1,),
         micro_batch_size=args.batch, degrees=Degrees(sp=n, ep=n),
         attention=UlyssesAttention(), ffn=EPFFN(dispatch=Dispatch.all_to_all),
-        overlap=Overlap.none, recompute=recompute, kernels=kernels,
+        overlap=overlap, recompute=recompute, kernels=kernels,
     )
 
 
 def predict(plan: Plan) -> dict:
     """The cost model's block: its attention operators (the forward graph up to the attention
-    residual) forward, and their nodes of the backward graph (recomputed ones included); under
-    overlap none every operator blocks, so the block is their sum."""
-    fwd = forward_graph(layer_key(plan))
+    residual) forward, and their nodes of the backward graph (recomputed ones included), each
+    pass scheduled on two streams as ``plan.overlap`` runs them (under none every operator
+    blocks: the sum)."""
+    fwd, bwd = layer_graphs(layer_key(plan), plan.overlap)
     order = sorted(fwd.nodes, key=lambda name: fwd.nodes[name]["order"])
-    block = [fwd.nodes[name]["op"] for name in order[:order.index("attn_residual") + 1]]
-    operators = {op.operator for op in block}
-    bwd = [node["op"] for node in backward_graph(fwd, plan.recompute).nodes.values()
-           if node["op"].operator in operators]
-    ops = block + bwd
-    return {"block_s": sum(op.duration_s for op in ops),
+    block = order[:order.index("attn_residual") + 1]
+    operators = {fwd.nodes[name]["op"].operator for name in block}
+    back = [name for name, node in bwd.nodes.items() if node["op"].operator in operators]
+    hidden = plan.cluster.efficiency.overlap
+    ops = [fwd.nodes[name]["op"] for name in block] + [bwd.nodes[name]["op"] for name in back]
+    return {"block_s": schedule_s(fwd.subgraph(block), plan.overlap, hidden)
+            + schedule_s(bwd.subgraph(back), plan.overlap, hidden),
             "comm_s": sum(op.duration_s for op in ops if op.kind == OpKind.comm),
-            "recompute_s": sum(op.duration_s for op in bwd if op.recompute)}
+            "recompute_s": sum(op.duration_s for op in ops if op.recompute)}
 
 
 # ---- the all-to-alls' local stand-ins (compute alone) ---------------------------------------
@@ -145,6 +164,14 @@ class LocalUlyssesCore(UlyssesCore):
         return LOCAL[fn](x, self.size)
 
 
+class LocalChunkedUlyssesCore(ChunkedUlyssesCore):
+    """ChunkedUlyssesCore whose exchanges are left out: each group's packed heads stay on the
+    rank (the same shape), the copies, streams and events as the runtime issues them."""
+
+    def _exchange(self, c: Chunk) -> None:
+        pass
+
+
 # ---- measurement ----------------------------------------------------------------------------
 
 
@@ -161,14 +188,28 @@ def step_fn(layer, x: torch.Tensor, grad: torch.Tensor):
     return run
 
 
-def comm_fn(model: ModelSpec, args, n: int, device, dtype, group):
-    """The block's four all-to-alls, forward + backward, on tensors of its shapes."""
+def comm_fn(model: ModelSpec, args, n: int, device, dtype, group, groups: int = 1):
+    """The block's all-to-alls, forward + backward, on tensors of its shapes: blocking, the
+    four of UlyssesCore; in ``groups`` head groups, each group's two (q, k and v packed in one,
+    the output back) as ChunkedUlyssesCore sends them."""
     b, s, d = args.batch, args.seq, model.head_dim
-    kv = max(model.kv_heads, n)  # UlyssesCore replicates KV heads fewer than n first
+    kv = kv_heads_sent(model, n)  # KV heads fewer than n are replicated first
     gen = torch.Generator(device=device).manual_seed(args.seed)
 
     def make(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    if groups > 1:
+        q, k = model.query_heads // (n * groups), kv // (n * groups)
+        sends = [make(n, b, s // n, w, d) for _ in range(groups) for w in (q + 2 * k, q)]
+        splits = [1] * n
+
+        def run_groups() -> None:
+            xs = [t.detach().requires_grad_(True) for t in sends]
+            outs = [all_to_all(t, splits, splits, group) for t in xs]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+        return run_groups
 
     inputs = [make(b, s // n, model.query_heads, d), make(b, s // n, kv, d),
               make(b, s // n, kv, d), make(b, s, model.query_heads // n, d)]
@@ -183,21 +224,37 @@ def comm_fn(model: ModelSpec, args, n: int, device, dtype, group):
     return run
 
 
+def _text(variant: dict) -> str:
+    return "  ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms" for k, v in variant.items()
+                     if k.endswith("_s")) + \
+        f"  (predicted {variant['predicted']['block_s'] * 1e3:.2f} ms)"
+
+
 def measure(args) -> int:
     rank, n, device, dtype = init()
     group = dist.group.WORLD if n > 1 else None
+    sp = args.simulate_sp if n == 1 else n  # the SP degree of the rank measured
+    if sp < 1 or (n > 1 and args.simulate_sp != 1):
+        if rank == 0:
+            print("error: --simulate-sp: a positive degree, on one process only",
+                  file=sys.stderr)
+        finish(n)
+        return 2
     rows: dict[str, dict] = {}
     for name in args.models:
         try:
             model = model_spec(args, name)
-            block_plan(model, args, n, Kernels.eager, Recompute.none)
+            block_plan(model, args, sp, Kernels.eager, Recompute.none)
+            if args.seq % sp:
+                raise ValueError(f"--seq: {args.seq} tokens do not split over SP = {sp}")
         except ValueError as e:
             if rank == 0:
                 print(f"error: {name}: {str(e).splitlines()[-1].strip()}", file=sys.stderr)
             finish(n)
             return 2
+        groups = ulysses_chunks(Overlap.inter_op, UlyssesAttention(), model, sp)
         gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
-        x = torch.randn(args.batch, args.seq // n, model.hidden, device=device, dtype=dtype,
+        x = torch.randn(args.batch, args.seq // sp, model.hidden, device=device, dtype=dtype,
                         generator=gen)
         grad = torch.randn_like(x)
 
@@ -206,46 +263,78 @@ def measure(args) -> int:
 
         row: dict = {"hidden": model.hidden, "query_heads": model.query_heads,
                      "kv_heads": model.kv_heads, "head_dim": model.head_dim,
-                     "qk_norm": model.qk_norm, "tokens_per_rank": args.batch * args.seq // n,
-                     "variants": {}}
+                     "qk_norm": model.qk_norm, "tokens_per_rank": args.batch * args.seq // sp,
+                     "sp": sp, "head_groups": groups, "variants": {}}
         if n > 1:
             row["comm_alone_s"] = time_of(comm_fn(model, args, n, device, dtype, group))
+            if groups > 1:
+                row["head_groups_comm_alone_s"] = time_of(
+                    comm_fn(model, args, n, device, dtype, group, groups))
         for kernels in map(Kernels, args.kernels):
             for recompute in map(Recompute, args.recompute):
-                plan = block_plan(model, args, n, kernels, recompute)
-                layer = build_block(plan, rank, n, device, dtype, args.seed)
-                variant = {"kernels": kernels.value, "recompute": recompute.value,
-                           "block_s": time_of(step_fn(layer, x, grad)),
-                           "predicted": predict(plan)}
+                plan = block_plan(model, args, sp, kernels, recompute)
+                variant = {"kernels": kernels.value, "recompute": recompute.value}
+                # one process: the block as built (sp 1) or one simulated SP rank's compute
+                layer = build_block(plan if n > 1 else block_plan(model, args, 1, kernels,
+                                                                  recompute),
+                                    rank, n, device, dtype, args.seed)
+                inner = layer.attention.core if n == 1 else layer.attention.core.inner
+                if n == 1 and sp == 1:
+                    variant["block_s"] = time_of(step_fn(layer, x, grad))
                 if n > 1:
-                    core = layer.attention.core
-                    layer.attention.core = LocalUlyssesCore(core.inner, None, n, None)
+                    variant["block_s"] = time_of(step_fn(layer, x, grad))
+                if sp > 1:
+                    layer.attention.core = LocalUlyssesCore(inner, None, sp, None)
                     variant["compute_alone_s"] = time_of(step_fn(layer, x, grad))
+                if n > 1:
                     variant["exposed_comm_s"] = variant["block_s"] - variant["compute_alone_s"]
+                variant["predicted"] = predict(plan)
+                if groups > 1:
+                    grouped = {"groups": groups}
+                    overlapped = block_plan(model, args, sp, kernels, recompute,
+                                            Overlap.inter_op)
+                    if n > 1:
+                        layer = build_block(overlapped, rank, n, device, dtype, args.seed)
+                        assert isinstance(layer.attention.core, ChunkedUlyssesCore)
+                        grouped["block_s"] = time_of(step_fn(layer, x, grad))
+                        inner = layer.attention.core.inner
+                    layer.attention.core = LocalChunkedUlyssesCore(inner, None, sp, groups,
+                                                                   None)
+                    grouped["compute_alone_s"] = time_of(step_fn(layer, x, grad))
+                    if n > 1:
+                        grouped["exposed_comm_s"] = grouped["block_s"] - \
+                            grouped["compute_alone_s"]
+                    grouped["predicted"] = predict(overlapped)
+                    variant["head_groups"] = grouped
                 row["variants"][f"{kernels.value}/{recompute.value}"] = variant
                 if rank == 0:
-                    text = "  ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms"
-                                     for k, v in variant.items() if k.endswith("_s"))
-                    text += f"  (predicted {variant['predicted']['block_s'] * 1e3:.2f} ms)"
-                    print(f"{name} {kernels.value} recompute {recompute.value}: {text}",
-                          flush=True)
+                    print(f"{name} {kernels.value} recompute {recompute.value}: "
+                          f"{_text(variant)}", flush=True)
+                    if groups > 1:
+                        print(f"  in {groups} head groups: {_text(variant['head_groups'])}",
+                              flush=True)
                 del layer
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         if rank == 0 and n > 1:
-            print(f"{name} comm alone {row['comm_alone_s'] * 1e3:.2f} ms", flush=True)
+            print(f"{name} comm alone {row['comm_alone_s'] * 1e3:.2f} ms" + (
+                f", in {groups} head groups {row['head_groups_comm_alone_s'] * 1e3:.2f} ms"
+                if groups > 1 else ""), flush=True)
         rows[name] = row
     if rank == 0:
         result = {
             **metadata(),
             "benchmark": "one attention block forward + backward as the runtime runs it: per "
                          "kernel set and recomputation; under Ulysses SP its compute alone, its "
-                         "all-to-alls alone and their exposed time",
-            "world": n, "backend": dist.get_backend() if n > 1 else "none",
+                         "all-to-alls alone and their exposed time, blocking and in overlapped "
+                         "head groups",
+            "world": n, "simulated_sp": args.simulate_sp,
+            "backend": dist.get_backend() if n > 1 else "none",
             "dtype": str(dtype).removeprefix("torch."), "seq_len": args.seq,
             "batch": args.batch, "cluster_spec": args.cluster,
             "prediction": "cost_models.layer_graph: the attention operators' forward and "
-                          "backward (recomputation included) summed, overlap none",
+                          "backward (recomputation included), each pass scheduled on two "
+                          "streams as the variant's overlap runs them (none: summed)",
             "warmup": args.warmup, "repeats": args.repeats,
             "models": rows,
         }

@@ -428,6 +428,26 @@ def overlap_text(results: Path, cal: Calibration, data: list[dict]) -> str:
             "slower than its serial twin on this machine (`docs/performance.md`).\n")
 
 
+def head_groups_text(data: list[dict]) -> str:
+    """The plans priced with Ulysses in head groups (plans.layout.ulysses_chunks) whose
+    measured launch ran another schedule: not the same step until re-measured."""
+    stale = [r for r in data if not r.get("missing")
+             and r["priced_head_groups"] != (r["run_head_groups"] or 1)]
+    if not stale:
+        return ""
+    runs = "; ".join(
+        f"{r['case']} ({r['priced_head_groups']} priced, "
+        f"{r['run_head_groups'] or 'none recorded, all blocking'} at {r['run_commit']})"
+        for r in stale)
+    return ("Ulysses in head groups: under `overlap: inter_op` the runtime now moves Ulysses "
+            "heads in groups, each group's all-to-alls beside the other group's core "
+            "(`runtime.parallel.attention.ChunkedUlyssesCore`), and the cost model prices "
+            "that. These plans' launches ran before, every Ulysses all-to-all blocking, so "
+            f"their rows set the grouped prediction against the blocking step: {runs}. Their "
+            "errors say nothing of the grouped pricing until campaign `h200_fidelity` "
+            "re-measures them on two GPUs.\n")
+
+
 def host_text(data: list[dict], repeat: Path = REPEAT, device: Path = DEVICE) -> str:
     """The runtime before and after the router's host sync was removed: each plan's step in the
     earlier launch (``repeat``) against the suite's median launch now, the implicit host syncs
@@ -575,6 +595,7 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                   "hooks and the process groups, and `bench/train_step.py` closes each plan's "
                   "trainer.\n"]
         parts.append(overlap_text(results, cal, data))
+        parts.append(head_groups_text(data))
         parts.append(shared_text(results.parent / "speed17" / "memory_shared"))
         parts.append(cap_text([results.parent / "speed17" / d
                                for d in ("memory_cap", "memory_shared")]))

@@ -299,7 +299,7 @@ def expert_gemm_table() -> list[str]:
     return lines
 
 
-ATTENTION_BLOCKS = ("speed20/attention_block_x1", "speed20/attention_block_x2")
+ATTENTION_BLOCKS = ("speed20/attention_block_x1", "speed21/attention_block_x2")
 
 
 def attention_table() -> list[str]:
@@ -322,6 +322,43 @@ def attention_table() -> list[str]:
                 lines.append(f"| {doc['world']} | {shape} | {v['kernels']} | {v['recompute']} | "
                              + " | ".join(cells) + f" | {doc.get('commit', '?')} |")
     return lines
+
+
+HEAD_GROUPS = ("speed21/attention_block_x1_simulated_sp2", "speed21/attention_block_x2")
+
+
+def head_groups_table() -> list[str]:
+    """The attention block with the blocking Ulysses core and in head groups: compute alone
+    (one simulated SP rank on one GPU, or the real ranks), and on two GPUs the block and its
+    exposed all-to-alls."""
+    lines = ["| GPUs | shape | kernels | recompute | compute alone ms: blocking / groups | "
+             "block ms: blocking / groups | exposed comm ms: blocking / groups | predicted "
+             "block ms: blocking / groups | commit |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def pair(a, b) -> str:
+        return " / ".join(f"{x * 1e3:.2f}" if x is not None else "-" for x in (a, b))
+
+    found = False
+    for stem in HEAD_GROUPS:
+        doc = _load(stem)
+        if doc is None:
+            continue
+        found = True
+        gpus = f"{doc['world']}" + (f" (one SP = {doc['simulated_sp']} rank)"
+                                    if doc["world"] == 1 else "")
+        for shape, row in doc["models"].items():
+            for v in row["variants"].values():
+                g = v.get("head_groups")
+                if g is None:
+                    continue
+                lines.append(
+                    f"| {gpus} | {shape} | {v['kernels']} | {v['recompute']} | "
+                    f"{pair(v.get('compute_alone_s'), g['compute_alone_s'])} | "
+                    f"{pair(v.get('block_s'), g.get('block_s'))} | "
+                    f"{pair(v.get('exposed_comm_s'), g.get('exposed_comm_s'))} | "
+                    f"{pair(v['predicted']['block_s'], g['predicted']['block_s'])} | "
+                    f"{doc.get('commit', '?')} |")
+    return lines if found else []
 
 
 def clocks_text() -> str:
@@ -547,14 +584,15 @@ def render() -> str:
         "## One attention block, forward + backward",
         "",
         "`bench/attention_block_gpu.py` (campaigns `h200_attention_block_1gpu` and, on two "
-        "GPUs, `h200_issue11_x2`"
+        "GPUs, `h200_head_groups_x2`"
         + ("" if _load(ATTENTION_BLOCKS[1]) else ", which has not run: no two-GPU machine was "
            "lent since the bench was written")
-        + "; `speed20/`): x + attention(norm(x)) of a one-layer model the "
+        + "; `speed20/`, `speed21/`): x + attention(norm(x)) of a one-layer model the "
         "runtime builds from a plan, 4 sequences of 4,096 tokens (16k tokens on one GPU, each "
         "rank seq / N under Ulysses SP = N), eager or fused kernels, without or with selective "
-        "recomputation (RoPE and SDPA rerun in backward). Under SP its four all-to-alls block "
-        "(the runtime overlaps no attention collective); `compute alone` is the block with "
+        "recomputation (RoPE and SDPA rerun in backward). Under SP and overlap none its four "
+        "all-to-alls block (the table below has the overlapped head groups); `compute alone` "
+        "is the block with "
         "each all-to-all replaced by its local pack and unpack, `exposed comm` the block less "
         "that, `all-to-alls alone` the four forward + backward on the block's shapes. "
         "`predicted` is the cost model's block for the same plan on the fitted `h200-runtime` "
@@ -564,6 +602,26 @@ def render() -> str:
         "block's norm reads 2,048.",
         "",
         *attention_table(),
+        "",
+        "### Ulysses in head groups (`overlap: inter_op`)",
+        "",
+        "Under inter_op the runtime moves Ulysses heads in `plans.layout.ulysses_chunks` (2) "
+        "head groups where every rank's KV heads split into them "
+        "(`runtime.parallel.attention.ChunkedUlyssesCore`): each group's q, k and v in one "
+        "all-to-all on a communication stream, group 1's beside group 0's core and group 0's "
+        "output beside group 1's core, and so in backward. The same bench's `head_groups` "
+        "rows (campaigns `h200_head_groups_1gpu`, `h200_head_groups_x2`; `speed21/`): on one "
+        "GPU one rank of SP = 2 (seq / 2 tokens, the core on full sequences of H / 2 heads, "
+        "the all-to-alls kept on the rank, `--simulate-sp 2`), what the groups cost the "
+        "compute; on two GPUs the block and its exposed all-to-alls"
+        + ("" if _load(HEAD_GROUPS[1]) else " (not run: no two-GPU machine was lent since "
+           "the head groups were built)")
+        + ". `predicted` schedules the cost model's attention operators on two streams with "
+        "the fitted `h200-runtime` share of hidden communication (efficiency.overlap, 0 as "
+        "measured beside the expert GEMMs), so the groups are priced as their extra calls.",
+        "",
+        *(head_groups_table() or ["No head-group measurement is committed yet "
+                                  "(`bash bench/run_campaign.sh h200_head_groups_1gpu`)."]),
         "",
         "## Fused memory-bound operators (16k tokens)",
         "",

@@ -51,6 +51,7 @@ from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
+from runtime.parallel.attention import head_groups  # noqa: E402
 from runtime.parallel.mesh import end_process_groups  # noqa: E402
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
@@ -149,6 +150,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, seed)
     trainer = build_trainer(plan, rank, world, device, seed, data)
+    groups = head_groups(trainer.model)
     for step in range(warmup):
         trainer.train_step(step)
     if device.type == "cuda":
@@ -232,6 +234,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "host_syncs_per_rank": [e["host_syncs"] for e in extras],
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "deviations": record(plan, backend_of(device)),
+        "ulysses_head_groups": groups,
     }
 
 

@@ -4,10 +4,12 @@ Communication is scheduled by ``plan.overlap`` (paper Sec. 4):
 - none: every collective blocks compute (serial execution).
 - inter_op: as runtime.parallel.overlap executes it: an EP layer's dispatch and combine run in
   ``plans.layout.moe_chunks`` token chunks on the communication stream beside independent
-  compute (the other chunk's expert GEMMs, the shared experts); a share
-  ``1 - efficiency.overlap`` of each still blocks compute (launch, synchronisation,
-  contention). Gradients run as autograd nodes (a GEMM's data and weight gradients together).
-  Every other collective (Ulysses and TP attention, expert TP) blocks.
+  compute (the other chunk's expert GEMMs, the shared experts), and Ulysses attention's
+  all-to-alls in ``plans.layout.ulysses_chunks`` head groups beside the other group's core
+  (runtime.parallel.attention); a share ``1 - efficiency.overlap`` of each still blocks
+  compute (launch, synchronisation, contention). Gradients run as autograd nodes (a GEMM's
+  data and weight gradients together). Every other collective (TP attention, expert TP)
+  blocks.
 - inter_intra_op: collectives fused with their GEMM at tile level expose only
   max(0, comm - gemm) plus the fill of one 128-row tile chunk (the paper's hand-scheduled
   layer, unchunked; not executed by this runtime, which runs it as inter_op).
@@ -29,7 +31,7 @@ import networkx as nx
 
 from cost_models.layer_graph import LayerKey, Op, OpKind, backward_graph, forward_graph
 from cost_models.schedule import Stream, Task, list_schedule
-from plans.layout import moe_chunks
+from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import LAYER_REGIONS, TIMER_OF
 from plans.plan import Overlap, Plan
 
@@ -132,6 +134,12 @@ class _Pass:
     critical_path: tuple[str, ...]
 
 
+def schedule_s(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> float:
+    """The two-stream makespan of ``graph`` (a layer's pass, or the operators of a part of it)
+    under ``overlap``, a share ``hidden_share`` of each overlappable collective hidden."""
+    return _run(graph, _program(graph), overlap, hidden_share).time_s
+
+
 def _run(graph: nx.DiGraph, program, overlap: Overlap, hidden_share: float) -> _Pass:
     pairs = _tasks(graph, program, overlap, hidden_share)
     sched = list_schedule([t for t, _ in pairs])
@@ -151,11 +159,12 @@ def _run(graph: nx.DiGraph, program, overlap: Overlap, hidden_share: float) -> _
 
 
 @lru_cache(maxsize=4096)
-def _graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGraph]:
+def layer_graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGraph]:
     """Forward and backward graphs of the layer as ``overlap`` runs it: inter_op chunks the
     MoE part as the runtime does and runs gradients as autograd nodes."""
     inter = overlap == Overlap.inter_op
-    fwd = forward_graph(key, moe_chunks(overlap, key.ffn, key.ep))
+    fwd = forward_graph(key, moe_chunks(overlap, key.ffn, key.ep),
+                        ulysses_chunks(overlap, key.attention, key.model, key.sp))
     return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter)
 
 
@@ -170,7 +179,7 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
     policies = list(Overlap)[: list(Overlap).index(overlap) + 1]
     best = None
     for policy in reversed(policies):
-        graph = _graphs(key, overlap if policy == Overlap.none else policy)[backward]
+        graph = layer_graphs(key, overlap if policy == Overlap.none else policy)[backward]
         program = _program(graph)
         # with no overlap everything runs back to back: its makespan is the sum of the
         # durations, known without scheduling; schedule it only if it could win
@@ -208,7 +217,7 @@ def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
         recompute_s=fwd.recompute_s + bwd.recompute_s,
         exposed_comm_s=MappingProxyType(exposed),
         critical_path=fwd.critical_path + bwd.critical_path,
-        region_s=MappingProxyType(_region_s(*_graphs(key, overlap))),
+        region_s=MappingProxyType(_region_s(*layer_graphs(key, overlap))),
     )
 
 

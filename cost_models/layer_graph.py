@@ -26,7 +26,7 @@ from cost_models import volumes as vol
 from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation, fused_every_slot
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
-from plans.layout import tokens_per_rank
+from plans.layout import kv_heads_sent, tokens_per_rank
 from plans.operators import RECOMPUTED, TIMER_OF, Component, LayerOperator
 from plans.plan import (
     EPFFN,
@@ -151,8 +151,9 @@ class Op:
     recompute: bool = False
     """This is a backward-pass rerun of a forward operator."""
     side_stream: bool = False
-    """A collective of the chunked MoE layer, issued on the communication stream beside the
-    other chunk's expert GEMMs (the one communication Overlap.inter_op overlaps)."""
+    """A collective of the chunked MoE layer or of Ulysses in head groups, issued on the
+    communication stream beside the other chunk's expert GEMMs or attention core (what
+    Overlap.inter_op overlaps)."""
 
     @property
     def stream(self) -> Stream:
@@ -223,10 +224,10 @@ class _Builder:
         name = LayerOperator.dispatch_host_wait
         return self.add(Op(name.value, name, OpKind.host, seconds, (0.0,)), *after)
 
-    def attention(self, flops: float, *after: str | None) -> str:
+    def attention(self, flops: float, *after: str | None, at: str = "") -> str:
         """FlashAttention (the core's prologue, RoPE and the GQA expansion, is LO.rope)."""
         c, name = self.key.cluster, LayerOperator.flash_attn
-        op = Op(name.value, name, OpKind.attention, cc.flash_attention_fwd_s(flops, c),
+        op = Op(name.value + at, name, OpKind.attention, cc.flash_attention_fwd_s(flops, c),
                 (cc.flash_attention_bwd_s(flops, c),))
         return self.add(op, *after)
 
@@ -243,14 +244,16 @@ class _Builder:
 # ---- forward ----------------------------------------------------------------------------------
 
 
-def _attention(g: _Builder, x: str | None) -> str:
+def _attention(g: _Builder, x: str | None, head_chunks: int) -> str:
     k, m = g.key, g.key.model
     h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
     norm = g.memory(LO.attn_norm, 2 * t * h * AB, 3 * t * h * AB, x)
     match k.attention:
+        case UlyssesAttention() if head_chunks > 1:
+            out = _ulysses_head_groups(g, norm, head_chunks)
         case UlyssesAttention():
             a2a_qkv, a2a_out = vol.ulysses_attention(m, b, s, k.sp)
-            kv_dim = vol.kv_heads_sent(m, k.sp) * m.head_dim
+            kv_dim = kv_heads_sent(m, k.sp) * m.head_dim
             qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * kv_dim, h, norm)
             head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, fuse_with=LO.qkv_gemm, rows=t)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.sp, m.head_dim,
@@ -261,7 +264,7 @@ def _attention(g: _Builder, x: str | None) -> str:
             out = g.gemm(LO.out_gemm, t, h, m.q_dim, seq_major)
         case TPAttention():
             ag, rs = vol.tp_attention(m, b, s, k.tp)
-            kv_dim = vol.kv_heads_sent(m, k.tp) * m.head_dim
+            kv_dim = kv_heads_sent(m, k.tp) * m.head_dim
             gathered = g.comm(LO.tp_all_gather, ag, norm, fuse_with=LO.qkv_gemm, rows=b * s)
             qkv = g.gemm(LO.qkv_gemm, b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
             flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, m.head_dim,
@@ -284,6 +287,35 @@ def _attention(g: _Builder, x: str | None) -> str:
     return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out, fusable=False)
 
 
+def _ulysses_head_groups(g: _Builder, norm: str, groups: int) -> str:
+    """Ulysses in ``groups`` head groups (plans.layout.ulysses_chunks: the inter-operator
+    overlapped core of runtime.parallel.attention): one QKV GEMM, then per group its share of
+    the all-to-all in, its prologue and FlashAttention, and its all-to-all out, the collectives
+    on the communication stream beside the other group's core; the output GEMM reads every
+    group. Operator names get an ``@group`` suffix."""
+    k, m = g.key, g.key.model
+    h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
+    a2a_qkv, a2a_out = (replace(x, buffer_bytes=x.buffer_bytes / groups)
+                        for x in vol.ulysses_attention(m, b, s, k.sp))
+    kv_dim = kv_heads_sent(m, k.sp) * m.head_dim
+    qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * kv_dim, h, norm)
+    heads = k.sp * groups
+    flops = cc.attention_fwd_flops(b, s, s, m.query_heads / heads, m.head_dim, cc.CAUSAL_FRACTION)
+    outs, previous = [], None
+    for c in range(groups):
+        at = f"@{c}"
+        head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, at=at, side_stream=True)
+        # One compute stream runs the groups' cores in issue order: group c after group c - 1
+        # and, derived from that edge, its gradients before c - 1's, as autograd runs them (so
+        # group c's all-to-all gradient runs beside group c - 1's core gradient). Under
+        # selective recomputation the edge also puts group c - 1's rerun before group c's (the
+        # runtime reruns them in backward order): the same compute, in another order.
+        roped = _rope(g, b * s, m.q_dim / heads, kv_dim / heads, head_major, previous, at=at)
+        previous = g.attention(flops, roped, at=at)
+        outs.append(g.comm(LO.sp_a2a_out, a2a_out, previous, at=at, side_stream=True))
+    return g.gemm(LO.out_gemm, t, h, m.q_dim, *outs)
+
+
 def prologue_bytes(rows: float, q_width: float, kv_width: float) -> tuple[float, float]:
     """Forward and backward bytes of the attention core's prologue (runtime.model.
     AttentionCore.prologue) over ``rows`` sequence positions with ``q_width`` query and
@@ -295,11 +327,12 @@ def prologue_bytes(rows: float, q_width: float, kv_width: float) -> tuple[float,
     return rope + gqa, rope + gqa
 
 
-def _rope(g: _Builder, rows: float, q_width: float, kv_width: float, qk: str) -> str:
+def _rope(g: _Builder, rows: float, q_width: float, kv_width: float, *after: str | None,
+          at: str = "") -> str:
     """The attention core's prologue (RoPE, GQA expansion) before FlashAttention, recomputed
     with the attention core under selective recomputation: a fused region under fused kernels,
     else the eager kernels ROPE_LAUNCHES counts."""
-    return g.memory(LO.rope, *prologue_bytes(rows, q_width, kv_width), qk)
+    return g.memory(LO.rope, *prologue_bytes(rows, q_width, kv_width), *after, at=at)
 
 
 def attention_core_s(model: ModelSpec, batch: int, seq: int, heads: float, kv_heads: float,
@@ -474,11 +507,12 @@ DISPATCH_COMBINE_OPS = frozenset(
 dispatch and combine (plans.operators), less the host wait they are held against."""
 
 
-def forward_graph(key: LayerKey, chunks: int = 1) -> nx.DiGraph:
-    """The layer's operators; the MoE part in ``chunks`` token chunks (plans.layout.moe_chunks)."""
+def forward_graph(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> nx.DiGraph:
+    """The layer's operators; the MoE part in ``chunks`` token chunks (plans.layout.moe_chunks),
+    Ulysses attention in ``head_chunks`` head groups (plans.layout.ulysses_chunks)."""
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
-    attn = _attention(g, None)
+    attn = _attention(g, None, head_chunks)
     norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
     outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
     g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs, fusable=False)

@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from cost_models import comm
 from cost_models.compute import ACT_BYTES
-from plans.layout import tokens_per_rank
+from plans.layout import kv_heads_sent, tokens_per_rank
 from plans.plan import Dispatch
 from plans.specs import ClusterSpec, ModelSpec
 
@@ -64,12 +64,6 @@ def transfer_s(t: Transfer, cluster: ClusterSpec) -> float:
             return comm.reduce_scatter_s(t.buffer_bytes, layout, cluster)
         case Collective.send_recv:
             return comm.send_recv_s(t.buffer_bytes, cluster, layout.nodes > 1)
-
-
-def kv_heads_sent(model: ModelSpec, degree: int) -> int:
-    """KV heads after GQA replication: a head-sharding degree above kv_heads replicates each
-    KV head so every rank gets one."""
-    return max(model.kv_heads, degree)
 
 
 def ulysses_attention(model: ModelSpec, batch: int, seq_len: int, sp: int) -> tuple[Transfer, ...]:

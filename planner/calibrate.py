@@ -73,6 +73,7 @@ from plans import (
 )
 from plans.errors import describe
 from plans.execution import executed_as_measured, measured_deviations, steps_in_buckets
+from plans.layout import ulysses_chunks
 from plans.results import (
     OverlapBench,
     ProfileResult,
@@ -486,6 +487,9 @@ class Measured:
     did not record them."""
     date: str | None = None
     """When it ran (plans.execution.steps_in_buckets: which optimizer step made its peak)."""
+    head_groups: int | None = None
+    """Head groups its Ulysses cores ran (TrainStepResult.ulysses_head_groups); None where the
+    run is from before the runtime recorded them (every Ulysses all-to-all blocked)."""
 
 
 def measured_run(path: Path, skip: int = 2) -> Measured:
@@ -496,7 +500,7 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
         return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
-                        r.routing_skew, recorded_deviations(r), r.date)
+                        r.routing_skew, recorded_deviations(r), r.date, r.ulysses_head_groups)
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
@@ -561,4 +565,9 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
         "run": str(run),
         "run_commit": m.commit,
         "measured_skew": m.routing_skew,
+        # Ulysses head groups the prediction prices and the run ran (None: from before they
+        # were recorded, all blocking)
+        "priced_head_groups": ulysses_chunks(ran.overlap, ran.attention, ran.model,
+                                             ran.degrees.sp),
+        "run_head_groups": m.head_groups,
     }

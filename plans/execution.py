@@ -83,7 +83,10 @@ def _executed(field: str, *values: object, reason: str = "",
 _INTER_OP_WHAT = (
     "EP layers (ep > 1) dispatch and combine in plans.layout.INTER_OP_CHUNKS token chunks, "
     "their collectives on a communication stream beside the expert GEMMs and permutations "
-    "(runtime.parallel.overlap); the attention's and expert TP's collectives block")
+    "(runtime.parallel.overlap); Ulysses attention (sp > 1) moves its heads in "
+    "plans.layout.ulysses_chunks head groups, each group's all-to-alls beside the other "
+    "group's attention core (runtime.parallel.attention); TP attention's and expert TP's "
+    "collectives block")
 _INTRA_OP_WHY = "no tile-level fused communication kernels; the inter-operator overlap runs"
 _BF16_WHY = "GEMMs run in bf16; fp8 applies to the gradient sync only"
 _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"

@@ -16,7 +16,16 @@ of pp x vpp runs on stage c mod pp.
 
 from __future__ import annotations
 
-from plans.plan import EPFFN, Degrees, FFNStrategy, MeshAxis, Overlap
+from plans.plan import (
+    EPFFN,
+    AttentionStrategy,
+    Degrees,
+    FFNStrategy,
+    MeshAxis,
+    Overlap,
+    UlyssesAttention,
+)
+from plans.specs import ModelSpec
 
 A = MeshAxis
 VIEWS: tuple[tuple[MeshAxis, ...], ...] = (
@@ -122,6 +131,24 @@ def moe_chunks(overlap: Overlap, ffn: FFNStrategy, ep: int) -> int:
     to hide), else 1. ``overlap`` is the value the runtime executes (plans.execution)."""
     spread = isinstance(ffn, EPFFN) and ep > 1
     return INTER_OP_CHUNKS if overlap == Overlap.inter_op and spread else 1
+
+
+def kv_heads_sent(model: ModelSpec, degree: int) -> int:
+    """KV heads after GQA replication: a head-sharding degree (Ulysses sp, tp) above
+    kv_heads replicates each KV head so every rank gets one."""
+    return max(model.kv_heads, degree)
+
+
+def ulysses_chunks(overlap: Overlap, attention: AttentionStrategy, model: ModelSpec,
+                   sp: int) -> int:
+    """Head groups Ulysses attention moves its heads in: INTER_OP_CHUNKS under
+    inter-operator overlap with sp > 1 when every rank's KV heads split into them (each group
+    keeps its query heads' KV heads), else 1. Group g + 1's all-to-all to head shards runs
+    beside group g's attention core, and group g's all-to-all back beside group g + 1's core
+    (runtime.parallel.attention.ChunkedUlyssesCore, priced by cost_models.layer_graph)."""
+    if overlap != Overlap.inter_op or not isinstance(attention, UlyssesAttention) or sp == 1:
+        return 1
+    return INTER_OP_CHUNKS if (kv_heads_sent(model, sp) // sp) % INTER_OP_CHUNKS == 0 else 1
 
 
 PER_EXPERT_MAX_LOCAL_EXPERTS = 16

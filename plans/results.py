@@ -101,6 +101,10 @@ class TrainStepResult(Result):
     cost_models.skew.rank_skew, which paces each layer."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Written since the plan field exists; older results say ``zero1: true | false``."""
+    ulysses_head_groups: PositiveInt | None = None
+    """Head groups the runtime's Ulysses cores moved heads in (1: every all-to-all blocking;
+    runtime.parallel.attention.head_groups); written since the runtime runs head groups, so
+    None is a run from before, whose Ulysses all-to-alls all blocked."""
     prediction: Prediction | None = None
 
     @model_validator(mode="before")

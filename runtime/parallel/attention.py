@@ -1,5 +1,14 @@
 """Attention parallelism: Ulysses sequence parallelism (paper Sec. 3.1) and Megatron tensor
-parallelism with sequence parallelism in the norm regions (the baseline layout)."""
+parallelism with sequence parallelism in the norm regions (the baseline layout).
+
+Under inter-operator overlap (paper Sec. 4) Ulysses moves its heads in
+``plans.layout.ulysses_chunks`` head groups (``ChunkedUlyssesCore``): the chunked MoE layer's
+schedule (runtime.parallel.overlap.COLLECTIVES_ALONE) with the all-to-all to head shards as the
+dispatch, the attention core as the experts and the all-to-all back as the combine, so group
+g + 1's heads move beside group g's core and group g's output beside group g + 1's core. Only
+the first group's all-to-all in and the last one's out have no compute beside them; in backward
+torch runs each collective's gradient on the communication stream beside the other group's
+core gradient (and, under selective recomputation, its rerun)."""
 
 from __future__ import annotations
 
@@ -7,10 +16,18 @@ import torch
 from torch import nn
 
 from plans import MeshAxis
+from plans.layout import kv_heads_sent
 from runtime.metrics import Component, Timers, timed
 from runtime.model import Attention, Shard, Transformer
-from runtime.parallel.comm import gather_sequence, head_to_seq, scatter_sequence, seq_to_head
+from runtime.parallel.comm import (
+    all_to_all,
+    gather_sequence,
+    head_to_seq,
+    scatter_sequence,
+    seq_to_head,
+)
 from runtime.parallel.mesh import Mesh
+from runtime.parallel.overlap import COLLECTIVES_ALONE, Chunk, Lanes, Step, collect, run_schedule
 
 
 class UlyssesCore(nn.Module):
@@ -37,22 +54,113 @@ class UlyssesCore(nn.Module):
             out = self.inner(q, k, v)
         return self.timers.backward_from(out, Component.attention_core)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _replicate_kv(self, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         if k.shape[2] < self.size:
             rep = self.size // k.shape[2]
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
+        return k, v
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = self._replicate_kv(k, v)
         q, k, v = (self._a2a(seq_to_head, t) for t in (q, k, v))
         return self._a2a(head_to_seq, self._core(q, k, v))
 
 
-def apply_ulysses(model: Transformer, mesh: Mesh, timers: Timers | None) -> None:
+class ChunkedUlyssesCore(UlyssesCore):
+    """UlyssesCore in ``chunks`` head groups on two lanes (the module doc). Group g holds, of
+    every rank's block of H / n heads, heads g H / (n c) .. (g + 1) H / (n c) - 1, query and KV
+    alike, so each group's query heads find their KV heads in it. Per group: its q, k and v in
+    one all-to-all of [n, b, s / n, heads, d] (the packing and unpacking copies on the compute
+    lane), the core, and the output's all-to-all back; the groups' outputs are put back in head
+    order at the end."""
+
+    def __init__(self, inner: nn.Module, group, size: int, chunks: int, timers: Timers | None):
+        super().__init__(inner, group, size, timers)
+        self.chunks = chunks
+        self._lanes: Lanes | None = None
+        self.steps = {
+            Step.dispatch_pack: self._pack_in, Step.dispatch_exchange: self._exchange,
+            Step.dispatch_unpack: self._unpack_in, Step.experts: self._run_core,
+            Step.combine_pack: self._pack_out, Step.combine_exchange: self._exchange,
+            Step.combine_unpack: self._unpack_out,
+        }
+
+    def _group(self, x: torch.Tensor, g: int) -> torch.Tensor:
+        """Group g's heads of sequence-sharded ``x`` [b, s/n, H, d] as [n, b, s/n, H/(n c), d]
+        (dim 0: the rank the heads go to)."""
+        b, s_local, heads, d = x.shape
+        n, c = self.size, self.chunks
+        return x.reshape(b, s_local, n, c, heads // (n * c), d)[:, :, :, g].permute(
+            2, 0, 1, 3, 4)
+
+    def _pack_in(self, c: Chunk) -> None:
+        g = c.inputs["group"]
+        parts = [self._group(c.inputs[name], g) for name in ("q", "k", "v")]
+        c.values["widths"] = [t.shape[3] for t in parts]
+        c.values["moving"] = torch.cat(parts, dim=3)
+
+    def _exchange(self, c: Chunk) -> None:
+        moving = c.values.pop("moving")
+        splits = [1] * self.size
+        c.values["moving"] = timed(self.timers, Component.attention_comm, all_to_all, moving,
+                                   splits, splits, self.group)
+
+    def _unpack_in(self, c: Chunk) -> None:
+        # [n (sequence block), b, s/n, heads, d] -> [b, s, heads, d]
+        recv = c.values.pop("moving")
+        n, b, s_local, width, d = recv.shape
+        heads = recv.permute(1, 0, 2, 3, 4).reshape(b, n * s_local, width, d)
+        c.values["qkv"] = torch.split(heads, c.values.pop("widths"), dim=2)
+
+    def _run_core(self, c: Chunk) -> None:
+        c.values["out"] = self._core(*c.values.pop("qkv"))
+
+    def _pack_out(self, c: Chunk) -> None:
+        # [b, s, heads, d] -> [n (sequence block), b, s/n, heads, d]
+        out = c.values.pop("out")
+        b, s, heads, d = out.shape
+        c.values["moving"] = out.reshape(b, self.size, s // self.size, heads, d).permute(
+            1, 0, 2, 3, 4).contiguous()
+
+    def _unpack_out(self, c: Chunk) -> None:
+        c.values["y"] = c.values.pop("moving")  # [n (head block), b, s/n, heads, d]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = self._replicate_kv(k, v)
+        if self._lanes is None:
+            self._lanes = Lanes(q.device)
+        with self._lanes.call((q, k, v)) as outputs:
+            chunks = [Chunk({"q": q, "k": k, "v": v, "group": g}) for g in range(self.chunks)]
+            run_schedule(self._lanes, COLLECTIVES_ALONE, self.steps, chunks)
+            # [n (head block), b, s/n, heads, d] per group -> [b, s/n, n, groups, heads, d]
+            ys = [y.permute(1, 2, 0, 3, 4) for y in collect(self._lanes, chunks, "y")]
+            out = torch.stack(ys, dim=3)
+            outputs.append(out.flatten(2, 4))
+        return outputs[0]
+
+
+def head_groups(model: Transformer) -> int:
+    """Head groups this rank's Ulysses cores move heads in (1: blocking, or no Ulysses)."""
+    return max((block.attention.core.chunks for block in model.layers.values()
+                if isinstance(block.attention.core, ChunkedUlyssesCore)), default=1)
+
+
+def apply_ulysses(model: Transformer, mesh: Mesh, timers: Timers | None, chunks: int = 1) -> None:
+    """Ulysses around every layer's attention core; in ``chunks`` head groups
+    (plans.layout.ulysses_chunks) when > 1."""
     group, n = mesh.groups[MeshAxis.attn], mesh.size(MeshAxis.attn)
     if group is None:
         return
+    kv = kv_heads_sent(model.cfg.spec, n) // n
+    if kv % chunks:
+        raise ValueError(f"overlap: {chunks} head groups need the {kv} KV heads per rank to "
+                         f"split into them (plans.layout.ulysses_chunks)")
     for block in model.layers.values():
         attn: Attention = block.attention
-        attn.core = UlyssesCore(attn.core, group, n, timers)
+        attn.core = (ChunkedUlyssesCore(attn.core, group, n, chunks, timers) if chunks > 1
+                     else UlyssesCore(attn.core, group, n, timers))
 
 
 def apply_tensor_parallel_attention(

@@ -37,7 +37,7 @@ the collectives' share that contends with the GEMMs for the GPU (priced by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import StrEnum
@@ -199,14 +199,40 @@ class Lanes:
 
 
 @dataclass
-class _Chunk:
-    tokens: torch.Tensor
-    routing: Routing
-    prepared: Any
+class Chunk:
+    """One chunk's state as the schedule runs it."""
+
+    inputs: dict[str, Any]
+    """What the chunk starts from (every step may read it; kept alive on every lane)."""
     lane: Lane = Lane.compute
-    """The lane of the chunk's last stage; ``done`` marks its end there."""
+    """The lane of the chunk's last step; ``done`` marks its end there."""
     done: torch.cuda.Event | None = None
     values: dict[str, Any] = field(default_factory=dict)
+    """What each step leaves for the next."""
+
+
+def run_schedule(lanes: Lanes, schedule: Schedule, steps: Mapping[Step, Callable[[Chunk], None]],
+                 chunks: list[Chunk], whole: Chunk | None = None) -> None:
+    """Issue every chunk's steps in the schedule's order, each on its lane: a step on the other
+    lane than its chunk's previous step waits for that step's end, and the chunk's tensors are
+    kept alive for the lane's stream. ``whole`` is the chunk the shared step reads (None: no
+    shared step)."""
+    for step, i in schedule.order(len(chunks), whole is not None):
+        c = whole if step == Step.shared else chunks[i]
+        lane = schedule.lane(step)
+        after = c.done if lane != c.lane else None
+        with lanes.enter(lane, after, (c.inputs, c.values)):
+            steps[step](c)
+        c.lane, c.done = lane, lanes.mark(lane)
+
+
+def collect(lanes: Lanes, chunks: list[Chunk], key: str) -> list[torch.Tensor]:
+    """Every chunk's ``values[key]``, readable on the compute lane."""
+    outs = []
+    for c in chunks:
+        with lanes.enter(Lane.compute, c.done if c.lane != Lane.compute else None, c.values):
+            outs.append(c.values[key])
+    return outs
 
 
 class ChunkedExpertFFN:
@@ -215,7 +241,7 @@ class ChunkedExpertFFN:
     def __init__(self, moe: MoE, chunks: int, schedule: Schedule = COLLECTIVES_ALONE):
         self.moe, self.chunks, self.schedule = moe, chunks, schedule
         self._lanes: Lanes | None = None
-        self.steps: dict[Step, Callable[[_Chunk], None]] = {
+        self.steps: dict[Step, Callable[[Chunk], None]] = {
             Step.dispatch_pack: self._dispatch_pack, Step.dispatch_exchange: self._dispatch_x,
             Step.dispatch_unpack: self._dispatch_unpack, Step.experts: self._experts,
             Step.combine_pack: self._combine_pack, Step.combine_exchange: self._combine_x,
@@ -224,31 +250,32 @@ class ChunkedExpertFFN:
 
     # each step reads what the chunk's previous step left in ``values`` (the dispatcher is read
     # when the step runs: expert parallelism installs it after this schedule)
-    def _dispatch_pack(self, c: _Chunk) -> None:
-        c.values["moving"] = self.moe.dispatcher.send_pack(c.tokens, c.routing, c.prepared)
+    def _dispatch_pack(self, c: Chunk) -> None:
+        c.values["moving"] = self.moe.dispatcher.send_pack(
+            c.inputs["tokens"], c.inputs["routing"], c.inputs["prepared"])
 
-    def _dispatch_x(self, c: _Chunk) -> None:
+    def _dispatch_x(self, c: Chunk) -> None:
         c.values["moving"] = self.moe.dispatcher.send_exchange(c.values.pop("moving"))
 
-    def _dispatch_unpack(self, c: _Chunk) -> None:
+    def _dispatch_unpack(self, c: Chunk) -> None:
         rows, counts, handle = self.moe.dispatcher.send_unpack(c.values.pop("moving"))
         c.values.update(rows=rows, counts=counts, handle=handle)
 
-    def _experts(self, c: _Chunk) -> None:
+    def _experts(self, c: Chunk) -> None:
         c.values["out"] = self.moe.experts(c.values.pop("rows"), c.values.pop("counts"))
 
-    def _combine_pack(self, c: _Chunk) -> None:
+    def _combine_pack(self, c: Chunk) -> None:
         c.values["moving"] = self.moe.dispatcher.combine_pack(c.values.pop("out"),
                                                               c.values.pop("handle"))
 
-    def _combine_x(self, c: _Chunk) -> None:
+    def _combine_x(self, c: Chunk) -> None:
         c.values["moving"] = self.moe.dispatcher.combine_exchange(c.values.pop("moving"))
 
-    def _combine_unpack(self, c: _Chunk) -> None:
+    def _combine_unpack(self, c: Chunk) -> None:
         c.values["y"] = self.moe.dispatcher.combine_unpack(c.values.pop("moving"))
 
-    def _shared(self, c: _Chunk) -> None:
-        c.values["shared"] = self.moe.shared(c.tokens)
+    def _shared(self, c: Chunk) -> None:
+        c.values["shared"] = self.moe.shared(c.inputs["tokens"])
 
     def lanes(self, device: torch.device) -> Lanes:
         if self._lanes is None:
@@ -268,23 +295,13 @@ class ChunkedExpertFFN:
                     for i, w in zip(parts[1], parts[2], strict=True)]
         prepared = self.moe.dispatcher.prepare(routings)
         routed = lanes.mark(Lane.compute)  # the router and prepare, which every chunk reads
-        chunks = [_Chunk(t, r, p, Lane.compute, routed)
+        chunks = [Chunk({"tokens": t, "routing": r, "prepared": p}, Lane.compute, routed)
                   for t, r, p in zip(parts[0], routings, prepared, strict=True)]
-        whole = _Chunk(tokens, routing, None)  # the shared experts read every token
-        for step, i in self.schedule.order(self.chunks, self.moe.shared is not None):
-            c = whole if step == Step.shared else chunks[i]
-            lane = self.schedule.lane(step)
-            after = c.done if lane != c.lane else None
-            with lanes.enter(lane, after, (c.tokens, c.routing, c.prepared, c.values)):
-                self.steps[step](c)
-            c.lane, c.done = lane, lanes.mark(lane)
-        outs = []
-        for c in chunks:
-            with lanes.enter(Lane.compute, c.done if c.lane != Lane.compute else None,
-                             c.values):
-                outs.append(c.values["y"])
-        y = torch.cat(outs)
-        return y + whole.values["shared"] if self.moe.shared is not None else y
+        # the shared experts read every token
+        whole = Chunk({"tokens": tokens}) if self.moe.shared is not None else None
+        run_schedule(lanes, self.schedule, self.steps, chunks, whole)
+        y = torch.cat(collect(lanes, chunks, "y"))
+        return y + whole.values["shared"] if whole is not None else y
 
 
 def apply_inter_op_overlap(moes: Iterable[MoE], chunks: int) -> None:

@@ -1,6 +1,7 @@
 """The plan's parallelism as ordered transforms of the plain (meta-device) model:
-pipeline stage -> attention (Ulysses or TP) -> experts (EP, with the inter-operator overlapped
-schedule when the plan runs it) -> gradient-accumulation fusion -> recomputation -> timers.
+pipeline stage -> attention (Ulysses or TP; Ulysses in overlapped head groups, and the experts
+in overlapped token chunks, when the plan runs inter-operator overlap) -> experts (EP) ->
+gradient-accumulation fusion -> recomputation -> timers.
 Weights are materialised afterwards from the seed, so every layout starts identical."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from plans import (
     UlyssesAttention,
 )
 from plans.execution import Backend, check, executed_value
-from plans.layout import moe_chunks
+from plans.layout import moe_chunks, ulysses_chunks
 from runtime.metrics import Component, Timers, timed
 from runtime.model import AttentionCore, Shard, Transformer, TransformerBlock
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
@@ -110,14 +111,15 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     check_supported(plan, backend)
     shards: dict[str, Shard] = {}
     apply_pipeline(model, mesh, plan.stage_layers)
+    overlap = executed_value("overlap", plan.overlap, backend)
     if isinstance(plan.attention, UlyssesAttention):
-        apply_ulysses(model, mesh, timers)
+        apply_ulysses(model, mesh, timers,
+                      ulysses_chunks(overlap, plan.attention, plan.model, plan.degrees.sp))
     elif isinstance(plan.attention, TPAttention):
         apply_tensor_parallel_attention(model, mesh, shards, timers)
     attention_shards = set(shards)
     if isinstance(plan.ffn, EPFFN):
         apply_expert_parallel(model, mesh, plan.ffn.dispatch, shards, timers)
-        overlap = executed_value("overlap", plan.overlap, backend)
         apply_inter_op_overlap(model.moe_layers(), moe_chunks(overlap, plan.ffn, plan.degrees.ep))
     elif isinstance(plan.ffn, TPFFN):
         apply_expert_tensor_parallel(model, mesh, shards, timers)

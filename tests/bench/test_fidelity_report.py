@@ -126,3 +126,20 @@ def test_each_plan_counts_its_median_launch_of_the_same_commit(synthetic, tmp_pa
     assert row["measured_step_s"] == pytest.approx(main["step_time_s"])
     text, _ = fidelity_report.render(results, tmp_path / "none.md")
     assert f"| 3: {main['step_time_s'] * 0.9e3:.1f}-{main['step_time_s'] * 1.2e3:.1f} |" in text
+
+
+def test_a_run_from_before_the_head_groups_is_named_not_taken_for_their_pricing():
+    """A row priced with Ulysses head groups whose launch ran another schedule (None: from
+    before the runtime recorded them, all blocking) is listed with its commit; rows that ran
+    what is priced are not."""
+    rows = [{"case": "grouped_then_blocking", "priced_head_groups": 2, "run_head_groups": None,
+             "run_commit": "abc1234"},
+            {"case": "grouped_both", "priced_head_groups": 2, "run_head_groups": 2,
+             "run_commit": "def5678"},
+            {"case": "blocking_both", "priced_head_groups": 1, "run_head_groups": None,
+             "run_commit": "abc1234"},
+            {"case": "unmeasured", "missing": True}]
+    text = fidelity_report.head_groups_text(rows)
+    assert "grouped_then_blocking (2 priced, none recorded, all blocking at abc1234)" in text
+    assert "grouped_both" not in text and "blocking_both" not in text
+    assert fidelity_report.head_groups_text(rows[1:]) == ""

@@ -7,7 +7,7 @@ from cost_models.layer_graph import forward_graph
 from cost_models.volumes import scale_up_ratio
 from plans import EPFFN, Degrees, Dispatch, Kernels, Overlap, Recompute
 from plans.catalog import load_cluster
-from plans.layout import INTER_OP_CHUNKS
+from plans.layout import INTER_OP_CHUNKS, ulysses_chunks
 
 DISPATCH_COMBINE = {"dispatch_permute", "ep_dispatch", "dispatch_scatter", "combine_gather",
                     "ep_combine", "combine_unpermute"}
@@ -57,11 +57,13 @@ def test_overlap_is_monotone_where_chunking_pays(node_plan, name, recompute):
         assert t[0] >= t[1]
 
 
-def test_inter_op_chunks_only_the_ep_dispatch_and_combine(node_plan):
+def test_inter_op_chunks_the_ep_dispatch_and_combine(node_plan):
     """inter_op prices what runtime.parallel.overlap runs: the MoE part in two token chunks
-    whose dispatch and combine ride the communication stream; the Ulysses all-to-alls block
-    (exposed in full), as under none."""
+    whose dispatch and combine ride the communication stream; at sp = 8 each rank has one of
+    Mixtral's 8 KV heads, too few for head groups, so the Ulysses all-to-alls block (exposed in
+    full), as under none."""
     plan = node_plan("mixtral-8x7b", recompute=Recompute.none)
+    assert ulysses_chunks(Overlap.inter_op, plan.attention, plan.model, plan.degrees.sp) == 1
     by = {o: layer_timing(plan.model_copy(update={"overlap": o})) for o in Overlap}
     key = layer_key(plan)
     chunked = forward_graph(key, INTER_OP_CHUNKS)
@@ -75,6 +77,39 @@ def test_inter_op_chunks_only_the_ep_dispatch_and_combine(node_plan):
     ep = ("ep_dispatch", "ep_combine")
     assert sum(exposed[Overlap.inter_op][k] for k in ep) < 0.6 * sum(
         exposed[Overlap.none][k] for k in ep)
+
+
+@pytest.mark.parametrize("recompute", [Recompute.none, Recompute.selective])
+def test_inter_op_moves_ulysses_heads_in_groups_beside_the_other_groups_core(node_plan,
+                                                                           recompute):
+    """At sp = 4 each rank has two of Mixtral's 8 KV heads: inter_op runs Ulysses in two head
+    groups (runtime.parallel.attention.ChunkedUlyssesCore), each group's all-to-alls carrying
+    its share of the bytes on the communication stream; all but the first group's in and the
+    last one's out can hide behind the other group's core (and, under selective recomputation,
+    its rerun), so less than 0.6 of the blocking all-to-alls' time stays exposed."""
+    plan = node_plan("mixtral-8x7b", recompute=recompute, degrees=Degrees(sp=4, ep=4, dp=2))
+    groups = ulysses_chunks(Overlap.inter_op, plan.attention, plan.model, plan.degrees.sp)
+    assert groups == INTER_OP_CHUNKS
+    key = layer_key(plan)
+    serial, grouped = forward_graph(key), forward_graph(key, 1, groups)
+    side = {n for n, d in grouped.nodes(data=True) if d["op"].side_stream}
+    assert side == {f"{c}@{i}" for c in ("sp_a2a_qkv", "sp_a2a_out") for i in range(groups)}
+    assert {n.partition("@")[0] for n in grouped} == set(serial)
+    for name in ("sp_a2a_qkv", "sp_a2a_out", "flash_attn"):
+        whole = serial.nodes[name]["duration_s"]
+        parts = [grouped.nodes[f"{name}@{i}"]["duration_s"] for i in range(groups)]
+        assert whole <= sum(parts) < 1.1 * whole  # the same bytes and FLOPs, a call each
+    exposed = {o: layer_timing(plan.model_copy(update={"overlap": o})).exposed_comm_s
+               for o in (Overlap.none, Overlap.inter_op)}
+    assert exposed[Overlap.inter_op]["sp_all_to_all"] < 0.6 * exposed[Overlap.none][
+        "sp_all_to_all"]
+    # where nothing beside compute hides (efficiency.overlap 0, as fitted on 2 H200s) the
+    # groups only add calls: priced slower, as they would run
+    blind = plan.cluster.model_copy(update={"efficiency": plan.cluster.efficiency.model_copy(
+        update={"overlap": 0.0})})
+    t = {o: layer_timing(plan.model_copy(update={"overlap": o, "cluster": blind})).total_s
+         for o in (Overlap.none, Overlap.inter_op)}
+    assert t[Overlap.inter_op] > t[Overlap.none]
 
 
 def test_times_add_up_and_serial_means_no_hiding(node_plan):

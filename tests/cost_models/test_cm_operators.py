@@ -7,8 +7,7 @@ import pytest
 
 import cost_models.layer_graph as lg
 import cost_models.memory as mem
-from cost_models.layer import _graphs as layer_graphs
-from cost_models.layer import layer_key, layer_timing_for
+from cost_models.layer import layer_graphs, layer_key, layer_timing_for
 from cost_models.layer_graph import backward_graph, forward_graph
 from cost_models.memory import layer_activation_terms
 from plans import (

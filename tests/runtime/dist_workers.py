@@ -45,12 +45,16 @@ def make_plan(
     optimizer: Optimizer = Optimizer.adam,
     overlap: Overlap = Overlap.none,
     kernels: Kernels = Kernels.eager,
+    spec_update: dict | None = None,
     **degrees: int,
 ) -> Plan:
     """A test plan; optimizer states replicated unless asked (the parity tests read every
-    rank's all-reduced main gradients, which ZeRO-1 reduce-scatters instead)."""
+    rank's all-reduced main gradients, which ZeRO-1 reduce-scatters instead). ``spec_update``:
+    model fields changed from the catalog model's."""
     d = Degrees(**degrees)
     spec = load_model(model)
+    if spec_update:
+        spec = type(spec).model_validate({**spec.model_dump(), **spec_update})
     extra: dict = {"attention": TPAttention()} if tp_attention else {}
     if d.vpp > 1:
         extra["schedule"] = PipelineSchedule.interleaved_1f1b
@@ -118,6 +122,16 @@ def chunked_moe_layers(plan_json: str) -> list[int]:
     trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
     return [m.expert_ffn.chunks if isinstance(m.expert_ffn, ChunkedExpertFFN) else 1
             for m in trainer.model.moe_layers()]
+
+
+def ulysses_head_groups(plan_json: str) -> list[int]:
+    """Head groups of each layer's Ulysses core on this rank (1: the blocking UlyssesCore)."""
+    from runtime.parallel.attention import ChunkedUlyssesCore
+
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    cores = [b.attention.core for b in trainer.model.layers.values()]
+    return [c.chunks if isinstance(c, ChunkedUlyssesCore) else 1 for c in cores]
 
 
 def overlapped_and_serial_sync(plan_json: str, bucket_params: int) -> list[dict]:

@@ -38,6 +38,7 @@ def test_train_step_writes_measurement(tmp_path):
                 "expert_compute", "grad_sync", "optimizer", "forward", "backward"):
         assert key in res["components_s"], key
     assert res["components_s"]["dispatch"] > 0 and res["components_s"]["attention_comm_bwd"] > 0
+    assert res["ulysses_head_groups"] == 1  # overlap none: the Ulysses all-to-alls block
     # max / mean routed slots per expert, logged by the runtime each step
     assert 1 <= res["routing_skew"] <= res["routing_skew_max"] <= make_plan().model.experts
     # every routed copy is computed by one EP rank's experts (dropless): the ranks' rows add up

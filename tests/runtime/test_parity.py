@@ -17,6 +17,12 @@ LOSS_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 
 
+def heads(query: int, kv: int, dim: int, **more) -> dict:
+    """Model fields for another attention shape (tiny-moe has one KV head a rank at sp = 2,
+    too few to split into head groups)."""
+    return {"query_heads": query, "kv_heads": kv, "head_dim": dim, **more}
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
@@ -64,6 +70,13 @@ TWO = {
     "sp2_ep2_shared_a2a_inter_op": dict(model="tiny-moe-shared", sp=2, ep=2, overlap=INTER),
     "sp2_ep2_allgather_full_recompute_inter_op": dict(
         sp=2, ep=2, dispatch=AG, recompute=Recompute.full, overlap=INTER, micro_batch_size=2),
+    # ... and Ulysses in overlapped head groups (runtime.parallel.attention.ChunkedUlyssesCore):
+    # 8 query and 4 KV heads, 2 KV heads a rank, one a group; with QK norm and the core rerun
+    "sp2_ep2_a2a_inter_op_head_groups": dict(sp=2, ep=2, overlap=INTER,
+                                             spec_update=heads(8, 4, 8, qk_norm=True)),
+    "sp2_inter_op_head_groups_mha_selective_mbs2": dict(
+        model="tiny-moe-shared", sp=2, overlap=INTER, spec_update=heads(8, 8, 8),
+        recompute=Recompute.selective, micro_batch_size=2),
     "pp2_selective_recompute_mbs2": dict(
         pp=2, stage_layers=(3, 1), recompute=Recompute.selective, micro_batch_size=2,
         global_batch=8,
@@ -74,6 +87,10 @@ FOUR = {
     "sp2_ep2_dp2": dict(sp=2, dp=2, ep=2),
     "sp2_ep4_dp2_allgather_inter_op": dict(sp=2, dp=2, ep=4, dispatch=AG, overlap=INTER),
     "sp2_ep4_dp2_allgather": dict(sp=2, dp=2, ep=4, dispatch=AG),
+    "sp4_ep4_inter_op_head_groups_kv_replicated": dict(
+        sp=4, ep=4, overlap=INTER, spec_update=heads(16, 2, 4), dispatch=AG),
+    "sp4_inter_op_head_groups_full_recompute": dict(
+        sp=4, overlap=INTER, spec_update=heads(16, 8, 4), recompute=Recompute.full),
     "pp2_sp2_ep2": dict(pp=2, sp=2, ep=2, stage_layers=(2, 2)),
     "sp4_kv_replicated_ep4": dict(sp=4, ep=4),
     "pp2_dp2_shared_ep2": dict(
@@ -104,6 +121,17 @@ def test_the_chunked_moe_schedule_runs_where_the_plan_overlaps_ep(pool2, overlap
     chunks = pool2.run("dist_workers", "chunked_moe_layers", plan.model_dump_json())
     overlapped = overlap != Overlap.none and "ep" in layout
     assert chunks == [[INTER_OP_CHUNKS if overlapped else 1] * plan.model.layers] * 2
+
+
+@pytest.mark.parametrize("overlap", list(Overlap))
+@pytest.mark.parametrize("shape, groups", [((8, 4, 8), INTER_OP_CHUNKS), ((4, 2, 16), 1)],
+                         ids=["2kv_a_rank", "1kv_a_rank"])
+def test_ulysses_runs_in_head_groups_where_the_plan_overlaps(pool2, overlap, shape, groups):
+    """inter_op (and inter_intra_op, run as inter_op) moves Ulysses heads in groups where every
+    rank's KV heads split into them (plans.layout.ulysses_chunks); overlap none blocks."""
+    plan = make_plan(sp=2, overlap=overlap, spec_update=heads(*shape))
+    got = pool2.run("dist_workers", "ulysses_head_groups", plan.model_dump_json())
+    assert got == [[groups if overlap != Overlap.none else 1] * plan.model.layers] * 2
 
 
 @pytest.mark.parametrize("layout", FOUR)
