@@ -23,10 +23,15 @@ recomputation (``--recompute``: none, or selective, which reruns RoPE and SDPA i
   hidden entirely;
 - ``comm_alone`` (N > 1, once per model): the four all-to-alls forward + backward on tensors of
   the block's shapes, pack and unpack included;
+- ``compute_alone_device`` (N > 1 or simulated): the compute alone with the host ahead of the
+  GPU (bench/_dist_bench.device_timed: a spin kernel holds the GPU while the host queues the
+  block), as in a step whose host runs ahead; the block alone on an idle GPU also waits for
+  the host's dispatch, which the head groups' second core call and stream events add to;
 - ``head_groups`` (where plans.layout.ulysses_chunks gives more than one group at SP = N): the
   block under overlap inter_op, Ulysses in head groups on two streams
-  (runtime.parallel.attention.ChunkedUlyssesCore), with its own ``compute_alone`` (each group's
-  exchange left out, the packing, the streams and their events kept), ``comm_alone`` (each
+  (runtime.parallel.attention.ChunkedUlyssesCore), with its own ``compute_alone`` and
+  ``compute_alone_device`` (each group's exchange left out, the packing, the streams and their
+  events kept), ``comm_alone`` (each
   group's two all-to-alls) and ``exposed_comm``.
 
 With ``--simulate-sp N`` on one process the block is one rank of Ulysses SP = N without the
@@ -54,7 +59,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _dist_bench import finish, init, slowest, timed  # noqa: E402
+from _dist_bench import device_timed, finish, init, slowest, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 from layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 
@@ -261,6 +266,9 @@ def measure(args) -> int:
         def time_of(fn) -> float:
             return slowest(timed(fn, device, args.warmup, args.repeats), device)
 
+        def device_time_of(fn) -> float:  # no collective inside: each rank alone
+            return slowest(device_timed(fn, device, args.warmup, args.repeats), device)
+
         row: dict = {"hidden": model.hidden, "query_heads": model.query_heads,
                      "kv_heads": model.kv_heads, "head_dim": model.head_dim,
                      "qk_norm": model.qk_norm, "tokens_per_rank": args.batch * args.seq // sp,
@@ -286,6 +294,7 @@ def measure(args) -> int:
                 if sp > 1:
                     layer.attention.core = LocalUlyssesCore(inner, None, sp, None)
                     variant["compute_alone_s"] = time_of(step_fn(layer, x, grad))
+                    variant["compute_alone_device_s"] = device_time_of(step_fn(layer, x, grad))
                 if n > 1:
                     variant["exposed_comm_s"] = variant["block_s"] - variant["compute_alone_s"]
                 variant["predicted"] = predict(plan)
@@ -301,6 +310,7 @@ def measure(args) -> int:
                     layer.attention.core = LocalChunkedUlyssesCore(inner, None, sp, groups,
                                                                    None)
                     grouped["compute_alone_s"] = time_of(step_fn(layer, x, grad))
+                    grouped["compute_alone_device_s"] = device_time_of(step_fn(layer, x, grad))
                     if n > 1:
                         grouped["exposed_comm_s"] = grouped["block_s"] - \
                             grouped["compute_alone_s"]
