@@ -87,17 +87,18 @@ class ChunkedUlyssesCore(UlyssesCore):
             Step.combine_unpack: self._unpack_out,
         }
 
-    def _group(self, x: torch.Tensor, g: int) -> torch.Tensor:
-        """Group g's heads of sequence-sharded ``x`` [b, s/n, H, d] as [n, b, s/n, H/(n c), d]
-        (dim 0: the rank the heads go to)."""
+    def _groups(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every group's heads of sequence-sharded ``x`` [b, s/n, H, d], each as
+        [n, b, s/n, H/(n c), d] (dim 0: the rank the heads go to). Views of ``x`` from one
+        unbind, whose gradient is one stack (a view per group would zero-fill and add a whole
+        gradient per group)."""
         b, s_local, heads, d = x.shape
         n, c = self.size, self.chunks
-        return x.reshape(b, s_local, n, c, heads // (n * c), d)[:, :, :, g].permute(
-            2, 0, 1, 3, 4)
+        return tuple(t.permute(2, 0, 1, 3, 4) for t in
+                     x.reshape(b, s_local, n, c, heads // (n * c), d).unbind(3))
 
     def _pack_in(self, c: Chunk) -> None:
-        g = c.inputs["group"]
-        parts = [self._group(c.inputs[name], g) for name in ("q", "k", "v")]
+        parts = [c.inputs[name] for name in ("q", "k", "v")]
         c.values["widths"] = [t.shape[3] for t in parts]
         c.values["moving"] = torch.cat(parts, dim=3)
 
@@ -132,7 +133,8 @@ class ChunkedUlyssesCore(UlyssesCore):
         if self._lanes is None:
             self._lanes = Lanes(q.device)
         with self._lanes.call((q, k, v)) as outputs:
-            chunks = [Chunk({"q": q, "k": k, "v": v, "group": g}) for g in range(self.chunks)]
+            chunks = [Chunk({"q": qg, "k": kg, "v": vg}) for qg, kg, vg in
+                      zip(*map(self._groups, (q, k, v)), strict=True)]
             run_schedule(self._lanes, COLLECTIVES_ALONE, self.steps, chunks)
             # [n (head block), b, s/n, heads, d] per group -> [b, s/n, n, groups, heads, d]
             ys = [y.permute(1, 2, 0, 3, 4) for y in collect(self._lanes, chunks, "y")]
