@@ -105,6 +105,30 @@ def device_timed(fn: Callable[[], object], device: torch.device, warmup: int, re
     return statistics.median(times)
 
 
+def host_timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
+               ) -> float:
+    """Median seconds the host takes to issue ``fn`` while a spin kernel holds the GPU, so it
+    never waits for the device: the dispatch a step's host has to keep ahead of its GPU. The
+    spin lasts twice the host's time for one call (measured first). On CPU the wall time."""
+    if device.type != "cuda":
+        return timed(fn, device, warmup, repeats, barrier=False)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    spin = _spin_cycles_per_s(device) * (2 * (time.perf_counter() - t0) + 50e-6)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        torch.cuda._sleep(int(spin))
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        _sync(device)
+    return statistics.median(times)
+
+
 def _spin_cycles_per_s(device: torch.device) -> float:
     """Clock cycles per second of ``torch.cuda._sleep``'s spin, timed once."""
     cycles = 10_000_000

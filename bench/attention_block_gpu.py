@@ -27,6 +27,8 @@ recomputation (``--recompute``: none, or selective, which reruns RoPE and SDPA i
   GPU (bench/_dist_bench.device_timed: a spin kernel holds the GPU while the host queues the
   block), as in a step whose host runs ahead; the block alone on an idle GPU also waits for
   the host's dispatch, which the head groups' second core call and stream events add to;
+- ``compute_alone_host`` (the same cases): the host's time to issue the compute alone while
+  the GPU is held (bench/_dist_bench.host_timed): what a step's host has to keep ahead of;
 - ``head_groups`` (where plans.layout.ulysses_chunks gives more than one group at SP = N): the
   block under overlap inter_op, Ulysses in head groups on two streams
   (runtime.parallel.attention.ChunkedUlyssesCore), with its own ``compute_alone`` and
@@ -59,7 +61,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _dist_bench import device_timed, finish, init, slowest, timed  # noqa: E402
+from _dist_bench import device_timed, finish, host_timed, init, slowest, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 from layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 
@@ -269,6 +271,9 @@ def measure(args) -> int:
         def device_time_of(fn) -> float:  # no collective inside: each rank alone
             return slowest(device_timed(fn, device, args.warmup, args.repeats), device)
 
+        def host_time_of(fn) -> float:
+            return slowest(host_timed(fn, device, args.warmup, args.repeats), device)
+
         row: dict = {"hidden": model.hidden, "query_heads": model.query_heads,
                      "kv_heads": model.kv_heads, "head_dim": model.head_dim,
                      "qk_norm": model.qk_norm, "tokens_per_rank": args.batch * args.seq // sp,
@@ -295,6 +300,7 @@ def measure(args) -> int:
                     layer.attention.core = LocalUlyssesCore(inner, None, sp, None)
                     variant["compute_alone_s"] = time_of(step_fn(layer, x, grad))
                     variant["compute_alone_device_s"] = device_time_of(step_fn(layer, x, grad))
+                    variant["compute_alone_host_s"] = host_time_of(step_fn(layer, x, grad))
                 if n > 1:
                     variant["exposed_comm_s"] = variant["block_s"] - variant["compute_alone_s"]
                 variant["predicted"] = predict(plan)
@@ -311,6 +317,7 @@ def measure(args) -> int:
                                                                    None)
                     grouped["compute_alone_s"] = time_of(step_fn(layer, x, grad))
                     grouped["compute_alone_device_s"] = device_time_of(step_fn(layer, x, grad))
+                    grouped["compute_alone_host_s"] = host_time_of(step_fn(layer, x, grad))
                     if n > 1:
                         grouped["exposed_comm_s"] = grouped["block_s"] - \
                             grouped["compute_alone_s"]

@@ -71,6 +71,7 @@ def test_attention_block_script_in_head_groups(tmp_path, procs, simulate):
             g = v["head_groups"]
             assert g["groups"] == 2 and g["compute_alone_s"] > 0 and v["compute_alone_s"] > 0
             assert g["compute_alone_device_s"] > 0 and v["compute_alone_device_s"] > 0
+            assert g["compute_alone_host_s"] > 0 and v["compute_alone_host_s"] > 0
             assert ("block_s" in g) == ("block_s" in v) == (procs > 1)
             if procs > 1:
                 assert g["exposed_comm_s"] == pytest.approx(g["block_s"] - g["compute_alone_s"])
