@@ -329,13 +329,15 @@ HEAD_GROUPS = ("speed21/attention_block_x1_simulated_sp2", "speed21/attention_bl
 
 def head_groups_table() -> list[str]:
     """The attention block with the blocking Ulysses core and in head groups: compute alone
-    (one simulated SP rank on one GPU, or the real ranks), and on two GPUs the block and its
-    exposed all-to-alls."""
-    lines = ["| GPUs | shape | kernels | recompute | compute alone ms: blocking / groups | "
-             "block ms: blocking / groups | exposed comm ms: blocking / groups | predicted "
-             "block ms: blocking / groups | commit |", "|---|---|---|---|---|---|---|---|---|"]
+    (one simulated SP rank on one GPU, or the real ranks) with the host ahead of the GPU, on
+    an idle GPU, and the host's time to issue it; on two GPUs the block and its exposed
+    all-to-alls."""
+    lines = ["| GPUs | shape | kernels | recompute | compute alone, host ahead ms | compute "
+             "alone, idle GPU ms | host issues it ms | block ms | exposed comm ms | predicted "
+             "ms | commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def pair(a, b) -> str:
+        """blocking / groups"""
         return " / ".join(f"{x * 1e3:.2f}" if x is not None else "-" for x in (a, b))
 
     found = False
@@ -351,13 +353,12 @@ def head_groups_table() -> list[str]:
                 g = v.get("head_groups")
                 if g is None:
                     continue
-                lines.append(
-                    f"| {gpus} | {shape} | {v['kernels']} | {v['recompute']} | "
-                    f"{pair(v.get('compute_alone_s'), g['compute_alone_s'])} | "
-                    f"{pair(v.get('block_s'), g.get('block_s'))} | "
-                    f"{pair(v.get('exposed_comm_s'), g.get('exposed_comm_s'))} | "
-                    f"{pair(v['predicted']['block_s'], g['predicted']['block_s'])} | "
-                    f"{doc.get('commit', '?')} |")
+                cells = [pair(v.get(k), g.get(k)) for k in (
+                    "compute_alone_device_s", "compute_alone_s", "compute_alone_host_s",
+                    "block_s", "exposed_comm_s")]
+                cells.append(pair(v["predicted"]["block_s"], g["predicted"]["block_s"]))
+                lines.append(f"| {gpus} | {shape} | {v['kernels']} | {v['recompute']} | "
+                             + " | ".join(cells) + f" | {doc.get('commit', '?')} |")
     return lines if found else []
 
 
@@ -616,9 +617,13 @@ def render() -> str:
         "compute; on two GPUs the block and its exposed all-to-alls"
         + ("" if _load(HEAD_GROUPS[1]) else " (not run: no two-GPU machine was lent since "
            "the head groups were built)")
-        + ". `predicted` schedules the cost model's attention operators on two streams with "
-        "the fitted `h200-runtime` share of hidden communication (efficiency.overlap, 0 as "
-        "measured beside the expert GEMMs), so the groups are priced as their extra calls.",
+        + ". Each cell is blocking / in groups. `host ahead`: a spin kernel holds the GPU "
+        "while the host queues the block (`_dist_bench.device_timed`), as in a step whose host "
+        "runs ahead; `idle GPU`: the block alone, waiting for the host's dispatch; `host "
+        "issues it`: the host's time to queue it (`_dist_bench.host_timed`). `predicted` "
+        "schedules the cost model's attention operators on two streams with the fitted "
+        "`h200-runtime` share of hidden communication (efficiency.overlap, 0 as measured "
+        "beside the expert GEMMs), so the groups are priced as their extra calls.",
         "",
         *(head_groups_table() or ["No head-group measurement is committed yet "
                                   "(`bash bench/run_campaign.sh h200_head_groups_1gpu`)."]),
