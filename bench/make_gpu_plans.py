@@ -108,6 +108,9 @@ PLANS |= {f"{name}_all": with_gsync(PLANS[f"{name}_fused"]).model_copy(
     for name in ("mixtral2l_dp2_ep2_ag_mbs4", "mixtral2l_sp2_ep2_ag_mbs8")}
 PLANS["mixtral2l_dp2_ep2_interop"] = PLANS["mixtral2l_dp2_ep2"].model_copy(
     update={"overlap": Overlap.inter_op})
+# Ulysses in head groups beside the chunked MoE layer (inter_op at sp 2: 4 KV heads a rank)
+PLANS["mixtral2l_sp2_ep2_a2a_interop"] = PLANS["mixtral2l_sp2_ep2_a2a"].model_copy(
+    update={"overlap": Overlap.inter_op})
 PLANS |= {f"{name}_gsync": with_gsync(PLANS[name])
           for name in ("mixtral2l_dp2_ep2", "mixtral2l_sp2_ep2_a2a", "mixtral2l_dp2_ep2_mbs4",
                        "mixtral2l_sp2_ep2_ag_mbs8")}
