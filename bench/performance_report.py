@@ -362,6 +362,21 @@ def head_groups_table() -> list[str]:
     return lines if found else []
 
 
+def parity_text() -> str:
+    """The head groups' bf16 parity with both ranks on one GPU (gloo, CUDA streams)."""
+    doc = _load("speed21/parity_shared_mixtral2l_sp2_ep2_a2a_interop")
+    if doc is None:
+        return ""
+    return (f"- Ulysses in head groups (under `inter_op`, above) passes bf16 parity with both "
+            f"ranks on one GPU over gloo, each on its two CUDA streams "
+            f"(`{doc['plan_summary']}`, `speed21/parity_shared_*`, {doc.get('commit', '?')}: "
+            f"loss {doc['loss_rel_err']:.2e} and gradients up to {doc['grad_max_rel_err']:.2e} "
+            f"from the one-GPU bf16 reference, the layout {doc['grad_max_layout_vs_fp32']:.3f} "
+            f"and the reference {doc['grad_max_bf16_reference_vs_fp32']:.3f} from fp32); over "
+            "NCCL it is "
+            "`h200_head_groups_x2`'s to run.")
+
+
 def head_groups_text() -> str:
     """What the head groups cost one simulated SP rank's compute, against the prediction."""
     doc = _load(HEAD_GROUPS[0])
@@ -705,6 +720,7 @@ def render() -> str:
         "running beside compute hides as measured (`efficiency.overlap`, `moeplan calibrate "
         "--overlap` on `copy_engine_x2.json`: 0 on these H200s, in `h200-runtime`), so "
         "`moeplan search --runnable` on `h200-runtime` plans serial EP layers.",
+        parity_text(),
         "- Intra-operator (tile-fused) overlap is not built: torch's symmetric-memory fused "
         "all-gather-matmul and matmul-reduce-scatter measured no gain on 2 H200s; "
         "`inter_intra_op` runs as `inter_op`.",
