@@ -80,10 +80,19 @@ def device_timed(fn: Callable[[], object], device: torch.device, warmup: int, re
     """Median seconds of ``fn``'s kernels with the host ahead of the GPU: a spin kernel
     (``torch.cuda._sleep``) holds the GPU while the host queues ``fn``, so the timed span holds
     the kernels and the gaps between them and none of the host's dispatch, as in a step whose
-    host runs ahead. ``timed`` times one call on an idle GPU, dispatch included. The spin lasts
-    twice the host's time for one call (measured first). On CPU the two are the same."""
+    host runs ahead. ``timed`` times one call on an idle GPU, dispatch included. On CPU the two
+    are the same."""
+    return spun(fn, device, warmup, repeats)[0]
+
+
+def spun(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
+         ) -> tuple[float, float]:
+    """(device, host) medians of ``fn`` behind a spin kernel that lasts twice the host's time
+    for one call (measured first): the GPU's span from the spin's end to ``fn``'s last kernel,
+    and the host's time to issue ``fn``. On CPU both are the wall time."""
     if device.type != "cuda":
-        return timed(fn, device, warmup, repeats, barrier=False)
+        wall = timed(fn, device, warmup, repeats, barrier=False)
+        return wall, wall
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -92,41 +101,19 @@ def device_timed(fn: Callable[[], object], device: torch.device, warmup: int, re
     host_s = time.perf_counter() - t0  # an upper bound of the dispatch: it waits for nothing
     _sync(device)
     spin = _spin_cycles_per_s(device) * (2 * host_s + 50e-6)
-    times = []
+    device_times, host_times = [], []
     for _ in range(repeats):
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(int(spin))
         a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def host_timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
-               ) -> float:
-    """Median seconds the host takes to issue ``fn`` while a spin kernel holds the GPU, so it
-    never waits for the device: the dispatch a step's host has to keep ahead of its GPU. The
-    spin lasts twice the host's time for one call (measured first). On CPU the wall time."""
-    if device.type != "cuda":
-        return timed(fn, device, warmup, repeats, barrier=False)
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    spin = _spin_cycles_per_s(device) * (2 * (time.perf_counter() - t0) + 50e-6)
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        torch.cuda._sleep(int(spin))
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-        _sync(device)
-    return statistics.median(times)
+        host_times.append(time.perf_counter() - t0)
+        b.record()
+        b.synchronize()
+        device_times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(device_times), statistics.median(host_times)
 
 
 def _spin_cycles_per_s(device: torch.device) -> float:

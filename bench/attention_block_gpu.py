@@ -24,11 +24,11 @@ recomputation (``--recompute``: none, or selective, which reruns RoPE and SDPA i
 - ``comm_alone`` (N > 1, once per model): the four all-to-alls forward + backward on tensors of
   the block's shapes, pack and unpack included;
 - ``compute_alone_device`` (N > 1 or simulated): the compute alone with the host ahead of the
-  GPU (bench/_dist_bench.device_timed: a spin kernel holds the GPU while the host queues the
+  GPU (bench/_dist_bench.spun: a spin kernel holds the GPU while the host queues the
   block), as in a step whose host runs ahead; the block alone on an idle GPU also waits for
   the host's dispatch, which the head groups' second core call and stream events add to;
 - ``compute_alone_host`` (the same cases): the host's time to issue the compute alone while
-  the GPU is held (bench/_dist_bench.host_timed): what a step's host has to keep ahead of;
+  the GPU is held (the same spin): what a step's host has to keep ahead of;
 - ``head_groups`` (where plans.layout.ulysses_chunks gives more than one group at SP = N): the
   block under overlap inter_op, Ulysses in head groups on two streams
   (runtime.parallel.attention.ChunkedUlyssesCore), with its own ``compute_alone`` and
@@ -61,7 +61,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _dist_bench import device_timed, finish, host_timed, init, slowest, timed  # noqa: E402
+from _dist_bench import finish, init, slowest, spun, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 from layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 
@@ -268,11 +268,9 @@ def measure(args) -> int:
         def time_of(fn) -> float:
             return slowest(timed(fn, device, args.warmup, args.repeats), device)
 
-        def device_time_of(fn) -> float:  # no collective inside: each rank alone
-            return slowest(device_timed(fn, device, args.warmup, args.repeats), device)
-
-        def host_time_of(fn) -> float:
-            return slowest(host_timed(fn, device, args.warmup, args.repeats), device)
+        def spun_of(fn) -> tuple[float, float]:  # no collective inside: each rank alone
+            on_device, on_host = spun(fn, device, args.warmup, args.repeats)
+            return slowest(on_device, device), slowest(on_host, device)
 
         row: dict = {"hidden": model.hidden, "query_heads": model.query_heads,
                      "kv_heads": model.kv_heads, "head_dim": model.head_dim,
@@ -299,8 +297,8 @@ def measure(args) -> int:
                 if sp > 1:
                     layer.attention.core = LocalUlyssesCore(inner, None, sp, None)
                     variant["compute_alone_s"] = time_of(step_fn(layer, x, grad))
-                    variant["compute_alone_device_s"] = device_time_of(step_fn(layer, x, grad))
-                    variant["compute_alone_host_s"] = host_time_of(step_fn(layer, x, grad))
+                    variant["compute_alone_device_s"], variant["compute_alone_host_s"] = \
+                        spun_of(step_fn(layer, x, grad))
                 if n > 1:
                     variant["exposed_comm_s"] = variant["block_s"] - variant["compute_alone_s"]
                 variant["predicted"] = predict(plan)
@@ -316,8 +314,8 @@ def measure(args) -> int:
                     layer.attention.core = LocalChunkedUlyssesCore(inner, None, sp, groups,
                                                                    None)
                     grouped["compute_alone_s"] = time_of(step_fn(layer, x, grad))
-                    grouped["compute_alone_device_s"] = device_time_of(step_fn(layer, x, grad))
-                    grouped["compute_alone_host_s"] = host_time_of(step_fn(layer, x, grad))
+                    grouped["compute_alone_device_s"], grouped["compute_alone_host_s"] = \
+                        spun_of(step_fn(layer, x, grad))
                     if n > 1:
                         grouped["exposed_comm_s"] = grouped["block_s"] - \
                             grouped["compute_alone_s"]

@@ -668,9 +668,9 @@ def render() -> str:
         + ("" if _load(HEAD_GROUPS[1]) else " (not run: no two-GPU machine was lent since "
            "the head groups were built)")
         + ". Each cell is blocking / in groups. `host ahead`: a spin kernel holds the GPU "
-        "while the host queues the block (`_dist_bench.device_timed`), as in a step whose host "
+        "while the host queues the block (`_dist_bench.spun`), as in a step whose host "
         "runs ahead; `idle GPU`: the block alone, waiting for the host's dispatch; `host "
-        "issues it`: the host's time to queue it (`_dist_bench.host_timed`). `predicted` "
+        "issues it`: the host's time to queue it (the same spin). `predicted` "
         "schedules the cost model's attention operators on two streams with the fitted "
         "`h200-runtime` share of hidden communication (efficiency.overlap, 0 as measured "
         "beside the expert GEMMs), so the groups are priced as their extra calls.",
