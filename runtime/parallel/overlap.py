@@ -213,24 +213,36 @@ class Chunk:
 
 def run_schedule(lanes: Lanes, schedule: Schedule, steps: Mapping[Step, Callable[[Chunk], None]],
                  chunks: list[Chunk], whole: Chunk | None = None) -> None:
-    """Issue every chunk's steps in the schedule's order, each on its lane: a step on the other
-    lane than its chunk's previous step waits for that step's end, and the chunk's tensors are
-    kept alive for the lane's stream. ``whole`` is the chunk the shared step reads (None: no
+    """Issue every chunk's steps in the schedule's order, each on its lane. A step on the other
+    lane than its chunk's previous step waits for that step's end (an event marked only where
+    the chunk changes lanes next, ``collect`` reading on the compute lane), and the chunk's
+    tensors are kept alive for the new lane's stream: every tensor a lane reads was made on it
+    or carried in at such a change. ``whole`` is the chunk the shared step reads (None: no
     shared step)."""
-    for step, i in schedule.order(len(chunks), whole is not None):
+    order = schedule.order(len(chunks), whole is not None)
+    keys = [-1 if step == Step.shared else i for step, i in order]
+    # the lane each step's chunk runs on next (the compute lane after its last step)
+    next_lane: list[Lane] = [Lane.compute] * len(order)
+    following: dict[int, Lane] = {}
+    for k in reversed(range(len(order))):
+        next_lane[k] = following.get(keys[k], Lane.compute)
+        following[keys[k]] = schedule.lane(order[k][0])
+    for k, (step, i) in enumerate(order):
         c = whole if step == Step.shared else chunks[i]
         lane = schedule.lane(step)
-        after = c.done if lane != c.lane else None
-        with lanes.enter(lane, after, (c.inputs, c.values)):
+        switch = lane != c.lane
+        with lanes.enter(lane, c.done if switch else None,
+                         (c.inputs, c.values) if switch else ()):
             steps[step](c)
-        c.lane, c.done = lane, lanes.mark(lane)
+        c.lane, c.done = lane, lanes.mark(lane) if next_lane[k] != lane else None
 
 
 def collect(lanes: Lanes, chunks: list[Chunk], key: str) -> list[torch.Tensor]:
     """Every chunk's ``values[key]``, readable on the compute lane."""
     outs = []
     for c in chunks:
-        with lanes.enter(Lane.compute, c.done if c.lane != Lane.compute else None, c.values):
+        switch = c.lane != Lane.compute
+        with lanes.enter(Lane.compute, c.done if switch else None, c.values if switch else ()):
             outs.append(c.values[key])
     return outs
 
