@@ -1,4 +1,5 @@
-"""Inter-operator overlap of the MoE layer (MegaScale-MoE Sec. 4), as a chunked schedule.
+"""Inter-operator overlap of the MoE layer (MegaScale-MoE Sec. 4), as a chunked schedule (run
+by ``run_schedule``, which Ulysses in head groups shares: runtime.parallel.attention).
 
 The router sees all of a micro-batch's tokens (so routing and the balance loss are the
 unchunked layer's); the dispatcher then learns every chunk's expert order and row counts in one
@@ -54,6 +55,11 @@ class Lane(StrEnum):
 
 
 class Step(StrEnum):
+    """A chunk's steps, named for the MoE layer. Ulysses in head groups
+    (runtime.parallel.attention.ChunkedUlyssesCore) runs the same chain: the all-to-all to head
+    shards as the dispatch, the attention core as the experts, the all-to-all back as the
+    combine."""
+
     dispatch_pack = "dispatch_pack"
     dispatch_exchange = "dispatch_exchange"
     dispatch_unpack = "dispatch_unpack"
