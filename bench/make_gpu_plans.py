@@ -111,6 +111,11 @@ PLANS["mixtral2l_dp2_ep2_interop"] = PLANS["mixtral2l_dp2_ep2"].model_copy(
 # Ulysses in head groups beside the chunked MoE layer (inter_op at sp 2: 4 KV heads a rank)
 PLANS["mixtral2l_sp2_ep2_a2a_interop"] = PLANS["mixtral2l_sp2_ep2_a2a"].model_copy(
     update={"overlap": Overlap.inter_op})
+# ... with the attention core rerun in each group, and with the whole layer rerun (the groups
+# then run again inside the backward, on the stream of the node that needs them)
+PLANS |= {f"mixtral2l_sp2_ep2_a2a_interop_{tag}": PLANS["mixtral2l_sp2_ep2_a2a_interop"]
+          .model_copy(update={"recompute": r})
+          for tag, r in (("sel", Recompute.selective), ("full", Recompute.full))}
 PLANS |= {f"{name}_gsync": with_gsync(PLANS[name])
           for name in ("mixtral2l_dp2_ep2", "mixtral2l_sp2_ep2_a2a", "mixtral2l_dp2_ep2_mbs4",
                        "mixtral2l_sp2_ep2_ag_mbs8")}
