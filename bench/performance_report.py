@@ -363,18 +363,24 @@ def head_groups_table() -> list[str]:
 
 
 def parity_text() -> str:
-    """The head groups' bf16 parity with both ranks on one GPU (gloo, CUDA streams)."""
-    doc = _load("speed21/parity_shared_mixtral2l_sp2_ep2_a2a_interop")
-    if doc is None:
+    """The head groups' bf16 parity with both ranks on one GPU (gloo, CUDA streams), without
+    and with recomputation."""
+    docs = [d for d in (_load(f"speed21/parity_shared_mixtral2l_sp2_ep2_a2a_interop{tag}")
+                        for tag in ("", "_sel", "_full")) if d is not None]
+    if not docs:
         return ""
-    return (f"- Ulysses in head groups (under `inter_op`, above) passes bf16 parity with both "
-            f"ranks on one GPU over gloo, each on its two CUDA streams "
-            f"(`{doc['plan_summary']}`, `speed21/parity_shared_*`, {doc.get('commit', '?')}: "
-            f"loss {doc['loss_rel_err']:.2e} and gradients up to {doc['grad_max_rel_err']:.2e} "
-            f"from the one-GPU bf16 reference, the layout {doc['grad_max_layout_vs_fp32']:.3f} "
-            f"and the reference {doc['grad_max_bf16_reference_vs_fp32']:.3f} from fp32); over "
-            "NCCL it is "
-            "`h200_head_groups_x2`'s to run.")
+    runs = "; ".join(
+        f"`{d['plan_summary'].split(' sync:')[0]}` {d.get('commit', '?')}: "
+        f"{'pass' if d['pass'] else 'FAIL'}, loss {d['loss_rel_err']:.2e} and gradients up "
+        f"to {d['grad_max_rel_err']:.2e} from the one-GPU bf16 reference (the layout "
+        f"{d['grad_max_layout_vs_fp32']:.3f} and the reference "
+        f"{d['grad_max_bf16_reference_vs_fp32']:.3f} from fp32)" for d in docs)
+    same = len({(d["loss"], d["grad_max_rel_err"]) for d in docs}) == 1 and len(docs) > 1
+    return ("- Ulysses in head groups (under `inter_op`, above), with both ranks on one GPU over "
+            f"gloo, each on its two CUDA streams (`speed21/parity_shared_*`): {runs}"
+            + (" (the same bits: a rerun repeats the forward's kernels on the same inputs)"
+               if same else "")
+            + ". Over NCCL it is `h200_head_groups_x2`'s to run.")
 
 
 def head_groups_text() -> str:
