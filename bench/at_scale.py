@@ -35,6 +35,7 @@ documented residual, not a target the model was tuned to (docs/fidelity_at_scale
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -359,7 +360,9 @@ def results() -> dict:
                                                    megatron)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    # no options: -h describes the script and writes nothing
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     doc = results()
     path = write("at_scale", doc)
     for c in doc["checks"]:

@@ -32,6 +32,7 @@ published run was consulted: the values come from the H200 measurements alone.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -186,7 +187,9 @@ def results() -> dict:
             "job_rows": job_rows(sweep, factors), "not_carried": not_carried}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    # no options: -h describes the script and writes nothing
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     doc = results()
     path = write("hopper_factors", doc)
     print("carried to " + ", ".join(HOPPER) + ":")

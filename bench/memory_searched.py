@@ -12,6 +12,7 @@ write other plans, to be measured again).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -28,7 +29,9 @@ OUT = HERE / "gpu_plans" / "memory"
 JOBS = [(shape, gpus) for shape in ("qwen4l", "deepseek4l") for gpus in (1, 2)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    # no options: -h describes the script and writes nothing
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     for shape, gpus in JOBS:
         name, layers = SHAPES[shape]
