@@ -176,7 +176,7 @@ class LocalChunkedUlyssesCore(ChunkedUlyssesCore):
     rank (the same shape), the copies, streams and events as the runtime issues them."""
 
     def _exchange(self, c: Chunk) -> None:
-        pass
+        """Nothing: the packed heads in ``c.values["moving"]`` stay as they are."""
 
 
 # ---- measurement ----------------------------------------------------------------------------
@@ -272,6 +272,23 @@ def measure(args) -> int:
             on_device, on_host = spun(fn, device, args.warmup, args.repeats)
             return slowest(on_device, device), slowest(on_host, device)
 
+        def core_times(layer, local, x: torch.Tensor, grad: torch.Tensor) -> dict:
+            """The block as built where it is the rank measured (its exchanges, or no SP),
+            then, with ``local`` in place of its core (each exchange left out), its compute
+            alone: idle GPU, host ahead, the host's own time; and the exposed all-to-alls."""
+            out: dict = {}
+            if n > 1 or sp == 1:
+                out["block_s"] = time_of(step_fn(layer, x, grad))
+            if local is None:
+                return out
+            layer.attention.core = local
+            out["compute_alone_s"] = time_of(step_fn(layer, x, grad))
+            out["compute_alone_device_s"], out["compute_alone_host_s"] = \
+                spun_of(step_fn(layer, x, grad))
+            if "block_s" in out:
+                out["exposed_comm_s"] = out["block_s"] - out["compute_alone_s"]
+            return out
+
         row: dict = {"hidden": model.hidden, "query_heads": model.query_heads,
                      "kv_heads": model.kv_heads, "head_dim": model.head_dim,
                      "qk_norm": model.qk_norm, "tokens_per_rank": args.batch * args.seq // sp,
@@ -284,43 +301,25 @@ def measure(args) -> int:
         for kernels in map(Kernels, args.kernels):
             for recompute in map(Recompute, args.recompute):
                 plan = block_plan(model, args, sp, kernels, recompute)
-                variant = {"kernels": kernels.value, "recompute": recompute.value}
                 # one process: the block as built (sp 1) or one simulated SP rank's compute
                 layer = build_block(plan if n > 1 else block_plan(model, args, 1, kernels,
                                                                   recompute),
                                     rank, n, device, dtype, args.seed)
                 inner = layer.attention.core if n == 1 else layer.attention.core.inner
-                if n == 1 and sp == 1:
-                    variant["block_s"] = time_of(step_fn(layer, x, grad))
-                if n > 1:
-                    variant["block_s"] = time_of(step_fn(layer, x, grad))
-                if sp > 1:
-                    layer.attention.core = LocalUlyssesCore(inner, None, sp, None)
-                    variant["compute_alone_s"] = time_of(step_fn(layer, x, grad))
-                    variant["compute_alone_device_s"], variant["compute_alone_host_s"] = \
-                        spun_of(step_fn(layer, x, grad))
-                if n > 1:
-                    variant["exposed_comm_s"] = variant["block_s"] - variant["compute_alone_s"]
-                variant["predicted"] = predict(plan)
+                variant = {"kernels": kernels.value, "recompute": recompute.value,
+                           **core_times(layer, LocalUlyssesCore(inner, None, sp, None)
+                                        if sp > 1 else None, x, grad),
+                           "predicted": predict(plan)}
                 if groups > 1:
-                    grouped = {"groups": groups}
                     overlapped = block_plan(model, args, sp, kernels, recompute,
                                             Overlap.inter_op)
                     if n > 1:
                         layer = build_block(overlapped, rank, n, device, dtype, args.seed)
                         assert isinstance(layer.attention.core, ChunkedUlyssesCore)
-                        grouped["block_s"] = time_of(step_fn(layer, x, grad))
                         inner = layer.attention.core.inner
-                    layer.attention.core = LocalChunkedUlyssesCore(inner, None, sp, groups,
-                                                                   None)
-                    grouped["compute_alone_s"] = time_of(step_fn(layer, x, grad))
-                    grouped["compute_alone_device_s"], grouped["compute_alone_host_s"] = \
-                        spun_of(step_fn(layer, x, grad))
-                    if n > 1:
-                        grouped["exposed_comm_s"] = grouped["block_s"] - \
-                            grouped["compute_alone_s"]
-                    grouped["predicted"] = predict(overlapped)
-                    variant["head_groups"] = grouped
+                    local = LocalChunkedUlyssesCore(inner, None, sp, groups, None)
+                    variant["head_groups"] = {"groups": groups, **core_times(layer, local, x, grad),
+                                              "predicted": predict(overlapped)}
                 row["variants"][f"{kernels.value}/{recompute.value}"] = variant
                 if rank == 0:
                     print(f"{name} {kernels.value} recompute {recompute.value}: "

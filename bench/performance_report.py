@@ -324,7 +324,8 @@ def attention_table() -> list[str]:
     return lines
 
 
-HEAD_GROUPS = ("speed21/attention_block_x1_simulated_sp2", "speed21/attention_block_x2")
+HEAD_GROUPS = ("speed21/attention_block_x1_simulated_sp2", ATTENTION_BLOCKS[1])
+"""The simulated SP rank on one GPU, and the two-GPU block (its head-group rows)."""
 
 
 def head_groups_table() -> list[str]:

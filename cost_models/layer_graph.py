@@ -249,19 +249,8 @@ def _attention(g: _Builder, x: str | None, head_chunks: int) -> str:
     h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
     norm = g.memory(LO.attn_norm, 2 * t * h * AB, 3 * t * h * AB, x)
     match k.attention:
-        case UlyssesAttention() if head_chunks > 1:
-            out = _ulysses_head_groups(g, norm, head_chunks)
         case UlyssesAttention():
-            a2a_qkv, a2a_out = vol.ulysses_attention(m, b, s, k.sp)
-            kv_dim = kv_heads_sent(m, k.sp) * m.head_dim
-            qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * kv_dim, h, norm)
-            head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, fuse_with=LO.qkv_gemm, rows=t)
-            flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.sp, m.head_dim,
-                                           cc.CAUSAL_FRACTION)
-            roped = _rope(g, b * s, m.q_dim / k.sp, kv_dim / k.sp, head_major)
-            attn = g.attention(flops, roped)
-            seq_major = g.comm(LO.sp_a2a_out, a2a_out, attn, fuse_with=LO.out_gemm, rows=t)
-            out = g.gemm(LO.out_gemm, t, h, m.q_dim, seq_major)
+            out = _ulysses(g, norm, head_chunks)
         case TPAttention():
             ag, rs = vol.tp_attention(m, b, s, k.tp)
             kv_dim = kv_heads_sent(m, k.tp) * m.head_dim
@@ -287,14 +276,17 @@ def _attention(g: _Builder, x: str | None, head_chunks: int) -> str:
     return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out, fusable=False)
 
 
-def _ulysses_head_groups(g: _Builder, norm: str, groups: int) -> str:
-    """Ulysses in ``groups`` head groups (plans.layout.ulysses_chunks: the inter-operator
-    overlapped core of runtime.parallel.attention): one QKV GEMM, then per group its share of
-    the all-to-all in, its prologue and FlashAttention, and its all-to-all out, the collectives
-    on the communication stream beside the other group's core; the output GEMM reads every
-    group. Operator names get an ``@group`` suffix."""
+def _ulysses(g: _Builder, norm: str, groups: int) -> str:
+    """Ulysses SP: the QKV GEMM, the all-to-all to head shards, the prologue and
+    FlashAttention on full sequences of H / sp heads, the all-to-all back and the output GEMM.
+    In ``groups`` > 1 head groups (plans.layout.ulysses_chunks: the inter-operator overlapped
+    core of runtime.parallel.attention) each group has its share of the all-to-alls' bytes, its
+    prologue and its FlashAttention, the collectives on the communication stream beside the
+    other group's core, operator names suffixed ``@group``; the output GEMM reads every group.
+    One group's collectives can instead fuse with the GEMMs beside them (inter_intra_op)."""
     k, m = g.key, g.key.model
     h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
+    side = groups > 1
     a2a_qkv, a2a_out = (replace(x, buffer_bytes=x.buffer_bytes / groups)
                         for x in vol.ulysses_attention(m, b, s, k.sp))
     kv_dim = kv_heads_sent(m, k.sp) * m.head_dim
@@ -303,8 +295,9 @@ def _ulysses_head_groups(g: _Builder, norm: str, groups: int) -> str:
     flops = cc.attention_fwd_flops(b, s, s, m.query_heads / heads, m.head_dim, cc.CAUSAL_FRACTION)
     outs, previous = [], None
     for c in range(groups):
-        at = f"@{c}"
-        head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, at=at, side_stream=True)
+        at = f"@{c}" if side else ""
+        head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, fuse_with=None if side else
+                            LO.qkv_gemm, rows=t, at=at, side_stream=side)
         # One compute stream runs the groups' cores in issue order: group c after group c - 1
         # and, derived from that edge, its gradients before c - 1's, as autograd runs them (so
         # group c's all-to-all gradient runs beside group c - 1's core gradient). Under
@@ -312,7 +305,8 @@ def _ulysses_head_groups(g: _Builder, norm: str, groups: int) -> str:
         # runtime reruns them in backward order): the same compute, in another order.
         roped = _rope(g, b * s, m.q_dim / heads, kv_dim / heads, head_major, previous, at=at)
         previous = g.attention(flops, roped, at=at)
-        outs.append(g.comm(LO.sp_a2a_out, a2a_out, previous, at=at, side_stream=True))
+        outs.append(g.comm(LO.sp_a2a_out, a2a_out, previous, fuse_with=None if side else
+                           LO.out_gemm, rows=t, at=at, side_stream=side))
     return g.gemm(LO.out_gemm, t, h, m.q_dim, *outs)
 
 
