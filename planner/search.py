@@ -13,6 +13,7 @@ Exact branch and bound, deterministic:
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -59,6 +60,8 @@ def check_searches(count: int, what: str) -> None:
 _LEAN_RECOMPUTE = (Recompute.full, Recompute.selective, Recompute.none)
 _LEAN_SYNC = (Precision.fp8, Precision.bf16, Precision.fp32)
 _OVERLAP_STRENGTH = (Overlap.none, Overlap.inter_op, Overlap.inter_intra_op)
+_SAME_TIME = 1e-9
+"""Relative difference under which two predicted layer times are the same time."""
 
 
 @dataclass(frozen=True)
@@ -250,10 +253,15 @@ def _overlap_levels(plan: Plan, dispatch, overlaps, recompute: Recompute) -> lis
 
     costs = {o: cost(o) for o in sorted(set(overlaps), key=_OVERLAP_STRENGTH.index)}
 
+    def faster(a: float, b: float) -> bool:
+        # levels that run the same layer are priced by graphs summed in another order: a
+        # difference in the last bits is no speed-up (it named a 1-GPU plan ov:inter)
+        return a < b and not math.isclose(a, b, rel_tol=_SAME_TIME)
+
     def dominated(o: Overlap) -> bool:
         (t, c), strength = costs[o], _OVERLAP_STRENGTH.index(o)
-        return any(t2 <= t and c2 <= c
-                   and (t2 < t or c2 < c or _OVERLAP_STRENGTH.index(o2) < strength)
+        return any(not faster(t, t2) and c2 <= c
+                   and (faster(t2, t) or c2 < c or _OVERLAP_STRENGTH.index(o2) < strength)
                    for o2, (t2, c2) in costs.items() if o2 != o)
 
     kept = [o for o in costs if not dominated(o)]

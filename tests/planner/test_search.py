@@ -50,6 +50,17 @@ def test_pruned_search_is_exact_where_overlap_hides_nothing():
     assert all(r.plan.overlap == Overlap.none for r in fast)
 
 
+def test_a_layer_with_nothing_to_overlap_is_named_overlap_none():
+    # on one GPU no level has anything to overlap: their layer graphs are priced alike up to
+    # the order of a sum, which named a plan ov:inter beside its identical ov:none twin
+    model = catalog.load_model("qwen3-30b-a3b").model_copy(update={"layers": 4})
+    cluster = catalog.load_cluster("h200-runtime", gpus=1)
+    result = search(model, cluster, TrainingSpec(global_batch=8, seq_len=4096),
+                    SearchSpace().runnable(), top=5)
+    assert len(result.top) == 5
+    assert {r.plan.overlap for r in result.top} == {Overlap.none}
+
+
 def test_bound_never_exceeds_the_evaluated_step_time():
     model, cluster, training = small_job()
     result = search(model, cluster, training, top=10)
