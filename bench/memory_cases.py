@@ -21,6 +21,7 @@ from plans import (
     CrossEntropy,
     Degrees,
     Dispatch,
+    ModelSpec,
     Overlap,
     PipelineSchedule,
     Plan,
@@ -41,13 +42,32 @@ CLUSTER = "h200-runtime"
 ONE_GPU = Degrees()
 
 
+def reduced_model(shape: str) -> ModelSpec:
+    """The catalog model of ``shape`` (SHAPES) at its full width and reduced depth."""
+    name, layers = SHAPES[shape]
+    full = catalog.load_model(name)
+    return full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
+
+
+def searched_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan:
+    """The plan `moeplan search --runnable` picks for ``shape`` on ``gpus`` GPUs of the
+    calibrated cluster (CLUSTER); imports the planner, so it runs on the CPU machine."""
+    from planner.search import search
+    from planner.space import SearchSpace
+
+    result = search(reduced_model(shape), catalog.load_cluster(CLUSTER, gpus=gpus), training,
+                    SearchSpace().runnable(), top=1)
+    if result.best is None:
+        raise SystemExit(f"error: no plan fits for {shape} on {gpus} GPUs")
+    return result.best.plan
+
+
 def reduced_plan(shape: str, degrees: Degrees, mbs: int, recompute: Recompute,
                  dispatch: Dispatch, training: TrainingSpec, cluster: str, **kw) -> Plan:
     """A reduced-depth model of ``shape`` (SHAPES) under Ulysses SP attention and EP experts,
     no overlap, bf16 gradient sync; ``kw`` replaces any other plan field."""
-    name, layers = SHAPES[shape]
-    full = catalog.load_model(name)
-    model = full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
+    model = reduced_model(shape)
+    layers = model.layers
     chunks = degrees.pp * degrees.vpp
     base = dict(
         model=model, cluster=catalog.load_cluster(cluster, gpus=degrees.world),

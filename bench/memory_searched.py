@@ -19,11 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from memory_cases import SHAPES, TRAINING  # noqa: E402
-
-from planner.search import search  # noqa: E402
-from planner.space import SearchSpace  # noqa: E402
-from plans import catalog  # noqa: E402
+from memory_cases import TRAINING, searched_plan  # noqa: E402
 
 OUT = HERE / "gpu_plans" / "memory"
 JOBS = [(shape, gpus) for shape in ("qwen4l", "deepseek4l") for gpus in (1, 2)]
@@ -34,14 +30,7 @@ def main(argv=None) -> None:
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     for shape, gpus in JOBS:
-        name, layers = SHAPES[shape]
-        full = catalog.load_model(name)
-        model = full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
-        result = search(model, catalog.load_cluster("h200-runtime", gpus=gpus), TRAINING,
-                        SearchSpace().runnable(), top=1)
-        if result.best is None:
-            raise SystemExit(f"error: no plan fits for {shape} on {gpus} GPUs")
-        plan = result.best.plan
+        plan = searched_plan(shape, gpus, TRAINING)
         path = OUT / f"searched_{shape}_{gpus}gpu.json"
         path.write_text(plan.model_dump_json(indent=2) + "\n")
         print(f"{path.name}: {plan.summary()} predicted peak "
