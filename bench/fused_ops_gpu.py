@@ -11,6 +11,12 @@ bytes the cost model counts for it (cost_models.layer_graph: its fused-kernel by
 and backward) over the measured time as a fraction of the GPU's peak HBM bandwidth
 (``--hbm-tb-s``): what efficiency.elementwise (eager) and efficiency.fused_elementwise (fused)
 stand for, operator by operator. bf16 on CUDA, fp32 on CPU (a smoke run with tiny shapes).
+
+``cross_entropy`` is the chunked loss (runtime.loss.chunked_cross_entropy over ``--vocab``):
+its time holds the LM head's three GEMMs, timed alone beside it (``gemms_fwd_bwd_s``: the
+same chunks' GEMMs with nothing between them) so that its memory-bound work is the rest, and
+its eager and fused results are compared (``fused_vs_eager``: the largest relative difference
+of the loss and its two gradients).
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ import torch  # noqa: E402
 from _dist_bench import device_timed, timed  # noqa: E402
 from _meta import metadata  # noqa: E402
 
+from cost_models.compute import CE_FUSED_BYTES_PER_LOGIT  # noqa: E402
 from plans.enums import Kernels  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
 from runtime.kernels import KernelOps, kernel_ops, rope_tables  # noqa: E402
+from runtime.loss import chunk_tokens, chunked_cross_entropy  # noqa: E402
 
 FP32 = 4
-OPS = ("rms_norm", "rope", "swiglu", "router", "permute", "unpermute")
+OPS = ("rms_norm", "rope", "swiglu", "router", "permute", "unpermute", "cross_entropy")
 
 
 def cases(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
@@ -58,6 +66,9 @@ def cases(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
     routed = rand(rows, h)
     weights = torch.rand(t, k, generator=g, device=device).requires_grad_()
     qk = (a.heads + a.kv_heads) * a.head_dim
+    head = (rand(t, h), (torch.randn(a.vocab, h, generator=g, device=device, dtype=dtype)
+                         * h ** -0.5).requires_grad_())
+    labels = torch.randint(0, a.vocab, (t,), generator=g, device=device)
     return {
         "rms_norm": (lambda o: lambda: (o.rms_norm(x, w, 1e-5),), (x, w),
                      2 * t * h * ab, 3 * t * h * ab),
@@ -71,7 +82,45 @@ def cases(a: argparse.Namespace, device: torch.device, dtype: torch.dtype
                     (t + rows) * h * ab, (t + rows) * h * ab),
         "unpermute": (lambda o: lambda: (o.weighted_scatter(routed, slots, weights, t, k),),
                       (routed, weights), (rows + t) * h * ab, (rows + t) * h * ab),
+        # the gradients are computed in forward; backward scales them
+        "cross_entropy": (lambda o: lambda: (chunked_cross_entropy(*head, labels, 1 / t, o),),
+                          head, CE_FUSED_BYTES_PER_LOGIT * t * a.vocab, 0.0),
     }
+
+
+def head_gemms(h: torch.Tensor, w: torch.Tensor) -> Callable[[], None]:
+    """The chunked loss's three GEMMs per chunk (logits, hidden-state gradient, weight
+    gradient) with nothing between them: what its time holds beside its memory-bound work."""
+    chunk = chunk_tokens(w.shape[0])
+
+    def run() -> None:
+        with torch.no_grad():
+            for start in range(0, h.shape[0], chunk):
+                hc = h[start:start + chunk]
+                logits = hc @ w.t()
+                logits @ w
+                logits.t() @ hc
+
+    return run
+
+
+def agreement(a: tuple, b: tuple) -> float:
+    """Largest relative difference (over the norm of ``b``'s) between paired tensors."""
+    return max(float((x.float() - y.float()).norm() / y.float().norm().clamp_min(1e-30))
+               for x, y in zip(a, b, strict=True))
+
+
+def results(call: Callable[[], tuple], inputs: tuple) -> tuple:
+    """The outputs of ``call`` and the gradients of its inputs (ones as the upstream)."""
+    for i in inputs:
+        i.grad = None
+    outs = call()
+    torch.autograd.backward([o for o in outs if o.requires_grad],
+                            [torch.ones_like(o) for o in outs if o.requires_grad])
+    got = (*(o.detach() for o in outs), *(i.grad for i in inputs))
+    for i in inputs:
+        i.grad = None
+    return got
 
 
 def fwd_bwd(call: Callable[[], tuple], inputs: tuple) -> Callable[[], None]:
@@ -95,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--hbm-tb-s", type=float, default=4.8,
@@ -131,26 +181,34 @@ def main(argv: list[str] | None = None) -> None:
                 / (a.hbm_tb_s * 1e12),
             }
         row["fused_speedup_fwd_bwd"] = row["eager"]["fwd_bwd_s"] / row["fused"]["fwd_bwd_s"]
+        if name == "cross_entropy":
+            row["gemms_fwd_bwd_s"] = device_timed(head_gemms(*inputs), device, a.warmup,
+                                                  a.repeats)
+            row["fused_vs_eager"] = agreement(results(build(sets[Kernels.fused]), inputs),
+                                              results(build(sets[Kernels.eager]), inputs))
         out[name] = row
         print(f"{name:10s} eager {row['eager']['fwd_bwd_s'] * 1e3:8.3f} ms  fused "
               f"{row['fused']['fwd_bwd_s'] * 1e3:8.3f} ms  x{row['fused_speedup_fwd_bwd']:.2f}")
-    eager = sum(r["eager"]["fwd_bwd_s"] for r in out.values())
-    fused = sum(r["fused"]["fwd_bwd_s"] for r in out.values())
-    on_device = {kind: sum(r[kind]["device_fwd_bwd_s"] for r in out.values())
+    # the totals are the layers' operators' (the loss's time holds its GEMMs)
+    layer = [r for name, r in out.items() if name != "cross_entropy"]
+    eager = sum(r["eager"]["fwd_bwd_s"] for r in layer)
+    fused = sum(r["fused"]["fwd_bwd_s"] for r in layer)
+    on_device = {kind: sum(r[kind]["device_fwd_bwd_s"] for r in layer)
                  for kind in ("eager", "fused")}
-    moved = sum(r["fwd_bytes"] + r["bwd_bytes"] for r in out.values())
+    moved = sum(r["fwd_bytes"] + r["bwd_bytes"] for r in layer)
     doc = {
         **metadata(), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "shapes": {k: getattr(a, k) for k in ("tokens", "seq", "hidden", "heads", "kv_heads",
-                                              "head_dim", "ffn", "experts", "top_k")},
+                                              "head_dim", "ffn", "experts", "top_k", "vocab")},
         "hbm_tb_s": a.hbm_tb_s, "warmup": a.warmup, "repeats": a.repeats, "ops": out,
         "total_fwd_bwd_s": {"eager": eager, "fused": fused},
         "bytes_fraction_fwd_bwd": {
-            kind: moved / total / (a.hbm_tb_s * 1e12)
+            kind: moved / total / (a.hbm_tb_s * 1e12) if total else None
             for kind, total in (("eager", eager), ("fused", fused))},
         "total_device_fwd_bwd_s": on_device,
         "device_bytes_fraction_fwd_bwd": {
-            kind: moved / total / (a.hbm_tb_s * 1e12) for kind, total in on_device.items()},
+            kind: moved / total / (a.hbm_tb_s * 1e12) if total else None
+            for kind, total in on_device.items()},
     }
     write_atomic(a.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
     print(f"wrote {a.out}")

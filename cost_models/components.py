@@ -78,8 +78,10 @@ def predicted_components(plan: Plan, e: Evaluation | None = None) -> Mapping[str
     b = e.breakdown_s
     tokens = pl.micro_batch_tokens(plan)
     # the runtime's loss region holds the cross-entropy, and under the chunked loss the LM
-    # head's GEMM too (runtime.loss); the materialized loss's GEMM runs in the model's forward
-    loss = pl.head_cost(plan.model, plan.cluster, tokens, d.tp).fwd_s
+    # head's GEMMs too, its backward ones included (runtime.loss); the materialized loss's
+    # GEMM runs in the model's forward
+    loss = pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
+                        plan.kernels).fwd_s
     if plan.cross_entropy == CrossEntropy.materialized:
         loss -= pl.head_gemm_s(plan.model, plan.cluster, tokens, d.tp)[0]
     out["loss"] = m * loss / d.pp

@@ -102,7 +102,8 @@ def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
 def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
     d, tokens = plan.degrees, pl.micro_batch_tokens(plan)
     return (pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp),
-            pl.head_cost(plan.model, plan.cluster, tokens, d.tp))
+            pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
+                         plan.kernels))
 
 
 def _accumulate_s(params: float, plan: Plan) -> float:

@@ -10,7 +10,8 @@ from functools import lru_cache
 
 from cost_models import comm
 from cost_models import compute as cc
-from plans.layout import stride, tokens_per_rank
+from plans.enums import CrossEntropy, Kernels
+from plans.layout import loss_chunks, stride, tokens_per_rank
 from plans.plan import MeshAxis, Plan
 from plans.specs import ClusterSpec, ModelSpec, Precision
 
@@ -80,21 +81,54 @@ def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: in
 
 
 @lru_cache(maxsize=1024)
-def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int) -> EdgeCost:
+def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int,
+              loss: CrossEntropy = CrossEntropy.materialized,
+              kernels: Kernels = Kernels.eager) -> EdgeCost:
     """Final RMSNorm, LM-head GEMM (bf16 also in fp8 training) over b s/(sp cp) rows and
-    vocab/tp columns, and the cross-entropy (its passes over the logits:
-    cost_models.compute.CE_FWD_BYTES_PER_LOGIT and CE_BWD_BYTES_PER_LOGIT). Under TP the norm
-    output is all-gathered first (reduce-scattered back in backward)."""
+    vocab/tp columns, and the cross-entropy (cross_entropy_s). The chunked loss runs the
+    head's backward GEMMs in the forward too (runtime.loss). Under TP the norm output is
+    all-gathered first (reduce-scattered back in backward)."""
     c, m, t = cluster, model, tokens
     rows = t * tp
     ag = comm.all_gather_s(rows * m.hidden * AB, comm.group_layout(tp, 1, c.node.gpus_per_node), c)
-    logits = rows * m.vocab / tp
     gemm_fwd, gemm_bwd = head_gemm_s(model, cluster, tokens, tp)
-    fwd = (cc.memory_s(2 * t * m.hidden * AB, c) + ag + gemm_fwd
-           + cc.memory_s(logits * cc.CE_FWD_BYTES_PER_LOGIT, c))
-    bwd = (cc.memory_s(logits * cc.CE_BWD_BYTES_PER_LOGIT, c) + gemm_bwd + ag
-           + cc.memory_s(3 * t * m.hidden * AB, c))
+    if loss == CrossEntropy.chunked:
+        gemm_fwd, gemm_bwd = gemm_fwd + gemm_bwd, 0.0
+    ce_fwd, ce_bwd = cross_entropy_s(model, cluster, rows, tp, loss, kernels)
+    fwd = cc.memory_s(2 * t * m.hidden * AB, c) + ag + gemm_fwd + ce_fwd
+    bwd = ce_bwd + gemm_bwd + ag + cc.memory_s(3 * t * m.hidden * AB, c)
     return EdgeCost(fwd, bwd)
+
+
+def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int,
+                    loss: CrossEntropy, kernels: Kernels) -> tuple[float, float]:
+    """The loss's memory-bound passes over ``rows`` x vocab/tp logits, forward and backward
+    (runtime.loss as the plan's kernels run it):
+
+    - materialized: torch's cross-entropy, cost_models.compute.CE_FWD_BYTES_PER_LOGIT and
+      CE_BWD_BYTES_PER_LOGIT;
+    - chunked: the same passes chunk by chunk under eager kernels, the compiled region's
+      CE_FUSED_BYTES_PER_LOGIT under fused ones, all in the forward (which computes the
+      gradients); then the head's weight gradient (vocab/tp x h) summed over the
+      plans.layout.loss_chunks chunks in fp32: eager, each later chunk's bf16 product added
+      in a pass of its own (the first's cast 6 bytes an element, each add 10); fused, inside
+      the GEMMs (the fp32 output 2 bytes more than bf16, each later chunk's GEMM reading and
+      writing the fp32 sum, 8). Its backward scales the kept gradients (the fp32 weight
+      gradient read, scaled, cast: 14 bytes an element over several chunks, 4 over one)."""
+    logits = rows * model.vocab / tp
+    if loss == CrossEntropy.materialized:
+        return (cc.memory_s(logits * cc.CE_FWD_BYTES_PER_LOGIT, cluster),
+                cc.memory_s(logits * cc.CE_BWD_BYTES_PER_LOGIT, cluster))
+    weights = model.vocab / tp * model.hidden
+    later = loss_chunks(rows, model.vocab) - 1
+    if kernels == Kernels.fused:
+        per_logit, summed = cc.CE_FUSED_BYTES_PER_LOGIT, 2 + 8 * later
+    else:
+        per_logit = cc.CE_FWD_BYTES_PER_LOGIT + cc.CE_BWD_BYTES_PER_LOGIT
+        summed = 6 + 10 * later if later else 0
+    scaled = 14 if later or kernels == Kernels.fused else 4
+    return (cc.memory_s(logits * per_logit + weights * summed, cluster),
+            cc.memory_s(weights * scaled, cluster))
 
 
 def head_gemm_s(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int

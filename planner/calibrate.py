@@ -63,6 +63,7 @@ from cost_models.memory import memory_breakdown
 from plans import (
     EPFFN,
     ClusterSpec,
+    CrossEntropy,
     Kernels,
     Plan,
     Precision,
@@ -239,7 +240,8 @@ def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
             return cc.memory_s(row.bytes, cluster)
         case SweepOp.head_loss if sh:
             model = catalog.load_model(str(sh["model"]))
-            return pl.head_cost(model, cluster, int(sh["tokens"]), 1).total_s
+            loss = CrossEntropy.chunked if sh.get("chunked") else CrossEntropy.materialized
+            return pl.head_cost(model, cluster, int(sh["tokens"]), 1, loss).total_s
         case SweepOp.layer_op if sh and row.layer_op:
             return layer_op_s(str(sh["model"]), int(sh["tokens"]), row.layer_op, cluster)
         case SweepOp.all_to_all | SweepOp.all_gather | SweepOp.reduce_scatter:

@@ -16,6 +16,7 @@ of pp x vpp runs on stage c mod pp.
 
 from __future__ import annotations
 
+from plans.enums import CHUNK_LOGITS
 from plans.plan import (
     EPFFN,
     AttentionStrategy,
@@ -115,6 +116,16 @@ def tokens_per_rank(sequences: int, seq_len: int, attention_group: int) -> float
     sharded over the attention group (``Degrees.attention_group``: Ulysses sp, cp, or tp with
     sequence parallelism in the norm regions)."""
     return sequences * seq_len / attention_group
+
+
+def loss_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk of the chunked cross-entropy (runtime.loss): CHUNK_LOGITS / vocab."""
+    return max(1, CHUNK_LOGITS // vocab)
+
+
+def loss_chunks(tokens: float, vocab: int) -> int:
+    """Chunks of the chunked cross-entropy over a micro-batch of ``tokens`` (the last ragged)."""
+    return max(1, -(-int(tokens) // loss_chunk_tokens(vocab)))
 
 
 INTER_OP_CHUNKS = 2

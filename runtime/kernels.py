@@ -14,6 +14,9 @@ parallelism and no compiler:
 - gather_rows / weighted_scatter: the token permutation to expert order and back (fused, with
   every slot routed: gathers by the inverse permutation and a sum over each token's k rows,
   never an atomic index-add, bench/results/h200/speed14/fused_ops_*.json);
+- cross_entropy_grad / accumulate_matmul: one chunk of the chunked loss (runtime.loss): the
+  cross-entropy and its gradient over the chunk's logits, and the LM head's weight gradient
+  summed over the chunks (fused, on CUDA: inside the GEMM, in fp32);
 - adamw_step: the optimizer's AdamW update of a flat fp32 master slice from its gradient in the
   gradient's own dtype, writing the updated weights in the parameter dtype in the same pass
   (runtime.parallel.optimizer; eager: torch's fused AdamW after a cast and before a copy).
@@ -185,6 +188,60 @@ def index_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor | None
     return x[perm]
 
 
+def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum over rows of cross_entropy(logits, labels) in fp32, and its gradient with
+    respect to the logits (softmax - one-hot) in the logits' dtype: the memory-bound part of
+    one chunk of the chunked loss. Eagerly in place on one fp32 copy (its cast, log-sum-exp,
+    subtraction, exponential and cast back each a pass over the chunk)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    loss = (lse - x.gather(1, labels[:, None]).squeeze(1)).sum()
+    grad = x.sub_(lse[:, None]).exp_()
+    grad[torch.arange(labels.shape[0], device=x.device), labels] -= 1.0
+    return loss, grad.to(logits.dtype)
+
+
+def cross_entropy_grad_fusable(logits: torch.Tensor, labels: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cross_entropy_grad's maths in the form one compiled region fuses: the one-hot as a
+    comparison inside the gradient's expression (not an indexed write into it), so the
+    logits are read by the row reductions and once more by the pass that writes the gradient
+    in their dtype; no fp32 copy of the chunk is made."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    loss = (lse - x.gather(1, labels[:, None]).squeeze(1)).sum()
+    hit = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    grad = torch.exp(x - lse[:, None]) - hit.to(torch.float32)
+    return loss, grad.to(logits.dtype)
+
+
+def accumulate_matmul(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
+                      ) -> torch.Tensor:
+    """acc + a @ b: the LM head's weight gradient summed over the chunked loss's chunks. The
+    first chunk's product as the GEMM writes it; from the second on, the sum in fp32, each
+    product added in a pass of its own."""
+    out = a @ b
+    if acc is None:
+        return out
+    if acc.dtype != torch.float32:
+        acc = acc.float()
+    return acc.add_(out)
+
+
+def accumulate_matmul_in_gemm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
+                              ) -> torch.Tensor:
+    """accumulate_matmul with the sum inside the GEMM on CUDA: every product in fp32 (the
+    GEMM's fp32 output from bf16 inputs, ``out_dtype``), each later one added by the GEMM
+    itself (beta = 1 into the fp32 sum), so no product is written in bf16 and added in a
+    pass of its own. Elsewhere (no fp32-output GEMM on CPU) accumulate_matmul."""
+    if not a.is_cuda or a.dtype == torch.float32:
+        return accumulate_matmul(acc, a, b)
+    if acc is None:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, out: torch.Tensor | None, step: torch.Tensor,
                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
@@ -239,10 +296,13 @@ class KernelOps:
     weighted_scatter: Callable[..., torch.Tensor]
     permute_rows: Callable[..., torch.Tensor]
     """x[perm] for a permutation of x's rows (the all-to-all dispatcher's regroup)."""
+    cross_entropy_grad: Callable[[torch.Tensor, torch.Tensor],
+                                 tuple[torch.Tensor, torch.Tensor]]
+    accumulate_matmul: Callable[..., torch.Tensor]
 
 
 EAGER = KernelOps(Kernels.eager, rms_norm, rotate_qk, swiglu, route, gather_rows,
-                  weighted_scatter, index_rows)
+                  weighted_scatter, index_rows, cross_entropy_grad, accumulate_matmul)
 
 
 def _static(fn: Callable) -> Callable:
@@ -280,6 +340,9 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         gather_rows=_fused_gather_rows(),
         weighted_scatter=_fused_weighted_scatter(),
         permute_rows=permute_rows,
+        # the chunk's rows: plans.layout.loss_chunk_tokens, fewer in the last chunk
+        cross_entropy_grad=_rows_dynamic(cross_entropy_grad_fusable, 0, 1),
+        accumulate_matmul=accumulate_matmul_in_gemm,
     )
 
 

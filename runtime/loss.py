@@ -10,7 +10,11 @@ them), so one chunk's logits exist at a time and nothing of them is kept for bac
 instead: the gradient of the hidden states (tokens x hidden, the parameter dtype) and of the
 head's weight (vocab x hidden: as the GEMM writes it for one chunk, summed in fp32 over
 several). Same FLOPs as the materialized
-loss (Liger-Kernel's fused linear cross-entropy computes it the same way).
+loss (Liger-Kernel's fused linear cross-entropy computes it the same way). Each chunk's
+memory-bound work is the plan's kernels' (runtime.kernels): eager, a pass per operation over
+an fp32 copy of the chunk's logits and each chunk's weight gradient added in a pass of its own;
+fused, one compiled region from the logits to their gradient and, on CUDA, the weight
+gradient summed in fp32 inside its GEMM.
 """
 
 from __future__ import annotations
@@ -19,38 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from plans.enums import CHUNK_LOGITS
-
-
-def chunk_tokens(vocab: int) -> int:
-    return max(1, CHUNK_LOGITS // vocab)
+from plans.layout import loss_chunk_tokens as chunk_tokens
+from runtime.kernels import EAGER, KernelOps
 
 
 class _ChunkedLinearCrossEntropy(Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
-                chunk: int) -> torch.Tensor:
+                chunk: int, ops: KernelOps) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h)
         grad_w = None
         for start in range(0, h.shape[0], chunk):
             hc, yc = h[start:start + chunk], labels[start:start + chunk]
-            logits = (hc @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, yc[:, None]).squeeze(1)).sum()
-            # d(sum of cross-entropies) / d logits = softmax - one-hot
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(yc.shape[0], device=h.device), yc] -= 1.0
-            grad = grad.to(h.dtype)
-            grad_h[start:start + chunk] = grad @ weight
-            # one chunk: the weight gradient as the GEMM writes it; several: summed in fp32
-            chunk_w = grad.t() @ hc
-            if grad_w is None:
-                grad_w = chunk_w
-            else:
-                if grad_w.dtype != torch.float32:
-                    grad_w = grad_w.float()
-                grad_w += chunk_w
+            # the chunk's losses and d(their sum) / d logits = softmax - one-hot
+            loss, grad = ops.cross_entropy_grad(hc @ weight.t(), yc)
+            total += loss
+            torch.mm(grad, weight, out=grad_h[start:start + chunk])
+            grad_w = ops.accumulate_matmul(grad_w, grad.t(), hc)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.scale, ctx.weight_dtype = scale, weight.dtype
         return total * scale
@@ -60,14 +50,16 @@ class _ChunkedLinearCrossEntropy(Function):
         grad_h, grad_w = ctx.saved_tensors
         g = grad_out * ctx.scale
         return (grad_h * g.to(grad_h.dtype), (grad_w * g.to(grad_w.dtype)).to(ctx.weight_dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, ops: KernelOps = EAGER) -> torch.Tensor:
     """scale x sum over tokens of cross_entropy(h W^T, labels): h [T, hidden], weight
-    [vocab, hidden], labels [T]."""
-    return _ChunkedLinearCrossEntropy.apply(h, weight, labels, scale, chunk_tokens(weight.shape[0]))
+    [vocab, hidden], labels [T]; each chunk's memory-bound work by ``ops`` (the plan's
+    kernels: runtime.kernels.cross_entropy_grad, accumulate_matmul)."""
+    return _ChunkedLinearCrossEntropy.apply(h, weight, labels, scale,
+                                            chunk_tokens(weight.shape[0]), ops)
 
 
 def materialized_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,

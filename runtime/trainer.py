@@ -130,7 +130,8 @@ class Trainer:
         with self.timers.region(Component.loss):
             if self.plan.cross_entropy == CrossEntropy.chunked:
                 return chunked_cross_entropy(out.flatten(0, 1), self.model.output.weight,
-                                             labels.flatten(), self.loss_scale)
+                                             labels.flatten(), self.loss_scale,
+                                             self.model.cfg.ops)
             return materialized_cross_entropy(out.flatten(0, 1), labels.flatten(),
                                               self.loss_scale)
 

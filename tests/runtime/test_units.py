@@ -173,17 +173,24 @@ def _linear_ce_grads(fn, h, w, labels):
     return loss.detach(), h.grad, w.grad
 
 
+@pytest.mark.parametrize("kernels", ["eager", "fused"])
 @pytest.mark.parametrize("chunk_logits", [7 * 50, 10**9])  # several chunks (ragged), or one
-def test_chunked_cross_entropy_matches_the_materialized_loss(monkeypatch, chunk_logits):
+def test_chunked_cross_entropy_matches_the_materialized_loss(monkeypatch, chunk_logits,
+                                                             kernels):
+    # fused: each chunk's softmax and gradient one compiled region (inductor's C++ backend
+    # here), its rows dynamic (the last chunk is ragged)
+    from plans import Kernels, layout
     from runtime import loss
+    from runtime.kernels import kernel_ops
 
-    monkeypatch.setattr(loss, "CHUNK_LOGITS", chunk_logits)
+    monkeypatch.setattr(layout, "CHUNK_LOGITS", chunk_logits)
+    ops = kernel_ops(Kernels(kernels))
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(23, 16, generator=g), torch.randn(50, 16, generator=g)
     labels = torch.randint(0, 50, (23,), generator=g)
     scale = 1 / 23
-    chunked = _linear_ce_grads(lambda a, b, y: loss.chunked_cross_entropy(a, b, y, scale),
-                               h, w, labels)
+    chunked = _linear_ce_grads(
+        lambda a, b, y: loss.chunked_cross_entropy(a, b, y, scale, ops), h, w, labels)
     reference = _linear_ce_grads(
         lambda a, b, y: loss.materialized_cross_entropy(a @ b.t(), y, scale), h, w, labels)
     for got, want in zip(chunked, reference, strict=True):
@@ -241,9 +248,10 @@ def test_pipeline_schedule_times_forward_backward_and_its_communication(pool2, v
 @pytest.mark.parametrize("chunk_logits", [7 * 50, 10**9])
 def test_chunked_cross_entropy_in_bf16_stays_near_the_fp32_loss(monkeypatch, chunk_logits):
     # the CUDA dtypes on CPU: bf16 hidden states and weights, one chunk or several
+    from plans import layout
     from runtime import loss
 
-    monkeypatch.setattr(loss, "CHUNK_LOGITS", chunk_logits)
+    monkeypatch.setattr(layout, "CHUNK_LOGITS", chunk_logits)
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(23, 16, generator=g), torch.randn(50, 16, generator=g)
     labels = torch.randint(0, 50, (23,), generator=g)
