@@ -238,26 +238,31 @@ LOSS_BYTES_PER_LOGIT = 12
 bf16 logits, float(), cross_entropy): in forward the bf16 logits, their fp32 copy and the fp32
 log-probabilities (10); in backward the saved log-probabilities, their gradient and the
 logits' fp32 gradient (12). Measured: 11.9 per logit on H200 (qwen4l_1gpu_mbs4)."""
-CHUNK_BYTES_PER_LOGIT = 10
-"""Peak bytes per logit of one chunk of the chunked loss (runtime.loss): its logits in the
-parameter dtype and in fp32, the fp32 gradient computed in place, cast back (2)."""
+CHUNK_BYTES_PER_LOGIT = {Kernels.eager: 10, Kernels.fused: 4}
+"""Peak bytes per logit of one chunk of the chunked loss (runtime.loss), per kernel set:
+eager, its logits in the parameter dtype and in fp32, the fp32 gradient computed in place,
+cast back (2); fused, the logits and the gradient the compiled region writes, both in the
+parameter dtype (runtime.kernels.cross_entropy_grad_fusable)."""
 HEAD_BYTES_PER_TOKEN_H = 10 + 2
 """The final RMSNorm's kept tensors (10 h) and the embedding's output (2 h)."""
 
 
-def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy) -> float:
+def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
+               kernels: Kernels = Kernels.eager) -> float:
     """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
 
     materialized: 12 bytes per logit. chunked (runtime.loss), an upper bound over its phases:
     the gradients it computes in forward and keeps to backward, of the hidden states (2 T h)
     and of the head's weight (at most 4 V h: fp32 over several chunks), one chunk's
     weight-gradient GEMM output or, in backward, the scaled weight gradient and its cast
-    (at most 6 V h), and one chunk's logits (CHUNK_BYTES_PER_LOGIT x min(T V, CHUNK_LOGITS))."""
+    (at most 6 V h), and one chunk's logits (CHUNK_BYTES_PER_LOGIT[kernels] x
+    min(T V, CHUNK_LOGITS))."""
     v, h = model.vocab, model.hidden
     if kind == CrossEntropy.materialized:
         head = LOSS_BYTES_PER_LOGIT * tokens * v
     else:
-        head = 2 * tokens * h + 10 * v * h + CHUNK_BYTES_PER_LOGIT * min(tokens * v, CHUNK_LOGITS)
+        head = (2 * tokens * h + 10 * v * h
+                + CHUNK_BYTES_PER_LOGIT[kernels] * min(tokens * v, CHUNK_LOGITS))
     return head + HEAD_BYTES_PER_TOKEN_H * tokens * h
 
 
@@ -326,7 +331,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
     # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
-    logits = loss_bytes(model, tokens, cross_entropy)
+    logits = loss_bytes(model, tokens, cross_entropy, kernels)
 
     grad_bytes = grad_bytes_per_param(grad_precision)
     opt_bytes = opt.state_bytes_per_param

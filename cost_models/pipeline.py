@@ -112,9 +112,11 @@ def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int
       gradients); then the head's weight gradient (vocab/tp x h) summed over the
       plans.layout.loss_chunks chunks in fp32: eager, each later chunk's bf16 product added
       in a pass of its own (the first's cast 6 bytes an element, each add 10); fused, inside
-      the GEMMs (the fp32 output 2 bytes more than bf16, each later chunk's GEMM reading and
-      writing the fp32 sum, 8). Its backward scales the kept gradients (the fp32 weight
-      gradient read, scaled, cast: 14 bytes an element over several chunks, 4 over one)."""
+      the GEMMs, each later chunk's GEMM reading the fp32 sum (4: its fp32 writes ran in the
+      GEMMs' time, +5.3 ms over 18 chunks of Qwen3-30B-A3B's 152k x 2048 head on H200,
+      bench/results/h200/speed22/fused_loss). Its backward scales the kept gradients (the
+      fp32 weight gradient read, scaled, cast: 14 bytes an element over several chunks, 4
+      over one)."""
     logits = rows * model.vocab / tp
     if loss == CrossEntropy.materialized:
         return (cc.memory_s(logits * cc.CE_FWD_BYTES_PER_LOGIT, cluster),
@@ -122,7 +124,7 @@ def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int
     weights = model.vocab / tp * model.hidden
     later = loss_chunks(rows, model.vocab) - 1
     if kernels == Kernels.fused:
-        per_logit, summed = cc.CE_FUSED_BYTES_PER_LOGIT, 2 + 8 * later
+        per_logit, summed = cc.CE_FUSED_BYTES_PER_LOGIT, 4 * later
     else:
         per_logit = cc.CE_FWD_BYTES_PER_LOGIT + cc.CE_BWD_BYTES_PER_LOGIT
         summed = 6 + 10 * later if later else 0

@@ -22,7 +22,13 @@ from pydantic import ValidationError
 
 import cost_models
 from cost_models import Evaluation, StageCosts
-from cost_models.pipeline import exposed_p2p_s, p2p_transfer_s, straggler_s
+from cost_models.pipeline import (
+    exposed_p2p_s,
+    head_cost,
+    micro_batch_tokens,
+    p2p_transfer_s,
+    straggler_s,
+)
 from planner.space import (
     AttentionKind,
     FFNKind,
@@ -346,15 +352,17 @@ def _fits_leanest(plan: Plan, options) -> bool:
 
 
 def _fastest_costs(plan: Plan, options) -> StageCosts:
-    """Stage costs under the fastest options of a layout: the least recomputation, and of the
-    dispatchers and their overlap levels (_overlap_levels) the one with the fastest layer."""
+    """Stage costs under the fastest options of a layout: the least recomputation, of the
+    dispatchers and their overlap levels (_overlap_levels) the one with the fastest layer,
+    and the faster loss (_loss_order)."""
     recompute = max({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
     overlaps = {o[1] for o in options}
     fastest = {(d, overlap, recompute, options[0][3])
                for d in dict.fromkeys(o[0] for o in options)
                for overlap in _overlap_levels(plan, d, overlaps, recompute)}
-    return min((cost_models.stage_costs(_with_option(plan, o)) for o in fastest),
-               key=lambda c: c.layer_s)
+    loss = {"cross_entropy": _loss_order(plan)[0]}
+    return min((cost_models.stage_costs(_with_option(plan, o).model_copy(update=loss))
+                for o in fastest), key=lambda c: c.layer_s)
 
 
 def _lower_bound(plan: Plan, costs: StageCosts) -> float:
@@ -373,22 +381,36 @@ def _lower_bound(plan: Plan, costs: StageCosts) -> float:
     return pipelined + straggler_s(pipelined, plan) + p2p
 
 
+def _loss_order(plan: Plan) -> list[CrossEntropy]:
+    """The loss kinds to try for ``plan``, the faster head first. The loss changes nothing
+    but the last stage's head (cost_models.pipeline.head_cost), so a head that is no slower
+    gives a step that is no slower under every stage split: the first kind that fits is the
+    best. The chunked loss is the leaner (it never holds the logits whole), so it comes first
+    on a tie; it is the slower under eager kernels (a pass per operation and a weight-gradient
+    add per chunk), often the faster under fused ones (one compiled region per chunk)."""
+    d = plan.degrees
+    tokens = micro_batch_tokens(plan)
+
+    def head_s(loss: CrossEntropy) -> float:
+        return head_cost(plan.model, plan.cluster, tokens, d.tp, loss, plan.kernels).total_s
+
+    return sorted((CrossEntropy.chunked, CrossEntropy.materialized), key=head_s)
+
+
 def _evaluate_option(plan: Plan, option) -> Ranked | None:
-    candidate = _with_option(plan, option)
-    costs = cost_models.stage_costs(candidate)
-    dense = candidate.model.dense_layers
-    split = split_layers(
-        candidate.model.layers, candidate.degrees.pp, candidate.degrees.vpp,
-        SplitCosts(costs.layer_s, costs.embedding_s, costs.head_s,
-                   dense * (costs.dense_layer_s - costs.layer_s)),
-        dense_layers=dense,
-    )
-    candidate = candidate.model_copy(update={"stage_layers": split})
-    if not cost_models.memory_breakdown(candidate).fits:
-        # the chunked loss never holds the logits whole: slower, leaner (plans.CrossEntropy)
-        candidate = candidate.model_copy(update={"cross_entropy": CrossEntropy.chunked})
-        if not cost_models.memory_breakdown(candidate).fits:
-            return None
-    ranked = evaluate_plan(candidate)
-    return ranked if ranked.evaluation.feasible else None
+    for loss in _loss_order(plan):
+        candidate = _with_option(plan, option).model_copy(update={"cross_entropy": loss})
+        costs = cost_models.stage_costs(candidate)
+        dense = candidate.model.dense_layers
+        split = split_layers(
+            candidate.model.layers, candidate.degrees.pp, candidate.degrees.vpp,
+            SplitCosts(costs.layer_s, costs.embedding_s, costs.head_s,
+                       dense * (costs.dense_layer_s - costs.layer_s)),
+            dense_layers=dense,
+        )
+        candidate = candidate.model_copy(update={"stage_layers": split})
+        if cost_models.memory_breakdown(candidate).fits:
+            ranked = evaluate_plan(candidate)
+            return ranked if ranked.evaluation.feasible else None
+    return None
 
