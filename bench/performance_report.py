@@ -60,7 +60,15 @@ STEPS = (
      "speed17/mixtral2l_1gpu_mbs8_fused"),
     ("1 GPU", "fused + fused AdamW, mbs 8, + gradient-accumulation fusion",
      "speed17/mixtral2l_1gpu_mbs8_fused_gaf"),
+    # the plan moeplan search --runnable picks (bench/steps_searched.py), as it ran then
+    ("1 GPU", "searched: fused + fused AdamW + accumulation fusion, mbs 8",
+     "speed22/mixtral2l_1gpu"),
+    ("1 GPU", "searched: the same + the fused chunked loss, mbs 8", "speed23/mixtral2l_1gpu"),
 )
+SEARCHED = ("qwen4l", "deepseek4l", "mixtral2l")
+"""The reduced models of bench/steps_searched.py: their searched 1-GPU plans as first measured
+(speed22/, the loss eager in every kernel set) and once the fused kernels ran the chunked
+loss and the search priced it so (speed23/)."""
 LAYERS = ("speed19", "speed18", "speed16", "speed14")
 """The campaign folders of the MoE layer results, newest first (speed19: the 1-GPU layers
 re-measured at 335e8e5 beside the peer; h200_layer_gaf: Mixtral with gradient-accumulation
@@ -254,6 +262,41 @@ def fused_table() -> list[str]:
             e, f = row["eager"]["fwd_bwd_s"], row["fused"]["fwd_bwd_s"]
             lines.append(f"| {shape} | {name} | {e * 1e3:.3f} | {f * 1e3:.3f} | {e / f:.2f}x | "
                          f"{row['fused']['fwd_bwd_hbm_fraction']:.0%} |")
+    return lines
+
+
+def searched_table() -> list[str]:
+    lines = ["| model | plan | step ms | MFU | predicted ms | error | peak GiB predicted / "
+             "reserved | commit |", "|---|---|---:|---:|---:|---:|---|---|"]
+    for shape in SEARCHED:
+        for folder in ("speed22", "speed23"):
+            r = _step(f"{folder}/{shape}_1gpu")
+            if r is None:
+                continue
+            pred = r["prediction"]
+            lines.append(
+                f"| {shape} | `{r['plan_summary']}` | {r['step_time_s'] * 1e3:.1f} | "
+                f"{r['mfu']:.1%} | {pred['step_time_s'] * 1e3:.1f} | "
+                f"{pred['step_time_s'] / r['step_time_s'] - 1:+.1%} | "
+                f"{pred['peak_memory_gib']:.1f} / {max(r['peak_reserved_gib_per_rank']):.1f} | "
+                f"{r.get('commit', '?')} |")
+    return lines
+
+
+def loss_table() -> list[str]:
+    lines = ["| shape | tokens | vocabulary | eager ms | fused ms | its GEMMs alone ms | "
+             "beside the GEMMs, eager / fused ms | fused vs eager | commit |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+    for shape in ("qwen3", "mixtral"):
+        doc = _load(f"speed22/fused_loss/fused_loss_{shape}")
+        if doc is None:
+            continue
+        row, sh = doc["ops"]["cross_entropy"], doc["shapes"]
+        e, f = row["eager"]["device_fwd_bwd_s"], row["fused"]["device_fwd_bwd_s"]
+        g = row["gemms_fwd_bwd_s"]
+        lines.append(f"| {shape} | {sh['tokens']:,} | {sh['vocab']:,} | {e * 1e3:.2f} | "
+                     f"{f * 1e3:.2f} | {g * 1e3:.2f} | {(e - g) * 1e3:.1f} / {(f - g) * 1e3:.1f} "
+                     f"| {row['fused_vs_eager']:.1e} | {doc.get('commit', '?')} |")
     return lines
 
 
@@ -698,6 +741,37 @@ def render() -> str:
         "the same eager function in both columns).",
         "",
         *fused_table(),
+        "",
+        "## The chunked loss under fused kernels",
+        "",
+        "`bench/fused_ops_gpu.py --ops cross_entropy` (campaign `h200_fused_loss_1gpu`, "
+        "`speed22/fused_loss/`): the chunked loss (`runtime.loss`) forward + backward with the "
+        "host ahead, the LM head's three GEMMs per chunk included and timed alone beside it. "
+        "Eager, each chunk's softmax and gradient take a pass per operation over an fp32 copy "
+        "of its logits and each chunk's weight gradient is added into an fp32 sum in a pass of "
+        "its own (18 of them at Qwen3-30B-A3B's 152k vocabulary); fused "
+        "(`runtime.kernels`), one compiled kernel reads each chunk's bf16 logits three times "
+        "and writes their gradient (3.3 TB/s), and the weight gradient is summed in fp32 by "
+        "the GEMMs themselves (`out_dtype`, beta = 1). `fused vs eager` is the largest relative "
+        "difference of the loss and its two gradients in bf16.",
+        "",
+        *loss_table(),
+        "",
+        "## Searched plans on one H200",
+        "",
+        "The plans `moeplan search --runnable` picks on one GPU of `h200-runtime` for three "
+        "reduced models at the fidelity suite's batch (`python bench/steps_searched.py`; "
+        "campaigns `h200_searched_1gpu`, `h200_fused_loss_1gpu` and "
+        "`h200_searched_fused_loss_1gpu`), each predicted before it was measured. First "
+        "measured with the loss eager under every kernel set; then the three plans the search "
+        "picks once the fused kernels run the chunked loss and the search prices it so (until "
+        "then it took the materialized loss wherever it fit, as the leaner-but-slower kind; "
+        "Qwen3's plan was already chunked). Each prediction is the plan's own, made by the "
+        "cost model of its commit. The memory "
+        "predictions of these fused plans are above the measured reserve (the suite that "
+        "fitted them is eager).",
+        "",
+        *searched_table(),
         "",
         "## Copy-engine transfers, measured alone (EP = 2)",
         "",

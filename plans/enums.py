@@ -75,7 +75,8 @@ over vocab x hidden per chunk) stays small beside the GEMMs."""
 
 class Kernels(StrEnum):
     """How the layers' memory-bound operators run (RMSNorm, RoPE, SwiGLU, the router's softmax,
-    top-k and renormalisation, the token permutation and its weighted un-permutation)."""
+    top-k and renormalisation, the token permutation and its weighted un-permutation), and
+    the chunked loss's (its softmax and gradient, its weight gradient's sum over chunks)."""
 
     eager = "eager"
     """One PyTorch kernel per operation (several passes over the activations each): the token
@@ -87,7 +88,9 @@ class Kernels(StrEnum):
     its inputs and one write of its outputs; except the router's softmax and top-k, which stay
     eager (their compiled region measured slower on H200), and the token permutation with every
     slot routed, which runs as gathers both ways and a per-token weighted sum, never an atomic
-    index-add (cost_models.dispatch.fused_every_slot)."""
+    index-add (cost_models.dispatch.fused_every_slot). The chunked loss: one region per chunk
+    from its logits to their gradient, and on CUDA the head's weight gradient summed in fp32
+    by its GEMMs (cost_models.pipeline.cross_entropy_s); the materialized loss stays eager."""
 
 
 class OptimizerSharding(StrEnum):

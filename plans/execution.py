@@ -136,7 +136,9 @@ TABLE: tuple[Capability, ...] = (
     *_executed("cross_entropy", "chunked", "materialized"),
     *_executed("kernels", "eager", "fused",
                reason="fused: torch.compile regions (runtime.kernels; inductor's C++ backend "
-               "on CPU)"),
+               "on CPU), the chunked loss's softmax and gradient one region per chunk and its "
+               "weight gradient summed in fp32 inside the GEMMs on CUDA; the router and the "
+               "materialized loss stay eager"),
     *_executed("optimizer_sharding", "none", "zero1"),
     *_executed("grad_sync_precision", "fp32", "bf16", "fp8",
                reason="fp8: E4M3 payloads in 1 x 128 blocks, fp32 sums"),
