@@ -14,6 +14,7 @@ measurement against the cost model of the tree it runs on.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from plans import (
     EPFFN,
@@ -60,6 +61,18 @@ def searched_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan:
     if result.best is None:
         raise SystemExit(f"error: no plan fits for {shape} on {gpus} GPUs")
     return result.best.plan
+
+
+def write_searched(jobs: list[tuple[str, int]], training: TrainingSpec,
+                   path_of: Callable[[str, int], Path]) -> None:
+    """searched_plan of every (shape, GPUs) job, written as JSON to ``path_of(shape, gpus)``."""
+    for shape, gpus in jobs:
+        plan = searched_plan(shape, gpus, training)
+        path = path_of(shape, gpus)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(plan.model_dump_json(indent=2) + "\n")
+        print(f"{path.name}: {plan.summary()} predicted {plan.prediction.step_time_s * 1e3:.1f}"
+              f" ms, peak {plan.prediction.peak_memory_gib:.1f} GiB")
 
 
 def reduced_plan(shape: str, degrees: Degrees, mbs: int, recompute: Recompute,

@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from memory_cases import TRAINING, searched_plan  # noqa: E402
+from memory_cases import TRAINING, write_searched  # noqa: E402
 
 OUT = HERE / "gpu_plans" / "memory"
 JOBS = [(shape, gpus) for shape in ("qwen4l", "deepseek4l") for gpus in (1, 2)]
@@ -28,13 +28,7 @@ JOBS = [(shape, gpus) for shape in ("qwen4l", "deepseek4l") for gpus in (1, 2)]
 def main(argv=None) -> None:
     # no options: -h describes the script and writes nothing
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
-    OUT.mkdir(parents=True, exist_ok=True)
-    for shape, gpus in JOBS:
-        plan = searched_plan(shape, gpus, TRAINING)
-        path = OUT / f"searched_{shape}_{gpus}gpu.json"
-        path.write_text(plan.model_dump_json(indent=2) + "\n")
-        print(f"{path.name}: {plan.summary()} predicted peak "
-              f"{plan.prediction.peak_memory_gib:.1f} GiB")
+    write_searched(JOBS, TRAINING, lambda shape, gpus: OUT / f"searched_{shape}_{gpus}gpu.json")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from fidelity_cases import TRAINING  # noqa: E402
-from memory_cases import SHAPES, searched_plan  # noqa: E402
+from memory_cases import SHAPES, write_searched  # noqa: E402
 
 OUT = HERE / "gpu_plans" / "searched"
 
@@ -26,13 +26,8 @@ OUT = HERE / "gpu_plans" / "searched"
 def main(argv=None) -> None:
     # no options: -h describes the script and writes nothing
     argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
-    OUT.mkdir(parents=True, exist_ok=True)
-    for shape in SHAPES:
-        plan = searched_plan(shape, 1, TRAINING)
-        path = OUT / f"{shape}_1gpu.json"
-        path.write_text(plan.model_dump_json(indent=2) + "\n")
-        print(f"{path.name}: {plan.summary()} predicted {plan.prediction.step_time_s * 1e3:.1f} "
-              f"ms, peak {plan.prediction.peak_memory_gib:.1f} GiB")
+    write_searched([(shape, 1) for shape in SHAPES], TRAINING,
+                   lambda shape, gpus: OUT / f"{shape}_{gpus}gpu.json")
 
 
 if __name__ == "__main__":
