@@ -229,17 +229,30 @@ def accumulate_matmul(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
     return acc.add_(out)
 
 
+def add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b`` inside the GEMM (cuBLAS with beta = 1): in the operands' dtype, or
+    bf16 operands into an fp32 target on CUDA (``out_dtype``: cuBLAS sums in fp32); on CPU,
+    which has no mixed-dtype addmm, the operands widened (the same sums, exact casts)."""
+    if target.dtype == a.dtype:
+        target.addmm_(a, b)
+    elif target.is_cuda:
+        torch.addmm(target, a, b, out_dtype=target.dtype, out=target)
+    else:
+        target.addmm_(a.to(target.dtype), b.to(target.dtype))
+
+
 def accumulate_matmul_in_gemm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
                               ) -> torch.Tensor:
     """accumulate_matmul with the sum inside the GEMM on CUDA: every product in fp32 (the
     GEMM's fp32 output from bf16 inputs, ``out_dtype``), each later one added by the GEMM
-    itself (beta = 1 into the fp32 sum), so no product is written in bf16 and added in a
-    pass of its own. Elsewhere (no fp32-output GEMM on CPU) accumulate_matmul."""
+    itself (add_product), so no product is written in bf16 and added in a pass of its own.
+    Elsewhere (no fp32-output GEMM on CPU) accumulate_matmul."""
     if not a.is_cuda or a.dtype == torch.float32:
         return accumulate_matmul(acc, a, b)
     if acc is None:
         return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    add_product(acc, a, b)
+    return acc
 
 
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,

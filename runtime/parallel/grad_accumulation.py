@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plans.layout import accumulates_experts_in_gemm
+from runtime.kernels import add_product
 from runtime.model import Transformer
 from runtime.moe import GroupedExperts, grouped_mm
 from runtime.parallel.expert import start_host_copy
@@ -68,16 +69,6 @@ def grad_ready(p: torch.Tensor) -> None:
         fn(p)
 
 
-def _add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``target += a @ b`` inside the GEMM."""
-    if target.dtype == a.dtype:
-        target.addmm_(a, b)
-    elif target.is_cuda:  # bf16 operands, fp32 main gradient: cuBLAS accumulates in fp32
-        torch.addmm(target, a, b, out_dtype=target.dtype, out=target)
-    else:  # CPU has no mixed-dtype addmm: the operands widened (the same sums, exact casts)
-        target.addmm_(a.to(target.dtype), b.to(target.dtype))
-
-
 def _main_grad(param: torch.Tensor) -> torch.Tensor:
     """The tensor the GEMM adds into: the main gradient the gradient sync attached, else (a
     model outside a trainer) ``.grad``, started at zero."""
@@ -103,7 +94,7 @@ class _LinearAccumulating(torch.autograd.Function):
         (x,), weight = ctx.saved_tensors, ctx.param
         gx = g @ weight.detach() if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            _add_product(_main_grad(weight), g.reshape(-1, g.shape[-1]).t(),
+            add_product(_main_grad(weight), g.reshape(-1, g.shape[-1]).t(),
                          x.reshape(-1, x.shape[-1]))
             grad_ready(weight)
         return gx, None
@@ -154,7 +145,7 @@ class _ExpertsAccumulating(torch.autograd.Function):
             start = 0
             for e, c in enumerate(ctx.counts.tolist()):
                 if c:
-                    _add_product(target[e], g[start:start + c].t(), x[start:start + c])
+                    add_product(target[e], g[start:start + c].t(), x[start:start + c])
                 start += c
             grad_ready(ctx.param)
         return gx, None, None
