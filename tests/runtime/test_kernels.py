@@ -11,7 +11,7 @@ import torch
 from dist_workers import DTYPES, OPTIM, SEED, make_plan, reference_trainer
 from test_parity import GRAD_RTOL, LOSS_RTOL, check_one_step
 
-from plans import Dispatch, Kernels, OptimizerSharding, Precision, Recompute
+from plans import CrossEntropy, Dispatch, Kernels, OptimizerSharding, Precision, Recompute
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import SyntheticTokens
 from runtime.kernels import EAGER, kernel_ops
@@ -42,12 +42,17 @@ def test_fused_model_matches_eager_on_one_process():
         assert _rel(grad, eager[name]) < GRAD_RTOL, (name, _rel(grad, eager[name]))
 
 
-def test_fused_ep2_matches_eager_reference(pool2):
-    """dp2 x ep2 with the all-to-all dispatcher and fused kernels against the eager one-rank
-    run: the compiled permutations see a different row count on each rank and step."""
-    layout = dict(dp=2, ep=2, dispatch=Dispatch.all_to_all, global_batch=2)
-    check_one_step(pool2, make_plan(kernels=Kernels.fused, **layout),
-                   reference=make_plan(**layout))
+@pytest.mark.parametrize("layout", [
+    dict(dp=2, ep=2, dispatch=Dispatch.all_to_all, global_batch=2),
+    dict(tp=2, ep=2, tp_attention=True, dispatch=Dispatch.allgather_reduce_scatter),
+], ids=["dp2_ep2_a2a", "tp2_ep2_ag"])
+def test_fused_ep2_matches_eager_reference(pool2, layout):
+    """Fused kernels and the fused chunked loss on two ranks against the eager one-rank run
+    with the materialized loss: the compiled permutations see a different row count on each
+    rank and step; under TP attention each rank's loss covers its sequence shard."""
+    fused = make_plan(kernels=Kernels.fused, **layout).model_copy(
+        update={"cross_entropy": CrossEntropy.chunked})
+    check_one_step(pool2, fused, reference=make_plan(**layout))
 
 
 def test_the_plan_picks_the_operator_set():
