@@ -24,7 +24,9 @@ parallelism and no compiler:
 Compiled regions are static-shaped (dynamic=False) where the shapes are the plan's (tokens,
 hidden, heads); the expert-row count varies from step to step under expert parallelism and
 capacity, so the regions taking expert rows mark that dimension dynamic instead of
-recompiling for every count.
+recompiling for every count, and so do RMSNorm's (over its flattened rows: one region serves
+the hidden-size and the per-head norms of every layout) and the chunked loss's (the last chunk
+is ragged).
 """
 
 from __future__ import annotations
@@ -337,13 +339,29 @@ def _rows_dynamic(fn: Callable, *row_args: int) -> Callable:
     return call
 
 
+def _rowwise(fn: Callable) -> Callable:
+    """A compiled region over the rows of its first argument's last dimension (RMSNorm): the
+    leading dimensions flattened into one dynamic row count, so every call site (the block's
+    norms over the hidden size, the per-head q and k norms over the head size, each layout's
+    shards of them) shares one graph per width and dtype. Static shapes compiled one graph
+    per call site and layout, and a process that builds several models (bench/parity_gpu.py:
+    the layout, then its bf16 and fp32 one-rank references) passed dynamo's recompile limit
+    (8), a hard failure under fullgraph."""
+    compiled = _rows_dynamic(fn, 0)
+
+    def call(x: torch.Tensor, *args):
+        return compiled(x.reshape(-1, x.shape[-1]), *args).view(x.shape)
+
+    return call
+
+
 def kernel_ops(kind: Kernels) -> KernelOps:
     """The operator set of ``kind``: EAGER, or the same functions compiled."""
     if kind == Kernels.eager:
         return EAGER
     return KernelOps(
         Kernels.fused,
-        rms_norm=_static(rms_norm),
+        rms_norm=_rowwise(rms_norm),
         rotate_qk=_static(rotate_qk),
         swiglu=_rows_dynamic(swiglu, 0, 1),
         # the router stays eager: its compiled region measured 2x slower forward + backward

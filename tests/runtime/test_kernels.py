@@ -55,6 +55,23 @@ def test_fused_ep2_matches_eager_reference(pool2, layout):
     check_one_step(pool2, fused, reference=make_plan(**layout))
 
 
+def test_fused_rms_norm_serves_every_call_site_in_one_graph_per_width_and_dtype():
+    """The block's norms, the per-head q and k norms and each layout's shards of them share
+    the fused RMSNorm: more distinct shapes than dynamo's recompile limit (8) in one process,
+    as a parity run builds (the layout, then its bf16 and fp32 references), within the two
+    graphs their widths need per dtype."""
+    ops = kernel_ops(Kernels.fused)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, s, h) for s in (6, 12) for h in (24,)] + \
+        [(b, s, heads, 8) for b in (1, 2) for s in (6, 12) for heads in (1, 2, 4)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in shapes:
+            x = torch.randn(*shape, generator=g).to(dtype)
+            w = torch.randn(shape[-1], generator=g).to(dtype)
+            torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), EAGER.rms_norm(x, w, 1e-6))
+    assert len(shapes) * 2 > torch._dynamo.config.recompile_limit
+
+
 def test_the_plan_picks_the_operator_set():
     from plans.catalog import load_model
 
