@@ -283,6 +283,29 @@ def searched_table() -> list[str]:
     return lines
 
 
+def searched_x2_text() -> str:
+    """The 2-GPU searched plans: their bf16 parity with both ranks on one GPU, and their steps
+    over NCCL once a two-GPU machine runs h200_searched_x2."""
+    parts = []
+    for shape in SEARCHED:
+        r = _load(f"speed23/rowwise/parity_shared_{shape}_2gpu_mbs1")
+        if r is None:
+            continue
+        parts.append(f"`{r['plan_summary']}` {'passes' if r['pass'] else 'fails'} (loss "
+                     f"{r['loss_layout_vs_fp32']:.1e} from fp32, the one-rank bf16 reference "
+                     f"{r['loss_bf16_reference_vs_fp32']:.1e}; {r.get('commit', '?')})")
+    steps = [r for shape in SEARCHED if (r := _step(f"speed23/x2/{shape}_2gpu")) is not None]
+    measured = ("; measured over NCCL: " + ", ".join(
+        f"`{r['plan_summary']}` {r['step_time_s'] * 1e3:.1f} ms (predicted "
+        f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps) if steps else
+        "; their steps over NCCL are `bash bench/run_campaign.sh h200_searched_x2`'s, which has "
+        "not run: no two-GPU machine was lent")
+    return ("The plans the search picks on two GPUs (`bench/gpu_plans/searched/*_2gpu.json`), at "
+            "one sequence per micro-batch with both ranks on the one GPU over gloo (campaign "
+            "`h200_rowwise_norm_1gpu`, `speed23/rowwise/`), against the bf16 criterion of the "
+            "parity runs: " + "; ".join(parts) + measured + ".")
+
+
 def loss_table() -> list[str]:
     lines = ["| shape | tokens | vocabulary | eager ms | fused ms | its GEMMs alone ms | "
              "beside the GEMMs, eager / fused ms | fused vs eager | commit |",
@@ -772,6 +795,8 @@ def render() -> str:
         "fitted them is eager).",
         "",
         *searched_table(),
+        "",
+        searched_x2_text(),
         "",
         "## Copy-engine transfers, measured alone (EP = 2)",
         "",
