@@ -8,8 +8,8 @@ and the logits' fp32 gradient): 55 GiB for 32k tokens of a 152k vocabulary.
 gradients computed in the forward (the loss is the end of the graph: its backward only scales
 them), so one chunk's logits exist at a time and nothing of them is kept for backward. Kept
 instead: the gradient of the hidden states (tokens x hidden, the parameter dtype) and of the
-head's weight (vocab x hidden: as the GEMM writes it for one chunk, summed in fp32 over
-several). Same FLOPs as the materialized
+head's weight (vocab x hidden: summed in fp32 over several chunks; eager kernels keep one
+chunk's as the GEMM writes it). Same FLOPs as the materialized
 loss (Liger-Kernel's fused linear cross-entropy computes it the same way). Each chunk's
 memory-bound work is the plan's kernels' (runtime.kernels): eager, a pass per operation over
 an fp32 copy of the chunk's logits and each chunk's weight gradient added in a pass of its own;
