@@ -87,14 +87,20 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int,
     """Final RMSNorm, LM-head GEMM (bf16 also in fp8 training) over b s/(sp cp) rows and
     vocab/tp columns, and the cross-entropy (cross_entropy_s). The chunked loss runs the
     head's backward GEMMs in the forward too (runtime.loss). Under TP the norm output is
-    all-gathered first (reduce-scattered back in backward)."""
+    all-gathered first (reduce-scattered back in backward) and the loss's per-row statistics
+    are all-gathered over the vocabulary shards (runtime.loss.sharded_cross_entropy)."""
     c, m, t = cluster, model, tokens
     rows = t * tp
-    ag = comm.all_gather_s(rows * m.hidden * AB, comm.group_layout(tp, 1, c.node.gpus_per_node), c)
+    layout = comm.group_layout(tp, 1, c.node.gpus_per_node)
+    ag = comm.all_gather_s(rows * m.hidden * AB, layout, c)
     gemm_fwd, gemm_bwd = head_gemm_s(model, cluster, tokens, tp)
+    chunks = 1
     if loss == CrossEntropy.chunked:
         gemm_fwd, gemm_bwd = gemm_fwd + gemm_bwd, 0.0
+        chunks = loss_chunks(rows, m.vocab // tp)
     ce_fwd, ce_bwd = cross_entropy_s(model, cluster, rows, tp, loss, kernels)
+    if tp > 1:  # each chunk's per-row maximum, sum and label logit gathered over the shards
+        ce_fwd += chunks * comm.all_gather_s(tp * 3 * cc.FP32_BYTES * rows / chunks, layout, c)
     fwd = cc.memory_s(2 * t * m.hidden * AB, c) + ag + gemm_fwd + ce_fwd
     bwd = ce_bwd + gemm_bwd + ag + cc.memory_s(3 * t * m.hidden * AB, c)
     return EdgeCost(fwd, bwd)
@@ -122,7 +128,7 @@ def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int
         return (cc.memory_s(logits * cc.CE_FWD_BYTES_PER_LOGIT, cluster),
                 cc.memory_s(logits * cc.CE_BWD_BYTES_PER_LOGIT, cluster))
     weights = model.vocab / tp * model.hidden
-    later = loss_chunks(rows, model.vocab) - 1
+    later = loss_chunks(rows, model.vocab // tp) - 1  # chunks of this rank's vocabulary rows
     if kernels == Kernels.fused:
         per_logit, summed = cc.CE_FUSED_BYTES_PER_LOGIT, 4 * later
     else:

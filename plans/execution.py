@@ -118,7 +118,10 @@ TABLE: tuple[Capability, ...] = (
     *_executed("degrees", ANY, reason="pp, vpp, dp, sp, tp, ep, etp; cp only with cp attention"),
     *_executed("stage_layers", ANY),
     *_executed("micro_batch_size", ANY),
-    *_executed("attention.kind", "ulysses_sp", "tp"),
+    *_executed("attention.kind", "ulysses_sp", "tp",
+               reason="tp: Megatron-LM's tensor parallelism, the attention heads, the dense FFNs "
+               "and the vocabulary (embedding, LM head, loss) split over tp with the sequence "
+               "sharded between them (runtime.parallel.attention, runtime.parallel.tensor)"),
     Capability("attention.kind", "cp", Support.refused,
                "no context-parallel attention (priced for comparison only); use ulysses_sp "
                "or tp"),

@@ -228,10 +228,12 @@ class Plan(Frozen):
     overlap: Overlap = Overlap.inter_intra_op
     recompute: Recompute = Recompute.selective
     cross_entropy: CrossEntropy = CrossEntropy.materialized
-    """How the last stage computes the LM head and loss (memory: cost_models.memory). The
-    search picks chunked only where materialized does not fit: on H200 the chunked loss
-    measured 17 ms slower per 2-GPU pp2 Mixtral step (bench/results/h200/
-    ab_loss_allocator_x2.json)."""
+    """How the last stage computes the LM head and loss (memory: cost_models.memory; time:
+    cost_models.pipeline.cross_entropy_s). The search takes the kind whose head is priced
+    faster where it fits: under eager kernels the materialized loss (the eager chunked loss
+    measured 17 ms slower per 2-GPU pp2 Mixtral step, bench/results/h200/
+    ab_loss_allocator_x2.json), under fused ones the chunked loss at the catalog's
+    vocabularies (bench/results/h200/speed23/)."""
     kernels: Kernels = Kernels.eager
     """The layers' memory-bound operators as eager PyTorch or fused regions (priced at
     cluster.efficiency.elementwise or fused_elementwise; the eager token permutation pass by
@@ -367,6 +369,10 @@ def _attention_problems(
     n = d.attention_group
     if m.query_heads % n and a.kind != "cp":
         out.append(f"degrees: attention degree {n} must divide model.query_heads ({m.query_heads})")
+    if a.kind == "tp":
+        out += [f"degrees.tp ({n}) must divide model.{name} ({getattr(m, name)}): TP splits the "
+                "vocabulary and the dense FFNs too (Megatron-LM's layout)"
+                for name in ("vocab", "dense_ffn_hidden") if getattr(m, name) % n]
     if a.kind == "tp" and m.kv_heads % n:
         out.append(
             f"degrees.tp ({n}) must divide model.kv_heads ({m.kv_heads}): TP attention splits "

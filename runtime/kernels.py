@@ -16,7 +16,9 @@ parallelism and no compiler:
   never an atomic index-add, bench/results/h200/speed14/fused_ops_*.json);
 - cross_entropy_grad / accumulate_matmul: one chunk of the chunked loss (runtime.loss): the
   cross-entropy and its gradient over the chunk's logits, and the LM head's weight gradient
-  summed over the chunks (fused, on CUDA: inside the GEMM, in fp32);
+  summed over the chunks (fused, on CUDA: inside the GEMM, in fp32); cross_entropy_partial /
+  cross_entropy_grad_from: the same over one shard of a vocabulary split over ranks, before
+  and after the shards' log-sum-exp is combined;
 - adamw_step: the optimizer's AdamW update of a flat fp32 master slice from its gradient in the
   gradient's own dtype, writing the updated weights in the parameter dtype in the same pass
   (runtime.parallel.optimizer; eager: torch's fused AdamW after a cast and before a copy).
@@ -218,6 +220,32 @@ def cross_entropy_grad_fusable(logits: torch.Tensor, labels: torch.Tensor
     return loss, grad.to(logits.dtype)
 
 
+def cross_entropy_partial(logits: torch.Tensor, labels: torch.Tensor, first: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One vocabulary shard's part of cross_entropy_grad (its columns are the vocabulary's
+    rows ``first`` onwards; runtime.loss combines the shards'): per row in fp32, the largest
+    logit, the sum of exp(logit - that maximum), and the label's logit where the label is in
+    the shard (0 elsewhere)."""
+    x = logits.float()
+    top = x.amax(-1)
+    total = torch.exp(x - top[:, None]).sum(-1)
+    local = labels - first
+    inside = (local >= 0) & (local < x.shape[1])
+    target = torch.where(inside, x.gather(1, local.clamp(0, x.shape[1] - 1)[:, None])
+                         .squeeze(1), 0.0)
+    return top, total, target
+
+
+def cross_entropy_grad_from(logits: torch.Tensor, labels: torch.Tensor, first: int,
+                            lse: torch.Tensor) -> torch.Tensor:
+    """The gradient of cross_entropy_partial's shard (softmax - one-hot over its columns)
+    from the whole vocabulary's log-sum-exp per row, in the logits' dtype."""
+    x = logits.float()
+    cols = torch.arange(x.shape[1], device=x.device)[None, :] + first
+    grad = torch.exp(x - lse[:, None]) - (cols == labels[:, None]).to(torch.float32)
+    return grad.to(logits.dtype)
+
+
 def accumulate_matmul(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
                       ) -> torch.Tensor:
     """acc + a @ b: the LM head's weight gradient summed over the chunked loss's chunks. The
@@ -314,10 +342,14 @@ class KernelOps:
     cross_entropy_grad: Callable[[torch.Tensor, torch.Tensor],
                                  tuple[torch.Tensor, torch.Tensor]]
     accumulate_matmul: Callable[..., torch.Tensor]
+    cross_entropy_partial: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    cross_entropy_grad_from: Callable[..., torch.Tensor]
+    """The chunked loss over a vocabulary split over ranks (runtime.loss.VocabShard)."""
 
 
 EAGER = KernelOps(Kernels.eager, rms_norm, rotate_qk, swiglu, route, gather_rows,
-                  weighted_scatter, index_rows, cross_entropy_grad, accumulate_matmul)
+                  weighted_scatter, index_rows, cross_entropy_grad, accumulate_matmul,
+                  cross_entropy_partial, cross_entropy_grad_from)
 
 
 def _static(fn: Callable) -> Callable:
@@ -374,6 +406,8 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         # the chunk's rows: plans.layout.loss_chunk_tokens, fewer in the last chunk
         cross_entropy_grad=_rows_dynamic(cross_entropy_grad_fusable, 0, 1),
         accumulate_matmul=accumulate_matmul_in_gemm,
+        cross_entropy_partial=_rows_dynamic(cross_entropy_partial, 0, 1),
+        cross_entropy_grad_from=_rows_dynamic(cross_entropy_grad_from, 0, 1, 3),
     )
 
 

@@ -19,12 +19,16 @@ gradient summed in fp32 inside its GEMM.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
 from plans.layout import loss_chunk_tokens as chunk_tokens
 from runtime.kernels import EAGER, KernelOps
+from runtime.parallel.comm import all_gather_into, gather_sequence
 
 
 class _ChunkedLinearCrossEntropy(Function):
@@ -66,3 +70,95 @@ def materialized_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                                scale: float) -> torch.Tensor:
     """scale x sum over tokens of cross_entropy(logits, labels) on the whole logits in fp32."""
     return F.cross_entropy(logits.float(), labels, reduction="sum") * scale
+
+
+# ---- a vocabulary split over ranks ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's rows of a vocabulary split over ``group`` (Megatron-LM's vocab-parallel
+    embedding and LM head under tensor parallelism, runtime.parallel.tensor): rank ``index`` of
+    ``parts`` holds rows [index x rows, (index + 1) x rows)."""
+
+    group: dist.ProcessGroup
+    index: int
+    parts: int
+    rows: int
+
+    @property
+    def first(self) -> int:
+        return self.index * self.rows
+
+
+def _shard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: VocabShard,
+                         ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row losses (fp32) and the gradient of their sum for this rank's vocabulary columns
+    (Megatron-LM's vocab-parallel cross-entropy): each shard's maximum, sum of exponentials and
+    label logit, all-gathered over the group (3 numbers a row) and combined into the whole
+    vocabulary's log-sum-exp, from which each rank's gradient follows."""
+    top, total, target = ops.cross_entropy_partial(logits, labels, vocab.first)
+    parts = logits.new_empty((vocab.parts * 3, logits.shape[0]), dtype=torch.float32)
+    all_gather_into(parts, torch.stack([top, total, target]), group=vocab.group)
+    parts = parts.view(vocab.parts, 3, -1)
+    top_all = parts[:, 0].amax(0)
+    lse = top_all + (parts[:, 1] * torch.exp(parts[:, 0] - top_all)).sum(0).log()
+    return lse - parts[:, 2].sum(0), ops.cross_entropy_grad_from(logits, labels, vocab.first,
+                                                                 lse)
+
+
+class _ShardedLinearCrossEntropy(Function):
+    """The chunked loss (_ChunkedLinearCrossEntropy) over this rank's vocabulary rows of the
+    head: every token of the micro-batch (``h`` gathered along the sequence), each chunk's
+    losses combined over the group; the value is the sum over ``own`` tokens (this rank's
+    sequence shard: the group's values add up to the micro-batch's loss), the gradients those
+    of every token's loss (the hidden states' a partial sum over the vocabulary shards, which
+    the sequence gather's backward reduce-scatters)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor,
+                own: torch.Tensor, scale: float, chunk: int, ops: KernelOps,
+                vocab: VocabShard) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_in = torch.empty_like(h)
+        grad_w = None
+        for start in range(0, h.shape[0], chunk):
+            part = slice(start, start + chunk)
+            logits = h[part] if weight is None else h[part] @ weight.t()
+            losses, grad = _shard_cross_entropy(logits, labels[part], vocab, ops)
+            total += (losses * own[part]).sum()  # a product, not a mask: no wait on the host
+            if weight is None:  # h are the logits: their gradient is the input's
+                grad_in[part] = grad
+                continue
+            torch.mm(grad, weight, out=grad_in[part])
+            grad_w = ops.accumulate_matmul(grad_w, grad.t(), h[part])
+        ctx.save_for_backward(grad_in, *([] if grad_w is None else [grad_w]))
+        ctx.scale, ctx.weight_dtype = scale, None if weight is None else weight.dtype
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_in, *grad_w = ctx.saved_tensors
+        g = grad_out * ctx.scale
+        w = (grad_w[0] * g.to(grad_w[0].dtype)).to(ctx.weight_dtype) if grad_w else None
+        return grad_in * g.to(grad_in.dtype), w, None, None, None, None, None, None
+
+
+def sharded_cross_entropy(out: torch.Tensor, labels: torch.Tensor, scale: float,
+                          vocab: VocabShard, weight: torch.Tensor | None = None,
+                          ops: KernelOps = EAGER) -> torch.Tensor:
+    """scale x the summed cross-entropy of this rank's sequence shard under a vocabulary
+    split over ``vocab.group``, with the gradients of the whole micro-batch's. ``labels``
+    [b, s / n] is this rank's shard; ``out`` the final norm's output shard [b, s / n, h]
+    (chunked loss: ``weight`` this rank's head rows, applied chunk by chunk) or the logits of
+    every token over this rank's vocabulary columns [b, s, V / n] (materialized: one chunk)."""
+    labels_all = gather_sequence(labels, vocab.group)
+    b, s = labels_all.shape
+    own = torch.zeros_like(labels_all, dtype=torch.bool)
+    own[:, vocab.index * labels.shape[1]:(vocab.index + 1) * labels.shape[1]] = True
+    if weight is None:
+        h, chunk = out.flatten(0, 1), b * s
+    else:
+        h, chunk = gather_sequence(out, vocab.group).flatten(0, 1), chunk_tokens(weight.shape[0])
+    return _ShardedLinearCrossEntropy.apply(h, weight, labels_all.flatten(), own.flatten(),
+                                            scale, chunk, ops, vocab)

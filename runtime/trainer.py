@@ -13,7 +13,11 @@ from plans import EPFFN, CrossEntropy, Degrees, Plan, UlyssesAttention
 from plans.layout import tokens_per_rank
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
-from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
+from runtime.loss import (
+    chunked_cross_entropy,
+    materialized_cross_entropy,
+    sharded_cross_entropy,
+)
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
 from runtime.moe import routing_skew
@@ -127,8 +131,13 @@ class Trainer:
         count: the replicas' gradient sum is then the gradient of the global mean. ``out`` is
         the logits (materialized) or the final norm's output (chunked: the loss applies the LM
         head chunk by chunk, runtime.loss)."""
+        chunked = self.plan.cross_entropy == CrossEntropy.chunked
         with self.timers.region(Component.loss):
-            if self.plan.cross_entropy == CrossEntropy.chunked:
+            if self.pm.vocab is not None:  # the vocabulary split by TP (runtime.parallel.tensor)
+                return sharded_cross_entropy(out, labels, self.loss_scale, self.pm.vocab,
+                                             self.model.output.weight if chunked else None,
+                                             self.model.cfg.ops)
+            if chunked:
                 return chunked_cross_entropy(out.flatten(0, 1), self.model.output.weight,
                                              labels.flatten(), self.loss_scale,
                                              self.model.cfg.ops)

@@ -25,6 +25,7 @@ from plans import (
 )
 from plans.execution import Backend, check, executed_value
 from plans.layout import moe_chunks, ulysses_chunks
+from runtime.loss import VocabShard
 from runtime.metrics import Component, Timers, timed
 from runtime.model import AttentionCore, Shard, Transformer, TransformerBlock
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
@@ -34,6 +35,7 @@ from runtime.parallel.grad_accumulation import apply_grad_accumulation_fusion
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.overlap import apply_inter_op_overlap
 from runtime.parallel.pipeline import apply_pipeline
+from runtime.parallel.tensor import apply_tensor_parallel_rest
 
 
 def checkpoint_forward(module: nn.Module) -> None:
@@ -104,6 +106,8 @@ class ParallelModel:
     """This rank's slice of every sharded parameter (by local parameter name)."""
     replication: dict[str, tuple[MeshAxis, ...]]
     """Groups each parameter's gradient is summed over."""
+    vocab: VocabShard | None = None
+    """This rank's rows of a vocabulary split by TP (the loss runs over the shards)."""
 
 
 def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | None,
@@ -115,8 +119,10 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     if isinstance(plan.attention, UlyssesAttention):
         apply_ulysses(model, mesh, timers,
                       ulysses_chunks(overlap, plan.attention, plan.model, plan.degrees.sp))
-    elif isinstance(plan.attention, TPAttention):
+    vocab = None
+    if isinstance(plan.attention, TPAttention):
         apply_tensor_parallel_attention(model, mesh, shards, timers)
+        vocab = apply_tensor_parallel_rest(model, mesh, shards)
     attention_shards = set(shards)
     if isinstance(plan.ffn, EPFFN):
         apply_expert_parallel(model, mesh, plan.ffn.dispatch, shards, timers)
@@ -130,4 +136,4 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     if timers is not None:
         apply_expert_timers(model, timers)
     groups = replication_groups(model, mesh, shards, expert_shards)
-    return ParallelModel(model, mesh, shards, groups)
+    return ParallelModel(model, mesh, shards, groups, vocab)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from plans import (
     EPFFN,
     TPFFN,
+    CrossEntropy,
     Degrees,
     Dispatch,
     Kernels,
@@ -46,6 +47,7 @@ def make_plan(
     overlap: Overlap = Overlap.none,
     kernels: Kernels = Kernels.eager,
     spec_update: dict | None = None,
+    cross_entropy: CrossEntropy = CrossEntropy.materialized,
     **degrees: int,
 ) -> Plan:
     """A test plan; optimizer states replicated unless asked (the parity tests read every
@@ -74,6 +76,7 @@ def make_plan(
         optimizer_sharding=optimizer_sharding,
         overlap=overlap,
         kernels=kernels,
+        cross_entropy=cross_entropy,
         **extra,
     )
 

@@ -7,7 +7,15 @@ import pytest
 import torch
 from dist_workers import make_plan, reference_trainer
 
-from plans import Dispatch, Optimizer, OptimizerSharding, Overlap, Precision, Recompute
+from plans import (
+    CrossEntropy,
+    Dispatch,
+    Optimizer,
+    OptimizerSharding,
+    Overlap,
+    Precision,
+    Recompute,
+)
 from plans.layout import INTER_OP_CHUNKS
 
 A2A, AG = Dispatch.all_to_all, Dispatch.allgather_reduce_scatter
@@ -54,6 +62,11 @@ TWO = {
     "pp2": dict(pp=2, stage_layers=(2, 2), global_batch=4),
     "dp2": dict(dp=2),
     "tp2": dict(tp=2, tp_attention=True),
+    # Megatron-LM's TP beyond attention (runtime.parallel.tensor): the vocabulary (a tied
+    # embedding and head) and the dense FFN split over the tp ranks, both losses
+    "tp2_shared_tied": dict(model="tiny-moe-shared", tp=2, tp_attention=True),
+    "tp2_shared_tied_chunked": dict(model="tiny-moe-shared", tp=2, tp_attention=True,
+                                    cross_entropy=CrossEntropy.chunked, micro_batch_size=2),
     "pp2_shared_tied": dict(model="tiny-moe-shared", pp=2, stage_layers=(1, 3)),
     "sp2_ep2_full_recompute": dict(sp=2, ep=2, recompute=Recompute.full),
     "pp2_vpp2_interleaved": dict(pp=2, vpp=2, stage_layers=(1, 1, 1, 1), global_batch=4),
@@ -98,6 +111,8 @@ FOUR = {
     ),
     "tp2_dp2_ep4": dict(tp=2, dp=2, ep=4, tp_attention=True),
     "pp2_tp2_ep2": dict(pp=2, tp=2, ep=2, tp_attention=True, stage_layers=(2, 2)),
+    "pp2_tp2_shared_tied_chunked": dict(model="tiny-moe-shared", pp=2, tp=2, tp_attention=True,
+                                        stage_layers=(1, 3), cross_entropy=CrossEntropy.chunked),
     "pp2_vpp2_sp2_ep2": dict(pp=2, vpp=2, sp=2, ep=2, stage_layers=(1, 1, 1, 1)),
     "tp2_dp2_etp4": dict(tp=2, dp=2, etp=4, tp_attention=True, tp_ffn=True),
     "pp2_tp2_etp2_vpp2": dict(
