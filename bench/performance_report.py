@@ -300,10 +300,20 @@ def searched_x2_text() -> str:
         f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps) if steps else
         "; their steps over NCCL are `bash bench/run_campaign.sh h200_searched_x2`'s, which has "
         "not run: no two-GPU machine was lent")
+    tp = [(r, folder) for folder in ("tp_memory", "tp_vocab")
+          if (r := _step(f"speed23/{folder}/qwen4l_2gpu_shared")) is not None]
+    vocab = "" if not tp else (
+        " The tp2 plan's per-rank peak, both ranks on the one GPU (`h200_searched_tp_memory_shared`"
+        ", `h200_tp_vocab_shared`; the TP runtime split only the attention until 4786544, since "
+        "then the vocabulary and dense FFNs too, as the cost model prices them and Megatron-LM "
+        "runs them; its bf16 parity passes either way): " + ", ".join(
+            f"{max(r['peak_reserved_gib_per_rank']):.1f} GiB reserved at {r.get('commit', '?')}"
+            for r, _ in tp) + f" against {tp[0][0]['prediction']['peak_memory_gib']:.1f} "
+        "predicted.")
     return ("The plans the search picks on two GPUs (`bench/gpu_plans/searched/*_2gpu.json`), at "
             "one sequence per micro-batch with both ranks on the one GPU over gloo (campaign "
             "`h200_rowwise_norm_1gpu`, `speed23/rowwise/`), against the bf16 criterion of the "
-            "parity runs: " + "; ".join(parts) + measured + ".")
+            "parity runs: " + "; ".join(parts) + measured + "." + vocab)
 
 
 def loss_table() -> list[str]:
