@@ -126,7 +126,10 @@ TABLE: tuple[Capability, ...] = (
                "no context-parallel attention (priced for comparison only); use ulysses_sp "
                "or tp"),
     Capability("attention.zigzag", ANY, Support.refused, "context-parallel attention only"),
-    *_executed("ffn.kind", "ep", "tp"),
+    *_executed("ffn.kind", "ep", "tp",
+               reason="tp: expert TP, every routed expert and the shared experts split over "
+               "etp, the group's tokens all-gathered before and the partial sums "
+               "reduce-scattered after (runtime.parallel.expert.ExpertTPDispatcher)"),
     *_executed("ffn.dispatch", "all_to_all", "allgather_reduce_scatter"),
     *_executed("ffn.capacity_factor", ANY, reason="null is dropless"),
     *_executed("schedule", "1f1b", "interleaved_1f1b"),

@@ -411,4 +411,7 @@ def _ffn_problems(f: FFNStrategy, d: Degrees, m: ModelSpec) -> list[str]:
         out.append(
             f"degrees.etp ({d.etp}) must divide model.expert_ffn_hidden ({m.expert_ffn_hidden})"
         )
+    if m.shared_expert_ffn_hidden % d.etp:
+        out.append(f"degrees.etp ({d.etp}) must divide model.shared_expert_ffn_hidden "
+                   f"({m.shared_expert_ffn_hidden}): expert TP splits the shared experts too")
     return out

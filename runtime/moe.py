@@ -46,6 +46,9 @@ class DispatchHandle:
 
 class Dispatcher(Protocol):
     num_local_experts: int
+    runs_shared: bool
+    """Whether the dispatcher runs the layer's shared experts itself (expert TP: on the
+    gathered tokens, their partial sums in the combine's reduce-scatter)."""
 
     def dispatch(
         self, tokens: torch.Tensor, routing: Routing
@@ -251,6 +254,8 @@ def sort_by_expert(
 class LocalDispatcher:
     """All experts on this rank (ep = 1): a local permutation."""
 
+    runs_shared = False
+
     def __init__(self, num_experts: int, ops: KernelOps = EAGER):
         self.num_local_experts = num_experts
         self.ops = ops
@@ -330,7 +335,7 @@ class MoE(nn.Module):
         rows, counts, handle = self.dispatcher.dispatch(tokens, routing)
         out = self.experts(rows, counts)
         y = self.dispatcher.combine(out, handle)
-        if self.shared is not None:
+        if self.shared is not None and not self.dispatcher.runs_shared:
             y = y + self.shared(tokens)
         return y
 

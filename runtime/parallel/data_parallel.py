@@ -139,7 +139,7 @@ def replication_groups(
 ) -> dict[str, tuple[MeshAxis, ...]]:
     out: dict[str, tuple[MeshAxis, ...]] = {}
     for name, _ in model.named_parameters():
-        if ".moe.experts." in name:
+        if ".moe.experts." in name or name in expert_shards:  # shared experts split by etp
             groups: tuple[MeshAxis, ...] = (MeshAxis.edp,)
         elif name in shards and name not in expert_shards:
             groups = (MeshAxis.dp,)

@@ -28,6 +28,8 @@ from runtime.parallel.mesh import Mesh
 
 
 class _Timed:
+    runs_shared = False
+
     def __init__(self, timers: Timers | None):
         self.timers = timers
 
@@ -314,12 +316,33 @@ class ExpertTPDispatcher(AllGatherDispatcher):
     tokens and routing and keeps every routed row; each rank's fc2 output is a partial sum over
     its slice of the expert hidden width, and combine's reduce-scatter sums the partials and
     returns each rank its own tokens. With TP attention and sequence parallelism the etp group
-    is the tp group and this is Megatron's all-gather before / reduce-scatter after the FFN."""
+    is the tp group and this is Megatron's all-gather before / reduce-scatter after the FFN.
+    The shared experts (``shared``, split the same way) run on the gathered tokens, outside
+    the timed combine, and their partial sums join the routed experts' before the
+    reduce-scatter (cost_models.layer_graph prices them so)."""
 
     def __init__(self, num_experts: int, group, size: int, timers: Timers | None = None,
-                 ops: KernelOps = EAGER):
+                 ops: KernelOps = EAGER, shared: nn.Module | None = None):
         super().__init__(num_experts, group, size, 0, timers, ops)
         self.num_local_experts = num_experts
+        self.shared = shared
+        self.runs_shared = shared is not None
+
+    def _send_exchange(self, moving: Moving) -> Moving:
+        moving = super()._send_exchange(moving)
+        if self.shared is not None:
+            moving.handle.extra["tokens"] = moving.rows
+        return moving
+
+    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        if self.shared is not None:
+            handle.extra["shared"] = self.shared(handle.extra.pop("tokens"))
+        return super().combine(expert_out, handle)
+
+    def _combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
+        moving = super()._combine_pack(expert_out, handle)
+        shared = handle.extra.pop("shared", None)
+        return moving if shared is None else Moving(moving.rows + shared, handle)
 
 
 def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None,
@@ -367,8 +390,9 @@ def apply_expert_tensor_parallel(
     model: Transformer, mesh: Mesh, shards: dict[str, Shard], timers: Timers | None
 ) -> None:
     """Split every expert over the etp group: w1 and w3 ([E, ffn, h]) by rows of the hidden
-    width (column parallel), w2 ([E, h, ffn]) by its columns (row parallel). Shared experts and
-    the router stay replicated and run on this rank's own tokens."""
+    width (column parallel), w2 ([E, h, ffn]) by its columns (row parallel); the shared experts
+    the same way, run by the dispatcher on the gathered tokens. The router stays replicated
+    and runs on this rank's own tokens."""
     n, i = mesh.size(MeshAxis.etp), mesh.index(MeshAxis.etp)
     sum_balance_stats_over_attention(model, mesh)
     for lid, block in model.layers.items():
@@ -379,6 +403,12 @@ def apply_expert_tensor_parallel(
             shard = Shard(dim, i, n)
             setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
             shards[f"layers.{lid}.moe.experts.{w}"] = shard
+        if moe.shared is not None:
+            for w, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+                linear = getattr(moe.shared, w)
+                shard = Shard(dim, i, n)
+                linear.weight = nn.Parameter(shard.take(linear.weight.detach()))
+                shards[f"layers.{lid}.moe.shared.{w}.weight"] = shard
         moe.dispatcher = ExpertTPDispatcher(
-            model.cfg.spec.experts, mesh.groups[MeshAxis.etp], n, timers, moe.ops
+            model.cfg.spec.experts, mesh.groups[MeshAxis.etp], n, timers, moe.ops, moe.shared
         )

@@ -75,6 +75,9 @@ TWO = {
         recompute=Recompute.full,
     ),
     "tp2_etp2_megatron": dict(tp=2, etp=2, tp_attention=True, tp_ffn=True),
+    # ... with the shared experts split by etp too, a dense layer and a tied vocabulary
+    "tp2_etp2_megatron_shared_tied": dict(model="tiny-moe-shared", tp=2, etp=2,
+                                          tp_attention=True, tp_ffn=True),
     "dp2_etp2": dict(model="tiny-moe-shared", dp=2, etp=2, tp_ffn=True),
     # inter-operator overlap: the chunked MoE schedule (runtime.parallel.overlap) against the
     # serial one-rank reference
