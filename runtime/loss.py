@@ -31,39 +31,13 @@ from runtime.kernels import EAGER, KernelOps
 from runtime.parallel.comm import all_gather_into, gather_sequence
 
 
-class _ChunkedLinearCrossEntropy(Function):
-    @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
-                chunk: int, ops: KernelOps) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h)
-        grad_w = None
-        for start in range(0, h.shape[0], chunk):
-            hc, yc = h[start:start + chunk], labels[start:start + chunk]
-            # the chunk's losses and d(their sum) / d logits = softmax - one-hot
-            loss, grad = ops.cross_entropy_grad(hc @ weight.t(), yc)
-            total += loss
-            torch.mm(grad, weight, out=grad_h[start:start + chunk])
-            grad_w = ops.accumulate_matmul(grad_w, grad.t(), hc)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.scale, ctx.weight_dtype = scale, weight.dtype
-        return total * scale
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad_h, grad_w = ctx.saved_tensors
-        g = grad_out * ctx.scale
-        return (grad_h * g.to(grad_h.dtype), (grad_w * g.to(grad_w.dtype)).to(ctx.weight_dtype),
-                None, None, None, None)
-
-
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           scale: float, ops: KernelOps = EAGER) -> torch.Tensor:
     """scale x sum over tokens of cross_entropy(h W^T, labels): h [T, hidden], weight
     [vocab, hidden], labels [T]; each chunk's memory-bound work by ``ops`` (the plan's
     kernels: runtime.kernels.cross_entropy_grad, accumulate_matmul)."""
-    return _ChunkedLinearCrossEntropy.apply(h, weight, labels, scale,
-                                            chunk_tokens(weight.shape[0]), ops)
+    return _LinearCrossEntropy.apply(h, weight, labels, None, scale,
+                                     chunk_tokens(weight.shape[0]), ops, None)
 
 
 def materialized_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
@@ -107,26 +81,34 @@ def _shard_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: Voca
                                                                  lse)
 
 
-class _ShardedLinearCrossEntropy(Function):
-    """The chunked loss (_ChunkedLinearCrossEntropy) over this rank's vocabulary rows of the
-    head: every token of the micro-batch (``h`` gathered along the sequence), each chunk's
-    losses combined over the group; the value is the sum over ``own`` tokens (this rank's
-    sequence shard: the group's values add up to the micro-batch's loss), the gradients those
-    of every token's loss (the hidden states' a partial sum over the vocabulary shards, which
-    the sequence gather's backward reduce-scatters)."""
+class _LinearCrossEntropy(Function):
+    """The chunked loss: the LM head and cross-entropy chunk by chunk with the gradients
+    computed in the forward (``weight`` None: ``h`` are already the logits, one chunk).
+    Without ``vocab``, each chunk's loss and gradient are ops.cross_entropy_grad's. Over a
+    vocabulary split over ranks (``vocab``; ``h`` every token of the micro-batch, gathered
+    along the sequence), each chunk's losses are combined over the group
+    (_shard_cross_entropy); the value is the sum over ``own`` tokens (this rank's sequence
+    shard: the group's values add up to the micro-batch's loss), the gradients those of every
+    token's loss (the hidden states' a partial sum over the vocabulary shards, which the
+    sequence gather's backward reduce-scatters)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor,
-                own: torch.Tensor, scale: float, chunk: int, ops: KernelOps,
-                vocab: VocabShard) -> torch.Tensor:
+                own: torch.Tensor | None, scale: float, chunk: int, ops: KernelOps,
+                vocab: VocabShard | None) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_in = torch.empty_like(h)
         grad_w = None
         for start in range(0, h.shape[0], chunk):
             part = slice(start, start + chunk)
             logits = h[part] if weight is None else h[part] @ weight.t()
-            losses, grad = _shard_cross_entropy(logits, labels[part], vocab, ops)
-            total += (losses * own[part]).sum()  # a product, not a mask: no wait on the host
+            # the chunk's losses and d(their sum) / d logits = softmax - one-hot
+            if vocab is None:
+                loss, grad = ops.cross_entropy_grad(logits, labels[part])
+            else:
+                losses, grad = _shard_cross_entropy(logits, labels[part], vocab, ops)
+                loss = (losses * own[part]).sum()  # a product, not a mask: no host wait
+            total += loss
             if weight is None:  # h are the logits: their gradient is the input's
                 grad_in[part] = grad
                 continue
@@ -160,5 +142,5 @@ def sharded_cross_entropy(out: torch.Tensor, labels: torch.Tensor, scale: float,
         h, chunk = out.flatten(0, 1), b * s
     else:
         h, chunk = gather_sequence(out, vocab.group).flatten(0, 1), chunk_tokens(weight.shape[0])
-    return _ShardedLinearCrossEntropy.apply(h, weight, labels_all.flatten(), own.flatten(),
-                                            scale, chunk, ops, vocab)
+    return _LinearCrossEntropy.apply(h, weight, labels_all.flatten(), own.flatten(), scale,
+                                     chunk, ops, vocab)
