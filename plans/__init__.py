@@ -13,6 +13,7 @@ _WHERE = {
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
     "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
     "OptimizerSharding": "plans.enums", "Kernels": "plans.enums", "Dispatch": "plans.enums",
+    "Target": "plans.enums",
     **dict.fromkeys(("COMPONENT_KEYS", "Component", "LAYER_REGIONS", "LayerOperator",
                      "RECOMPUTED", "TIMER_OF"), "plans.operators"),
     **dict.fromkeys((
@@ -32,7 +33,8 @@ __all__ = [
     "MeshAxis",
     "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
     "PipelineSchedule", "Plan",
-    "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "TrainingSpec",
+    "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "Target",
+    "TrainingSpec",
     "UlyssesAttention",
 ]
 
@@ -52,7 +54,15 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:
-    from plans.enums import AttentionKind, Dispatch, Kernels, Overlap, Precision, Recompute
+    from plans.enums import (
+        AttentionKind,
+        Dispatch,
+        Kernels,
+        Overlap,
+        Precision,
+        Recompute,
+        Target,
+    )
     from plans.errors import SpecError
     from plans.operators import (
         COMPONENT_KEYS,

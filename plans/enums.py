@@ -104,3 +104,13 @@ class OptimizerSharding(StrEnum):
     """ZeRO stage 1 (Rajbhandari et al., SC'20): the states are sharded over each parameter's
     replicas; gradients are reduce-scattered, each replica updates its slice and the updated
     weights are all-gathered."""
+
+
+class Target(StrEnum):
+    """Which runtime executes a plan: what it runs and how it is priced
+    (plans.execution: one capability column per target)."""
+
+    moeplan = "moeplan"
+    """moeplan's own runtime (runtime/, `moeplan train`, `export --to torchrun|slurm`)."""
+    megatron = "megatron"
+    """Megatron-Core through Megatron-LM's pretrain_gpt.py (`export --to megatron`)."""

@@ -92,6 +92,9 @@ _BF16_WHY = "GEMMs run in bf16; fp8 applies to the gradient sync only"
 _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
 
 TABLE: tuple[Capability, ...] = (
+    Capability("target", "moeplan", Support.executed),
+    Capability("target", "megatron", Support.refused,
+               "the plan is for Megatron-Core: launch it with `moeplan export --to megatron`"),
     # the job: the model and batch are built as written; the cluster is the launch's
     *_executed("model", ANY, reason="every ModelSpec the schema accepts, dropout aside"),
     Capability("model.dropout", False, Support.executed),

@@ -13,7 +13,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from plans.enums import CrossEntropy, Dispatch, Kernels, OptimizerSharding, Overlap, Recompute
+from plans.enums import (
+    CrossEntropy,
+    Dispatch,
+    Kernels,
+    OptimizerSharding,
+    Overlap,
+    Recompute,
+    Target,
+)
 from plans.specs import (
     MAX_LAYERS,
     ClusterSpec,
@@ -214,6 +222,9 @@ RECOMPUTE_TAGS = {Recompute.none: "none", Recompute.selective: "sel", Recompute.
 class Plan(Frozen):
     schema_version: Literal[1] = SCHEMA_VERSION
     """Version of this schema; a plan of another version is refused."""
+    target: Target = Target.moeplan
+    """The runtime that executes this plan; it is priced as that runtime runs it and refused
+    where that runtime cannot run a field (plans.execution)."""
     model: ModelSpec
     cluster: ClusterSpec
     training: TrainingSpec
