@@ -188,6 +188,10 @@ class ModelSpec(Frozen):
     """Whether the LM head shares the token-embedding matrix."""
     mla: MLASpec | None = None
     """Multi-head latent attention's shapes; absent: GQA (query_heads, kv_heads, head_dim)."""
+    kv_share_layers: Layers = 1
+    """Cross-layer attention (Hunyuan-Large's CLA: 2): each run of this many consecutive layers
+    attends over the keys and values of its first layer; the others have no K and V
+    projections. 1: every layer its own."""
     linear_bias: LinearBias = LinearBias.none
     """Which linear layers carry a bias."""
     attention_sinks: bool = False
@@ -203,6 +207,9 @@ class ModelSpec(Frozen):
     0: every layer is windowed."""
     rope_theta: float = Field(10000.0, gt=0, le=1e12)
     """RoPE base (theta) of the rotary position embedding."""
+    rotary_fraction: float = Field(1.0, gt=0, le=1)
+    """Share of each query and key head RoPE rotates (GLM-4.5: 0.5; Megatron's
+    --rotary-percent); the rest passes unrotated."""
     norm_eps: float = Field(1e-6, gt=0, lt=1)
     """Epsilon of every RMSNorm."""
     qk_norm: bool = False
@@ -274,6 +281,8 @@ class ModelSpec(Frozen):
                                  f"+ mla.qk_rope_head_dim ({self.mla.qk_head_dim})")
             if self.linear_bias != LinearBias.none:
                 raise ValueError(f"linear_bias ({self.linear_bias}) must be none with mla")
+            if self.kv_share_layers != 1:
+                raise ValueError(f"kv_share_layers ({self.kv_share_layers}) must be 1 with mla")
         if self.experts % self.expert_groups:
             raise ValueError(f"expert_groups ({self.expert_groups}) must divide experts "
                              f"({self.experts})")
@@ -375,6 +384,19 @@ class ModelSpec(Frozen):
         return q + kv_down + kv_up + out
 
     @property
+    def kv_projection_params(self) -> int:
+        """The K and V projections (and their biases) of one layer under GQA, which a layer
+        sharing another's keys and values lacks (kv_share_layers)."""
+        bias = self.kv_dim + self.v_dim if self.linear_bias != LinearBias.none else 0
+        return 0 if self.mla else self.hidden * (self.kv_dim + self.v_dim) + bias
+
+    @property
+    def kv_borrowing_layers(self) -> int:
+        """Layers using an earlier layer's keys and values: all but the first of each run of
+        kv_share_layers."""
+        return self.layers - -(-self.layers // self.kv_share_layers)
+
+    @property
     def attention_params(self) -> int:
         """One layer's attention: its projections, MLA's latent norms, biases and sinks."""
         other = self.mla.q_lora_rank + self.mla.kv_lora_rank if self.mla else 0
@@ -432,7 +454,8 @@ class ModelSpec(Frozen):
                      for _ in range(self.moe_layers if moe else self.dense_ffn_layers))
         mtp = self.mtp_layers * (self.layer_params(self.mtp_layer_is_moe, routed_experts)
                                  + self.mtp_extra_params)
-        return layers + mtp + self.embedding_params + self.hidden
+        borrowed = self.kv_borrowing_layers * self.kv_projection_params
+        return layers - borrowed + mtp + self.embedding_params + self.hidden
 
     @property
     def total_params(self) -> int:
@@ -461,8 +484,9 @@ class ModelSpec(Frozen):
 
         head = self.embedding_params - self.vocab * self.hidden
         mtp = layer(self.mtp_layer_is_moe) + 2 * self.hidden * self.hidden + head
+        borrowed = self.kv_borrowing_layers * self.hidden * (self.kv_dim + self.v_dim)
         return (self.moe_layers * layer(True) + self.dense_ffn_layers * layer(False) + head
-                + self.mtp_layers * mtp)
+                + self.mtp_layers * mtp - (0 if self.mla else borrowed))
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs of every layer's attention core per token: QK^T at head_dim and PV at
