@@ -488,14 +488,23 @@ class ModelSpec(Frozen):
         return (self.moe_layers * layer(True) + self.dense_ffn_layers * layer(False) + head
                 + self.mtp_layers * mtp - (0 if self.mla else borrowed))
 
+    @property
+    def kv_projection_share(self) -> float:
+        """Share of the layers that project their own keys and values (kv_share_layers)."""
+        return 1 - self.kv_borrowing_layers / self.layers
+
+    def attended_share(self, seq_len: int) -> float:
+        """The layers' attended fractions of the s x s score matrix, summed
+        (attended_fraction of each layer's window)."""
+        return sum(attended_fraction(seq_len, self.layer_window(i), self.window_kind)
+                   for i in range(self.layers))
+
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs of every layer's attention core per token: QK^T at head_dim and PV at
         v_head_dim, 2 x s x heads x width each, times the layer's attended fraction
         (attended_fraction: 1/2 causal, less over a window); MTP layers attend causally."""
         per_key = 2 * seq_len * self.query_heads * (self.head_dim + self.v_head_dim)
-        share = sum(attended_fraction(seq_len, self.layer_window(i), self.window_kind)
-                    for i in range(self.layers))
-        return per_key * (share + self.mtp_layers * CAUSAL_FRACTION)
+        return per_key * (self.attended_share(seq_len) + self.mtp_layers * CAUSAL_FRACTION)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Model FLOPs per token as the paper's MFU counts them: GEMMs and FlashAttention only.
