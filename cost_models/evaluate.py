@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate
 from types import MappingProxyType
 
@@ -21,13 +20,13 @@ from cost_models.memory import (
 )
 from cost_models.params import (
     StageParams,
-    chunk_dense_layers,
     experts_in_gemm,
     part_params,
+    stage_layer_counts,
     stage_params_of,
 )
 from plans.enums import OptimizerSharding
-from plans.layout import moe_chunks, stage_of_chunk
+from plans.layout import moe_chunks
 from plans.operators import Component
 from plans.plan import Plan, Prediction
 
@@ -43,7 +42,8 @@ class StageCosts:
     embedding_s: float
     """Extra on the first stage."""
     head_s: float
-    """Final norm + LM head + loss, extra on the last stage."""
+    """Final norm + LM head + loss, extra on the last stage (with MTP modules: their layers,
+    projections and heads too)."""
     p2p_s: float
     """One stage-to-stage activation transfer."""
 
@@ -94,16 +94,21 @@ class Evaluation:
 
 def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
     moe = layer_timing_for(layer_key(plan), plan.overlap)
-    if not plan.model.dense_layers:
+    if not plan.model.dense_ffn_layers and plan.model.mtp_layer_is_moe:
         return moe, moe
     return moe, layer_timing_for(layer_key(plan, dense=True), plan.overlap)
 
 
 def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
+    """The embedding, and the last stage's head: the LM head and loss, once more per MTP
+    module with the module's projection of the hidden state and the next token's embedding
+    (2h to h; its layer counts with the stage's layers)."""
     d, tokens = plan.degrees, pl.micro_batch_tokens(plan)
-    return (pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp),
-            pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
-                         plan.kernels))
+    head = pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
+                        plan.kernels)
+    if plan.model.mtp_layers:
+        head = pl.mtp_head_cost(plan, head)
+    return pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp), head
 
 
 def _accumulate_s(params: float, plan: Plan) -> float:
@@ -141,8 +146,7 @@ def _stage_accumulation_s(plan: Plan, stage: int) -> float:
     """One micro-batch's gradient accumulation on ``stage``: its layers', the embedding's on
     the first stage, the LM head's on the last."""
     parts = part_params(plan.model, plan.degrees)
-    n_moe, n_dense = _stage_layers(plan.stage_layers, plan.degrees.pp,
-                                   plan.model.dense_layers)[stage]
+    n_moe, n_dense = stage_layer_counts(plan.model, plan.stage_layers, plan.degrees.pp)[stage]
     return (n_moe * _grad_accumulation_s(parts.moe_layer, plan)
             + n_dense * _grad_accumulation_s(parts.dense_layer, plan)
             + (_grad_accumulation_s(parts.embedding, plan, edge=True) if stage == 0 else 0.0)
@@ -154,33 +158,22 @@ def stage_costs(plan: Plan) -> StageCosts:
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
     parts = part_params(plan.model, plan.degrees)
+    moe_s = moe.total_s + _grad_accumulation_s(parts.moe_layer, plan)
+    dense_s = dense.total_s + _grad_accumulation_s(parts.dense_layer, plan)
+    mtp_s = plan.model.mtp_layers * (moe_s if plan.model.mtp_layer_is_moe else dense_s)
     return StageCosts(
-        moe.total_s + _grad_accumulation_s(parts.moe_layer, plan),
-        dense.total_s + _grad_accumulation_s(parts.dense_layer, plan),
+        moe_s, dense_s,
         emb.total_s + _grad_accumulation_s(parts.embedding, plan, edge=True),
-        head.total_s + _grad_accumulation_s(parts.head, plan, edge=True),
+        head.total_s + _grad_accumulation_s(parts.head, plan, edge=True) + mtp_s,
         pl.p2p_transfer_s(plan),
     )
-
-
-@lru_cache(maxsize=4096)
-def _stage_layers(stage_layers: tuple[int, ...], pp: int, dense_layers: int) -> tuple[
-        tuple[int, int], ...]:
-    """(MoE layers, dense layers) per physical stage (chunk c on stage c mod pp)."""
-    out = [[0, 0] for _ in range(pp)]
-    for c, (n, n_dense) in enumerate(
-        zip(stage_layers, chunk_dense_layers(stage_layers, dense_layers), strict=True)
-    ):
-        out[stage_of_chunk(c, pp)][0] += n - n_dense
-        out[stage_of_chunk(c, pp)][1] += n_dense
-    return tuple((a, b) for a, b in out)
 
 
 def evaluate(plan: Plan) -> Evaluation:
     d, c, eff = plan.degrees, plan.cluster, plan.cluster.efficiency
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
-    layers = _stage_layers(plan.stage_layers, d.pp, plan.model.dense_layers)
+    layers = stage_layer_counts(plan.model, plan.stage_layers, d.pp)
     last = d.pp - 1
     fwd = [n * moe.fwd_s + nd * dense.fwd_s for n, nd in layers]
     bwd = [n * moe.bwd_s + nd * dense.bwd_s for n, nd in layers]

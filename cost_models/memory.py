@@ -14,15 +14,15 @@ from types import MappingProxyType
 from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import (
     StageParams,
-    chunk_dense_layers,
     experts_in_gemm,
     largest_param,
     part_params,
+    stage_layer_counts,
     stage_params,
 )
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
-from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
+from plans.layout import moe_chunks, tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
@@ -117,7 +117,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
     and normalised value; SwiGLU its two inputs and its output (the next GEMM's input), not the
     SiLU too."""
     h = model.hidden
-    q, kv = model.q_dim, model.kv_dim
+    q, kv, v, o = model.q_dim, model.kv_dim, model.v_dim, model.attn_out_dim
     fused = kernels == Kernels.fused
     norm = 2.0 * h + 4.0 if fused else 10.0 * h
     swiglu = 6.0 if fused else 8.0  # bytes per element of the FFN's hidden width
@@ -137,20 +137,29 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
                         frozenset({LO.qkv_gemm}), LO.tp_all_gather, frozenset({LO.qkv_gemm})))
     if model.qk_norm:
         out.append(Kept("qk_norm", 8.0 * (q + kv), frozenset({LO.qk_norm})))
+    if model.mla is not None:
+        # the latents the up-projections keep and their RMSNorms (MLA's q and kv latents)
+        a = model.mla
+        latents = a.q_lora_rank + a.kv_lora_rank
+        latent_norm = 2.0 * latents + 8.0 if fused else 10.0 * latents
+        out.append(Kept("mla_latents", 2.0 * latents + latent_norm,
+                        frozenset({LO.qkv_up_gemm})))
     ulysses = degrees.sp > 1
     out += [
         # q, k, v as the core receives them (no backward keeps them: the core keeps its own)
-        Kept("attention_core", 2.0 * (q + 2 * kv), frozenset(),
-             LO.sp_a2a_qkv if ulysses else LO.qkv_gemm, frozenset({LO.flash_attn})),
+        Kept("attention_core", 2.0 * (q + kv + v), frozenset(),
+             LO.sp_a2a_qkv if ulysses else (LO.qkv_up_gemm if model.mla else LO.qkv_gemm),
+             frozenset({LO.flash_attn})),
         # RoPE'd q, k and v expanded to the query heads, and the fp32 log-sum-exp
-        Kept("attention_core", 6.0 * q + 4.0 * model.query_heads, frozenset({LO.flash_attn})),
+        Kept("attention_core", 4.0 * q + 2.0 * o + 4.0 * model.query_heads,
+             frozenset({LO.flash_attn})),
         # the core's output, which the out projection keeps too unless an all-to-all follows
-        Kept("attention_core", 2.0 * q,
+        Kept("attention_core", 2.0 * o,
              frozenset({LO.flash_attn} if ulysses else {LO.flash_attn, LO.out_gemm}),
              LO.flash_attn),
     ]
     if ulysses:
-        out.append(Kept("attention_core", 2.0 * q, frozenset({LO.out_gemm}), LO.sp_a2a_out))
+        out.append(Kept("attention_core", 2.0 * o, frozenset({LO.out_gemm}), LO.sp_a2a_out))
     if dense:
         out.append(Kept("dense_ffn", swiglu * model.dense_ffn_hidden,
                         frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})))
@@ -202,10 +211,12 @@ def layer_activation_terms(
       Linear layers accumulate in their GEMMs (``linears_accumulate``): 2 tp h each;
     - qk_norm (Qwen3): the per-head RMSNorms of q and k keep their fp32 input and normalised
       copies, 8 (q_dim + kv_dim);
+    - mla_latents (MLA): the q and kv latents the up-projections keep (2 per element) and their
+      RMSNorms (as the layer norms: 10 per element eager);
     - attention_core: RoPE'd q, k and v expanded to the query heads (GQA repeat) and the SDPA
-      output, 8 q_dim, plus the fp32 log-sum-exp; Ulysses adds the all-to-all'd output the out
-      projection keeps (2 q_dim). Recomputing the core keeps its inputs (q, k, v) and the
-      out projection's input instead;
+      output, 8 q_dim (v and the output at attn_out_dim under MLA), plus the fp32 log-sum-exp;
+      Ulysses adds the all-to-all'd output the out projection keeps (2 q_dim). Recomputing the
+      core keeps its inputs (q, k, v) and the out projection's input instead;
     - router: fp32 probabilities (4 E) and the top-k indices and weights (12 k);
     - expert rows: the dispatched rows the grouped GEMMs keep (2 k h) and the SwiGLU
       intermediates (fc1, silu, fc3, product: 8 k F), times the EP rank's load; combine keeps
@@ -321,13 +332,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
                                              linears_accumulate)
         for dense in (False, True) for pol in (policy, Recompute.none)
     }
-    layers = [[0, 0] for _ in range(d.pp)]
-    for c, (n, n_dense) in enumerate(
-        zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
-    ):
-        counts = layers[stage_of_chunk(c, d.pp)]
-        counts[0] += n - n_dense
-        counts[1] += n_dense
+    layers = stage_layer_counts(model, stage_layers, d.pp)
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
     # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm

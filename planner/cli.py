@@ -237,6 +237,53 @@ def catalog_cmd(json_out: JsonOpt = False) -> None:
     print_catalog(models, clusters)
 
 
+@app.command("import-hf")
+@user_errors
+def import_hf_cmd(
+    config: Annotated[Path, typer.Argument(
+        help="A Hugging Face config.json, or a local snapshot folder holding one.")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the model spec YAML here (default: stdout).")] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", help="The spec's name (default: the snapshot folder's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write the ModelSpec of a Hugging Face config (plans.hf).
+
+    Any command that takes a model also takes the config.json or its folder directly.
+
+    \b
+    Examples:
+      moeplan import-hf DeepSeek-V3/config.json --out deepseek-v3.yaml
+      moeplan import-hf ~/.cache/huggingface/hub/models--openai--gpt-oss-120b/snapshots/X
+      moeplan import-hf config.json --json
+    """
+    import yaml
+
+    from planner.report import envelope, params_text
+
+    _check_out(out, force)
+    spec = plans.hf.load(config)
+    if name is not None:
+        spec = plans.catalog.parse(plans.ModelSpec, {**spec.model_dump(), "name": name},
+                                   "--name")
+    text = yaml.safe_dump({"name": spec.name, **spec.model_dump(mode="json",
+                                                                exclude_defaults=True)},
+                          sort_keys=False)
+    if out is not None:
+        _write_new(out, f"# moeplan import-hf {config}\n{text}", force)
+    if json_out:
+        typer.echo(json.dumps(envelope(
+            "import-hf", None, model=spec.model_dump(mode="json"),
+            total_params=spec.total_params, active_params=spec.active_params,
+            out=str(out) if out is not None else None), indent=2))
+    elif out is None:
+        typer.echo(f"# {spec.name}: {params_text(spec)}\n{text}", nl=False)
+    else:
+        typer.echo(f"{spec.name}: {params_text(spec)}; wrote {out}")
+
+
 @app.command()
 def schema() -> None:
     """Print the Plan JSON Schema."""

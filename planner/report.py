@@ -109,15 +109,28 @@ def echo(text: str) -> None:
 # ---- the job, the ranked plan, the envelope ---------------------------------------------------
 
 
+def param_count(n: float) -> str:
+    """A parameter count in K, M, B or T with three significant digits (671B, 46.7B, 1.03T)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+def params_text(model: ModelSpec) -> str:
+    """``671B total, 37.6B active`` (ModelSpec.total_params, active_params)."""
+    return f"{param_count(model.total_params)} total, {param_count(model.active_params)} active"
+
+
 def job_text(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
              batch_note: str = "") -> str:
     """The job in one line: model, GPUs, batch, sequence, precision."""
     gpus = f"{cluster.gpus:,} x {cluster.gpu.name}"
     if cluster.gpus > cluster.node.gpus_per_node:
         gpus += f" ({cluster.nodes} nodes of {cluster.node.gpus_per_node})"
-    return (f"{model.name} on {gpus}: global batch {training.global_batch:,}{batch_note} x "
-            f"{training.seq_len:,} tokens = {training.tokens_per_step:,} tokens/step, "
-            f"{training.precision.value}")
+    return (f"{model.name} ({params_text(model)}) on {gpus}: global batch "
+            f"{training.global_batch:,}{batch_note} x {training.seq_len:,} tokens = "
+            f"{training.tokens_per_step:,} tokens/step, {training.precision.value}")
 
 
 def job_document(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
@@ -332,7 +345,7 @@ def print_catalog(models: dict[str, ModelSpec], clusters: dict[str, ClusterSpec]
     echo_table("Models", [Column("name", False), *map(Column, (
         "layers", "hidden", "heads q/kv", "experts", "top-k", "total", "active"))],
         [[n, str(m.layers), str(m.hidden), f"{m.query_heads}/{m.kv_heads}", str(m.experts),
-          str(m.top_k), f"{m.total_params / 1e9:.1f}B", f"{m.active_params / 1e9:.1f}B"]
+          str(m.top_k), param_count(m.total_params), param_count(m.active_params)]
          for n, m in models.items()])
     print()
     echo_table("Clusters", [Column("name", False), Column("GPU", False), *map(Column, (

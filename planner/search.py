@@ -401,11 +401,16 @@ def _evaluate_option(plan: Plan, option) -> Ranked | None:
     for loss in _loss_order(plan):
         candidate = _with_option(plan, option).model_copy(update={"cross_entropy": loss})
         costs = cost_models.stage_costs(candidate)
-        dense = candidate.model.dense_layers
+        m = candidate.model
+        # the leading dense layers sit in the first chunk; the layers after them, MoE and
+        # interleaved dense (moe_layer_interval), are priced at their mean
+        dense, body = m.dense_layers, m.layers - m.dense_layers
+        interleaved = m.dense_ffn_layers - dense
+        layer_s = (costs.layer_s * (body - interleaved) + costs.dense_layer_s * interleaved) / body
         split = split_layers(
-            candidate.model.layers, candidate.degrees.pp, candidate.degrees.vpp,
-            SplitCosts(costs.layer_s, costs.embedding_s, costs.head_s,
-                       dense * (costs.dense_layer_s - costs.layer_s)),
+            m.layers, candidate.degrees.pp, candidate.degrees.vpp,
+            SplitCosts(layer_s, costs.embedding_s, costs.head_s,
+                       dense * (costs.dense_layer_s - layer_s)),
             dense_layers=dense,
         )
         candidate = candidate.model_copy(update={"stage_layers": split})

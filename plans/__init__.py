@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-SUBMODULES = ("catalog", "errors", "execution", "enums", "layout", "operators", "results")
+SUBMODULES = ("catalog", "errors", "execution", "enums", "hf", "layout", "operators", "results")
 
 
 def __getattr__(name: str):

@@ -114,3 +114,33 @@ class Target(StrEnum):
     """moeplan's own runtime (runtime/, `moeplan train`, `export --to torchrun|slurm`)."""
     megatron = "megatron"
     """Megatron-Core through Megatron-LM's pretrain_gpt.py (`export --to megatron`)."""
+
+
+class RouterScore(StrEnum):
+    """The function turning a token's router logits into expert scores."""
+
+    softmax = "softmax"
+    """Softmax over the experts (Mixtral, Qwen, DeepSeek-V2)."""
+    sigmoid = "sigmoid"
+    """An independent sigmoid per expert; the kept top-k scores are renormalised to sum to
+    one (DeepSeek-V3, Kimi-K2, GLM-4.5)."""
+
+
+class LinearBias(StrEnum):
+    """Which linear layers carry a bias vector."""
+
+    none = "none"
+    qkv = "qkv"
+    """The query, key and value projections (Qwen2-MoE, GLM-4.5)."""
+    all = "all"
+    """Every linear layer: attention in and out, router, experts and dense FFNs (GPT-OSS)."""
+
+
+class WindowKind(StrEnum):
+    """How a windowed attention layer limits the keys a query sees."""
+
+    sliding = "sliding"
+    """The ``sliding_window`` keys before it, itself included (GPT-OSS, Mistral)."""
+    chunked = "chunked"
+    """The keys of its own ``sliding_window``-token chunk up to itself (Llama-4's chunked
+    local attention)."""

@@ -100,6 +100,55 @@ TABLE: tuple[Capability, ...] = (
     Capability("model.dropout", False, Support.executed),
     Capability("model.dropout", True, Support.refused,
                "the model asks for dropout; this runtime trains without (set model.dropout 0)"),
+    # the model's architecture features (MODEL_FEATURES): GQA, softmax routing, every layer
+    # its own full causal attention are what moeplan's runtime builds
+    Capability("model.mla", False, Support.executed),
+    Capability("model.mla", True, Support.refused,
+               "moeplan's runtime runs GQA attention only; MLA plans run on target megatron"),
+    Capability("model.router_score", "softmax", Support.executed),
+    Capability("model.router_score", "sigmoid", Support.refused,
+               "moeplan's runtime routes by softmax scores only; sigmoid routing runs on target "
+               "megatron"),
+    Capability("model.router_expert_bias", False, Support.executed),
+    Capability("model.router_expert_bias", True, Support.refused,
+               "moeplan's runtime has no aux-loss-free expert bias; it runs on target megatron"),
+    Capability("model.routed_scaling_factor", False, Support.executed),
+    Capability("model.routed_scaling_factor", True, Support.refused,
+               "moeplan's runtime does not scale the routed experts' output; it runs on target "
+               "megatron"),
+    Capability("model.expert_groups", False, Support.executed),
+    Capability("model.expert_groups", True, Support.refused,
+               "moeplan's runtime routes over all experts (no group-limited routing); it runs "
+               "on target megatron"),
+    Capability("model.mtp_layers", False, Support.executed),
+    Capability("model.mtp_layers", True, Support.refused,
+               "moeplan's runtime has no multi-token prediction modules; MTP runs on target "
+               "megatron"),
+    Capability("model.moe_layer_interval", False, Support.executed),
+    Capability("model.moe_layer_interval", True, Support.refused,
+               "moeplan's runtime places dense layers first only; interleaved MoE layers run on "
+               "target megatron"),
+    Capability("model.sliding_window", False, Support.executed),
+    Capability("model.sliding_window", True, Support.refused,
+               "moeplan's runtime attends over the whole causal prefix in every layer; sliding "
+               "windows run on target megatron"),
+    Capability("model.linear_bias", "none", Support.executed),
+    Capability("model.linear_bias", ANY, Support.refused,
+               "moeplan's runtime has bias-free linear layers; biases run on target megatron"),
+    Capability("model.attention_sinks", False, Support.executed),
+    Capability("model.attention_sinks", True, Support.refused,
+               "moeplan's runtime has no attention sinks; they run on target megatron "
+               "(--softmax-type learnable)"),
+    Capability("model.shared_expert_gate", False, Support.executed),
+    Capability("model.shared_expert_gate", True, Support.refused,
+               "moeplan's runtime adds the shared experts ungated"),
+    Capability("model.kv_share_layers", False, Support.executed),
+    Capability("model.kv_share_layers", True, Support.refused,
+               "moeplan's runtime gives every layer its own keys and values (no cross-layer "
+               "attention)"),
+    Capability("model.rotary_fraction", False, Support.executed),
+    Capability("model.rotary_fraction", True, Support.refused,
+               "moeplan's runtime rotates whole heads; partial RoPE runs on target megatron"),
     *_executed("cluster", ANY, reason="the launch's GPUs; the spec gives peak FLOP/s for MFU"),
     *_executed("training.global_batch", ANY),
     *_executed("training.seq_len", ANY),
@@ -166,6 +215,21 @@ TABLE: tuple[Capability, ...] = (
 NOT_EXECUTED = ("schema_version", "prediction")
 """Plan fields that describe the plan and instruct nothing."""
 
+MODEL_FEATURES = ("mla", "router_score", "router_expert_bias", "routed_scaling_factor",
+                  "expert_groups", "mtp_layers", "moe_layer_interval", "sliding_window",
+                  "linear_bias", "attention_sinks", "shared_expert_gate", "kv_share_layers",
+                  "rotary_fraction")
+"""ModelSpec fields the table answers for: an enum's value, else whether the model departs
+from the field's default (uses the feature)."""
+
+
+def model_features(model: BaseModel) -> Iterator[tuple[str, object]]:
+    """(``model.<field>``, value) of every MODEL_FEATURES field of ``model``."""
+    for name in MODEL_FEATURES:
+        value = getattr(model, name)
+        yield f"model.{name}", (value if isinstance(value, Enum)
+                                else value != type(model).model_fields[name].default)
+
 
 def _text(value: object) -> str:
     if isinstance(value, bool):
@@ -208,6 +272,7 @@ def plan_fields(plan: Plan) -> Iterator[tuple[str, object]]:
             yield name, value
         if name == "model":
             yield "model.dropout", value.dropout > 0  # whether the model asks for dropout
+            yield from model_features(value)
 
 
 def _answers(plan: Plan, backend: Backend) -> Iterator[tuple[Capability, object]]:

@@ -58,6 +58,13 @@ MEGATRON_FLAGS = {
     "--moe-router-pre-softmax": False, "--moe-aux-loss-coeff": True,
     "--pipeline-model-parallel-layout": True, "--recompute-modules": True,
     "--fp8-recipe": True, "--train-iters": True,
+    "--multi-latent-attention": False, "--q-lora-rank": True, "--kv-lora-rank": True,
+    "--qk-head-dim": True, "--qk-pos-emb-head-dim": True, "--v-head-dim": True,
+    "--rope-type": True, "--no-rope-fusion": False, "--moe-router-score-function": True,
+    "--moe-router-enable-expert-bias": False, "--moe-router-topk-scaling-factor": True,
+    "--moe-router-num-groups": True, "--moe-router-group-topk": True, "--mtp-num-layers": True,
+    "--window-size": True, "--window-attn-skip-freq": True, "--softmax-type": True,
+    "--rotary-percent": True, "--add-qkv-bias": False,
 }
 CHOICES = {
     "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
