@@ -161,6 +161,19 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def _need_torch(command: str) -> None:
+    """The runtime's commands need torch, which planning does not install."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise plans.SpecError(f"{command}: needs torch (the runtime): "
+                              "pip install -e '.[runtime]'")
+
+
 def default_global_batch(gpus: int) -> int:
     """--global-batch when not given: half a sequence per GPU, the paper's 720 sequences on
     1,440 GPUs, sized to the job instead of applying that job to every GPU count."""
@@ -603,6 +616,7 @@ def profile_cmd(
     """
     import subprocess
 
+    _need_torch("profile")
     loaded = plans.catalog.load_plan(plan)
     if loaded.degrees.world != 1:
         raise plans.SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
@@ -820,6 +834,7 @@ def train_cmd(
     """
     from planner import launch
 
+    _need_torch("train")
     loaded = plans.catalog.load_plan(plan)
     # what the launcher alone can tell; the runtime's own checks run next (launch.preflight)
     if data is not None and data.suffix not in (".u16", ".u32"):
