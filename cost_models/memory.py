@@ -39,10 +39,10 @@ def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
     main gradients' dtype), all at once; the parameters updated in full cast their main
     gradients to fp32 and step one bucket at a time (the fused AdamW reads them as they are).
     A bucket closes once it holds GRAD_SYNC_BUCKET_PARAMS, so it holds at most that many and
-    its largest parameter. Measured on H200 before the buckets stepped one at a time
-    (bench/results/gpu_fidelity_h200.json): 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
-    this workspace, every gradient cast at once (``in_buckets`` False: how runs before
-    plans.execution.EAGER_STEP_IN_BUCKETS_SINCE executed it)."""
+    its largest parameter. ``in_buckets`` False: every gradient cast at once (a result measured
+    with ``eager_step_in_buckets: false``, plans.results.MEASURED_UNDER); so measured on H200
+    (bench/results/gpu_fidelity_h200.json), 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
+    this workspace."""
     sharded, local = p.sharded_and_local(d, sharding)
     if fused:
         return grad_bytes * sharded
@@ -377,8 +377,8 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
 
 def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdown:
     """Peak bytes per GPU of ``plan`` and the capacity it must fit in; ``step_in_buckets``
-    False prices a run of the runtime before its eager optimizer stepped bucket by bucket
-    (plans.execution.steps_in_buckets)."""
+    False prices a run whose eager optimizer cast every gradient at once (a result's
+    ``eager_step_in_buckets``, plans.results.MEASURED_UNDER)."""
     c, t = plan.cluster, plan.training
     capacity = c.gpu.hbm_gib * GIB * c.efficiency.memory_usable
     return _memory(

@@ -73,9 +73,10 @@ from plans import (
     catalog,
 )
 from plans.errors import describe
-from plans.execution import executed_as_measured, measured_deviations, steps_in_buckets
+from plans.execution import executed_as_measured, measured_deviations
 from plans.layout import ulysses_chunks
 from plans.results import (
+    MEASURED_UNDER,
     OverlapBench,
     ProfileResult,
     Sweep,
@@ -216,7 +217,7 @@ def _gemms(m: int, n: int, k: int, backward: bool) -> list[tuple[float, float, f
 
 def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
     """The cost model's seconds for what a sweep row timed; None for a row without its shape
-    (sweeps written before the micro-benchmarks)."""
+    (a sweep that did not record it)."""
     sh, bf16 = row.shape, Precision.bf16
     match row.op:
         case SweepOp.gemm if sh:
@@ -487,11 +488,12 @@ class Measured:
     deviations: list[dict] | None = None
     """The plan fields the run executed differently (plans.execution.record); None where it
     did not record them."""
-    date: str | None = None
-    """When it ran (plans.execution.steps_in_buckets: which optimizer step made its peak)."""
+    eager_step_in_buckets: bool = MEASURED_UNDER["eager_step_in_buckets"]
+    """How its eager optimizer stepped (TrainStepResult.eager_step_in_buckets; a runtime log is
+    this tree's runtime): which optimizer step made its peak."""
     head_groups: int | None = None
     """Head groups its Ulysses cores ran (TrainStepResult.ulysses_head_groups); None where the
-    run is from before the runtime recorded them (every Ulysses all-to-all blocked)."""
+    run did not record them (every Ulysses all-to-all blocked)."""
 
 
 def measured_run(path: Path, skip: int = 2) -> Measured:
@@ -502,7 +504,8 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
         return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
-                        r.routing_skew, recorded_deviations(r), r.date, r.ulysses_head_groups)
+                        r.routing_skew, recorded_deviations(r), r.eager_step_in_buckets,
+                        r.ulysses_head_groups)
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
@@ -544,7 +547,7 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
             update={"routing_skew": max(1.0, m.routing_skew)})})
     ran = executed_as_measured(plan, m.deviations)
     e = cost_models.evaluate(ran)
-    peak = memory_breakdown(ran, steps_in_buckets(m.date)).peak_bytes / GIB
+    peak = memory_breakdown(ran, m.eager_step_in_buckets).peak_bytes / GIB
     return {
         "plan": plan_path.stem,
         "layout": plan.summary(),
@@ -567,8 +570,8 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
         "run": str(run),
         "run_commit": m.commit,
         "measured_skew": m.routing_skew,
-        # Ulysses head groups the prediction prices and the run ran (None: from before they
-        # were recorded, all blocking)
+        # Ulysses head groups the prediction prices and the run ran (None: not recorded, all
+        # blocking)
         "priced_head_groups": ulysses_chunks(ran.overlap, ran.attention, ran.model,
                                              ran.degrees.sp),
         "run_head_groups": m.head_groups,

@@ -10,7 +10,7 @@ import pytest
 from cost_models import memory_breakdown
 from cost_models.memory import in_flight_micro_batches, layer_activation_bytes
 from cost_models.params import stage_params
-from plans import Degrees, Plan, Recompute, SpecError
+from plans import Degrees, Plan, Recompute
 from plans.catalog import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -151,21 +151,15 @@ def test_over_hbm_is_infeasible_with_numbers(plan_352b):
     assert ev.reason == f"peak memory {peak:.1f} GiB > usable 73.6 GiB on stage 0"
 
 
-def test_runs_before_the_bucketed_step_are_priced_with_every_gradient_cast_at_once():
-    # the eager optimizer casts one bucket at a time since plans.execution's date; the
-    # 1-GPU Mixtral plan's peak was set by the fp32 copies of all its gradients before it
+def test_runs_whose_eager_step_cast_every_gradient_at_once_are_priced_so():
+    # a result measured with eager_step_in_buckets false (plans.results.MEASURED_UNDER): the
+    # 1-GPU Mixtral plan's peak was set by the fp32 copies of all its gradients
     from cost_models.memory import optimizer_step_workspace
     from cost_models.params import largest_param, stage_params_of
     from plans.catalog import load_plan
-    from plans.execution import EAGER_STEP_IN_BUCKETS_SINCE, steps_in_buckets
 
     plan = load_plan(Path(__file__).resolve().parents[2] / "bench" / "gpu_plans" / "fidelity"
                      / "mixtral2l_1gpu_mbs1.json")
-    assert steps_in_buckets(None) and steps_in_buckets(EAGER_STEP_IN_BUCKETS_SINCE)
-    assert not steps_in_buckets("2026-11-30T23:59:00+00:00")
-    assert steps_in_buckets("2026-12-02T00:00:00")  # no offset: UTC
-    with pytest.raises(SpecError, match="date: 'yesterday' is not an ISO 8601 time"):
-        steps_in_buckets("yesterday")
     (stage,) = stage_params_of(plan)
     d, m = plan.degrees, plan.model
     bucket = 40_000_000 + largest_param(m, d)
