@@ -50,7 +50,9 @@ class Result(BaseModel):
     SOURCE: ClassVar[str] = ""
     """What writes documents of this kind."""
 
-    schema_version: Literal[SCHEMA_VERSION]
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    """The schema the document was written in (every writer stamps it; a document without it
+    is read as this one)."""
     commit: str | None = None
     date: str | None = None
     torch: str | None = None
@@ -91,8 +93,9 @@ class TrainStepResult(Result):
     """Where the reserve over the allocated peak sits, per rank (runtime.memory.
     allocator_breakdown: active, requested and fragment peaks, retries, reserved per stream;
     empty off CUDA); None where the run did not record it."""
-    eager_step_in_buckets: StrictBool
-    """How the run's eager optimizer stepped (``MEASURED_UNDER``): its peak is priced so."""
+    eager_step_in_buckets: StrictBool = MEASURED_UNDER["eager_step_in_buckets"]
+    """How the run's eager optimizer stepped (``MEASURED_UNDER``; a result without it is taken
+    as measured by this tree's runtime): its peak is priced so."""
     components_s: ComponentSeconds = {}
     """Seconds per runtime component (plans.Component), mean over ranks."""
     tokens_per_step: PositiveInt | None = None
