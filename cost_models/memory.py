@@ -23,6 +23,7 @@ from cost_models.params import (
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
+from plans.pipeline import peak_in_flight_chunks
 from plans.operators import RECOMPUTED, LayerOperator
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
@@ -278,15 +279,13 @@ plan of the suite within -3% .. +10%."""
 
 
 def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -> float:
-    """Micro-batches whose activations a stage holds at its peak, in units of the whole stage.
-
-    1F1B: stage i runs pp - i warm-up forwards before its first backward. Interleaved
-    (Megatron-LM schedules.get_num_warmup_microbatches; Korthikanti et al. 2022, Sec. 4.2.3):
-    2(pp - i - 1) + (vpp - 1) pp + 1 chunk forwards, each 1/vpp of the stage."""
-    if vpp == 1:
-        return min(pp - stage, micro_batches)
-    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, micro_batches * vpp)
-    return chunks / vpp
+    """Micro-batches whose activations a stage holds at its peak, in units of the whole stage:
+    the most chunk forwards awaiting their backward in the stage's action list
+    (plans.pipeline.peak_in_flight_chunks), each 1/vpp of the stage. 1F1B: pp - i warm-up
+    forwards on stage i; interleaved (Megatron-LM schedules.get_num_warmup_microbatches;
+    Korthikanti et al. 2022, Sec. 4.2.3): 2(pp - i - 1) + (vpp - 1) pp + 1 chunk forwards, or
+    all of them when micro_batches = pp."""
+    return peak_in_flight_chunks(pp, vpp, micro_batches, stage) / vpp
 
 
 def _buffer_bytes(model: ModelSpec, tokens: float, d: Degrees, ffn: FFNStrategy) -> float:

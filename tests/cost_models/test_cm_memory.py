@@ -171,3 +171,18 @@ def test_runs_whose_eager_step_cast_every_gradient_at_once_are_priced_so():
     before, now = memory_breakdown(plan, step_in_buckets=False), memory_breakdown(plan)
     assert before.components_bytes["optimizer_step_workspace"] == whole
     assert before.peak_bytes - now.peak_bytes > 5 * GIB
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(4, 1, 8), (4, 1, 2), (4, 2, 8), (4, 2, 4), (3, 3, 6)])
+def test_in_flight_micro_batches_are_the_schedules_warm_up(pp, vpp, m):
+    """The stage's action list (plans.pipeline) holds at most this many chunk forwards whose
+    backward has not run: 1F1B's pp - stage; interleaved, Megatron-LM's warm-up plus one, or
+    every chunk when m = pp."""
+    for stage in range(pp):
+        if vpp == 1:
+            chunks = min(pp - stage, m)
+        elif m == pp:
+            chunks = m * vpp
+        else:
+            chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, m * vpp)
+        assert in_flight_micro_batches(stage, pp, vpp, m) == chunks / vpp
