@@ -29,6 +29,7 @@ from plans.enums import OptimizerSharding
 from plans.layout import moe_chunks
 from plans.operators import Component
 from plans.plan import Plan, Prediction
+from plans.specs import mfu
 
 
 @dataclass(frozen=True)
@@ -232,12 +233,11 @@ def evaluate(plan: Plan) -> Evaluation:
 
     step = sum(breakdown.values())
     tokens = plan.training.tokens_per_step
-    flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
     mem = memory_breakdown(plan)
     return Evaluation(
         step_time_s=step,
         tokens_per_s=tokens / step,
-        mfu=flops / (c.gpus * c.gpu.bf16_dense_tflops * 1e12 * step),
+        mfu=mfu(plan.model, plan.training.seq_len, tokens, step, c.gpus, c.gpu),
         breakdown_s=MappingProxyType(breakdown),
         memory=mem,
         layer=moe,

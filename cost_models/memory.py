@@ -22,7 +22,8 @@ from cost_models.params import (
 )
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
-from plans.layout import moe_chunks, tokens_per_rank
+from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
+from plans.pipeline import peak_in_flight_chunks
 from plans.operators import RECOMPUTED, LayerOperator
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
@@ -39,10 +40,10 @@ def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
     main gradients' dtype), all at once; the parameters updated in full cast their main
     gradients to fp32 and step one bucket at a time (the fused AdamW reads them as they are).
     A bucket closes once it holds GRAD_SYNC_BUCKET_PARAMS, so it holds at most that many and
-    its largest parameter. Measured on H200 before the buckets stepped one at a time
-    (bench/results/gpu_fidelity_h200.json): 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
-    this workspace, every gradient cast at once (``in_buckets`` False: how runs before
-    plans.execution.EAGER_STEP_IN_BUCKETS_SINCE executed it)."""
+    its largest parameter. ``in_buckets`` False: every gradient cast at once (a result measured
+    with ``eager_step_in_buckets: false``, plans.results.MEASURED_UNDER); so measured on H200
+    (bench/results/gpu_fidelity_h200.json), 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
+    this workspace."""
     sharded, local = p.sharded_and_local(d, sharding)
     if fused:
         return grad_bytes * sharded
@@ -289,15 +290,13 @@ plan of the suite within -3% .. +10%."""
 
 
 def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -> float:
-    """Micro-batches whose activations a stage holds at its peak, in units of the whole stage.
-
-    1F1B: stage i runs pp - i warm-up forwards before its first backward. Interleaved
-    (Megatron-LM schedules.get_num_warmup_microbatches; Korthikanti et al. 2022, Sec. 4.2.3):
-    2(pp - i - 1) + (vpp - 1) pp + 1 chunk forwards, each 1/vpp of the stage."""
-    if vpp == 1:
-        return min(pp - stage, micro_batches)
-    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, micro_batches * vpp)
-    return chunks / vpp
+    """Micro-batches whose activations a stage holds at its peak, in units of the whole stage:
+    the most chunk forwards awaiting their backward in the stage's action list
+    (plans.pipeline.peak_in_flight_chunks), each 1/vpp of the stage. 1F1B: pp - i warm-up
+    forwards on stage i; interleaved (Megatron-LM schedules.get_num_warmup_microbatches;
+    Korthikanti et al. 2022, Sec. 4.2.3): 2(pp - i - 1) + (vpp - 1) pp + 1 chunk forwards, or
+    all of them when micro_batches = pp."""
+    return peak_in_flight_chunks(pp, vpp, micro_batches, stage) / vpp
 
 
 def _buffer_bytes(model: ModelSpec, tokens: float, d: Degrees, ffn: FFNStrategy) -> float:
@@ -382,8 +381,8 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
 
 def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdown:
     """Peak bytes per GPU of ``plan`` and the capacity it must fit in; ``step_in_buckets``
-    False prices a run of the runtime before its eager optimizer stepped bucket by bucket
-    (plans.execution.steps_in_buckets)."""
+    False prices a run whose eager optimizer cast every gradient at once (a result's
+    ``eager_step_in_buckets``, plans.results.MEASURED_UNDER)."""
     c, t = plan.cluster, plan.training
     capacity = c.gpu.hbm_gib * GIB * c.efficiency.memory_usable
     return _memory(

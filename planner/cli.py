@@ -161,6 +161,19 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def _need_torch(command: str) -> None:
+    """The runtime's commands need torch, which planning does not install."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise plans.SpecError(f"{command}: needs torch (the runtime): "
+                              "pip install -e '.[runtime]'")
+
+
 def default_global_batch(gpus: int) -> int:
     """--global-batch when not given: half a sequence per GPU, the paper's 720 sequences on
     1,440 GPUs, sized to the job instead of applying that job to every GPU count."""
@@ -650,6 +663,7 @@ def profile_cmd(
     """
     import subprocess
 
+    _need_torch("profile")
     loaded = plans.catalog.load_plan(plan)
     if loaded.degrees.world != 1:
         raise plans.SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
@@ -754,13 +768,17 @@ def calibrate_cmd(
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
                               f"in {plans_dir} (--plans)")
-    rows = []
+    rows, held, held_before = [], [], []
     for run, plan_path in pairs:
         row = cal.fidelity_row(run, plan_path, result.cluster)
         before = cal.fidelity_row(run, plan_path)
         fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
-        rows.append({**row, "step_error_before": before["step_error"],
-                     "held_out": plan_path.resolve() not in fitted})
+        held_out = plan_path.resolve() not in fitted
+        rows.append({**row.as_dict(), "step_error_before": before.step_error,
+                     "held_out": held_out})
+        if held_out:
+            held.append(row)
+            held_before.append(before)
     sources = ([f"profile {profile.name}, commit {measured_profile.commit}"] if profile else []
                ) + ([f"collectives {collectives.name}, commit {sweep.commit}"] if sweep else []
                     ) + ([f"fused profile {fused_profile.name}, commit {fused.commit}"]
@@ -770,11 +788,11 @@ def calibrate_cmd(
               f"moeplan's runtime by `moeplan calibrate`\n# ({'; '.join(sources)}).\n")
     _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),
                                             sort_keys=False), force)
-    held = [r for r in rows if r["held_out"]]
-    summary = {
-        "median_abs_step_error": _median_abs(held, "step_error"),
-        "median_abs_step_error_before": _median_abs(held, "step_error_before"),
-    }
+    after = cal.fidelity_summary([r.step_error for r in held], [r.memory_error for r in held])
+    was = cal.fidelity_summary([r.step_error for r in held_before],
+                               [r.memory_error for r in held_before])
+    summary = {"median_abs_step_error": after and after.median_abs_step_error,
+               "median_abs_step_error_before": was and was.median_abs_step_error}
     if json_out:
         typer.echo(json.dumps({"cluster": result.cluster.model_dump(mode="json"),
                                "factors": result.factors, "out": str(out), "runs": rows,
@@ -783,17 +801,11 @@ def calibrate_cmd(
     from planner.report import echo_calibration
 
     echo_calibration(base_cluster, result, rows)
-    if held:
-        before = summary["median_abs_step_error_before"]
-        typer.echo(f"held-out step-time error: median {summary['median_abs_step_error']:.1%} "
-                   f"(with {base_cluster.name}'s factors {before:.1%}) over {len(held)} runs")
+    if after is not None:
+        typer.echo(f"held-out step-time error: median {after.median_abs_step_error:.1%} "
+                   f"(with {base_cluster.name}'s factors {was.median_abs_step_error:.1%}) over "
+                   f"{after.runs} runs")
     typer.echo(f"wrote {out}")
-
-
-def _median_abs(rows: list[dict], key: str) -> float | None:
-    import statistics
-
-    return statistics.median(abs(r[key]) for r in rows) if rows else None
 
 
 @app.command("export", short_help="Print a launch script: Megatron-LM, torchrun or Slurm.")
@@ -867,6 +879,7 @@ def train_cmd(
     """
     from planner import launch
 
+    _need_torch("train")
     loaded = plans.catalog.load_plan(plan)
     # what the launcher alone can tell; the runtime's own checks run next (launch.preflight)
     if data is not None and data.suffix not in (".u16", ".u32"):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import Enum, StrEnum
 
 from pydantic import BaseModel
@@ -370,27 +369,6 @@ def _parsed(current: object, text: object) -> object:
 
 _BEFORE_FUSION = ("results without the record predate it, and no runtime before it fused the "
                   "gradient accumulation")
-
-
-EAGER_STEP_IN_BUCKETS_SINCE = "2026-12-01T09:34:07+00:00"
-"""When the runtime's eager optimizer step began casting the main gradients to fp32 one bucket
-at a time (commit 029a588 on main): a result measured before it cast every gradient at once,
-and its peak is priced that way (``steps_in_buckets``). Runs are made from main's tree of
-their day, so a result's date says which runtime made it."""
-
-
-def steps_in_buckets(measured_on: str | None) -> bool:
-    """Whether a run measured on ``measured_on`` (its result's ``date``, ISO 8601) stepped the
-    eager optimizer one bucket at a time; a run without a date is taken as the runtime's now."""
-    if measured_on is None:
-        return True
-    try:
-        when = datetime.fromisoformat(measured_on)
-    except ValueError:
-        raise SpecError(f"date: '{measured_on}' is not an ISO 8601 time") from None
-    if when.tzinfo is None:  # written without an offset: UTC, as the results are
-        when = when.replace(tzinfo=UTC)
-    return when >= datetime.fromisoformat(EAGER_STEP_IN_BUCKETS_SINCE)
 
 
 def record(plan: Plan, backend: Backend) -> list[dict]:

@@ -32,6 +32,7 @@ from plans.specs import (
     Precision,
     Tokens,
     TrainingSpec,
+    mfu,
 )
 
 SCHEMA_VERSION = 1
@@ -194,12 +195,11 @@ class Prediction(Frozen):
         """Where the stored numbers contradict each other for ``plan`` (a hand-edited block):
         tokens/s and MFU follow from the step time, the components sum to it."""
         out = []
-        tokens = plan.training.tokens_per_step
-        flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
-        peak = plan.cluster.gpus * plan.cluster.gpu.bf16_dense_tflops * 1e12
+        tokens, c = plan.training.tokens_per_step, plan.cluster
         derived = {
             "tokens_per_s": (self.tokens_per_s, tokens / self.step_time_s),
-            "mfu": (self.mfu, flops / (peak * self.step_time_s)),
+            "mfu": (self.mfu, mfu(plan.model, plan.training.seq_len, tokens, self.step_time_s,
+                                  c.gpus, c.gpu)),
         }
         if self.breakdown_s:
             derived["step_time_s"] = (self.step_time_s, sum(self.breakdown_s.values()))

@@ -725,3 +725,12 @@ class TrainingSpec(Frozen):
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+
+def mfu(model: ModelSpec, seq_len: int, tokens: float, seconds: float, gpus: int,
+        gpu: GPUSpec) -> float:
+    """Model FLOPs utilization: ``tokens`` of ``seq_len``-token sequences trained in ``seconds``
+    (ModelSpec.flops_per_token) over ``gpus`` GPUs' peak dense bf16 throughput, what the
+    predictions, the runtime's steps and the paper's MFU all report."""
+    return model.flops_per_token(seq_len) * tokens / (gpus * gpu.bf16_dense_tflops * 1e12
+                                                      * seconds)
