@@ -23,7 +23,14 @@ import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
 import plans  # noqa: E402  (lazy: pydantic and the models load inside the commands)
-from plans.enums import AttentionKind, Kernels, Overlap, Precision, Recompute  # noqa: E402
+from plans.enums import (  # noqa: E402
+    AttentionKind,
+    Kernels,
+    Overlap,
+    Precision,
+    Recompute,
+    Target,
+)
 
 try:  # typer 0.2x vendors its own click; older versions use click itself
     from typer._click import exceptions as click
@@ -129,18 +136,38 @@ PrecisionOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")]
 RunnableOpt = Annotated[bool, typer.Option(
-    "--runnable", help="Only what moeplan's runtime executes as written (plans.execution: no "
-    "tile-fused overlap, bf16 GEMMs): predictions for the run `moeplan train` makes.")]
+    "--runnable", help="Only what the target executes as written (plans.execution; moeplan: "
+    "bf16 GEMMs, no tile-fused overlap; --target megatron always is): predictions for the run "
+    "it makes.")]
+TargetOpt = Annotated[Target, typer.Option(
+    "--target", help="The runtime the plans are for: moeplan (`moeplan train`) or megatron "
+    "(`export --to megatron`: only what Megatron-Core runs).")]
 
 
-def _runnable(space, precision: TrainingPrecision):
-    """``space`` narrowed to what the runtime executes as written; fp8 GEMMs are refused."""
-    from plans.execution import executes
+def _for_target(space, precision: TrainingPrecision, target: Target, runnable: bool):
+    """``space`` for ``target``: what Megatron-Core executes as written, or for moeplan with
+    --runnable what its runtime does; a precision the target does not run is refused."""
+    from plans.execution import TARGET_NAMES, executes
 
-    if not executes("training.precision", precision):
-        raise plans.SpecError(f"--precision: the runtime does not run {precision} GEMMs as "
-                              "written (plans.execution); drop --runnable or use bf16")
-    return space.runnable()
+    if target == Target.moeplan and not runnable:
+        return space
+    if not executes("training.precision", precision, target=target):
+        undo = "drop --runnable" if target == Target.moeplan else "use --target moeplan"
+        raise plans.SpecError(f"--precision: {TARGET_NAMES[target]} does not run {precision} "
+                              f"GEMMs as written (plans.execution); {undo} or use bf16")
+    return space.for_target(target)
+
+
+def _by_target(plan):
+    """The plan as its target runs it, for pricing, and the notes saying where that differs
+    from the plan: Megatron-Core's runs_as fields (a field it cannot run is one line, exit 2);
+    a moeplan plan as written (`validate` says how moeplan's runtime runs it)."""
+    from plans.execution import deviations, executed_plan
+
+    if plan.target == Target.moeplan:
+        return plan, []
+    notes = [d.note() for d in deviations(plan, target=plan.target)]
+    return executed_plan(plan, target=plan.target), notes
 
 
 def _fail(message: str) -> typer.Exit:
@@ -303,7 +330,7 @@ def schema() -> None:
     typer.echo(json.dumps(plans.Plan.model_json_schema(), indent=2))
 
 
-@app.command("search", short_help="Find the fastest plans that fit, beside Megatron-LM's layout.")
+@app.command("search", short_help="Find the fastest plans that fit, beside Megatron-Core's best.")
 @user_errors
 def search_cmd(
     model: ModelArg,
@@ -315,7 +342,8 @@ def search_cmd(
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to keep.")] = 5,
     overlap: Annotated[
         list[Overlap] | None,
-        typer.Option("--overlap", help="Allowed overlap levels (repeat); default all."),
+        typer.Option("--overlap", help="Allowed overlap levels (repeat); default those some "
+                     "runtime executes (none, inter_op): inter_intra_op only by name."),
     ] = None,
     recompute: Annotated[
         list[Recompute] | None,
@@ -331,15 +359,18 @@ def search_cmd(
         "--kernels", help="The layers' memory-bound operators: fused torch.compile regions "
         "(default) or eager PyTorch.")] = Kernels.fused,
     runnable: RunnableOpt = False,
+    target: TargetOpt = Target.moeplan,
     out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Find the fastest plans that fit, beside the Megatron-LM-style layout.
+    """Find the fastest plans that fit, beside Megatron-Core's best plan (searched over what
+    it runs) and the paper's Megatron-LM layout (the reference).
 
     \b
     Examples:
       moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 --seq-len 4096
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --target megatron --out plan.json
       moeplan search internal-352b h800 --gpus 1440 --global-batch 720 --json
       moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.json
     """
@@ -352,13 +383,12 @@ def search_cmd(
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
     space = SearchSpace(
-        overlap=tuple(overlap) if overlap else tuple(Overlap),
+        **({"overlap": tuple(overlap)} if overlap else {}),
         recompute=tuple(recompute) if recompute else tuple(Recompute),
         **({"attention": tuple(attention)} if attention else {}),
         kernels=kernels,
     )
-    if runnable:
-        space = _runnable(space, precision)
+    space = _for_target(space, precision, target, runnable)
     if json_out:
         result = search(spec_model, spec_cluster, training, space, top=top)
     else:
@@ -428,11 +458,14 @@ def explain(
         else:
             print_measured(comparison, measured)
         return
-    evaluation = cost_models.evaluate(loaded)
+    priced, notes = _by_target(loaded)
+    evaluation = cost_models.evaluate(priced)
     if json_out:
-        typer.echo(json.dumps(explain_document(loaded, evaluation), indent=2))
+        typer.echo(json.dumps(explain_document(priced, evaluation), indent=2))
     else:
-        print_explain(loaded, evaluation)
+        for note in notes:
+            typer.echo(note)
+        print_explain(priced, evaluation)
 
 
 @app.command(short_help="Re-check a plan file and say how the runtime would run it.")
@@ -448,7 +481,8 @@ def validate(plan: PlanArg) -> None:
     from plans.execution import Backend, deviations, executed_plan, refusals
 
     loaded = plans.catalog.load_plan(plan)
-    evaluation = cost_models.evaluate(loaded)
+    priced, notes = _by_target(loaded)
+    evaluation = cost_models.evaluate(priced)
     if not evaluation.feasible:
         raise plans.SpecError(f"{plan}: does not fit: {evaluation.reason}")
     typer.echo(f"ok: {loaded.summary()}")
@@ -460,6 +494,14 @@ def validate(plan: PlanArg) -> None:
         if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
             typer.echo(f"note: the plan's stored prediction ({stored:.3f} s) differs from this "
                        "cost model's; the specs or efficiency factors changed")
+    if loaded.target == Target.megatron:
+        from plans.execution import TARGET_NAMES
+
+        for note in notes:
+            typer.echo(note)
+        typer.echo(f"{TARGET_NAMES[loaded.target]} runs it (target megatron): launch it with "
+                   "`moeplan export --to megatron`")
+        return
     if refused := refusals(loaded, Backend.cuda_nccl):
         typer.echo(f"moeplan train refuses it: {refused[0]}")
         return
@@ -538,7 +580,7 @@ def whatif_cmd(
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
     varies = [parse_vary(v) for v in vary]
-    space = _runnable(SearchSpace(), precision) if runnable else None
+    space = _for_target(SearchSpace(), precision, Target.moeplan, True) if runnable else None
     with _progress_search(json_out, "re-planning") as progress:
         points = whatif(spec_model, spec_cluster, training, varies, space, progress=progress)
     title = f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}"
@@ -829,17 +871,27 @@ def export_cmd(
     """
     import cost_models
     from planner.export import megatron_script, slurm_script, torchrun_script
+    from plans.execution import as_target, executed_plan
 
     loaded = plans.catalog.load_plan(plan)
     # the scripts run on other nodes and from other folders: the plan by its absolute path
     where = str(plan.resolve())
+    priced = loaded
     if to == ExportTarget.megatron:
         script = megatron_script(loaded, steps)  # refuses what Megatron cannot express
+        priced = executed_plan(as_target(loaded, Target.megatron), target=Target.megatron)
+        if loaded.target != Target.megatron:
+            step = cost_models.evaluate(priced).step_time_s
+            typer.echo(f"note: {plan}: a plan for target {loaded.target}, priced anew as a "
+                       f"megatron plan: predicted step {step:.3f} s", err=True)
+    elif loaded.target != Target.moeplan:
+        raise plans.SpecError(f"target: {loaded.target} is not run by moeplan's runtime: "
+                              "`--to torchrun|slurm` launch moeplan plans; use --to megatron")
     elif to == ExportTarget.torchrun:
         script = torchrun_script(loaded, where, steps)
     else:
         script = slurm_script(loaded, where, steps)
-    evaluation = cost_models.evaluate(loaded)
+    evaluation = cost_models.evaluate(priced)
     if not evaluation.feasible:
         typer.echo(f"warning: {plan}: the plan does not fit: {evaluation.reason}", err=True)
     typer.echo(script, nl=False)

@@ -18,7 +18,8 @@ from plans import (
     Precision,
     SpecError,
 )
-from plans.enums import CrossEntropy, LinearBias, RouterScore, WindowKind
+from plans.enums import CrossEntropy, LinearBias, Overlap, RouterScore, Target, WindowKind
+from plans.execution import as_target, refusals
 
 RDZV_PORT = 29500
 
@@ -102,22 +103,14 @@ def megatron_env(plan: Plan) -> dict[str, str]:
 
 
 def megatron_refusal(plan: Plan) -> str | None:
-    """Why Megatron-LM cannot run this plan as planned, or None."""
-    m, d = plan.model, plan.degrees
-    if plan.attention.kind == "ulysses_sp" and d.sp > m.kv_heads:
-        return (f"Ulysses degree {d.sp} is above model.kv_heads ({m.kv_heads}): Megatron "
-                "expresses Ulysses as a2a context parallelism, whose attention "
-                "(TransformerEngine) needs the KV heads to divide by the CP size")
-    cp = d.sp if plan.attention.kind == "ulysses_sp" else d.cp
-    if cp > 1 and plan.training.seq_len % (2 * cp):
-        return (f"training.seq_len ({plan.training.seq_len}) is not a multiple of 2 x CP "
-                f"(2 x {cp}): Megatron splits each sequence into 2 x CP chunks to balance the "
-                "causal mask (megatron.core.utils.get_batch_on_this_cp_rank)")
-    if plan.attention.kind == "cp" and not plan.attention.zigzag:
-        return ("cp attention without zigzag: Megatron's context parallelism always balances "
-                "the causal mask (zigzag chunks)")
-    if plan.grad_sync_precision == Precision.fp8:
-        return "fp8 gradient sync: Megatron-LM reduces gradients in fp32 or bf16 only"
+    """Why Megatron-Core cannot run this plan as planned, or None: its column of the
+    capability table (plans.execution; a plan for another target re-checked as a megatron
+    plan), then the model features its arguments cannot express, then whether it fits with
+    the logits materialised."""
+    found = refusals(as_target(plan, Target.megatron), target=Target.megatron)
+    if found:
+        return found[0]
+    m = plan.model
     if m.top_k == 1 and not m.router_pre_softmax and m.router_score == RouterScore.softmax:
         return ("top-1 routing with renormalised weights: Megatron's TransformerConfig needs "
                 "--moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
@@ -264,8 +257,8 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     args += megatron_recompute(plan)
     notes += megatron_cross_entropy(plan)[1]
     args.append("--bf16")
-    if t.optimizer == Optimizer.sgd:
-        args += ["--optimizer", "sgd"]
+    if t.optimizer == Optimizer.sgd:  # the plan's SGD is plain (Megatron's default has 0.9)
+        args += ["--optimizer", "sgd", "--sgd-momentum", "0"]
     zero1 = plan.optimizer_sharding == OptimizerSharding.zero1
     if zero1:  # Megatron's distributed optimizer shards the states over data parallelism
         args.append("--use-distributed-optimizer")
@@ -277,10 +270,8 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args.append("--no-gradient-accumulation-fusion")
     if plan.grad_sync_precision == Precision.bf16:
         args.append("--grad-reduce-in-bf16")
-    if plan.overlap.value != "none":
-        notes.append(f"overlap {plan.overlap.value}: Megatron's nearest is "
-                     "--overlap-moe-expert-parallel-comm (EP a2a overlap) where available; "
-                     "tile-level fused kernels are MegaScale-MoE's own")
+    if plan.overlap == Overlap.inter_op:  # plans.execution: Megatron-Core's EP overlap
+        args.append("--overlap-moe-expert-parallel-comm")
     if steps is not None:
         args += ["--train-iters", str(steps)]
     return args, notes

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_models import Evaluation
-from planner.search import Ranked, SearchResult
+from planner.search import BASELINE_LABEL, REFERENCE_LABEL, Ranked, SearchResult
 from plans import ClusterSpec, ModelSpec, Plan, TrainingSpec
 
 GIB = 2**30
@@ -155,10 +155,13 @@ def headroom(e: Evaluation) -> float:
 
 
 def ranked_document(label: str, plan: Plan, e: Evaluation) -> dict:
-    """One ranked plan, the same object in search, scale, whatif and explain."""
+    """One ranked plan, the same object in search, scale, whatif and explain; ``unexecuted``:
+    its mechanisms no runtime executes."""
     return {
         "label": label,
         "notation": plan.summary(),
+        "target": plan.target.value,
+        "unexecuted": unexecuted(plan),
         "step_time_s": e.step_time_s,
         "tokens_per_s": e.tokens_per_s,
         "tokens_per_s_per_gpu": e.tokens_per_s / plan.cluster.gpus,
@@ -211,13 +214,33 @@ def plan_row(label: str, p: Plan, e: Evaluation) -> list[str]:
             f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", memory_text(e)]
 
 
+UNEXECUTED_MARK = "*"
+"""Marks a row using a mechanism no runtime executes (plans.execution.executed_anywhere)."""
+
+
+def unexecuted(plan: Plan) -> list[str]:
+    """The plan's fields whose values no target executes as written (tile-fused overlap)."""
+    from plans.execution import executed_anywhere
+
+    return [f"{f} {v}" for f, v in (("overlap", plan.overlap.value),)
+            if not executed_anywhere(f, v)]
+
+
 def print_search(result: SearchResult, job: str) -> None:
     rows = [(f"#{i + 1}", r) for i, r in enumerate(result.top)]
     if result.baseline is not None:
         rows.append(("megatron", result.baseline))
+    if result.reference is not None:
+        rows.append(("paper", result.reference))
+    marked = [label for label, r in rows if unexecuted(r.plan)]
     echo(job)
-    echo_table("Best plans (fastest first) and the Megatron-LM-style layout", PLAN_COLUMNS,
-               [plan_row(label, r.plan, r.evaluation) for label, r in rows])
+    echo_table(f"Best plans (fastest first), megatron: {BASELINE_LABEL}, paper: "
+               f"{REFERENCE_LABEL}", PLAN_COLUMNS,
+               [plan_row(label + (UNEXECUTED_MARK if label in marked else ""), r.plan,
+                         r.evaluation) for label, r in rows])
+    if marked:
+        echo(f"{UNEXECUTED_MARK} no runtime executes tile-fused overlap (ov:inter+intra, "
+             "plans.execution): predictions for comparison only")
     for w in headroom_warnings([(label, r.evaluation) for label, r in rows]):
         echo(w)
     s = result.stats
@@ -225,9 +248,12 @@ def print_search(result: SearchResult, job: str) -> None:
           f"{s.pruned_memory:,} out of memory, {s.pruned_bound:,} bounded out, "
           f"{s.dominated:,} dominated, {s.evaluated:,} evaluated, {s.feasible:,} feasible")
     if result.speedup is not None:
-        echo(f"predicted speedup over the Megatron-LM-style layout: {result.speedup:.2f}x")
+        line = f"predicted speedup over {BASELINE_LABEL}: {result.speedup:.2f}x"
+        if result.reference_speedup is not None:
+            line += f", over {REFERENCE_LABEL}: {result.reference_speedup:.2f}x"
+        echo(line)
     elif result.baseline is None:
-        echo("the Megatron-LM-style layout does not fit this job")
+        echo(f"no plan of {BASELINE_LABEL} fits this job")
 
 
 def search_document(result: SearchResult, job: dict) -> dict:
@@ -236,7 +262,11 @@ def search_document(result: SearchResult, job: dict) -> dict:
         "search", job,
         top=[_ranked(f"#{i + 1}", r) for i, r in enumerate(result.top)],
         baseline=_ranked("megatron", result.baseline),
+        baseline_kind=BASELINE_LABEL,
         speedup=result.speedup,
+        reference=_ranked("paper", result.reference),
+        reference_kind=REFERENCE_LABEL,
+        reference_speedup=result.reference_speedup,
         search={
             "candidates": s.candidates, "feasible": s.feasible, "seconds": s.seconds,
             "layouts": s.layouts, "invalid": s.invalid, "pruned_memory": s.pruned_memory,
@@ -394,7 +424,7 @@ def print_whatif(points, job: str) -> None:
         ])
         if best:
             evaluations.append((p.label, best.evaluation))
-    echo_table("What if: best plan at each setting vs the Megatron-LM-style layout",
+    echo_table(f"What if: best plan at each setting vs {BASELINE_LABEL}",
                (Column("setting", False), Column("best plan", False), Column("tokens/s"),
                 Column("MFU"), Column("peak/usable GiB"), Column("megatron tokens/s"),
                 Column("speedup"), Column("changed vs first", False)), rows)
@@ -435,7 +465,7 @@ def print_scale(points, job: str) -> None:
         ])
         if p.result.best:
             evaluations.append((f"{d['gpus']} GPUs", p.result.best.evaluation))
-    echo_table("Scaling: best plan and Megatron-LM-style layout",
+    echo_table(f"Scaling: best plan and {BASELINE_LABEL}",
                (Column("GPUs"), Column("batch"), Column("plan", False), Column("tokens/s"),
                 Column("/GPU"), Column("MFU"), Column("days/1T"), Column("peak/usable GiB"),
                 Column("megatron tokens/s"), Column("megatron MFU"), Column("speedup")), rows)

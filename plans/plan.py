@@ -345,8 +345,9 @@ class Plan(Frozen):
     def options_notation(self) -> str:
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
         sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
-        sync is not overlapped, gradient accumulation not fused or the loss chunked, and
-        `k:fused` where the memory-bound operators are fused."""
+        sync is not overlapped, gradient accumulation not fused or the loss chunked,
+        `k:fused` where the memory-bound operators are fused, and `t:megatron` where the plan
+        is for a target other than moeplan."""
         overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
         sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
         out = (f"{sched} ov:{overlap[self.overlap.value]} rc:{RECOMPUTE_TAGS[self.recompute]} "
@@ -359,6 +360,8 @@ class Plan(Frozen):
             out += f" ce:{self.cross_entropy.value}"
         if self.kernels != Kernels.eager:
             out += f" k:{self.kernels.value}"
+        if self.target != Target.moeplan:
+            out += f" t:{self.target.value}"
         return out
 
     def summary(self) -> str:

@@ -25,6 +25,7 @@ SURFACE = {
                   '--attention <list[ulysses_sp|tp|cp]>',
                   '--kernels <eager|fused>',
                   '--runnable <bool>',
+                  '--target <moeplan|megatron>',
                   '--out <path>',
                   '--force <bool>',
                   '--json <bool>'],

@@ -187,13 +187,14 @@ def test_the_check_catches_an_export_megatron_rejects(monkeypatch):
 
 def _uneven_interleaved() -> Plan:
     """An interleaved Ulysses plan with an uneven split (9 layers over pp 2 x vpp 2)."""
-    from plans import Degrees, PipelineSchedule, UlyssesAttention
+    from plans import Degrees, Overlap, PipelineSchedule, UlyssesAttention
 
     model = catalog.load_model("tiny-moe").model_copy(update={"layers": 9})
     return Plan(model=model, cluster=catalog.load_cluster("h100", gpus=16),
                  training=TrainingSpec(global_batch=16, seq_len=512),
                  degrees=Degrees(pp=2, vpp=2, dp=4, sp=2, ep=4), attention=UlyssesAttention(),
-                 stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b)
+                 stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b,
+                 overlap=Overlap.none)
 
 
 def _feature_plan(model, pp: int, stage_layers: tuple[int, ...]) -> Plan:
