@@ -449,7 +449,7 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
     else:
         n, local, width, gathered_tokens = k.etp, e, m.expert_ffn_hidden / k.etp, t * k.etp
         per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)
-    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all
+    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch.moves_routed_copies
     # one chunk's share of the tokens and rows; its collectives ride the communication stream
     # beside the other chunk's expert GEMMs when the layer is chunked
     t, per_expert, side = t / chunks, per_expert / chunks, chunks > 1
@@ -480,7 +480,7 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
         e_fwd = eager.dispatch_fwd if eager else None
         e_bwd = eager.dispatch_bwd if eager else None
         if a2a:
-            send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
+            send, back = vol.ep_ffn(m, t, n, k.ffn.dispatch, routed_copies=rows)
             fwd_rows, bwd_rows = ((every_slot[0].rows(rows, t), every_slot[1].rows(rows, t))
                                   if every_slot else (t + rows, t + rows))
             perm = permutation(LO.dispatch_permute, fwd_rows, bwd_rows, e_fwd, e_bwd, norm, topk,

@@ -25,7 +25,7 @@ from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
 from plans.pipeline import peak_in_flight_chunks
 from plans.operators import RECOMPUTED, LayerOperator
-from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
+from plans.plan import EPFFN, Degrees, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
 
 LO = LayerOperator
@@ -174,7 +174,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
         if isinstance(ffn, EPFFN):
             load = EP_LOAD if degrees.ep > 1 else 1.0
             per_row = 2.0 * h + swiglu * f
-            if ffn.dispatch == Dispatch.all_to_all:
+            if ffn.dispatch.moves_routed_copies:
                 rows = Kept("expert_rows", k * per_row * load + 4.0 * k * h,
                             experts | {LO.combine_unpermute}, LO.ep_dispatch)
             else:
@@ -303,7 +303,7 @@ def _buffer_bytes(model: ModelSpec, tokens: float, d: Degrees, ffn: FFNStrategy)
     """The largest communication buffer of a layer: all-to-all dispatch k x tokens x h, an
     all-gather n x tokens x h (EP all-gather dispatch, expert TP, attention TP)."""
     row = model.hidden * ACT_BYTES
-    if isinstance(ffn, EPFFN) and ffn.dispatch == Dispatch.all_to_all:
+    if isinstance(ffn, EPFFN) and ffn.dispatch.moves_routed_copies:
         dispatch = model.top_k * (ffn.capacity_factor or 1.0) * tokens * row
     else:
         dispatch = max(d.ep, d.etp) * tokens * row

@@ -243,9 +243,11 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     if d.pp > 1:  # the exact split, interleaved or not; vpp = chunks / pp
         args += ["--pipeline-model-parallel-layout", megatron_layout(plan)]
     if isinstance(plan.ffn, EPFFN):
-        dispatcher = {Dispatch.all_to_all: "alltoall",
-                      Dispatch.allgather_reduce_scatter: "allgather"}[plan.ffn.dispatch]
+        dispatcher = {Dispatch.all_to_all: "alltoall", Dispatch.allgather_reduce_scatter:
+                      "allgather", Dispatch.deepep: "flex"}[plan.ffn.dispatch]
         args += ["--moe-token-dispatcher-type", dispatcher]
+        if plan.ffn.dispatch == Dispatch.deepep:  # the flex dispatcher's DeepEP backend
+            args.append("--moe-enable-deepep")
         if plan.ffn.capacity_factor is not None:
             args += ["--moe-expert-capacity-factor", f"{plan.ffn.capacity_factor:g}"]
     else:

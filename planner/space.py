@@ -1,8 +1,9 @@
 """The search space: which layouts and options a search may choose from, and their enumeration.
 
 Enumeration rules (hard constraints only; the Plan's own invariants reject the rest):
-- the attention group (sp, tp or cp) and the expert group (ep or etp) stay inside the NVLink
-  domain;
+- the attention group (sp, tp or cp) and expert TP (etp) stay inside the NVLink domain; an EP
+  group is inside it or whole NVLink domains (a multiple of it: contiguous nodes, plans.layout),
+  the all-to-all priced link by link (cost_models.volumes.ep_link_shares);
 - pp divides the GPUs left after the attention group and is at most the layer count;
 - micro-batches must fill the global batch; interleaving needs micro-batches divisible by pp;
 - fp8 gradient sync only for fp8 training.
@@ -61,6 +62,17 @@ class Layout:
     schedule: PipelineSchedule
 
 
+RUNTIME_DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
+"""The EP dispatchers moeplan's runtime runs (plans.execution): a default search's."""
+
+
+def ep_degrees(experts: int, ranks: int, domain: int) -> list[int]:
+    """EP group sizes for ``experts`` over ``ranks`` (dp x attention group) ranks: divisors of
+    both, inside the NVLink domain or whole domains (contiguous nodes), ascending."""
+    return [e for e in _divisors(ranks)
+            if experts % e == 0 and (e <= domain or e % domain == 0)]
+
+
 RUNNABLE_FIELDS = {
     "attention": "attention.kind", "ffn": "ffn.kind", "dispatch": "ffn.dispatch",
     "overlap": "overlap", "recompute": "recompute", "schedules": "schedule",
@@ -82,7 +94,8 @@ class SearchSpace:
     """Attention strategies. CP is left out by default: the runtime does not execute it (the
     paper rejects it for causal-mask imbalance); add it to compare predictions."""
     ffn: tuple[FFNKind, ...] = tuple(FFNKind)
-    dispatch: tuple[Dispatch, ...] = tuple(Dispatch)
+    dispatch: tuple[Dispatch, ...] = RUNTIME_DISPATCHES
+    """EP dispatchers; deepep (Megatron-Core's, plans.execution) only when asked for."""
     overlap: tuple[Overlap, ...] = DEFAULT_OVERLAPS
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     schedules: tuple[PipelineSchedule, ...] = tuple(PipelineSchedule)
@@ -91,6 +104,8 @@ class SearchSpace:
     max_vpp: int = 4
     attention_degrees: tuple[int, ...] | None = None
     """Allowed sp/tp/cp degrees; None = every divisor of the NVLink domain."""
+    expert_parallel_degrees: tuple[int, ...] | None = None
+    """Allowed ep degrees for an EP FFN; None = every one ``ep_degrees`` gives."""
     expert_tp_degrees: tuple[int, ...] | None = None
     """Allowed etp degrees for a TP FFN; None = every divisor of the NVLink domain above 1."""
     pp: tuple[int, ...] | None = None
@@ -168,7 +183,9 @@ class SearchSpace:
         inner = dp * n
         for ffn in self.ffn:
             if ffn == FFNKind.ep:
-                groups = [e for e in _divisors(inner) if model.experts % e == 0 and e <= domain]
+                groups = [e for e in ep_degrees(model.experts, inner, domain)
+                          if self.expert_parallel_degrees is None
+                          or e in self.expert_parallel_degrees]
                 degree_sets = [dict(ep=e) for e in groups]
             else:
                 allowed = self.expert_tp_degrees or _divisors(domain)

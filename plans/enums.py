@@ -33,6 +33,18 @@ class Dispatch(StrEnum):
     """All-to-all(v) of routed tokens there and back."""
     allgather_reduce_scatter = "allgather_reduce_scatter"
     """All-gather + local scatter to dispatch; local gather + reduce-scatter to combine."""
+    deepep = "deepep"
+    """DeepEP's hierarchical all-to-all (Megatron-Core's ``flex`` dispatcher): each token
+    crosses the network once per destination node, to the GPU of its own local index there,
+    which forwards it over NVLink to that node's destination GPUs; a GPU receives each token
+    once, whatever number of its experts it goes to. The combine mirrors it
+    (cost_models.volumes.ep_link_shares prices the links)."""
+
+    @property
+    def moves_routed_copies(self) -> bool:
+        """Whether the dispatch sends tokens to the ranks of their routed experts (all-to-all
+        and DeepEP's) rather than all-gathering every rank's tokens."""
+        return self != Dispatch.allgather_reduce_scatter
 
 
 class Recompute(StrEnum):

@@ -210,6 +210,10 @@ MOEPLAN: tuple[Capability, ...] = (
                "etp, the group's tokens all-gathered before and the partial sums "
                "reduce-scattered after (runtime.parallel.expert.ExpertTPDispatcher)"),
     *_executed("ffn.dispatch", "all_to_all", "allgather_reduce_scatter"),
+    Capability("ffn.dispatch", "deepep", Support.refused,
+               "no hierarchical (DeepEP) dispatcher: all_to_all sends every routed copy to "
+               "its expert's rank; Megatron-Core runs deepep (target megatron, its flex "
+               "dispatcher)"),
     *_executed("ffn.capacity_factor", ANY, reason="null is dropless"),
     *_executed("schedule", "1f1b", "interleaved_1f1b"),
     # how a step runs

@@ -329,12 +329,14 @@ class Plan(Frozen):
     # ---- the one plan notation (tables, exports, logs) --------------------------------------
     def layout_notation(self) -> str:
         """Degrees and strategies: `pp4 vpp2 dp2 sp8 ep8 a2a mbs1` (vpp shown when > 1; the
-        attention group as sp / tp / cp; the FFN as `epN a2a`, `epN ag+rs` or `etpN`)."""
+        attention group as sp / tp / cp; the FFN as `epN a2a`, `epN ag+rs`, `epN deepep` or
+        `etpN`)."""
         d = self.degrees
         vpp = f" vpp{d.vpp}" if d.vpp > 1 else ""
         attention = f"{self.attention.kind.removeprefix('ulysses_')}{d.attention_group}"
         if isinstance(self.ffn, EPFFN):
-            dispatch = {"all_to_all": "a2a", "allgather_reduce_scatter": "ag+rs"}
+            dispatch = {"all_to_all": "a2a", "allgather_reduce_scatter": "ag+rs",
+                        "deepep": "deepep"}
             ffn = f"ep{d.ep} {dispatch[self.ffn.dispatch]}"
             if self.ffn.capacity_factor is not None:
                 ffn += f" cf{self.ffn.capacity_factor:g}"

@@ -565,6 +565,10 @@ class DispatchFloors(Frozen):
     allgather_reduce_scatter: Annotated[float, Field(ge=0)] = 3290.0
 
     def of(self, dispatch: Dispatch) -> float:
+        # DeepEP's dispatch also waits on the host for its receive counts: the all-to-all's
+        # floor, a prior (no moeplan runtime runs it eagerly; plans.execution)
+        if dispatch == Dispatch.deepep:
+            return self.all_to_all
         return getattr(self, dispatch.value)
 
 

@@ -350,7 +350,10 @@ def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers
     group, n = mesh.groups[MeshAxis.ep], mesh.size(MeshAxis.ep)
     if kind == Dispatch.all_to_all:
         return AllToAllDispatcher(num_experts, group, n, timers, ops)
-    return AllGatherDispatcher(num_experts, group, n, mesh.index(MeshAxis.ep), timers, ops)
+    if kind == Dispatch.allgather_reduce_scatter:
+        return AllGatherDispatcher(num_experts, group, n, mesh.index(MeshAxis.ep), timers, ops)
+    raise ValueError(f"ffn.dispatch: {kind} has no dispatcher in this runtime "
+                     "(plans.execution refuses it)")
 
 
 def apply_expert_parallel(
