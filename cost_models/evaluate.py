@@ -8,6 +8,7 @@ from functools import lru_cache
 from itertools import accumulate
 from types import MappingProxyType
 
+from cost_models import megatron
 from cost_models import pipeline as pl
 from cost_models.compute import FP32_BYTES, memory_s
 from cost_models.grad_sync import exposed_grad_sync_s, stage_grad_syncs
@@ -26,7 +27,7 @@ from cost_models.params import (
     part_params,
     stage_params_of,
 )
-from plans.enums import OptimizerSharding
+from plans.enums import OptimizerSharding, Target
 from plans.layout import moe_chunks, stage_of_chunk
 from plans.operators import Component
 from plans.plan import Plan, Prediction
@@ -93,10 +94,24 @@ class Evaluation:
 
 
 def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
+    if plan.target == Target.megatron:
+        moe = megatron.layer_timing(plan)
+        return moe, (megatron.layer_timing(plan, dense=True) if plan.model.dense_layers
+                     else moe)
     moe = layer_timing_for(layer_key(plan), plan.overlap)
     if not plan.model.dense_layers:
         return moe, moe
     return moe, layer_timing_for(layer_key(plan, dense=True), plan.overlap)
+
+
+def _host_waits(plan: Plan, moe: LayerTiming, dense: LayerTiming
+                ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """GPU seconds an MoE and a dense layer lose to the host per micro-batch (forward,
+    backward): Megatron-Core's launches and waits (cost_models.megatron); none for moeplan's
+    runtime, whose host costs its kernel factors hold."""
+    if plan.target != Target.megatron:
+        return (0.0, 0.0), (0.0, 0.0)
+    return megatron.host_wait_s(plan, moe), megatron.host_wait_s(plan, dense, dense=True)
 
 
 def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
@@ -154,9 +169,10 @@ def stage_costs(plan: Plan) -> StageCosts:
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
     parts = part_params(plan.model, plan.degrees)
+    host_moe, host_dense = _host_waits(plan, moe, dense)
     return StageCosts(
-        moe.total_s + _grad_accumulation_s(parts.moe_layer, plan),
-        dense.total_s + _grad_accumulation_s(parts.dense_layer, plan),
+        moe.total_s + sum(host_moe) + _grad_accumulation_s(parts.moe_layer, plan),
+        dense.total_s + sum(host_dense) + _grad_accumulation_s(parts.dense_layer, plan),
         emb.total_s + _grad_accumulation_s(parts.embedding, plan, edge=True),
         head.total_s + _grad_accumulation_s(parts.head, plan, edge=True),
         pl.p2p_transfer_s(plan),
@@ -182,8 +198,9 @@ def evaluate(plan: Plan) -> Evaluation:
     emb, head = _edges(plan)
     layers = _stage_layers(plan.stage_layers, d.pp, plan.model.dense_layers)
     last = d.pp - 1
-    fwd = [n * moe.fwd_s + nd * dense.fwd_s for n, nd in layers]
-    bwd = [n * moe.bwd_s + nd * dense.bwd_s for n, nd in layers]
+    (host_f, host_b), (host_df, host_db) = _host_waits(plan, moe, dense)
+    fwd = [n * (moe.fwd_s + host_f) + nd * (dense.fwd_s + host_df) for n, nd in layers]
+    bwd = [n * (moe.bwd_s + host_b) + nd * (dense.bwd_s + host_db) for n, nd in layers]
     fwd[0] += emb.fwd_s
     bwd[0] += emb.bwd_s
     fwd[last] += head.fwd_s
@@ -205,6 +222,8 @@ def evaluate(plan: Plan) -> Evaluation:
         breakdown[f"exposed_comm.{kind}"] = m * (
             n_moe * moe.exposed_comm_s.get(kind, 0.0)
             + n_dense * dense.exposed_comm_s.get(kind, 0.0))
+    if plan.target == Target.megatron:
+        breakdown["host"] = m * (n_moe * (host_f + host_b) + n_dense * (host_df + host_db))
     breakdown["pipeline_bubble"] = pl.bubble_s(stage_s, d.vpp)
     breakdown["stragglers"] = pl.straggler_s(sum(breakdown.values()), plan)
     breakdown["pp_p2p"] = pl.exposed_p2p_s(plan, pl.p2p_transfer_s(plan))
