@@ -12,7 +12,7 @@ from cost_models import megatron
 from cost_models import pipeline as pl
 from cost_models.compute import FP32_BYTES, memory_s
 from cost_models.grad_sync import exposed_grad_sync_s, stage_grad_syncs
-from cost_models.layer import LayerTiming, layer_key, layer_timing_for
+from cost_models.layer import LayerTiming, layer_timing
 from cost_models.memory import (
     GIB,
     WEIGHT_BYTES,
@@ -28,7 +28,7 @@ from cost_models.params import (
     stage_params_of,
 )
 from plans.enums import OptimizerSharding, Target
-from plans.layout import moe_chunks, stage_of_chunk
+from plans.layout import stage_of_chunk
 from plans.operators import Component
 from plans.plan import Plan, Prediction
 
@@ -94,14 +94,8 @@ class Evaluation:
 
 
 def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
-    if plan.target == Target.megatron:
-        moe = megatron.layer_timing(plan)
-        return moe, (megatron.layer_timing(plan, dense=True) if plan.model.dense_layers
-                     else moe)
-    moe = layer_timing_for(layer_key(plan), plan.overlap)
-    if not plan.model.dense_layers:
-        return moe, moe
-    return moe, layer_timing_for(layer_key(plan, dense=True), plan.overlap)
+    moe = layer_timing(plan)
+    return moe, (layer_timing(plan, dense=True) if plan.model.dense_layers else moe)
 
 
 def _host_waits(plan: Plan, moe: LayerTiming, dense: LayerTiming
@@ -147,7 +141,7 @@ def _grad_accumulation_s(params: StageParams, plan: Plan, edge: bool = False) ->
     dense = params.dense if edge or not fused else 0.0
     if experts_in_gemm(plan):
         return _accumulate_s(dense, plan)
-    chunks = moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep)
+    chunks = megatron.moe_chunks(plan)
     return (_accumulate_s(dense + params.expert, plan)
             + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
 

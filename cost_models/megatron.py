@@ -16,7 +16,8 @@ from types import MappingProxyType
 
 from cost_models.layer import LayerTiming, layer_key, layer_timing_for
 from cost_models.volumes import CommKind
-from plans.enums import CudaGraphs, Overlap, Precision, Recompute
+from plans.enums import CudaGraphs, Overlap, Precision, Recompute, Target
+from plans.layout import moe_chunks as layout_moe_chunks
 from plans.plan import EPFFN, Degrees, Plan
 from plans.specs import ModelSpec
 
@@ -151,17 +152,62 @@ def host_wait_s(plan: Plan, timing: LayerTiming, dense: bool = False) -> tuple[f
     return fwd - timing.fwd_s, max(0.0, host_bwd - timing.bwd_s)
 
 
+def moe_chunks(plan: Plan) -> int:
+    """Token chunks a MoE layer runs in: Megatron-Core's EP overlap overlaps two micro-batches
+    and leaves the layer whole (1); moeplan's runtime chunks it (plans.layout.moe_chunks)."""
+    if plan.target == Target.megatron:
+        return 1
+    return layout_moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep)
+
+
 EP_KINDS = (CommKind.ep_dispatch.value, CommKind.ep_combine.value)
 
 
+FP8_CAST_BYTES = 4
+"""Bytes per element of TransformerEngine's quantisation of a GEMM operand under fp8: read the
+bf16 tensor, write its fp8 copy row-wise and column-wise (the data and weight gradients read
+one each); weights are quantised once per step (``is_first_microbatch``), not counted."""
+
+
+def fp8_cast_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
+    """Device seconds of one layer's fp8 quantisations per micro-batch, forward (each GEMM's
+    input) and backward (each GEMM's output gradient), at the fused kernels' rate; 0 in bf16.
+    Elements per token of this rank: QKV in h, out q / tp, the routed rows' fc1 in k h and
+    fc2 in k F; backward QKV (q + 2 kv) / tp, out h, fc1 2 k F, fc2 k h; dense or shared FFN
+    h and F in, 2 F and h out."""
+    if plan.training.precision != Precision.fp8:
+        return 0.0, 0.0
+    from cost_models.compute import fused_elementwise_s
+    from plans.layout import tokens_per_rank
+
+    m, d = plan.model, plan.degrees
+    fwd = m.hidden + m.q_dim / d.tp
+    bwd = (m.q_dim + 2 * m.kv_dim) / d.tp + m.hidden
+    widths = [m.dense_ffn_hidden] if dense else [
+        m.shared_experts * m.shared_expert_ffn_hidden] if m.shared_experts else []
+    for f in widths:
+        fwd, bwd = fwd + m.hidden + f, bwd + 2 * f + m.hidden
+    if not dense:
+        k, f = m.top_k, m.expert_ffn_hidden
+        fwd, bwd = fwd + k * (m.hidden + f), bwd + k * (2 * f + m.hidden)
+    tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
+    return tuple(fused_elementwise_s(tokens * e * FP8_CAST_BYTES, plan.cluster)
+                 for e in (fwd, bwd))
+
+
 def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
-    """One layer's device time as Megatron-Core schedules it: its communication blocks
+    """One layer's device time as Megatron-Core schedules it, its fp8 quantisations
+    included (``fp8_cast_s``): its communication blocks
     (overlap none), except under its EP overlap (overlap inter_op:
     ``--overlap-moe-expert-parallel-comm``), which runs one micro-batch's forward beside
     another's backward so that each one's dispatch and combine all-to-alls run beside the
     other's compute: a share ``efficiency.overlap`` of them is hidden, at most the layer's
     compute."""
     timing = layer_timing_for(layer_key(plan, dense), Overlap.none)
+    cast_fwd, cast_bwd = fp8_cast_s(plan, dense)
+    if cast_fwd or cast_bwd:
+        timing = replace(timing, fwd_s=timing.fwd_s + cast_fwd, bwd_s=timing.bwd_s + cast_bwd,
+                         compute_s=timing.compute_s + cast_fwd + cast_bwd)
     if plan.overlap != Overlap.inter_op:
         return timing
     exposed = dict(timing.exposed_comm_s)

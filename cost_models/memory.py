@@ -23,7 +23,7 @@ from cost_models.params import (
 )
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding, Target
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
-from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
+from plans.layout import stage_of_chunk, tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
@@ -397,6 +397,6 @@ def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdow
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
-        moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep), experts_in_gemm(plan),
+        megatron.moe_chunks(plan), experts_in_gemm(plan),
         plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
     )
