@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 from types import MappingProxyType
 
+from cost_models import megatron
 from cost_models import pipeline as pl
 from cost_models.compute import FP32_BYTES, memory_s
 from cost_models.grad_sync import exposed_grad_sync_s, stage_grad_syncs
-from cost_models.layer import LayerTiming, layer_key, layer_timing_for
+from cost_models.layer import LayerTiming, layer_timing
 from cost_models.memory import (
     GIB,
     WEIGHT_BYTES,
@@ -25,8 +26,7 @@ from cost_models.params import (
     stage_layer_counts,
     stage_params_of,
 )
-from plans.enums import OptimizerSharding
-from plans.layout import moe_chunks
+from plans.enums import OptimizerSharding, Target
 from plans.operators import Component
 from plans.plan import Plan, Prediction
 from plans.specs import mfu
@@ -94,10 +94,20 @@ class Evaluation:
 
 
 def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
-    moe = layer_timing_for(layer_key(plan), plan.overlap)
+    moe = layer_timing(plan)
     if not plan.model.dense_ffn_layers and plan.model.mtp_layer_is_moe:
         return moe, moe
-    return moe, layer_timing_for(layer_key(plan, dense=True), plan.overlap)
+    return moe, layer_timing(plan, dense=True)
+
+
+def _host_waits(plan: Plan, moe: LayerTiming, dense: LayerTiming
+                ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """GPU seconds an MoE and a dense layer lose to the host per micro-batch (forward,
+    backward): Megatron-Core's launches and waits (cost_models.megatron); none for moeplan's
+    runtime, whose host costs its kernel factors hold."""
+    if plan.target != Target.megatron:
+        return (0.0, 0.0), (0.0, 0.0)
+    return megatron.host_wait_s(plan, moe), megatron.host_wait_s(plan, dense, dense=True)
 
 
 def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
@@ -138,7 +148,7 @@ def _grad_accumulation_s(params: StageParams, plan: Plan, edge: bool = False) ->
     dense = params.dense if edge or not fused else 0.0
     if experts_in_gemm(plan):
         return _accumulate_s(dense, plan)
-    chunks = moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep)
+    chunks = megatron.moe_chunks(plan)
     return (_accumulate_s(dense + params.expert, plan)
             + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
 
@@ -159,8 +169,9 @@ def stage_costs(plan: Plan) -> StageCosts:
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
     parts = part_params(plan.model, plan.degrees)
-    moe_s = moe.total_s + _grad_accumulation_s(parts.moe_layer, plan)
-    dense_s = dense.total_s + _grad_accumulation_s(parts.dense_layer, plan)
+    host_moe, host_dense = _host_waits(plan, moe, dense)
+    moe_s = moe.total_s + sum(host_moe) + _grad_accumulation_s(parts.moe_layer, plan)
+    dense_s = dense.total_s + sum(host_dense) + _grad_accumulation_s(parts.dense_layer, plan)
     mtp_s = plan.model.mtp_layers * (moe_s if plan.model.mtp_layer_is_moe else dense_s)
     return StageCosts(
         moe_s, dense_s,
@@ -176,8 +187,9 @@ def evaluate(plan: Plan) -> Evaluation:
     emb, head = _edges(plan)
     layers = stage_layer_counts(plan.model, plan.stage_layers, d.pp)
     last = d.pp - 1
-    fwd = [n * moe.fwd_s + nd * dense.fwd_s for n, nd in layers]
-    bwd = [n * moe.bwd_s + nd * dense.bwd_s for n, nd in layers]
+    (host_f, host_b), (host_df, host_db) = _host_waits(plan, moe, dense)
+    fwd = [n * (moe.fwd_s + host_f) + nd * (dense.fwd_s + host_df) for n, nd in layers]
+    bwd = [n * (moe.bwd_s + host_b) + nd * (dense.bwd_s + host_db) for n, nd in layers]
     fwd[0] += emb.fwd_s
     bwd[0] += emb.bwd_s
     fwd[last] += head.fwd_s
@@ -199,6 +211,8 @@ def evaluate(plan: Plan) -> Evaluation:
         breakdown[f"exposed_comm.{kind}"] = m * (
             n_moe * moe.exposed_comm_s.get(kind, 0.0)
             + n_dense * dense.exposed_comm_s.get(kind, 0.0))
+    if plan.target == Target.megatron:
+        breakdown["host"] = m * (n_moe * (host_f + host_b) + n_dense * (host_df + host_db))
     breakdown["pipeline_bubble"] = pl.bubble_s(stage_s, d.vpp)
     breakdown["stragglers"] = pl.straggler_s(sum(breakdown.values()), plan)
     breakdown["pp_p2p"] = pl.exposed_p2p_s(plan, pl.p2p_transfer_s(plan))

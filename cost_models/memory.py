@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 
+from cost_models import megatron
 from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import (
     StageParams,
@@ -20,11 +21,11 @@ from cost_models.params import (
     stage_layer_counts,
     stage_params,
 )
-from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
+from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding, Target
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
-from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
-from plans.pipeline import peak_in_flight_chunks
+from plans.layout import tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
+from plans.pipeline import peak_in_flight_chunks
 from plans.plan import EPFFN, Degrees, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
 
@@ -260,17 +261,21 @@ HEAD_BYTES_PER_TOKEN_H = 10 + 2
 
 
 def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
-               kernels: Kernels = Kernels.eager) -> float:
+               kernels: Kernels = Kernels.eager, target: Target = Target.moeplan) -> float:
     """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
 
-    materialized: 12 bytes per logit. chunked (runtime.loss), an upper bound over its phases:
+    materialized: 12 bytes per logit; Megatron-Core's fused loss 2 (target megatron,
+    cost_models.megatron.LOSS_BYTES_PER_LOGIT). chunked (runtime.loss), an upper bound over
+    its phases:
     the gradients it computes in forward and keeps to backward, of the hidden states (2 T h)
     and of the head's weight (at most 4 V h: fp32 over several chunks), one chunk's
     weight-gradient GEMM output or, in backward, the scaled weight gradient and its cast
     (at most 6 V h), and one chunk's logits (CHUNK_BYTES_PER_LOGIT[kernels] x
     min(T V, CHUNK_LOGITS))."""
     v, h = model.vocab, model.hidden
-    if kind == CrossEntropy.materialized:
+    if target == Target.megatron:
+        head = megatron.LOSS_BYTES_PER_LOGIT * tokens * v
+    elif kind == CrossEntropy.materialized:
         head = LOSS_BYTES_PER_LOGIT * tokens * v
     else:
         head = (2 * tokens * h + 10 * v * h
@@ -322,20 +327,27 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             cross_entropy: CrossEntropy, sharding: OptimizerSharding,
             kernels: Kernels = Kernels.eager, chunks: int = 1,
             experts_accumulate_in_gemm: bool = False,
-            linears_accumulate: bool = False, step_in_buckets: bool = True) -> MemoryBreakdown:
+            linears_accumulate: bool = False, step_in_buckets: bool = True,
+            target: Target = Target.moeplan, precision: Precision = Precision.bf16
+            ) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
-    per_layer = {
-        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch, kernels,
-                                             linears_accumulate)
-        for dense in (False, True) for pol in (policy, Recompute.none)
-    }
+    if target == Target.megatron:
+        per_layer = {(dense, pol): tokens * megatron.kept_bytes_per_token(
+            model, d, precision, pol, dense) for dense in (False, True)
+            for pol in (policy, Recompute.none)}
+    else:
+        per_layer = {
+            (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch,
+                                                 kernels, linears_accumulate)
+            for dense in (False, True) for pol in (policy, Recompute.none)
+        }
     layers = stage_layer_counts(model, stage_layers, d.pp)
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
     # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
-    logits = loss_bytes(model, tokens, cross_entropy, kernels)
+    logits = loss_bytes(model, tokens, cross_entropy, kernels, target)
 
     grad_bytes = grad_bytes_per_param(grad_precision)
     opt_bytes = opt.state_bytes_per_param
@@ -389,6 +401,6 @@ def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdow
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
-        moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep), experts_in_gemm(plan),
-        plan.grad_accumulation_fusion, step_in_buckets,
+        megatron.moe_chunks(plan), experts_in_gemm(plan),
+        plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
     )

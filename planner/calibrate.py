@@ -89,6 +89,8 @@ from plans.results import (
 )
 
 GIB = 2**30
+CALIBRATED = {"kind": "measured", "note": "fitted by `moeplan calibrate` (the file's header)"}
+"""The efficiency_source of a calibrated cluster."""
 GROUPED = re.compile(r"grouped|GroupProblemShape|group_gemm", re.IGNORECASE)
 """CUTLASS grouped GEMM kernels are named after their GroupProblemShape."""
 MEMORY_CLASSES = ("elementwise", "copy", "reduction_index_sort", "other")
@@ -465,7 +467,8 @@ def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpe
     cluster = with_efficiency(base, **efficiency)
     try:
         cluster = ClusterSpec.model_validate({**cluster.model_dump(), "name": name,
-                                              "node": node.model_dump()})
+                                              "node": node.model_dump(),
+                                              "efficiency_source": CALIBRATED})
     except ValidationError as e:
         raise SpecError(f"the calibrated cluster is not valid: {describe(e)}") from None
     return Calibration(cluster, factors)

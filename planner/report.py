@@ -298,6 +298,8 @@ def explain_document(plan: Plan, e: Evaluation) -> dict:
 def print_explain(plan: Plan, e: Evaluation) -> None:
     echo(job_text(plan.model, plan.cluster, plan.training))
     echo(f"plan: {plan.summary()}")
+    if (source := plan.cluster.efficiency_source) is not None:
+        echo(f"efficiency factors: {source.kind.value} ({source.note})")
     rows = [[k, f"{v:.4g}", f"{v / e.step_time_s:.1%}"] for k, v in e.breakdown_s.items()]
     rows.append(["step", f"{e.step_time_s:.4g}", "100%"])
     echo_table("Per step", (Column("component", False), Column("seconds"), Column("share")),

@@ -118,6 +118,19 @@ class OptimizerSharding(StrEnum):
     weights are all-gathered."""
 
 
+class CudaGraphs(StrEnum):
+    """Which parts of each layer Megatron-Core captures as CUDA graphs (TransformerEngine's
+    graphs, ``--cuda-graph-impl transformer_engine --cuda-graph-scope ...``): a graphed part
+    is replayed by one launch, forward and backward, instead of launching its kernels one by
+    one from the host (cost_models.megatron prices the host's launches)."""
+
+    none = "none"
+    moe_router = "moe_router"
+    """The MoE router and the dispatcher's preprocessing (scopes moe_router, moe_preprocess)."""
+    attn_moe_router = "attn_moe_router"
+    """Those and the attention block (scopes attn, moe_router, moe_preprocess)."""
+
+
 class Target(StrEnum):
     """Which runtime executes a plan: what it runs and how it is priced
     (plans.execution: one capability column per target)."""

@@ -120,6 +120,9 @@ _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
 
 MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
+    Capability("cuda_graphs", "none", Support.executed),
+    *(Capability("cuda_graphs", v, Support.refused, "moeplan's runtime captures no CUDA graphs")
+      for v in ("moe_router", "attn_moe_router")),
     Capability("target", "megatron", Support.refused,
                "the plan is for Megatron-Core: launch it with `moeplan export --to megatron`"),
     # the job: the model and batch are built as written; the cluster is the launch's

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from plans.enums import (
     CrossEntropy,
+    CudaGraphs,
     Dispatch,
     Kernels,
     OptimizerSharding,
@@ -262,6 +263,8 @@ class Plan(Frozen):
     memory-bound pass."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
+    cuda_graphs: CudaGraphs = CudaGraphs.none
+    """The layer parts captured as CUDA graphs (Megatron-Core's ``--cuda-graph-scope``)."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")
@@ -362,6 +365,8 @@ class Plan(Frozen):
             out += f" ce:{self.cross_entropy.value}"
         if self.kernels != Kernels.eager:
             out += f" k:{self.kernels.value}"
+        if self.cuda_graphs != CudaGraphs.none:
+            out += f" cg:{self.cuda_graphs.value}"
         if self.target != Target.moeplan:
             out += f" t:{self.target.value}"
         return out

@@ -642,6 +642,23 @@ class Efficiency(Frozen):
     NCCL's buffers and the prediction's error (docs/memory.md: -2.2% .. +6.7% on H200)."""
 
 
+class FactorSource(StrEnum):
+    """Where a cluster's efficiency factors come from."""
+
+    measured = "measured"
+    """Fitted to measurements (on this GPU or one of the same die)."""
+    prior = "prior"
+    """No measurement on this GPU: the Efficiency defaults or a figure carried from another."""
+
+
+class EfficiencySource(Frozen):
+    """The provenance of a cluster's ``efficiency`` factors, shown by `moeplan explain`."""
+
+    kind: FactorSource
+    note: Name
+    """What was measured, or what the prior is taken from."""
+
+
 class ClusterSpec(Frozen):
     name: Name
     gpu: GPUSpec
@@ -650,6 +667,8 @@ class ClusterSpec(Frozen):
     gpus: GPUs
     """GPUs in the job: a multiple of gpus_per_node, or fewer than one node."""
     efficiency: Efficiency = Efficiency()
+    efficiency_source: EfficiencySource | None = None
+    """Where ``efficiency`` comes from; None: not stated."""
     stage_time_cv: float = Field(0.023, ge=0, le=1)
     """Coefficient of variation of one GPU's time for one micro-batch's work (clocks, power,
     launch jitter): the pipeline and the data-parallel replicas wait for the slowest
