@@ -320,6 +320,7 @@ def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSp
             schedule=layout.schedule, overlap=overlap, recompute=recompute,
             grad_sync_precision=sync, grad_sync_overlap=space.grad_sync_overlap,
             grad_accumulation_fusion=space.grad_accumulation_fusion, kernels=space.kernels,
+            optimizer_sharding=layout.optimizer_sharding,
         )
     except ValidationError:
         return None
@@ -397,18 +398,24 @@ def _loss_order(plan: Plan) -> list[CrossEntropy]:
     return sorted((CrossEntropy.chunked, CrossEntropy.materialized), key=head_s)
 
 
+def split_stages(plan: Plan) -> Plan:
+    """``plan`` with its layers split over the pipeline's chunks as the search splits them
+    (planner.staging's ILP over the plan's stage costs)."""
+    costs = cost_models.stage_costs(plan)
+    dense = plan.model.dense_layers
+    split = split_layers(
+        plan.model.layers, plan.degrees.pp, plan.degrees.vpp,
+        SplitCosts(costs.layer_s, costs.embedding_s, costs.head_s,
+                   dense * (costs.dense_layer_s - costs.layer_s)),
+        dense_layers=dense,
+    )
+    return plan.model_copy(update={"stage_layers": split})
+
+
 def _evaluate_option(plan: Plan, option) -> Ranked | None:
     for loss in _loss_order(plan):
-        candidate = _with_option(plan, option).model_copy(update={"cross_entropy": loss})
-        costs = cost_models.stage_costs(candidate)
-        dense = candidate.model.dense_layers
-        split = split_layers(
-            candidate.model.layers, candidate.degrees.pp, candidate.degrees.vpp,
-            SplitCosts(costs.layer_s, costs.embedding_s, costs.head_s,
-                       dense * (costs.dense_layer_s - costs.layer_s)),
-            dense_layers=dense,
-        )
-        candidate = candidate.model_copy(update={"stage_layers": split})
+        candidate = split_stages(
+            _with_option(plan, option).model_copy(update={"cross_entropy": loss}))
         if cost_models.memory_breakdown(candidate).fits:
             ranked = evaluate_plan(candidate)
             return ranked if ranked.evaluation.feasible else None
