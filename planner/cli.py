@@ -23,7 +23,7 @@ import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
 import plans  # noqa: E402  (lazy: pydantic and the models load inside the commands)
-from plans.enums import AttentionKind, Kernels, Overlap, Precision, Recompute  # noqa: E402
+from plans.enums import Kernels, Precision  # noqa: E402
 
 try:  # typer 0.2x vendors its own click; older versions use click itself
     from typer._click import exceptions as click
@@ -128,6 +128,10 @@ PrecisionOpt = Annotated[
     TrainingPrecision, typer.Option("--precision", help="Training compute precision.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")]
+PlotOpt = Annotated[
+    Path | None, typer.Option("--plot", help="Write a plot (.png or .svg; needs matplotlib).")
+]
+PlotForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --plot file.")]
 RunnableOpt = Annotated[bool, typer.Option(
     "--runnable", help="Only what moeplan's runtime executes as written (plans.execution: no "
     "tile-fused overlap, bf16 GEMMs): predictions for the run `moeplan train` makes.")]
@@ -208,6 +212,126 @@ def _check_out(path: Path | None, force: bool) -> None:
         check_destination(path, "--out", force)
 
 
+# ---- questions: the pin options and plans given as notation --------------------------------
+
+
+def pin_options(fn: Callable) -> Callable:
+    """Give a command the pin options (planner.pins.PINS: --pp --vpp --sp --tp --cp --ep --etp
+    --mbs --attention --dispatch --overlap --recompute --grad-sync --optimizer-sharding), each
+    a list under one rule; the command receives their raw values as ``pins``, a dict by
+    parameter name (planner.pins.parse_pins reads them)."""
+    import inspect
+
+    from planner.pins import LIST_RULE, PINS
+
+    options = [inspect.Parameter(
+        pin.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[list[str] | None, typer.Option(
+            pin.option, help=f"{pin.help} {LIST_RULE}")]) for pin in PINS]
+    signature = inspect.signature(fn, eval_str=True)
+    kept = [p for p in signature.parameters.values() if p.name != "pins"]
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        raw = {pin.name: kwargs.pop(pin.name, None) for pin in PINS}
+        return fn(*args, pins=raw, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*kept, *options])
+    wrapper.__annotations__ = {p.name: p.annotation for p in (*kept, *options)}
+    return wrapper
+
+
+def _no_plan(model, cluster, training, result, pinned) -> plans.SpecError:
+    """Why a search found nothing: no layout matched the pins, or none fitted."""
+    job = (f"{cluster.gpus} x {cluster.gpu.name} (global batch {training.global_batch}, "
+           f"seq {training.seq_len})")
+    if pinned.text and result.stats.candidates == 0:
+        return plans.SpecError(
+            f"{pinned.text.split()[0]}: no layout of {model.name} on {job} matches "
+            f"{pinned.text} (attention and expert groups stay inside the NVLink domain of "
+            f"{cluster.nvlink_domain}; pp x the attention degree divides the GPUs; dp x mbs "
+            "divides the global batch)")
+    where = f" with {pinned.text}" if pinned.text else ""
+    return plans.SpecError(
+        f"--gpus: no plan of {model.name}{where} fits {job}; "
+        f"{result.stats.pruned_memory} candidates out of memory, "
+        f"{result.stats.invalid} invalid")
+
+
+def _pinned_search(model, cluster, training, pinned, kernels: Kernels = Kernels.fused,
+                   runnable: bool = False, top: int = 1, json_out: bool = True):
+    """The search of the pinned space (narrowed to what the runtime runs with --runnable)."""
+    from planner.search import search
+    from planner.space import SearchSpace
+
+    space = SearchSpace(kernels=kernels, **pinned.fields)
+    if runnable:
+        space = _runnable(space, TrainingPrecision(training.precision.value))
+    with _progress_search(json_out, "searching layouts") as progress:
+        result = search(model, cluster, training, space, top=top, progress=progress)
+    if result.best is None:
+        raise _no_plan(model, cluster, training, result, pinned)
+    return result
+
+
+PlanRefArg = Annotated[str, typer.Argument(
+    help="A plan file (.json or .yaml, from `moeplan search --out`) or the plan notation in "
+    "quotes ('pp2 dp4 sp2 ep8 a2a mbs1 rc:full', with --model, --cluster and --gpus; "
+    "docs/cli.md has the grammar).")]
+ModelOpt = Annotated[str | None, typer.Option(
+    "--model", help="Catalog model or spec file a plan in notation is for.")]
+OptGpusOpt = Annotated[int | None, typer.Option(
+    "--gpus", min=1, help="GPUs of the job a plan in notation is for.")]
+OptSeqOpt = Annotated[int | None, typer.Option(
+    "--seq-len", min=1, help="Tokens per sequence of a plan in notation; default 8192.")]
+OptPrecisionOpt = Annotated[TrainingPrecision | None, typer.Option(
+    "--precision", help="Training compute precision of a plan in notation; default bf16.")]
+
+
+def _is_plan_file(ref: str) -> bool:
+    """A plan reference names a file (by its suffix, or because it exists) or is notation."""
+    return Path(ref).suffix.lower() in (".json", ".yaml", ".yml") or Path(ref).is_file()
+
+
+def _job_options_for_notation(refs: list[str], model, gpus, global_batch, seq_len,
+                              precision) -> None:
+    """Refuse job options no plan uses: every plan given is a file, which holds its job."""
+    if all(_is_plan_file(r) for r in refs):
+        for option, value in (("--model", model), ("--gpus", gpus),
+                              ("--global-batch", global_batch), ("--seq-len", seq_len),
+                              ("--precision", precision)):
+            if value is not None:
+                raise plans.SpecError(f"{option}: a plan file holds its job; {option} goes "
+                                      "with a plan in notation")
+
+
+def _load_plan_ref(ref: str, model: str | None, cluster: str | None, gpus: int | None,
+                   global_batch: int | None, seq_len: int | None,
+                   precision: TrainingPrecision | None):
+    """The plan a reference names: a plan file (priced on --cluster when given), or the
+    notation built for --model on --gpus x --cluster, its layers split as the search splits
+    them (planner.search.split_stages)."""
+    if _is_plan_file(ref):
+        loaded = plans.catalog.load_plan(Path(ref))
+        if cluster is not None:
+            from planner.calibrate import on
+
+            loaded = on(loaded, plans.catalog.load_cluster(cluster, what="--cluster"))
+        return loaded
+    for option, value in (("--model", model), ("--cluster", cluster), ("--gpus", gpus)):
+        if value is None:
+            raise plans.SpecError(f"{option}: the plan notation {ref!r} needs --model, "
+                                  "--cluster and --gpus (or give a plan file)")
+    from planner.search import split_stages
+    from plans.notation import plan_from_notation
+
+    spec_model = plans.catalog.load_model(model)
+    spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus, what="--cluster")
+    training, _ = _training(global_batch, seq_len or 8192,
+                            precision or TrainingPrecision.bf16, gpus)
+    return split_stages(plan_from_notation(ref, spec_model, spec_cluster, training))
+
+
 # ---- commands ------------------------------------------------------------------------------------
 
 
@@ -245,6 +369,7 @@ def schema() -> None:
 
 @app.command("search", short_help="Find the fastest plans that fit, beside Megatron-LM's layout.")
 @user_errors
+@pin_options
 def search_cmd(
     model: ModelArg,
     cluster: ClusterArg,
@@ -253,100 +378,110 @@ def search_cmd(
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to keep.")] = 5,
-    overlap: Annotated[
-        list[Overlap] | None,
-        typer.Option("--overlap", help="Allowed overlap levels (repeat); default all."),
-    ] = None,
-    recompute: Annotated[
-        list[Recompute] | None,
-        typer.Option("--recompute", help="Allowed recomputation policies (repeat); default all."),
-    ] = None,
-    attention: Annotated[
-        list[AttentionKind] | None,
-        typer.Option("--attention", help="Allowed attention strategies (repeat); default "
-                     "ulysses_sp and tp (cp is for comparing predictions: the runtime does not "
-                     "run it)."),
-    ] = None,
     kernels: Annotated[Kernels, typer.Option(
         "--kernels", help="The layers' memory-bound operators: fused torch.compile regions "
         "(default) or eager PyTorch.")] = Kernels.fused,
     runnable: RunnableOpt = False,
-    out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the best plan here (YAML for a .yaml or .yml name, else JSON).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out or --plot "
+                                                        "file.")] = False,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write the plans' stacked time breakdowns (.png or .svg; needs "
+        "matplotlib).")] = None,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
-    """Find the fastest plans that fit, beside the Megatron-LM-style layout.
+    """Find the fastest plans that fit, beside the Megatron-LM-style layout. The pin options
+    (--tp 1,2 --ep 8 --recompute sel ...) restrict what is searched: one value pins it.
 
     \b
     Examples:
       moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 --seq-len 4096
       moeplan search internal-352b h800 --gpus 1440 --global-batch 720 --json
-      moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.json
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.yaml
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --tp 1 --ep 4,8 --mbs 1,2
     """
+    from planner.pins import parse_pins
     from planner.report import job_document, job_text, print_search, search_document
-    from planner.search import search
-    from planner.space import SearchSpace
 
     _check_out(out, force)
+    _check_plot(plot, force)
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
-    space = SearchSpace(
-        overlap=tuple(overlap) if overlap else tuple(Overlap),
-        recompute=tuple(recompute) if recompute else tuple(Recompute),
-        **({"attention": tuple(attention)} if attention else {}),
-        kernels=kernels,
-    )
-    if runnable:
-        space = _runnable(space, precision)
-    if json_out:
-        result = search(spec_model, spec_cluster, training, space, top=top)
-    else:
-        with _progress_search(False, "searching layouts") as progress:
-            result = search(spec_model, spec_cluster, training, space, top=top,
-                            progress=progress)
-    if result.best is None:
-        raise plans.SpecError(
-            f"--gpus: no plan of {spec_model.name} fits {gpus} x {spec_cluster.gpu.name} "
-            f"(global batch {training.global_batch}, seq {seq_len}); "
-            f"{result.stats.pruned_memory} candidates out of memory, "
-            f"{result.stats.invalid} invalid"
-        )
+    pinned = parse_pins(pins or {}, Precision(precision.value))
+    result = _pinned_search(spec_model, spec_cluster, training, pinned, kernels, runnable,
+                            top, json_out)
     if out is not None:
-        _write_new(out, result.best.plan.model_dump_json(indent=2), force)
+        from plans.io import plan_text
+
+        _write_new(out, plan_text(result.best.plan, out), force)
+    if plot is not None:
+        rows = [(f"#{i + 1}", r.plan, r.evaluation) for i, r in enumerate(result.top)]
+        if result.baseline is not None:
+            rows.append(("megatron", result.baseline.plan, result.baseline.evaluation))
+        _plots().breakdown_plot(rows, plot, job_text(spec_model, spec_cluster, training),
+                                force)
     if json_out:
         job = job_document(spec_model, spec_cluster, training)
+        if pinned.text:
+            job["pins"] = pinned.text
         typer.echo(json.dumps(search_document(result, job), indent=2))
     else:
-        print_search(result, job_text(spec_model, spec_cluster, training, batch_note))
+        print_search(result, job_text(spec_model, spec_cluster, training, batch_note)
+                     + (f"; {pinned.text}" if pinned.text else ""))
         if out is not None:
             typer.echo(f"best plan written to {out}")
+        if plot is not None:
+            typer.echo(f"plot written to {plot}")
 
 
 @app.command(short_help="Time and memory breakdown of a plan, per step and per layer.")
 @user_errors
+@pin_options
 def explain(
-    plan: PlanArg,
+    plan: Annotated[str | None, typer.Argument(
+        help="A plan file (.json or .yaml) or the plan notation in quotes ('pp4 vpp8 dp16 ep8 "
+        "a2a mbs1', with --model, --cluster and --gpus); without it, the fastest plan the pin "
+        "options allow for --model on --gpus x --cluster.")] = None,
     measured: Annotated[Path | None, typer.Option(
         "--measured", help="A measured step of this plan (bench/train_step.py's result JSON): "
         "predicted and measured seconds per runtime component, side by side.")] = None,
     cluster: Annotated[str | None, typer.Option(
-        "--cluster", help="Price the plan on this cluster (catalog name or spec file) instead "
-        "of its own, at the plan's GPU count: e.g. the calibrated h200-runtime a run was "
-        "measured on.")] = None,
+        "--cluster", help="The cluster (catalog name or spec file): for a plan file, price it "
+        "here instead of its own, at the plan's GPU count (e.g. the calibrated h200-runtime a "
+        "run was measured on); for notation or pins, the cluster it is built for.")] = None,
+    model: ModelOpt = None,
+    gpus: OptGpusOpt = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
+        "half the GPU count.")] = None,
+    seq_len: OptSeqOpt = None,
+    precision: OptPrecisionOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write the step's stacked time breakdown (.png or .svg; needs "
+        "matplotlib).")] = None,
+    force: PlotForceOpt = False,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
     """Time breakdown per layer and per step, memory breakdown and critical path of a plan;
     with --measured, the plan as the runtime executed it against a measured step, per
-    component.
+    component. The plan is a file, the notation, or (none given) the fastest plan the pin
+    options allow.
 
     \b
     Examples:
       moeplan explain plan.json
-      moeplan explain plan.json --json
+      moeplan explain "pp2 dp4 sp2 ep8 a2a mbs1" --model qwen3-30b-a3b \\
+          --cluster h200 --gpus 16 --global-batch 64 --seq-len 4096
+      moeplan explain --model mixtral-8x7b --cluster h100 --gpus 16 --tp 8 --ep 1
       moeplan explain plan.json --measured train_step.json --cluster h200-runtime
     """
     import cost_models
+    from planner.pins import parse_pins
     from planner.report import (
         explain_document,
         measured_document,
@@ -354,11 +489,27 @@ def explain(
         print_measured,
     )
 
-    loaded = plans.catalog.load_plan(plan)
-    if cluster is not None:
-        from planner.calibrate import on
-
-        loaded = on(loaded, plans.catalog.load_cluster(cluster, what="--cluster"))
+    _check_plot(plot, force)
+    pinned = parse_pins(pins or {}, Precision((precision or TrainingPrecision.bf16).value))
+    if plan is None:
+        for option, value in (("--model", model), ("--cluster", cluster), ("--gpus", gpus)):
+            if value is None:
+                raise plans.SpecError(f"{option}: give a PLAN (file or notation), or --model, "
+                                      "--cluster and --gpus for the fastest plan the pins "
+                                      "allow")
+        spec_model = plans.catalog.load_model(model)
+        spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus, what="--cluster")
+        training, _ = _training(global_batch, seq_len or 8192,
+                                precision or TrainingPrecision.bf16, gpus)
+        loaded = _pinned_search(spec_model, spec_cluster, training, pinned,
+                                json_out=json_out).best.plan
+    else:
+        if pinned.text:
+            raise plans.SpecError(f"{pinned.text.split()[0]}: the pin options choose a plan "
+                                  "by search; a PLAN states its layout (write it in the "
+                                  "notation)")
+        _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
+        loaded = _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
     if measured is not None:
         from planner.measured import compare
 
@@ -369,25 +520,47 @@ def explain(
             print_measured(comparison, measured)
         return
     evaluation = cost_models.evaluate(loaded)
+    if plot is not None:
+        from planner.report import job_text
+
+        _plots().breakdown_plot([("plan", loaded, evaluation)], plot,
+                                job_text(loaded.model, loaded.cluster, loaded.training), force)
     if json_out:
         typer.echo(json.dumps(explain_document(loaded, evaluation), indent=2))
     else:
         print_explain(loaded, evaluation)
+        if plot is not None:
+            typer.echo(f"plot written to {plot}")
 
 
-@app.command(short_help="Re-check a plan file and say how the runtime would run it.")
+@app.command(short_help="Re-check a plan and say how the runtime would run it.")
 @user_errors
-def validate(plan: PlanArg) -> None:
-    """Re-check a plan, generated or hand-written, against its specs and memory.
+def validate(
+    plan: PlanRefArg,
+    model: ModelOpt = None,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="For a plan file, price it on this cluster; for notation, the "
+        "cluster it is built for.")] = None,
+    gpus: OptGpusOpt = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
+        "half the GPU count.")] = None,
+    seq_len: OptSeqOpt = None,
+    precision: OptPrecisionOpt = None,
+) -> None:
+    """Re-check a plan, generated, hand-written or in notation, against its specs and memory.
 
     \b
-    Example:
+    Examples:
       moeplan validate plan.json
+      moeplan validate "pp1 dp2 sp4 ep8 a2a mbs1" --model qwen3-30b-a3b --cluster h200 \\
+          --gpus 8
     """
     import cost_models
     from plans.execution import Backend, deviations, executed_plan, refusals
 
-    loaded = plans.catalog.load_plan(plan)
+    _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
+    loaded = _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
     evaluation = cost_models.evaluate(loaded)
     if not evaluation.feasible:
         raise plans.SpecError(f"{plan}: does not fit: {evaluation.reason}")
@@ -414,10 +587,6 @@ def validate(plan: PlanArg) -> None:
 
 # ---- what-if and scaling -------------------------------------------------------------------------
 
-PlotOpt = Annotated[
-    Path | None, typer.Option("--plot", help="Write a plot (.png or .svg; needs matplotlib).")
-]
-PlotForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --plot file.")]
 
 
 def _progress_search(json_out: bool, label: str):
