@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from enum import StrEnum
 from functools import wraps
 from pathlib import Path
@@ -564,15 +565,18 @@ def validate(
     evaluation = cost_models.evaluate(loaded)
     if not evaluation.feasible:
         raise plans.SpecError(f"{plan}: does not fit: {evaluation.reason}")
+    from planner.report import ms_text, tflops_per_gpu, tflops_text
+
     typer.echo(f"ok: {loaded.summary()}")
-    typer.echo(f"predicted step {evaluation.step_time_s:.3f} s, {evaluation.tokens_per_s:,.0f} "
-               f"tokens/s, MFU {evaluation.mfu:.1%}, peak memory "
-               f"{evaluation.memory.peak_bytes / 2**30:.1f} GiB")
+    typer.echo(f"predicted step {ms_text(evaluation.step_time_s)} ms, "
+               f"{evaluation.tokens_per_s:,.0f} tokens/s, "
+               f"{tflops_text(tflops_per_gpu(loaded, evaluation))} TFLOP/s/GPU, MFU "
+               f"{evaluation.mfu:.1%}, peak memory {evaluation.memory.peak_bytes / 2**30:.1f} GiB")
     if loaded.prediction is not None:
         stored = loaded.prediction.step_time_s
         if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
-            typer.echo(f"note: the plan's stored prediction ({stored:.3f} s) differs from this "
-                       "cost model's; the specs or efficiency factors changed")
+            typer.echo(f"note: the plan's stored prediction ({ms_text(stored)} ms) differs "
+                       "from this cost model's; the specs or efficiency factors changed")
     if refused := refusals(loaded, Backend.cuda_nccl):
         typer.echo(f"moeplan train refuses it: {refused[0]}")
         return
@@ -581,8 +585,8 @@ def validate(
         ran = cost_models.evaluate(executed_plan(loaded))
         runs = ", ".join(f"{d.field} {d.executed}" for d in found)
         typer.echo(f"moeplan train runs it with {runs} (plans.execution): predicted step "
-                   f"{ran.step_time_s:.3f} s, MFU {ran.mfu:.1%}; `moeplan search --runnable` "
-                   "plans for that")
+                   f"{ms_text(ran.step_time_s)} ms, MFU {ran.mfu:.1%}; `moeplan search "
+                   "--runnable` plans for that")
 
 
 # ---- what-if and scaling -------------------------------------------------------------------------
@@ -611,23 +615,33 @@ def _progress_search(json_out: bool, label: str):
 
 @app.command("whatif", short_help="Change the hardware, re-plan at every point, compare.")
 @user_errors
+@pin_options
 def whatif_cmd(
     model: ModelArg,
-    cluster: ClusterArg,
-    gpus: GpusOpt,
-    vary: Annotated[list[str], typer.Option(
+    cluster: Annotated[str | None, typer.Argument(
+        help="Catalog cluster name or a .yaml/.json ClusterSpec (or --cluster a,b).")] = None,
+    gpus: GpusOpt = ...,
+    vary: Annotated[list[str] | None, typer.Option(
         "--vary", help="KNOB=V1,V2,... with values absolute or multipliers (2x); repeat for a "
         "grid. Knobs: gpu_tflops, hbm_gib, hbm_tb_s, nvlink_gb_s, nvlink_domain, network_gb_s, "
-        "overlap_share (0-1: communication hidden beside compute).")],
+        "overlap_share (0-1: communication hidden beside compute).")] = None,
+    clusters: Annotated[list[str] | None, typer.Option(
+        "--cluster", help="Machines to compare, each re-planned (catalog names or spec "
+        "files), instead of CLUSTER. One value or a list: comma-separated (h100,h200) or the "
+        "option repeated.")] = None,
     global_batch: BatchOpt = None,
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
     runnable: RunnableOpt = False,
-    plot: PlotOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write a plot (.png or .svg; needs matplotlib): a line over one knob, "
+        "a heatmap over a grid of two (machines count as one).")] = None,
     force: PlotForceOpt = False,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
-    """Change the hardware, re-plan at every point, and compare with the Megatron-style layout.
+    """Change the hardware (or compare machines), re-plan at every point, and compare with the
+    Megatron-style layout. The pin options restrict every point's search.
 
     \b
     Examples:
@@ -635,35 +649,62 @@ def whatif_cmd(
           --vary gpu_tflops=1x,2x,4x
       moeplan whatif internal-352b h800 --gpus 1440 --global-batch 720 \\
           --vary nvlink_gb_s=400,900 --vary network_gb_s=25,50 --plot whatif.png
+      moeplan whatif qwen3-30b-a3b --cluster h100,h200,b200 --gpus 16
       moeplan whatif qwen3-30b-a3b h200-runtime --gpus 8 --runnable \\
           --vary overlap_share=0,0.5,0.9
     """
+    from planner.pins import parse_pins, split_values
     from planner.report import job_document, job_text, print_whatif, whatif_document
     from planner.space import SearchSpace
-    from planner.whatif import parse_vary, whatif
+    from planner.whatif import parse_vary, whatif_machines
 
     _check_plot(plot, force)
+    machines = split_values("--cluster", clusters)
+    if (cluster is None) == (machines is None):
+        raise plans.SpecError("--cluster: give one CLUSTER, or machines to compare as "
+                              "--cluster a,b; not both")
+    names = machines or [cluster]
+    if len(set(names)) < len(names):
+        raise plans.SpecError(f"--cluster: {next(n for n in names if names.count(n) > 1)} "
+                              "given twice")
+    if not vary and len(names) < 2:
+        raise plans.SpecError("--vary: give a knob to vary (KNOB=V1,V2), or two machines or "
+                              "more with --cluster a,b")
     spec_model = plans.catalog.load_model(model)
-    spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
+    what = "--cluster" if machines else "cluster"
+    specs = [(n, plans.catalog.load_cluster(n, gpus=gpus, what=what)) for n in names]
+    spec_cluster = specs[0][1]
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
-    varies = [parse_vary(v) for v in vary]
-    space = _runnable(SearchSpace(), precision) if runnable else None
+    varies = [parse_vary(v) for v in vary or []]
+    pinned = parse_pins(pins or {}, Precision(precision.value))
+    space = SearchSpace(**pinned.fields)
+    space = _runnable(space, precision) if runnable else space
     with _progress_search(json_out, "re-planning") as progress:
-        points = whatif(spec_model, spec_cluster, training, varies, space, progress=progress)
-    title = f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}"
+        points = whatif_machines(spec_model, specs, training, varies, space,
+                                 progress=progress)
+        if not machines:
+            points = [replace(p, machine=None) for p in points]
+    on = ", ".join(c.gpu.name for _, c in specs)
+    title = f"{spec_model.name} on {gpus} x {on}"
+    header = job_text(spec_model, [c for _, c in specs] if machines else spec_cluster,
+                      training, batch_note) + (f"; {pinned.text}" if pinned.text else "")
+    job = job_document(spec_model, spec_cluster, training)
+    if machines:
+        job["cluster"] = [c.name for _, c in specs]
     _finish(points, json_out, plot,
-            lambda pts: whatif_document(pts, job_document(spec_model, spec_cluster, training)),
-            lambda pts: print_whatif(pts, job_text(spec_model, spec_cluster, training,
-                                                   batch_note)),
+            lambda pts: whatif_document(pts, job),
+            lambda pts: print_whatif(pts, header),
             lambda pts, path: _plots().whatif_plot(pts, path, title, force))
 
 
 @app.command("scale", short_help="Strong or weak scaling of the best plan and the baseline.")
 @user_errors
+@pin_options
 def scale_cmd(
     model: ModelArg,
     cluster: ClusterArg,
-    gpus: Annotated[str, typer.Option("--gpus", help="GPU counts, comma-separated.")],
+    gpus: Annotated[list[str], typer.Option(
+        "--gpus", help="GPU counts: comma-separated (240,480) or the option repeated.")],
     global_batch: Annotated[int | None, typer.Option(
         "--global-batch", min=1, help="Sequences per step (strong scaling); default half the "
         "largest GPU count.")] = None,
@@ -672,11 +713,15 @@ def scale_cmd(
         "(global batch grows with the GPUs); without it, strong scaling.")] = None,
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
-    plot: PlotOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write a plot (.png or .svg; needs matplotlib): tokens/s with the "
+        "ideal (linear from the first count) and MFU.")] = None,
     force: PlotForceOpt = False,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
-    """Strong or weak scaling of the best plan and the Megatron-style layout.
+    """Strong or weak scaling of the best plan and the Megatron-style layout. The pin options
+    restrict every GPU count's search.
 
     \b
     Examples:
@@ -685,19 +730,23 @@ def scale_cmd(
       moeplan scale internal-352b h800 --gpus 240,480,960 --weak 24 \\
           --plot scale.svg
     """
+    from planner.pins import parse_pins
     from planner.report import job_document, print_scale, scale_document
     from planner.scale import scale
+    from planner.space import SearchSpace
 
     counts = _int_list(gpus, "--gpus")
     if weak is not None and global_batch is not None:
         raise plans.SpecError("--global-batch: weak scaling (--weak) sets the global batch at "
                               "each GPU count; give one of the two")
     _check_plot(plot, force)
+    pinned = parse_pins(pins or {}, Precision(precision.value))
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster)
     training, batch_note = _training(global_batch, seq_len, precision, max(counts))
     with _progress_search(json_out, "scaling") as progress:
-        points = scale(spec_model, spec_cluster, training, counts, weak, progress=progress)
+        points = scale(spec_model, spec_cluster, training, counts, weak,
+                       SearchSpace(**pinned.fields), progress=progress)
     kind = (f"weak, {weak} seqs/replica" if weak
             else f"strong, global batch {training.global_batch}")
     title = f"{spec_model.name} on {spec_cluster.gpu.name} ({kind})"
@@ -705,7 +754,8 @@ def scale_cmd(
               f"{', '.join(f'{c:,}' for c in counts)} GPUs: "
               + (f"weak scaling, {weak} sequences per NVLink-domain replica" if weak else
                  f"strong scaling, global batch {training.global_batch:,}{batch_note}")
-              + f" x {seq_len:,} tokens, {training.precision.value}")
+              + f" x {seq_len:,} tokens, {training.precision.value}"
+              + (f"; {pinned.text}" if pinned.text else ""))
     job = {**job_document(spec_model, spec_cluster, training, gpus=counts),
            "weak_seqs_per_replica": weak}
     if weak:
@@ -739,13 +789,17 @@ def _finish(points, json_out: bool, plot: Path | None, document, printer, draw) 
         typer.echo(f"plot written to {plot}")
 
 
-def _int_list(text: str, option: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise plans.SpecError(f"{option}: {text!r} must be comma-separated whole numbers") from None
-    if not values or min(values) < 1:
-        raise plans.SpecError(f"{option}: {text!r} must list positive GPU counts")
+def _int_list(raw: list[str], option: str) -> list[int]:
+    """Positive whole numbers under the list rule (planner.pins), each once."""
+    from planner.pins import split_values
+
+    values = []
+    for text in split_values(option, raw) or []:
+        if not text.isdigit() or int(text) < 1:
+            raise plans.SpecError(f"{option}: {text!r} is not a positive GPU count")
+        values.append(int(text))
+    if not values:
+        raise plans.SpecError(f"{option}: no GPU counts given")
     if len(set(values)) < len(values):
         twice = next(v for v in values if values.count(v) > 1)
         raise plans.SpecError(f"{option}: {twice} given twice")
