@@ -534,6 +534,63 @@ def explain(
             typer.echo(f"plot written to {plot}")
 
 
+@app.command("compare", short_help="Plans side by side: breakdowns, deltas, why one is faster.")
+@user_errors
+def compare_cmd(
+    plan_refs: Annotated[list[str], typer.Argument(
+        metavar="PLANS...", help="Two plans or more: files (.json or .yaml) or the plan "
+        "notation in quotes (with --model, --cluster and --gpus).")],
+    model: ModelOpt = None,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="The cluster plans in notation are built for; plan files are "
+        "priced on it too (at their GPU counts).")] = None,
+    gpus: OptGpusOpt = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step of plans in notation; default "
+        "half the GPU count.")] = None,
+    seq_len: OptSeqOpt = None,
+    precision: OptPrecisionOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write the plans' stacked time breakdowns (.png or .svg; needs "
+        "matplotlib).")] = None,
+    force: PlotForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Two plans or more side by side: each step-time component in ms, each plan's
+    difference from the first, throughput and memory, and one sentence per plan on what
+    makes the faster one faster (the component whose time differs the most).
+
+    \b
+    Examples:
+      moeplan compare plan.json "pp1 dp2 tp4 etp4 mbs1 ov:none sync:fp32"
+      moeplan compare "pp2 dp4 sp2 ep8 a2a mbs1" "pp2 dp4 sp2 ep8 ag+rs mbs1" \\
+          --model qwen3-30b-a3b --cluster h200 --gpus 16 --global-batch 64
+    """
+    import cost_models
+    from planner.report import compare_document, compare_labels, print_compare
+
+    if len(plan_refs) < 2:
+        raise plans.SpecError("PLANS: give two plans or more to compare")
+    _check_plot(plot, force)
+    _job_options_for_notation(plan_refs, model, gpus, global_batch, seq_len, precision)
+    loaded = [_load_plan_ref(ref, model, cluster, gpus, global_batch, seq_len, precision)
+              for ref in plan_refs]
+    items = [(label, p, cost_models.evaluate(p))
+             for label, p in zip(compare_labels(len(loaded)), loaded, strict=True)]
+    if plot is not None:
+        from planner.report import job_text
+
+        first = loaded[0]
+        _plots().breakdown_plot(items, plot, job_text(first.model, first.cluster,
+                                                      first.training), force)
+    if json_out:
+        typer.echo(json.dumps(compare_document(items, plan_refs), indent=2))
+        return
+    print_compare(items, plan_refs)
+    if plot is not None:
+        typer.echo(f"plot written to {plot}")
+
+
 @app.command(short_help="Re-check a plan and say how the runtime would run it.")
 @user_errors
 def validate(

@@ -50,7 +50,14 @@ def ms_column(seconds: Sequence[float | None], signed: bool = False) -> list[str
     decimals = 3 if largest == 0 else min(3, max(0, TIME_DIGITS - 1 - math.floor(
         math.log10(largest))))
     sign = "+" if signed else ""
-    return ["-" if v is None else f"{v * 1e3:{sign},.{decimals}f}" for v in seconds]
+
+    def cell(v: float | None) -> str:
+        if v is None:
+            return "-"
+        text = f"{v * 1e3:{sign},.{decimals}f}"
+        return text.lstrip("+-") if float(text.replace(",", "")) == 0 else text
+
+    return [cell(v) for v in seconds]
 
 
 def ms_text(seconds: float) -> str:
@@ -465,6 +472,105 @@ def print_measured(c, path) -> None:
     if (w := c.worst()) is not None:
         predicted, measured = ms_column([w.predicted_s, w.measured_s])
         echo(f"most off: {w.component}, predicted {predicted} ms, measured {measured} ms")
+
+
+# ---- compare --------------------------------------------------------------------------------
+
+
+def compare_labels(count: int) -> list[str]:
+    """A, B, C, ... for the plans compared (AA, AB, ... past Z)."""
+    letters = [chr(ord("A") + i) for i in range(26)]
+    return [letters[i] if i < 26 else letters[i // 26 - 1] + letters[i % 26]
+            for i in range(count)]
+
+
+def _components(items: Sequence[tuple[str, Plan, Evaluation]]) -> list[str]:
+    """Every breakdown component of the plans, in the order they first appear."""
+    return list(dict.fromkeys(k for _, _, e in items for k in e.breakdown_s))
+
+
+def why_faster(a: tuple[str, Evaluation], b: tuple[str, Evaluation]) -> str:
+    """One sentence: which of two plans is faster, by how much, and the component whose time
+    differs the most in its favour (ties within TIE_TOLERANCE said so)."""
+    (fast, fe), (slow, se) = sorted((a, b), key=lambda x: x[1].step_time_s)
+    saved = se.step_time_s - fe.step_time_s
+    if saved == 0:
+        return f"{a[0]} and {b[0]} predict the same step time"
+    keys = dict.fromkeys([*fe.breakdown_s, *se.breakdown_s])
+    gains = {k: se.breakdown_s.get(k, 0.0) - fe.breakdown_s.get(k, 0.0) for k in keys}
+    key = max(gains, key=gains.get)
+    step, part = ms_column([saved, gains[key]])
+    tie = (f"; within the cost model's {TIE_TOLERANCE:.0%} error, a tie" if is_tie(fe, se)
+           else "")
+    ratio = se.step_time_s / fe.step_time_s
+    how = f"{ratio:.3g}x as fast as" if ratio >= 2 else f"{ratio - 1:.1%} faster than"
+    return (f"{fast} is {how} {slow} ({step} ms less per step), most of it in {key} "
+            f"({part} ms less){tie}")
+
+
+def compare_document(items: Sequence[tuple[str, Plan, Evaluation]], sources: Sequence[str]
+                     ) -> dict:
+    """compare --json: each plan (label, where it came from, its ranked object), every
+    component's seconds per plan, each plan's differences from the first, and the sentences."""
+    first = items[0]
+    jobs = [job_document(p.model, p.cluster, p.training) for _, p, _ in items]
+    keys = _components(items)
+    return envelope(
+        "compare", jobs[0] if all(j == jobs[0] for j in jobs) else None,
+        plans=[{**ranked_document(label, p, e), "source": src, "job": job}
+               for (label, p, e), src, job in zip(items, sources, jobs, strict=True)],
+        breakdown_s={k: {label: e.breakdown_s.get(k, 0.0) for label, _, e in items}
+                     for k in keys},
+        delta_s={label: {**{k: e.breakdown_s.get(k, 0.0) - first[2].breakdown_s.get(k, 0.0)
+                            for k in keys},
+                         "step": e.step_time_s - first[2].step_time_s}
+                 for label, _, e in items[1:]},
+        why=[why_faster((first[0], first[2]), (label, e)) for label, _, e in items[1:]],
+    )
+
+
+def print_compare(items: Sequence[tuple[str, Plan, Evaluation]], sources: Sequence[str]
+                  ) -> None:
+    """The plans' step breakdowns side by side in ms, each against the first, their
+    throughput and memory, and why the faster is faster."""
+    jobs = [job_text(p.model, p.cluster, p.training) for _, p, _ in items]
+    one_job = len(set(jobs)) == 1
+    if one_job:
+        echo(jobs[0])
+    for (label, p, _), src, job in zip(items, sources, jobs, strict=True):
+        where = "" if src == p.summary() else f" ({src})"
+        echo(f"{label}: {p.summary()}{where}" + ("" if one_job else f" [{job}]"))
+    keys = _components(items)
+    first = items[0][2]
+    values = [[e.breakdown_s.get(k, 0.0) for _, _, e in items] for k in keys]
+    values.append([e.step_time_s for _, _, e in items])
+    cells = ms_column([v for row in values for v in row])
+    deltas = ms_column([row[i] - row[0] for row in values for i in range(1, len(items))],
+                       signed=True)
+    n, m = len(items), len(items) - 1
+    rows = [[name, *cells[r * n:(r + 1) * n], *deltas[r * m:(r + 1) * m]]
+            for r, name in enumerate([*keys, "step"])]
+    labels = [label for label, _, _ in items]
+    echo_table("Per step, ms", (Column("component", False), *map(Column, labels),
+                                *(Column(f"{x}-{labels[0]}") for x in labels[1:])), rows)
+    metrics = [
+        ["tokens/s", *(f"{e.tokens_per_s:,.0f}" for _, _, e in items)],
+        ["TFLOP/s/GPU", *(tflops_text(tflops_per_gpu(p, e)) for _, p, e in items)],
+        ["MFU", *(f"{e.mfu:.1%}" for _, _, e in items)],
+        ["peak/usable GiB", *(memory_text(e) for _, _, e in items)],
+        ["fits", *("yes" if e.feasible else "no" for _, _, e in items)],
+    ]
+    echo_table("Throughput and memory per GPU", (Column("", False), *map(Column, labels)),
+               metrics)
+    clusters = {(p.cluster.gpu.name, p.training.precision) for _, p, _ in items}
+    for gpu_name, precision in sorted(clusters):
+        cluster = next(p.cluster for _, p, _ in items if p.cluster.gpu.name == gpu_name)
+        echo(peak_note(cluster, precision))
+    for label, _, e in items[1:]:
+        echo(why_faster((labels[0], first), (label, e)) + ".")
+    for label, _, e in items:
+        if not e.feasible:
+            echo(f"{label} does not fit: {e.reason}")
 
 
 # ---- catalog --------------------------------------------------------------------------------
