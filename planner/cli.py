@@ -537,8 +537,8 @@ def explain(
 @app.command("compare", short_help="Plans side by side: breakdowns, deltas, why one is faster.")
 @user_errors
 def compare_cmd(
-    plan_refs: Annotated[list[str], typer.Argument(
-        metavar="PLANS...", help="Two plans or more: files (.json or .yaml) or the plan "
+    plan: Annotated[list[str], typer.Argument(
+        metavar="PLAN...", help="Two plans or more: files (.json or .yaml) or the plan "
         "notation in quotes (with --model, --cluster and --gpus).")],
     model: ModelOpt = None,
     cluster: Annotated[str | None, typer.Option(
@@ -569,12 +569,12 @@ def compare_cmd(
     import cost_models
     from planner.report import compare_document, compare_labels, print_compare
 
-    if len(plan_refs) < 2:
-        raise plans.SpecError("PLANS: give two plans or more to compare")
+    if len(plan) < 2:
+        raise plans.SpecError("PLAN: give two plans or more to compare")
     _check_plot(plot, force)
-    _job_options_for_notation(plan_refs, model, gpus, global_batch, seq_len, precision)
+    _job_options_for_notation(plan, model, gpus, global_batch, seq_len, precision)
     loaded = [_load_plan_ref(ref, model, cluster, gpus, global_batch, seq_len, precision)
-              for ref in plan_refs]
+              for ref in plan]
     items = [(label, p, cost_models.evaluate(p))
              for label, p in zip(compare_labels(len(loaded)), loaded, strict=True)]
     if plot is not None:
@@ -584,9 +584,9 @@ def compare_cmd(
         _plots().breakdown_plot(items, plot, job_text(first.model, first.cluster,
                                                       first.training), force)
     if json_out:
-        typer.echo(json.dumps(compare_document(items, plan_refs), indent=2))
+        typer.echo(json.dumps(compare_document(items, plan), indent=2))
         return
-    print_compare(items, plan_refs)
+    print_compare(items, plan)
     if plot is not None:
         typer.echo(f"plot written to {plot}")
 
