@@ -80,7 +80,12 @@ app = typer.Typer(
     "  moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 \\\n"
     "      --out plan.json\n"
     "  moeplan explain plan.json\n"
-    "  moeplan export plan.json --to megatron --steps 1000 > megatron.sh",
+    "  moeplan explain \"pp2 dp4 sp2 ep8 a2a mbs1\" --model qwen3-30b-a3b \\\n"
+    "      --cluster h200 --gpus 16\n"
+    "  moeplan compare plan.json other.yaml\n"
+    "  moeplan export plan.json --to megatron --steps 1000 > megatron.sh\n\n"
+    "Lists (--tp 1,2 --gpus 8,16 --cluster h100,h200): comma-separated or the option "
+    "repeated. Plans: a file or the plan notation. docs/cli.md has the rules.",
 )
 
 

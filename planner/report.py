@@ -386,6 +386,24 @@ def legend(e: Evaluation) -> list[tuple[str, str]]:
     return out
 
 
+def legend_markdown() -> str:
+    """Every term of explain's tables as docs/cli.md's legend shows them (its tables are
+    this text)."""
+    from cost_models.evaluate import BREAKDOWN_TERMS
+    from cost_models.memory import MEMORY_TERMS
+    from cost_models.volumes import COMM_KINDS
+
+    parts = []
+    for title, terms in (("Per step (`step.breakdown_s`)", BREAKDOWN_TERMS),
+                         ("Kinds of communication (`exposed_comm.<kind>`)",
+                          {k.value: v for k, v in COMM_KINDS.items()}),
+                         ("One MoE layer, one micro-batch", LAYER_TERMS),
+                         ("Memory per GPU (`memory_gib`)", MEMORY_TERMS)):
+        rows = "\n".join(f"| `{k}` | {v} |" for k, v in terms.items())
+        parts.append(f"{title}:\n\n| term | meaning |\n|---|---|\n{rows}")
+    return "\n\n".join(parts) + "\n"
+
+
 def tflops_text(tflops: float) -> str:
     return f"{tflops:,.0f}" if tflops >= 100 else f"{tflops:.3g}"
 

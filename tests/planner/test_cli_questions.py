@@ -314,3 +314,16 @@ def test_whatif_grid_dimensions_pick_the_plot():
     machines = whatif_machines(m, [("a", c), ("b", c)], t, [parse_vary("gpu_tflops=1x,2x")])
     assert [(name, values) for name, values in _axes(machines)] == \
         [("machine", ["a", "b"]), ("gpu_tflops", ["1x", "2x"])]
+
+
+def test_docs_legend_is_explains():
+    from pathlib import Path
+
+    from planner.report import legend_markdown
+
+    docs = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    assert legend_markdown() in docs
+    help_text = " ".join(run("--help").output.split())
+    assert "comma-separated or the option repeated" in help_text
+    assert "One value or a list: comma-separated" in " ".join(run("search", "--help")
+                                                              .output.split())
