@@ -49,6 +49,29 @@ class StageCosts:
     """One stage-to-stage activation transfer."""
 
 
+
+BREAKDOWN_TERMS = {
+    "compute": "layer operators, embedding, LM head and loss on the busiest pipeline stage, "
+               "over all micro-batches",
+    "recompute": "operators rerun in the backward instead of keeping their activations, and "
+                 "their exposed communication",
+    "grad_accumulation": "adding each micro-batch's weight gradients into the "
+                         "main-gradient buffers (a separate pass where it is not fused into "
+                         "the weight-gradient GEMMs)",
+    "exposed_comm.<kind>": "a layer's communication of that kind that no compute hid "
+                           "(kinds: cost_models.volumes.COMM_KINDS)",
+    "pipeline_bubble": "the busiest stage idle while the pipeline fills and drains",
+    "stragglers": "waiting for the slowest pipeline stage and data-parallel replica "
+                  "(stage times vary by cluster.stage_time_cv; cost_models.pipeline."
+                  "straggler_s)",
+    "pp_p2p": "stage-to-stage activation transfers not hidden by compute",
+    "grad_sync": "data-parallel gradient reduce-scatter (all-reduce without ZeRO-1) and "
+                 "parameter all-gather not hidden by the backward, worst stage",
+    "optimizer": "the optimizer step: the memory-bound update of this GPU's shard (ZeRO-1) or "
+                 "of all its parameters, worst stage",
+}
+"""The step-time breakdown's terms (Evaluation.breakdown_s), in the order they are summed."""
+
 @dataclass(frozen=True)
 class Evaluation:
     step_time_s: float
@@ -56,15 +79,8 @@ class Evaluation:
     mfu: float
     """model.flops_per_token(seq_len) x tokens per step / (GPUs x bf16 peak x step time)."""
     breakdown_s: Mapping[str, float]
-    """Adds up to step_time_s. On the busiest pipeline stage, over all micro-batches:
-    ``compute`` (layer operators, embedding, LM head and loss), ``recompute`` (reruns in
-    backward and their exposed communication), ``grad_accumulation`` (adding each micro-batch's
-    weight gradients into the main-gradient buffers), ``exposed_comm.<kind>`` (layer
-    communication no compute hid, one key per CommKind that occurs); then ``pipeline_bubble``
-    (that stage's idle fill and drain), ``stragglers`` (waiting for the slowest stage and
-    replica, cost_models.pipeline.straggler_s), ``pp_p2p`` (exposed stage-to-stage transfers),
-    ``grad_sync`` (exposed DP gradient reduce-scatter + parameter all-gather, worst stage) and
-    ``optimizer`` (the memory-bound ZeRO-1 update of the local shard, worst stage)."""
+    """Adds up to step_time_s; its terms, in order, are BREAKDOWN_TERMS' (one key
+    ``exposed_comm.<kind>`` per CommKind that occurs)."""
     memory: MemoryBreakdown
     layer: LayerTiming
     """One MoE layer, one micro-batch."""

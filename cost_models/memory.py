@@ -52,6 +52,25 @@ def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
     return FP32_BYTES * (sharded + min(local, bucket))
 
 
+MEMORY_TERMS = {
+    "params": "the weights this GPU holds (bf16)",
+    "grads": "their main gradients (fp32 for an fp32 gradient sync, else bf16)",
+    "optimizer": "optimizer states (fp32 master weights and moments) this GPU holds: its "
+                 "ZeRO-1 shard, or all of them without sharding",
+    "activations": "activations kept for the backward, over the micro-batches in flight",
+    "activation_working": "the working set of the layer being recomputed or back-propagated",
+    "comm_buffers": "a layer's largest communication buffer (the dispatch's all-to-all or "
+                    "all-gather, the TP all-gather)",
+    "logits": "the loss's logits and their gradient (whole, or one chunk of the chunked "
+              "loss)",
+    "optimizer_step_workspace": "bytes alive only during the optimizer step (the reduced "
+                                "gradient slices, gradients cast to fp32)",
+    "allocator_reserve": "what the caching allocator reserves beyond the live bytes "
+                         "(fragmentation), a share of the step's transients",
+}
+"""The memory breakdown's terms (MemoryBreakdown.components_bytes), in order."""
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes per GPU on the stage with the highest peak."""
@@ -360,8 +379,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     # GEMMs add into the main gradients (no weight gradient is made).
     if chunks > 1 and not experts_accumulate_in_gemm:
         working_of[False] += WEIGHT_BYTES * part_params(model, d).moe_layer.expert
-    names = ("params", "grads", "optimizer", "activations", "activation_working", "comm_buffers",
-             "logits", "optimizer_step_workspace", "allocator_reserve")
+    names = tuple(MEMORY_TERMS)
 
     def stage(i: int) -> tuple[float, tuple[float, ...]]:
         """Peak of stage i and its components (``names``): the resident states plus the larger

@@ -42,6 +42,21 @@ class CommKind(StrEnum):
     etp_reduce_scatter = "etp_reduce_scatter"
 
 
+COMM_KINDS = {
+    CommKind.sp_all_to_all: "Ulysses all-to-alls: sequence-sharded to head-sharded for the "
+                            "attention core and back",
+    CommKind.tp_all_gather: "attention TP all-gather of the sequence-sharded activations "
+                            "before QKV",
+    CommKind.tp_reduce_scatter: "attention TP reduce-scatter after the output projection",
+    CommKind.cp_kv_exchange: "context parallelism's key/value exchange (ring)",
+    CommKind.ep_dispatch: "tokens sent to their experts' EP ranks",
+    CommKind.ep_combine: "expert outputs returned to their tokens' ranks",
+    CommKind.etp_all_gather: "expert TP all-gather of the tokens before the expert GEMMs",
+    CommKind.etp_reduce_scatter: "expert TP reduce-scatter of the expert outputs",
+}
+"""What each kind of layer communication is, as the breakdowns' legends state it."""
+
+
 @dataclass(frozen=True)
 class Routing:
     """Where a token's routed copies can go: ``top_k`` of ``experts``, and with group-limited

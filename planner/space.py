@@ -26,6 +26,7 @@ from plans import (
     Dispatch,
     Kernels,
     ModelSpec,
+    OptimizerSharding,
     Overlap,
     PipelineSchedule,
     Precision,
@@ -60,6 +61,7 @@ class Layout:
     ffn: FFNKind
     micro_batch_size: int
     schedule: PipelineSchedule
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
 
 
 RUNTIME_DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
@@ -77,6 +79,7 @@ RUNNABLE_FIELDS = {
     "attention": "attention.kind", "ffn": "ffn.kind", "dispatch": "ffn.dispatch",
     "overlap": "overlap", "recompute": "recompute", "schedules": "schedule",
     "grad_sync": "grad_sync_precision", "cross_entropy": "cross_entropy",
+    "optimizer_sharding": "optimizer_sharding",
 }
 """SearchSpace option -> the plan field whose values it chooses."""
 
@@ -107,9 +110,23 @@ class SearchSpace:
     expert_parallel_degrees: tuple[int, ...] | None = None
     """Allowed ep degrees for an EP FFN; None = every one ``ep_degrees`` gives."""
     expert_tp_degrees: tuple[int, ...] | None = None
-    """Allowed etp degrees for a TP FFN; None = every divisor of the NVLink domain above 1."""
+    """Allowed etp degrees (1: whole experts, an EP FFN); None = any: for a TP FFN every
+    divisor of the NVLink domain above 1."""
     pp: tuple[int, ...] | None = None
     """Allowed pipeline degrees; None = any that fits."""
+    vpp_degrees: tuple[int, ...] | None = None
+    """Allowed virtual-stage counts (1: the 1f1b schedule); None = 1 and 2 to max_vpp."""
+    sp_degrees: tuple[int, ...] | None = None
+    """Allowed Ulysses SP degrees (1: attention is not sequence-parallel); None = any."""
+    tp_degrees: tuple[int, ...] | None = None
+    """Allowed attention TP degrees (1: no TP attention); None = any."""
+    cp_degrees: tuple[int, ...] | None = None
+    """Allowed CP degrees (1: no CP); None = any."""
+    ep_degrees: tuple[int, ...] | None = None
+    """Allowed expert-parallel degrees (1: no EP); None = any dividing the experts."""
+    optimizer_sharding: tuple[OptimizerSharding, ...] = (OptimizerSharding.zero1,)
+    """Where the optimizer states live; ZeRO-1 alone by default (never slower at the same
+    step, leaner), so it is only searched when asked."""
     grad_sync_overlap: bool = True
     """Every plan overlaps its DP gradient sync with the backward."""
     grad_accumulation_fusion: bool = True
@@ -170,6 +187,13 @@ class SearchSpace:
                     dp = cluster.gpus // (n * pp)
                     yield from self._ffn_layouts(kind, n, pp, dp, model, training, domain)
 
+    def admits(self, d: Degrees) -> bool:
+        """Whether every degree of ``d`` is one its axis allows."""
+        pins = ((self.pp, d.pp), (self.vpp_degrees, d.vpp), (self.sp_degrees, d.sp),
+                (self.tp_degrees, d.tp), (self.cp_degrees, d.cp), (self.ep_degrees, d.ep),
+                (self.expert_tp_degrees, d.etp))
+        return all(allowed is None or degree in allowed for allowed, degree in pins)
+
     def _attention_kinds(self, n: int) -> tuple[AttentionKind, ...]:
         # with a group of one, every kind is the same plan: keep one
         if n == 1:
@@ -188,7 +212,7 @@ class SearchSpace:
                           or e in self.expert_parallel_degrees]
                 degree_sets = [dict(ep=e) for e in groups]
             else:
-                allowed = self.expert_tp_degrees or _divisors(domain)
+                allowed = [t for t in (self.expert_tp_degrees or _divisors(domain)) if t > 1]
                 groups = [t for t in _divisors(domain)
                           if inner % t == 0 and t > 1 and t in allowed]
                 degree_sets = [dict(etp=t) for t in groups]
@@ -199,7 +223,10 @@ class SearchSpace:
                     micro_batches = training.global_batch // (dp * mbs)
                     for schedule, vpp in self._schedules(pp, micro_batches, model.layers):
                         degrees = Degrees(pp=pp, vpp=vpp, dp=dp, **attn, **ffn_degrees)
-                        yield Layout(degrees, kind, ffn, mbs, schedule)
+                        if not self.admits(degrees):
+                            continue
+                        for sharding in self.optimizer_sharding:
+                            yield Layout(degrees, kind, ffn, mbs, schedule, sharding)
 
     def _schedules(self, pp: int, micro_batches: int, layers: int
                    ) -> Iterator[tuple[PipelineSchedule, int]]:

@@ -59,6 +59,11 @@ class Recompute(StrEnum):
     """Keep only each layer's input; recompute the whole layer in backward."""
 
 
+class PipelineSchedule(StrEnum):
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
+
+
 class AttentionKind(StrEnum):
     """The kinds of attention strategy (the tags of plans.plan.AttentionStrategy)."""
 
