@@ -683,6 +683,10 @@ def calibrate_cmd(
     measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
     beside = read(OverlapBench, overlap, "--overlap") if overlap else None
+    for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
+                          (beside, "--overlap")):
+        if taken is not None:
+            cal.check_device(taken, option, base_cluster)
     if runs is not None and not runs.is_dir():
         raise plans.SpecError(f"--runs: {runs} is not a folder")
     if (fused_profile is None) != (fused_plan is None):
@@ -696,6 +700,7 @@ def calibrate_cmd(
     fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
     fused_plan_spec = plans.catalog.load_plan(fused_plan) if fused_plan else None
     if fused is not None:
+        cal.check_device(fused, "--fused-profile", base_cluster)
         cal.check_one_gpu(fused_plan_spec, "--fused-plan")
         check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
                               "--fused-plan")
