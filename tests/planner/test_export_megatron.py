@@ -12,7 +12,10 @@ the dev extra); skipped when megatron-core is not installed.
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
 import sys
 import warnings
 from collections import Counter
@@ -23,7 +26,13 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install "
                     "'megatron-core==0.15.3', part of the dev extra)")
 
-from planner.export import megatron_args, megatron_env, megatron_refusal  # noqa: E402
+from planner.export import (  # noqa: E402
+    megatron_args,
+    megatron_env,
+    megatron_ep_overlap,
+    megatron_refusal,
+    megatron_script,
+)
 from planner.search import search  # noqa: E402
 from plans import Plan, SpecError, TrainingSpec, catalog  # noqa: E402
 
@@ -89,11 +98,26 @@ def _gpu(monkeypatch, arch: int) -> None:
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
 
 
-def run_megatron(plan: Plan, arch: int, arguments, monkeypatch) -> tuple[object, object]:
-    """Parse, validate and build TransformerConfig from the export as pretrain_gpt.py would,
-    in the environment the export sets, on ranks of the plan's world size."""
-    args, _ = megatron_args(plan, steps=10)
-    user = ["--lr", "1e-4", "--mock-data"]  # what the script's TRAINING_ARGS ask the user for
+def script_argv(plan: Plan, tmp: Path, **env: str) -> list[str]:
+    """pretrain_gpt.py's arguments as the exported script passes them: the script run by bash
+    with DRY_RUN=1 (it prints the command it would run, quoted for the shell)."""
+    script = tmp / "megatron.sh"
+    script.write_text(megatron_script(plan, steps=10))
+    base = {"PATH": os.environ["PATH"], "MEGATRON_LM": "/opt/Megatron-LM", "DRY_RUN": "1",
+            "MASTER_ADDR": "node0"}
+    r = subprocess.run(["bash", str(script), *env.pop("ARGV", "").split()],
+                       env={**base, **env}, capture_output=True, text=True, check=True)
+    words = shlex.split(r.stdout)
+    return words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1:]
+
+
+def run_megatron(plan: Plan, arch: int, arguments, monkeypatch, tmp: Path, **env: str
+                 ) -> tuple[object, object]:
+    """Parse, validate and build TransformerConfig from the exported script's whole command
+    line as pretrain_gpt.py would, in the environment the export sets, on ranks of the plan's
+    world size (synthetic data unless ``env`` says otherwise)."""
+    args = script_argv(plan, tmp, **(env or {"MOCK_DATA": "1"}))
+    user: list[str] = []
     for k, v in megatron_env(plan).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("WORLD_SIZE", str(plan.degrees.world))
@@ -141,7 +165,7 @@ def check_is_the_plan(plan: Plan, parsed, config) -> None:
         assert config.recompute_modules == ["core_attn"]
 
 
-def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys):
+def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys, tmp_path):
     arguments = _megatron()
     plans = _plans()
     assert len(plans) >= 100
@@ -154,7 +178,7 @@ def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys):
             refused[re.sub(r"\d+", "N", why.split(":")[0])] += 1
             continue
         try:
-            parsed, config = run_megatron(plan, arch, arguments, monkeypatch)
+            parsed, config = run_megatron(plan, arch, arguments, monkeypatch, tmp_path)
         except (AssertionError, ValueError) as e:
             pytest.fail(f"{label} ({plan.summary()}): Megatron rejects the export: {e}")
         check_is_the_plan(plan, parsed, config)
@@ -185,12 +209,71 @@ def test_the_check_catches_an_export_megatron_rejects(monkeypatch):
         arguments.validate_args(arguments.parse_args())
 
 
+def _small() -> Plan:
+    """A tiny-moe plan with EP all-to-all that Megatron runs."""
+    from plans import EPFFN, Degrees, Dispatch, UlyssesAttention
+
+    return Plan(model=catalog.load_model("tiny-moe"), cluster=catalog.load_cluster("h200", gpus=8),
+                training=TrainingSpec(global_batch=32, seq_len=512),
+                degrees=Degrees(dp=4, sp=2, ep=4), attention=UlyssesAttention(),
+                ffn=EPFFN(dispatch=Dispatch.all_to_all), stage_layers=(4,))
+
+
 def _uneven_interleaved() -> Plan:
-    """An interleaved Ulysses plan with an uneven split (9 layers over pp 2 x vpp 2)."""
-    from plans import Degrees, PipelineSchedule, UlyssesAttention
+    """An interleaved Ulysses plan with an uneven split (9 layers over pp 2 x vpp 2), no EP
+    overlap (with it Megatron only warns where CUDA_DEVICE_MAX_CONNECTIONS is unset)."""
+    from plans import Degrees, Overlap, PipelineSchedule, UlyssesAttention
 
     model = catalog.load_model("tiny-moe").model_copy(update={"layers": 9})
     return Plan(model=model, cluster=catalog.load_cluster("h100", gpus=16),
                  training=TrainingSpec(global_batch=16, seq_len=512),
                  degrees=Degrees(pp=2, vpp=2, dp=4, sp=2, ep=4), attention=UlyssesAttention(),
-                 stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b)
+                 stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b,
+                 overlap=Overlap.none)
+
+
+def test_the_script_passes_training_data_and_extra_flags(monkeypatch, tmp_path):
+    """A real data path with its tokenizer, checkpoints, logging, a warmup-and-cosine schedule,
+    clipping and weight decay, EXTRA_ARGS and the script's arguments (last: they override)."""
+    arguments = _megatron()
+    plan, arch = _small(), 9
+    parsed, _ = run_megatron(plan, arch, arguments, monkeypatch, tmp_path,
+                             DATA_PATH="/data/web_text_document", TOKENIZER_MODEL="/tok",
+                             CKPT_DIR="/ckpt", LR="2e-4", TRAIN_ITERS="500",
+                             EXTRA_ARGS="--seed 7 --eval-iters 5", ARGV="--clip-grad 0.5")
+    assert parsed.data_path == ["/data/web_text_document"] and not parsed.mock_data
+    assert (parsed.tokenizer_type, parsed.tokenizer_model) == ("HuggingFaceTokenizer", "/tok")
+    assert parsed.save == parsed.load == "/ckpt" and parsed.save_interval == 1000
+    assert parsed.tensorboard_dir == "/ckpt/tensorboard" and parsed.log_throughput
+    assert (parsed.lr, parsed.min_lr, parsed.lr_decay_style) == (2e-4, 3e-5, "cosine")
+    assert (parsed.train_iters, parsed.lr_warmup_iters, parsed.lr_decay_iters) == (500, 5, 500)
+    assert (parsed.weight_decay, parsed.clip_grad) == (0.1, 0.5)
+    assert (parsed.seed, parsed.eval_iters) == (7, 5)
+    assert parsed.overlap_grad_reduce == plan.grad_sync_overlap
+
+
+def test_the_plans_ep_overlap_is_megatrons_flag(monkeypatch, tmp_path):
+    """An EP all-to-all plan with overlap runs Megatron's EP overlap; TransformerConfig accepts
+    it; without overlap the flag is absent."""
+    from plans import Overlap
+
+    arguments = _megatron()
+    plan = _small()
+    assert megatron_ep_overlap(plan.model_copy(update={"overlap": Overlap.inter_op}))[0]
+    on = plan.model_copy(update={"overlap": Overlap.inter_op})
+    parsed, config = run_megatron(on, 9, arguments, monkeypatch, tmp_path)
+    assert parsed.overlap_moe_expert_parallel_comm and config.overlap_moe_expert_parallel_comm
+    off = plan.model_copy(update={"overlap": Overlap.none})
+    parsed, _ = run_megatron(off, 9, arguments, monkeypatch, tmp_path)
+    assert not parsed.overlap_moe_expert_parallel_comm
+
+
+def test_the_header_states_the_prediction(tmp_path):
+    import cost_models
+
+    plan = _uneven_interleaved()
+    header = megatron_script(plan, steps=10).split("set -euo")[0]
+    e = cost_models.evaluate(plan)
+    assert f"{e.step_time_s:.4g} s/iter" in header
+    assert f"{e.mfu * plan.cluster.gpu.bf16_dense_tflops:.4g} TFLOP/s/GPU" in header
+    assert f"peak {e.memory.peak_bytes / 2**30:.4g} GiB" in header
