@@ -155,9 +155,17 @@ def checkpoint_bytes(plan: Plan, param_bytes: int) -> int:
     """Bytes one checkpoint of ``plan`` writes, all ranks together: every parameter once (DCP
     keeps one copy of replicated keys; shards are disjoint) in the parameter dtype
     (``param_bytes``: 2 for bf16 on GPUs, 4 for fp32 on CPU), plus its optimizer states in
-    fp32 (Optimizer.state_bytes_per_param), ZeRO-1 slices or whole (the same total)."""
-    per_param = param_bytes + plan.training.optimizer.state_bytes_per_param
+    fp32 (Optimizer.state_bytes_per_param), ZeRO-1 slices or whole (the same total); an fp32
+    parameter is its own master weight (runtime.parallel.optimizer._master), stored once.
+    DCP's metadata and the manifest add a few percent."""
+    own_master = 4 if param_bytes == 4 else 0
+    per_param = param_bytes + plan.training.optimizer.state_bytes_per_param - own_master
     return plan.model.total_params * per_param
+
+
+def size_text(n: int) -> str:
+    """Bytes for a reader: GiB from one GiB up, MiB below."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
 def free_bytes(folder: Path) -> int:
@@ -173,8 +181,8 @@ def check_space(ckpt_dir: Path, needed: int) -> None:
     """Refuse a checkpoint folder whose filesystem cannot hold one checkpoint."""
     free = free_bytes(ckpt_dir)
     if free < needed:
-        raise SpecError(f"--ckpt-dir: {ckpt_dir} has {free / GIB:.2f} GiB free, one checkpoint "
-                        f"of this plan takes {needed / GIB:.2f} GiB")
+        raise SpecError(f"--ckpt-dir: {ckpt_dir} has {size_text(free)} free, one checkpoint "
+                        f"of this plan takes {size_text(needed)}")
 
 
 class CheckpointWriteFailed(Exception):
@@ -184,8 +192,8 @@ class CheckpointWriteFailed(Exception):
     def __init__(self, rank: int, step: int, folder: Path, needed: int, reason: str):
         free = free_bytes(folder)
         super().__init__(f"rank {rank}: writing the checkpoint of step {step} to {folder} "
-                         f"failed ({reason}); it needs {needed / GIB:.2f} GiB, "
-                         f"{free / GIB:.2f} GiB are free; removed its partial "
+                         f"failed ({reason}); it needs {size_text(needed)}, "
+                         f"{size_text(free)} are free; removed its partial "
                          f".tmp-step-{step}, earlier checkpoints are kept")
 
 
