@@ -104,7 +104,7 @@ def script_argv(plan: Plan, tmp: Path, **env: str) -> list[str]:
     script = tmp / "megatron.sh"
     script.write_text(megatron_script(plan, steps=10))
     base = {"PATH": os.environ["PATH"], "MEGATRON_LM": "/opt/Megatron-LM", "DRY_RUN": "1",
-            "MASTER_ADDR": "node0"}
+            "MASTER_ADDR": "node0", "RDZV_ID": "job1"}
     r = subprocess.run(["bash", str(script), *env.pop("ARGV", "").split()],
                        env={**base, **env}, capture_output=True, text=True, check=True)
     words = shlex.split(r.stdout)
