@@ -79,6 +79,7 @@ from plans.results import (
     MEASURED_UNDER,
     OverlapBench,
     ProfileResult,
+    Result,
     Sweep,
     SweepOp,
     SweepRow,
@@ -393,6 +394,23 @@ def check_one_gpu(plan: Plan, option: str) -> None:
     if plan.degrees.world != 1:
         raise SpecError(f"{option}: calibrate on the 1-GPU plan that was profiled (no "
                         f"communication); this one runs on {plan.degrees.world} GPUs")
+
+
+def device_kind(gpu: str | None) -> str:
+    """The kind of device a measurement names: torch.cuda.get_device_name's name ("NVIDIA
+    H200"), "cpu" where none was recorded (runtime.provenance.metadata: torch saw no GPU)."""
+    return gpu or "cpu"
+
+
+def check_device(result: Result, option: str, base: ClusterSpec) -> None:
+    """Factors fitted to one kind of device describe only that kind: a measurement fits a base
+    cluster whose GPU model (``gpu.name`` up to its first "-": H200, A100, cpu) is a word of
+    the device name the measurement recorded."""
+    measured = device_kind(result.gpu)
+    model = base.gpu.name.split("-")[0]
+    if not re.search(rf"(?<![A-Za-z0-9]){re.escape(model)}(?![A-Za-z0-9])", measured, re.I):
+        raise SpecError(f"{option}: measured on {measured}, but --base {base.name}'s GPU is "
+                        f"{base.gpu.name}; calibrate against a base cluster of that device")
 
 
 def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -> float:

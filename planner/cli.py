@@ -1068,6 +1068,10 @@ def calibrate_cmd(
     measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
     beside = read(OverlapBench, overlap, "--overlap") if overlap else None
+    for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
+                          (beside, "--overlap")):
+        if taken is not None:
+            cal.check_device(taken, option, base_cluster)
     if runs is not None and not runs.is_dir():
         raise plans.SpecError(f"--runs: {runs} is not a folder")
     if (fused_profile is None) != (fused_plan is None):
@@ -1081,6 +1085,7 @@ def calibrate_cmd(
     fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
     fused_plan_spec = plans.catalog.load_plan(fused_plan) if fused_plan else None
     if fused is not None:
+        cal.check_device(fused, "--fused-profile", base_cluster)
         cal.check_one_gpu(fused_plan_spec, "--fused-plan")
         check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
                               "--fused-plan")
@@ -1179,61 +1184,31 @@ def export_cmd(
     typer.echo(script, nl=False)
 
 
-@app.command("train", short_help="Train with the plan on this machine under torchrun.")
-@user_errors
-def train_cmd(
-    plan: PlanArg,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps to train (with "
-                                       "--resume: the step to reach).")] = 10,
-    data: Annotated[Path | None, typer.Option("--data", help="Token file (.u16/.u32).")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option(
-        "--nproc-per-node", min=1, help="Processes on this machine; default the plan's world.")
-    ] = None,
-    log: Annotated[Path | None, typer.Option(
-        "--log", help="JSON-lines log, one record per step; an existing log is appended to "
-        "(a resumed run continues it).")] = None,
-    ckpt_dir: Annotated[Path | None, typer.Option(
-        "--ckpt-dir", help="Folder of checkpoints (torch DCP), one per saved step.")] = None,
-    ckpt_every: Annotated[int | None, typer.Option(
-        "--ckpt-every", min=1, help="Save a checkpoint every N steps (needs --ckpt-dir).")
-    ] = None,
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue from the newest checkpoint in --ckpt-dir.")] = False,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Start afresh in a --ckpt-dir holding another run's checkpoints "
-        "(they are deleted first).")] = False,
-) -> None:
-    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs).
+def _train_cmd(plan: Path, nproc_per_node: int | None = None, **options: object) -> None:
+    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs). The
+    training options are python -m runtime.train's (plans.run_options), passed through; the
+    runtime checks them all, with the plan, the data, the log, the checkpoint folder and its
+    free space, before torchrun starts a worker.
 
     \b
     Example:
       moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 \\
           --out tiny.json
-      moeplan train tiny.json --steps 20 --log metrics.jsonl
+      moeplan train tiny.json --steps 200 --lr 3e-4 --lr-schedule cosine \\
+          --warmup-steps 20 --min-lr 3e-5 --log-file metrics.jsonl
     """
     from planner import launch
+    from plans.run_options import run_argv
 
     _need_torch("train")
     loaded = plans.catalog.load_plan(plan)
-    # what the launcher alone can tell; the runtime's own checks run next (launch.preflight)
-    if data is not None and data.suffix not in (".u16", ".u32"):
-        raise plans.SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
-    if ckpt_every is not None and ckpt_dir is None:
-        raise plans.SpecError("--ckpt-every: needs --ckpt-dir")
-    if resume and ckpt_dir is None:
-        raise plans.SpecError("--resume: needs --ckpt-dir")
     world = loaded.degrees.world
     nproc = nproc_per_node or world
     if nproc != world:
         raise plans.SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the "
                               f"plan's world size is {world}; for several nodes use "
                               "`moeplan export --to torchrun`")
-    args = ["--plan", str(plan), "--steps", str(steps)]
-    for flag, value in (("--data", data), ("--log-file", log), ("--ckpt-dir", ckpt_dir),
-                        ("--ckpt-every", ckpt_every)):
-        if value is not None:
-            args += [flag, str(value)]
-    args += [flag for flag, on in (("--resume", resume), ("--overwrite", overwrite)) if on]
+    args = ["--plan", str(plan), *run_argv(options)]
     env = dict(os.environ)
     launch.preflight(args, world, nproc, env)  # the runtime's checks; no worker started
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -1243,6 +1218,35 @@ def train_cmd(
         typer.echo(f"error: {outcome.message}", err=True)
     if outcome.code != 0:
         raise typer.Exit(outcome.code)
+
+
+def _run_option_parameters() -> list:
+    """`moeplan train`'s typer parameters: PLAN, --nproc-per-node, then plans.run_options'
+    RUN_OPTIONS (the runtime's own, declared once)."""
+    import inspect
+
+    from plans.run_options import RUN_OPTIONS
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("plan", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=PlanArg),
+        inspect.Parameter("nproc_per_node", kw, default=None, annotation=Annotated[
+            int | None, typer.Option("--nproc-per-node", min=1, help="Processes on this "
+                                     "machine; default the plan's world.")]),
+    ]
+    for o in RUN_OPTIONS:
+        if not o.launcher:
+            continue
+        bounds = {} if o.minimum is None or o.kind is bool else {"min": o.minimum}
+        kind = o.kind if o.kind is bool else o.kind | None
+        params.append(inspect.Parameter(o.dest, kw, default=o.default, annotation=Annotated[
+            kind, typer.Option(o.flag, *o.aliases, help=o.help, **bounds)]))
+    return params
+
+
+_train_cmd.__signature__ = __import__("inspect").Signature(_run_option_parameters())
+app.command("train", short_help="Train with the plan on this machine under torchrun.")(
+    user_errors(_train_cmd))
 
 
 def _interrupted(signum, frame) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from planner.staging import least_layers
 from plans import (
     EPFFN,
     TPFFN,
@@ -221,21 +222,25 @@ class SearchSpace:
                     if training.global_batch % (dp * mbs):
                         continue
                     micro_batches = training.global_batch // (dp * mbs)
-                    for schedule, vpp in self._schedules(pp, micro_batches, model.layers):
+                    for schedule, vpp in self._schedules(pp, micro_batches, model):
                         degrees = Degrees(pp=pp, vpp=vpp, dp=dp, **attn, **ffn_degrees)
                         if not self.admits(degrees):
                             continue
                         for sharding in self.optimizer_sharding:
                             yield Layout(degrees, kind, ffn, mbs, schedule, sharding)
 
-    def _schedules(self, pp: int, micro_batches: int, layers: int
+    def _schedules(self, pp: int, micro_batches: int, model: ModelSpec
                    ) -> Iterator[tuple[PipelineSchedule, int]]:
-        if PipelineSchedule.one_f_one_b in self.schedules:
+        """The schedules and vpp whose chunks the model's layers can fill (staging)."""
+        def fits(vpp: int) -> bool:
+            return least_layers(pp, vpp, model.dense_layers) <= model.layers
+
+        if PipelineSchedule.one_f_one_b in self.schedules and fits(1):
             yield PipelineSchedule.one_f_one_b, 1
         if PipelineSchedule.interleaved_1f1b in self.schedules and pp > 1:
             if micro_batches % pp == 0:
                 for vpp in range(2, self.max_vpp + 1):
-                    if pp * vpp <= layers:
+                    if fits(vpp):
                         yield PipelineSchedule.interleaved_1f1b, vpp
 
     def options(self, layout: Layout, training: TrainingSpec

@@ -165,6 +165,11 @@ class Trainer:
         with self.timers.region(Component.grad_sync):
             self.optimizer.sync_gradients()
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps (every parameter group)."""
+        for group in self.optimizer.opt.param_groups:
+            group["lr"] = lr
+
     def optimizer_step(self) -> None:
         with self.timers.region(Component.optimizer):
             self.optimizer.step()
