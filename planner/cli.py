@@ -809,6 +809,10 @@ def train_cmd(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Start afresh in a --ckpt-dir holding another run's checkpoints "
         "(they are deleted first).")] = False,
+    compile_cache: Annotated[Path | None, typer.Option(
+        "--compile-cache", help="Folder of torch.compile's caches, shared by every plan and "
+        "launch: a relaunch loads its compiled kernels (default: $TORCHINDUCTOR_CACHE_DIR, "
+        "else ~/.cache/moeplan/torch_compile).")] = None,
 ) -> None:
     """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs).
 
@@ -836,7 +840,7 @@ def train_cmd(
                               "`moeplan export --to torchrun`")
     args = ["--plan", str(plan), "--steps", str(steps)]
     for flag, value in (("--data", data), ("--log-file", log), ("--ckpt-dir", ckpt_dir),
-                        ("--ckpt-every", ckpt_every)):
+                        ("--ckpt-every", ckpt_every), ("--compile-cache", compile_cache)):
         if value is not None:
             args += [flag, str(value)]
     args += [flag for flag, on in (("--resume", resume), ("--overwrite", overwrite)) if on]

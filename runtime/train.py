@@ -3,13 +3,15 @@
     torchrun --nproc-per-node N -m runtime.train --plan PLAN [--steps N] [--data PATH]
         [--data-dtype u16|u32] [--log FILE | --log-file FILE]
         [--ckpt-dir DIR --ckpt-every K] [--resume] [--seed S] [--lr LR]
-        [--aux-loss-coeff C] [--per-expert-balance]
+        [--aux-loss-coeff C] [--per-expert-balance] [--compile-cache DIR]
 
 Reads RANK, WORLD_SIZE and LOCAL_RANK; NCCL with bf16 parameters (fp32 optimizer masters) on CUDA,
 gloo and fp32 on CPU.
 Bad input (plan missing or invalid, unsupported field, world size mismatch, a predicted peak
 memory above the GPU's free memory) prints one line naming the field and the reason and exits
-with status 2. Running out of device memory prints one line with the predicted and measured
+with status 2. The last line sums the run up: the first step's time (compilation, which a
+relaunch loads from torch.compile's caches, runtime.compile_cache) apart from the median of the
+steps after it. Running out of device memory prints one line with the predicted and measured
 peaks and exits with status 1. A failed or timed-out collective (a
 peer died, ``--timeout-s`` passed) prints one line and exits with status 1; SIGTERM (torchrun
 stopping the other ranks after one failed) prints one line and exits with status 143.
@@ -36,6 +38,7 @@ from plans.execution import UnsupportedFeature, deviations, record
 from plans.io import check_appendable, check_folder_target
 from plans.proc import die_with_parent
 from runtime import checkpoint
+from runtime.compile_cache import CacheCounts, cache_counts, use_cache_dir
 from runtime.data import SyntheticTokens, TokenDtype, TokenFile, TokenSource
 from runtime.machine import check_machine
 from runtime.memory import InsufficientMemory, check_fits, configure_allocator, out_of_memory_line
@@ -74,6 +77,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="plain per-expert balance loss instead of one per EP rank")
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="collective timeout: a rank waiting longer on a dead peer fails")
+    p.add_argument("--compile-cache", type=Path,
+                   help="folder of torch.compile's caches, shared by every plan and launch "
+                   "(default: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/moeplan/torch_compile)")
     p.add_argument("--check", action="store_true",
                    help="check the plan, data, output paths and this machine (LOCAL_WORLD_SIZE "
                    "ranks), print nothing and exit 0 when all is well; start nothing")
@@ -109,6 +115,8 @@ def validate(args: argparse.Namespace, world: int) -> tuple[Plan, TokenSource]:
         check_appendable(args.log, "--log")
     if args.overwrite and args.resume:
         raise SpecError("--overwrite: cannot be combined with --resume")
+    if args.compile_cache is not None:
+        check_folder_target(args.compile_cache, "--compile-cache")
     data = make_data(args, plan)
     if args.ckpt_dir is not None:
         check_folder_target(args.ckpt_dir, "--ckpt-dir")
@@ -120,17 +128,35 @@ def run_record(args: argparse.Namespace, plan: Plan) -> checkpoint.RunRecord:
     return checkpoint.RunRecord.of(plan, args.data, args.seed)
 
 
-def report(m: StepMetrics, log: Path | None, ran: list[dict]) -> None:
+def report(m: StepMetrics, log: Path | None, ran: list[dict],
+           compiled: CacheCounts = CacheCounts()) -> None:
     """Print a step's line; append it to ``log`` with the plan fields the run executed
-    differently (``ran``, plans.execution.record), which the cost model prices it by."""
+    differently (``ran``, plans.execution.record), which the cost model prices it by, and the
+    graphs the step compiled (``compiled``: loaded from the compile cache, or compiled)."""
     line = (
         f"step {m.step + 1} loss {m.loss:.4f} tok/s {m.tokens_per_s:,.0f} mfu {m.mfu:.2%} "
         f"step {m.step_time_s * 1e3:.0f} ms peak {m.peak_memory_gib:.2f} GiB"
     )
+    if compiled.hits or compiled.misses:
+        line += f" (graphs: {compiled.hits} from cache, {compiled.misses} compiled)"
     print(line, flush=True)
     if log is not None:
+        record = {**asdict(m), "step": m.step + 1, "deviations": ran,
+                  "compiled_graphs": compiled.as_dict()}
         with log.open("a") as f:
-            f.write(json.dumps({**asdict(m), "step": m.step + 1, "deviations": ran}) + "\n")
+            f.write(json.dumps(record) + "\n")
+
+
+def summary(step_times_s: list[float], compiled: CacheCounts, cache: Path) -> str:
+    """The run's last line: its first step (compilation included) apart from the median of the
+    steps after it, and what the compile cache gave."""
+    first = f"first step {step_times_s[0]:.2f} s"
+    rest = sorted(step_times_s[1:])
+    if rest:
+        first += (f", then {rest[len(rest) // 2] * 1e3:.0f} ms (median of {len(rest)} "
+                  f"step{'s' if len(rest) > 1 else ''})")
+    return (f"{first}; compiled graphs: {compiled.hits} from cache, {compiled.misses} compiled "
+            f"(compile cache {cache})")
 
 
 def resume_point(ckpt_dir: Path, rank: int) -> tuple[Path, int] | None:
@@ -175,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    cache = use_cache_dir(args.compile_cache)  # before anything compiles
     configure_allocator()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -196,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in deviations(plan, backend_of(device)):
             print(d.note(), file=sys.stderr, flush=True)
     try:
-        return _train(args, plan, data, rank, world, device, owns_group)
+        return _train(args, plan, data, rank, world, device, owns_group, cache)
     except torch.OutOfMemoryError:
         print(out_of_memory_line(plan, device, rank, _Progress.step), file=sys.stderr,
               flush=True)
@@ -210,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
-           device: torch.device, owns_group: bool) -> int:
+           device: torch.device, owns_group: bool, cache: Path) -> int:
     trainer = build_trainer(
         plan, rank, world, device, args.seed, data,
         options=model_options(plan, args.aux_loss_coeff, args.per_expert_balance),
@@ -230,16 +257,23 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
         if rank == 0:
             print(f"resumed from {found[0]} after step {start}", flush=True)
     ran = record(plan, backend_of(device))
+    times: list[float] = []
+    began = counted = cache_counts()
     for step in range(start, args.steps):
         _Progress.step = step
         metrics = trainer.train_step(step)
+        now = cache_counts()
+        times.append(metrics.step_time_s)
         if rank == 0:
-            report(metrics, args.log, ran)
+            report(metrics, args.log, ran, now - counted)
+        counted = now
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             checkpoint.save(trainer, args.ckpt_dir, step + 1)
     # Process groups die while the interpreter is whole (mesh.end_process_groups says why):
     # the trainer's gradient hooks form a cycle that keeps it and its groups alive, so close()
     # unhooks them and destroys the trainer's groups first.
+    if rank == 0 and times:
+        print(summary(times, counted - began, cache), flush=True)
     trainer.close()
     del trainer
     if owns_group:
