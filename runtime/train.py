@@ -129,7 +129,7 @@ def run_record(args: argparse.Namespace, plan: Plan) -> checkpoint.RunRecord:
 
 
 def report(m: StepMetrics, log: Path | None, ran: list[dict],
-           compiled: CacheCounts = CacheCounts()) -> None:
+           compiled: CacheCounts | None = None) -> None:
     """Print a step's line; append it to ``log`` with the plan fields the run executed
     differently (``ran``, plans.execution.record), which the cost model prices it by, and the
     graphs the step compiled (``compiled``: loaded from the compile cache, or compiled)."""
@@ -137,6 +137,7 @@ def report(m: StepMetrics, log: Path | None, ran: list[dict],
         f"step {m.step + 1} loss {m.loss:.4f} tok/s {m.tokens_per_s:,.0f} mfu {m.mfu:.2%} "
         f"step {m.step_time_s * 1e3:.0f} ms peak {m.peak_memory_gib:.2f} GiB"
     )
+    compiled = compiled or CacheCounts()
     if compiled.hits or compiled.misses:
         line += f" (graphs: {compiled.hits} from cache, {compiled.misses} compiled)"
     print(line, flush=True)
