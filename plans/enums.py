@@ -174,3 +174,18 @@ class WindowKind(StrEnum):
     chunked = "chunked"
     """The keys of its own ``sliding_window``-token chunk up to itself (Llama-4's chunked
     local attention)."""
+class ExpertGemm(StrEnum):
+    """How a rank's routed experts run their three GEMMs (runtime.moe.GroupedExperts); the
+    weights, their layout and their gradients are the same in each."""
+
+    grouped = "grouped"
+    """Three grouped GEMMs (torch._grouped_mm) over the rows per expert on the device: no
+    wait on the host."""
+    grouped_w13 = "grouped_w13"
+    """w1 and w3 as one grouped GEMM of twice the width (the two weights concatenated at each
+    forward, [E, 2 x ffn, hidden]), the SwiGLU over its two halves; w2 grouped."""
+    per_expert = "per_expert"
+    """One cuBLAS matmul per expert, each product written into its slice of one output (no
+    split and no concatenation), the weight gradients likewise: the rows per expert are read
+    on the host, copied behind an event when the experts' forward starts and waited for
+    there (the dispatch's kernels finished, the experts' not yet queued)."""

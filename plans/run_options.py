@@ -89,6 +89,9 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
               "one per EP rank."),
     RunOption("--timeout-s", float, 600.0, "Collective timeout: a rank waiting longer on a "
               "dead peer fails.", minimum=0.0),
+    RunOption("--compile-cache", Path, None, "Folder of torch.compile's caches, shared by "
+              "every plan and launch: a relaunch loads its compiled kernels (default: "
+              "$TORCHINDUCTOR_CACHE_DIR, else ~/.cache/moeplan/torch_compile)."),
     RunOption("--check", bool, False, "Check the plan, data, output paths, free disk and this "
               "machine (LOCAL_WORLD_SIZE ranks), print nothing and exit 0 when all is well; "
               "start nothing.", launcher=False),

@@ -14,7 +14,10 @@ with status 1; so does a checkpoint write that fails (no space, I/O error: the r
 the folder and the sizes; its partial folder removed, earlier checkpoints kept). A failed or
 timed-out collective (a peer died, ``--timeout-s`` passed) prints one line and exits with
 status 1; SIGTERM (torchrun stopping the other ranks after one failed) prints one line and
-exits with status 143. Rank 0 ends a run with a summary: steps, tokens, checkpoints, log.
+exits with status 143.
+Rank 0 ends a run with a summary (steps, tokens, checkpoints, log) and a line giving the first
+step's time (compilation, which a relaunch loads from torch.compile's caches,
+runtime.compile_cache) apart from the median of the steps after it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from plans.io import check_appendable, check_folder_target
 from plans.proc import die_with_parent
 from plans.run_options import RUN_OPTIONS, LrSchedule, TokenDtype
 from runtime import checkpoint
+from runtime.compile_cache import CacheCounts, cache_counts, use_cache_dir
 from runtime.data import NUMPY_DTYPE, SyntheticTokens, TokenFile, TokenSource
 from runtime.indexed import indexed_prefix, read_index
 from runtime.machine import check_machine
@@ -130,6 +134,8 @@ def validate(args: argparse.Namespace, world: int) -> tuple[Plan, TokenSource]:
     lr = args.lr if args.lr is not None else OptimizerConfig.lr
     if args.min_lr > lr:
         raise SpecError(f"--min-lr ({args.min_lr:g}) is above --lr ({lr:g})")
+    if args.compile_cache is not None:
+        check_folder_target(args.compile_cache, "--compile-cache")
     data = make_data(args, plan)
     record = run_record(args, plan)
     if args.log_file is not None:
@@ -205,18 +211,24 @@ class RunLog:
     ran: list[dict]
     board: object | None = None
 
-    def step(self, m: StepMetrics, lr: float) -> None:
+    def step(self, m: StepMetrics, lr: float, compiled: CacheCounts | None = None) -> None:
+        """Print a step's line and append its record; ``compiled``: the graphs the step
+        loaded from the compile cache or compiled."""
         line = (
             f"step {m.step + 1} loss {m.loss:.4f} lr {lr:.3g} tok/s {m.tokens_per_s:,.0f} "
             f"mfu {m.mfu:.2%} step {m.step_time_s * 1e3:.0f} ms peak "
             f"{m.peak_memory_gib:.2f} GiB"
         )
+        compiled = compiled or CacheCounts()
+        if compiled.hits or compiled.misses:
+            line += f" (graphs: {compiled.hits} from cache, {compiled.misses} compiled)"
         print(line, flush=True)
         if self.path is not None:
             with self.path.open("a") as f:
                 f.write(json.dumps({"run_id": self.run_id, "plan_sha256": self.plan_sha256,
                                     **asdict(m), "step": m.step + 1, "lr": lr,
-                                    "deviations": self.ran}) + "\n")
+                                    "deviations": self.ran,
+                                    "compiled_graphs": compiled.as_dict()}) + "\n")
         if self.board is not None:
             for name, value in (("loss", m.loss), ("lr", lr), ("tokens_per_s", m.tokens_per_s),
                                 ("mfu", m.mfu), ("step_time_s", m.step_time_s),
@@ -240,6 +252,18 @@ def tensorboard(folder: Path | None):
               "no scalars are written", file=sys.stderr, flush=True)
         return None
     return SummaryWriter(str(folder))
+
+
+def compile_summary(step_times_s: list[float], compiled: CacheCounts, cache: Path) -> str:
+    """The run's last line: its first step (compilation included) apart from the median of the
+    steps after it, and what the compile cache gave."""
+    first = f"first step {step_times_s[0]:.2f} s"
+    rest = sorted(step_times_s[1:])
+    if rest:
+        first += (f", then {rest[len(rest) // 2] * 1e3:.0f} ms (median of {len(rest)} "
+                  f"step{'s' if len(rest) > 1 else ''})")
+    return (f"{first}; compiled graphs: {compiled.hits} from cache, {compiled.misses} compiled "
+            f"(compile cache {cache})")
 
 
 def resume_point(ckpt_dir: Path, rank: int) -> tuple[Path, int] | None:
@@ -287,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    cache = use_cache_dir(args.compile_cache)  # before anything compiles
     configure_allocator()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -308,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in deviations(plan, backend_of(device)):
             print(d.note(), file=sys.stderr, flush=True)
     try:
-        return _train(args, plan, data, rank, world, device, owns_group)
+        return _train(args, plan, data, rank, world, device, owns_group, cache)
     except torch.OutOfMemoryError:
         print(out_of_memory_line(plan, device, rank, _Progress.step), file=sys.stderr,
               flush=True)
@@ -325,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
-           device: torch.device, owns_group: bool) -> int:
+           device: torch.device, owns_group: bool, cache: Path) -> int:
     optim = {k: v for k, v in (("lr", args.lr), ("weight_decay", args.weight_decay))
              if v is not None}
     trainer = build_trainer(
@@ -352,13 +377,18 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
                  tensorboard(args.tensorboard_dir) if rank == 0 else None)
     needed = checkpoint_size(plan)
     saved: Path | None = None
+    times: list[float] = []
+    began = counted = cache_counts()
     for step in range(start, args.steps):
         _Progress.step = step
         lr = learning_rate(step, args)
         trainer.set_learning_rate(lr)
         metrics = trainer.train_step(step)
+        now = cache_counts()
+        times.append(metrics.step_time_s)
         if rank == 0:
-            log.step(metrics, lr)
+            log.step(metrics, lr, now - counted)
+        counted = now
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
             saved = checkpoint.save(trainer, args.ckpt_dir, step + 1, needed)
             if rank == 0 and args.ckpt_keep:
@@ -369,6 +399,8 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
     # Process groups die while the interpreter is whole (mesh.end_process_groups says why):
     # the trainer's gradient hooks form a cycle that keeps it and its groups alive, so close()
     # unhooks them and destroys the trainer's groups first.
+    if rank == 0 and times:
+        print(compile_summary(times, counted - began, cache), flush=True)
     trainer.close()
     del trainer
     if owns_group:

@@ -69,7 +69,9 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     plan = _write(make_plan(), tmp_path / "p.json")
     log = tmp_path / "log.jsonl"
     digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (corpus, plan)}
-    r = _train("--plan", str(plan), "--steps", "2", "--data", str(corpus), "--log", str(log))
+    cache = tmp_path / "compile_cache"
+    r = _train("--plan", str(plan), "--steps", "2", "--data", str(corpus), "--log", str(log),
+               "--compile-cache", str(cache))
     assert r.returncode == 0, r.stderr
     # the runtime never writes its inputs
     assert digests == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digests}
@@ -78,6 +80,39 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     for key in ("loss", "tokens_per_s", "mfu", "peak_memory_gib", "components_s"):
         assert key in rows[0]
     assert "step 2 loss" in r.stdout
+    # eager kernels compile nothing; the last line puts the first step apart from the rest
+    assert rows[0]["compiled_graphs"] == {"hits": 0, "misses": 0}
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("first step ") and "(median of 1 step)" in last, last
+    assert str(cache.resolve()) in last and cache.is_dir()
+
+
+_COMPILE = """
+import sys
+from pathlib import Path
+from runtime.compile_cache import cache_counts, use_cache_dir
+use_cache_dir(Path(sys.argv[1]))
+import torch
+torch.compile(lambda x: torch.relu(x) * 2 + 1, fullgraph=True)(torch.randn(8))
+print(cache_counts().as_dict())
+"""
+
+
+def test_a_second_process_loads_the_compiled_graph_from_the_cache_folder(tmp_path):
+    """runtime.compile_cache: a relaunch over the same folder compiles nothing again
+    (inductor's FX graph cache hits, read from torch's counters)."""
+    cache = tmp_path / "cache"
+
+    def launch() -> dict:
+        r = subprocess.run([sys.executable, "-c", _COMPILE, str(cache)], cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+    assert launch() == {"hits": 0, "misses": 1}
+    assert (cache / "fxgraph").is_dir()
+    assert launch() == {"hits": 1, "misses": 0}
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from plans.enums import ExpertGemm
 from runtime.moe import (
     GroupedExperts,
     LocalDispatcher,
@@ -65,6 +66,81 @@ def test_grouped_mm_fallback_matches_row_by_row():
     expert = torch.repeat_interleave(torch.arange(3), counts)
     expect = torch.stack([w[e] @ x[i] for i, e in enumerate(expert.tolist())])
     torch.testing.assert_close(grouped_mm(x, w, counts), expect)
+
+
+def _expert_pair(gemm: ExpertGemm) -> tuple[GroupedExperts, GroupedExperts]:
+    """``gemm``'s experts and grouped ones with the same fp64 weights."""
+    torch.manual_seed(0)
+    other, grouped = GroupedExperts(4, 6, 5, gemm=gemm), GroupedExperts(4, 6, 5)
+    with torch.no_grad():
+        for a, b in zip(other.parameters(), grouped.parameters(), strict=True):
+            b.copy_(torch.randn_like(b))
+            a.copy_(b)
+    return other.double(), grouped.double()
+
+
+@pytest.mark.parametrize("gemm", list(ExpertGemm))
+def test_every_expert_gemm_gives_the_grouped_outputs_and_gradients(gemm):
+    """plans.enums.ExpertGemm: the paths compute one function (an expert without rows too)."""
+    other, grouped = _expert_pair(gemm)
+    counts = torch.tensor([3, 0, 4, 2])
+    x = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(9, 6, dtype=torch.float64)
+    x_ref = x.detach().clone().requires_grad_()
+    out, ref = other(x, counts), grouped(x_ref, counts)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    for a, b in zip(other.parameters(), grouped.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    assert torch.count_nonzero(other.w1.grad[1]) == 0
+
+
+@pytest.mark.parametrize("gemm", [ExpertGemm.grouped, ExpertGemm.per_expert])
+def test_accumulating_expert_gemms_add_the_grouped_gradients_into_main_gradients(gemm):
+    """Gradient-accumulation fusion over each ExpertGemm that accumulates in the GEMM
+    (plans.layout.accumulates_experts_in_gemm): two backwards add into the main gradients."""
+    from runtime.parallel.grad_accumulation import accumulating_matmul
+
+    other, grouped = _expert_pair(gemm)
+    for p in other.parameters():
+        p.main_grad = torch.zeros_like(p)
+    other.matmul = accumulating_matmul(gemm)
+    counts = torch.tensor([1, 3, 0, 2])
+    for _ in range(2):
+        x, g = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
+        other(x, counts).backward(g)
+        grouped(x, counts).backward(g)
+    for a, b in zip(other.parameters(), grouped.parameters(), strict=True):
+        assert a.grad is None
+        torch.testing.assert_close(a.main_grad, b.grad, rtol=0, atol=1e-12)
+
+
+def test_the_expert_gemm_option_reaches_every_moe_layer_and_trains_alike():
+    """ModelOptions.expert_gemm builds every layer's experts with it; the model's logits and
+    gradients are the grouped model's."""
+    from plans.catalog import load_model
+    from runtime.config import ModelConfig, ModelOptions
+    from runtime.model import Transformer, init_weights
+
+    spec = load_model("tiny-moe")
+    tokens = torch.randint(0, spec.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for gemm in ExpertGemm:
+        with torch.device("meta"):
+            model = Transformer(ModelConfig(spec, ModelOptions(expert_gemm=gemm)))
+        init_weights(model, 0, {}, torch.device("cpu"), torch.float64)
+        assert {m.experts.gemm for m in model.moe_layers()} == {gemm}
+        model.head_logits = True
+        logits = model(tokens)
+        logits.square().mean().backward()
+        results[gemm] = (logits.detach(), {k: p.grad for k, p in model.named_parameters()})
+    ref_logits, ref_grads = results[ExpertGemm.grouped]
+    for logits, grads in results.values():
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-12, atol=1e-12)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[k], rtol=1e-10, atol=1e-12)
 
 
 def test_local_dispatch_combine_matches_dense_moe():
