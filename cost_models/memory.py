@@ -22,9 +22,9 @@ from cost_models.params import (
 )
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
-from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
-from plans.pipeline import peak_in_flight_chunks
+from plans.layout import moe_chunks, tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
+from plans.pipeline import peak_in_flight_chunks
 from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
 
