@@ -226,6 +226,10 @@ MOEPLAN: tuple[Capability, ...] = (
     *_executed("recompute", "none", "selective", "full",
                reason="selective reruns the attention core (RoPE and SDPA)"),
     *_executed("cross_entropy", "chunked", "materialized"),
+    Capability("cuda_graphs", "none", Support.executed),
+    Capability("cuda_graphs", ANY, Support.refused,
+               "moeplan's runtime captures no TransformerEngine CUDA graphs (a Megatron-Core "
+               "mechanism: target megatron)"),
     *_executed("kernels", "eager", "fused",
                reason="fused: torch.compile regions (runtime.kernels; inductor's C++ backend "
                "on CPU), the chunked loss's softmax and gradient one region per chunk and its "
@@ -318,6 +322,31 @@ MEGATRON: tuple[Capability, ...] = (
               requires=_megatron_model),
     _megatron("model.dropout", False, reason="--attention-dropout 0 --hidden-dropout 0"),
     _megatron("model.dropout", True, reason="--attention-dropout, --hidden-dropout"),
+    # the model's architecture features (MODEL_FEATURES), as Megatron-Core's own arguments
+    # (planner.export.megatron_attention, megatron_routing)
+    *(_megatron(f"model.{name}", False, reason="the feature unused: Megatron's default")
+      for name in (
+        "mla", "router_expert_bias", "routed_scaling_factor", "expert_groups", "mtp_layers",
+        "moe_layer_interval", "sliding_window", "attention_sinks", "shared_expert_gate",
+        "kv_share_layers", "rotary_fraction")),
+    _megatron("model.mla", True, reason="--multi-latent-attention --q-lora-rank --kv-lora-rank "
+              "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim"),
+    _megatron("model.router_score", ANY, reason="--moe-router-score-function"),
+    _megatron("model.router_expert_bias", True, reason="--moe-router-enable-expert-bias"),
+    _megatron("model.routed_scaling_factor", True, reason="--moe-router-topk-scaling-factor"),
+    _megatron("model.expert_groups", True, reason="--moe-router-num-groups "
+              "--moe-router-group-topk"),
+    _megatron("model.mtp_layers", True, reason="--mtp-num-layers"),
+    _megatron("model.moe_layer_interval", True, reason="--moe-layer-freq"),
+    _megatron("model.sliding_window", True, reason="--window-size --window-attn-skip-freq"),
+    _megatron("model.linear_bias", ANY, reason="--add-qkv-bias, --add-bias-linear"),
+    _megatron("model.attention_sinks", True, reason="--softmax-type learnable"),
+    _megatron("model.shared_expert_gate", True, Support.refused,
+              "Megatron-LM's arguments have no shared-expert gate"),
+    _megatron("model.kv_share_layers", True, Support.refused,
+              "Megatron-LM has no cross-layer attention (every layer projects its own keys and "
+              "values)"),
+    _megatron("model.rotary_fraction", True, reason="--rotary-percent"),
     _megatron("cluster", ANY, reason="the launch's GPUs (CUDA, NCCL)"),
     _megatron("training.global_batch", ANY, reason="--global-batch-size"),
     _megatron("training.seq_len", ANY, reason="--seq-length"),
@@ -353,6 +382,8 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("ffn.dispatch", "all_to_all", reason="--moe-token-dispatcher-type alltoall"),
     _megatron("ffn.dispatch", "allgather_reduce_scatter",
               reason="--moe-token-dispatcher-type allgather"),
+    _megatron("ffn.dispatch", "deepep", reason="--moe-token-dispatcher-type flex "
+              "--moe-enable-deepep: DeepEP's hierarchical all-to-all"),
     _megatron("ffn.capacity_factor", ANY, reason="null: dropless; else "
               "--moe-expert-capacity-factor"),
     _megatron("schedule", "1f1b", reason="Megatron's 1F1B (no virtual stages)"),
@@ -373,6 +404,10 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("cross_entropy", "chunked", Support.runs_as,
               "Megatron-Core has no chunked loss: it materialises the whole micro-batch's "
               "logits", "materialized"),
+    _megatron("cuda_graphs", "none", reason="no --cuda-graph-impl: kernels launched one by one"),
+    _megatron("cuda_graphs", ANY, Support.refused,
+              "the exported Megatron-LM (megatron-core 0.15) has no moe_router CUDA-graph scope "
+              "(--cuda-graph-scope); the recipes that graph it are priced, not exported"),
     _megatron("kernels", "fused", reason="Megatron-Core's own fused kernels, on by default: "
               "TransformerEngine's RMSNorm and GEMMs, the fused SwiGLU (--bias-swiglu-fusion) "
               "and RoPE (--apply-rope-fusion)"),
