@@ -168,8 +168,13 @@ def megatron_bridge_rows() -> list[dict]:
             entry["status"] = "not expressible yet (no catalog model)"
             out.append(entry)
             continue
+        try:
+            plan = row_plan(row)
+        except SpecError as e:  # e.g. a pipeline layout the recipe gives as a layout string
+            entry["status"] = f"not priced: {e}"
+            out.append(entry)
+            continue
         entry["status"] = "priced"
-        plan = row_plan(row)
         entry["plan"] = plan.summary()
         entry["hbm_gib"] = plan.cluster.gpu.hbm_gib
         entry["megatron"] = _priced(plan, row["tokens_s_gpu"])
