@@ -24,7 +24,11 @@ import typer  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
 import plans  # noqa: E402  (lazy: pydantic and the models load inside the commands)
-from plans.enums import Kernels, Precision  # noqa: E402
+from plans.enums import (  # noqa: E402
+    Kernels,
+    Precision,
+    Target,
+)
 
 try:  # typer 0.2x vendors its own click; older versions use click itself
     from typer._click import exceptions as click
@@ -139,18 +143,38 @@ PlotOpt = Annotated[
 ]
 PlotForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --plot file.")]
 RunnableOpt = Annotated[bool, typer.Option(
-    "--runnable", help="Only what moeplan's runtime executes as written (plans.execution: no "
-    "tile-fused overlap, bf16 GEMMs): predictions for the run `moeplan train` makes.")]
+    "--runnable", help="Only what the target executes as written (plans.execution; moeplan: "
+    "bf16 GEMMs, no tile-fused overlap; --target megatron always is): predictions for the run "
+    "it makes.")]
+TargetOpt = Annotated[Target, typer.Option(
+    "--target", help="The runtime the plans are for: moeplan (`moeplan train`) or megatron "
+    "(`export --to megatron`: only what Megatron-Core runs).")]
 
 
-def _runnable(space, precision: TrainingPrecision):
-    """``space`` narrowed to what the runtime executes as written; fp8 GEMMs are refused."""
-    from plans.execution import executes
+def _for_target(space, precision: TrainingPrecision, target: Target, runnable: bool):
+    """``space`` for ``target``: what Megatron-Core executes as written, or for moeplan with
+    --runnable what its runtime does; a precision the target does not run is refused."""
+    from plans.execution import TARGET_NAMES, executes
 
-    if not executes("training.precision", precision):
-        raise plans.SpecError(f"--precision: the runtime does not run {precision} GEMMs as "
-                              "written (plans.execution); drop --runnable or use bf16")
-    return space.runnable()
+    if target == Target.moeplan and not runnable:
+        return space
+    if not executes("training.precision", precision, target=target):
+        undo = "drop --runnable" if target == Target.moeplan else "use --target moeplan"
+        raise plans.SpecError(f"--precision: {TARGET_NAMES[target]} does not run {precision} "
+                              f"GEMMs as written (plans.execution); {undo} or use bf16")
+    return space.for_target(target)
+
+
+def _by_target(plan):
+    """The plan as its target runs it, for pricing, and the notes saying where that differs
+    from the plan: Megatron-Core's runs_as fields (a field it cannot run is one line, exit 2);
+    a moeplan plan as written (`validate` says how moeplan's runtime runs it)."""
+    from plans.execution import deviations, executed_plan
+
+    if plan.target == Target.moeplan:
+        return plan, []
+    notes = [d.note() for d in deviations(plan, target=plan.target)]
+    return executed_plan(plan, target=plan.target), notes
 
 
 def _fail(message: str) -> typer.Exit:
@@ -169,6 +193,19 @@ def user_errors(fn: Callable) -> Callable:
             raise _fail(str(e)) from None
 
     return wrapper
+
+
+def _need_torch(command: str) -> None:
+    """The runtime's commands need torch, which planning does not install."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise plans.SpecError(f"{command}: needs torch (the runtime): "
+                              "pip install -e '.[runtime]'")
 
 
 def default_global_batch(gpus: int) -> int:
@@ -265,14 +302,15 @@ def _no_plan(model, cluster, training, result, pinned) -> plans.SpecError:
 
 
 def _pinned_search(model, cluster, training, pinned, kernels: Kernels = Kernels.fused,
-                   runnable: bool = False, top: int = 1, json_out: bool = True):
-    """The search of the pinned space (narrowed to what the runtime runs with --runnable)."""
+                   runnable: bool = False, top: int = 1, json_out: bool = True,
+                   target: Target = Target.moeplan):
+    """The search of the pinned space for ``target`` (for moeplan with --runnable, narrowed
+    to what its runtime runs)."""
     from planner.search import search
     from planner.space import SearchSpace
 
-    space = SearchSpace(kernels=kernels, **pinned.fields)
-    if runnable:
-        space = _runnable(space, TrainingPrecision(training.precision.value))
+    space = _for_target(SearchSpace(kernels=kernels, **pinned.fields),
+                        TrainingPrecision(training.precision.value), target, runnable)
     with _progress_search(json_out, "searching layouts") as progress:
         result = search(model, cluster, training, space, top=top, progress=progress)
     if result.best is None:
@@ -367,13 +405,60 @@ def catalog_cmd(json_out: JsonOpt = False) -> None:
     print_catalog(models, clusters)
 
 
+@app.command("import-hf")
+@user_errors
+def import_hf_cmd(
+    config: Annotated[Path, typer.Argument(
+        help="A Hugging Face config.json, or a local snapshot folder holding one.")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the model spec YAML here (default: stdout).")] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", help="The spec's name (default: the snapshot folder's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write the ModelSpec of a Hugging Face config (plans.hf).
+
+    Any command that takes a model also takes the config.json or its folder directly.
+
+    \b
+    Examples:
+      moeplan import-hf DeepSeek-V3/config.json --out deepseek-v3.yaml
+      moeplan import-hf ~/.cache/huggingface/hub/models--openai--gpt-oss-120b/snapshots/X
+      moeplan import-hf config.json --json
+    """
+    import yaml
+
+    from planner.report import envelope, params_text
+
+    _check_out(out, force)
+    spec = plans.hf.load(config)
+    if name is not None:
+        spec = plans.catalog.parse(plans.ModelSpec, {**spec.model_dump(), "name": name},
+                                   "--name")
+    text = yaml.safe_dump({"name": spec.name, **spec.model_dump(mode="json",
+                                                                exclude_defaults=True)},
+                          sort_keys=False)
+    if out is not None:
+        _write_new(out, f"# moeplan import-hf {config}\n{text}", force)
+    if json_out:
+        typer.echo(json.dumps(envelope(
+            "import-hf", None, model=spec.model_dump(mode="json"),
+            total_params=spec.total_params, active_params=spec.active_params,
+            out=str(out) if out is not None else None), indent=2))
+    elif out is None:
+        typer.echo(f"# {spec.name}: {params_text(spec)}\n{text}", nl=False)
+    else:
+        typer.echo(f"{spec.name}: {params_text(spec)}; wrote {out}")
+
+
 @app.command()
 def schema() -> None:
     """Print the Plan JSON Schema."""
     typer.echo(json.dumps(plans.Plan.model_json_schema(), indent=2))
 
 
-@app.command("search", short_help="Find the fastest plans that fit, beside Megatron-LM's layout.")
+@app.command("search", short_help="Find the fastest plans that fit, beside Megatron-Core's best.")
 @user_errors
 @pin_options
 def search_cmd(
@@ -388,6 +473,7 @@ def search_cmd(
         "--kernels", help="The layers' memory-bound operators: fused torch.compile regions "
         "(default) or eager PyTorch.")] = Kernels.fused,
     runnable: RunnableOpt = False,
+    target: TargetOpt = Target.moeplan,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write the best plan here (YAML for a .yaml or .yml name, else JSON).")
     ] = None,
@@ -399,12 +485,14 @@ def search_cmd(
     json_out: JsonOpt = False,
     pins: dict | None = None,
 ) -> None:
-    """Find the fastest plans that fit, beside the Megatron-LM-style layout. The pin options
-    (--tp 1,2 --ep 8 --recompute sel ...) restrict what is searched: one value pins it.
+    """Find the fastest plans that fit, beside Megatron-Core's best plan (searched over what
+    it runs) and the paper's Megatron-LM layout (the reference). The pin options (--tp 1,2
+    --ep 8 --recompute sel ...) restrict what is searched: one value pins it.
 
     \b
     Examples:
       moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 --seq-len 4096
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --target megatron --out plan.json
       moeplan search internal-352b h800 --gpus 1440 --global-batch 720 --json
       moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.yaml
       moeplan search qwen3-30b-a3b h200 --gpus 8 --tp 1 --ep 4,8 --mbs 1,2
@@ -419,7 +507,7 @@ def search_cmd(
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
     pinned = parse_pins(pins or {}, Precision(precision.value))
     result = _pinned_search(spec_model, spec_cluster, training, pinned, kernels, runnable,
-                            top, json_out)
+                            top, json_out, target=target)
     if out is not None:
         from plans.io import plan_text
 
@@ -527,16 +615,19 @@ def explain(
         else:
             print_measured(comparison, measured)
         return
-    evaluation = cost_models.evaluate(loaded)
+    priced, notes = _by_target(loaded)
+    evaluation = cost_models.evaluate(priced)
     if plot is not None:
         from planner.report import job_text
 
-        _plots().breakdown_plot([("plan", loaded, evaluation)], plot,
-                                job_text(loaded.model, loaded.cluster, loaded.training), force)
+        _plots().breakdown_plot([("plan", priced, evaluation)], plot,
+                                job_text(priced.model, priced.cluster, priced.training), force)
     if json_out:
-        typer.echo(json.dumps(explain_document(loaded, evaluation), indent=2))
+        typer.echo(json.dumps(explain_document(priced, evaluation), indent=2))
     else:
-        print_explain(loaded, evaluation)
+        for note in notes:
+            typer.echo(note)
+        print_explain(priced, evaluation)
         if plot is not None:
             typer.echo(f"plot written to {plot}")
 
@@ -626,7 +717,8 @@ def validate(
 
     _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
     loaded = _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
-    evaluation = cost_models.evaluate(loaded)
+    priced, notes = _by_target(loaded)
+    evaluation = cost_models.evaluate(priced)
     if not evaluation.feasible:
         raise plans.SpecError(f"{plan}: does not fit: {evaluation.reason}")
     from planner.report import ms_text, tflops_per_gpu, tflops_text
@@ -641,6 +733,14 @@ def validate(
         if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
             typer.echo(f"note: the plan's stored prediction ({ms_text(stored)} ms) differs "
                        "from this cost model's; the specs or efficiency factors changed")
+    if loaded.target == Target.megatron:
+        from plans.execution import TARGET_NAMES
+
+        for note in notes:
+            typer.echo(note)
+        typer.echo(f"{TARGET_NAMES[loaded.target]} runs it (target megatron): launch it with "
+                   "`moeplan export --to megatron`")
+        return
     if refused := refusals(loaded, Backend.cuda_nccl):
         typer.echo(f"moeplan train refuses it: {refused[0]}")
         return
@@ -741,8 +841,7 @@ def whatif_cmd(
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
     varies = [parse_vary(v) for v in vary or []]
     pinned = parse_pins(pins or {}, Precision(precision.value))
-    space = SearchSpace(**pinned.fields)
-    space = _runnable(space, precision) if runnable else space
+    space = _for_target(SearchSpace(**pinned.fields), precision, Target.moeplan, runnable)
     with _progress_search(json_out, "re-planning") as progress:
         points = whatif_machines(spec_model, specs, training, varies, space,
                                  progress=progress)
@@ -890,6 +989,7 @@ def profile_cmd(
     """
     import subprocess
 
+    _need_torch("profile")
     loaded = plans.catalog.load_plan(plan)
     if loaded.degrees.world != 1:
         raise plans.SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
@@ -970,6 +1070,10 @@ def calibrate_cmd(
     measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
     beside = read(OverlapBench, overlap, "--overlap") if overlap else None
+    for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
+                          (beside, "--overlap")):
+        if taken is not None:
+            cal.check_device(taken, option, base_cluster)
     if runs is not None and not runs.is_dir():
         raise plans.SpecError(f"--runs: {runs} is not a folder")
     if (fused_profile is None) != (fused_plan is None):
@@ -983,6 +1087,7 @@ def calibrate_cmd(
     fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
     fused_plan_spec = plans.catalog.load_plan(fused_plan) if fused_plan else None
     if fused is not None:
+        cal.check_device(fused, "--fused-profile", base_cluster)
         cal.check_one_gpu(fused_plan_spec, "--fused-plan")
         check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
                               "--fused-plan")
@@ -994,13 +1099,17 @@ def calibrate_cmd(
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
                               f"in {plans_dir} (--plans)")
-    rows = []
+    rows, held, held_before = [], [], []
     for run, plan_path in pairs:
         row = cal.fidelity_row(run, plan_path, result.cluster)
         before = cal.fidelity_row(run, plan_path)
         fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
-        rows.append({**row, "step_error_before": before["step_error"],
-                     "held_out": plan_path.resolve() not in fitted})
+        held_out = plan_path.resolve() not in fitted
+        rows.append({**row.as_dict(), "step_error_before": before.step_error,
+                     "held_out": held_out})
+        if held_out:
+            held.append(row)
+            held_before.append(before)
     sources = ([f"profile {profile.name}, commit {measured_profile.commit}"] if profile else []
                ) + ([f"collectives {collectives.name}, commit {sweep.commit}"] if sweep else []
                     ) + ([f"fused profile {fused_profile.name}, commit {fused.commit}"]
@@ -1010,11 +1119,11 @@ def calibrate_cmd(
               f"moeplan's runtime by `moeplan calibrate`\n# ({'; '.join(sources)}).\n")
     _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),
                                             sort_keys=False), force)
-    held = [r for r in rows if r["held_out"]]
-    summary = {
-        "median_abs_step_error": _median_abs(held, "step_error"),
-        "median_abs_step_error_before": _median_abs(held, "step_error_before"),
-    }
+    after = cal.fidelity_summary([r.step_error for r in held], [r.memory_error for r in held])
+    was = cal.fidelity_summary([r.step_error for r in held_before],
+                               [r.memory_error for r in held_before])
+    summary = {"median_abs_step_error": after and after.median_abs_step_error,
+               "median_abs_step_error_before": was and was.median_abs_step_error}
     if json_out:
         typer.echo(json.dumps({"cluster": result.cluster.model_dump(mode="json"),
                                "factors": result.factors, "out": str(out), "runs": rows,
@@ -1023,17 +1132,11 @@ def calibrate_cmd(
     from planner.report import echo_calibration
 
     echo_calibration(base_cluster, result, rows)
-    if held:
-        before = summary["median_abs_step_error_before"]
-        typer.echo(f"held-out step-time error: median {summary['median_abs_step_error']:.1%} "
-                   f"(with {base_cluster.name}'s factors {before:.1%}) over {len(held)} runs")
+    if after is not None:
+        typer.echo(f"held-out step-time error: median {after.median_abs_step_error:.1%} "
+                   f"(with {base_cluster.name}'s factors {was.median_abs_step_error:.1%}) over "
+                   f"{after.runs} runs")
     typer.echo(f"wrote {out}")
-
-
-def _median_abs(rows: list[dict], key: str) -> float | None:
-    import statistics
-
-    return statistics.median(abs(r[key]) for r in rows) if rows else None
 
 
 @app.command("export", short_help="Print a launch script: Megatron-LM, torchrun or Slurm.")
@@ -1057,76 +1160,57 @@ def export_cmd(
     """
     import cost_models
     from planner.export import megatron_script, slurm_script, torchrun_script
+    from plans.execution import as_target, executed_plan
 
     loaded = plans.catalog.load_plan(plan)
     # the scripts run on other nodes and from other folders: the plan by its absolute path
     where = str(plan.resolve())
+    priced = loaded
     if to == ExportTarget.megatron:
         script = megatron_script(loaded, steps)  # refuses what Megatron cannot express
+        priced = executed_plan(as_target(loaded, Target.megatron), target=Target.megatron)
+        if loaded.target != Target.megatron:
+            step = cost_models.evaluate(priced).step_time_s
+            typer.echo(f"note: {plan}: a plan for target {loaded.target}, priced anew as a "
+                       f"megatron plan: predicted step {step:.3f} s", err=True)
+    elif loaded.target != Target.moeplan:
+        raise plans.SpecError(f"target: {loaded.target} is not run by moeplan's runtime: "
+                              "`--to torchrun|slurm` launch moeplan plans; use --to megatron")
     elif to == ExportTarget.torchrun:
         script = torchrun_script(loaded, where, steps)
     else:
         script = slurm_script(loaded, where, steps)
-    evaluation = cost_models.evaluate(loaded)
+    evaluation = cost_models.evaluate(priced)
     if not evaluation.feasible:
         typer.echo(f"warning: {plan}: the plan does not fit: {evaluation.reason}", err=True)
     typer.echo(script, nl=False)
 
 
-@app.command("train", short_help="Train with the plan on this machine under torchrun.")
-@user_errors
-def train_cmd(
-    plan: PlanArg,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps to train (with "
-                                       "--resume: the step to reach).")] = 10,
-    data: Annotated[Path | None, typer.Option("--data", help="Token file (.u16/.u32).")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option(
-        "--nproc-per-node", min=1, help="Processes on this machine; default the plan's world.")
-    ] = None,
-    log: Annotated[Path | None, typer.Option(
-        "--log", help="JSON-lines log, one record per step; an existing log is appended to "
-        "(a resumed run continues it).")] = None,
-    ckpt_dir: Annotated[Path | None, typer.Option(
-        "--ckpt-dir", help="Folder of checkpoints (torch DCP), one per saved step.")] = None,
-    ckpt_every: Annotated[int | None, typer.Option(
-        "--ckpt-every", min=1, help="Save a checkpoint every N steps (needs --ckpt-dir).")
-    ] = None,
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue from the newest checkpoint in --ckpt-dir.")] = False,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Start afresh in a --ckpt-dir holding another run's checkpoints "
-        "(they are deleted first).")] = False,
-) -> None:
-    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs).
+def _train_cmd(plan: Path, nproc_per_node: int | None = None, **options: object) -> None:
+    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs). The
+    training options are python -m runtime.train's (plans.run_options), passed through; the
+    runtime checks them all, with the plan, the data, the log, the checkpoint folder and its
+    free space, before torchrun starts a worker.
 
     \b
     Example:
       moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 \\
           --out tiny.json
-      moeplan train tiny.json --steps 20 --log metrics.jsonl
+      moeplan train tiny.json --steps 200 --lr 3e-4 --lr-schedule cosine \\
+          --warmup-steps 20 --min-lr 3e-5 --log-file metrics.jsonl
     """
     from planner import launch
+    from plans.run_options import run_argv
 
+    _need_torch("train")
     loaded = plans.catalog.load_plan(plan)
-    # what the launcher alone can tell; the runtime's own checks run next (launch.preflight)
-    if data is not None and data.suffix not in (".u16", ".u32"):
-        raise plans.SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
-    if ckpt_every is not None and ckpt_dir is None:
-        raise plans.SpecError("--ckpt-every: needs --ckpt-dir")
-    if resume and ckpt_dir is None:
-        raise plans.SpecError("--resume: needs --ckpt-dir")
     world = loaded.degrees.world
     nproc = nproc_per_node or world
     if nproc != world:
         raise plans.SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the "
                               f"plan's world size is {world}; for several nodes use "
                               "`moeplan export --to torchrun`")
-    args = ["--plan", str(plan), "--steps", str(steps)]
-    for flag, value in (("--data", data), ("--log-file", log), ("--ckpt-dir", ckpt_dir),
-                        ("--ckpt-every", ckpt_every)):
-        if value is not None:
-            args += [flag, str(value)]
-    args += [flag for flag, on in (("--resume", resume), ("--overwrite", overwrite)) if on]
+    args = ["--plan", str(plan), *run_argv(options)]
     env = dict(os.environ)
     launch.preflight(args, world, nproc, env)  # the runtime's checks; no worker started
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -1136,6 +1220,35 @@ def train_cmd(
         typer.echo(f"error: {outcome.message}", err=True)
     if outcome.code != 0:
         raise typer.Exit(outcome.code)
+
+
+def _run_option_parameters() -> list:
+    """`moeplan train`'s typer parameters: PLAN, --nproc-per-node, then plans.run_options'
+    RUN_OPTIONS (the runtime's own, declared once)."""
+    import inspect
+
+    from plans.run_options import RUN_OPTIONS
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("plan", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=PlanArg),
+        inspect.Parameter("nproc_per_node", kw, default=None, annotation=Annotated[
+            int | None, typer.Option("--nproc-per-node", min=1, help="Processes on this "
+                                     "machine; default the plan's world.")]),
+    ]
+    for o in RUN_OPTIONS:
+        if not o.launcher:
+            continue
+        bounds = {} if o.minimum is None or o.kind is bool else {"min": o.minimum}
+        kind = o.kind if o.kind is bool else o.kind | None
+        params.append(inspect.Parameter(o.dest, kw, default=o.default, annotation=Annotated[
+            kind, typer.Option(o.flag, *o.aliases, help=o.help, **bounds)]))
+    return params
+
+
+_train_cmd.__signature__ = __import__("inspect").Signature(_run_option_parameters())
+app.command("train", short_help="Train with the plan on this machine under torchrun.")(
+    user_errors(_train_cmd))
 
 
 def _interrupted(signum, frame) -> None:

@@ -67,7 +67,7 @@ class Comparison:
 
 
 _DISPATCH = {"a2a": "a2a", "all_to_all": "a2a", "ag+rs": "ag+rs",
-             "allgather_reduce_scatter": "ag+rs"}
+             "allgather_reduce_scatter": "ag+rs", "deepep": "deepep"}
 
 
 def layout_of(summary: str) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """The search space: which layouts and options a search may choose from, and their enumeration.
 
 Enumeration rules (hard constraints only; the Plan's own invariants reject the rest):
-- the attention group (sp, tp or cp) and the expert group (ep or etp) stay inside the NVLink
-  domain;
+- the attention group (sp, tp or cp) and expert TP (etp) stay inside the NVLink domain; an EP
+  group is inside it or whole NVLink domains (a multiple of it: contiguous nodes, plans.layout),
+  the all-to-all priced link by link (cost_models.volumes.ep_link_shares);
 - pp divides the GPUs left after the attention group and is at most the layer count;
 - micro-batches must fill the global batch; interleaving needs micro-batches divisible by pp;
 - fp8 gradient sync only for fp8 training.
@@ -15,11 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from planner.staging import least_layers
 from plans import (
     EPFFN,
     TPFFN,
     ClusterSpec,
     CPAttention,
+    CrossEntropy,
     Degrees,
     Dispatch,
     Kernels,
@@ -34,8 +37,8 @@ from plans import (
     TrainingSpec,
     UlyssesAttention,
 )
-from plans.enums import AttentionKind
-from plans.execution import Backend, executes
+from plans.enums import AttentionKind, Target
+from plans.execution import TARGET_NAMES, Backend, executed_anywhere, executes
 
 
 class FFNKind(StrEnum):
@@ -62,12 +65,29 @@ class Layout:
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
 
 
+RUNTIME_DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
+"""The EP dispatchers moeplan's runtime runs (plans.execution): a default search's."""
+
+
+def ep_degrees(experts: int, ranks: int, domain: int) -> list[int]:
+    """EP group sizes for ``experts`` over ``ranks`` (dp x attention group) ranks: divisors of
+    both, inside the NVLink domain or whole domains (contiguous nodes), ascending."""
+    return [e for e in _divisors(ranks)
+            if experts % e == 0 and (e <= domain or e % domain == 0)]
+
+
 RUNNABLE_FIELDS = {
     "attention": "attention.kind", "ffn": "ffn.kind", "dispatch": "ffn.dispatch",
     "overlap": "overlap", "recompute": "recompute", "schedules": "schedule",
-    "grad_sync": "grad_sync_precision", "optimizer_sharding": "optimizer_sharding",
+    "grad_sync": "grad_sync_precision", "cross_entropy": "cross_entropy",
+    "optimizer_sharding": "optimizer_sharding",
 }
 """SearchSpace option -> the plan field whose values it chooses."""
+
+DEFAULT_OVERLAPS = tuple(o for o in Overlap if executed_anywhere("overlap", o))
+"""The overlap levels a default search chooses from: those some target executes as written
+(plans.execution); tile-fused overlap (inter_intra_op), which none does, only when asked
+for by name."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +98,9 @@ class SearchSpace:
     """Attention strategies. CP is left out by default: the runtime does not execute it (the
     paper rejects it for causal-mask imbalance); add it to compare predictions."""
     ffn: tuple[FFNKind, ...] = tuple(FFNKind)
-    dispatch: tuple[Dispatch, ...] = tuple(Dispatch)
-    overlap: tuple[Overlap, ...] = tuple(Overlap)
+    dispatch: tuple[Dispatch, ...] = RUNTIME_DISPATCHES
+    """EP dispatchers; deepep (Megatron-Core's, plans.execution) only when asked for."""
+    overlap: tuple[Overlap, ...] = DEFAULT_OVERLAPS
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     schedules: tuple[PipelineSchedule, ...] = tuple(PipelineSchedule)
     grad_sync: tuple[Precision, ...] = tuple(Precision)
@@ -87,6 +108,8 @@ class SearchSpace:
     max_vpp: int = 4
     attention_degrees: tuple[int, ...] | None = None
     """Allowed sp/tp/cp degrees; None = every divisor of the NVLink domain."""
+    expert_parallel_degrees: tuple[int, ...] | None = None
+    """Allowed ep degrees for an EP FFN; None = every one ``ep_degrees`` gives."""
     expert_tp_degrees: tuple[int, ...] | None = None
     """Allowed etp degrees (1: whole experts, an EP FFN); None = any: for a TP FFN every
     divisor of the NVLink domain above 1."""
@@ -113,25 +136,44 @@ class SearchSpace:
     """The memory-bound operators every plan runs with: fused regions are never slower at
     the same memory (the cost model prices them at efficiency.fused_elementwise, a prior at
     least ``elementwise``'s until calibrated), so they are not searched, only narrowed."""
+    cross_entropy: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
+    """Loss kinds a plan may use; the search takes the faster head that fits."""
+    target: Target = Target.moeplan
+    """The target the plans are for (Plan.target); ``for_target`` narrows the space to it."""
 
-    def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
-        """This space narrowed to what moeplan's runtime executes as written on ``backend``
-        (the capability table, plans.execution), so every prediction is for the run `moeplan
-        train` will make; SpecError naming the option when nothing is left of one."""
+    def for_target(self, target: Target, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
+        """This space narrowed to what ``target`` executes as written (moeplan: on
+        ``backend``; the capability table, plans.execution), its plans for that target, so
+        every prediction is for the run the target will make (the search also skips plans
+        breaking the target's rules across fields); SpecError naming the option when nothing
+        is left of one."""
+        who = TARGET_NAMES[target]
         kept: dict[str, tuple] = {}
         for option, field in RUNNABLE_FIELDS.items():
-            values = tuple(v for v in getattr(self, option) if executes(field, v, backend))
+            values = tuple(v for v in getattr(self, option)
+                           if executes(field, v, backend, target))
             if not values:
-                raise SpecError(f"--{option}: the runtime runs none of "
+                undo = "drop --runnable" if target == Target.moeplan else "use another --target"
+                raise SpecError(f"--{option.replace('_', '-')}: {who} runs none of "
                                 f"{', '.join(map(str, getattr(self, option)))} as written "
-                                f"(plans.execution: {field}); drop --runnable or allow others")
+                                f"(plans.execution: {field}); {undo} or allow others")
             kept[option] = values
-        sync_overlap = self.grad_sync_overlap and executes("grad_sync_overlap", True, backend)
+        sync_overlap = self.grad_sync_overlap and executes("grad_sync_overlap", True, backend,
+                                                           target)
         fusion = self.grad_accumulation_fusion and executes("grad_accumulation_fusion", True,
-                                                            backend)
-        kernels = self.kernels if executes("kernels", self.kernels, backend) else Kernels.eager
+                                                            backend, target)
+        if not executes("kernels", self.kernels, backend, target):
+            other = next(k for k in Kernels if executes("kernels", k, backend, target))
+            raise SpecError(f"--kernels: {who} does not run {self.kernels} kernels as written "
+                            f"(plans.execution: kernels); use --kernels {other}")
         return replace(self, **kept, grad_sync_overlap=sync_overlap,
-                       grad_accumulation_fusion=fusion, kernels=kernels)
+                       grad_accumulation_fusion=fusion, target=target)
+
+    def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
+        """This space narrowed to what moeplan's runtime executes as written on ``backend``:
+        ``for_target(Target.moeplan, backend)``, every prediction for the run `moeplan
+        train` will make."""
+        return self.for_target(Target.moeplan, backend)
 
     def layouts(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 ) -> Iterator[Layout]:
@@ -166,7 +208,9 @@ class SearchSpace:
         inner = dp * n
         for ffn in self.ffn:
             if ffn == FFNKind.ep:
-                groups = [e for e in _divisors(inner) if model.experts % e == 0 and e <= domain]
+                groups = [e for e in ep_degrees(model.experts, inner, domain)
+                          if self.expert_parallel_degrees is None
+                          or e in self.expert_parallel_degrees]
                 degree_sets = [dict(ep=e) for e in groups]
             else:
                 allowed = [t for t in (self.expert_tp_degrees or _divisors(domain)) if t > 1]
@@ -178,21 +222,25 @@ class SearchSpace:
                     if training.global_batch % (dp * mbs):
                         continue
                     micro_batches = training.global_batch // (dp * mbs)
-                    for schedule, vpp in self._schedules(pp, micro_batches, model.layers):
+                    for schedule, vpp in self._schedules(pp, micro_batches, model):
                         degrees = Degrees(pp=pp, vpp=vpp, dp=dp, **attn, **ffn_degrees)
                         if not self.admits(degrees):
                             continue
                         for sharding in self.optimizer_sharding:
                             yield Layout(degrees, kind, ffn, mbs, schedule, sharding)
 
-    def _schedules(self, pp: int, micro_batches: int, layers: int
+    def _schedules(self, pp: int, micro_batches: int, model: ModelSpec
                    ) -> Iterator[tuple[PipelineSchedule, int]]:
-        if PipelineSchedule.one_f_one_b in self.schedules:
+        """The schedules and vpp whose chunks the model's layers can fill (staging)."""
+        def fits(vpp: int) -> bool:
+            return least_layers(pp, vpp, model.dense_layers) <= model.layers
+
+        if PipelineSchedule.one_f_one_b in self.schedules and fits(1):
             yield PipelineSchedule.one_f_one_b, 1
         if PipelineSchedule.interleaved_1f1b in self.schedules and pp > 1:
             if micro_batches % pp == 0:
                 for vpp in range(2, self.max_vpp + 1):
-                    if pp * vpp <= layers:
+                    if fits(vpp):
                         yield PipelineSchedule.interleaved_1f1b, vpp
 
     def options(self, layout: Layout, training: TrainingSpec

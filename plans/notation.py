@@ -7,11 +7,13 @@ Grammar: tokens separated by spaces, in any order, each at most once.
     layout   ppN  vppN  dpN  (spN | tpN | cpN)  (epN [a2a | ag+rs] [cfX] | etpN)  mbsN
     options  (1f1b | i1f1b)  ov:(none | inter | inter+intra)  rc:(none | sel | full)
              sync:(fp32 | bf16 | fp8)  sync-after-bwd  no-gaf  ce:(chunked | materialized)
-             k:(eager | fused)  os:(none | zero1)
+             k:(eager | fused)  os:(none | zero1)  cg:(none | moe_router | attn_moe_router)
+             t:(moeplan | megatron)
 
 A part left out takes the Plan's default (pp, vpp, sp, ep, mbs 1; EP with all-to-all;
 1f1b, or i1f1b when vpp > 1; ov:inter+intra rc:sel sync:bf16, the loss materialized, eager
-kernels, ZeRO-1), except dp: by default the GPUs the pipeline and the attention group leave.
+kernels, ZeRO-1, no CUDA graphs, target moeplan), except dp: by default the GPUs the pipeline
+and the attention group leave.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from enum import StrEnum
 from plans.enums import (
     AttentionKind,
     CrossEntropy,
+    CudaGraphs,
     Dispatch,
     Kernels,
     OptimizerSharding,
@@ -30,12 +33,14 @@ from plans.enums import (
     PipelineSchedule,
     Precision,
     Recompute,
+    Target,
 )
 from plans.errors import SpecError
 
 ATTENTION_TAGS = {AttentionKind.ulysses_sp: "sp", AttentionKind.tp: "tp", AttentionKind.cp: "cp"}
 """The attention kind as the axis its degree is written on (``sp8``)."""
-DISPATCH_TAGS = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag+rs"}
+DISPATCH_TAGS = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag+rs",
+                 Dispatch.deepep: "deepep"}
 SCHEDULE_TAGS = {PipelineSchedule.one_f_one_b: "1f1b", PipelineSchedule.interleaved_1f1b: "i1f1b"}
 OVERLAP_TAGS = {Overlap.none: "none", Overlap.inter_op: "inter",
                 Overlap.inter_intra_op: "inter+intra"}
@@ -57,6 +62,8 @@ class Prefix(StrEnum):
     cross_entropy = "ce:"
     kernels = "k:"
     optimizer_sharding = "os:"
+    cuda_graphs = "cg:"
+    target = "t:"
 
 
 _PREFIXED: dict[Prefix, dict] = {
@@ -66,6 +73,8 @@ _PREFIXED: dict[Prefix, dict] = {
     Prefix.cross_entropy: {c: c.value for c in CrossEntropy},
     Prefix.kernels: {k: k.value for k in Kernels},
     Prefix.optimizer_sharding: OPTIMIZER_SHARDING_TAGS,
+    Prefix.cuda_graphs: {g: g.value for g in CudaGraphs},
+    Prefix.target: {t: t.value for t in Target},
 }
 _DEGREE = re.compile(r"(pp|vpp|dp|sp|tp|cp|ep|etp|mbs)([0-9]+)")
 _GROUP = {"sp": "attention", "tp": "attention", "cp": "attention", "ep": "ffn", "etp": "ffn"}
@@ -206,6 +215,7 @@ def plan_from_notation(text: str, model, cluster, training, where: str = "plan")
         "overlap": Prefix.overlap, "recompute": Prefix.recompute,
         "grad_sync_precision": Prefix.sync, "cross_entropy": Prefix.cross_entropy,
         "kernels": Prefix.kernels, "optimizer_sharding": Prefix.optimizer_sharding,
+        "cuda_graphs": Prefix.cuda_graphs, "target": Prefix.target,
     }
     try:
         return Plan(

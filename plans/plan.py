@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from plans.enums import (
     CrossEntropy,
+    CudaGraphs,
     Dispatch,
     Kernels,
     OptimizerSharding,
@@ -44,6 +45,7 @@ from plans.specs import (
     Precision,
     Tokens,
     TrainingSpec,
+    mfu,
 )
 
 SCHEMA_VERSION = 1
@@ -201,12 +203,11 @@ class Prediction(Frozen):
         """Where the stored numbers contradict each other for ``plan`` (a hand-edited block):
         tokens/s and MFU follow from the step time, the components sum to it."""
         out = []
-        tokens = plan.training.tokens_per_step
-        flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
-        peak = plan.cluster.gpus * plan.cluster.gpu.bf16_dense_tflops * 1e12
+        tokens, c = plan.training.tokens_per_step, plan.cluster
         derived = {
             "tokens_per_s": (self.tokens_per_s, tokens / self.step_time_s),
-            "mfu": (self.mfu, flops / (peak * self.step_time_s)),
+            "mfu": (self.mfu, mfu(plan.model, plan.training.seq_len, tokens, self.step_time_s,
+                                  c.gpus, c.gpu)),
         }
         if self.breakdown_s:
             derived["step_time_s"] = (self.step_time_s, sum(self.breakdown_s.values()))
@@ -265,6 +266,8 @@ class Plan(Frozen):
     memory-bound pass."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
+    cuda_graphs: CudaGraphs = CudaGraphs.none
+    """The layer parts captured as CUDA graphs (Megatron-Core's ``--cuda-graph-scope``)."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")
@@ -332,8 +335,8 @@ class Plan(Frozen):
     # ---- the one plan notation (tables, exports, logs) --------------------------------------
     def layout_notation(self) -> str:
         """Degrees and strategies: `pp4 vpp2 dp2 sp8 ep8 a2a mbs1` (vpp shown when > 1; the
-        attention group as sp / tp / cp; the FFN as `epN a2a`, `epN ag+rs` or `etpN`); the
-        short names are plans.notation's, which parses them back."""
+        attention group as sp / tp / cp; the FFN as `epN a2a`, `epN ag+rs`, `epN deepep` or
+        `etpN`); the short names are plans.notation's, which parses them back."""
         d = self.degrees
         vpp = f" vpp{d.vpp}" if d.vpp > 1 else ""
         attention = f"{ATTENTION_TAGS[self.attention.kind]}{d.attention_group}"
@@ -349,8 +352,9 @@ class Plan(Frozen):
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
         sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
         sync is not overlapped, gradient accumulation not fused or the loss chunked,
-        `k:fused` where the memory-bound operators are fused and `os:none` where the
-        optimizer states are not sharded (plans.notation)."""
+        `k:fused` where the memory-bound operators are fused, `os:none` where the optimizer
+        states are not sharded, `cg:SCOPE` where Megatron-Core graphs part of each layer and
+        `t:megatron` where the plan is for a target other than moeplan (plans.notation)."""
         out = (f"{SCHEDULE_TAGS[self.schedule]} {Prefix.overlap}{OVERLAP_TAGS[self.overlap]} "
                f"{Prefix.recompute}{RECOMPUTE_TAGS[self.recompute]} "
                f"{Prefix.sync}{self.grad_sync_precision.value}")
@@ -364,6 +368,10 @@ class Plan(Frozen):
             out += f" {Prefix.kernels}{self.kernels.value}"
         if self.optimizer_sharding != OptimizerSharding.zero1:
             out += f" {Prefix.optimizer_sharding}{OPTIMIZER_SHARDING_TAGS[self.optimizer_sharding]}"
+        if self.cuda_graphs != CudaGraphs.none:
+            out += f" {Prefix.cuda_graphs}{self.cuda_graphs.value}"
+        if self.target != Target.moeplan:
+            out += f" {Prefix.target}{self.target.value}"
         return out
 
     def summary(self) -> str:

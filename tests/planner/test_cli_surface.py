@@ -10,6 +10,7 @@ from planner.cli import app
 
 SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-completion <bool>'],
     'catalog': ['--json <bool>'],
+    'import-hf': ['CONFIG', '--out <path>', '--name <str>', '--force <bool>', '--json <bool>'],
     'schema': [],
     'search': [   'MODEL',
                   'CLUSTER',
@@ -20,6 +21,7 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                   '--top <int range>',
                   '--kernels <eager|fused>',
                   '--runnable <bool>',
+                  '--target <moeplan|megatron>',
                   '--out <path>',
                   '--force <bool>',
                   '--plot <path>',
@@ -150,14 +152,27 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                      '--json <bool>'],
     'export': ['PLAN', '--to <megatron|torchrun|slurm>', '--steps <int range>'],
     'train': [   'PLAN',
+                 '--nproc-per-node <int range>',
                  '--steps <int range>',
                  '--data <path>',
-                 '--nproc-per-node <int range>',
-                 '--log <path>',
+                 '--data-dtype <u16|u32>',
+                 '--log-file --log <path>',
+                 '--tensorboard-dir <path>',
                  '--ckpt-dir <path>',
                  '--ckpt-every <int range>',
+                 '--ckpt-keep <int range>',
                  '--resume <bool>',
-                 '--overwrite <bool>']}
+                 '--overwrite <bool>',
+                 '--seed <int>',
+                 '--lr <float range>',
+                 '--lr-schedule <constant|cosine>',
+                 '--warmup-steps <int range>',
+                 '--min-lr <float range>',
+                 '--weight-decay <float range>',
+                 '--aux-loss-coeff <float range>',
+                 '--per-expert-balance <bool>',
+                 '--timeout-s <float range>'],
+}
 
 
 def cli_surface() -> dict[str, list[str]]:
