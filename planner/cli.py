@@ -584,6 +584,8 @@ def explain(
     )
 
     _check_plot(plot, force)
+    if plot is not None and measured is not None:
+        raise plans.SpecError("--plot: draws the predicted breakdown; not with --measured")
     pinned = parse_pins(pins or {}, Precision((precision or TrainingPrecision.bf16).value))
     if plan is None:
         for option, value in (("--model", model), ("--cluster", cluster), ("--gpus", gpus)):

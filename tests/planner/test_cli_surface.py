@@ -171,8 +171,8 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                  '--weight-decay <float range>',
                  '--aux-loss-coeff <float range>',
                  '--per-expert-balance <bool>',
-                 '--timeout-s <float range>'],
-}
+                 '--timeout-s <float range>',
+                 '--compile-cache <path>']}
 
 
 def cli_surface() -> dict[str, list[str]]:
