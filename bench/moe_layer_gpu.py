@@ -13,9 +13,8 @@ the local permutation) the variants are:
 
 - ``serial``: the plain layer, every collective blocking (plan overlap none);
 - ``inter_op``: runtime.parallel.overlap's chunked schedule (plans.layout.INTER_OP_CHUNKS token
-  chunks; ``--schedule``: the collectives alone on a communication stream beside the expert
-  GEMMs and permutations, what the runtime runs for plan overlap inter_op, or every token move
-  on that stream) (N > 1 only);
+  chunks: the collectives alone on a communication stream beside the expert GEMMs and
+  permutations, what the runtime runs for plan overlap inter_op) (N > 1 only);
 - ``compute_alone``: the same router and expert GEMMs with no token movement between ranks:
   the layer on one rank with its E / N local experts (same rows per expert under balanced
   routing, the local permutation instead of the dispatcher);
@@ -83,11 +82,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", action="store_true",
                    help="profile one inter-op step: each stream's busy time and how much of "
                         "it ran beside another stream's kernels")
-    p.add_argument("--schedule", choices=["collectives_alone", "token_moves"],
-                   default="collectives_alone",
-                   help="the inter-op schedule (runtime.parallel.overlap): the collectives "
-                        "alone on the communication stream (the runtime's), or every token "
-                        "move there with them")
     p.add_argument("--chunks", type=int, default=INTER_OP_CHUNKS,
                    help="token chunks of the inter-op schedule (the runtime runs "
                         "plans.layout.INTER_OP_CHUNKS)")
@@ -373,12 +367,10 @@ def measure(args) -> int:
 
     from plans import Kernels
     from runtime.kernels import kernel_ops
-    from runtime.parallel import overlap
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
     from runtime.parallel.overlap import ChunkedExpertFFN
 
     rank, n, device, dtype = init()
-    schedule = getattr(overlap, args.schedule.upper())
     ops = kernel_ops(Kernels(args.kernels))
     group = dist.group.WORLD if n > 1 else None
     shapes = {}
@@ -417,7 +409,7 @@ def measure(args) -> int:
             variants = {"serial": time_of(step_fn(moe, x, grad_out))}
             if make is not None:
                 variants["comm_alone"] = time_of(comm_fn(make(), shape, x, grad_out, device))
-                moe.expert_ffn = ChunkedExpertFFN(moe, args.chunks, schedule)
+                moe.expert_ffn = ChunkedExpertFFN(moe, args.chunks)
                 variants["inter_op"] = time_of(carved(step_fn(moe, x, grad_out),
                                                       args.sm_carveout))
                 if args.trace and device.type == "cuda":
@@ -461,7 +453,6 @@ def measure(args) -> int:
                          "compute and communication alone, torchtitan's layer",
             "world": n, "backend": dist.get_backend() if n > 1 else "none",
             "dtype": str(dtype).removeprefix("torch."), "inter_op_chunks": args.chunks,
-            "inter_op_schedule": args.schedule,
             "kernels": args.kernels, "nccl_env": nccl_env(),
             "grad_accumulation_fusion": args.grad_accumulation_fusion,
             "sm_carveout": args.sm_carveout,

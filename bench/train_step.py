@@ -49,6 +49,7 @@ from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
+from plans.specs import mfu  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.attention import head_groups  # noqa: E402
@@ -192,8 +193,6 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         return None
     step_time = sum(times) / len(times)
     tokens = t.tokens_per_step
-    flops = plan.model.flops_per_token(t.seq_len) * tokens
-    peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
     per_rank, extras = [m for m, _ in gathered], [e for _, e in gathered]
     keys = sorted({k for c, *_ in per_rank for k in c})
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
@@ -215,7 +214,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_time,
         "flops_per_token": plan.model.flops_per_token(t.seq_len),
-        "mfu": flops / step_time / peak_flops,
+        "mfu": mfu(plan.model, t.seq_len, tokens, step_time, world, plan.cluster.gpu),
         "losses": losses,
         "peak_memory_gib_per_rank": [p for _, p, *_ in per_rank],
         "peak_reserved_gib_per_rank": [r for _, _, r, *_ in per_rank],

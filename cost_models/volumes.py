@@ -188,12 +188,13 @@ def transfer_s(t: Transfer, cluster: ClusterSpec) -> float:
 
 def ulysses_attention(model: ModelSpec, batch: int, seq_len: int, sp: int) -> tuple[Transfer, ...]:
     """Forward of Ulysses SP (paper Eq. 2): all-to-all of Q, K, V from sequence- to
-    head-sharded, and of the attention output back. Per rank: b s/n tokens of q_dim for Q and
-    the output, kv_dim (1/m of Q) each for K and V. Backward moves the same bytes reversed."""
+    head-sharded, and of the attention output back. Per rank: b s/n tokens of q_dim for Q,
+    kv_dim (1/m of Q) each for K and V (MLA: every head's K, and V at v_head_dim), attn_out_dim
+    for the output. Backward moves the same bytes reversed."""
     tokens = tokens_per_rank(batch, seq_len, sp)
-    kv_dim = kv_heads_sent(model, sp) * model.head_dim
-    qkv = tokens * (model.q_dim + 2 * kv_dim) * ACT_BYTES
-    out = tokens * model.q_dim * ACT_BYTES
+    kv_dim = kv_heads_sent(model, sp) * (model.head_dim + model.v_head_dim)
+    qkv = tokens * (model.q_dim + kv_dim) * ACT_BYTES
+    out = tokens * model.attn_out_dim * ACT_BYTES
     return (
         Transfer(CommKind.sp_all_to_all, Collective.all_to_all, qkv, sp),
         Transfer(CommKind.sp_all_to_all, Collective.all_to_all, out, sp),
@@ -213,7 +214,7 @@ def tp_attention(model: ModelSpec, batch: int, seq_len: int, tp: int) -> tuple[T
 def cp_attention(model: ModelSpec, batch: int, seq_len: int, cp: int) -> tuple[Transfer, ...]:
     """Forward of ring context parallelism: every rank's K and V chunk (b s/cp x kv_dim each)
     travels the ring, which moves the bytes of an all-gather of the full K and V."""
-    full = batch * seq_len * 2 * model.kv_dim * ACT_BYTES
+    full = batch * seq_len * (model.kv_dim + model.v_dim) * ACT_BYTES
     return (Transfer(CommKind.cp_kv_exchange, Collective.all_gather, full, cp),)
 
 
@@ -265,3 +266,47 @@ def scale_up_ratio(model: ModelSpec, cluster: ClusterSpec, n: int) -> float:
     peak = cluster.gpu.bf16_dense_tflops * 1e12 * eff.grouped_gemm
     bw = cluster.node.nvlink_gb_s * 1e9 * eff.nvlink_all_to_all
     return 1.5 * model.expert_ffn_hidden * bw / peak * n / (n - 1)
+
+
+def _bins_hit(items: float, bins: float, draws: float) -> float:
+    """Expected distinct bins holding ``draws`` distinct items drawn uniformly from ``items``
+    spread evenly over ``bins``: bins x (1 - P(a bin gets none)), P = prod_i (items - items /
+    bins - i) / (items - i) over the draws (a fractional last draw weighs in linearly)."""
+    if bins <= 1 or draws <= 0:
+        return min(bins, 1.0) if draws > 0 else 0.0
+    per_bin, none = items / bins, 1.0
+    whole = int(draws)
+    for i in range(whole):
+        none *= max(items - per_bin - i, 0.0) / (items - i)
+    if draws > whole:
+        none *= 1 - (draws - whole) * (1 - max(items - per_bin - whole, 0.0) / (items - whole))
+    return bins * (1 - none)
+
+
+def nodes_per_token(model: ModelSpec, ep_nodes: int) -> float:
+    """Expected nodes one token's top_k routed copies reach when the EP group spans
+    ``ep_nodes`` nodes, its experts laid out in order (E / ep per rank, so E / ep_nodes per
+    node, and each expert group on consecutive ranks).
+
+    Without group-limited routing the top_k experts fall anywhere: the expected distinct nodes
+    of top_k experts drawn without replacement. With it (expert_groups G, groups_per_token g:
+    DeepSeek-V3's node-limited routing, arXiv 2412.19437 Sec. 2.1.2) the token's experts lie
+    in g of the G groups, each group with at least one of them (top_k >= g): when a node holds
+    whole groups (G a multiple of ep_nodes), the distinct nodes of g groups drawn of G
+    (DeepSeek-V3 on 8 nodes: 4); when a group spans several nodes (ep_nodes a multiple of G),
+    g groups times the nodes their top_k / g experts reach inside each group. Never more than
+    top_k or ep_nodes. A DeepEP-style dispatcher sends one copy per destination node over the
+    network and forwards it inside the node."""
+    m, n = model, ep_nodes
+    if n <= 1:
+        return 1.0
+    grouped = 1 < m.groups_per_token < m.expert_groups
+    big_g = m.expert_groups
+    if grouped and big_g % n == 0:
+        nodes = _bins_hit(big_g, n, m.groups_per_token)
+    elif grouped and n % big_g == 0:
+        inside = _bins_hit(m.experts_per_group, n // big_g, m.top_k / m.groups_per_token)
+        nodes = m.groups_per_token * inside
+    else:
+        nodes = _bins_hit(m.experts, n, m.top_k)
+    return min(nodes, float(m.top_k), float(n))

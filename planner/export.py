@@ -11,13 +11,15 @@ from plans import (
     RECOMPUTED,
     Dispatch,
     LayerOperator,
+    ModelSpec,
     Optimizer,
     OptimizerSharding,
     Plan,
     Precision,
     SpecError,
 )
-from plans.enums import CrossEntropy
+from plans.enums import CrossEntropy, LinearBias, Overlap, RouterScore, Target, WindowKind
+from plans.execution import as_target, refusals
 
 RDZV_PORT = 29500
 
@@ -25,13 +27,15 @@ RDZV_PORT = 29500
 def megatron_layout(plan: Plan) -> str:
     """The plan's exact stage split as Megatron-LM's --pipeline-model-parallel-layout: chunks in
     pipeline order (chunk c on stage c mod pp, Megatron's flattening too) separated by "|",
-    "E" the embedding on the first chunk, "t" a transformer layer, "L" the LM head and loss on
-    the last chunk (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    "E" the embedding on the first chunk, "t" a transformer layer, "m" an MTP module and "L" the
+    LM head and loss on the last chunk
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
     last = len(plan.stage_layers) - 1
     chunks = []
     for c, n in enumerate(plan.stage_layers):
         body = "t" * n if n < 2 else f"t*{n}"
-        chunks.append(("E" if c == 0 else "") + body + ("L" if c == last else ""))
+        tail = "m" * plan.model.mtp_layers + "L" if c == last else ""
+        chunks.append(("E" if c == 0 else "") + body + tail)
     return "|".join(chunks)
 
 
@@ -99,28 +103,74 @@ def megatron_env(plan: Plan) -> dict[str, str]:
 
 
 def megatron_refusal(plan: Plan) -> str | None:
-    """Why Megatron-LM cannot run this plan as planned, or None."""
-    m, d = plan.model, plan.degrees
-    if plan.attention.kind == "ulysses_sp" and d.sp > m.kv_heads:
-        return (f"Ulysses degree {d.sp} is above model.kv_heads ({m.kv_heads}): Megatron "
-                "expresses Ulysses as a2a context parallelism, whose attention "
-                "(TransformerEngine) needs the KV heads to divide by the CP size")
-    cp = d.sp if plan.attention.kind == "ulysses_sp" else d.cp
-    if cp > 1 and plan.training.seq_len % (2 * cp):
-        return (f"training.seq_len ({plan.training.seq_len}) is not a multiple of 2 x CP "
-                f"(2 x {cp}): Megatron splits each sequence into 2 x CP chunks to balance the "
-                "causal mask (megatron.core.utils.get_batch_on_this_cp_rank)")
-    if plan.attention.kind == "cp" and not plan.attention.zigzag:
-        return ("cp attention without zigzag: Megatron's context parallelism always balances "
-                "the causal mask (zigzag chunks)")
-    if plan.grad_sync_precision == Precision.fp8:
-        return "fp8 gradient sync: Megatron-LM reduces gradients in fp32 or bf16 only"
-    if m.top_k == 1 and not m.router_pre_softmax:
+    """Why Megatron-Core cannot run this plan as planned, or None: its column of the
+    capability table (plans.execution; a plan for another target re-checked as a megatron
+    plan), then the model features its arguments cannot express, then whether it fits with
+    the logits materialised."""
+    found = refusals(as_target(plan, Target.megatron), target=Target.megatron)
+    if found:
+        return found[0]
+    m = plan.model
+    if m.top_k == 1 and not m.router_pre_softmax and m.router_score == RouterScore.softmax:
         return ("top-1 routing with renormalised weights: Megatron's TransformerConfig needs "
                 "--moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
     if m.rope_theta != int(m.rope_theta):
         return f"model.rope_theta {m.rope_theta:g}: Megatron's --rotary-base is a whole number"
+    if m.sliding_window and m.window_kind == WindowKind.chunked:
+        return ("model.window_kind chunked: Megatron-LM's window attention (--window-size) "
+                "slides; it has no chunked local attention")
+    if m.shared_expert_gate:
+        return "model.shared_expert_gate: Megatron-LM's arguments have no shared-expert gate"
+    if m.kv_share_layers > 1:
+        return ("model.kv_share_layers: Megatron-LM has no cross-layer attention (every layer "
+                "projects its own keys and values)")
     return megatron_cross_entropy(plan)[0]
+
+
+def megatron_attention(m: ModelSpec) -> list[str]:
+    """The attention's shape flags: GQA, or MLA (Megatron-Core's MLATransformerConfig: its
+    --qk-head-dim is the no-RoPE part, --qk-pos-emb-head-dim the RoPE part, RoPE as plain
+    rotary (--rope-type rope, unfused) at the model's base); windows, sinks and partial
+    RoPE."""
+    if m.mla is None:
+        args = ["--kv-channels", str(m.head_dim), "--group-query-attention",
+                "--num-query-groups", str(m.kv_heads)]
+    else:
+        a = m.mla
+        args = ["--multi-latent-attention", "--kv-lora-rank", str(a.kv_lora_rank),
+                "--qk-head-dim", str(a.qk_nope_head_dim),
+                "--qk-pos-emb-head-dim", str(a.qk_rope_head_dim),
+                "--v-head-dim", str(a.v_head_dim), "--rope-type", "rope",
+                # Megatron-Core fuses MLA's RoPE for YaRN only
+                "--no-rope-fusion"]
+        if a.q_lora_rank:
+            args += ["--q-lora-rank", str(a.q_lora_rank)]
+    if m.sliding_window:
+        # Megatron's window is (keys left of the query, keys right of it): the model's window
+        # holds the query's own key too
+        args += ["--window-size", f"({m.sliding_window - 1},0)"]
+        if m.full_attention_every:
+            args += ["--window-attn-skip-freq", str(m.full_attention_every)]
+    if m.attention_sinks:
+        args += ["--softmax-type", "learnable"]
+    if m.rotary_fraction != 1:
+        args += ["--rotary-percent", f"{m.rotary_fraction:g}"]
+    return args
+
+
+def megatron_routing(m: ModelSpec) -> list[str]:
+    """The router's flags beyond top-k: the score function, the aux-loss-free expert bias,
+    the routed scaling factor and group-limited routing."""
+    args = (["--moe-router-score-function", m.router_score.value]
+            if m.router_score != RouterScore.softmax else [])  # Megatron's default: softmax
+    if m.router_expert_bias:
+        args.append("--moe-router-enable-expert-bias")
+    if m.routed_scaling_factor != 1:
+        args += ["--moe-router-topk-scaling-factor", f"{m.routed_scaling_factor:g}"]
+    if m.expert_groups > 1:
+        args += ["--moe-router-num-groups", str(m.expert_groups),
+                 "--moe-router-group-topk", str(m.groups_per_token)]
+    return args
 
 
 def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
@@ -134,16 +184,18 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     notes: list[str] = []
     args: list[str] = [
         "--num-layers", str(m.layers), "--hidden-size", str(m.hidden),
-        "--num-attention-heads", str(m.query_heads), "--kv-channels", str(m.head_dim),
-        "--group-query-attention", "--num-query-groups", str(m.kv_heads),
+        "--num-attention-heads", str(m.query_heads), *megatron_attention(m),
         "--seq-length", str(t.seq_len), "--max-position-embeddings", str(t.seq_len),
         "--vocab-size", str(m.vocab), "--tokenizer-type", "NullTokenizer",
         "--normalization", "RMSNorm", "--norm-epsilon", f"{m.norm_eps:g}", "--swiglu",
         "--position-embedding-type", "rope", "--rotary-base", str(int(m.rope_theta)),
-        "--disable-bias-linear",
+        *({LinearBias.none: ["--disable-bias-linear"],
+           LinearBias.qkv: ["--disable-bias-linear", "--add-qkv-bias"],
+           LinearBias.all: []}[m.linear_bias]),
         "--attention-dropout", f"{m.dropout:g}", "--hidden-dropout", f"{m.dropout:g}",
         "--num-experts", str(m.experts), "--moe-router-topk", str(m.top_k),
         "--moe-ffn-hidden-size", str(m.expert_ffn_hidden), "--moe-grouped-gemm",
+        *megatron_routing(m),
     ]
     if m.qk_norm:
         args.append("--qk-layernorm")
@@ -159,11 +211,14 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     if m.shared_experts:
         args += ["--moe-shared-expert-intermediate-size",
                  str(m.shared_experts * m.shared_expert_ffn_hidden)]
-    if m.dense_layers:
-        args += ["--ffn-hidden-size", str(m.dense_ffn_hidden),
-                 "--moe-layer-freq", f"([0]*{m.dense_layers}+[1]*{m.moe_layers})"]
+    if m.dense_ffn_layers:
+        pattern = (f"([0]*{m.dense_layers}+[1]*{m.moe_layers})" if m.moe_layer_interval == 1
+                   else "[" + ",".join(str(int(moe)) for moe in m.moe_pattern) + "]")
+        args += ["--ffn-hidden-size", str(m.dense_ffn_hidden), "--moe-layer-freq", pattern]
     else:
         args += ["--ffn-hidden-size", str(m.expert_ffn_hidden)]
+    if m.mtp_layers:
+        args += ["--mtp-num-layers", str(m.mtp_layers)]
 
     # ---- parallelism: world = TP x PP x DP x CP in Megatron ---------------------------------
     tp, cp = d.tp, d.cp
@@ -204,8 +259,8 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     args += megatron_recompute(plan)
     notes += megatron_cross_entropy(plan)[1]
     args.append("--bf16")
-    if t.optimizer == Optimizer.sgd:
-        args += ["--optimizer", "sgd"]
+    if t.optimizer == Optimizer.sgd:  # the plan's SGD is plain (Megatron's default has 0.9)
+        args += ["--optimizer", "sgd", "--sgd-momentum", "0"]
     zero1 = plan.optimizer_sharding == OptimizerSharding.zero1
     if zero1:  # Megatron's distributed optimizer shards the states over data parallelism
         args.append("--use-distributed-optimizer")
@@ -217,10 +272,8 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args.append("--no-gradient-accumulation-fusion")
     if plan.grad_sync_precision == Precision.bf16:
         args.append("--grad-reduce-in-bf16")
-    if plan.overlap.value != "none":
-        notes.append(f"overlap {plan.overlap.value}: Megatron's nearest is "
-                     "--overlap-moe-expert-parallel-comm (EP a2a overlap) where available; "
-                     "tile-level fused kernels are MegaScale-MoE's own")
+    if plan.overlap == Overlap.inter_op:  # plans.execution: Megatron-Core's EP overlap
+        args.append("--overlap-moe-expert-parallel-comm")
     if steps is not None:
         args += ["--train-iters", str(steps)]
     return args, notes

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_models import Evaluation
-from planner.search import Ranked, SearchResult
+from planner.search import BASELINE_LABEL, REFERENCE_LABEL, Ranked, SearchResult
 from plans import ClusterSpec, ModelSpec, Plan, TrainingSpec
 
 GIB = 2**30
@@ -109,15 +109,28 @@ def echo(text: str) -> None:
 # ---- the job, the ranked plan, the envelope ---------------------------------------------------
 
 
+def param_count(n: float) -> str:
+    """A parameter count in K, M, B or T with three significant digits (671B, 46.7B, 1.03T)."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+def params_text(model: ModelSpec) -> str:
+    """``671B total, 37.6B active`` (ModelSpec.total_params, active_params)."""
+    return f"{param_count(model.total_params)} total, {param_count(model.active_params)} active"
+
+
 def job_text(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
              batch_note: str = "") -> str:
     """The job in one line: model, GPUs, batch, sequence, precision."""
     gpus = f"{cluster.gpus:,} x {cluster.gpu.name}"
     if cluster.gpus > cluster.node.gpus_per_node:
         gpus += f" ({cluster.nodes} nodes of {cluster.node.gpus_per_node})"
-    return (f"{model.name} on {gpus}: global batch {training.global_batch:,}{batch_note} x "
-            f"{training.seq_len:,} tokens = {training.tokens_per_step:,} tokens/step, "
-            f"{training.precision.value}")
+    return (f"{model.name} ({params_text(model)}) on {gpus}: global batch "
+            f"{training.global_batch:,}{batch_note} x {training.seq_len:,} tokens = "
+            f"{training.tokens_per_step:,} tokens/step, {training.precision.value}")
 
 
 def job_document(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
@@ -142,10 +155,13 @@ def headroom(e: Evaluation) -> float:
 
 
 def ranked_document(label: str, plan: Plan, e: Evaluation) -> dict:
-    """One ranked plan, the same object in search, scale, whatif and explain."""
+    """One ranked plan, the same object in search, scale, whatif and explain; ``unexecuted``:
+    its mechanisms no runtime executes."""
     return {
         "label": label,
         "notation": plan.summary(),
+        "target": plan.target.value,
+        "unexecuted": unexecuted(plan),
         "step_time_s": e.step_time_s,
         "tokens_per_s": e.tokens_per_s,
         "tokens_per_s_per_gpu": e.tokens_per_s / plan.cluster.gpus,
@@ -198,13 +214,33 @@ def plan_row(label: str, p: Plan, e: Evaluation) -> list[str]:
             f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", memory_text(e)]
 
 
+UNEXECUTED_MARK = "*"
+"""Marks a row using a mechanism no runtime executes (plans.execution.executed_anywhere)."""
+
+
+def unexecuted(plan: Plan) -> list[str]:
+    """The plan's fields whose values no target executes as written (tile-fused overlap)."""
+    from plans.execution import executed_anywhere
+
+    return [f"{f} {v}" for f, v in (("overlap", plan.overlap.value),)
+            if not executed_anywhere(f, v)]
+
+
 def print_search(result: SearchResult, job: str) -> None:
     rows = [(f"#{i + 1}", r) for i, r in enumerate(result.top)]
     if result.baseline is not None:
         rows.append(("megatron", result.baseline))
+    if result.reference is not None:
+        rows.append(("paper", result.reference))
+    marked = [label for label, r in rows if unexecuted(r.plan)]
     echo(job)
-    echo_table("Best plans (fastest first) and the Megatron-LM-style layout", PLAN_COLUMNS,
-               [plan_row(label, r.plan, r.evaluation) for label, r in rows])
+    echo_table(f"Best plans (fastest first), megatron: {BASELINE_LABEL}, paper: "
+               f"{REFERENCE_LABEL}", PLAN_COLUMNS,
+               [plan_row(label + (UNEXECUTED_MARK if label in marked else ""), r.plan,
+                         r.evaluation) for label, r in rows])
+    if marked:
+        echo(f"{UNEXECUTED_MARK} no runtime executes tile-fused overlap (ov:inter+intra, "
+             "plans.execution): predictions for comparison only")
     for w in headroom_warnings([(label, r.evaluation) for label, r in rows]):
         echo(w)
     s = result.stats
@@ -212,9 +248,12 @@ def print_search(result: SearchResult, job: str) -> None:
           f"{s.pruned_memory:,} out of memory, {s.pruned_bound:,} bounded out, "
           f"{s.dominated:,} dominated, {s.evaluated:,} evaluated, {s.feasible:,} feasible")
     if result.speedup is not None:
-        echo(f"predicted speedup over the Megatron-LM-style layout: {result.speedup:.2f}x")
+        line = f"predicted speedup over {BASELINE_LABEL}: {result.speedup:.2f}x"
+        if result.reference_speedup is not None:
+            line += f", over {REFERENCE_LABEL}: {result.reference_speedup:.2f}x"
+        echo(line)
     elif result.baseline is None:
-        echo("the Megatron-LM-style layout does not fit this job")
+        echo(f"no plan of {BASELINE_LABEL} fits this job")
 
 
 def search_document(result: SearchResult, job: dict) -> dict:
@@ -223,7 +262,11 @@ def search_document(result: SearchResult, job: dict) -> dict:
         "search", job,
         top=[_ranked(f"#{i + 1}", r) for i, r in enumerate(result.top)],
         baseline=_ranked("megatron", result.baseline),
+        baseline_kind=BASELINE_LABEL,
         speedup=result.speedup,
+        reference=_ranked("paper", result.reference),
+        reference_kind=REFERENCE_LABEL,
+        reference_speedup=result.reference_speedup,
         search={
             "candidates": s.candidates, "feasible": s.feasible, "seconds": s.seconds,
             "layouts": s.layouts, "invalid": s.invalid, "pruned_memory": s.pruned_memory,
@@ -255,6 +298,8 @@ def explain_document(plan: Plan, e: Evaluation) -> dict:
 def print_explain(plan: Plan, e: Evaluation) -> None:
     echo(job_text(plan.model, plan.cluster, plan.training))
     echo(f"plan: {plan.summary()}")
+    if (source := plan.cluster.efficiency_source) is not None:
+        echo(f"efficiency factors: {source.kind.value} ({source.note})")
     rows = [[k, f"{v:.4g}", f"{v / e.step_time_s:.1%}"] for k, v in e.breakdown_s.items()]
     rows.append(["step", f"{e.step_time_s:.4g}", "100%"])
     echo_table("Per step", (Column("component", False), Column("seconds"), Column("share")),
@@ -332,7 +377,7 @@ def print_catalog(models: dict[str, ModelSpec], clusters: dict[str, ClusterSpec]
     echo_table("Models", [Column("name", False), *map(Column, (
         "layers", "hidden", "heads q/kv", "experts", "top-k", "total", "active"))],
         [[n, str(m.layers), str(m.hidden), f"{m.query_heads}/{m.kv_heads}", str(m.experts),
-          str(m.top_k), f"{m.total_params / 1e9:.1f}B", f"{m.active_params / 1e9:.1f}B"]
+          str(m.top_k), param_count(m.total_params), param_count(m.active_params)]
          for n, m in models.items()])
     print()
     echo_table("Clusters", [Column("name", False), Column("GPU", False), *map(Column, (
@@ -381,7 +426,7 @@ def print_whatif(points, job: str) -> None:
         ])
         if best:
             evaluations.append((p.label, best.evaluation))
-    echo_table("What if: best plan at each setting vs the Megatron-LM-style layout",
+    echo_table(f"What if: best plan at each setting vs {BASELINE_LABEL}",
                (Column("setting", False), Column("best plan", False), Column("tokens/s"),
                 Column("MFU"), Column("peak/usable GiB"), Column("megatron tokens/s"),
                 Column("speedup"), Column("changed vs first", False)), rows)
@@ -422,7 +467,7 @@ def print_scale(points, job: str) -> None:
         ])
         if p.result.best:
             evaluations.append((f"{d['gpus']} GPUs", p.result.best.evaluation))
-    echo_table("Scaling: best plan and Megatron-LM-style layout",
+    echo_table(f"Scaling: best plan and {BASELINE_LABEL}",
                (Column("GPUs"), Column("batch"), Column("plan", False), Column("tokens/s"),
                 Column("/GPU"), Column("MFU"), Column("days/1T"), Column("peak/usable GiB"),
                 Column("megatron tokens/s"), Column("megatron MFU"), Column("speedup")), rows)

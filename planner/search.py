@@ -16,7 +16,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
@@ -49,6 +49,8 @@ from plans import (
     SpecError,
     TrainingSpec,
 )
+from plans.enums import Target
+from plans.execution import ANY, RULES, as_target, executed_plan, refusals, rule_refusals
 from plans.layout import moe_chunks
 
 MAX_SEARCHES = 32
@@ -83,7 +85,7 @@ class SearchStats:
     candidates: int = 0
     """Layouts x options enumerated."""
     invalid: int = 0
-    """Layouts the Plan invariants reject."""
+    """Candidates the Plan invariants or the target's rules across fields reject."""
     pruned_memory: int = 0
     """Candidates of visited layouts that do not fit even with the leanest options."""
     pruned_bound: int = 0
@@ -101,7 +103,11 @@ class SearchStats:
 class SearchResult:
     top: list[Ranked]
     baseline: Ranked | None
+    """Megatron-Core's best plan for the job (``megatron_core_space``, searched)."""
     stats: SearchStats = field(default_factory=SearchStats)
+    reference: Ranked | None = None
+    """The paper's Megatron-LM layout at its best (``megatron_space``): the comparison
+    MegaScale-MoE reports."""
 
     @property
     def best(self) -> Ranked | None:
@@ -109,17 +115,42 @@ class SearchResult:
 
     @property
     def speedup(self) -> float | None:
-        """Predicted step-time ratio baseline / best."""
-        if self.best is None or self.baseline is None:
-            return None
-        return self.baseline.evaluation.step_time_s / self.best.evaluation.step_time_s
+        """Predicted step-time ratio baseline (Megatron-Core's best) / best."""
+        return _ratio(self.baseline, self.best)
+
+    @property
+    def reference_speedup(self) -> float | None:
+        """Predicted step-time ratio reference (the paper's Megatron-LM layout) / best."""
+        return _ratio(self.reference, self.best)
+
+
+def _ratio(slow: Ranked | None, fast: Ranked | None) -> float | None:
+    if slow is None or fast is None:
+        return None
+    return slow.evaluation.step_time_s / fast.evaluation.step_time_s
+
+
+BASELINE_LABEL = "Megatron-Core (searched)"
+"""The baseline row: the best plan of the megatron target."""
+REFERENCE_LABEL = "Megatron-LM (paper layout)"
+"""The reference row: MegaScale-MoE's Megatron-LM comparison layout."""
+
+
+def megatron_core_space(attention: tuple[AttentionKind, ...] = ()) -> SearchSpace:
+    """Everything Megatron-Core executes as written (plans.execution's megatron column): the
+    baseline's search. Its attention kinds: a default search's (Ulysses, which Megatron runs
+    as a2a context parallelism, and TP) and ``attention``'s; ring context parallelism (cp)
+    only when asked for, as in every search (the paper rejects it for its causal-mask
+    imbalance, and its layouts would double the search's time)."""
+    kinds = tuple(dict.fromkeys((*SearchSpace().attention, *attention)))
+    return SearchSpace(attention=kinds).for_target(Target.megatron)
 
 
 def megatron_space(model: ModelSpec, cluster: ClusterSpec) -> SearchSpace:
-    """The layout a Megatron-LM user would run: TP inside the node for attention and FFN
-    (tp = etp = the node, at most 8, dividing the KV heads), PP and DP outside, fp32 gradient
-    sync, no intra-layer overlap (DP and PP communication still overlap), its best micro-batch
-    and schedule."""
+    """The paper's Megatron-LM layout (MegaScale-MoE's comparison), as Megatron-Core runs it:
+    TP inside the node for attention and FFN (tp = etp = the node, at most 8, dividing the
+    KV heads), PP and DP outside, fp32 gradient sync, no intra-layer overlap (DP and PP
+    communication still overlap), its best micro-batch and schedule."""
     tp = max(t for t in range(1, min(8, cluster.nvlink_domain) + 1)
              if cluster.nvlink_domain % t == 0 and model.kv_heads % t == 0)
     return SearchSpace(
@@ -129,7 +160,7 @@ def megatron_space(model: ModelSpec, cluster: ClusterSpec) -> SearchSpace:
         grad_sync=(Precision.fp32,),
         attention_degrees=(tp,),
         expert_tp_degrees=(tp,),
-    )
+    ).for_target(Target.megatron)
 
 
 def search(
@@ -141,22 +172,39 @@ def search(
     with_baseline: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> SearchResult:
-    """Best `top` plans for the job, fastest first, and the Megatron-style baseline."""
+    """Best `top` plans for the job, fastest first; with the baseline, Megatron-Core's best
+    plan (searched over its column) and the paper's Megatron-LM layout (the reference)."""
     start = time.perf_counter()
     space = space or SearchSpace()
     stats = SearchStats()
     best = _search(model, cluster, training, space, top, stats, progress)
-    baseline = None
+    baseline = reference = None
     if with_baseline:
-        # the baseline runs with the same execution features as the searched plans
-        baseline_space = replace(megatron_space(model, cluster),
-                                 grad_sync_overlap=space.grad_sync_overlap,
-                                 grad_accumulation_fusion=space.grad_accumulation_fusion,
-                                 kernels=space.kernels)
-        found = _search(model, cluster, training, baseline_space, 1, SearchStats(), None)
+        core = megatron_core_space(space.attention)
+        found = best if space == core else _search(model, cluster, training, core, 1,
+                                                   SearchStats(), None,
+                                                   seeds=_as_run_by(best, Target.megatron))
         baseline = found[0] if found else None
+        paper = _search(model, cluster, training, megatron_space(model, cluster), 1,
+                        SearchStats(), None)
+        reference = paper[0] if paper else None
     stats.seconds = time.perf_counter() - start
-    return SearchResult(best, baseline, stats)
+    return SearchResult(best, baseline, stats, reference)
+
+
+def _as_run_by(ranked: list[Ranked], target: Target) -> list[Ranked]:
+    """The plans ``ranked`` as ``target`` runs them (plans.execution: its column's values),
+    priced, where it runs them and they fit: plans of its space, so their step times bound
+    its search's best from above (the same optimum, found with less of the space visited)."""
+    out = []
+    for r in ranked:
+        plan = as_target(r.plan, target)
+        if refusals(plan, target=target):
+            continue
+        candidate = evaluate_plan(executed_plan(plan, target=target))
+        if candidate.evaluation.feasible:
+            out.append(candidate)
+    return out
 
 
 def evaluate_plan(plan: Plan) -> Ranked:
@@ -174,11 +222,41 @@ class _Entry:
     order: int
     layout: Layout
     plan: Plan
-    options: int
+    options: list
 
 
-def _search(model, cluster, training, space, top, stats, progress, exhaustive=False
-            ) -> list[Ranked]:
+_OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_precision"})
+"""The plan fields a layout's options choose (SearchSpace.options)."""
+
+
+def _layout_refused(plan: Plan, target: Target) -> bool:
+    """Whether the layout breaks one of the target's rules on a field its options leave
+    alone (plans.execution.RULES): then every option does."""
+    fields = frozenset(r.field for r in RULES[target]) - _OPTION_FIELDS
+    return bool(fields) and bool(rule_refusals(plan, target, fields))
+
+
+def _runnable_options(plan: Plan, options: list, target: Target) -> list:
+    """The options of a layout whose plans keep the target's rules on the option fields;
+    checked when the layout is visited (the bound, a minimum over more options, holds)."""
+    rows = [r for r in RULES[target] if r.field in _OPTION_FIELDS]
+    if not rows:
+        return options
+
+    def ruled(option) -> bool:  # a rule's row holds for one of this option's values
+        values = dict(zip(("ffn.dispatch", "overlap", "recompute", "grad_sync_precision"),
+                          option, strict=True))
+        return any(r.value is ANY or r.value == values[r.field] for r in rows)
+
+    return [o for o in options if not ruled(o)
+            or not rule_refusals(_with_option(plan, o), target, _OPTION_FIELDS)]
+
+
+def _search(model, cluster, training, space, top, stats, progress, exhaustive=False,
+            seeds: list[Ranked] = ()) -> list[Ranked]:
+    """The search proper; ``seeds``: plans of ``space`` already priced, whose step times
+    bound the best from above from the start (a searched plan of the same time replaces
+    one)."""
     layouts = list(space.layouts(model, cluster, training))
     stats.layouts += len(layouts)
     entries: list[_Entry] = []
@@ -192,23 +270,32 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
         if plan is None:
             stats.invalid += len(options)
             continue
+        if RULES[space.target] and _layout_refused(plan, space.target):
+            stats.invalid += len(options)
+            continue
         # the layer costs depend on the layout's layer shape only, not on pp, vpp or dp
         shape = (layout.attention, layout.ffn, layout.micro_batch_size, layout.degrees.sp,
                  layout.degrees.tp, layout.degrees.cp, layout.degrees.ep, layout.degrees.etp)
         if shape not in costs_by_shape:
-            costs_by_shape[shape] = _fastest_costs(plan, options)
+            costs_by_shape[shape] = _fastest_costs(plan, options, space.cross_entropy)
         bound = _lower_bound(plan, costs_by_shape[shape])
-        entries.append(_Entry(bound, i, layout, plan, len(options)))
+        entries.append(_Entry(bound, i, layout, plan, options))
 
     entries.sort(key=lambda e: (e.bound_s, e.order))
     kept: list[tuple[float, int, Ranked]] = []  # heap of the K best, slowest on top
+    for i, seed in enumerate(sorted(seeds, key=lambda r: r.evaluation.step_time_s)[:top]):
+        heapq.heappush(kept, (-seed.evaluation.step_time_s, -(2**62 + i), 0, seed))
     for idx, entry in enumerate(entries):
-        if len(kept) == top and entry.bound_s >= -kept[0][0]:
-            stats.pruned_bound += sum(e.options for e in entries[idx:])
+        if len(kept) == top and (entry.bound_s > -kept[0][0] or (
+                entry.bound_s == -kept[0][0] and not _seeded(kept[0]))):
+            stats.pruned_bound += sum(len(e.options) for e in entries[idx:])
             break
-        options = list(space.options(entry.layout, training))
-        if not _fits_leanest(entry.plan, options):
-            stats.pruned_memory += entry.options
+        options = _runnable_options(entry.plan, entry.options, space.target)
+        stats.invalid += len(entry.options) - len(options)
+        if not options:
+            continue
+        if not _fits_leanest(entry.plan, options, _leanest_loss(space.cross_entropy)):
+            stats.pruned_memory += len(options)
             continue
         groups = _option_groups(entry.plan, options, exhaustive)
         stats.dominated += len(options) - sum(map(len, groups))
@@ -223,7 +310,7 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
                     or (len(kept) == top and floor[pair] >= -kept[0][0])):
                 stats.dominated += len(group)
                 continue
-            ranked, tried = _best_of_group(entry.plan, group)
+            ranked, tried = _best_of_group(entry.plan, group, space.cross_entropy)
             if not exhaustive and pair not in floor:
                 floor[pair] = None if ranked is None else (
                     ranked.evaluation.step_time_s - ranked.evaluation.breakdown_s["optimizer"])
@@ -237,10 +324,15 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
                     -stats.feasible, ranked)
             if len(kept) < top:
                 heapq.heappush(kept, item)
-            elif item[0] > kept[0][0]:
+            elif item[0] > kept[0][0] or (item[0] == kept[0][0] and _seeded(kept[0])):
                 heapq.heapreplace(kept, item)
     ordered = sorted(kept, key=lambda t: (-t[0], -t[1], -t[2]))
     return [r for *_, r in ordered]
+
+
+def _seeded(item: tuple) -> bool:
+    """Whether a kept item is a seed (their third key is 0, a searched plan's negative)."""
+    return item[2] == 0
 
 
 def _overlap_levels(plan: Plan, dispatch, overlaps, recompute: Recompute) -> list[Overlap]:
@@ -296,10 +388,11 @@ def _option_groups(plan: Plan, options: list, exhaustive: bool) -> list[list]:
     return [g for g in groups if g]
 
 
-def _best_of_group(plan: Plan, group: list) -> tuple[Ranked | None, int]:
+def _best_of_group(plan: Plan, group: list, losses: tuple[CrossEntropy, ...]
+                   ) -> tuple[Ranked | None, int]:
     """Evaluate a dominance group in order; the first feasible option is its best."""
     for tried, option in enumerate(group, start=1):
-        ranked = _evaluate_option(plan, option)
+        ranked = _evaluate_option(plan, option, losses)
         if ranked is not None:
             return ranked, tried
     return None, len(group)
@@ -320,14 +413,16 @@ def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSp
             schedule=layout.schedule, overlap=overlap, recompute=recompute,
             grad_sync_precision=sync, grad_sync_overlap=space.grad_sync_overlap,
             grad_accumulation_fusion=space.grad_accumulation_fusion, kernels=space.kernels,
+            target=space.target,
         )
     except ValidationError:
         return None
 
 
-def _with_option(plan: Plan, option) -> Plan:
+def _with_option(plan: Plan, option, **more) -> Plan:
+    """``plan`` with the option's values (and the fields ``more``), in one copy."""
     dispatch, overlap, recompute, sync = option
-    update = {"overlap": overlap, "recompute": recompute, "grad_sync_precision": sync}
+    update = {"overlap": overlap, "recompute": recompute, "grad_sync_precision": sync, **more}
     if dispatch is not None:
         update["ffn"] = plan.ffn.model_copy(update={"dispatch": dispatch})
     # model_copy skips validation: these fields are enums the option enumeration already
@@ -335,7 +430,7 @@ def _with_option(plan: Plan, option) -> Plan:
     return plan.model_copy(update=update)
 
 
-def _fits_leanest(plan: Plan, options) -> bool:
+def _fits_leanest(plan: Plan, options, losses: tuple[CrossEntropy, ...]) -> bool:
     recomputes = sorted({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
     syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)
     dispatches = {o[0] for o in options}
@@ -344,14 +439,15 @@ def _fits_leanest(plan: Plan, options) -> bool:
     # layer of one micro-batch (cost_models.memory)
     for dispatch in dispatches:
         for recompute in recomputes:
-            lean = _with_option(plan, (dispatch, options[0][1], recompute, syncs[0]))
-            lean = lean.model_copy(update={"cross_entropy": CrossEntropy.chunked})
+            lean = _with_option(plan, (dispatch, options[0][1], recompute, syncs[0]),
+                                cross_entropy=losses[0])
             if cost_models.memory_breakdown(lean).fits:
                 return True
     return False
 
 
-def _fastest_costs(plan: Plan, options) -> StageCosts:
+def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
+                   ) -> StageCosts:
     """Stage costs under the fastest options of a layout: the least recomputation, of the
     dispatchers and their overlap levels (_overlap_levels) the one with the fastest layer,
     and the faster loss (_loss_order)."""
@@ -360,8 +456,8 @@ def _fastest_costs(plan: Plan, options) -> StageCosts:
     fastest = {(d, overlap, recompute, options[0][3])
                for d in dict.fromkeys(o[0] for o in options)
                for overlap in _overlap_levels(plan, d, overlaps, recompute)}
-    loss = {"cross_entropy": _loss_order(plan)[0]}
-    return min((cost_models.stage_costs(_with_option(plan, o).model_copy(update=loss))
+    loss = {"cross_entropy": _loss_order(plan, losses)[0]}
+    return min((cost_models.stage_costs(_with_option(plan, o, **loss))
                 for o in fastest), key=lambda c: c.layer_s)
 
 
@@ -381,7 +477,13 @@ def _lower_bound(plan: Plan, costs: StageCosts) -> float:
     return pipelined + straggler_s(pipelined, plan) + p2p
 
 
-def _loss_order(plan: Plan) -> list[CrossEntropy]:
+def _leanest_loss(losses: tuple[CrossEntropy, ...]) -> tuple[CrossEntropy, ...]:
+    """Of the loss kinds allowed, the one holding the fewest logits (the chunked one)."""
+    return tuple(sorted(losses, key=lambda k: k != CrossEntropy.chunked))
+
+
+def _loss_order(plan: Plan, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
+                ) -> list[CrossEntropy]:
     """The loss kinds to try for ``plan``, the faster head first. The loss changes nothing
     but the last stage's head (cost_models.pipeline.head_cost), so a head that is no slower
     gives a step that is no slower under every stage split: the first kind that fits is the
@@ -394,18 +496,25 @@ def _loss_order(plan: Plan) -> list[CrossEntropy]:
     def head_s(loss: CrossEntropy) -> float:
         return head_cost(plan.model, plan.cluster, tokens, d.tp, loss, plan.kernels).total_s
 
-    return sorted((CrossEntropy.chunked, CrossEntropy.materialized), key=head_s)
+    # the chunked loss first on a tie (sorted is stable)
+    return sorted(_leanest_loss(losses), key=head_s)
 
 
-def _evaluate_option(plan: Plan, option) -> Ranked | None:
-    for loss in _loss_order(plan):
-        candidate = _with_option(plan, option).model_copy(update={"cross_entropy": loss})
+def _evaluate_option(plan: Plan, option, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
+                     ) -> Ranked | None:
+    for loss in _loss_order(plan, losses):
+        candidate = _with_option(plan, option, cross_entropy=loss)
         costs = cost_models.stage_costs(candidate)
-        dense = candidate.model.dense_layers
+        m = candidate.model
+        # the leading dense layers sit in the first chunk; the layers after them, MoE and
+        # interleaved dense (moe_layer_interval), are priced at their mean
+        dense, body = m.dense_layers, m.layers - m.dense_layers
+        interleaved = m.dense_ffn_layers - dense
+        layer_s = (costs.layer_s * (body - interleaved) + costs.dense_layer_s * interleaved) / body
         split = split_layers(
-            candidate.model.layers, candidate.degrees.pp, candidate.degrees.vpp,
-            SplitCosts(costs.layer_s, costs.embedding_s, costs.head_s,
-                       dense * (costs.dense_layer_s - costs.layer_s)),
+            m.layers, candidate.degrees.pp, candidate.degrees.vpp,
+            SplitCosts(layer_s, costs.embedding_s, costs.head_s,
+                       dense * (costs.dense_layer_s - layer_s)),
             dense_layers=dense,
         )
         candidate = candidate.model_copy(update={"stage_layers": split})

@@ -21,6 +21,7 @@ from plans import (
     TPFFN,
     ClusterSpec,
     CPAttention,
+    CrossEntropy,
     Degrees,
     Dispatch,
     Kernels,
@@ -34,8 +35,8 @@ from plans import (
     TrainingSpec,
     UlyssesAttention,
 )
-from plans.enums import AttentionKind
-from plans.execution import Backend, executes
+from plans.enums import AttentionKind, Target
+from plans.execution import TARGET_NAMES, Backend, executed_anywhere, executes
 
 
 class FFNKind(StrEnum):
@@ -75,9 +76,14 @@ def ep_degrees(experts: int, ranks: int, domain: int) -> list[int]:
 RUNNABLE_FIELDS = {
     "attention": "attention.kind", "ffn": "ffn.kind", "dispatch": "ffn.dispatch",
     "overlap": "overlap", "recompute": "recompute", "schedules": "schedule",
-    "grad_sync": "grad_sync_precision",
+    "grad_sync": "grad_sync_precision", "cross_entropy": "cross_entropy",
 }
 """SearchSpace option -> the plan field whose values it chooses."""
+
+DEFAULT_OVERLAPS = tuple(o for o in Overlap if executed_anywhere("overlap", o))
+"""The overlap levels a default search chooses from: those some target executes as written
+(plans.execution); tile-fused overlap (inter_intra_op), which none does, only when asked
+for by name."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class SearchSpace:
     ffn: tuple[FFNKind, ...] = tuple(FFNKind)
     dispatch: tuple[Dispatch, ...] = RUNTIME_DISPATCHES
     """EP dispatchers; deepep (Megatron-Core's, plans.execution) only when asked for."""
-    overlap: tuple[Overlap, ...] = tuple(Overlap)
+    overlap: tuple[Overlap, ...] = DEFAULT_OVERLAPS
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     schedules: tuple[PipelineSchedule, ...] = tuple(PipelineSchedule)
     grad_sync: tuple[Precision, ...] = tuple(Precision)
@@ -112,25 +118,44 @@ class SearchSpace:
     """The memory-bound operators every plan runs with: fused regions are never slower at
     the same memory (the cost model prices them at efficiency.fused_elementwise, a prior at
     least ``elementwise``'s until calibrated), so they are not searched, only narrowed."""
+    cross_entropy: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
+    """Loss kinds a plan may use; the search takes the faster head that fits."""
+    target: Target = Target.moeplan
+    """The target the plans are for (Plan.target); ``for_target`` narrows the space to it."""
 
-    def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
-        """This space narrowed to what moeplan's runtime executes as written on ``backend``
-        (the capability table, plans.execution), so every prediction is for the run `moeplan
-        train` will make; SpecError naming the option when nothing is left of one."""
+    def for_target(self, target: Target, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
+        """This space narrowed to what ``target`` executes as written (moeplan: on
+        ``backend``; the capability table, plans.execution), its plans for that target, so
+        every prediction is for the run the target will make (the search also skips plans
+        breaking the target's rules across fields); SpecError naming the option when nothing
+        is left of one."""
+        who = TARGET_NAMES[target]
         kept: dict[str, tuple] = {}
         for option, field in RUNNABLE_FIELDS.items():
-            values = tuple(v for v in getattr(self, option) if executes(field, v, backend))
+            values = tuple(v for v in getattr(self, option)
+                           if executes(field, v, backend, target))
             if not values:
-                raise SpecError(f"--{option}: the runtime runs none of "
+                undo = "drop --runnable" if target == Target.moeplan else "use another --target"
+                raise SpecError(f"--{option.replace('_', '-')}: {who} runs none of "
                                 f"{', '.join(map(str, getattr(self, option)))} as written "
-                                f"(plans.execution: {field}); drop --runnable or allow others")
+                                f"(plans.execution: {field}); {undo} or allow others")
             kept[option] = values
-        sync_overlap = self.grad_sync_overlap and executes("grad_sync_overlap", True, backend)
+        sync_overlap = self.grad_sync_overlap and executes("grad_sync_overlap", True, backend,
+                                                           target)
         fusion = self.grad_accumulation_fusion and executes("grad_accumulation_fusion", True,
-                                                            backend)
-        kernels = self.kernels if executes("kernels", self.kernels, backend) else Kernels.eager
+                                                            backend, target)
+        if not executes("kernels", self.kernels, backend, target):
+            other = next(k for k in Kernels if executes("kernels", k, backend, target))
+            raise SpecError(f"--kernels: {who} does not run {self.kernels} kernels as written "
+                            f"(plans.execution: kernels); use --kernels {other}")
         return replace(self, **kept, grad_sync_overlap=sync_overlap,
-                       grad_accumulation_fusion=fusion, kernels=kernels)
+                       grad_accumulation_fusion=fusion, target=target)
+
+    def runnable(self, backend: Backend = Backend.cuda_nccl) -> SearchSpace:
+        """This space narrowed to what moeplan's runtime executes as written on ``backend``:
+        ``for_target(Target.moeplan, backend)``, every prediction for the run `moeplan
+        train` will make."""
+        return self.for_target(Target.moeplan, backend)
 
     def layouts(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                 ) -> Iterator[Layout]:

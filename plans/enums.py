@@ -118,6 +118,19 @@ class OptimizerSharding(StrEnum):
     weights are all-gathered."""
 
 
+class CudaGraphs(StrEnum):
+    """Which parts of each layer Megatron-Core captures as CUDA graphs (TransformerEngine's
+    graphs, ``--cuda-graph-impl transformer_engine --cuda-graph-scope ...``): a graphed part
+    is replayed by one launch, forward and backward, instead of launching its kernels one by
+    one from the host (cost_models.megatron prices the host's launches)."""
+
+    none = "none"
+    moe_router = "moe_router"
+    """The MoE router and the dispatcher's preprocessing (scopes moe_router, moe_preprocess)."""
+    attn_moe_router = "attn_moe_router"
+    """Those and the attention block (scopes attn, moe_router, moe_preprocess)."""
+
+
 class Target(StrEnum):
     """Which runtime executes a plan: what it runs and how it is priced
     (plans.execution: one capability column per target)."""
@@ -126,3 +139,33 @@ class Target(StrEnum):
     """moeplan's own runtime (runtime/, `moeplan train`, `export --to torchrun|slurm`)."""
     megatron = "megatron"
     """Megatron-Core through Megatron-LM's pretrain_gpt.py (`export --to megatron`)."""
+
+
+class RouterScore(StrEnum):
+    """The function turning a token's router logits into expert scores."""
+
+    softmax = "softmax"
+    """Softmax over the experts (Mixtral, Qwen, DeepSeek-V2)."""
+    sigmoid = "sigmoid"
+    """An independent sigmoid per expert; the kept top-k scores are renormalised to sum to
+    one (DeepSeek-V3, Kimi-K2, GLM-4.5)."""
+
+
+class LinearBias(StrEnum):
+    """Which linear layers carry a bias vector."""
+
+    none = "none"
+    qkv = "qkv"
+    """The query, key and value projections (Qwen2-MoE, GLM-4.5)."""
+    all = "all"
+    """Every linear layer: attention in and out, router, experts and dense FFNs (GPT-OSS)."""
+
+
+class WindowKind(StrEnum):
+    """How a windowed attention layer limits the keys a query sees."""
+
+    sliding = "sliding"
+    """The ``sliding_window`` keys before it, itself included (GPT-OSS, Mistral)."""
+    chunked = "chunked"
+    """The keys of its own ``sliding_window``-token chunk up to itself (Llama-4's chunked
+    local attention)."""

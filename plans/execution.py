@@ -1,28 +1,36 @@
-"""What moeplan's runtime (``runtime/``) executes of a plan: the one capability table.
+"""What each target executes of a plan: the one capability table, a column per target.
 
-For every plan field and value, per backend, one of three answers:
+A plan's ``target`` names the runtime that executes it (plans.enums.Target): moeplan's own
+runtime (``runtime/``, per backend) or Megatron-Core (Megatron-LM's pretrain_gpt.py, as
+``moeplan export --to megatron`` launches it; megatron-core 0.15). For every plan field and
+value, per target (and for moeplan per backend), one of three answers:
 
-- ``executed``: the runtime runs it as written;
-- ``runs_as``: the runtime runs another value of the field with the same maths (a slower
+- ``executed``: the target runs it as written (the reason names how: for Megatron-Core, its
+  flag);
+- ``runs_as``: the target runs another value of the field with the same maths (another
   schedule, not other numbers): the launch prints it, results record it, and the cost model
   prices the run as executed (``executed_plan``), never as written;
-- ``refused``: the runtime cannot run it; the launch fails before any work with one line
-  naming the field (``check``).
+- ``refused``: the target cannot run it; the launch fails before any work with one line
+  naming the field, the target and the reason (``check``).
 
-The runtime's launch check, ``moeplan search --runnable`` and the pricing of measured runs
-(calibration, fidelity) read this table; nothing else decides. A test checks that it covers
-every field of the Plan schema and every value of its enum and boolean fields.
+A row may also need other fields (``requires``: a rule across fields, e.g. Megatron-Core's
+EP overlap needs EP): a plan breaking it is refused on that field the same way.
+
+The runtime's launch check, ``moeplan search --target`` / ``--runnable``, the pricing of a
+plan by its target (explain, validate, export) and of measured runs (calibration, fidelity)
+read this table; nothing else decides. A test checks that every column covers every field of
+the Plan schema and every value of its enum and boolean fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import Enum, StrEnum
 
 from pydantic import BaseModel
 
+from plans.enums import Target
 from plans.errors import SpecError
 from plans.plan import Plan
 
@@ -34,12 +42,16 @@ the dp term only matters past 40 replicas)."""
 
 
 class Backend(StrEnum):
-    """Where the runtime runs: the parameter dtype and the collectives differ."""
+    """Where moeplan's runtime runs: the parameter dtype and the collectives differ."""
 
     cpu_gloo = "cpu_gloo"
     """CPU processes over gloo: fp32 parameters and compute (the parity reference)."""
     cuda_nccl = "cuda_nccl"
     """CUDA GPUs over NCCL: bf16 parameters and compute, fp32 optimizer masters."""
+
+
+TARGET_NAMES = {Target.moeplan: "moeplan's runtime", Target.megatron: "Megatron-Core"}
+"""How lines name a target."""
 
 
 class Support(StrEnum):
@@ -57,6 +69,9 @@ class _Any:
 
 ANY = _Any()
 
+Rule = Callable[[Plan], "str | None"]
+"""A rule across plan fields: why the plan breaks it, or None."""
+
 
 @dataclass(frozen=True)
 class Capability:
@@ -67,17 +82,29 @@ class Capability:
     support: Support
     reason: str = ""
     runs: object = None
-    """For ``runs_as``: the value the runtime executes instead."""
+    """For ``runs_as``: the value the target executes instead."""
     backends: tuple[Backend, ...] = tuple(Backend)
+    """moeplan's backends the row holds on (Megatron-Core runs on CUDA only: ignored)."""
+    target: Target = Target.moeplan
+    requires: Rule | None = None
+    """A rule the rest of the plan must keep for this value to run (refused otherwise)."""
 
-    def matches(self, value: object, backend: Backend) -> bool:
-        return backend in self.backends and (self.value is ANY or self.value == value)
+    def matches(self, value: object, backend: Backend, target: Target) -> bool:
+        return (target == self.target
+                and (target != Target.moeplan or backend in self.backends)
+                and (self.value is ANY or self.value == value))
 
 
 def _executed(field: str, *values: object, reason: str = "",
               backends: tuple[Backend, ...] = tuple(Backend)) -> tuple[Capability, ...]:
     return tuple(Capability(field, v, Support.executed, reason, backends=backends)
                  for v in values)
+
+
+def _megatron(field: str, value: object, support: Support = Support.executed, reason: str = "",
+              runs: object = None, requires: Rule | None = None) -> Capability:
+    return Capability(field, value, support, reason, runs, target=Target.megatron,
+                      requires=requires)
 
 
 _INTER_OP_WHAT = (
@@ -91,8 +118,11 @@ _INTRA_OP_WHY = "no tile-level fused communication kernels; the inter-operator o
 _BF16_WHY = "GEMMs run in bf16; fp8 applies to the gradient sync only"
 _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
 
-TABLE: tuple[Capability, ...] = (
+MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
+    Capability("cuda_graphs", "none", Support.executed),
+    *(Capability("cuda_graphs", v, Support.refused, "moeplan's runtime captures no CUDA graphs")
+      for v in ("moe_router", "attn_moe_router")),
     Capability("target", "megatron", Support.refused,
                "the plan is for Megatron-Core: launch it with `moeplan export --to megatron`"),
     # the job: the model and batch are built as written; the cluster is the launch's
@@ -100,6 +130,55 @@ TABLE: tuple[Capability, ...] = (
     Capability("model.dropout", False, Support.executed),
     Capability("model.dropout", True, Support.refused,
                "the model asks for dropout; this runtime trains without (set model.dropout 0)"),
+    # the model's architecture features (MODEL_FEATURES): GQA, softmax routing, every layer
+    # its own full causal attention are what moeplan's runtime builds
+    Capability("model.mla", False, Support.executed),
+    Capability("model.mla", True, Support.refused,
+               "moeplan's runtime runs GQA attention only; MLA plans run on target megatron"),
+    Capability("model.router_score", "softmax", Support.executed),
+    Capability("model.router_score", "sigmoid", Support.refused,
+               "moeplan's runtime routes by softmax scores only; sigmoid routing runs on target "
+               "megatron"),
+    Capability("model.router_expert_bias", False, Support.executed),
+    Capability("model.router_expert_bias", True, Support.refused,
+               "moeplan's runtime has no aux-loss-free expert bias; it runs on target megatron"),
+    Capability("model.routed_scaling_factor", False, Support.executed),
+    Capability("model.routed_scaling_factor", True, Support.refused,
+               "moeplan's runtime does not scale the routed experts' output; it runs on target "
+               "megatron"),
+    Capability("model.expert_groups", False, Support.executed),
+    Capability("model.expert_groups", True, Support.refused,
+               "moeplan's runtime routes over all experts (no group-limited routing); it runs "
+               "on target megatron"),
+    Capability("model.mtp_layers", False, Support.executed),
+    Capability("model.mtp_layers", True, Support.refused,
+               "moeplan's runtime has no multi-token prediction modules; MTP runs on target "
+               "megatron"),
+    Capability("model.moe_layer_interval", False, Support.executed),
+    Capability("model.moe_layer_interval", True, Support.refused,
+               "moeplan's runtime places dense layers first only; interleaved MoE layers run on "
+               "target megatron"),
+    Capability("model.sliding_window", False, Support.executed),
+    Capability("model.sliding_window", True, Support.refused,
+               "moeplan's runtime attends over the whole causal prefix in every layer; sliding "
+               "windows run on target megatron"),
+    Capability("model.linear_bias", "none", Support.executed),
+    Capability("model.linear_bias", ANY, Support.refused,
+               "moeplan's runtime has bias-free linear layers; biases run on target megatron"),
+    Capability("model.attention_sinks", False, Support.executed),
+    Capability("model.attention_sinks", True, Support.refused,
+               "moeplan's runtime has no attention sinks; they run on target megatron "
+               "(--softmax-type learnable)"),
+    Capability("model.shared_expert_gate", False, Support.executed),
+    Capability("model.shared_expert_gate", True, Support.refused,
+               "moeplan's runtime adds the shared experts ungated"),
+    Capability("model.kv_share_layers", False, Support.executed),
+    Capability("model.kv_share_layers", True, Support.refused,
+               "moeplan's runtime gives every layer its own keys and values (no cross-layer "
+               "attention)"),
+    Capability("model.rotary_fraction", False, Support.executed),
+    Capability("model.rotary_fraction", True, Support.refused,
+               "moeplan's runtime rotates whole heads; partial RoPE runs on target megatron"),
     *_executed("cluster", ANY, reason="the launch's GPUs; the spec gives peak FLOP/s for MFU"),
     *_executed("training.global_batch", ANY),
     *_executed("training.seq_len", ANY),
@@ -165,10 +244,179 @@ TABLE: tuple[Capability, ...] = (
                "(addmm); the grouped-GEMM experts, the embedding and the LM head add theirs in a "
                "separate pass (runtime.parallel.grad_accumulation)"),
 )
-"""The capability table: every plan field, every value, per backend."""
+"""moeplan's column: what its runtime runs, per backend."""
+
+
+# ---- Megatron-Core's rules across fields (megatron-core 0.15: TransformerConfig's and
+# Megatron-LM's validate_args checks, and TransformerEngine's attention) -------------------------
+
+
+def _megatron_model(plan: Plan) -> str | None:
+    m = plan.model
+    if m.top_k == 1 and not m.router_pre_softmax:
+        return ("top-1 routing with renormalised weights: Megatron-Core's TransformerConfig "
+                "needs --moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
+    if m.rope_theta != int(m.rope_theta):
+        return f"model.rope_theta {m.rope_theta:g}: Megatron's --rotary-base is a whole number"
+    return None
+
+
+def _megatron_cp_split(plan: Plan, cp: int) -> str | None:
+    if cp > 1 and plan.training.seq_len % (2 * cp):
+        return (f"training.seq_len ({plan.training.seq_len}) is not a multiple of 2 x CP "
+                f"(2 x {cp}): Megatron splits each sequence into 2 x CP chunks to balance the "
+                "causal mask (megatron.core.utils.get_batch_on_this_cp_rank)")
+    return None
+
+
+def _megatron_ulysses(plan: Plan) -> str | None:
+    d, m = plan.degrees, plan.model
+    if d.sp > m.kv_heads:
+        return (f"Ulysses degree {d.sp} is above model.kv_heads ({m.kv_heads}): Megatron "
+                "expresses Ulysses as a2a context parallelism, whose attention "
+                "(TransformerEngine) needs the KV heads to divide by the CP size")
+    return _megatron_cp_split(plan, d.sp)
+
+
+def _megatron_cp(plan: Plan) -> str | None:
+    return _megatron_cp_split(plan, plan.degrees.cp)
+
+
+def _megatron_ep_overlap(plan: Plan) -> str | None:
+    """--overlap-moe-expert-parallel-comm's checks (TransformerConfig.__post_init__)."""
+    d = plan.degrees
+    if d.ep == 1:
+        return ("Megatron-Core's EP overlap (--overlap-moe-expert-parallel-comm) needs "
+                "expert parallelism (ep > 1); plan overlap none")
+    if getattr(plan.ffn, "dispatch", None) not in ("all_to_all", "deepep"):
+        return ("Megatron-Core's EP overlap runs with the alltoall (or flex) dispatcher "
+                "only, not allgather (ffn.dispatch all_to_all)")
+    if plan.recompute == "full":
+        return "Megatron-Core's EP overlap needs recompute other than full"
+    if d.pp > 1 and d.vpp == 1:
+        return ("Megatron-Core's EP overlap needs interleaved pipeline stages (vpp > 1) "
+                "when pp > 1")
+    return None
+
+
+_EP_OVERLAP = (
+    "--overlap-moe-expert-parallel-comm: the EP dispatch and combine all-to-alls of one "
+    "micro-batch hidden behind another micro-batch's compute (forward beside backward in "
+    "the 1F1B steady state), not chunks of one layer; the a2a context-parallel (Ulysses) "
+    "all-to-alls stay blocking")
+_TP_FFN = ("--expert-tensor-parallel-size: every routed expert split over etp, tokens moved "
+           "by the allgather dispatcher (--moe-token-dispatcher-type allgather)")
+
+MEGATRON: tuple[Capability, ...] = (
+    _megatron("target", "megatron", reason="Megatron-LM's pretrain_gpt.py, as `moeplan export "
+              "--to megatron` writes it"),
+    _megatron("target", "moeplan", Support.refused,
+              "the plan is for moeplan's runtime (`moeplan train`, `export --to "
+              "torchrun|slurm`)"),
+    _megatron("model", ANY, reason="GPT with RMSNorm, SwiGLU, RoPE, grouped-query attention "
+              "and MoE layers (--num-experts, --moe-layer-freq for the dense ones)",
+              requires=_megatron_model),
+    _megatron("model.dropout", False, reason="--attention-dropout 0 --hidden-dropout 0"),
+    _megatron("model.dropout", True, reason="--attention-dropout, --hidden-dropout"),
+    _megatron("cluster", ANY, reason="the launch's GPUs (CUDA, NCCL)"),
+    _megatron("training.global_batch", ANY, reason="--global-batch-size"),
+    _megatron("training.seq_len", ANY, reason="--seq-length"),
+    _megatron("training.routing_skew", ANY, reason="the router routes as it learns"),
+    _megatron("training.optimizer", "adam", reason="--optimizer adam: AdamW (decoupled weight "
+              "decay) on fp32 masters"),
+    _megatron("training.optimizer", "sgd", reason="--optimizer sgd --sgd-momentum 0"),
+    _megatron("training.precision", "bf16", reason="--bf16"),
+    _megatron("training.precision", "fp8", reason="--bf16 --fp8-format hybrid --fp8-recipe "
+              "tensorwise: TransformerEngine's fp8 GEMMs"),
+    _megatron("training.precision", "fp32", Support.refused,
+              "training is mixed precision (bf16 or fp8)"),
+    _megatron("degrees", ANY, reason="--tensor-model-parallel-size, "
+              "--pipeline-model-parallel-size, --context-parallel-size (cp, or sp as a2a CP), "
+              "--expert-model-parallel-size, --expert-tensor-parallel-size; vpp by the layout"),
+    _megatron("stage_layers", ANY, reason="--pipeline-model-parallel-layout: the exact split, "
+              "pp x vpp chunks (the virtual stages per rank follow from it)"),
+    _megatron("micro_batch_size", ANY, reason="--micro-batch-size"),
+    _megatron("attention.kind", "tp", reason="--tensor-model-parallel-size with "
+              "--sequence-parallel"),
+    _megatron("attention.kind", "ulysses_sp", reason="--context-parallel-size sp "
+              "--cp-comm-type a2a: Ulysses as context parallelism (heads scattered, sequence "
+              "gathered for the attention core), the norms and FFN input sharded over CP too",
+              requires=_megatron_ulysses),
+    _megatron("attention.kind", "cp", reason="--context-parallel-size --cp-comm-type p2p: "
+              "ring attention exchanging K/V", requires=_megatron_cp),
+    _megatron("attention.zigzag", True, reason="Megatron's CP balances the causal mask with "
+              "2 x CP chunks per sequence"),
+    _megatron("attention.zigzag", False, Support.refused,
+              "Megatron's context parallelism always balances the causal mask (zigzag chunks)"),
+    _megatron("ffn.kind", "ep", reason="--expert-model-parallel-size, whole experts per rank"),
+    _megatron("ffn.kind", "tp", reason=_TP_FFN),
+    _megatron("ffn.dispatch", "all_to_all", reason="--moe-token-dispatcher-type alltoall"),
+    _megatron("ffn.dispatch", "allgather_reduce_scatter",
+              reason="--moe-token-dispatcher-type allgather"),
+    _megatron("ffn.dispatch", "deepep", reason="--moe-token-dispatcher-type flex "
+              "--moe-enable-deepep: one copy per destination node, forwarded over NVLink"),
+    _megatron("ffn.capacity_factor", ANY, reason="null: dropless; else "
+              "--moe-expert-capacity-factor"),
+    _megatron("schedule", "1f1b", reason="Megatron's 1F1B (no virtual stages)"),
+    _megatron("schedule", "interleaved_1f1b", reason="interleaved 1F1B over the layout's "
+              "pp x vpp chunks (--pipeline-model-parallel-layout)"),
+    _megatron("overlap", "none", reason="each layer's communication blocks"),
+    _megatron("overlap", "inter_op", reason=_EP_OVERLAP, requires=_megatron_ep_overlap),
+    _megatron("overlap", "inter_intra_op", Support.refused,
+              "no tile-level fused communication kernels in Megatron-Core (MegaScale-MoE's "
+              "own); plan inter_op (its EP overlap) or none"),
+    _megatron("recompute", "none", reason="no recomputation"),
+    _megatron("recompute", "selective", reason="--recompute-granularity selective "
+              "--recompute-modules core_attn"),
+    _megatron("recompute", "full", reason="--recompute-granularity full --recompute-method "
+              "uniform --recompute-num-layers 1"),
+    _megatron("cross_entropy", "materialized", reason="the whole micro-batch's logits and "
+              "their loss at once (Megatron's only kind)"),
+    _megatron("cross_entropy", "chunked", Support.runs_as,
+              "Megatron-Core has no chunked loss: it materialises the whole micro-batch's "
+              "logits", "materialized"),
+    _megatron("kernels", "fused", reason="Megatron-Core's own fused kernels, on by default: "
+              "TransformerEngine's RMSNorm and GEMMs, the fused SwiGLU (--bias-swiglu-fusion) "
+              "and RoPE (--apply-rope-fusion)"),
+    _megatron("kernels", "eager", Support.runs_as,
+              "Megatron-Core runs its own fused kernels (on by default)", "fused"),
+    _megatron("optimizer_sharding", "zero1", reason="--use-distributed-optimizer: the states "
+              "sharded over the data-parallel ranks of dense and expert-data-parallel ranks "
+              "of expert parameters"),
+    _megatron("optimizer_sharding", "none", reason="without --use-distributed-optimizer"),
+    _megatron("grad_sync_precision", "fp32", reason="Megatron's default gradient reduction"),
+    _megatron("grad_sync_precision", "bf16", reason="--grad-reduce-in-bf16"),
+    _megatron("grad_sync_precision", "fp8", Support.refused,
+              "Megatron-Core reduces gradients in fp32 or bf16 only (fp8 gradient sync is "
+              "MegaScale-MoE's)"),
+    _megatron("grad_sync_overlap", True, reason="--overlap-grad-reduce"),
+    _megatron("grad_sync_overlap", False, reason="without --overlap-grad-reduce"),
+    _megatron("grad_accumulation_fusion", True, reason="Megatron's default (TransformerEngine's "
+              "wgrad GEMMs add into the main gradients)"),
+    _megatron("grad_accumulation_fusion", False, reason="--no-gradient-accumulation-fusion"),
+)
+"""Megatron-Core's column: what pretrain_gpt.py runs of a plan, each row naming its flag."""
+
+TABLE: tuple[Capability, ...] = MOEPLAN + MEGATRON
+"""The capability table: every plan field, every value, per target (and backend)."""
 
 NOT_EXECUTED = ("schema_version", "prediction")
 """Plan fields that describe the plan and instruct nothing."""
+
+MODEL_FEATURES = ("mla", "router_score", "router_expert_bias", "routed_scaling_factor",
+                  "expert_groups", "mtp_layers", "moe_layer_interval", "sliding_window",
+                  "linear_bias", "attention_sinks", "shared_expert_gate", "kv_share_layers",
+                  "rotary_fraction")
+"""ModelSpec fields the table answers for: an enum's value, else whether the model departs
+from the field's default (uses the feature)."""
+
+
+def model_features(model: BaseModel) -> Iterator[tuple[str, object]]:
+    """(``model.<field>``, value) of every MODEL_FEATURES field of ``model``."""
+    for name in MODEL_FEATURES:
+        value = getattr(model, name)
+        yield f"model.{name}", (value if isinstance(value, Enum)
+                                else value != type(model).model_fields[name].default)
 
 
 def _text(value: object) -> str:
@@ -177,25 +425,38 @@ def _text(value: object) -> str:
     return value.value if isinstance(value, Enum) else str(value)
 
 
-def lookup(field: str, value: object, backend: Backend) -> Capability:
-    """The table's answer for ``field`` = ``value`` on ``backend`` (first matching row)."""
+def lookup(field: str, value: object, backend: Backend = Backend.cuda_nccl,
+           target: Target = Target.moeplan) -> Capability:
+    """The table's answer for ``field`` = ``value`` on ``target`` (moeplan: on ``backend``;
+    the first matching row)."""
     text = value if isinstance(value, bool) or value is ANY else _text(value)
     for row in TABLE:
-        if row.field == field and row.matches(text, backend):
+        if row.field == field and row.matches(text, backend, target):
             return row
-    raise KeyError(f"plans.execution.TABLE has no row for {field} = {_text(value)} on {backend}")
+    where = backend if target == Target.moeplan else target
+    raise KeyError(f"plans.execution.TABLE has no row for {field} = {_text(value)} on {where}")
 
 
-def executed_value(field: str, value: object, backend: Backend) -> object:
-    """The value of ``field`` the runtime runs on ``backend`` when the plan says ``value``
-    (``value`` itself unless the table says runs_as), in the field's type."""
-    row = lookup(field, value, backend)
+def executed_value(field: str, value: object, backend: Backend = Backend.cuda_nccl,
+                   target: Target = Target.moeplan) -> object:
+    """The value of ``field`` the target runs when the plan says ``value`` (``value`` itself
+    unless the table says runs_as), in the field's type."""
+    row = lookup(field, value, backend, target)
     return _typed(value, row.runs) if row.support == Support.runs_as else value
 
 
-def executes(field: str, value: object, backend: Backend = Backend.cuda_nccl) -> bool:
-    """Whether the runtime runs ``field`` = ``value`` as written."""
-    return lookup(field, value, backend).support == Support.executed
+def executes(field: str, value: object, backend: Backend = Backend.cuda_nccl,
+             target: Target = Target.moeplan) -> bool:
+    """Whether the target runs ``field`` = ``value`` as written (its rules across fields
+    aside: ``refusals`` checks a whole plan)."""
+    return lookup(field, value, backend, target).support == Support.executed
+
+
+def executed_anywhere(field: str, value: object) -> bool:
+    """Whether some target (on some backend) runs ``field`` = ``value`` as written: what a
+    default search may choose."""
+    return any(executes(field, value, backend, target)
+               for target in Target for backend in Backend)
 
 
 def plan_fields(plan: Plan) -> Iterator[tuple[str, object]]:
@@ -212,38 +473,77 @@ def plan_fields(plan: Plan) -> Iterator[tuple[str, object]]:
             yield name, value
         if name == "model":
             yield "model.dropout", value.dropout > 0  # whether the model asks for dropout
+            yield from model_features(value)
 
 
-def _answers(plan: Plan, backend: Backend) -> Iterator[tuple[Capability, object]]:
+def _answers(plan: Plan, backend: Backend, target: Target
+             ) -> Iterator[tuple[Capability, object]]:
     for field, value in plan_fields(plan):
         if isinstance(value, BaseModel | tuple) or value is None:
-            yield lookup(field, ANY, backend), value
+            yield lookup(field, ANY, backend, target), value
         elif isinstance(value, Enum | bool | str):
-            yield lookup(field, value, backend), value
+            yield lookup(field, value, backend, target), value
         else:
-            yield lookup(field, ANY, backend), value
+            yield lookup(field, ANY, backend, target), value
 
 
 class UnsupportedFeature(SpecError):
-    """A plan field this runtime cannot run: one line naming the field and the reason."""
+    """A plan field the target cannot run: one line naming the field, the target and the
+    reason."""
 
 
-def refusals(plan: Plan, backend: Backend) -> list[str]:
-    """One line per plan field the runtime cannot run on ``backend``."""
-    return [f"{row.field}: {_text(value)} is not run by this runtime ({backend}): {row.reason}"
-            for row, value in _answers(plan, backend) if row.support == Support.refused]
+def _refusal(row: Capability, value: object, backend: Backend, reason: str) -> str:
+    who = (f"its runtime on {backend}" if row.target == Target.moeplan
+           else TARGET_NAMES[row.target])
+    return f"{row.field}: {_text(value)} is not run by target {row.target} ({who}): {reason}"
 
 
-def check(plan: Plan, backend: Backend) -> None:
-    """Refuse, before any work, a plan with a field the runtime cannot run (the first one)."""
-    if found := refusals(plan, backend):
+def refusals(plan: Plan, backend: Backend = Backend.cuda_nccl,
+             target: Target = Target.moeplan) -> list[str]:
+    """One line per plan field the target cannot run (moeplan: on ``backend``): a refused
+    value, or a rule across fields the plan breaks."""
+    out = []
+    for row, value in _answers(plan, backend, target):
+        if row.support == Support.refused:
+            out.append(_refusal(row, value, backend, row.reason))
+        elif row.requires is not None and (why := row.requires(plan)) is not None:
+            out.append(_refusal(row, value, backend, why))
+    return out
+
+
+RULES: dict[Target, tuple[Capability, ...]] = {
+    t: tuple(r for r in TABLE if r.target == t and r.requires is not None) for t in Target}
+"""Per target, the rows with a rule across fields."""
+
+
+def rule_refusals(plan: Plan, target: Target, fields: frozenset[str] | None = None
+                  ) -> list[str]:
+    """The lines of ``refusals`` from rules across fields only (of the rows on ``fields``
+    when given), for a plan whose values the target runs one by one (a search narrowed to
+    the column): fast enough per candidate."""
+    out = []
+    for row in RULES[target]:
+        if fields is not None and row.field not in fields:
+            continue
+        value = _value_of(plan, row.field)
+        if row.value is not ANY and _text(row.value) != _text(value):
+            continue
+        if (why := row.requires(plan)) is not None:
+            out.append(_refusal(row, value, Backend.cuda_nccl, why))
+    return out
+
+
+def check(plan: Plan, backend: Backend = Backend.cuda_nccl,
+          target: Target = Target.moeplan) -> None:
+    """Refuse, before any work, a plan with a field the target cannot run (the first one)."""
+    if found := refusals(plan, backend, target):
         raise UnsupportedFeature(found[0])
 
 
 @dataclass(frozen=True)
 class Deviation:
-    """A plan field this runtime runs as another value with the same maths: the run is the
-    plan's layout and numbers, only slower or with more traffic."""
+    """A plan field the target runs as another value with the same maths: the run is the
+    plan's layout and numbers, only another schedule or more traffic."""
 
     field: str
     planned: str
@@ -254,16 +554,19 @@ class Deviation:
         return f"note: {self.field}: planned {self.planned}, runs {self.executed}: {self.reason}"
 
 
-def _deviating(plan: Plan, backend: Backend) -> list[tuple[Capability, object]]:
-    return [(row, value) for row, value in _answers(plan, backend)
+def _deviating(plan: Plan, backend: Backend, target: Target
+               ) -> list[tuple[Capability, object]]:
+    return [(row, value) for row, value in _answers(plan, backend, target)
             if row.support == Support.runs_as]
 
 
-def deviations(plan: Plan, backend: Backend = Backend.cuda_nccl) -> list[Deviation]:
-    """The plan fields this runtime runs as another value on ``backend`` (``check`` refuses
-    the ones it cannot run at all). Hold a measurement against the plan as executed."""
+def deviations(plan: Plan, backend: Backend = Backend.cuda_nccl,
+               target: Target = Target.moeplan) -> list[Deviation]:
+    """The plan fields the target runs as another value (moeplan: on ``backend``; ``check``
+    refuses the ones it cannot run at all). Hold a measurement against the plan as
+    executed."""
     return [Deviation(row.field, _text(value), _text(row.runs), row.reason)
-            for row, value in _deviating(plan, backend)]
+            for row, value in _deviating(plan, backend, target)]
 
 
 def _typed(current: object, text: object) -> object:
@@ -272,14 +575,15 @@ def _typed(current: object, text: object) -> object:
 
 
 def executed_plan(plan: Plan, backend: Backend = Backend.cuda_nccl,
-                  recorded: list[dict] | None = None) -> Plan:
-    """The plan as this runtime runs it on ``backend`` (for the cost model; not re-validated,
-    since e.g. fp8 gradient sync over bf16 GEMMs is a combination plans do not offer).
-    UnsupportedFeature when a field is refused. ``recorded``: the deviations a measured run
-    wrote (``{"field", "executed"}`` each: what the runtime of its commit ran), applied
-    instead of this table's."""
-    check(plan, backend)
-    ran = ([(row.field, value, row.runs) for row, value in _deviating(plan, backend)]
+                  recorded: list[dict] | None = None,
+                  target: Target = Target.moeplan) -> Plan:
+    """The plan as the target runs it (moeplan: on ``backend``), for the cost model; not
+    re-validated, since e.g. fp8 gradient sync over bf16 GEMMs is a combination plans do not
+    offer. UnsupportedFeature when a field is refused. ``recorded``: the deviations a
+    measured run wrote (``{"field", "executed"}`` each: what the runtime of its commit ran),
+    applied instead of this table's."""
+    check(plan, backend, target)
+    ran = ([(row.field, value, row.runs) for row, value in _deviating(plan, backend, target)]
            if recorded is None else
            [(d["field"], v, _parsed(v, d["executed"]))
             for d in recorded for v in (_value_of(plan, d["field"]),)])
@@ -296,6 +600,14 @@ def executed_plan(plan: Plan, backend: Backend = Backend.cuda_nccl,
     return plan.model_copy(update=top)
 
 
+def as_target(plan: Plan, target: Target) -> Plan:
+    """``plan`` for another target: the same instructions, to be checked against and priced
+    by ``target``'s column (``executed_plan(..., target=target)``)."""
+    if plan.target == target:
+        return plan
+    return plan.model_copy(update={"target": target, "prediction": None})
+
+
 def _value_of(plan: Plan, field: str) -> object:
     value: object = plan
     for part in field.split("."):
@@ -309,27 +621,6 @@ def _parsed(current: object, text: object) -> object:
 
 _BEFORE_FUSION = ("results without the record predate it, and no runtime before it fused the "
                   "gradient accumulation")
-
-
-EAGER_STEP_IN_BUCKETS_SINCE = "2026-12-01T09:34:07+00:00"
-"""When the runtime's eager optimizer step began casting the main gradients to fp32 one bucket
-at a time (commit 029a588 on main): a result measured before it cast every gradient at once,
-and its peak is priced that way (``steps_in_buckets``). Runs are made from main's tree of
-their day, so a result's date says which runtime made it."""
-
-
-def steps_in_buckets(measured_on: str | None) -> bool:
-    """Whether a run measured on ``measured_on`` (its result's ``date``, ISO 8601) stepped the
-    eager optimizer one bucket at a time; a run without a date is taken as the runtime's now."""
-    if measured_on is None:
-        return True
-    try:
-        when = datetime.fromisoformat(measured_on)
-    except ValueError:
-        raise SpecError(f"date: '{measured_on}' is not an ISO 8601 time") from None
-    if when.tzinfo is None:  # written without an offset: UTC, as the results are
-        when = when.replace(tzinfo=UTC)
-    return when >= datetime.fromisoformat(EAGER_STEP_IN_BUCKETS_SINCE)
 
 
 def record(plan: Plan, backend: Backend) -> list[dict]:

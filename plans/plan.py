@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from plans.enums import (
     CrossEntropy,
+    CudaGraphs,
     Dispatch,
     Kernels,
     OptimizerSharding,
@@ -32,6 +33,7 @@ from plans.specs import (
     Precision,
     Tokens,
     TrainingSpec,
+    mfu,
 )
 
 SCHEMA_VERSION = 1
@@ -194,12 +196,11 @@ class Prediction(Frozen):
         """Where the stored numbers contradict each other for ``plan`` (a hand-edited block):
         tokens/s and MFU follow from the step time, the components sum to it."""
         out = []
-        tokens = plan.training.tokens_per_step
-        flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
-        peak = plan.cluster.gpus * plan.cluster.gpu.bf16_dense_tflops * 1e12
+        tokens, c = plan.training.tokens_per_step, plan.cluster
         derived = {
             "tokens_per_s": (self.tokens_per_s, tokens / self.step_time_s),
-            "mfu": (self.mfu, flops / (peak * self.step_time_s)),
+            "mfu": (self.mfu, mfu(plan.model, plan.training.seq_len, tokens, self.step_time_s,
+                                  c.gpus, c.gpu)),
         }
         if self.breakdown_s:
             derived["step_time_s"] = (self.step_time_s, sum(self.breakdown_s.values()))
@@ -262,6 +263,8 @@ class Plan(Frozen):
     memory-bound pass."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
+    cuda_graphs: CudaGraphs = CudaGraphs.none
+    """The layer parts captured as CUDA graphs (Megatron-Core's ``--cuda-graph-scope``)."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")
@@ -347,8 +350,9 @@ class Plan(Frozen):
     def options_notation(self) -> str:
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
         sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
-        sync is not overlapped, gradient accumulation not fused or the loss chunked, and
-        `k:fused` where the memory-bound operators are fused."""
+        sync is not overlapped, gradient accumulation not fused or the loss chunked,
+        `k:fused` where the memory-bound operators are fused, and `t:megatron` where the plan
+        is for a target other than moeplan."""
         overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
         sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
         out = (f"{sched} ov:{overlap[self.overlap.value]} rc:{RECOMPUTE_TAGS[self.recompute]} "
@@ -361,6 +365,10 @@ class Plan(Frozen):
             out += f" ce:{self.cross_entropy.value}"
         if self.kernels != Kernels.eager:
             out += f" k:{self.kernels.value}"
+        if self.cuda_graphs != CudaGraphs.none:
+            out += f" cg:{self.cuda_graphs.value}"
+        if self.target != Target.moeplan:
+            out += f" t:{self.target.value}"
         return out
 
     def summary(self) -> str:

@@ -11,6 +11,7 @@ from planner.cli import app
 SURFACE = {
     '': ['--version <bool>', '--install-completion <bool>', '--show-completion <bool>'],
     'catalog': ['--json <bool>'],
+    'import-hf': ['CONFIG', '--out <path>', '--name <str>', '--force <bool>', '--json <bool>'],
     'schema': [],
     'search': [   'MODEL',
                   'CLUSTER',
@@ -24,6 +25,7 @@ SURFACE = {
                   '--attention <list[ulysses_sp|tp|cp]>',
                   '--kernels <eager|fused>',
                   '--runnable <bool>',
+                  '--target <moeplan|megatron>',
                   '--out <path>',
                   '--force <bool>',
                   '--json <bool>'],

@@ -20,6 +20,7 @@ from plans import (
     TPFFN,
     Degrees,
     Dispatch,
+    Overlap,
     PipelineSchedule,
     Plan,
     Precision,
@@ -58,6 +59,14 @@ MEGATRON_FLAGS = {
     "--moe-router-pre-softmax": False, "--moe-aux-loss-coeff": True,
     "--pipeline-model-parallel-layout": True, "--recompute-modules": True,
     "--fp8-recipe": True, "--train-iters": True,
+    "--multi-latent-attention": False, "--q-lora-rank": True, "--kv-lora-rank": True,
+    "--qk-head-dim": True, "--qk-pos-emb-head-dim": True, "--v-head-dim": True,
+    "--rope-type": True, "--no-rope-fusion": False, "--moe-router-score-function": True,
+    "--moe-router-enable-expert-bias": False, "--moe-router-topk-scaling-factor": True,
+    "--moe-router-num-groups": True, "--moe-router-group-topk": True, "--mtp-num-layers": True,
+    "--window-size": True, "--window-attn-skip-freq": True, "--softmax-type": True,
+    "--rotary-percent": True, "--add-qkv-bias": False, "--overlap-moe-expert-parallel-comm": False,
+    "--sgd-momentum": True,
 }
 CHOICES = {
     "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
@@ -132,6 +141,7 @@ def plan(**kw) -> Plan:
         attention=UlyssesAttention(),
         ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter),
         stage_layers=(8, 8, 8, 8),
+        overlap=Overlap.none,
     )
     return Plan(**{**base, **kw})
 
@@ -142,6 +152,9 @@ PLANS = {
                      ffn=TPFFN(), grad_sync_precision=Precision.fp32, recompute=Recompute.full),
     "interleaved": plan(degrees=Degrees(pp=4, vpp=2, dp=2, sp=8, ep=8), stage_layers=(4,) * 8,
                         schedule=PipelineSchedule.interleaved_1f1b),
+    "ep_overlap": plan(degrees=Degrees(pp=4, vpp=2, dp=2, sp=8, ep=8), stage_layers=(4,) * 8,
+                       schedule=PipelineSchedule.interleaved_1f1b, overlap=Overlap.inter_op,
+                       ffn=EPFFN(dispatch=Dispatch.all_to_all)),
     "uneven": plan(stage_layers=(9, 8, 8, 7), training=TrainingSpec(
         global_batch=256, seq_len=4096, precision="fp8")),
     "shared": plan(model=catalog.load_model("tiny-moe-shared"),
@@ -329,3 +342,21 @@ def test_megatron_prices_the_materialised_logits_of_a_chunked_plan():
     assert evaluate(small).feasible
     with pytest.raises(SpecError, match="materialises the whole micro-batch's logits"):
         megatron_args(small)
+
+
+def test_inter_op_is_megatrons_ep_overlap_and_tile_fused_overlap_is_refused():
+    """plans.execution's megatron column: overlap inter_op runs as
+    --overlap-moe-expert-parallel-comm where its checks hold; the rest is refused naming
+    the field and the target; plain SGD exports without Megatron's default momentum."""
+    parsed = parse_megatron(megatron_args(PLANS["ep_overlap"])[0])
+    assert parsed["--overlap-moe-expert-parallel-comm"] is True
+    assert "--overlap-moe-expert-parallel-comm" not in parse_megatron(
+        megatron_args(PLANS["interleaved"])[0])
+    for update, field in (({"overlap": Overlap.inter_intra_op}, "overlap: inter_intra_op"),
+                          ({"overlap": Overlap.inter_op}, "overlap: inter_op")):
+        with pytest.raises(SpecError, match=f"^--to megatron: {field} is not run by target "
+                           "megatron"):
+            megatron_args(PLANS["megascale"].model_copy(update=update))
+    sgd = PLANS["megascale"].model_copy(update={"training": TrainingSpec(
+        global_batch=256, seq_len=4096, optimizer="sgd")})
+    assert parse_megatron(megatron_args(sgd)[0])["--sgd-momentum"] == "0"

@@ -187,10 +187,98 @@ def test_the_check_catches_an_export_megatron_rejects(monkeypatch):
 
 def _uneven_interleaved() -> Plan:
     """An interleaved Ulysses plan with an uneven split (9 layers over pp 2 x vpp 2)."""
-    from plans import Degrees, PipelineSchedule, UlyssesAttention
+    from plans import Degrees, Overlap, PipelineSchedule, UlyssesAttention
 
     model = catalog.load_model("tiny-moe").model_copy(update={"layers": 9})
     return Plan(model=model, cluster=catalog.load_cluster("h100", gpus=16),
                  training=TrainingSpec(global_batch=16, seq_len=512),
                  degrees=Degrees(pp=2, vpp=2, dp=4, sp=2, ep=4), attention=UlyssesAttention(),
-                 stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b)
+                 stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b,
+                 overlap=Overlap.none)
+
+
+def _feature_plan(model, pp: int, stage_layers: tuple[int, ...]) -> Plan:
+    """A hand-made plan (no search): pp stages, Ulysses 2, EP 8, on 8 GPUs a stage."""
+    from plans import EPFFN, Degrees, UlyssesAttention
+
+    return Plan(model=model, cluster=catalog.load_cluster("h800", gpus=8 * pp),
+                training=TrainingSpec(global_batch=64, seq_len=4096),
+                degrees=Degrees(pp=pp, dp=4, sp=2, ep=8), attention=UlyssesAttention(),
+                ffn=EPFFN(), stage_layers=stage_layers, micro_batch_size=1)
+
+
+HF = Path(__file__).parents[1] / "plans" / "hf_configs"
+
+
+@pytest.mark.parametrize("name,pp,stages", [
+    ("deepseek-v3", 4, (16, 15, 15, 15)),
+    ("kimi-k2", 2, (31, 30)),
+    ("gpt-oss-120b", 2, (18, 18)),
+    ("glm-4.5", 4, (23, 23, 23, 23)),
+    (str(HF / "deepseek-v2.json"), 1, (60,)),
+    (str(HF / "qwen3-30b-a3b.json"), 2, (24, 24)),
+])
+def test_new_model_features_export_as_megatron_cores_own_flags(name, pp, stages, monkeypatch):
+    """MLA, sigmoid routing with the expert bias, the routed scaling, group-limited routing,
+    MTP (in the last pipeline chunk), dense-first layers, sliding windows with full layers
+    between, sinks, biases and partial RoPE, read back from Megatron's TransformerConfig."""
+    m = catalog.load_model(name)
+    plan = _feature_plan(m, pp, stages)
+    parsed, config = run_megatron(plan, 9, _megatron(), monkeypatch)
+    check_is_mla_plan(plan, parsed, config)
+
+
+def check_is_mla_plan(plan: Plan, parsed, config) -> None:
+    m = plan.model
+    assert config.multi_latent_attention == (m.mla is not None)
+    if m.mla is not None:
+        assert (config.q_lora_rank or 0) == m.mla.q_lora_rank
+        assert config.kv_lora_rank == m.mla.kv_lora_rank
+        assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (
+            m.mla.qk_nope_head_dim, m.mla.qk_rope_head_dim, m.mla.v_head_dim)
+    else:
+        assert config.num_query_groups == m.kv_heads and config.kv_channels == m.head_dim
+    assert config.moe_router_score_function == m.router_score.value
+    assert config.moe_router_enable_expert_bias == m.router_expert_bias
+    assert (config.moe_router_topk_scaling_factor or 1.0) == m.routed_scaling_factor
+    assert (config.moe_router_num_groups or 1) == m.expert_groups
+    assert (config.moe_router_group_topk or 1) == m.groups_per_token
+    assert (config.mtp_num_layers or 0) == m.mtp_layers
+    pattern = config.moe_layer_freq
+    pattern = [1] * m.layers if pattern == 1 else list(pattern)
+    assert tuple(bool(x) for x in pattern) == m.moe_pattern
+    if m.sliding_window:
+        assert tuple(config.window_size) == (m.sliding_window - 1, 0)
+        assert config.window_attn_skip_freq == (m.full_attention_every or None)
+    else:
+        assert config.window_size is None
+    assert (config.softmax_type == "learnable") == m.attention_sinks
+    assert parsed.rotary_percent == m.rotary_fraction
+    assert config.add_bias_linear == (m.linear_bias.value == "all")
+    assert config.add_qkv_bias == (m.linear_bias.value != "none")
+    if plan.degrees.pp > 1:
+        layout = config.pipeline_model_parallel_layout.layout
+        assert sum(1 for x in layout[-1][-1] if x.name == "mtp") == m.mtp_layers
+    assert parsed.rotary_base == m.rope_theta
+
+
+def test_interleaved_moe_layers_export_their_pattern(monkeypatch):
+    maverick = catalog.load_model(str(HF / "llama-4-maverick.json"))
+    assert "chunked" in megatron_refusal(_feature_plan(maverick, 2, (24, 24)))
+    full = maverick.model_copy(update={"sliding_window": 0, "full_attention_every": 0})
+    plan = _feature_plan(full, 2, (24, 24))
+    parsed, config = run_megatron(plan, 9, _megatron(), monkeypatch)
+    check_is_mla_plan(plan, parsed, config)
+    assert list(config.moe_layer_freq)[:4] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("config,why", [
+    ("qwen2-57b-a14b", "model.shared_expert_gate"),
+    ("hunyuan-large", "model.kv_share_layers"),
+])
+def test_features_megatron_cannot_express_are_refused(config, why):
+    m = catalog.load_model(str(HF / f"{config}.json"))
+    plan = _feature_plan(m, 1, (m.layers,))
+    assert megatron_refusal(plan).startswith(why)
+    with pytest.raises(SpecError, match=f"--to megatron: {why}"):
+        megatron_args(plan)

@@ -16,6 +16,7 @@ from plans import (
     CPAttention,
     Degrees,
     Kernels,
+    ModelSpec,
     Optimizer,
     Overlap,
     Plan,
@@ -23,9 +24,12 @@ from plans import (
     TPAttention,
     TrainingSpec,
     UlyssesAttention,
+    catalog,
 )
+from plans.enums import Target
 from plans.execution import (
     ANY,
+    MODEL_FEATURES,
     NOT_EXECUTED,
     TABLE,
     Backend,
@@ -33,6 +37,7 @@ from plans.execution import (
     UnsupportedFeature,
     check,
     deviations,
+    executed_anywhere,
     executed_plan,
     executes,
     lookup,
@@ -76,17 +81,26 @@ def _schema_fields() -> list[tuple[str, list]]:
             out.append((name, _values(info.annotation)))
         if name == "model":  # whether the model asks for dropout (plans.execution.plan_fields)
             out.append(("model.dropout", [False, True]))
+            for feature in MODEL_FEATURES:
+                annotation = ModelSpec.model_fields[feature].annotation
+                values = list(annotation) if isinstance(annotation, type) and issubclass(
+                    annotation, Enum) else [False, True]
+                out.append((f"model.{feature}", values))
     return out
 
 
-@pytest.mark.parametrize("backend", list(Backend))
-def test_the_table_answers_for_every_field_and_value_of_the_schema(backend):
+COLUMNS = [(Target.moeplan, b) for b in Backend] + [(Target.megatron, Backend.cuda_nccl)]
+
+
+@pytest.mark.parametrize("target,backend", COLUMNS)
+def test_the_table_answers_for_every_field_and_value_of_the_schema(target, backend):
     fields = _schema_fields()
     assert {"overlap", "schedule", "attention.kind", "training.optimizer",
-            "ffn.dispatch"} <= {f for f, _ in fields}
+            "ffn.dispatch", "target"} <= {f for f, _ in fields}
     for field, values in fields:
         for value in values:
-            row = lookup(field, value, backend)  # KeyError if the table has no answer
+            row = lookup(field, value, backend, target)  # KeyError if the column lacks it
+            assert row.target == target
             assert row.support in Support
             if row.support == Support.runs_as:
                 assert row.runs is not None and row.reason, row
@@ -181,3 +195,70 @@ def test_a_measured_run_is_priced_by_what_it_recorded():
     assert legacy.grad_accumulation_fusion is False and legacy.overlap == Overlap.inter_op
     assert [d.field for d in measured_deviations(plan, None)][0] == "grad_accumulation_fusion"
     assert {d.field for d in measured_deviations(plan, older)} == {d["field"] for d in older}
+
+
+@pytest.mark.parametrize("backend", list(Backend))
+def test_a_deepseek_v3_plan_is_refused_naming_each_model_feature(backend):
+    v3 = catalog.load_model("deepseek-v3")
+    plan = make(model=v3, degrees=Degrees(pp=4, dp=2, sp=8, ep=8), ffn=EPFFN(),
+                stage_layers=(16, 15, 15, 15))
+    found = refusals(plan, backend)
+    assert [line.split(":")[0] for line in found] == [
+        "model.mla", "model.router_score", "model.router_expert_bias",
+        "model.routed_scaling_factor", "model.expert_groups", "model.mtp_layers"]
+    assert "moeplan's runtime runs GQA attention only; MLA plans run on target megatron" in found[0]
+    with pytest.raises(UnsupportedFeature, match="^model.mla: "):
+        check(plan, backend)
+
+
+def test_megatron_runs_each_field_by_its_flag_and_refuses_what_it_lacks():
+    """Megatron-Core's column: every executed row names how (its flag), tile-fused overlap
+    and fp8 gradient sync are refused in one line naming field, target and reason."""
+    for row in TABLE:
+        if row.target == Target.megatron and row.support == Support.executed:
+            assert row.reason, row
+    plan = as_megatron(fp8_plan())
+    lines = refusals(plan, target=Target.megatron)
+    assert [ln.split(":")[0] for ln in lines] == ["overlap", "grad_sync_precision"]
+    assert lines[0].startswith("overlap: inter_intra_op is not run by target megatron "
+                               "(Megatron-Core): ") and "\n" not in lines[0]
+    with pytest.raises(UnsupportedFeature, match="^overlap: "):
+        executed_plan(plan, target=Target.megatron)
+    # moeplan's runtime refuses a megatron plan, and Megatron-Core a moeplan plan
+    assert refusals(plan)[0].startswith("target: megatron ")
+    assert refusals(fp8_plan(), target=Target.megatron)[0].startswith("target: moeplan ")
+    assert not executed_anywhere("overlap", Overlap.inter_intra_op)
+    assert executed_anywhere("overlap", Overlap.inter_op)
+
+
+def test_megatron_runs_the_chunked_loss_materialized_and_eager_kernels_fused():
+    plan = as_megatron(make(overlap=Overlap.none, kernels=Kernels.eager)).model_copy(
+        update={"cross_entropy": "chunked"})
+    found = {d.field: d.executed for d in deviations(plan, target=Target.megatron)}
+    assert found == {"cross_entropy": "materialized", "kernels": "fused"}
+    ran = executed_plan(plan, target=Target.megatron)
+    assert ran.kernels == Kernels.fused and ran.cross_entropy == "materialized"
+
+
+def test_megatron_ep_overlap_needs_its_conditions():
+    """inter_op is Megatron-Core's --overlap-moe-expert-parallel-comm: EP, the alltoall
+    dispatcher, no full recomputation, interleaving when pipelined (its config checks)."""
+    from plans import Dispatch, Recompute
+    from plans.execution import rule_refusals
+
+    plan = as_megatron(make(overlap=Overlap.inter_op))
+    assert plan.degrees.ep > 1 and plan.ffn.dispatch == Dispatch.all_to_all
+    assert plan.degrees.pp > 1 and plan.degrees.vpp == 1
+    assert "interleaved pipeline stages" in rule_refusals(plan, Target.megatron)[0]
+    full = plan.model_copy(update={"recompute": Recompute.full})
+    assert "recompute other than full" in rule_refusals(full, Target.megatron)[0]
+    ag = plan.model_copy(update={"ffn": EPFFN(dispatch=Dispatch.allgather_reduce_scatter)})
+    assert rule_refusals(ag, Target.megatron)[0].startswith("overlap: inter_op ")
+    assert rule_refusals(plan.model_copy(update={"overlap": Overlap.none}),
+                         Target.megatron) == []
+
+
+def as_megatron(plan):
+    from plans.execution import as_target
+
+    return as_target(plan, Target.megatron)

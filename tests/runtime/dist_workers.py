@@ -320,14 +320,11 @@ def dispatcher_vs_local(kind: str, dropped: bool = False):
     return True
 
 
-def chunked_vs_serial(kind: str, capacity_factor: float | None, shared: bool,
-                      schedule: str = "COLLECTIVES_ALONE"):
-    """One EP MoE layer run serially and as the chunked inter-op ``schedule`` (a
-    runtime.parallel.overlap Schedule's name) on the same ranks:
+def chunked_vs_serial(kind: str, capacity_factor: float | None, shared: bool):
+    """One EP MoE layer run serially and as the chunked inter-op schedule on the same ranks:
     output, input and every parameter gradient agree (an odd token count splits unevenly;
     a capacity factor drops slots, so dispatch filters them)."""
     from runtime.moe import MoE
-    from runtime.parallel import overlap
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
     from runtime.parallel.overlap import ChunkedExpertFFN
 
@@ -356,7 +353,7 @@ def chunked_vs_serial(kind: str, capacity_factor: float | None, shared: bool,
         return y.detach(), xs.grad, {k: p.grad.clone() for k, p in moe.named_parameters()}
 
     serial = run()
-    moe.expert_ffn = ChunkedExpertFFN(moe, 2, getattr(overlap, schedule))
+    moe.expert_ffn = ChunkedExpertFFN(moe, 2)
     chunked = run()
     torch.testing.assert_close(chunked[0], serial[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(chunked[1], serial[1], rtol=1e-4, atol=1e-6)

@@ -72,7 +72,7 @@ def test_bad_log_and_checkpoint_paths(job, tmp_path, capsys):
 def test_unsupported_plan_and_machine(job, tmp_path, capsys, monkeypatch):
     cp = tmp_path / "cp.json"
     cp.write_text(make_plan().model_copy(update={"attention": CPAttention()}).model_dump_json())
-    assert "attention.kind: cp is not run by this runtime" in _check(capsys, "--plan", cp)
+    assert "attention.kind: cp is not run by target moeplan" in _check(capsys, "--plan", cp)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 4096 kB\nMemAvailable: 2048 kB\n")
     monkeypatch.setattr(machine, "MEMINFO", meminfo)

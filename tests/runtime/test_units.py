@@ -104,7 +104,7 @@ def test_dispatcher_matches_local_permutation(pool2, kind, dropped):
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 4, 6), (1, 3, 2),
                                         (2, 1, 4), (4, 1, 3), (4, 1, 8), (1, 1, 3)])
 def test_timeline_runs_every_chunk_once_in_megatron_order(pp, vpp, m):
-    from runtime.parallel.pipeline import stage_actions, timeline
+    from plans.pipeline import stage_actions, timeline
 
     ticks = timeline(pp, vpp, m)
     for stage in range(pp):
@@ -222,7 +222,7 @@ def test_trainer_losses_agree_between_cross_entropy_kinds():
 
 
 def test_1f1b_is_the_vpp1_action_list():
-    from runtime.parallel.pipeline import stage_actions
+    from plans.pipeline import stage_actions
 
     def text(order):
         return " ".join(f"{'F' if a.forward else 'B'}{a.micro}" for a in order)
@@ -299,43 +299,33 @@ def test_every_timer_region_of_a_step_is_a_plans_component(pool2):
 
 @pytest.mark.parametrize("kind", ["all_to_all", "allgather_reduce_scatter"])
 @pytest.mark.parametrize("capacity_factor, shared", [(None, True), (1.0, False)])
-@pytest.mark.parametrize("schedule", ["COLLECTIVES_ALONE", "TOKEN_MOVES"])
-def test_chunked_moe_matches_the_serial_layer(pool2, kind, capacity_factor, shared, schedule):
-    assert all(pool2.run("dist_workers", "chunked_vs_serial", kind, capacity_factor, shared,
-                         schedule))
+def test_chunked_moe_matches_the_serial_layer(pool2, kind, capacity_factor, shared):
+    assert all(pool2.run("dist_workers", "chunked_vs_serial", kind, capacity_factor, shared))
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3])
 @pytest.mark.parametrize("shared", [False, True])
-def test_overlap_schedules_are_software_pipelines(chunks, shared):
-    """Both schedules issue every chunk's steps once and in data-flow order (CHAIN). The
-    default sends chunk i + 1's dispatch before chunk i's experts and unpacks chunk i's combine
-    after chunk i + 1's is sent, so each collective but the first and the last has compute
-    issued beside it, with the collectives alone on the communication lane; the token-moves
-    schedule issues chunk i's experts before chunk i + 1's dispatch, which comes before chunk
-    i's combine, with every token move on the communication lane."""
-    from runtime.parallel.overlap import CHAIN, COLLECTIVES_ALONE, TOKEN_MOVES, Lane, Step
+def test_the_overlap_schedule_is_a_software_pipeline(chunks, shared):
+    """The schedule issues every chunk's steps once and in data-flow order (CHAIN), sends chunk
+    i + 1's dispatch before chunk i's experts and unpacks chunk i's combine after chunk i + 1's
+    is sent, so each collective but the first and the last has compute issued beside it, with
+    the collectives alone on the communication lane."""
+    from runtime.parallel.overlap import CHAIN, COLLECTIVES_ALONE, Lane, Step
 
-    for schedule in (COLLECTIVES_ALONE, TOKEN_MOVES):
-        order = schedule.order(chunks, shared)
-        routed = [(s, i) for s, i in order if s != Step.shared]
-        assert sorted(routed) == sorted((s, i) for s in CHAIN for i in range(chunks))
-        at = {stage: n for n, stage in enumerate(order)}
-        for i in range(chunks):
-            assert [at[s, i] for s in CHAIN] == sorted(at[s, i] for s in CHAIN)
-        assert [s for s, _ in order].count(Step.shared) == int(shared)
-        assert schedule.lane(Step.experts) == schedule.lane(Step.shared) == Lane.compute
-    at = {stage: n for n, stage in enumerate(COLLECTIVES_ALONE.order(chunks, shared))}
+    schedule = COLLECTIVES_ALONE
+    order = schedule.order(chunks, shared)
+    routed = [(s, i) for s, i in order if s != Step.shared]
+    assert sorted(routed) == sorted((s, i) for s in CHAIN for i in range(chunks))
+    at = {stage: n for n, stage in enumerate(order)}
+    for i in range(chunks):
+        assert [at[s, i] for s in CHAIN] == sorted(at[s, i] for s in CHAIN)
+    assert [s for s, _ in order].count(Step.shared) == int(shared)
+    assert schedule.lane(Step.experts) == schedule.lane(Step.shared) == Lane.compute
     for i in range(chunks - 1):
         assert at[Step.dispatch_exchange, i + 1] < at[Step.experts, i]
         assert at[Step.combine_exchange, i + 1] < at[Step.combine_unpack, i]
     assert {s for s in Step if COLLECTIVES_ALONE.lane(s) == Lane.comm} == {
         Step.dispatch_exchange, Step.combine_exchange}
-    at = {stage: n for n, stage in enumerate(TOKEN_MOVES.order(chunks, shared))}
-    for i in range(chunks - 1):
-        assert at[Step.experts, i] < at[Step.dispatch_pack, i + 1] < at[Step.combine_pack, i]
-    assert {s for s in Step if TOKEN_MOVES.lane(s) == Lane.compute} == {Step.experts,
-                                                                         Step.shared}
 
 
 def test_routing_skew_is_max_over_mean_slots_per_expert_read_once():
