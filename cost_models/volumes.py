@@ -70,7 +70,7 @@ class Routing:
 
     @classmethod
     def of(cls, model: ModelSpec) -> Routing:
-        return cls(model.experts, model.top_k)
+        return cls(model.experts, model.top_k, model.expert_groups, model.groups_per_token)
 
     @property
     def limited(self) -> bool:

@@ -292,7 +292,7 @@ def _megatron_ep_overlap(plan: Plan) -> str | None:
     if d.ep == 1:
         return ("Megatron-Core's EP overlap (--overlap-moe-expert-parallel-comm) needs "
                 "expert parallelism (ep > 1); plan overlap none")
-    if getattr(plan.ffn, "dispatch", None) != "all_to_all":
+    if getattr(plan.ffn, "dispatch", None) not in ("all_to_all", "deepep"):
         return ("Megatron-Core's EP overlap runs with the alltoall (or flex) dispatcher "
                 "only, not allgather (ffn.dispatch all_to_all)")
     if plan.recompute == "full":
@@ -383,7 +383,7 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("ffn.dispatch", "allgather_reduce_scatter",
               reason="--moe-token-dispatcher-type allgather"),
     _megatron("ffn.dispatch", "deepep", reason="--moe-token-dispatcher-type flex "
-              "--moe-enable-deepep: DeepEP's hierarchical all-to-all"),
+              "--moe-enable-deepep: one copy per destination node, forwarded over NVLink"),
     _megatron("ffn.capacity_factor", ANY, reason="null: dropless; else "
               "--moe-expert-capacity-factor"),
     _megatron("schedule", "1f1b", reason="Megatron's 1F1B (no virtual stages)"),

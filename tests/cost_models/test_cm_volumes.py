@@ -192,7 +192,7 @@ def test_deepep_transfer_time_is_the_slower_link(h800):
     # ep_ffn builds it from the model for deepep; the flat one for all_to_all
     send, back = vol.ep_ffn(m, 4096, 64, Dispatch.deepep)
     assert send.collective == back.collective == vol.Collective.hierarchical_all_to_all
-    assert send.routing == vol.Routing(m.experts, m.top_k)
+    assert send.routing == vol.Routing(m.experts, m.top_k, m.expert_groups, m.groups_per_token)
     assert send.buffer_bytes == 4096 * m.top_k * m.hidden * 2
     flat, _ = vol.ep_ffn(m, 4096, 64, Dispatch.all_to_all)
     assert vol.transfer_s(send, load_cluster("h800", gpus=512)) < vol.transfer_s(

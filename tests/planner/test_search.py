@@ -206,6 +206,65 @@ def test_emitted_plans_fit_with_the_safety_margin(gpus):
         assert not memory_breakdown(materialized).fits
 
 
+def test_ep_groups_are_inside_the_node_or_whole_nodes():
+    from planner.space import ep_degrees
+
+    # 24 experts over 48 ranks on nodes of 8: 12 is more than a node and not whole nodes
+    assert ep_degrees(24, 48, 8) == [1, 2, 3, 4, 6, 8, 24]
+    assert ep_degrees(256, 2048, 8) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    space = SearchSpace(ffn=(FFNKind.ep,), expert_parallel_degrees=(8, 16))
+    model, cluster, training = _cross_node_job()
+    assert {lay.degrees.ep for lay in space.layouts(model, cluster, training)} == {8, 16}
+
+
+def _cross_node_job():
+    """16 experts on 2 nodes of 8 H100s: EP16 spans both."""
+    model = catalog.load_model("mixtral-8x7b").model_copy(update={"experts": 16, "layers": 8})
+    return (model, catalog.load_cluster("h100", gpus=16),
+            TrainingSpec(global_batch=32, seq_len=4096))
+
+
+def test_pruned_search_finds_the_exhaustive_best_with_ep_across_nodes():
+    from planner.search import SearchStats, _search
+    from plans import Dispatch
+
+    model, cluster, training = _cross_node_job()
+    space = SearchSpace(ffn=(FFNKind.ep,), dispatch=tuple(Dispatch), micro_batch_sizes=(1, 2),
+                        max_vpp=2, recompute=(Recompute.none, Recompute.full))
+    assert 16 in {lay.degrees.ep for lay in space.layouts(model, cluster, training)}
+    fast = _search(model, cluster, training, space, 3, SearchStats(), None)
+    full = _search(model, cluster, training, space, 3, SearchStats(), None, exhaustive=True)
+    assert fast[0].evaluation.step_time_s == pytest.approx(full[0].evaluation.step_time_s)
+    assert fast[0].plan.summary() == full[0].plan.summary()
+
+
+def test_the_price_decides_whether_ep_spans_nodes():
+    """The same job, EP16 over both nodes or EP8 in one: over a network a tenth as fast the
+    network share of the all-to-all decides against spanning; DeepEP's one copy per node
+    sends less over it than the flat all-to-all."""
+    from cost_models import evaluate
+    from cost_models.layer import layer_key
+    from cost_models.layer_graph import forward_graph
+    from plans import Dispatch
+
+    model, cluster, training = _cross_node_job()
+    slow = cluster.model_copy(update={"network": cluster.network.model_copy(
+        update={"nic_gb_s": cluster.network.nic_gb_s / 10})})
+    space = SearchSpace(ffn=(FFNKind.ep,), expert_parallel_degrees=(8, 16))
+    assert search(model, slow, training, space, top=1,
+                  with_baseline=False).best.plan.degrees.ep == 8
+    spanning = search(model, cluster, training,
+                      SearchSpace(ffn=(FFNKind.ep,), expert_parallel_degrees=(16,),
+                                  dispatch=(Dispatch.all_to_all,)),
+                      top=1, with_baseline=False).best.plan
+    deepep = spanning.model_copy(update={"ffn": spanning.ffn.model_copy(
+        update={"dispatch": Dispatch.deepep}), "prediction": None})
+    dispatch = [forward_graph(layer_key(p)).nodes["ep_dispatch"]["duration_s"]
+                for p in (spanning, deepep)]
+    assert dispatch[1] < dispatch[0]
+    assert evaluate(deepep).step_time_s <= evaluate(spanning).step_time_s
+
+
 def test_a_megatron_search_plans_only_what_megatron_core_runs():
     """The baseline's space: Megatron-Core's column as written, its rules across fields kept;
     the seeded search (the searched plans as Megatron-Core runs them) finds the same best."""
