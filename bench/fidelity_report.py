@@ -39,6 +39,7 @@ from planner.calibrate import (  # noqa: E402
     Calibration,
     calibrate,
     fidelity_row,
+    fidelity_summary,
     row_seconds,
     with_efficiency,
 )
@@ -105,7 +106,7 @@ def rows(results: Path, cal: Calibration, measured_skew: bool = False) -> list[d
             _, run = runs[(len(runs) - 1) // 2]
             out.append({"case": name, "launch_step_s": [t for t, _ in runs],
                         **fidelity_row(run, plan_path(name), cal.cluster,
-                                       measured_skew=measured_skew)})
+                                       measured_skew=measured_skew).as_dict()})
         else:
             out.append({"case": name, "missing": True})
     return out
@@ -137,16 +138,14 @@ def skew_text(plain: list[dict], skewed: list[dict]) -> str:
 
 def summary(data: list[dict]) -> dict:
     measured = [r for r in data if not r.get("missing")]
-    errors = [r["step_error"] for r in measured]
-    memory = [r["memory_error"] for r in measured]
-    if not errors:
+    s = fidelity_summary([r["step_error"] for r in measured],
+                         [r["memory_error"] for r in measured])
+    if s is None:
         return {"measured": 0, "missing": len(data)}
     return {
-        "measured": len(measured), "missing": len(data) - len(measured),
-        "median_abs": statistics.median(abs(e) for e in errors),
-        "worst_abs": max(abs(e) for e in errors),
-        "slow": sum(e > 0 for e in errors), "fast": sum(e < 0 for e in errors),
-        "memory_lowest": min(memory),
+        "measured": s.runs, "missing": len(data) - s.runs,
+        "median_abs": s.median_abs_step_error, "worst_abs": s.worst_abs_step_error,
+        "slow": s.slower, "fast": s.faster, "memory_lowest": s.lowest_memory_error,
     }
 
 

@@ -14,7 +14,6 @@ errors per plan to bench/results/<name>.json (planner.calibrate.fidelity_row). N
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from _meta import write  # noqa: E402
 
-from planner.calibrate import fidelity_row, runs_with_plans  # noqa: E402
+from planner.calibrate import fidelity_row, fidelity_summary, runs_with_plans  # noqa: E402
 from plans import catalog  # noqa: E402
 
 
@@ -42,19 +41,20 @@ def main() -> None:
     cluster = catalog.load_cluster(args.cluster) if args.cluster else None
     rows = []
     for run, plan in runs_with_plans(args.runs, args.plans):
-        row = fidelity_row(run, plan, cluster, args.skip)
-        row["used_for_calibration"] = plan.stem in args.calibrated_on
-        rows.append(row)
+        rows.append({**fidelity_row(run, plan, cluster, args.skip).as_dict(),
+                     "used_for_calibration": plan.stem in args.calibrated_on})
     if not rows:
         sys.exit(f"no train_*.jsonl logs with matching plans under {args.runs}")
     held_out = [r for r in rows if not r["used_for_calibration"]] or rows
+    held = fidelity_summary([r["step_error"] for r in held_out],
+                            [r["memory_error"] for r in held_out])
     path = write(args.name, {
         "benchmark": "measured GPU training steps vs cost-model predictions",
         "cluster": args.cluster or "each plan's own",
         "calibrated_on": args.calibrated_on,
         "rows": rows,
-        "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in held_out),
-        "max_abs_step_error": max(abs(r["step_error"]) for r in held_out),
+        "median_abs_step_error": held.median_abs_step_error,
+        "max_abs_step_error": held.worst_abs_step_error,
         "worst_memory_underprediction": min(r["memory_error"] for r in rows),
     })
     print(f"{'plan':34s} {'meas ms':>8s} {'pred ms':>8s} {'err':>6s} {'meas GiB':>9s} "
@@ -65,9 +65,8 @@ def main() -> None:
         print(f"{r['plan'] + mark:34s} {ms[0]:8.1f} {ms[1]:8.1f} {r['step_error']:+6.0%} "
               f"{r['measured_peak_gib']:9.1f} {r['predicted_peak_gib']:9.1f} "
               f"{r['memory_error']:+6.0%}")
-    errors = [abs(r["step_error"]) for r in held_out]
-    print(f"held-out step-time error: median {statistics.median(errors):.1%}, "
-          f"max {max(errors):.1%}; wrote {path}")
+    print(f"held-out step-time error: median {held.median_abs_step_error:.1%}, "
+          f"max {held.worst_abs_step_error:.1%}; wrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,17 +5,18 @@ and its communication measured alone, beside torchtitan's MoE layer on the same 
     (N = 1: our layer and the peer on one GPU; N = 2: the EP = 2 group)
 
 Shapes (``SHAPES``, tokens per rank ``--tokens``, default 16k, micro-batch of one layer):
-Mixtral-8x7B (hidden 4096, expert FFN 14336, 8 experts, top-2) and Qwen3-30B-A3B (hidden 2048,
-expert FFN 768, 128 experts, top-8). The layer is runtime.moe.MoE (router over all tokens,
-dispatcher, grouped SwiGLU experts, combine), weights N(0, 0.02), input N(0, 1), bf16 on CUDA
+by default Mixtral-8x7B (hidden 4096, expert FFN 14336, 8 experts, top-2) and Qwen3-30B-A3B
+(hidden 2048, expert FFN 768, 128 experts, top-8); ``--shapes`` adds Phi-3.5-MoE, DeepSeekMoE,
+Qwen3-235B-A22B and DeepSeek-V3's routed experts. The layer is runtime.moe.MoE (router over
+all tokens, dispatcher, SwiGLU experts whose GEMMs run as ``--expert-gemm`` says, combine),
+weights N(0, 0.02), input N(0, 1), bf16 on CUDA
 (fp32 on CPU). Per EP dispatcher (N > 1: all-to-all and all-gather / reduce-scatter; N = 1:
 the local permutation) the variants are:
 
 - ``serial``: the plain layer, every collective blocking (plan overlap none);
 - ``inter_op``: runtime.parallel.overlap's chunked schedule (plans.layout.INTER_OP_CHUNKS token
-  chunks; ``--schedule``: the collectives alone on a communication stream beside the expert
-  GEMMs and permutations, what the runtime runs for plan overlap inter_op, or every token move
-  on that stream) (N > 1 only);
+  chunks: the collectives alone on a communication stream beside the expert GEMMs and
+  permutations, what the runtime runs for plan overlap inter_op) (N > 1 only);
 - ``compute_alone``: the same router and expert GEMMs with no token movement between ranks:
   the layer on one rank with its E / N local experts (same rows per expert under balanced
   routing, the local permutation instead of the dispatcher);
@@ -46,14 +47,22 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from _meta import metadata  # noqa: E402
 
+from plans.enums import ExpertGemm  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
 from plans.layout import INTER_OP_CHUNKS  # noqa: E402
 
 SHAPES = {
     "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, top_k=2),
     "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, top_k=8),
+    "phi-3.5-moe": dict(hidden=4096, ffn=6400, experts=16, top_k=2),
+    "deepseekmoe": dict(hidden=2048, ffn=1408, experts=64, top_k=6),
+    "qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),
+    # DeepSeek-V3's routed experts (its config.json; the catalog has no MLA model yet)
+    "deepseek-v3": dict(hidden=7168, ffn=2048, experts=256, top_k=8),
 }
-"""The two MoE layers of issue 11 (catalog models' hidden, expert FFN, experts, top-k)."""
+"""The MoE layers of issues 11 (the first two, the default) and 34 (catalog models' hidden,
+expert FFN, experts, top-k)."""
+DEFAULT_SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b"]
 
 OVERLAP_TARGET = 1.1
 """An overlapped layer within 1.1 x max(its compute, its communication) measured alone."""
@@ -62,7 +71,7 @@ OVERLAP_TARGET = 1.1
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON result (rank 0 writes it)")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
     p.add_argument("--scale", type=int, default=1,
                    help="divide hidden and FFN widths by this (CPU smoke runs)")
@@ -77,17 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "GEMMs (runtime.parallel.grad_accumulation)")
     p.add_argument("--kernels", choices=["eager", "fused"], default="eager",
                    help="our layer's memory-bound operators (plan kernels: runtime.kernels)")
+    p.add_argument("--expert-gemm", choices=[g.value for g in ExpertGemm],
+                   default=ExpertGemm.grouped.value,
+                   help="our experts' GEMM path (plans.enums.ExpertGemm, runtime.moe)")
     p.add_argument("--sm-carveout", type=int, default=0,
                    help="SMs the GEMMs leave free during the inter-op variant "
                         "(torch._C._set_sm_carveout_experimental; pair with NCCL_MAX_CTAS)")
     p.add_argument("--trace", action="store_true",
                    help="profile one inter-op step: each stream's busy time and how much of "
                         "it ran beside another stream's kernels")
-    p.add_argument("--schedule", choices=["collectives_alone", "token_moves"],
-                   default="collectives_alone",
-                   help="the inter-op schedule (runtime.parallel.overlap): the collectives "
-                        "alone on the communication stream (the runtime's), or every token "
-                        "move there with them")
     p.add_argument("--chunks", type=int, default=INTER_OP_CHUNKS,
                    help="token chunks of the inter-op schedule (the runtime runs "
                         "plans.layout.INTER_OP_CHUNKS)")
@@ -105,10 +112,11 @@ def shape_of(args, name: str) -> dict:
 
 
 def build_moe(shape: dict, local_experts: int, device, dtype, seed: int, ops,
-              accumulate: bool = False):
+              accumulate: bool = False, gemm: ExpertGemm = ExpertGemm.grouped):
     """runtime.moe.MoE with every expert weight N(0, 0.02) (the router's gate too), holding
     ``local_experts`` of the shape's experts; the router still routes over all of them.
-    ``ops``: the memory-bound operators' kernels (runtime.kernels.kernel_ops). ``accumulate``:
+    ``ops``: the memory-bound operators' kernels (runtime.kernels.kernel_ops); ``gemm``: the
+    experts' GEMM path (plans.enums.ExpertGemm). ``accumulate``:
     gradient-accumulation fusion as the runtime applies it, each routed weight's gradient
     added into a main gradient in the parameters' dtype (a bf16 sync's), kept across steps as
     a step's micro-batches add into it."""
@@ -121,7 +129,7 @@ def build_moe(shape: dict, local_experts: int, device, dtype, seed: int, ops,
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs (GBs of experts at full width)
         moe = MoE(shape["hidden"], local_experts, shape["top_k"], shape["ffn"],
-                  balance_groups=1, ops=ops)
+                  balance_groups=1, ops=ops, gemm=gemm)
         moe.router = Router(shape["hidden"], shape["experts"], shape["top_k"], 1, ops=ops)
     for p in moe.parameters():
         nn.init.normal_(p, 0.0, 0.02)
@@ -373,13 +381,12 @@ def measure(args) -> int:
 
     from plans import Kernels
     from runtime.kernels import kernel_ops
-    from runtime.parallel import overlap
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
     from runtime.parallel.overlap import ChunkedExpertFFN
 
     rank, n, device, dtype = init()
-    schedule = getattr(overlap, args.schedule.upper())
     ops = kernel_ops(Kernels(args.kernels))
+    gemm = ExpertGemm(args.expert_gemm)
     group = dist.group.WORLD if n > 1 else None
     shapes = {}
     for name in args.shapes:
@@ -400,7 +407,8 @@ def measure(args) -> int:
         # the layer's local experts routed to by a router over them alone: the rows per local
         # expert of the EP layer under balanced routing (n T k / E), no token movement
         alone = build_moe({**shape, "experts": local, "top_k": min(shape["top_k"], local)},
-                          local, device, dtype, args.seed, ops, args.grad_accumulation_fusion)
+                          local, device, dtype, args.seed, ops, args.grad_accumulation_fusion,
+                          gemm)
         compute = time_of(step_fn(alone, x, grad_out))
         carved_compute = (time_of(carved(step_fn(alone, x, grad_out), args.sm_carveout))
                           if args.sm_carveout else None)
@@ -411,13 +419,13 @@ def measure(args) -> int:
         }
         for label, make in dispatchers.items():
             moe = build_moe(shape, local, device, dtype, args.seed, ops,
-                            args.grad_accumulation_fusion)
+                            args.grad_accumulation_fusion, gemm)
             if make is not None:
                 moe.dispatcher = make()
             variants = {"serial": time_of(step_fn(moe, x, grad_out))}
             if make is not None:
                 variants["comm_alone"] = time_of(comm_fn(make(), shape, x, grad_out, device))
-                moe.expert_ffn = ChunkedExpertFFN(moe, args.chunks, schedule)
+                moe.expert_ffn = ChunkedExpertFFN(moe, args.chunks)
                 variants["inter_op"] = time_of(carved(step_fn(moe, x, grad_out),
                                                       args.sm_carveout))
                 if args.trace and device.type == "cuda":
@@ -461,8 +469,7 @@ def measure(args) -> int:
                          "compute and communication alone, torchtitan's layer",
             "world": n, "backend": dist.get_backend() if n > 1 else "none",
             "dtype": str(dtype).removeprefix("torch."), "inter_op_chunks": args.chunks,
-            "inter_op_schedule": args.schedule,
-            "kernels": args.kernels, "nccl_env": nccl_env(),
+            "kernels": args.kernels, "expert_gemm": args.expert_gemm, "nccl_env": nccl_env(),
             "grad_accumulation_fusion": args.grad_accumulation_fusion,
             "sm_carveout": args.sm_carveout,
             "warmup": args.warmup, "repeats": args.repeats, "scale": args.scale,

@@ -49,6 +49,8 @@ from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
+from plans.specs import mfu  # noqa: E402
+from runtime.compile_cache import cache_counts, use_cache_dir  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.attention import head_groups  # noqa: E402
@@ -73,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-timeline", action="store_true",
                    help="one more unmeasured step with the allocator's history recorded: what "
                    "is live when the reserved bytes peak (runtime.memory.memory_timeline)")
+    p.add_argument("--compile-cache", type=Path,
+                   help="folder of torch.compile's caches (runtime.compile_cache; default: "
+                   "$TORCHINDUCTOR_CACHE_DIR, else ~/.cache/moeplan/torch_compile)")
     p.add_argument("--share-gpu", action="store_true",
                    help="ranks share the visible GPUs over gloo (more ranks than GPUs): each "
                    "rank's memory, never the layout's speed; with --plan")
@@ -151,8 +156,18 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, seed)
     trainer = build_trainer(plan, rank, world, device, seed, data)
     groups = head_groups(trainer.model)
+
+    def slowest(seconds: float) -> float:
+        elapsed = torch.tensor([seconds], dtype=torch.float64, device=device)
+        if world > 1:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    began, after_first = cache_counts(), None
+    warm_times = []
     for step in range(warmup):
-        trainer.train_step(step)
+        warm_times.append(slowest(trainer.train_step(step).step_time_s))
+        after_first = after_first or cache_counts()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
@@ -161,10 +176,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     rows: list[int] | None = None  # per MoE layer of this rank, summed over the steps
     for step in range(warmup, warmup + steps):
         m = trainer.train_step(step)
-        elapsed = torch.tensor([m.step_time_s], dtype=torch.float64, device=device)
-        if world > 1:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed))
+        times.append(slowest(m.step_time_s))
+        after_first = after_first or cache_counts()  # no warm-up: the first is measured
         losses.append(m.loss)
         for k, v in m.components_s.items():
             components[k] = components.get(k, 0.0) + v / steps
@@ -173,6 +186,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         if m.expert_rows is not None:
             rows = m.expert_rows if rows is None else [a + b for a, b in
                                                        zip(rows, m.expert_rows, strict=True)]
+    compiled = {"first_step": (after_first - began).as_dict(),
+                "after_first_step": (cache_counts() - after_first).as_dict()}
     peak = m.peak_memory_gib
     # the caching allocator's peak reserved bytes: what the cost model's peak predicts (read
     # before the unmeasured step that counts host syncs)
@@ -192,8 +207,6 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         return None
     step_time = sum(times) / len(times)
     tokens = t.tokens_per_step
-    flops = plan.model.flops_per_token(t.seq_len) * tokens
-    peak_flops = world * plan.cluster.gpu.bf16_dense_tflops * 1e12
     per_rank, extras = [m for m, _ in gathered], [e for _, e in gathered]
     keys = sorted({k for c, *_ in per_rank for k in c})
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
@@ -212,10 +225,15 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "measured_steps": steps,
         "step_time_s": step_time,
         "step_times_s": times,
+        "warmup_step_times_s": warm_times,
+        "first_step_s": (warm_times or times)[0],
+        "step_median_s": sorted(times)[len(times) // 2],
+        "compiled_graphs": compiled,
+        "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_time,
         "flops_per_token": plan.model.flops_per_token(t.seq_len),
-        "mfu": flops / step_time / peak_flops,
+        "mfu": mfu(plan.model, t.seq_len, tokens, step_time, world, plan.cluster.gpu),
         "losses": losses,
         "peak_memory_gib_per_rank": [p for _, p, *_ in per_rank],
         "peak_reserved_gib_per_rank": [r for _, _, r, *_ in per_rank],
@@ -282,7 +300,8 @@ def report(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['plan_summary']}: step {result['step_time_s'] * 1e3:.1f} ms, "
-          f"{result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.2%} -> {out}", flush=True)
+          f"{result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.2%}, first step "
+          f"{result['first_step_s']:.2f} s -> {out}", flush=True)
 
 
 def release(device: torch.device) -> None:
@@ -298,6 +317,7 @@ def main(argv=None) -> int:
     if args.steps < 1 or args.warmup < 0:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
+    use_cache_dir(args.compile_cache)  # before anything compiles
     if args.plan is not None:
         plan, rank, world, device = setup(args.plan, args.share_gpu)
         runs = [(plan, args.plan, args.out)]

@@ -80,19 +80,41 @@ def all_reduce_s(nbytes: float, layout: GroupLayout, cluster: ClusterSpec) -> fl
     return reduce_scatter_s(nbytes, layout, cluster) + all_gather_s(nbytes, layout, cluster)
 
 
-def all_to_all_s(rank_bytes: float, layout: GroupLayout, cluster: ClusterSpec) -> float:
-    """All-to-all(v) with ``rank_bytes`` sent per rank, 1/n to each peer (itself included).
-    Across nodes the NVLink share and the network share move at once: the slower one counts."""
+def all_to_all_shares(layout: GroupLayout) -> tuple[float, float]:
+    """Shares of one rank's all-to-all send buffer (1/n to each of the n ranks, itself
+    included) that leave over NVLink (the ranks_per_node - 1 others of its node) and over the
+    network (the n - ranks_per_node ranks of other nodes)."""
     n = layout.size
-    if n <= 1 or rank_bytes <= 0:
+    if n <= 1:
+        return 0.0, 0.0
+    return (layout.ranks_per_node - 1) / n, (n - layout.ranks_per_node) / n
+
+
+def concurrent_links_s(nvlink_bytes: float, network_bytes: float, layout: GroupLayout,
+                       cluster: ClusterSpec, forwarded: bool = False) -> float:
+    """One rank sending ``nvlink_bytes`` over NVLink and ``network_bytes`` over the network at
+    once (every peer at the all-to-all rate): the slower link counts, after one latency of the
+    network when the group spans nodes, else of NVLink. ``forwarded``: what crosses the network
+    is forwarded over NVLink on arrival (DeepEP), one NVLink latency more."""
+    if nvlink_bytes <= 0 and network_bytes <= 0:
         return 0.0
     eff = cluster.efficiency
-    intra_bytes = (layout.ranks_per_node - 1) / n * rank_bytes
-    intra = intra_bytes / _nvlink_b_s(cluster, eff.nvlink_all_to_all)
+    intra = nvlink_bytes / _nvlink_b_s(cluster, eff.nvlink_all_to_all)
     if layout.nodes == 1:
         return cluster.node.nvlink_latency_us * 1e-6 + intra
-    inter = (n - layout.ranks_per_node) / n * rank_bytes / _network_b_s(cluster)
-    return cluster.network.latency_us * 1e-6 + max(intra, inter)
+    inter = network_bytes / _network_b_s(cluster)
+    latency = cluster.network.latency_us + (cluster.node.nvlink_latency_us if forwarded else 0.0)
+    return latency * 1e-6 + max(intra, inter)
+
+
+def all_to_all_s(rank_bytes: float, layout: GroupLayout, cluster: ClusterSpec) -> float:
+    """All-to-all(v) with ``rank_bytes`` sent per rank, 1/n to each peer (itself included).
+    Across nodes the NVLink share and the network share (all_to_all_shares) move at once: the
+    slower one counts."""
+    if layout.size <= 1 or rank_bytes <= 0:
+        return 0.0
+    nvlink, network = all_to_all_shares(layout)
+    return concurrent_links_s(nvlink * rank_bytes, network * rank_bytes, layout, cluster)
 
 
 def send_recv_s(nbytes: float, cluster: ClusterSpec, cross_node: bool) -> float:

@@ -18,9 +18,10 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from cost_models import pipeline as pl
-from cost_models.evaluate import Evaluation, _stage_layers, evaluate
+from cost_models.evaluate import Evaluation, evaluate
 from cost_models.layer import layer_key
 from cost_models.layer_graph import LayerKey, backward_graph, forward_graph
+from cost_models.params import stage_layer_counts
 from plans.enums import CrossEntropy
 from plans.operators import LAYER_REGIONS, TIMER_OF, Component, LayerOperator
 from plans.plan import Plan
@@ -70,8 +71,10 @@ def predicted_components(plan: Plan, e: Evaluation | None = None) -> Mapping[str
     e = evaluate(plan) if e is None else e
     d, m = plan.degrees, plan.num_micro_batches
     moe = layer_components(layer_key(plan))
-    dense = layer_components(layer_key(plan, dense=True)) if plan.model.dense_layers else moe
-    layers = _stage_layers(plan.stage_layers, d.pp, plan.model.dense_layers)
+    m_ = plan.model
+    dense = (layer_components(layer_key(plan, dense=True))
+             if m_.dense_ffn_layers or (m_.mtp_layers and not m_.mtp_layer_is_moe) else moe)
+    layers = stage_layer_counts(m_, plan.stage_layers, d.pp)
     keys = [*LAYER_COMPONENTS, *(f"{c}_bwd" for c in LAYER_COMPONENTS)]
     out = {k: m * sum(n * moe.get(k, 0.0) + nd * dense.get(k, 0.0) for n, nd in layers) / d.pp
            for k in keys}

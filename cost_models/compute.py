@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from plans.specs import ClusterSpec, Precision
+from plans.specs import CAUSAL_FRACTION, ClusterSpec, Precision  # noqa: F401 (re-exported)
 
 TILE = 128
 """Output tile edge of Hopper bf16/fp8 GEMM kernels (CUTLASS/cuBLAS 128x128 tiles)."""
@@ -36,8 +36,6 @@ it writes in bf16. Measured on H200 at Qwen3-30B-A3B's head (32k tokens, 152k vo
 ATTENTION_BWD_FLOP_RATIO = 2.5
 """FlashAttention backward FLOPs / forward FLOPs: dQ, dK, dV, dP plus the recomputed S = QK^T
 (FlashAttention-2 paper, Sec. 3.1.2: 5 matmuls in backward against 2 in forward)."""
-CAUSAL_FRACTION = 0.5
-"""Share of the score matrix a causal mask leaves to compute."""
 
 
 def tensor_tflops(cluster: ClusterSpec, precision: Precision) -> float:

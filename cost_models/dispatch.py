@@ -113,6 +113,8 @@ def eager_permutation(dispatch: Dispatch | None, group: int) -> EagerPermutation
     all-gather dispatcher."""
     if group == 1:
         return LOCAL
-    if dispatch == Dispatch.all_to_all:
+    if dispatch is not None and dispatch.moves_routed_copies:
+        # deepep: no moeplan runtime runs it (plans.execution); priced as the all-to-all
+        # dispatcher's permutation around its collectives
         return ALL_TO_ALL
     return ALL_GATHER

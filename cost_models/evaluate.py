@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate
 from types import MappingProxyType
 
+from cost_models import megatron
 from cost_models import pipeline as pl
 from cost_models.compute import FP32_BYTES, memory_s
 from cost_models.grad_sync import exposed_grad_sync_s, stage_grad_syncs
-from cost_models.layer import LayerTiming, layer_key, layer_timing_for
+from cost_models.layer import LayerTiming, layer_timing
 from cost_models.memory import (
     GIB,
     WEIGHT_BYTES,
@@ -21,15 +21,15 @@ from cost_models.memory import (
 )
 from cost_models.params import (
     StageParams,
-    chunk_dense_layers,
     experts_in_gemm,
     part_params,
+    stage_layer_counts,
     stage_params_of,
 )
-from plans.enums import OptimizerSharding
-from plans.layout import moe_chunks, stage_of_chunk
+from plans.enums import OptimizerSharding, Target
 from plans.operators import Component
 from plans.plan import Plan, Prediction
+from plans.specs import mfu
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,34 @@ class StageCosts:
     embedding_s: float
     """Extra on the first stage."""
     head_s: float
-    """Final norm + LM head + loss, extra on the last stage."""
+    """Final norm + LM head + loss, extra on the last stage (with MTP modules: their layers,
+    projections and heads too)."""
     p2p_s: float
     """One stage-to-stage activation transfer."""
 
+
+
+BREAKDOWN_TERMS = {
+    "compute": "layer operators, embedding, LM head and loss on the busiest pipeline stage, "
+               "over all micro-batches",
+    "recompute": "operators rerun in the backward instead of keeping their activations, and "
+                 "their exposed communication",
+    "grad_accumulation": "adding each micro-batch's weight gradients into the "
+                         "main-gradient buffers (a separate pass where it is not fused into "
+                         "the weight-gradient GEMMs)",
+    "exposed_comm.<kind>": "a layer's communication of that kind that no compute hid "
+                           "(kinds: cost_models.volumes.COMM_KINDS)",
+    "pipeline_bubble": "the busiest stage idle while the pipeline fills and drains",
+    "stragglers": "waiting for the slowest pipeline stage and data-parallel replica "
+                  "(stage times vary by cluster.stage_time_cv; cost_models.pipeline."
+                  "straggler_s)",
+    "pp_p2p": "stage-to-stage activation transfers not hidden by compute",
+    "grad_sync": "data-parallel gradient reduce-scatter (all-reduce without ZeRO-1) and "
+                 "parameter all-gather not hidden by the backward, worst stage",
+    "optimizer": "the optimizer step: the memory-bound update of this GPU's shard (ZeRO-1) or "
+                 "of all its parameters, worst stage",
+}
+"""The step-time breakdown's terms (Evaluation.breakdown_s), in the order they are summed."""
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -55,15 +79,8 @@ class Evaluation:
     mfu: float
     """model.flops_per_token(seq_len) x tokens per step / (GPUs x bf16 peak x step time)."""
     breakdown_s: Mapping[str, float]
-    """Adds up to step_time_s. On the busiest pipeline stage, over all micro-batches:
-    ``compute`` (layer operators, embedding, LM head and loss), ``recompute`` (reruns in
-    backward and their exposed communication), ``grad_accumulation`` (adding each micro-batch's
-    weight gradients into the main-gradient buffers), ``exposed_comm.<kind>`` (layer
-    communication no compute hid, one key per CommKind that occurs); then ``pipeline_bubble``
-    (that stage's idle fill and drain), ``stragglers`` (waiting for the slowest stage and
-    replica, cost_models.pipeline.straggler_s), ``pp_p2p`` (exposed stage-to-stage transfers),
-    ``grad_sync`` (exposed DP gradient reduce-scatter + parameter all-gather, worst stage) and
-    ``optimizer`` (the memory-bound ZeRO-1 update of the local shard, worst stage)."""
+    """Adds up to step_time_s; its terms, in order, are BREAKDOWN_TERMS' (one key
+    ``exposed_comm.<kind>`` per CommKind that occurs)."""
     memory: MemoryBreakdown
     layer: LayerTiming
     """One MoE layer, one micro-batch."""
@@ -93,17 +110,32 @@ class Evaluation:
 
 
 def _timings(plan: Plan) -> tuple[LayerTiming, LayerTiming]:
-    moe = layer_timing_for(layer_key(plan), plan.overlap)
-    if not plan.model.dense_layers:
+    moe = layer_timing(plan)
+    if not plan.model.dense_ffn_layers and plan.model.mtp_layer_is_moe:
         return moe, moe
-    return moe, layer_timing_for(layer_key(plan, dense=True), plan.overlap)
+    return moe, layer_timing(plan, dense=True)
+
+
+def _host_waits(plan: Plan, moe: LayerTiming, dense: LayerTiming
+                ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """GPU seconds an MoE and a dense layer lose to the host per micro-batch (forward,
+    backward): Megatron-Core's launches and waits (cost_models.megatron); none for moeplan's
+    runtime, whose host costs its kernel factors hold."""
+    if plan.target != Target.megatron:
+        return (0.0, 0.0), (0.0, 0.0)
+    return megatron.host_wait_s(plan, moe), megatron.host_wait_s(plan, dense, dense=True)
 
 
 def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
+    """The embedding, and the last stage's head: the LM head and loss, once more per MTP
+    module with the module's projection of the hidden state and the next token's embedding
+    (2h to h; its layer counts with the stage's layers)."""
     d, tokens = plan.degrees, pl.micro_batch_tokens(plan)
-    return (pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp),
-            pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
-                         plan.kernels))
+    head = pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
+                        plan.kernels)
+    if plan.model.mtp_layers:
+        head = pl.mtp_head_cost(plan, head)
+    return pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp), head
 
 
 def _accumulate_s(params: float, plan: Plan) -> float:
@@ -132,7 +164,7 @@ def _grad_accumulation_s(params: StageParams, plan: Plan, edge: bool = False) ->
     dense = params.dense if edge or not fused else 0.0
     if experts_in_gemm(plan):
         return _accumulate_s(dense, plan)
-    chunks = moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep)
+    chunks = megatron.moe_chunks(plan)
     return (_accumulate_s(dense + params.expert, plan)
             + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
 
@@ -141,8 +173,7 @@ def _stage_accumulation_s(plan: Plan, stage: int) -> float:
     """One micro-batch's gradient accumulation on ``stage``: its layers', the embedding's on
     the first stage, the LM head's on the last."""
     parts = part_params(plan.model, plan.degrees)
-    n_moe, n_dense = _stage_layers(plan.stage_layers, plan.degrees.pp,
-                                   plan.model.dense_layers)[stage]
+    n_moe, n_dense = stage_layer_counts(plan.model, plan.stage_layers, plan.degrees.pp)[stage]
     return (n_moe * _grad_accumulation_s(parts.moe_layer, plan)
             + n_dense * _grad_accumulation_s(parts.dense_layer, plan)
             + (_grad_accumulation_s(parts.embedding, plan, edge=True) if stage == 0 else 0.0)
@@ -154,36 +185,27 @@ def stage_costs(plan: Plan) -> StageCosts:
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
     parts = part_params(plan.model, plan.degrees)
+    host_moe, host_dense = _host_waits(plan, moe, dense)
+    moe_s = moe.total_s + sum(host_moe) + _grad_accumulation_s(parts.moe_layer, plan)
+    dense_s = dense.total_s + sum(host_dense) + _grad_accumulation_s(parts.dense_layer, plan)
+    mtp_s = plan.model.mtp_layers * (moe_s if plan.model.mtp_layer_is_moe else dense_s)
     return StageCosts(
-        moe.total_s + _grad_accumulation_s(parts.moe_layer, plan),
-        dense.total_s + _grad_accumulation_s(parts.dense_layer, plan),
+        moe_s, dense_s,
         emb.total_s + _grad_accumulation_s(parts.embedding, plan, edge=True),
-        head.total_s + _grad_accumulation_s(parts.head, plan, edge=True),
+        head.total_s + _grad_accumulation_s(parts.head, plan, edge=True) + mtp_s,
         pl.p2p_transfer_s(plan),
     )
-
-
-@lru_cache(maxsize=4096)
-def _stage_layers(stage_layers: tuple[int, ...], pp: int, dense_layers: int) -> tuple[
-        tuple[int, int], ...]:
-    """(MoE layers, dense layers) per physical stage (chunk c on stage c mod pp)."""
-    out = [[0, 0] for _ in range(pp)]
-    for c, (n, n_dense) in enumerate(
-        zip(stage_layers, chunk_dense_layers(stage_layers, dense_layers), strict=True)
-    ):
-        out[stage_of_chunk(c, pp)][0] += n - n_dense
-        out[stage_of_chunk(c, pp)][1] += n_dense
-    return tuple((a, b) for a, b in out)
 
 
 def evaluate(plan: Plan) -> Evaluation:
     d, c, eff = plan.degrees, plan.cluster, plan.cluster.efficiency
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
-    layers = _stage_layers(plan.stage_layers, d.pp, plan.model.dense_layers)
+    layers = stage_layer_counts(plan.model, plan.stage_layers, d.pp)
     last = d.pp - 1
-    fwd = [n * moe.fwd_s + nd * dense.fwd_s for n, nd in layers]
-    bwd = [n * moe.bwd_s + nd * dense.bwd_s for n, nd in layers]
+    (host_f, host_b), (host_df, host_db) = _host_waits(plan, moe, dense)
+    fwd = [n * (moe.fwd_s + host_f) + nd * (dense.fwd_s + host_df) for n, nd in layers]
+    bwd = [n * (moe.bwd_s + host_b) + nd * (dense.bwd_s + host_db) for n, nd in layers]
     fwd[0] += emb.fwd_s
     bwd[0] += emb.bwd_s
     fwd[last] += head.fwd_s
@@ -205,6 +227,8 @@ def evaluate(plan: Plan) -> Evaluation:
         breakdown[f"exposed_comm.{kind}"] = m * (
             n_moe * moe.exposed_comm_s.get(kind, 0.0)
             + n_dense * dense.exposed_comm_s.get(kind, 0.0))
+    if plan.target == Target.megatron:
+        breakdown["host"] = m * (n_moe * (host_f + host_b) + n_dense * (host_df + host_db))
     breakdown["pipeline_bubble"] = pl.bubble_s(stage_s, d.vpp)
     breakdown["stragglers"] = pl.straggler_s(sum(breakdown.values()), plan)
     breakdown["pp_p2p"] = pl.exposed_p2p_s(plan, pl.p2p_transfer_s(plan))
@@ -239,12 +263,11 @@ def evaluate(plan: Plan) -> Evaluation:
 
     step = sum(breakdown.values())
     tokens = plan.training.tokens_per_step
-    flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
     mem = memory_breakdown(plan)
     return Evaluation(
         step_time_s=step,
         tokens_per_s=tokens / step,
-        mfu=flops / (c.gpus * c.gpu.bf16_dense_tflops * 1e12 * step),
+        mfu=mfu(plan.model, plan.training.seq_len, tokens, step, c.gpus, c.gpu),
         breakdown_s=MappingProxyType(breakdown),
         memory=mem,
         layer=moe,

@@ -31,6 +31,7 @@ import networkx as nx
 
 from cost_models.layer_graph import LayerKey, Op, OpKind, backward_graph, forward_graph
 from cost_models.schedule import Stream, Task, list_schedule
+from plans.enums import Target
 from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import LAYER_REGIONS, TIMER_OF
 from plans.plan import Overlap, Plan
@@ -222,5 +223,10 @@ def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
 
 
 def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
-    """One MoE layer (or, with ``dense``, one dense-FFN layer) under ``plan``."""
+    """One MoE layer (or, with ``dense``, one dense-FFN layer) under ``plan``, as its target
+    runs it (cost_models.megatron for Megatron-Core)."""
+    if plan.target == Target.megatron:
+        from cost_models import megatron  # it builds on this module
+
+        return megatron.layer_timing(plan, dense)
     return layer_timing_for(layer_key(plan, dense), plan.overlap)

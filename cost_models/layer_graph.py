@@ -187,6 +187,16 @@ class _Builder:
         bwd = tuple(cc.gemm_s(*g, c, p) for g in cc.backward_gemms(m, n, k))
         return self.add(Op(name.value, name, OpKind.gemm, fwd, bwd), *after)
 
+    def gemms(self, name: LayerOperator, shapes: tuple[tuple[float, float, float], ...],
+              *after: str | None) -> str:
+        """Several GEMMs (m, n, k) one after the other as one operator (MLA's projections)."""
+        c, p = self.key.cluster, self.key.precision
+        fwd = sum(cc.gemm_s(*shape, c, p) for shape in shapes)
+        grads = [tuple(cc.gemm_s(*g, c, p) for g in cc.backward_gemms(*shape))
+                 for shape in shapes]
+        bwd = tuple(sum(g[i] for g in grads) for i in range(2))
+        return self.add(Op(name.value, name, OpKind.gemm, fwd, bwd), *after)
+
     def grouped(self, name: LayerOperator, groups: int, m: float, n: float, k: float,
                 *after: str | None, at: str = "") -> str:
         """``at``: the chunk suffix of a chunked MoE layer's operators (``@0``, ``@1``)."""
@@ -244,9 +254,48 @@ class _Builder:
 # ---- forward ----------------------------------------------------------------------------------
 
 
+def window_factor(model: ModelSpec, seq_len: int) -> float:
+    """The layers' mean attended share of the score matrix over the causal half
+    (ModelSpec.attended_share): 1 without windows, less with sliding or chunked layers. One
+    layer graph prices every layer, so windowed and full layers are priced at their mean."""
+    return model.attended_share(seq_len) / model.layers / cc.CAUSAL_FRACTION
+
+
+def core_head_dim(model: ModelSpec) -> float:
+    """The width at which attention_fwd_flops prices one head: QK^T at head_dim and PV at
+    v_head_dim (MLA: 192 and 128), their mean."""
+    return (model.head_dim + model.v_head_dim) / 2
+
+
+def _projections(g: _Builder, rows: float, split: int, kv_heads: int, *after: str | None
+                 ) -> str:
+    """The projections of ``rows`` tokens into this rank's q, k and v (``split``: the heads
+    split over tp; ``kv_heads``: the KV heads after replication). GQA: one Q, K, V GEMM, the
+    K and V part on the layers that project their own (ModelSpec.kv_projection_share). MLA
+    (Megatron-Core's MLASelfAttention): the down-projections to the latents and the shared RoPE
+    key, replicated on every tp rank (the query's split by heads when it has no latent), then
+    the up-projections split by heads (``qkv_up_gemm``)."""
+    m, h = g.key.model, g.key.model.hidden
+    if m.mla is None:
+        kv = kv_heads * (m.head_dim + m.v_head_dim) * m.kv_projection_share
+        return g.gemm(LO.qkv_gemm, rows, (m.q_dim + kv) / split, h, *after)
+    a = m.mla
+    kv_down = a.kv_lora_rank + a.qk_rope_head_dim
+    if a.q_lora_rank:
+        down = g.gemm(LO.qkv_gemm, rows, a.q_lora_rank + kv_down, h, *after)
+        up = ((rows, m.q_dim / split, a.q_lora_rank),)
+    else:
+        down = g.gemms(LO.qkv_gemm, ((rows, kv_down, h), (rows, m.q_dim / split, h)), *after)
+        up = ()
+    kv_up = m.query_heads * (a.qk_nope_head_dim + a.v_head_dim) / split
+    return g.gemms(LO.qkv_up_gemm, (*up, (rows, kv_up, a.kv_lora_rank)), down)
+
+
 def _attention(g: _Builder, x: str | None, head_chunks: int) -> str:
     k, m = g.key, g.key.model
     h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
+    window = window_factor(m, s)
+    width = core_head_dim(m)
     norm = g.memory(LO.attn_norm, 2 * t * h * AB, 3 * t * h * AB, x)
     match k.attention:
         case UlyssesAttention():
@@ -255,24 +304,24 @@ def _attention(g: _Builder, x: str | None, head_chunks: int) -> str:
             ag, rs = vol.tp_attention(m, b, s, k.tp)
             kv_dim = kv_heads_sent(m, k.tp) * m.head_dim
             gathered = g.comm(LO.tp_all_gather, ag, norm, fuse_with=LO.qkv_gemm, rows=b * s)
-            qkv = g.gemm(LO.qkv_gemm, b * s, (m.q_dim + 2 * kv_dim) / k.tp, h, gathered)
-            flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, m.head_dim,
-                                           cc.CAUSAL_FRACTION)
+            qkv = _projections(g, b * s, k.tp, kv_heads_sent(m, k.tp), gathered)
+            flops = cc.attention_fwd_flops(b, s, s, m.query_heads / k.tp, width,
+                                           cc.CAUSAL_FRACTION * window)
             roped = _rope(g, b * s, m.q_dim / k.tp, kv_dim / k.tp, qkv)
             attn = g.attention(flops, roped)
-            proj = g.gemm(LO.out_gemm, b * s, h, m.q_dim / k.tp, attn)
+            proj = g.gemm(LO.out_gemm, b * s, h, m.attn_out_dim / k.tp, attn)
             out = g.comm(LO.tp_reduce_scatter, rs, proj, fuse_with=LO.out_gemm, rows=b * s)
         case CPAttention(zigzag=zigzag):
             (kv,) = vol.cp_attention(m, b, s, k.cp)
-            qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * m.kv_dim, h, norm)
+            qkv = _projections(g, t, 1, m.kv_heads, norm)
             roped = _rope(g, t, m.q_dim, m.kv_dim, qkv)
             ring = g.comm(LO.cp_kv_exchange, kv, roped, fuse_with=LO.flash_attn, rows=t)
             # The slowest rank sets the pace: zig-zag chunks balance the causal mask exactly;
             # contiguous chunks leave the last rank 1 - 1/(2 cp) of its full score rows.
             share = cc.CAUSAL_FRACTION if zigzag else 1 - 1 / (2 * k.cp)
-            flops = cc.attention_fwd_flops(b, s / k.cp, s, m.query_heads, m.head_dim, share)
+            flops = cc.attention_fwd_flops(b, s / k.cp, s, m.query_heads, width, share * window)
             attn = g.attention(flops, ring)
-            out = g.gemm(LO.out_gemm, t, h, m.q_dim, attn)
+            out = g.gemm(LO.out_gemm, t, h, m.attn_out_dim, attn)
     return g.memory(LO.attn_residual, 3 * t * h * AB, 0.0, out, fusable=False)
 
 
@@ -283,21 +332,25 @@ def _ulysses(g: _Builder, norm: str, groups: int) -> str:
     core of runtime.parallel.attention) each group has its share of the all-to-alls' bytes, its
     prologue and its FlashAttention, the collectives on the communication stream beside the
     other group's core, operator names suffixed ``@group``; the output GEMM reads every group.
-    One group's collectives can instead fuse with the GEMMs beside them (inter_intra_op)."""
+    One group's collectives can instead fuse with the GEMMs beside them (inter_intra_op).
+    MLA's projections run on the rank's tokens before the all-to-all, which moves every head's
+    expanded keys and values."""
     k, m = g.key, g.key.model
     h, t, b, s = m.hidden, k.tokens, k.batch, k.seq_len
     side = groups > 1
     a2a_qkv, a2a_out = (replace(x, buffer_bytes=x.buffer_bytes / groups)
                         for x in vol.ulysses_attention(m, b, s, k.sp))
     kv_dim = kv_heads_sent(m, k.sp) * m.head_dim
-    qkv = g.gemm(LO.qkv_gemm, t, m.q_dim + 2 * kv_dim, h, norm)
+    qkv = _projections(g, t, 1, kv_heads_sent(m, k.sp), norm)
     heads = k.sp * groups
-    flops = cc.attention_fwd_flops(b, s, s, m.query_heads / heads, m.head_dim, cc.CAUSAL_FRACTION)
+    flops = cc.attention_fwd_flops(b, s, s, m.query_heads / heads, core_head_dim(m),
+                                   cc.CAUSAL_FRACTION * window_factor(m, s))
+    up = LO.qkv_up_gemm if m.mla is not None else LO.qkv_gemm
     outs, previous = [], None
     for c in range(groups):
         at = f"@{c}" if side else ""
         head_major = g.comm(LO.sp_a2a_qkv, a2a_qkv, qkv, fuse_with=None if side else
-                            LO.qkv_gemm, rows=t, at=at, side_stream=side)
+                            up, rows=t, at=at, side_stream=side)
         # One compute stream runs the groups' cores in issue order: group c after group c - 1
         # and, derived from that edge, its gradients before c - 1's, as autograd runs them (so
         # group c's all-to-all gradient runs beside group c - 1's core gradient). Under
@@ -307,7 +360,7 @@ def _ulysses(g: _Builder, norm: str, groups: int) -> str:
         previous = g.attention(flops, roped, at=at)
         outs.append(g.comm(LO.sp_a2a_out, a2a_out, previous, fuse_with=None if side else
                            LO.out_gemm, rows=t, at=at, side_stream=side))
-    return g.gemm(LO.out_gemm, t, h, m.q_dim, *outs)
+    return g.gemm(LO.out_gemm, t, h, m.attn_out_dim, *outs)
 
 
 def prologue_bytes(rows: float, q_width: float, kv_width: float) -> tuple[float, float]:
@@ -396,7 +449,7 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
     else:
         n, local, width, gathered_tokens = k.etp, e, m.expert_ffn_hidden / k.etp, t * k.etp
         per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)
-    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch == Dispatch.all_to_all
+    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch.moves_routed_copies
     # one chunk's share of the tokens and rows; its collectives ride the communication stream
     # beside the other chunk's expert GEMMs when the layer is chunked
     t, per_expert, side = t / chunks, per_expert / chunks, chunks > 1
@@ -427,7 +480,7 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
         e_fwd = eager.dispatch_fwd if eager else None
         e_bwd = eager.dispatch_bwd if eager else None
         if a2a:
-            send, back = vol.ep_ffn(m, t, n, Dispatch.all_to_all, routed_copies=rows)
+            send, back = vol.ep_ffn(m, t, n, k.ffn.dispatch, routed_copies=rows)
             fwd_rows, bwd_rows = ((every_slot[0].rows(rows, t), every_slot[1].rows(rows, t))
                                   if every_slot else (t + rows, t + rows))
             perm = permutation(LO.dispatch_permute, fwd_rows, bwd_rows, e_fwd, e_bwd, norm, topk,

@@ -11,20 +11,22 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 
+from cost_models import megatron
 from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import (
     StageParams,
-    chunk_dense_layers,
     experts_in_gemm,
     largest_param,
     part_params,
+    stage_layer_counts,
     stage_params,
 )
-from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding
+from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding, Target
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
-from plans.layout import moe_chunks, stage_of_chunk, tokens_per_rank
+from plans.layout import tokens_per_rank
 from plans.operators import RECOMPUTED, LayerOperator
-from plans.plan import EPFFN, Degrees, Dispatch, FFNStrategy, PipelineSchedule, Plan, Recompute
+from plans.pipeline import peak_in_flight_chunks
+from plans.plan import EPFFN, Degrees, FFNStrategy, PipelineSchedule, Plan, Recompute
 from plans.specs import ModelSpec, Optimizer, Precision
 
 LO = LayerOperator
@@ -39,15 +41,34 @@ def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
     main gradients' dtype), all at once; the parameters updated in full cast their main
     gradients to fp32 and step one bucket at a time (the fused AdamW reads them as they are).
     A bucket closes once it holds GRAD_SYNC_BUCKET_PARAMS, so it holds at most that many and
-    its largest parameter. Measured on H200 before the buckets stepped one at a time
-    (bench/results/gpu_fidelity_h200.json): 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
-    this workspace, every gradient cast at once (``in_buckets`` False: how runs before
-    plans.execution.EAGER_STEP_IN_BUCKETS_SINCE executed it)."""
+    its largest parameter. ``in_buckets`` False: every gradient cast at once (a result measured
+    with ``eager_step_in_buckets: false``, plans.results.MEASURED_UNDER); so measured on H200
+    (bench/results/gpu_fidelity_h200.json), 11.8 GiB of 1-GPU Mixtral-2L's 59.0 GiB peak was
+    this workspace."""
     sharded, local = p.sharded_and_local(d, sharding)
     if fused:
         return grad_bytes * sharded
     bucket = GRAD_SYNC_BUCKET_PARAMS + largest_param(model, d) if in_buckets else local
     return FP32_BYTES * (sharded + min(local, bucket))
+
+
+MEMORY_TERMS = {
+    "params": "the weights this GPU holds (bf16)",
+    "grads": "their main gradients (fp32 for an fp32 gradient sync, else bf16)",
+    "optimizer": "optimizer states (fp32 master weights and moments) this GPU holds: its "
+                 "ZeRO-1 shard, or all of them without sharding",
+    "activations": "activations kept for the backward, over the micro-batches in flight",
+    "activation_working": "the working set of the layer being recomputed or back-propagated",
+    "comm_buffers": "a layer's largest communication buffer (the dispatch's all-to-all or "
+                    "all-gather, the TP all-gather)",
+    "logits": "the loss's logits and their gradient (whole, or one chunk of the chunked "
+              "loss)",
+    "optimizer_step_workspace": "bytes alive only during the optimizer step (the reduced "
+                                "gradient slices, gradients cast to fp32)",
+    "allocator_reserve": "what the caching allocator reserves beyond the live bytes "
+                         "(fragmentation), a share of the step's transients",
+}
+"""The memory breakdown's terms (MemoryBreakdown.components_bytes), in order."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +138,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
     and normalised value; SwiGLU its two inputs and its output (the next GEMM's input), not the
     SiLU too."""
     h = model.hidden
-    q, kv = model.q_dim, model.kv_dim
+    q, kv, v, o = model.q_dim, model.kv_dim, model.v_dim, model.attn_out_dim
     fused = kernels == Kernels.fused
     norm = 2.0 * h + 4.0 if fused else 10.0 * h
     swiglu = 6.0 if fused else 8.0  # bytes per element of the FFN's hidden width
@@ -137,20 +158,29 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
                         frozenset({LO.qkv_gemm}), LO.tp_all_gather, frozenset({LO.qkv_gemm})))
     if model.qk_norm:
         out.append(Kept("qk_norm", 8.0 * (q + kv), frozenset({LO.qk_norm})))
+    if model.mla is not None:
+        # the latents the up-projections keep and their RMSNorms (MLA's q and kv latents)
+        a = model.mla
+        latents = a.q_lora_rank + a.kv_lora_rank
+        latent_norm = 2.0 * latents + 8.0 if fused else 10.0 * latents
+        out.append(Kept("mla_latents", 2.0 * latents + latent_norm,
+                        frozenset({LO.qkv_up_gemm})))
     ulysses = degrees.sp > 1
     out += [
         # q, k, v as the core receives them (no backward keeps them: the core keeps its own)
-        Kept("attention_core", 2.0 * (q + 2 * kv), frozenset(),
-             LO.sp_a2a_qkv if ulysses else LO.qkv_gemm, frozenset({LO.flash_attn})),
+        Kept("attention_core", 2.0 * (q + kv + v), frozenset(),
+             LO.sp_a2a_qkv if ulysses else (LO.qkv_up_gemm if model.mla else LO.qkv_gemm),
+             frozenset({LO.flash_attn})),
         # RoPE'd q, k and v expanded to the query heads, and the fp32 log-sum-exp
-        Kept("attention_core", 6.0 * q + 4.0 * model.query_heads, frozenset({LO.flash_attn})),
+        Kept("attention_core", 4.0 * q + 2.0 * o + 4.0 * model.query_heads,
+             frozenset({LO.flash_attn})),
         # the core's output, which the out projection keeps too unless an all-to-all follows
-        Kept("attention_core", 2.0 * q,
+        Kept("attention_core", 2.0 * o,
              frozenset({LO.flash_attn} if ulysses else {LO.flash_attn, LO.out_gemm}),
              LO.flash_attn),
     ]
     if ulysses:
-        out.append(Kept("attention_core", 2.0 * q, frozenset({LO.out_gemm}), LO.sp_a2a_out))
+        out.append(Kept("attention_core", 2.0 * o, frozenset({LO.out_gemm}), LO.sp_a2a_out))
     if dense:
         out.append(Kept("dense_ffn", swiglu * model.dense_ffn_hidden,
                         frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})))
@@ -164,7 +194,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
         if isinstance(ffn, EPFFN):
             load = EP_LOAD if degrees.ep > 1 else 1.0
             per_row = 2.0 * h + swiglu * f
-            if ffn.dispatch == Dispatch.all_to_all:
+            if ffn.dispatch.moves_routed_copies:
                 rows = Kept("expert_rows", k * per_row * load + 4.0 * k * h,
                             experts | {LO.combine_unpermute}, LO.ep_dispatch)
             else:
@@ -202,10 +232,12 @@ def layer_activation_terms(
       Linear layers accumulate in their GEMMs (``linears_accumulate``): 2 tp h each;
     - qk_norm (Qwen3): the per-head RMSNorms of q and k keep their fp32 input and normalised
       copies, 8 (q_dim + kv_dim);
+    - mla_latents (MLA): the q and kv latents the up-projections keep (2 per element) and their
+      RMSNorms (as the layer norms: 10 per element eager);
     - attention_core: RoPE'd q, k and v expanded to the query heads (GQA repeat) and the SDPA
-      output, 8 q_dim, plus the fp32 log-sum-exp; Ulysses adds the all-to-all'd output the out
-      projection keeps (2 q_dim). Recomputing the core keeps its inputs (q, k, v) and the
-      out projection's input instead;
+      output, 8 q_dim (v and the output at attn_out_dim under MLA), plus the fp32 log-sum-exp;
+      Ulysses adds the all-to-all'd output the out projection keeps (2 q_dim). Recomputing the
+      core keeps its inputs (q, k, v) and the out projection's input instead;
     - router: fp32 probabilities (4 E) and the top-k indices and weights (12 k);
     - expert rows: the dispatched rows the grouped GEMMs keep (2 k h) and the SwiGLU
       intermediates (fc1, silu, fc3, product: 8 k F), times the EP rank's load; combine keeps
@@ -248,17 +280,21 @@ HEAD_BYTES_PER_TOKEN_H = 10 + 2
 
 
 def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
-               kernels: Kernels = Kernels.eager) -> float:
+               kernels: Kernels = Kernels.eager, target: Target = Target.moeplan) -> float:
     """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
 
-    materialized: 12 bytes per logit. chunked (runtime.loss), an upper bound over its phases:
+    materialized: 12 bytes per logit; Megatron-Core's fused loss 2 (target megatron,
+    cost_models.megatron.LOSS_BYTES_PER_LOGIT). chunked (runtime.loss), an upper bound over
+    its phases:
     the gradients it computes in forward and keeps to backward, of the hidden states (2 T h)
     and of the head's weight (at most 4 V h: fp32 over several chunks), one chunk's
     weight-gradient GEMM output or, in backward, the scaled weight gradient and its cast
     (at most 6 V h), and one chunk's logits (CHUNK_BYTES_PER_LOGIT[kernels] x
     min(T V, CHUNK_LOGITS))."""
     v, h = model.vocab, model.hidden
-    if kind == CrossEntropy.materialized:
+    if target == Target.megatron:
+        head = megatron.LOSS_BYTES_PER_LOGIT * tokens * v
+    elif kind == CrossEntropy.materialized:
         head = LOSS_BYTES_PER_LOGIT * tokens * v
     else:
         head = (2 * tokens * h + 10 * v * h
@@ -278,22 +314,20 @@ plan of the suite within -3% .. +10%."""
 
 
 def in_flight_micro_batches(stage: int, pp: int, vpp: int, micro_batches: int) -> float:
-    """Micro-batches whose activations a stage holds at its peak, in units of the whole stage.
-
-    1F1B: stage i runs pp - i warm-up forwards before its first backward. Interleaved
-    (Megatron-LM schedules.get_num_warmup_microbatches; Korthikanti et al. 2022, Sec. 4.2.3):
-    2(pp - i - 1) + (vpp - 1) pp + 1 chunk forwards, each 1/vpp of the stage."""
-    if vpp == 1:
-        return min(pp - stage, micro_batches)
-    chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, micro_batches * vpp)
-    return chunks / vpp
+    """Micro-batches whose activations a stage holds at its peak, in units of the whole stage:
+    the most chunk forwards awaiting their backward in the stage's action list
+    (plans.pipeline.peak_in_flight_chunks), each 1/vpp of the stage. 1F1B: pp - i warm-up
+    forwards on stage i; interleaved (Megatron-LM schedules.get_num_warmup_microbatches;
+    Korthikanti et al. 2022, Sec. 4.2.3): 2(pp - i - 1) + (vpp - 1) pp + 1 chunk forwards, or
+    all of them when micro_batches = pp."""
+    return peak_in_flight_chunks(pp, vpp, micro_batches, stage) / vpp
 
 
 def _buffer_bytes(model: ModelSpec, tokens: float, d: Degrees, ffn: FFNStrategy) -> float:
     """The largest communication buffer of a layer: all-to-all dispatch k x tokens x h, an
     all-gather n x tokens x h (EP all-gather dispatch, expert TP, attention TP)."""
     row = model.hidden * ACT_BYTES
-    if isinstance(ffn, EPFFN) and ffn.dispatch == Dispatch.all_to_all:
+    if isinstance(ffn, EPFFN) and ffn.dispatch.moves_routed_copies:
         dispatch = model.top_k * (ffn.capacity_factor or 1.0) * tokens * row
     else:
         dispatch = max(d.ep, d.etp) * tokens * row
@@ -312,26 +346,27 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             cross_entropy: CrossEntropy, sharding: OptimizerSharding,
             kernels: Kernels = Kernels.eager, chunks: int = 1,
             experts_accumulate_in_gemm: bool = False,
-            linears_accumulate: bool = False, step_in_buckets: bool = True) -> MemoryBreakdown:
+            linears_accumulate: bool = False, step_in_buckets: bool = True,
+            target: Target = Target.moeplan, precision: Precision = Precision.bf16
+            ) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
-    per_layer = {
-        (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch, kernels,
-                                             linears_accumulate)
-        for dense in (False, True) for pol in (policy, Recompute.none)
-    }
-    layers = [[0, 0] for _ in range(d.pp)]
-    for c, (n, n_dense) in enumerate(
-        zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
-    ):
-        counts = layers[stage_of_chunk(c, d.pp)]
-        counts[0] += n - n_dense
-        counts[1] += n_dense
+    if target == Target.megatron:
+        per_layer = {(dense, pol): tokens * megatron.kept_bytes_per_token(
+            model, d, precision, pol, dense) for dense in (False, True)
+            for pol in (policy, Recompute.none)}
+    else:
+        per_layer = {
+            (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch,
+                                                 kernels, linears_accumulate)
+            for dense in (False, True) for pol in (policy, Recompute.none)
+        }
+    layers = stage_layer_counts(model, stage_layers, d.pp)
     params = stage_params(model, d, stage_layers)
     buffers = _buffer_bytes(model, tokens, d, ffn)
     # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
-    logits = loss_bytes(model, tokens, cross_entropy, kernels)
+    logits = loss_bytes(model, tokens, cross_entropy, kernels, target)
 
     grad_bytes = grad_bytes_per_param(grad_precision)
     opt_bytes = opt.state_bytes_per_param
@@ -344,8 +379,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     # GEMMs add into the main gradients (no weight gradient is made).
     if chunks > 1 and not experts_accumulate_in_gemm:
         working_of[False] += WEIGHT_BYTES * part_params(model, d).moe_layer.expert
-    names = ("params", "grads", "optimizer", "activations", "activation_working", "comm_buffers",
-             "logits", "optimizer_step_workspace", "allocator_reserve")
+    names = tuple(MEMORY_TERMS)
 
     def stage(i: int) -> tuple[float, tuple[float, ...]]:
         """Peak of stage i and its components (``names``): the resident states plus the larger
@@ -377,14 +411,14 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
 
 def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdown:
     """Peak bytes per GPU of ``plan`` and the capacity it must fit in; ``step_in_buckets``
-    False prices a run of the runtime before its eager optimizer stepped bucket by bucket
-    (plans.execution.steps_in_buckets)."""
+    False prices a run whose eager optimizer cast every gradient at once (a result's
+    ``eager_step_in_buckets``, plans.results.MEASURED_UNDER)."""
     c, t = plan.cluster, plan.training
     capacity = c.gpu.hbm_gib * GIB * c.efficiency.memory_usable
     return _memory(
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
-        moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep), experts_in_gemm(plan),
-        plan.grad_accumulation_fusion, step_in_buckets,
+        megatron.moe_chunks(plan), experts_in_gemm(plan),
+        plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
     )

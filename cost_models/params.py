@@ -53,15 +53,31 @@ def largest_param(model: ModelSpec, d: Degrees) -> float:
                m.shared_expert_params / d.etp)
 
 
-def chunk_dense_layers(stage_layers: tuple[int, ...], dense_layers: int) -> tuple[int, ...]:
-    """Dense-FFN layers in each model chunk: the model's first ``dense_layers`` layers."""
-    if not dense_layers:
-        return (0,) * len(stage_layers)
+def chunk_dense_layers(stage_layers: tuple[int, ...], pattern: tuple[bool, ...]
+                       ) -> tuple[int, ...]:
+    """Dense-FFN layers in each model chunk, the chunks holding consecutive layers in order:
+    the layers ``pattern`` (ModelSpec.moe_pattern) marks not MoE."""
     out, first = [], 0
     for n in stage_layers:
-        out.append(max(0, min(first + n, dense_layers) - first))
+        out.append(n - sum(pattern[first:first + n]))
         first += n
     return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def stage_layer_counts(model: ModelSpec, stage_layers: tuple[int, ...], pp: int) -> tuple[
+        tuple[int, int], ...]:
+    """(MoE layers, dense-FFN layers) per physical stage (chunk c on stage c mod pp), by the
+    model's layer pattern; the MTP modules' layers (ModelSpec.mtp_layers, of the last layer's
+    kind) run on the last stage with the loss, as Megatron-Core places them."""
+    out = [[0, 0] for _ in range(pp)]
+    for c, (n, n_dense) in enumerate(
+        zip(stage_layers, chunk_dense_layers(stage_layers, model.moe_pattern), strict=True)
+    ):
+        out[stage_of_chunk(c, pp)][0] += n - n_dense
+        out[stage_of_chunk(c, pp)][1] += n_dense
+    out[-1][0 if model.mtp_layer_is_moe else 1] += model.mtp_layers
+    return tuple((a, b) for a, b in out)
 
 
 @dataclass(frozen=True)
@@ -76,8 +92,12 @@ class PartParams:
 
 
 def part_params(model: ModelSpec, degrees: Degrees) -> PartParams:
+    """Per layer, its mean over the layers: cross-layer KV sharing (kv_share_layers) leaves
+    some layers without K and V projections. The head carries the MTP modules' projections
+    and norms (their layers count with the stage's layers: stage_layer_counts)."""
     d, m = degrees, model
-    attention = m.attention_params / d.tp + 2 * m.hidden
+    borrowed = (1 - m.kv_projection_share) * m.kv_projection_params
+    attention = (m.attention_params - borrowed) / d.tp + 2 * m.hidden
     moe_dense = attention + m.router_params + m.shared_expert_params / d.etp
     experts = m.experts // d.ep * m.expert_params / d.etp
     vocab = m.vocab * m.hidden / d.tp
@@ -85,7 +105,8 @@ def part_params(model: ModelSpec, degrees: Degrees) -> PartParams:
         moe_layer=StageParams(moe_dense, experts),
         dense_layer=StageParams(attention + m.dense_ffn_params / d.tp, 0.0),
         embedding=StageParams(vocab, 0.0),
-        head=StageParams(m.hidden + (vocab if d.pp > 1 or not m.tied_embeddings else 0), 0.0),
+        head=StageParams(m.hidden + (vocab if d.pp > 1 or not m.tied_embeddings else 0)
+                         + m.mtp_layers * m.mtp_extra_params / d.tp, 0.0),
     )
 
 
@@ -96,12 +117,9 @@ def stage_params(model: ModelSpec, degrees: Degrees, stage_layers: tuple[int, ..
     parts = part_params(model, degrees)
     dense = [0.0] * degrees.pp
     expert = [0.0] * degrees.pp
-    for c, (n, n_dense) in enumerate(
-        zip(stage_layers, chunk_dense_layers(stage_layers, model.dense_layers), strict=True)
-    ):
-        i = stage_of_chunk(c, degrees.pp)
-        dense[i] += n_dense * parts.dense_layer.dense + (n - n_dense) * parts.moe_layer.dense
-        expert[i] += (n - n_dense) * parts.moe_layer.expert
+    for i, (n_moe, n_dense) in enumerate(stage_layer_counts(model, stage_layers, degrees.pp)):
+        dense[i] += n_dense * parts.dense_layer.dense + n_moe * parts.moe_layer.dense
+        expert[i] += n_moe * parts.moe_layer.expert
     dense[0] += parts.embedding.dense
     dense[-1] += parts.head.dense
     return tuple(StageParams(a, b) for a, b in zip(dense, expert, strict=True))

@@ -67,6 +67,19 @@ def micro_batch_tokens(plan: Plan) -> float:
                            plan.degrees.attention_group)
 
 
+def mtp_head_cost(plan: Plan, head: EdgeCost) -> EdgeCost:
+    """The last stage's head with ``plan.model.mtp_layers`` MTP modules: each runs the shared
+    LM head and loss once more and projects its two normed inputs (2h to h, split over tp:
+    Megatron-Core's eh_proj) before its layer."""
+    m, c, p = plan.model, plan.cluster, plan.training.precision
+    rows = micro_batch_tokens(plan) * plan.degrees.tp
+    shape = (rows, m.hidden / plan.degrees.tp, 2 * m.hidden)
+    fwd = cc.gemm_s(*shape, c, p)
+    bwd = sum(cc.gemm_s(*g, c, p) for g in cc.backward_gemms(*shape))
+    n = 1 + m.mtp_layers
+    return EdgeCost(n * head.fwd_s + m.mtp_layers * fwd, n * head.bwd_s + m.mtp_layers * bwd)
+
+
 @lru_cache(maxsize=1024)
 def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int) -> EdgeCost:
     """Token lookup for ``tokens`` per rank (read and write tokens x h); backward scatter-adds

@@ -2,11 +2,13 @@
 
 A ``Transfer`` is one collective call. Its ``buffer_bytes`` follows comm.py: the full gathered
 buffer for all-gather / reduce-scatter, one rank's send buffer for all-to-all and send/recv.
-``wire_bytes`` is what leaves one rank: (n-1)/n of the buffer in every case.
+``wire_bytes`` is what leaves one rank: (n-1)/n of the buffer for every collective but
+DeepEP's hierarchical all-to-all, which sends less (``link_bytes``: by link, as it runs).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -22,6 +24,9 @@ class Collective(StrEnum):
     all_gather = "all_gather"
     reduce_scatter = "reduce_scatter"
     send_recv = "send_recv"
+    hierarchical_all_to_all = "hierarchical_all_to_all"
+    """DeepEP's dispatch or combine (Dispatch.deepep): the buffer is one rank's routed copies,
+    as for ``all_to_all``; ep_link_shares says what each link carries of it."""
 
 
 class CommKind(StrEnum):
@@ -37,6 +42,41 @@ class CommKind(StrEnum):
     etp_reduce_scatter = "etp_reduce_scatter"
 
 
+COMM_KINDS = {
+    CommKind.sp_all_to_all: "Ulysses all-to-alls: sequence-sharded to head-sharded for the "
+                            "attention core and back",
+    CommKind.tp_all_gather: "attention TP all-gather of the sequence-sharded activations "
+                            "before QKV",
+    CommKind.tp_reduce_scatter: "attention TP reduce-scatter after the output projection",
+    CommKind.cp_kv_exchange: "context parallelism's key/value exchange (ring)",
+    CommKind.ep_dispatch: "tokens sent to their experts' EP ranks",
+    CommKind.ep_combine: "expert outputs returned to their tokens' ranks",
+    CommKind.etp_all_gather: "expert TP all-gather of the tokens before the expert GEMMs",
+    CommKind.etp_reduce_scatter: "expert TP reduce-scatter of the expert outputs",
+}
+"""What each kind of layer communication is, as the breakdowns' legends state it."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where a token's routed copies can go: ``top_k`` of ``experts``, and with group-limited
+    (node-limited) routing only experts of ``groups_per_token`` of the ``groups`` contiguous
+    expert groups (DeepSeek-V3: 8 groups, 4 per token). One group: no limit."""
+
+    experts: int
+    top_k: int
+    groups: int = 1
+    groups_per_token: int = 1
+
+    @classmethod
+    def of(cls, model: ModelSpec) -> Routing:
+        return cls(model.experts, model.top_k, model.expert_groups, model.groups_per_token)
+
+    @property
+    def limited(self) -> bool:
+        return 1 <= self.groups_per_token < self.groups
+
+
 @dataclass(frozen=True)
 class Transfer:
     kind: CommKind
@@ -45,12 +85,102 @@ class Transfer:
     group_size: int
     stride: int = 1
     """Product of the mesh axes inside the group's axis (see comm.group_layout)."""
+    routing: Routing | None = None
+    """The routing behind an EP hierarchical all-to-all (ep_link_shares)."""
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes leaving one rank."""
+        """Bytes leaving one rank (for the hierarchical all-to-all, the flat one's: an upper
+        bound; link_bytes has its own)."""
         n = self.group_size
         return 0.0 if n <= 1 else (n - 1) / n * self.buffer_bytes
+
+
+def _misses(pool: float, bin_experts: float, k: int) -> float:
+    """P(none of k experts drawn uniformly without replacement from ``pool`` falls in a given
+    ``bin_experts`` of them): C(pool - bin, k) / C(pool, k)."""
+    rest = pool - bin_experts
+    if rest < k:
+        return 0.0
+    return math.exp(math.lgamma(rest + 1) - math.lgamma(rest - k + 1)
+                    - math.lgamma(pool + 1) + math.lgamma(pool - k + 1))
+
+
+def hit_probability(bin_experts: float, routing: Routing) -> float:
+    """P(a token routes at least one copy into a given block of ``bin_experts`` contiguous
+    experts: one rank's, or one node's), under uniform routing: the token draws its
+    groups_per_token groups uniformly, then top_k experts uniformly among theirs.
+
+    A block inside one group is reachable when its group is drawn (probability M / G); a block
+    of c whole groups holds j of the drawn ones with the hypergeometric probability
+    C(c, j) C(G - c, M - j) / C(G, M), and then j x E / G of the M x E / G experts drawn from.
+    A block that neither divides a group nor is made of whole ones is priced without the limit
+    (more destinations: an upper bound on the traffic)."""
+    e, k = routing.experts, routing.top_k
+    group = e / routing.groups
+    exact_in = bin_experts <= group and math.isclose(group % bin_experts, 0, abs_tol=1e-9)
+    whole = bin_experts >= group and math.isclose(bin_experts % group, 0, abs_tol=1e-9)
+    if not routing.limited or not (exact_in or whole):
+        return 1.0 - _misses(e, bin_experts, k)
+    g, m = routing.groups, routing.groups_per_token
+    c = 1 if exact_in else round(bin_experts / group)
+    per_group = bin_experts if exact_in else group
+    pool = m * group
+    out = 0.0
+    for j in range(max(1, m - (g - c)), min(c, m) + 1):
+        drawn = math.comb(c, j) * math.comb(g - c, m - j) / math.comb(g, m)
+        out += drawn * (1.0 - _misses(pool, j * per_group, k))
+    return out
+
+
+def ep_link_shares(dispatch: Dispatch, routing: Routing, layout: comm.GroupLayout
+                   ) -> tuple[float, float]:
+    """Shares of one rank's k x tokens routed copies that its EP dispatch (or combine, which
+    mirrors it) sends over NVLink and over the network, for an EP group of n ranks on N nodes
+    of g = n / N ranks each (``layout``), every rank holding E / n experts.
+
+    all_to_all (NCCL's, Megatron-Core's alltoall): every copy goes to its expert's rank, 1/n of
+    them to each rank: (g - 1) / n over NVLink, (n - g) / n over the network
+    (comm.all_to_all_shares). The routing limit changes no share: by symmetry each copy still
+    lands on any node alike.
+
+    deepep (DeepEP, Megatron-Core's flex): a token goes once to each destination node other
+    than its own, to the GPU of its own local index there, and once to each destination GPU
+    over NVLink (in its node directly, in another node forwarded by that landing GPU), never
+    to itself or to a landing GPU, which received it already. With p_node and p_rank the
+    probabilities that a token reaches a given node (E / N experts) and a given rank (E / n;
+    hit_probability), by linearity of expectation, per token:
+
+        network copies = (N - 1) p_node          (the other nodes)
+        NVLink copies  = (n - N) p_rank          (every rank but the N of its local index)
+
+    Every GPU forwards for the others what they forward for it, so these are each GPU's sends
+    too. Divided by k: the shares of the routed-copy buffer. allgather_reduce_scatter moves no
+    routed copies (comm.all_gather_s prices it): ValueError."""
+    if dispatch == Dispatch.all_to_all:
+        return comm.all_to_all_shares(layout)
+    if dispatch != Dispatch.deepep:
+        raise ValueError(f"{dispatch} sends no routed copies")
+    n, nodes = layout.size, layout.nodes
+    if n <= 1:
+        return 0.0, 0.0
+    e, k = routing.experts, routing.top_k
+    p_rank = hit_probability(e / n, routing)
+    p_node = hit_probability(e * layout.ranks_per_node / n, routing)
+    return (n - nodes) * p_rank / k, (nodes - 1) * p_node / k
+
+
+def link_bytes(t: Transfer, gpus_per_node: int) -> tuple[float, float]:
+    """Bytes one rank sends over NVLink and over the network for an all-to-all ``t`` (flat
+    or hierarchical)."""
+    layout = comm.group_layout(t.group_size, t.stride, gpus_per_node)
+    if t.collective == Collective.all_to_all:
+        nvlink, network = comm.all_to_all_shares(layout)
+    elif t.collective == Collective.hierarchical_all_to_all and t.routing is not None:
+        nvlink, network = ep_link_shares(Dispatch.deepep, t.routing, layout)
+    else:
+        raise ValueError(f"{t.collective} is not an all-to-all")
+    return nvlink * t.buffer_bytes, network * t.buffer_bytes
 
 
 def transfer_s(t: Transfer, cluster: ClusterSpec) -> float:
@@ -58,6 +188,11 @@ def transfer_s(t: Transfer, cluster: ClusterSpec) -> float:
     match t.collective:
         case Collective.all_to_all:
             return comm.all_to_all_s(t.buffer_bytes, layout, cluster)
+        case Collective.hierarchical_all_to_all:
+            if layout.size <= 1:
+                return 0.0
+            nvlink, network = link_bytes(t, cluster.node.gpus_per_node)
+            return comm.concurrent_links_s(nvlink, network, layout, cluster, forwarded=True)
         case Collective.all_gather:
             return comm.all_gather_s(t.buffer_bytes, layout, cluster)
         case Collective.reduce_scatter:
@@ -68,12 +203,13 @@ def transfer_s(t: Transfer, cluster: ClusterSpec) -> float:
 
 def ulysses_attention(model: ModelSpec, batch: int, seq_len: int, sp: int) -> tuple[Transfer, ...]:
     """Forward of Ulysses SP (paper Eq. 2): all-to-all of Q, K, V from sequence- to
-    head-sharded, and of the attention output back. Per rank: b s/n tokens of q_dim for Q and
-    the output, kv_dim (1/m of Q) each for K and V. Backward moves the same bytes reversed."""
+    head-sharded, and of the attention output back. Per rank: b s/n tokens of q_dim for Q,
+    kv_dim (1/m of Q) each for K and V (MLA: every head's K, and V at v_head_dim), attn_out_dim
+    for the output. Backward moves the same bytes reversed."""
     tokens = tokens_per_rank(batch, seq_len, sp)
-    kv_dim = kv_heads_sent(model, sp) * model.head_dim
-    qkv = tokens * (model.q_dim + 2 * kv_dim) * ACT_BYTES
-    out = tokens * model.q_dim * ACT_BYTES
+    kv_dim = kv_heads_sent(model, sp) * (model.head_dim + model.v_head_dim)
+    qkv = tokens * (model.q_dim + kv_dim) * ACT_BYTES
+    out = tokens * model.attn_out_dim * ACT_BYTES
     return (
         Transfer(CommKind.sp_all_to_all, Collective.all_to_all, qkv, sp),
         Transfer(CommKind.sp_all_to_all, Collective.all_to_all, out, sp),
@@ -93,7 +229,7 @@ def tp_attention(model: ModelSpec, batch: int, seq_len: int, tp: int) -> tuple[T
 def cp_attention(model: ModelSpec, batch: int, seq_len: int, cp: int) -> tuple[Transfer, ...]:
     """Forward of ring context parallelism: every rank's K and V chunk (b s/cp x kv_dim each)
     travels the ring, which moves the bytes of an all-gather of the full K and V."""
-    full = batch * seq_len * 2 * model.kv_dim * ACT_BYTES
+    full = batch * seq_len * (model.kv_dim + model.v_dim) * ACT_BYTES
     return (Transfer(CommKind.cp_kv_exchange, Collective.all_gather, full, cp),)
 
 
@@ -103,16 +239,21 @@ def ep_ffn(
 ) -> tuple[Transfer, ...]:
     """Forward dispatch and combine of EP over ``tokens`` local tokens (paper Eq. 3).
 
-    all_to_all: each token goes to k experts, k x tokens x h per rank in each direction.
-    allgather_reduce_scatter: all-gather every rank's tokens (n x tokens x h), scatter locally
-    to the local experts; gather locally and reduce-scatter the same buffer back.
-    ``routed_copies`` overrides k x tokens (capacity padding)."""
+    all_to_all and deepep: each token goes to k experts, a buffer of k x tokens x h per rank
+    in each direction (deepep sends less of it: ep_link_shares). allgather_reduce_scatter:
+    all-gather every rank's tokens (n x tokens x h), scatter locally to the local experts;
+    gather locally and reduce-scatter the same buffer back. ``routed_copies`` overrides
+    k x tokens (capacity padding, the busiest rank's load)."""
     row = model.hidden * ACT_BYTES
-    if dispatch == Dispatch.all_to_all:
+    if dispatch.moves_routed_copies:
         routed = tokens * model.top_k if routed_copies is None else routed_copies
+        if dispatch == Dispatch.deepep:
+            how, routing = Collective.hierarchical_all_to_all, Routing.of(model)
+        else:
+            how, routing = Collective.all_to_all, None
         return (
-            Transfer(CommKind.ep_dispatch, Collective.all_to_all, routed * row, ep, stride),
-            Transfer(CommKind.ep_combine, Collective.all_to_all, routed * row, ep, stride),
+            Transfer(CommKind.ep_dispatch, how, routed * row, ep, stride, routing),
+            Transfer(CommKind.ep_combine, how, routed * row, ep, stride, routing),
         )
     full = ep * tokens * row
     return (
@@ -140,3 +281,47 @@ def scale_up_ratio(model: ModelSpec, cluster: ClusterSpec, n: int) -> float:
     peak = cluster.gpu.bf16_dense_tflops * 1e12 * eff.grouped_gemm
     bw = cluster.node.nvlink_gb_s * 1e9 * eff.nvlink_all_to_all
     return 1.5 * model.expert_ffn_hidden * bw / peak * n / (n - 1)
+
+
+def _bins_hit(items: float, bins: float, draws: float) -> float:
+    """Expected distinct bins holding ``draws`` distinct items drawn uniformly from ``items``
+    spread evenly over ``bins``: bins x (1 - P(a bin gets none)), P = prod_i (items - items /
+    bins - i) / (items - i) over the draws (a fractional last draw weighs in linearly)."""
+    if bins <= 1 or draws <= 0:
+        return min(bins, 1.0) if draws > 0 else 0.0
+    per_bin, none = items / bins, 1.0
+    whole = int(draws)
+    for i in range(whole):
+        none *= max(items - per_bin - i, 0.0) / (items - i)
+    if draws > whole:
+        none *= 1 - (draws - whole) * (1 - max(items - per_bin - whole, 0.0) / (items - whole))
+    return bins * (1 - none)
+
+
+def nodes_per_token(model: ModelSpec, ep_nodes: int) -> float:
+    """Expected nodes one token's top_k routed copies reach when the EP group spans
+    ``ep_nodes`` nodes, its experts laid out in order (E / ep per rank, so E / ep_nodes per
+    node, and each expert group on consecutive ranks).
+
+    Without group-limited routing the top_k experts fall anywhere: the expected distinct nodes
+    of top_k experts drawn without replacement. With it (expert_groups G, groups_per_token g:
+    DeepSeek-V3's node-limited routing, arXiv 2412.19437 Sec. 2.1.2) the token's experts lie
+    in g of the G groups, each group with at least one of them (top_k >= g): when a node holds
+    whole groups (G a multiple of ep_nodes), the distinct nodes of g groups drawn of G
+    (DeepSeek-V3 on 8 nodes: 4); when a group spans several nodes (ep_nodes a multiple of G),
+    g groups times the nodes their top_k / g experts reach inside each group. Never more than
+    top_k or ep_nodes. A DeepEP-style dispatcher sends one copy per destination node over the
+    network and forwards it inside the node."""
+    m, n = model, ep_nodes
+    if n <= 1:
+        return 1.0
+    grouped = 1 < m.groups_per_token < m.expert_groups
+    big_g = m.expert_groups
+    if grouped and big_g % n == 0:
+        nodes = _bins_hit(big_g, n, m.groups_per_token)
+    elif grouped and n % big_g == 0:
+        inside = _bins_hit(m.experts_per_group, n // big_g, m.top_k / m.groups_per_token)
+        nodes = m.groups_per_token * inside
+    else:
+        nodes = _bins_hit(m.experts, n, m.top_k)
+    return min(nodes, float(m.top_k), float(n))

@@ -42,7 +42,7 @@ import math
 import re
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -73,11 +73,13 @@ from plans import (
     catalog,
 )
 from plans.errors import describe
-from plans.execution import executed_as_measured, measured_deviations, steps_in_buckets
+from plans.execution import executed_as_measured, measured_deviations
 from plans.layout import ulysses_chunks
 from plans.results import (
+    MEASURED_UNDER,
     OverlapBench,
     ProfileResult,
+    Result,
     Sweep,
     SweepOp,
     SweepRow,
@@ -88,6 +90,8 @@ from plans.results import (
 )
 
 GIB = 2**30
+CALIBRATED = {"kind": "measured", "note": "fitted by `moeplan calibrate` (the file's header)"}
+"""The efficiency_source of a calibrated cluster."""
 GROUPED = re.compile(r"grouped|GroupProblemShape|group_gemm", re.IGNORECASE)
 """CUTLASS grouped GEMM kernels are named after their GroupProblemShape."""
 MEMORY_CLASSES = ("elementwise", "copy", "reduction_index_sort", "other")
@@ -216,7 +220,7 @@ def _gemms(m: int, n: int, k: int, backward: bool) -> list[tuple[float, float, f
 
 def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
     """The cost model's seconds for what a sweep row timed; None for a row without its shape
-    (sweeps written before the micro-benchmarks)."""
+    (a sweep that did not record it)."""
     sh, bf16 = row.shape, Precision.bf16
     match row.op:
         case SweepOp.gemm if sh:
@@ -392,6 +396,23 @@ def check_one_gpu(plan: Plan, option: str) -> None:
                         f"communication); this one runs on {plan.degrees.world} GPUs")
 
 
+def device_kind(gpu: str | None) -> str:
+    """The kind of device a measurement names: torch.cuda.get_device_name's name ("NVIDIA
+    H200"), "cpu" where none was recorded (runtime.provenance.metadata: torch saw no GPU)."""
+    return gpu or "cpu"
+
+
+def check_device(result: Result, option: str, base: ClusterSpec) -> None:
+    """Factors fitted to one kind of device describe only that kind: a measurement fits a base
+    cluster whose GPU model (``gpu.name`` up to its first "-": H200, A100, cpu) is a word of
+    the device name the measurement recorded."""
+    measured = device_kind(result.gpu)
+    model = base.gpu.name.split("-")[0]
+    if not re.search(rf"(?<![A-Za-z0-9]){re.escape(model)}(?![A-Za-z0-9])", measured, re.I):
+        raise SpecError(f"{option}: measured on {measured}, but --base {base.name}'s GPU is "
+                        f"{base.gpu.name}; calibrate against a base cluster of that device")
+
+
 def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -> float:
     """The plan's memory-bound factor (residual_factor) such that the profiled 1-GPU step's wall
     time is what the cost model predicts with every other factor of ``cluster`` (the step is
@@ -464,7 +485,8 @@ def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpe
     cluster = with_efficiency(base, **efficiency)
     try:
         cluster = ClusterSpec.model_validate({**cluster.model_dump(), "name": name,
-                                              "node": node.model_dump()})
+                                              "node": node.model_dump(),
+                                              "efficiency_source": CALIBRATED})
     except ValidationError as e:
         raise SpecError(f"the calibrated cluster is not valid: {describe(e)}") from None
     return Calibration(cluster, factors)
@@ -487,11 +509,12 @@ class Measured:
     deviations: list[dict] | None = None
     """The plan fields the run executed differently (plans.execution.record); None where it
     did not record them."""
-    date: str | None = None
-    """When it ran (plans.execution.steps_in_buckets: which optimizer step made its peak)."""
+    eager_step_in_buckets: bool = MEASURED_UNDER["eager_step_in_buckets"]
+    """How its eager optimizer stepped (TrainStepResult.eager_step_in_buckets; a runtime log is
+    this tree's runtime): which optimizer step made its peak."""
     head_groups: int | None = None
     """Head groups its Ulysses cores ran (TrainStepResult.ulysses_head_groups); None where the
-    run is from before the runtime recorded them (every Ulysses all-to-all blocked)."""
+    run did not record them (every Ulysses all-to-all blocked)."""
 
 
 def measured_run(path: Path, skip: int = 2) -> Measured:
@@ -502,7 +525,8 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
         return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
-                        r.routing_skew, recorded_deviations(r), r.date, r.ulysses_head_groups)
+                        r.routing_skew, recorded_deviations(r), r.eager_step_in_buckets,
+                        r.ulysses_head_groups)
     steps = read_log(path, "--runs")
     if not steps:
         raise SpecError(f"--runs: {path} has no steps")
@@ -529,8 +553,70 @@ def runs_with_plans(runs: Path, plans: Path) -> list[tuple[Path, Path]]:
     return found
 
 
+@dataclass(frozen=True)
+class FidelityRow:
+    """One measured run against the cost model's prediction for the plan as the run executed
+    it (``fidelity_row``); errors are predicted over measured, minus one."""
+
+    plan: str
+    """The plan file's stem."""
+    layout: str
+    evaluated_as_executed: list[str]
+    """``field=value`` of each plan field the run executed differently (plans.execution)."""
+    gpus: int
+    measured_step_s: float
+    predicted_step_s: float
+    step_error: float
+    measured_tokens_per_s: float
+    measured_mfu: float
+    predicted_mfu: float
+    measured_peak_gib: float
+    predicted_peak_gib: float
+    memory_error: float
+    measured_components_s: dict[str, float]
+    predicted_components_s: dict[str, float]
+    predicted_breakdown_s: dict[str, float]
+    steps_used: int
+    run: str
+    run_commit: str | None
+    measured_skew: float | None
+    priced_head_groups: int
+    """Ulysses head groups the prediction prices."""
+    run_head_groups: int | None
+    """Those the run ran (None: not recorded, all blocking)."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class FidelitySummary:
+    """How a set of measured runs compares with the predictions (``fidelity_summary``)."""
+
+    runs: int
+    median_abs_step_error: float
+    worst_abs_step_error: float
+    slower: int
+    """Runs predicted slower than measured."""
+    faster: int
+    lowest_memory_error: float
+    """The most under-predicted peak (negative: below the measured)."""
+
+
+def fidelity_summary(step_errors: Sequence[float],
+                     memory_errors: Sequence[float]) -> FidelitySummary | None:
+    """The summary of runs' step-time and peak-memory errors (FidelityRow.step_error,
+    memory_error); None without a run."""
+    if not step_errors:
+        return None
+    return FidelitySummary(
+        len(step_errors), statistics.median(abs(e) for e in step_errors),
+        max(abs(e) for e in step_errors), sum(e > 0 for e in step_errors),
+        sum(e < 0 for e in step_errors), min(memory_errors))
+
+
 def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
-                 skip: int = 2, measured_skew: bool = False) -> dict:
+                 skip: int = 2, measured_skew: bool = False) -> FidelityRow:
     """One measured run against the cost model's prediction for the plan as executed, on the
     plan's own cluster or on ``cluster`` (a calibrated spec of the same machines). With
     ``measured_skew`` the plan's ``training.routing_skew`` is the one the run logged: how
@@ -544,32 +630,30 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
             update={"routing_skew": max(1.0, m.routing_skew)})})
     ran = executed_as_measured(plan, m.deviations)
     e = cost_models.evaluate(ran)
-    peak = memory_breakdown(ran, steps_in_buckets(m.date)).peak_bytes / GIB
-    return {
-        "plan": plan_path.stem,
-        "layout": plan.summary(),
-        "evaluated_as_executed": [f"{d.field}={d.executed}"
-                                  for d in measured_deviations(plan, m.deviations)],
-        "gpus": plan.cluster.gpus,
-        "measured_step_s": m.step_s,
-        "predicted_step_s": e.step_time_s,
-        "step_error": e.step_time_s / m.step_s - 1,
-        "measured_tokens_per_s": plan.training.tokens_per_step / m.step_s,
-        "measured_mfu": m.mfu,
-        "predicted_mfu": e.mfu,
-        "measured_peak_gib": m.peak_gib,
-        "predicted_peak_gib": peak,
-        "memory_error": peak / m.peak_gib - 1,
-        "measured_components_s": m.components_s,
-        "predicted_components_s": dict(e.components_s),
-        "predicted_breakdown_s": dict(e.breakdown_s),
-        "steps_used": m.steps,
-        "run": str(run),
-        "run_commit": m.commit,
-        "measured_skew": m.routing_skew,
-        # Ulysses head groups the prediction prices and the run ran (None: from before they
-        # were recorded, all blocking)
-        "priced_head_groups": ulysses_chunks(ran.overlap, ran.attention, ran.model,
-                                             ran.degrees.sp),
-        "run_head_groups": m.head_groups,
-    }
+    peak = memory_breakdown(ran, m.eager_step_in_buckets).peak_bytes / GIB
+    return FidelityRow(
+        plan=plan_path.stem,
+        layout=plan.summary(),
+        evaluated_as_executed=[f"{d.field}={d.executed}"
+                               for d in measured_deviations(plan, m.deviations)],
+        gpus=plan.cluster.gpus,
+        measured_step_s=m.step_s,
+        predicted_step_s=e.step_time_s,
+        step_error=e.step_time_s / m.step_s - 1,
+        measured_tokens_per_s=plan.training.tokens_per_step / m.step_s,
+        measured_mfu=m.mfu,
+        predicted_mfu=e.mfu,
+        measured_peak_gib=m.peak_gib,
+        predicted_peak_gib=peak,
+        memory_error=peak / m.peak_gib - 1,
+        measured_components_s=m.components_s,
+        predicted_components_s=dict(e.components_s),
+        predicted_breakdown_s=dict(e.breakdown_s),
+        steps_used=m.steps,
+        run=str(run),
+        run_commit=m.commit,
+        measured_skew=m.routing_skew,
+        priced_head_groups=ulysses_chunks(ran.overlap, ran.attention, ran.model,
+                                          ran.degrees.sp),
+        run_head_groups=m.head_groups,
+    )

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from enum import StrEnum
 from functools import wraps
 from pathlib import Path
@@ -24,11 +25,8 @@ from typer.core import TyperGroup  # noqa: E402
 
 import plans  # noqa: E402  (lazy: pydantic and the models load inside the commands)
 from plans.enums import (  # noqa: E402
-    AttentionKind,
     Kernels,
-    Overlap,
     Precision,
-    Recompute,
     Target,
 )
 
@@ -86,7 +84,12 @@ app = typer.Typer(
     "  moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 \\\n"
     "      --out plan.json\n"
     "  moeplan explain plan.json\n"
-    "  moeplan export plan.json --to megatron --steps 1000 > megatron.sh",
+    "  moeplan explain \"pp2 dp4 sp2 ep8 a2a mbs1\" --model qwen3-30b-a3b \\\n"
+    "      --cluster h200 --gpus 16\n"
+    "  moeplan compare plan.json other.yaml\n"
+    "  moeplan export plan.json --to megatron --steps 1000 > megatron.sh\n\n"
+    "Lists (--tp 1,2 --gpus 8,16 --cluster h100,h200): comma-separated or the option "
+    "repeated. Plans: a file or the plan notation. docs/cli.md has the rules.",
 )
 
 
@@ -135,6 +138,10 @@ PrecisionOpt = Annotated[
     TrainingPrecision, typer.Option("--precision", help="Training compute precision.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")]
+PlotOpt = Annotated[
+    Path | None, typer.Option("--plot", help="Write a plot (.png or .svg; needs matplotlib).")
+]
+PlotForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --plot file.")]
 RunnableOpt = Annotated[bool, typer.Option(
     "--runnable", help="Only what the target executes as written (plans.execution; moeplan: "
     "bf16 GEMMs, no tile-fused overlap; --target megatron always is): predictions for the run "
@@ -188,6 +195,19 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def _need_torch(command: str) -> None:
+    """The runtime's commands need torch, which planning does not install."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise plans.SpecError(f"{command}: needs torch (the runtime): "
+                              "pip install -e '.[runtime]'")
+
+
 def default_global_batch(gpus: int) -> int:
     """--global-batch when not given: half a sequence per GPU, the paper's 720 sequences on
     1,440 GPUs, sized to the job instead of applying that job to every GPU count."""
@@ -235,6 +255,127 @@ def _check_out(path: Path | None, force: bool) -> None:
         check_destination(path, "--out", force)
 
 
+# ---- questions: the pin options and plans given as notation --------------------------------
+
+
+def pin_options(fn: Callable) -> Callable:
+    """Give a command the pin options (planner.pins.PINS: --pp --vpp --sp --tp --cp --ep --etp
+    --mbs --attention --dispatch --overlap --recompute --grad-sync --optimizer-sharding), each
+    a list under one rule; the command receives their raw values as ``pins``, a dict by
+    parameter name (planner.pins.parse_pins reads them)."""
+    import inspect
+
+    from planner.pins import LIST_RULE, PINS
+
+    options = [inspect.Parameter(
+        pin.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[list[str] | None, typer.Option(
+            pin.option, help=f"{pin.help} {LIST_RULE}")]) for pin in PINS]
+    signature = inspect.signature(fn, eval_str=True)
+    kept = [p for p in signature.parameters.values() if p.name != "pins"]
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        raw = {pin.name: kwargs.pop(pin.name, None) for pin in PINS}
+        return fn(*args, pins=raw, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=[*kept, *options])
+    wrapper.__annotations__ = {p.name: p.annotation for p in (*kept, *options)}
+    return wrapper
+
+
+def _no_plan(model, cluster, training, result, pinned) -> plans.SpecError:
+    """Why a search found nothing: no layout matched the pins, or none fitted."""
+    job = (f"{cluster.gpus} x {cluster.gpu.name} (global batch {training.global_batch}, "
+           f"seq {training.seq_len})")
+    if pinned.text and result.stats.candidates == 0:
+        return plans.SpecError(
+            f"{pinned.text.split()[0]}: no layout of {model.name} on {job} matches "
+            f"{pinned.text} (attention and expert groups stay inside the NVLink domain of "
+            f"{cluster.nvlink_domain}; pp x the attention degree divides the GPUs; dp x mbs "
+            "divides the global batch)")
+    where = f" with {pinned.text}" if pinned.text else ""
+    return plans.SpecError(
+        f"--gpus: no plan of {model.name}{where} fits {job}; "
+        f"{result.stats.pruned_memory} candidates out of memory, "
+        f"{result.stats.invalid} invalid")
+
+
+def _pinned_search(model, cluster, training, pinned, kernels: Kernels = Kernels.fused,
+                   runnable: bool = False, top: int = 1, json_out: bool = True,
+                   target: Target = Target.moeplan):
+    """The search of the pinned space for ``target`` (for moeplan with --runnable, narrowed
+    to what its runtime runs)."""
+    from planner.search import search
+    from planner.space import SearchSpace
+
+    space = _for_target(SearchSpace(kernels=kernels, **pinned.fields),
+                        TrainingPrecision(training.precision.value), target, runnable)
+    with _progress_search(json_out, "searching layouts") as progress:
+        result = search(model, cluster, training, space, top=top, progress=progress)
+    if result.best is None:
+        raise _no_plan(model, cluster, training, result, pinned)
+    return result
+
+
+PlanRefArg = Annotated[str, typer.Argument(
+    help="A plan file (.json or .yaml, from `moeplan search --out`) or the plan notation in "
+    "quotes ('pp2 dp4 sp2 ep8 a2a mbs1 rc:full', with --model, --cluster and --gpus; "
+    "docs/cli.md has the grammar).")]
+ModelOpt = Annotated[str | None, typer.Option(
+    "--model", help="Catalog model or spec file a plan in notation is for.")]
+OptGpusOpt = Annotated[int | None, typer.Option(
+    "--gpus", min=1, help="GPUs of the job a plan in notation is for.")]
+OptSeqOpt = Annotated[int | None, typer.Option(
+    "--seq-len", min=1, help="Tokens per sequence of a plan in notation; default 8192.")]
+OptPrecisionOpt = Annotated[TrainingPrecision | None, typer.Option(
+    "--precision", help="Training compute precision of a plan in notation; default bf16.")]
+
+
+def _is_plan_file(ref: str) -> bool:
+    """A plan reference names a file (by its suffix, or because it exists) or is notation."""
+    return Path(ref).suffix.lower() in (".json", ".yaml", ".yml") or Path(ref).is_file()
+
+
+def _job_options_for_notation(refs: list[str], model, gpus, global_batch, seq_len,
+                              precision) -> None:
+    """Refuse job options no plan uses: every plan given is a file, which holds its job."""
+    if all(_is_plan_file(r) for r in refs):
+        for option, value in (("--model", model), ("--gpus", gpus),
+                              ("--global-batch", global_batch), ("--seq-len", seq_len),
+                              ("--precision", precision)):
+            if value is not None:
+                raise plans.SpecError(f"{option}: a plan file holds its job; {option} goes "
+                                      "with a plan in notation")
+
+
+def _load_plan_ref(ref: str, model: str | None, cluster: str | None, gpus: int | None,
+                   global_batch: int | None, seq_len: int | None,
+                   precision: TrainingPrecision | None):
+    """The plan a reference names: a plan file (priced on --cluster when given), or the
+    notation built for --model on --gpus x --cluster, its layers split as the search splits
+    them (planner.search.split_stages)."""
+    if _is_plan_file(ref):
+        loaded = plans.catalog.load_plan(Path(ref))
+        if cluster is not None:
+            from planner.calibrate import on
+
+            loaded = on(loaded, plans.catalog.load_cluster(cluster, what="--cluster"))
+        return loaded
+    for option, value in (("--model", model), ("--cluster", cluster), ("--gpus", gpus)):
+        if value is None:
+            raise plans.SpecError(f"{option}: the plan notation {ref!r} needs --model, "
+                                  "--cluster and --gpus (or give a plan file)")
+    from planner.search import split_stages
+    from plans.notation import plan_from_notation
+
+    spec_model = plans.catalog.load_model(model)
+    spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus, what="--cluster")
+    training, _ = _training(global_batch, seq_len or 8192,
+                            precision or TrainingPrecision.bf16, gpus)
+    return split_stages(plan_from_notation(ref, spec_model, spec_cluster, training))
+
+
 # ---- commands ------------------------------------------------------------------------------------
 
 
@@ -264,6 +405,53 @@ def catalog_cmd(json_out: JsonOpt = False) -> None:
     print_catalog(models, clusters)
 
 
+@app.command("import-hf")
+@user_errors
+def import_hf_cmd(
+    config: Annotated[Path, typer.Argument(
+        help="A Hugging Face config.json, or a local snapshot folder holding one.")],
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the model spec YAML here (default: stdout).")] = None,
+    name: Annotated[str | None, typer.Option(
+        "--name", help="The spec's name (default: the snapshot folder's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write the ModelSpec of a Hugging Face config (plans.hf).
+
+    Any command that takes a model also takes the config.json or its folder directly.
+
+    \b
+    Examples:
+      moeplan import-hf DeepSeek-V3/config.json --out deepseek-v3.yaml
+      moeplan import-hf ~/.cache/huggingface/hub/models--openai--gpt-oss-120b/snapshots/X
+      moeplan import-hf config.json --json
+    """
+    import yaml
+
+    from planner.report import envelope, params_text
+
+    _check_out(out, force)
+    spec = plans.hf.load(config)
+    if name is not None:
+        spec = plans.catalog.parse(plans.ModelSpec, {**spec.model_dump(), "name": name},
+                                   "--name")
+    text = yaml.safe_dump({"name": spec.name, **spec.model_dump(mode="json",
+                                                                exclude_defaults=True)},
+                          sort_keys=False)
+    if out is not None:
+        _write_new(out, f"# moeplan import-hf {config}\n{text}", force)
+    if json_out:
+        typer.echo(json.dumps(envelope(
+            "import-hf", None, model=spec.model_dump(mode="json"),
+            total_params=spec.total_params, active_params=spec.active_params,
+            out=str(out) if out is not None else None), indent=2))
+    elif out is None:
+        typer.echo(f"# {spec.name}: {params_text(spec)}\n{text}", nl=False)
+    else:
+        typer.echo(f"{spec.name}: {params_text(spec)}; wrote {out}")
+
+
 @app.command()
 def schema() -> None:
     """Print the Plan JSON Schema."""
@@ -272,6 +460,7 @@ def schema() -> None:
 
 @app.command("search", short_help="Find the fastest plans that fit, beside Megatron-Core's best.")
 @user_errors
+@pin_options
 def search_cmd(
     model: ModelArg,
     cluster: ClusterArg,
@@ -280,103 +469,113 @@ def search_cmd(
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
     top: Annotated[int, typer.Option("--top", min=1, help="Plans to keep.")] = 5,
-    overlap: Annotated[
-        list[Overlap] | None,
-        typer.Option("--overlap", help="Allowed overlap levels (repeat); default those some "
-                     "runtime executes (none, inter_op): inter_intra_op only by name."),
-    ] = None,
-    recompute: Annotated[
-        list[Recompute] | None,
-        typer.Option("--recompute", help="Allowed recomputation policies (repeat); default all."),
-    ] = None,
-    attention: Annotated[
-        list[AttentionKind] | None,
-        typer.Option("--attention", help="Allowed attention strategies (repeat); default "
-                     "ulysses_sp and tp (cp is for comparing predictions: the runtime does not "
-                     "run it)."),
-    ] = None,
     kernels: Annotated[Kernels, typer.Option(
         "--kernels", help="The layers' memory-bound operators: fused torch.compile regions "
         "(default) or eager PyTorch.")] = Kernels.fused,
     runnable: RunnableOpt = False,
     target: TargetOpt = Target.moeplan,
-    out: Annotated[Path | None, typer.Option("--out", help="Write the best plan here.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write the best plan here (YAML for a .yaml or .yml name, else JSON).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out or --plot "
+                                                        "file.")] = False,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write the plans' stacked time breakdowns (.png or .svg; needs "
+        "matplotlib).")] = None,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
     """Find the fastest plans that fit, beside Megatron-Core's best plan (searched over what
-    it runs) and the paper's Megatron-LM layout (the reference).
+    it runs) and the paper's Megatron-LM layout (the reference). The pin options (--tp 1,2
+    --ep 8 --recompute sel ...) restrict what is searched: one value pins it.
 
     \b
     Examples:
       moeplan search mixtral-8x7b h100 --gpus 64 --global-batch 256 --seq-len 4096
       moeplan search qwen3-30b-a3b h200 --gpus 8 --target megatron --out plan.json
       moeplan search internal-352b h800 --gpus 1440 --global-batch 720 --json
-      moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.json
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.yaml
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --tp 1 --ep 4,8 --mbs 1,2
     """
+    from planner.pins import parse_pins
     from planner.report import job_document, job_text, print_search, search_document
-    from planner.search import search
-    from planner.space import SearchSpace
 
     _check_out(out, force)
+    _check_plot(plot, force)
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
-    space = SearchSpace(
-        **({"overlap": tuple(overlap)} if overlap else {}),
-        recompute=tuple(recompute) if recompute else tuple(Recompute),
-        **({"attention": tuple(attention)} if attention else {}),
-        kernels=kernels,
-    )
-    space = _for_target(space, precision, target, runnable)
-    if json_out:
-        result = search(spec_model, spec_cluster, training, space, top=top)
-    else:
-        with _progress_search(False, "searching layouts") as progress:
-            result = search(spec_model, spec_cluster, training, space, top=top,
-                            progress=progress)
-    if result.best is None:
-        raise plans.SpecError(
-            f"--gpus: no plan of {spec_model.name} fits {gpus} x {spec_cluster.gpu.name} "
-            f"(global batch {training.global_batch}, seq {seq_len}); "
-            f"{result.stats.pruned_memory} candidates out of memory, "
-            f"{result.stats.invalid} invalid"
-        )
+    pinned = parse_pins(pins or {}, Precision(precision.value))
+    result = _pinned_search(spec_model, spec_cluster, training, pinned, kernels, runnable,
+                            top, json_out, target=target)
     if out is not None:
-        _write_new(out, result.best.plan.model_dump_json(indent=2), force)
+        from plans.io import plan_text
+
+        _write_new(out, plan_text(result.best.plan, out), force)
+    if plot is not None:
+        rows = [(f"#{i + 1}", r.plan, r.evaluation) for i, r in enumerate(result.top)]
+        if result.baseline is not None:
+            rows.append(("megatron", result.baseline.plan, result.baseline.evaluation))
+        _plots().breakdown_plot(rows, plot, job_text(spec_model, spec_cluster, training),
+                                force)
     if json_out:
         job = job_document(spec_model, spec_cluster, training)
+        if pinned.text:
+            job["pins"] = pinned.text
         typer.echo(json.dumps(search_document(result, job), indent=2))
     else:
-        print_search(result, job_text(spec_model, spec_cluster, training, batch_note))
+        print_search(result, job_text(spec_model, spec_cluster, training, batch_note)
+                     + (f"; {pinned.text}" if pinned.text else ""))
         if out is not None:
             typer.echo(f"best plan written to {out}")
+        if plot is not None:
+            typer.echo(f"plot written to {plot}")
 
 
 @app.command(short_help="Time and memory breakdown of a plan, per step and per layer.")
 @user_errors
+@pin_options
 def explain(
-    plan: PlanArg,
+    plan: Annotated[str | None, typer.Argument(
+        help="A plan file (.json or .yaml) or the plan notation in quotes ('pp4 vpp8 dp16 ep8 "
+        "a2a mbs1', with --model, --cluster and --gpus); without it, the fastest plan the pin "
+        "options allow for --model on --gpus x --cluster.")] = None,
     measured: Annotated[Path | None, typer.Option(
         "--measured", help="A measured step of this plan (bench/train_step.py's result JSON): "
         "predicted and measured seconds per runtime component, side by side.")] = None,
     cluster: Annotated[str | None, typer.Option(
-        "--cluster", help="Price the plan on this cluster (catalog name or spec file) instead "
-        "of its own, at the plan's GPU count: e.g. the calibrated h200-runtime a run was "
-        "measured on.")] = None,
+        "--cluster", help="The cluster (catalog name or spec file): for a plan file, price it "
+        "here instead of its own, at the plan's GPU count (e.g. the calibrated h200-runtime a "
+        "run was measured on); for notation or pins, the cluster it is built for.")] = None,
+    model: ModelOpt = None,
+    gpus: OptGpusOpt = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
+        "half the GPU count.")] = None,
+    seq_len: OptSeqOpt = None,
+    precision: OptPrecisionOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write the step's stacked time breakdown (.png or .svg; needs "
+        "matplotlib).")] = None,
+    force: PlotForceOpt = False,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
     """Time breakdown per layer and per step, memory breakdown and critical path of a plan;
     with --measured, the plan as the runtime executed it against a measured step, per
-    component.
+    component. The plan is a file, the notation, or (none given) the fastest plan the pin
+    options allow.
 
     \b
     Examples:
       moeplan explain plan.json
-      moeplan explain plan.json --json
+      moeplan explain "pp2 dp4 sp2 ep8 a2a mbs1" --model qwen3-30b-a3b \\
+          --cluster h200 --gpus 16 --global-batch 64 --seq-len 4096
+      moeplan explain --model mixtral-8x7b --cluster h100 --gpus 16 --tp 8 --ep 1
       moeplan explain plan.json --measured train_step.json --cluster h200-runtime
     """
     import cost_models
+    from planner.pins import parse_pins
     from planner.report import (
         explain_document,
         measured_document,
@@ -384,11 +583,29 @@ def explain(
         print_measured,
     )
 
-    loaded = plans.catalog.load_plan(plan)
-    if cluster is not None:
-        from planner.calibrate import on
-
-        loaded = on(loaded, plans.catalog.load_cluster(cluster, what="--cluster"))
+    _check_plot(plot, force)
+    if plot is not None and measured is not None:
+        raise plans.SpecError("--plot: draws the predicted breakdown; not with --measured")
+    pinned = parse_pins(pins or {}, Precision((precision or TrainingPrecision.bf16).value))
+    if plan is None:
+        for option, value in (("--model", model), ("--cluster", cluster), ("--gpus", gpus)):
+            if value is None:
+                raise plans.SpecError(f"{option}: give a PLAN (file or notation), or --model, "
+                                      "--cluster and --gpus for the fastest plan the pins "
+                                      "allow")
+        spec_model = plans.catalog.load_model(model)
+        spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus, what="--cluster")
+        training, _ = _training(global_batch, seq_len or 8192,
+                                precision or TrainingPrecision.bf16, gpus)
+        loaded = _pinned_search(spec_model, spec_cluster, training, pinned,
+                                json_out=json_out).best.plan
+    else:
+        if pinned.text:
+            raise plans.SpecError(f"{pinned.text.split()[0]}: the pin options choose a plan "
+                                  "by search; a PLAN states its layout (write it in the "
+                                  "notation)")
+        _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
+        loaded = _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
     if measured is not None:
         from planner.measured import compare
 
@@ -400,40 +617,122 @@ def explain(
         return
     priced, notes = _by_target(loaded)
     evaluation = cost_models.evaluate(priced)
+    if plot is not None:
+        from planner.report import job_text
+
+        _plots().breakdown_plot([("plan", priced, evaluation)], plot,
+                                job_text(priced.model, priced.cluster, priced.training), force)
     if json_out:
         typer.echo(json.dumps(explain_document(priced, evaluation), indent=2))
     else:
         for note in notes:
             typer.echo(note)
         print_explain(priced, evaluation)
+        if plot is not None:
+            typer.echo(f"plot written to {plot}")
 
 
-@app.command(short_help="Re-check a plan file and say how the runtime would run it.")
+@app.command("compare", short_help="Plans side by side: breakdowns, deltas, why one is faster.")
 @user_errors
-def validate(plan: PlanArg) -> None:
-    """Re-check a plan, generated or hand-written, against its specs and memory.
+def compare_cmd(
+    plan: Annotated[list[str], typer.Argument(
+        metavar="PLAN...", help="Two plans or more: files (.json or .yaml) or the plan "
+        "notation in quotes (with --model, --cluster and --gpus).")],
+    model: ModelOpt = None,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="The cluster plans in notation are built for; plan files are "
+        "priced on it too (at their GPU counts).")] = None,
+    gpus: OptGpusOpt = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step of plans in notation; default "
+        "half the GPU count.")] = None,
+    seq_len: OptSeqOpt = None,
+    precision: OptPrecisionOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write the plans' stacked time breakdowns (.png or .svg; needs "
+        "matplotlib).")] = None,
+    force: PlotForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Two plans or more side by side: each step-time component in ms, each plan's
+    difference from the first, throughput and memory, and one sentence per plan on what
+    makes the faster one faster (the component whose time differs the most).
 
     \b
-    Example:
+    Examples:
+      moeplan compare plan.json "pp1 dp2 tp4 etp4 mbs1 ov:none sync:fp32"
+      moeplan compare "pp2 dp4 sp2 ep8 a2a mbs1" "pp2 dp4 sp2 ep8 ag+rs mbs1" \\
+          --model qwen3-30b-a3b --cluster h200 --gpus 16 --global-batch 64
+    """
+    import cost_models
+    from planner.report import compare_document, compare_labels, print_compare
+
+    if len(plan) < 2:
+        raise plans.SpecError("PLAN: give two plans or more to compare")
+    _check_plot(plot, force)
+    _job_options_for_notation(plan, model, gpus, global_batch, seq_len, precision)
+    loaded = [_load_plan_ref(ref, model, cluster, gpus, global_batch, seq_len, precision)
+              for ref in plan]
+    items = [(label, p, cost_models.evaluate(p))
+             for label, p in zip(compare_labels(len(loaded)), loaded, strict=True)]
+    if plot is not None:
+        from planner.report import job_text
+
+        first = loaded[0]
+        _plots().breakdown_plot(items, plot, job_text(first.model, first.cluster,
+                                                      first.training), force)
+    if json_out:
+        typer.echo(json.dumps(compare_document(items, plan), indent=2))
+        return
+    print_compare(items, plan)
+    if plot is not None:
+        typer.echo(f"plot written to {plot}")
+
+
+@app.command(short_help="Re-check a plan and say how the runtime would run it.")
+@user_errors
+def validate(
+    plan: PlanRefArg,
+    model: ModelOpt = None,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="For a plan file, price it on this cluster; for notation, the "
+        "cluster it is built for.")] = None,
+    gpus: OptGpusOpt = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
+        "half the GPU count.")] = None,
+    seq_len: OptSeqOpt = None,
+    precision: OptPrecisionOpt = None,
+) -> None:
+    """Re-check a plan, generated, hand-written or in notation, against its specs and memory.
+
+    \b
+    Examples:
       moeplan validate plan.json
+      moeplan validate "pp1 dp2 sp4 ep8 a2a mbs1" --model qwen3-30b-a3b --cluster h200 \\
+          --gpus 8
     """
     import cost_models
     from plans.execution import Backend, deviations, executed_plan, refusals
 
-    loaded = plans.catalog.load_plan(plan)
+    _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
+    loaded = _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
     priced, notes = _by_target(loaded)
     evaluation = cost_models.evaluate(priced)
     if not evaluation.feasible:
         raise plans.SpecError(f"{plan}: does not fit: {evaluation.reason}")
+    from planner.report import ms_text, tflops_per_gpu, tflops_text
+
     typer.echo(f"ok: {loaded.summary()}")
-    typer.echo(f"predicted step {evaluation.step_time_s:.3f} s, {evaluation.tokens_per_s:,.0f} "
-               f"tokens/s, MFU {evaluation.mfu:.1%}, peak memory "
-               f"{evaluation.memory.peak_bytes / 2**30:.1f} GiB")
+    typer.echo(f"predicted step {ms_text(evaluation.step_time_s)} ms, "
+               f"{evaluation.tokens_per_s:,.0f} tokens/s, "
+               f"{tflops_text(tflops_per_gpu(loaded, evaluation))} TFLOP/s/GPU, MFU "
+               f"{evaluation.mfu:.1%}, peak memory {evaluation.memory.peak_bytes / 2**30:.1f} GiB")
     if loaded.prediction is not None:
         stored = loaded.prediction.step_time_s
         if abs(stored - evaluation.step_time_s) > 1e-6 * max(stored, 1e-12):
-            typer.echo(f"note: the plan's stored prediction ({stored:.3f} s) differs from this "
-                       "cost model's; the specs or efficiency factors changed")
+            typer.echo(f"note: the plan's stored prediction ({ms_text(stored)} ms) differs "
+                       "from this cost model's; the specs or efficiency factors changed")
     if loaded.target == Target.megatron:
         from plans.execution import TARGET_NAMES
 
@@ -450,16 +749,12 @@ def validate(plan: PlanArg) -> None:
         ran = cost_models.evaluate(executed_plan(loaded))
         runs = ", ".join(f"{d.field} {d.executed}" for d in found)
         typer.echo(f"moeplan train runs it with {runs} (plans.execution): predicted step "
-                   f"{ran.step_time_s:.3f} s, MFU {ran.mfu:.1%}; `moeplan search --runnable` "
-                   "plans for that")
+                   f"{ms_text(ran.step_time_s)} ms, MFU {ran.mfu:.1%}; `moeplan search "
+                   "--runnable` plans for that")
 
 
 # ---- what-if and scaling -------------------------------------------------------------------------
 
-PlotOpt = Annotated[
-    Path | None, typer.Option("--plot", help="Write a plot (.png or .svg; needs matplotlib).")
-]
-PlotForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing --plot file.")]
 
 
 def _progress_search(json_out: bool, label: str):
@@ -484,23 +779,33 @@ def _progress_search(json_out: bool, label: str):
 
 @app.command("whatif", short_help="Change the hardware, re-plan at every point, compare.")
 @user_errors
+@pin_options
 def whatif_cmd(
     model: ModelArg,
-    cluster: ClusterArg,
-    gpus: GpusOpt,
-    vary: Annotated[list[str], typer.Option(
+    cluster: Annotated[str | None, typer.Argument(
+        help="Catalog cluster name or a .yaml/.json ClusterSpec (or --cluster a,b).")] = None,
+    gpus: GpusOpt = ...,
+    vary: Annotated[list[str] | None, typer.Option(
         "--vary", help="KNOB=V1,V2,... with values absolute or multipliers (2x); repeat for a "
         "grid. Knobs: gpu_tflops, hbm_gib, hbm_tb_s, nvlink_gb_s, nvlink_domain, network_gb_s, "
-        "overlap_share (0-1: communication hidden beside compute).")],
+        "overlap_share (0-1: communication hidden beside compute).")] = None,
+    clusters: Annotated[list[str] | None, typer.Option(
+        "--cluster", help="Machines to compare, each re-planned (catalog names or spec "
+        "files), instead of CLUSTER. One value or a list: comma-separated (h100,h200) or the "
+        "option repeated.")] = None,
     global_batch: BatchOpt = None,
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
     runnable: RunnableOpt = False,
-    plot: PlotOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write a plot (.png or .svg; needs matplotlib): a line over one knob, "
+        "a heatmap over a grid of two (machines count as one).")] = None,
     force: PlotForceOpt = False,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
-    """Change the hardware, re-plan at every point, and compare with the Megatron-style layout.
+    """Change the hardware (or compare machines), re-plan at every point, and compare with the
+    Megatron-style layout. The pin options restrict every point's search.
 
     \b
     Examples:
@@ -508,35 +813,61 @@ def whatif_cmd(
           --vary gpu_tflops=1x,2x,4x
       moeplan whatif internal-352b h800 --gpus 1440 --global-batch 720 \\
           --vary nvlink_gb_s=400,900 --vary network_gb_s=25,50 --plot whatif.png
+      moeplan whatif qwen3-30b-a3b --cluster h100,h200,b200 --gpus 16
       moeplan whatif qwen3-30b-a3b h200-runtime --gpus 8 --runnable \\
           --vary overlap_share=0,0.5,0.9
     """
+    from planner.pins import parse_pins, split_values
     from planner.report import job_document, job_text, print_whatif, whatif_document
     from planner.space import SearchSpace
-    from planner.whatif import parse_vary, whatif
+    from planner.whatif import parse_vary, whatif_machines
 
     _check_plot(plot, force)
+    machines = split_values("--cluster", clusters)
+    if (cluster is None) == (machines is None):
+        raise plans.SpecError("--cluster: give one CLUSTER, or machines to compare as "
+                              "--cluster a,b; not both")
+    names = machines or [cluster]
+    if len(set(names)) < len(names):
+        raise plans.SpecError(f"--cluster: {next(n for n in names if names.count(n) > 1)} "
+                              "given twice")
+    if not vary and len(names) < 2:
+        raise plans.SpecError("--vary: give a knob to vary (KNOB=V1,V2), or two machines or "
+                              "more with --cluster a,b")
     spec_model = plans.catalog.load_model(model)
-    spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
+    what = "--cluster" if machines else "cluster"
+    specs = [(n, plans.catalog.load_cluster(n, gpus=gpus, what=what)) for n in names]
+    spec_cluster = specs[0][1]
     training, batch_note = _training(global_batch, seq_len, precision, gpus)
-    varies = [parse_vary(v) for v in vary]
-    space = _for_target(SearchSpace(), precision, Target.moeplan, True) if runnable else None
+    varies = [parse_vary(v) for v in vary or []]
+    pinned = parse_pins(pins or {}, Precision(precision.value))
+    space = _for_target(SearchSpace(**pinned.fields), precision, Target.moeplan, runnable)
     with _progress_search(json_out, "re-planning") as progress:
-        points = whatif(spec_model, spec_cluster, training, varies, space, progress=progress)
-    title = f"{spec_model.name} on {gpus} x {spec_cluster.gpu.name}"
+        points = whatif_machines(spec_model, specs, training, varies, space,
+                                 progress=progress)
+        if not machines:
+            points = [replace(p, machine=None) for p in points]
+    on = ", ".join(c.gpu.name for _, c in specs)
+    title = f"{spec_model.name} on {gpus} x {on}"
+    header = job_text(spec_model, [c for _, c in specs] if machines else spec_cluster,
+                      training, batch_note) + (f"; {pinned.text}" if pinned.text else "")
+    job = job_document(spec_model, spec_cluster, training)
+    if machines:
+        job["cluster"] = [c.name for _, c in specs]
     _finish(points, json_out, plot,
-            lambda pts: whatif_document(pts, job_document(spec_model, spec_cluster, training)),
-            lambda pts: print_whatif(pts, job_text(spec_model, spec_cluster, training,
-                                                   batch_note)),
+            lambda pts: whatif_document(pts, job),
+            lambda pts: print_whatif(pts, header),
             lambda pts, path: _plots().whatif_plot(pts, path, title, force))
 
 
 @app.command("scale", short_help="Strong or weak scaling of the best plan and the baseline.")
 @user_errors
+@pin_options
 def scale_cmd(
     model: ModelArg,
     cluster: ClusterArg,
-    gpus: Annotated[str, typer.Option("--gpus", help="GPU counts, comma-separated.")],
+    gpus: Annotated[list[str], typer.Option(
+        "--gpus", help="GPU counts: comma-separated (240,480) or the option repeated.")],
     global_batch: Annotated[int | None, typer.Option(
         "--global-batch", min=1, help="Sequences per step (strong scaling); default half the "
         "largest GPU count.")] = None,
@@ -545,11 +876,15 @@ def scale_cmd(
         "(global batch grows with the GPUs); without it, strong scaling.")] = None,
     seq_len: SeqOpt = 8192,
     precision: PrecisionOpt = TrainingPrecision.bf16,
-    plot: PlotOpt = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Write a plot (.png or .svg; needs matplotlib): tokens/s with the "
+        "ideal (linear from the first count) and MFU.")] = None,
     force: PlotForceOpt = False,
     json_out: JsonOpt = False,
+    pins: dict | None = None,
 ) -> None:
-    """Strong or weak scaling of the best plan and the Megatron-style layout.
+    """Strong or weak scaling of the best plan and the Megatron-style layout. The pin options
+    restrict every GPU count's search.
 
     \b
     Examples:
@@ -558,19 +893,23 @@ def scale_cmd(
       moeplan scale internal-352b h800 --gpus 240,480,960 --weak 24 \\
           --plot scale.svg
     """
+    from planner.pins import parse_pins
     from planner.report import job_document, print_scale, scale_document
     from planner.scale import scale
+    from planner.space import SearchSpace
 
     counts = _int_list(gpus, "--gpus")
     if weak is not None and global_batch is not None:
         raise plans.SpecError("--global-batch: weak scaling (--weak) sets the global batch at "
                               "each GPU count; give one of the two")
     _check_plot(plot, force)
+    pinned = parse_pins(pins or {}, Precision(precision.value))
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster)
     training, batch_note = _training(global_batch, seq_len, precision, max(counts))
     with _progress_search(json_out, "scaling") as progress:
-        points = scale(spec_model, spec_cluster, training, counts, weak, progress=progress)
+        points = scale(spec_model, spec_cluster, training, counts, weak,
+                       SearchSpace(**pinned.fields), progress=progress)
     kind = (f"weak, {weak} seqs/replica" if weak
             else f"strong, global batch {training.global_batch}")
     title = f"{spec_model.name} on {spec_cluster.gpu.name} ({kind})"
@@ -578,7 +917,8 @@ def scale_cmd(
               f"{', '.join(f'{c:,}' for c in counts)} GPUs: "
               + (f"weak scaling, {weak} sequences per NVLink-domain replica" if weak else
                  f"strong scaling, global batch {training.global_batch:,}{batch_note}")
-              + f" x {seq_len:,} tokens, {training.precision.value}")
+              + f" x {seq_len:,} tokens, {training.precision.value}"
+              + (f"; {pinned.text}" if pinned.text else ""))
     job = {**job_document(spec_model, spec_cluster, training, gpus=counts),
            "weak_seqs_per_replica": weak}
     if weak:
@@ -612,13 +952,17 @@ def _finish(points, json_out: bool, plot: Path | None, document, printer, draw) 
         typer.echo(f"plot written to {plot}")
 
 
-def _int_list(text: str, option: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise plans.SpecError(f"{option}: {text!r} must be comma-separated whole numbers") from None
-    if not values or min(values) < 1:
-        raise plans.SpecError(f"{option}: {text!r} must list positive GPU counts")
+def _int_list(raw: list[str], option: str) -> list[int]:
+    """Positive whole numbers under the list rule (planner.pins), each once."""
+    from planner.pins import split_values
+
+    values = []
+    for text in split_values(option, raw) or []:
+        if not text.isdigit() or int(text) < 1:
+            raise plans.SpecError(f"{option}: {text!r} is not a positive GPU count")
+        values.append(int(text))
+    if not values:
+        raise plans.SpecError(f"{option}: no GPU counts given")
     if len(set(values)) < len(values):
         twice = next(v for v in values if values.count(v) > 1)
         raise plans.SpecError(f"{option}: {twice} given twice")
@@ -645,6 +989,7 @@ def profile_cmd(
     """
     import subprocess
 
+    _need_torch("profile")
     loaded = plans.catalog.load_plan(plan)
     if loaded.degrees.world != 1:
         raise plans.SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
@@ -725,6 +1070,10 @@ def calibrate_cmd(
     measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
     beside = read(OverlapBench, overlap, "--overlap") if overlap else None
+    for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
+                          (beside, "--overlap")):
+        if taken is not None:
+            cal.check_device(taken, option, base_cluster)
     if runs is not None and not runs.is_dir():
         raise plans.SpecError(f"--runs: {runs} is not a folder")
     if (fused_profile is None) != (fused_plan is None):
@@ -738,6 +1087,7 @@ def calibrate_cmd(
     fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
     fused_plan_spec = plans.catalog.load_plan(fused_plan) if fused_plan else None
     if fused is not None:
+        cal.check_device(fused, "--fused-profile", base_cluster)
         cal.check_one_gpu(fused_plan_spec, "--fused-plan")
         check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
                               "--fused-plan")
@@ -749,13 +1099,17 @@ def calibrate_cmd(
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
                               f"in {plans_dir} (--plans)")
-    rows = []
+    rows, held, held_before = [], [], []
     for run, plan_path in pairs:
         row = cal.fidelity_row(run, plan_path, result.cluster)
         before = cal.fidelity_row(run, plan_path)
         fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
-        rows.append({**row, "step_error_before": before["step_error"],
-                     "held_out": plan_path.resolve() not in fitted})
+        held_out = plan_path.resolve() not in fitted
+        rows.append({**row.as_dict(), "step_error_before": before.step_error,
+                     "held_out": held_out})
+        if held_out:
+            held.append(row)
+            held_before.append(before)
     sources = ([f"profile {profile.name}, commit {measured_profile.commit}"] if profile else []
                ) + ([f"collectives {collectives.name}, commit {sweep.commit}"] if sweep else []
                     ) + ([f"fused profile {fused_profile.name}, commit {fused.commit}"]
@@ -765,11 +1119,11 @@ def calibrate_cmd(
               f"moeplan's runtime by `moeplan calibrate`\n# ({'; '.join(sources)}).\n")
     _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),
                                             sort_keys=False), force)
-    held = [r for r in rows if r["held_out"]]
-    summary = {
-        "median_abs_step_error": _median_abs(held, "step_error"),
-        "median_abs_step_error_before": _median_abs(held, "step_error_before"),
-    }
+    after = cal.fidelity_summary([r.step_error for r in held], [r.memory_error for r in held])
+    was = cal.fidelity_summary([r.step_error for r in held_before],
+                               [r.memory_error for r in held_before])
+    summary = {"median_abs_step_error": after and after.median_abs_step_error,
+               "median_abs_step_error_before": was and was.median_abs_step_error}
     if json_out:
         typer.echo(json.dumps({"cluster": result.cluster.model_dump(mode="json"),
                                "factors": result.factors, "out": str(out), "runs": rows,
@@ -778,17 +1132,11 @@ def calibrate_cmd(
     from planner.report import echo_calibration
 
     echo_calibration(base_cluster, result, rows)
-    if held:
-        before = summary["median_abs_step_error_before"]
-        typer.echo(f"held-out step-time error: median {summary['median_abs_step_error']:.1%} "
-                   f"(with {base_cluster.name}'s factors {before:.1%}) over {len(held)} runs")
+    if after is not None:
+        typer.echo(f"held-out step-time error: median {after.median_abs_step_error:.1%} "
+                   f"(with {base_cluster.name}'s factors {was.median_abs_step_error:.1%}) over "
+                   f"{after.runs} runs")
     typer.echo(f"wrote {out}")
-
-
-def _median_abs(rows: list[dict], key: str) -> float | None:
-    import statistics
-
-    return statistics.median(abs(r[key]) for r in rows) if rows else None
 
 
 @app.command("export", short_help="Print a launch script: Megatron-LM, torchrun or Slurm.")
@@ -838,60 +1186,31 @@ def export_cmd(
     typer.echo(script, nl=False)
 
 
-@app.command("train", short_help="Train with the plan on this machine under torchrun.")
-@user_errors
-def train_cmd(
-    plan: PlanArg,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Steps to train (with "
-                                       "--resume: the step to reach).")] = 10,
-    data: Annotated[Path | None, typer.Option("--data", help="Token file (.u16/.u32).")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option(
-        "--nproc-per-node", min=1, help="Processes on this machine; default the plan's world.")
-    ] = None,
-    log: Annotated[Path | None, typer.Option(
-        "--log", help="JSON-lines log, one record per step; an existing log is appended to "
-        "(a resumed run continues it).")] = None,
-    ckpt_dir: Annotated[Path | None, typer.Option(
-        "--ckpt-dir", help="Folder of checkpoints (torch DCP), one per saved step.")] = None,
-    ckpt_every: Annotated[int | None, typer.Option(
-        "--ckpt-every", min=1, help="Save a checkpoint every N steps (needs --ckpt-dir).")
-    ] = None,
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue from the newest checkpoint in --ckpt-dir.")] = False,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Start afresh in a --ckpt-dir holding another run's checkpoints "
-        "(they are deleted first).")] = False,
-) -> None:
-    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs).
+def _train_cmd(plan: Path, nproc_per_node: int | None = None, **options: object) -> None:
+    """Train with the plan on this machine under torchrun (gloo on CPU, NCCL on GPUs). The
+    training options are python -m runtime.train's (plans.run_options), passed through; the
+    runtime checks them all, with the plan, the data, the log, the checkpoint folder and its
+    free space, before torchrun starts a worker.
 
     \b
     Example:
       moeplan search tiny-moe h200 --gpus 4 --global-batch 8 --seq-len 256 \\
           --out tiny.json
-      moeplan train tiny.json --steps 20 --log metrics.jsonl
+      moeplan train tiny.json --steps 200 --lr 3e-4 --lr-schedule cosine \\
+          --warmup-steps 20 --min-lr 3e-5 --log-file metrics.jsonl
     """
     from planner import launch
+    from plans.run_options import run_argv
 
+    _need_torch("train")
     loaded = plans.catalog.load_plan(plan)
-    # what the launcher alone can tell; the runtime's own checks run next (launch.preflight)
-    if data is not None and data.suffix not in (".u16", ".u32"):
-        raise plans.SpecError(f"--data: {data} must end in .u16 or .u32 (the token width)")
-    if ckpt_every is not None and ckpt_dir is None:
-        raise plans.SpecError("--ckpt-every: needs --ckpt-dir")
-    if resume and ckpt_dir is None:
-        raise plans.SpecError("--resume: needs --ckpt-dir")
     world = loaded.degrees.world
     nproc = nproc_per_node or world
     if nproc != world:
         raise plans.SpecError(f"--nproc-per-node: {nproc} processes on one machine, but the "
                               f"plan's world size is {world}; for several nodes use "
                               "`moeplan export --to torchrun`")
-    args = ["--plan", str(plan), "--steps", str(steps)]
-    for flag, value in (("--data", data), ("--log-file", log), ("--ckpt-dir", ckpt_dir),
-                        ("--ckpt-every", ckpt_every)):
-        if value is not None:
-            args += [flag, str(value)]
-    args += [flag for flag, on in (("--resume", resume), ("--overwrite", overwrite)) if on]
+    args = ["--plan", str(plan), *run_argv(options)]
     env = dict(os.environ)
     launch.preflight(args, world, nproc, env)  # the runtime's checks; no worker started
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -901,6 +1220,35 @@ def train_cmd(
         typer.echo(f"error: {outcome.message}", err=True)
     if outcome.code != 0:
         raise typer.Exit(outcome.code)
+
+
+def _run_option_parameters() -> list:
+    """`moeplan train`'s typer parameters: PLAN, --nproc-per-node, then plans.run_options'
+    RUN_OPTIONS (the runtime's own, declared once)."""
+    import inspect
+
+    from plans.run_options import RUN_OPTIONS
+
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [
+        inspect.Parameter("plan", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=PlanArg),
+        inspect.Parameter("nproc_per_node", kw, default=None, annotation=Annotated[
+            int | None, typer.Option("--nproc-per-node", min=1, help="Processes on this "
+                                     "machine; default the plan's world.")]),
+    ]
+    for o in RUN_OPTIONS:
+        if not o.launcher:
+            continue
+        bounds = {} if o.minimum is None or o.kind is bool else {"min": o.minimum}
+        kind = o.kind if o.kind is bool else o.kind | None
+        params.append(inspect.Parameter(o.dest, kw, default=o.default, annotation=Annotated[
+            kind, typer.Option(o.flag, *o.aliases, help=o.help, **bounds)]))
+    return params
+
+
+_train_cmd.__signature__ = __import__("inspect").Signature(_run_option_parameters())
+app.command("train", short_help="Train with the plan on this machine under torchrun.")(
+    user_errors(_train_cmd))
 
 
 def _interrupted(signum, frame) -> None:

@@ -43,6 +43,7 @@ from plans import (
 from plans.results import DispatchSweep, read
 
 SHORT = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag_rs"}
+"""The dispatchers moeplan's runtime runs and the sweep measures, by their names in it."""
 
 
 def point_plan(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int,
@@ -99,7 +100,7 @@ def points(sweep: DispatchSweep, cluster: ClusterSpec, model: ModelSpec) -> list
         for row in shape.rows:
             spec = model.model_copy(update={"hidden": shape.hidden, "experts": shape.experts,
                                             "top_k": row.top_k})
-            for d in Dispatch:
+            for d in SHORT:
                 plan = point_plan(spec, cluster, sweep.world, shape.seq_len, d)
                 g = forward_graph(layer_key(plan))
                 names = [n for n in g if n in DISPATCH_COMBINE_OPS]
@@ -127,7 +128,7 @@ def _best(pts: list[Point], gathers: list[float], floors: list[float]
           ) -> tuple[float, float, dict[Dispatch, float]]:
     """(error, gather_scatter, floors) of the best grid point: for each gather_scatter, each
     dispatcher's best floor (the dispatchers share only gather_scatter)."""
-    by_dispatch = {d: [p for p in pts if p.dispatch == d] for d in Dispatch}
+    by_dispatch = {d: [p for p in pts if p.dispatch == d] for d in SHORT}
     best: tuple[float, float, dict[Dispatch, float]] | None = None
     for gs in gathers:
         chosen, total = {}, 0.0
@@ -186,10 +187,10 @@ def choices(sweep: DispatchSweep, cluster: ClusterSpec, model: ModelSpec) -> lis
             spec = model.model_copy(update={"hidden": shape.hidden, "experts": shape.experts,
                                             "top_k": row.top_k})
             plans = {d: point_plan(spec, cluster, sweep.world, shape.seq_len, d)
-                     for d in Dispatch}
+                     for d in SHORT}
             out.append(Choice(
                 shape.hidden, shape.experts, shape.tokens_per_rank, row.top_k,
-                {d: row.of(SHORT[d]).measured.fwd_bwd_s for d in Dispatch},
+                {d: row.of(SHORT[d]).measured.fwd_bwd_s for d in SHORT},
                 {d: dispatch_combine_s(p) for d, p in plans.items()},
                 {d: evaluate(p).step_time_s for d, p in plans.items()},
             ))
@@ -212,7 +213,7 @@ def table(rows: list[Choice]) -> list[str]:
 
 
 def relative_errors(rows: list[Choice]) -> list[float]:
-    return [c.predicted[d] / c.measured[d] - 1 for c in rows for d in Dispatch]
+    return [c.predicted[d] / c.measured[d] - 1 for c in rows for d in SHORT]
 
 
 def load(path: Path) -> DispatchSweep:

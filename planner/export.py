@@ -11,13 +11,15 @@ from plans import (
     RECOMPUTED,
     Dispatch,
     LayerOperator,
+    ModelSpec,
     Optimizer,
     OptimizerSharding,
+    Overlap,
     Plan,
     Precision,
     SpecError,
 )
-from plans.enums import CrossEntropy, Overlap, Target
+from plans.enums import CrossEntropy, LinearBias, RouterScore, Target, WindowKind
 from plans.execution import as_target, refusals
 
 RDZV_PORT = 29500
@@ -26,13 +28,15 @@ RDZV_PORT = 29500
 def megatron_layout(plan: Plan) -> str:
     """The plan's exact stage split as Megatron-LM's --pipeline-model-parallel-layout: chunks in
     pipeline order (chunk c on stage c mod pp, Megatron's flattening too) separated by "|",
-    "E" the embedding on the first chunk, "t" a transformer layer, "L" the LM head and loss on
-    the last chunk (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
+    "E" the embedding on the first chunk, "t" a transformer layer, "m" an MTP module and "L" the
+    LM head and loss on the last chunk
+    (megatron/core/transformer/pipeline_parallel_layer_layout.py)."""
     last = len(plan.stage_layers) - 1
     chunks = []
     for c, n in enumerate(plan.stage_layers):
         body = "t" * n if n < 2 else f"t*{n}"
-        chunks.append(("E" if c == 0 else "") + body + ("L" if c == last else ""))
+        tail = "m" * plan.model.mtp_layers + "L" if c == last else ""
+        chunks.append(("E" if c == 0 else "") + body + tail)
     return "|".join(chunks)
 
 
@@ -102,9 +106,72 @@ def megatron_env(plan: Plan) -> dict[str, str]:
 def megatron_refusal(plan: Plan) -> str | None:
     """Why Megatron-Core cannot run this plan as planned, or None: its column of the
     capability table (plans.execution; a plan for another target re-checked as a megatron
-    plan), then whether it fits with the logits materialised."""
+    plan), then the model features its arguments cannot express, then whether it fits with
+    the logits materialised."""
     found = refusals(as_target(plan, Target.megatron), target=Target.megatron)
-    return found[0] if found else megatron_cross_entropy(plan)[0]
+    if found:
+        return found[0]
+    m = plan.model
+    if m.top_k == 1 and not m.router_pre_softmax and m.router_score == RouterScore.softmax:
+        return ("top-1 routing with renormalised weights: Megatron's TransformerConfig needs "
+                "--moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
+    if m.rope_theta != int(m.rope_theta):
+        return f"model.rope_theta {m.rope_theta:g}: Megatron's --rotary-base is a whole number"
+    if m.sliding_window and m.window_kind == WindowKind.chunked:
+        return ("model.window_kind chunked: Megatron-LM's window attention (--window-size) "
+                "slides; it has no chunked local attention")
+    if m.shared_expert_gate:
+        return "model.shared_expert_gate: Megatron-LM's arguments have no shared-expert gate"
+    if m.kv_share_layers > 1:
+        return ("model.kv_share_layers: Megatron-LM has no cross-layer attention (every layer "
+                "projects its own keys and values)")
+    return megatron_cross_entropy(plan)[0]
+
+
+def megatron_attention(m: ModelSpec) -> list[str]:
+    """The attention's shape flags: GQA, or MLA (Megatron-Core's MLATransformerConfig: its
+    --qk-head-dim is the no-RoPE part, --qk-pos-emb-head-dim the RoPE part, RoPE as plain
+    rotary (--rope-type rope, unfused) at the model's base); windows, sinks and partial
+    RoPE."""
+    if m.mla is None:
+        args = ["--kv-channels", str(m.head_dim), "--group-query-attention",
+                "--num-query-groups", str(m.kv_heads)]
+    else:
+        a = m.mla
+        args = ["--multi-latent-attention", "--kv-lora-rank", str(a.kv_lora_rank),
+                "--qk-head-dim", str(a.qk_nope_head_dim),
+                "--qk-pos-emb-head-dim", str(a.qk_rope_head_dim),
+                "--v-head-dim", str(a.v_head_dim), "--rope-type", "rope",
+                # Megatron-Core fuses MLA's RoPE for YaRN only
+                "--no-rope-fusion"]
+        if a.q_lora_rank:
+            args += ["--q-lora-rank", str(a.q_lora_rank)]
+    if m.sliding_window:
+        # Megatron's window is (keys left of the query, keys right of it): the model's window
+        # holds the query's own key too
+        args += ["--window-size", f"({m.sliding_window - 1},0)"]
+        if m.full_attention_every:
+            args += ["--window-attn-skip-freq", str(m.full_attention_every)]
+    if m.attention_sinks:
+        args += ["--softmax-type", "learnable"]
+    if m.rotary_fraction != 1:
+        args += ["--rotary-percent", f"{m.rotary_fraction:g}"]
+    return args
+
+
+def megatron_routing(m: ModelSpec) -> list[str]:
+    """The router's flags beyond top-k: the score function, the aux-loss-free expert bias,
+    the routed scaling factor and group-limited routing."""
+    args = (["--moe-router-score-function", m.router_score.value]
+            if m.router_score != RouterScore.softmax else [])  # Megatron's default: softmax
+    if m.router_expert_bias:
+        args.append("--moe-router-enable-expert-bias")
+    if m.routed_scaling_factor != 1:
+        args += ["--moe-router-topk-scaling-factor", f"{m.routed_scaling_factor:g}"]
+    if m.expert_groups > 1:
+        args += ["--moe-router-num-groups", str(m.expert_groups),
+                 "--moe-router-group-topk", str(m.groups_per_token)]
+    return args
 
 
 def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
@@ -118,16 +185,18 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     notes: list[str] = []
     args: list[str] = [
         "--num-layers", str(m.layers), "--hidden-size", str(m.hidden),
-        "--num-attention-heads", str(m.query_heads), "--kv-channels", str(m.head_dim),
-        "--group-query-attention", "--num-query-groups", str(m.kv_heads),
+        "--num-attention-heads", str(m.query_heads), *megatron_attention(m),
         "--seq-length", str(t.seq_len), "--max-position-embeddings", str(t.seq_len),
-        "--vocab-size", str(m.vocab), "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(m.vocab),
         "--normalization", "RMSNorm", "--norm-epsilon", f"{m.norm_eps:g}", "--swiglu",
         "--position-embedding-type", "rope", "--rotary-base", str(int(m.rope_theta)),
-        "--disable-bias-linear",
+        *({LinearBias.none: ["--disable-bias-linear"],
+           LinearBias.qkv: ["--disable-bias-linear", "--add-qkv-bias"],
+           LinearBias.all: []}[m.linear_bias]),
         "--attention-dropout", f"{m.dropout:g}", "--hidden-dropout", f"{m.dropout:g}",
         "--num-experts", str(m.experts), "--moe-router-topk", str(m.top_k),
         "--moe-ffn-hidden-size", str(m.expert_ffn_hidden), "--moe-grouped-gemm",
+        *megatron_routing(m),
     ]
     if m.qk_norm:
         args.append("--qk-layernorm")
@@ -143,11 +212,14 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     if m.shared_experts:
         args += ["--moe-shared-expert-intermediate-size",
                  str(m.shared_experts * m.shared_expert_ffn_hidden)]
-    if m.dense_layers:
-        args += ["--ffn-hidden-size", str(m.dense_ffn_hidden),
-                 "--moe-layer-freq", f"([0]*{m.dense_layers}+[1]*{m.moe_layers})"]
+    if m.dense_ffn_layers:
+        pattern = (f"([0]*{m.dense_layers}+[1]*{m.moe_layers})" if m.moe_layer_interval == 1
+                   else "[" + ",".join(str(int(moe)) for moe in m.moe_pattern) + "]")
+        args += ["--ffn-hidden-size", str(m.dense_ffn_hidden), "--moe-layer-freq", pattern]
     else:
         args += ["--ffn-hidden-size", str(m.expert_ffn_hidden)]
+    if m.mtp_layers:
+        args += ["--mtp-num-layers", str(m.mtp_layers)]
 
     # ---- parallelism: world = TP x PP x DP x CP in Megatron ---------------------------------
     tp, cp = d.tp, d.cp
@@ -172,9 +244,11 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     if d.pp > 1:  # the exact split, interleaved or not; vpp = chunks / pp
         args += ["--pipeline-model-parallel-layout", megatron_layout(plan)]
     if isinstance(plan.ffn, EPFFN):
-        dispatcher = {Dispatch.all_to_all: "alltoall",
-                      Dispatch.allgather_reduce_scatter: "allgather"}[plan.ffn.dispatch]
+        dispatcher = {Dispatch.all_to_all: "alltoall", Dispatch.allgather_reduce_scatter:
+                      "allgather", Dispatch.deepep: "flex"}[plan.ffn.dispatch]
         args += ["--moe-token-dispatcher-type", dispatcher]
+        if plan.ffn.dispatch == Dispatch.deepep:  # the flex dispatcher's DeepEP backend
+            args.append("--moe-enable-deepep")
         if plan.ffn.capacity_factor is not None:
             args += ["--moe-expert-capacity-factor", f"{plan.ffn.capacity_factor:g}"]
     else:
@@ -193,7 +267,10 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args.append("--use-distributed-optimizer")
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
-    if plan.grad_sync_overlap:  # the gradient reduce only: the plan's all-gather is not hidden
+    # the gradient reduce only: the plan's ZeRO-1 parameter all-gather follows the optimizer
+    # step, exposed (cost_models.grad_sync.exposed_grad_sync_s), so --overlap-param-gather,
+    # which hides it behind the next forward, is not the plan
+    if plan.grad_sync_overlap:
         args.append("--overlap-grad-reduce")
     if not plan.grad_accumulation_fusion:
         args.append("--no-gradient-accumulation-fusion")
@@ -219,34 +296,131 @@ def _pairs(args: list[str]) -> list[str]:
     return pairs
 
 
+def prediction_lines(plan: Plan) -> list[str]:
+    """The cost model's prediction for the plan, as comments to hold against the run's log."""
+    import cost_models
+
+    e = cost_models.evaluate(plan)
+    peak_tflops = plan.cluster.gpu.bf16_dense_tflops
+    # TFLOP/s/GPU is the MFU's numerator: model FLOPs (ModelSpec.flops_per_token) per GPU-second
+    return [
+        f"# predicted by moeplan's cost model on {plan.cluster.name}: "
+        f"{e.step_time_s:.4g} s/iter, {e.mfu * peak_tflops:.4g} TFLOP/s/GPU "
+        f"(MFU {e.mfu:.1%} of {peak_tflops:g} bf16 TFLOP/s), "
+        f"peak {e.memory.peak_bytes / 2**30:.4g} GiB per GPU",
+    ]
+
+
+def _array(name: str, words: list[str]) -> str:
+    return f"{name}=(\n" + "\n".join(f"  {w}" for w in words) + "\n)"
+
+
 def megatron_script(plan: Plan, steps: int | None = None) -> str:
-    """A bash script launching Megatron-LM's pretrain_gpt.py with the plan on every node."""
-    args, notes = megatron_args(plan, steps)
+    """A bash script launching Megatron-LM's pretrain_gpt.py with the plan on every node: the
+    plan's flags, then training flags from environment variables (defaults shown in the
+    script), then EXTRA_ARGS and the script's own arguments, which Megatron's argparse lets
+    override any earlier flag. DRY_RUN=1 prints the command and starts nothing."""
+    args, notes = megatron_args(plan)  # the iterations are TRAIN_ITERS, default ``steps``
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
+    iters = str(steps) if steps is not None else None
     lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}"]
+    lines += prediction_lines(plan)
+    lines += [
+        "#   Megatron logs, every LOG_INTERVAL iterations: \"elapsed time per iteration (ms)\", "
+        "\"throughput per GPU (TFLOP/s/GPU)\"",
+        "#   (its own FLOP count, which can differ from moeplan's) and, once, \"max reserved\" "
+        "of the memory report",
+    ]
     for n in notes:  # comments wrapped between words, read at 100 columns
         lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
                                break_long_words=False, break_on_hyphens=False)
     lines += [
         f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
         "run this script once on every node",
+        "# usage: DATA_PATH=prefix TOKENIZER_MODEL=hf-name-or-dir [LR=..] bash THIS "
+        "[pretrain_gpt.py flags]",
+        "#        MOCK_DATA=1 bash THIS   (synthetic tokens, no tokenizer)",
+        "#   training settings below come from the environment (defaults shown); EXTRA_ARGS "
+        "and the",
+        "#   script's arguments are passed last, so they override any flag before them",
         "set -euo pipefail",
         ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (holding pretrain_gpt.py)}"',
     ]
     lines += [f"export {k}={v}" for k, v in megatron_env(plan).items()]
-    lines.append("MEGATRON_ARGS=(\n" + "\n".join(f"  {p}" for p in _pairs(args)) + "\n)")
-    lines.append("# training flags the plan does not set: the optimizer steps (export with "
-                 "--steps), the learning rate and the data")
-    user = [] if steps is not None else [
-        '  --train-iters "${TRAIN_ITERS:?set TRAIN_ITERS, the optimizer steps}"']
-    user += ['  --lr "${LR:?set LR, the peak learning rate}"',
-             '  --data-path "${DATA_PATH:?set DATA_PATH, a Megatron indexed-dataset prefix}"']
-    lines.append("TRAINING_ARGS=(\n" + "\n".join(user) + "\n)")
+    lines.append(_array("MEGATRON_ARGS", _pairs(args)))
+    lines += [
+        "# training: optimizer steps, a warmup-and-cosine learning rate, clipping, weight "
+        "decay",
+        f'TRAIN_ITERS="${{TRAIN_ITERS:-{iters}}}"' if iters else
+        'TRAIN_ITERS="${TRAIN_ITERS:?set TRAIN_ITERS, the optimizer steps}"',
+        'LR="${LR:-3e-4}"',
+        'MIN_LR="${MIN_LR:-3e-5}"',
+        'LR_WARMUP_ITERS="${LR_WARMUP_ITERS:-$(( TRAIN_ITERS / 100 ))}"',
+        'CLIP_GRAD="${CLIP_GRAD:-1.0}"',
+        'WEIGHT_DECAY="${WEIGHT_DECAY:-0.1}"',
+        "# checkpoints (saved to and resumed from CKPT_DIR) and logs",
+        'CKPT_DIR="${CKPT_DIR:-checkpoints}"',
+        'SAVE_INTERVAL="${SAVE_INTERVAL:-1000}"',
+        'LOG_INTERVAL="${LOG_INTERVAL:-10}"',
+        'TENSORBOARD_DIR="${TENSORBOARD_DIR:-$CKPT_DIR/tensorboard}"',
+        _array("TRAINING_ARGS", [
+            '--train-iters "$TRAIN_ITERS"',
+            '--lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine',
+            '--lr-warmup-iters "$LR_WARMUP_ITERS" --lr-decay-iters "$TRAIN_ITERS"',
+            '--clip-grad "$CLIP_GRAD" --weight-decay "$WEIGHT_DECAY"',
+            *(['--adam-beta1 0.9 --adam-beta2 0.95'] if plan.training.optimizer != Optimizer.sgd
+              else []),
+            '--save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval "$SAVE_INTERVAL"',
+            '--log-interval "$LOG_INTERVAL" --log-throughput',
+            '--tensorboard-dir "$TENSORBOARD_DIR" --log-timers-to-tensorboard',
+            '--log-memory-to-tensorboard',
+        ]),
+        "# data: a Megatron indexed dataset (PREFIX.bin + PREFIX.idx) read with its "
+        "Hugging Face tokenizer",
+        "# (the tokenizer's vocabulary is the model's), or synthetic tokens with MOCK_DATA=1",
+        'if [[ -n "${MOCK_DATA:-}" ]]; then',
+        "  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)",
+        '  DATA_SAID="synthetic tokens (MOCK_DATA)"',
+        "else",
+        "  DATA_ARGS=(",
+        '    --data-path "${DATA_PATH:?set DATA_PATH, a Megatron indexed-dataset prefix '
+        '(PREFIX.bin + PREFIX.idx), or MOCK_DATA=1}"',
+        '    --tokenizer-type HuggingFaceTokenizer',
+        '    --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL, the Hugging Face '
+        'tokenizer (a hub name or a folder) of DATA_PATH}"',
+        '    --split "${SPLIT:-99,1,0}"',
+        "  )",
+        '  DATA_SAID="$DATA_PATH (tokenizer $TOKENIZER_MODEL)"',
+        "fi",
+        "# more pretrain_gpt.py flags: EXTRA_ARGS (split on spaces) and this script's arguments",
+        'read -r -a EXTRA <<< "${EXTRA_ARGS:-}"',
+    ]
     launch = _torchrun_launch(plan)
     lines += launch.checks
-    lines.append(" ".join([*launch.words, '"$MEGATRON_LM/pretrain_gpt.py"',
-                           '"${MEGATRON_ARGS[@]}"', '"${TRAINING_ARGS[@]}"']))
+    lines.append("CMD=(" + " ".join([*launch.words, '"$MEGATRON_LM/pretrain_gpt.py"',
+                                     '"${MEGATRON_ARGS[@]}"', '"${TRAINING_ARGS[@]}"',
+                                     '"${DATA_ARGS[@]}"', '"${EXTRA[@]}"', '"$@"']) + ")")
+    lines += _say([
+        f"Megatron-LM: {plan.summary()}",
+        f"{plan.cluster.nodes} node(s) x {per_node} GPUs; $TRAIN_ITERS iterations, lr $LR "
+        "(warmup $LR_WARMUP_ITERS, cosine to $MIN_LR)",
+        "data: $DATA_SAID; checkpoints: $CKPT_DIR every $SAVE_INTERVAL; TensorBoard: "
+        "$TENSORBOARD_DIR",
+    ])
     return "\n".join(lines) + "\n"
+
+
+def _say(summary: list[str]) -> list[str]:
+    """Shell lines telling what the script will run (stderr), then running ``CMD``, or only
+    printing it (quoted for the shell, on stdout) when DRY_RUN is set."""
+    return [
+        *(f'echo "moeplan: {line}" >&2' for line in summary),
+        'if [[ -n "${DRY_RUN:-}" ]]; then',
+        '  printf "%q " "${CMD[@]}"; echo',
+        "  exit 0",
+        "fi",
+        'exec "${CMD[@]}"',
+    ]
 
 
 @dataclass(frozen=True)
@@ -260,11 +434,14 @@ class Launch:
 
 MASTER_ADDR_CHECK = (': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node '
                      '(the rendezvous host)}"')
+RDZV_ID_CHECK = (': "${RDZV_ID:=${SLURM_JOB_ID:?set RDZV_ID (or run under Slurm): one id, the '
+                 'same on every node and new for every job}}"')
 
 
-def _torchrun_launch(plan: Plan) -> Launch:
+def _torchrun_launch(plan: Plan, rdzv_id: str = '"$RDZV_ID"') -> Launch:
     """torchrun on one node of the plan's cluster: standalone on one node, a c10d rendezvous
-    at $MASTER_ADDR otherwise; each worker bound to the CPUs nearest its GPU
+    at $MASTER_ADDR otherwise, named ``rdzv_id`` (one job's nodes meet under one id, and a
+    later job never joins an earlier one's); each worker bound to the CPUs nearest its GPU
     (torchrun --numa-binding, torch >= 2.9)."""
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
     words = ["torchrun"]
@@ -273,54 +450,105 @@ def _torchrun_launch(plan: Plan) -> Launch:
         words += ["--standalone", "--nnodes", "1"]
     else:
         checks.append(MASTER_ADDR_CHECK)
+        if rdzv_id == '"$RDZV_ID"':
+            checks.append(RDZV_ID_CHECK)
         words += ["--nnodes", str(plan.cluster.nodes), "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f'"$MASTER_ADDR:{RDZV_PORT}"', "--rdzv-id", "moeplan"]
+                  "--rdzv-endpoint", f'"$MASTER_ADDR:{RDZV_PORT}"', "--rdzv-id", rdzv_id]
     words += ["--nproc-per-node", str(per_node), "--numa-binding", "node"]
     return Launch(checks, words)
 
 
-def torchrun_command(plan: Plan, plan_path: str, steps: int | None = None) -> list[str]:
+def torchrun_command(plan: Plan, plan_path: str, steps: int | None = None,
+                     rdzv_id: str = '"$RDZV_ID"') -> list[str]:
     """Shell words running our runtime with this plan on one node of the plan's cluster."""
-    words = _torchrun_launch(plan).words
+    words = _torchrun_launch(plan, rdzv_id).words
     words += ["-m", "runtime.train", "--plan", shlex.quote(plan_path)]
     if steps is not None:
         words += ["--steps", str(steps)]
     return words
 
 
+RUNTIME_SETTINGS = [
+    "# training settings from the environment: STEPS, DATA (a token file .u16/.u32, or a",
+    "# Megatron indexed dataset PREFIX.bin + PREFIX.idx; synthetic tokens when unset), CKPT_DIR",
+    "# with CKPT_EVERY (checkpoints, none when unset), RESUME=1, LOG_FILE; more runtime.train",
+    "# flags as this script's arguments; DRY_RUN=1 prints the command and starts nothing",
+]
+
+
+def _runtime_args(steps: int | None) -> list[str]:
+    """Shell lines building RUN_ARGS, runtime.train's training flags, from the environment."""
+    return [
+        f'STEPS="${{STEPS:-{steps if steps is not None else 10}}}"',
+        'RUN_ARGS=(--steps "$STEPS")',
+        'if [[ -n "${DATA:-}" ]]; then RUN_ARGS+=(--data "$DATA"); fi',
+        'if [[ -n "${CKPT_DIR:-}" ]]; then',
+        '  RUN_ARGS+=(--ckpt-dir "$CKPT_DIR" --ckpt-every "${CKPT_EVERY:-1000}")',
+        "fi",
+        'if [[ -n "${RESUME:-}" ]]; then RUN_ARGS+=(--resume); fi',
+        'if [[ -n "${LOG_FILE:-}" ]]; then RUN_ARGS+=(--log-file "$LOG_FILE"); fi',
+    ]
+
+
+def _runtime_summary(plan: Plan) -> list[str]:
+    per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
+    return [
+        f"moeplan runtime: {plan.summary()}",
+        f"{plan.cluster.nodes} node(s) x {per_node} GPUs; $STEPS steps; data: "
+        "${DATA:-synthetic tokens}",
+        "checkpoints: ${CKPT_DIR:-none}${CKPT_DIR:+ every ${CKPT_EVERY:-1000} steps}; "
+        "log: ${LOG_FILE:-none}",
+    ]
+
+
 def torchrun_script(plan: Plan, plan_path: str, steps: int | None = None) -> str:
-    """A bash script running our runtime with the plan; run it on every node."""
+    """A bash script running our runtime with the plan; run it on every node. It says what it
+    will run before it runs it."""
     launch = _torchrun_launch(plan)
     return "\n".join([
         "#!/bin/bash",
         f"# moeplan export: {plan.summary()}",
+        *prediction_lines(plan),
         f"# run on each of the {plan.cluster.nodes} node(s)",
+        *RUNTIME_SETTINGS,
         "set -euo pipefail",
         *launch.checks,
-        " ".join(torchrun_command(plan, plan_path, steps)),
+        *_runtime_args(steps),
+        "CMD=(" + " ".join([*torchrun_command(plan, plan_path), '"${RUN_ARGS[@]}"', '"$@"'])
+        + ")",
+        *_say(_runtime_summary(plan)),
         "",
     ])
 
 
 def slurm_script(plan: Plan, plan_path: str, steps: int | None = None) -> str:
     """An sbatch script: one task per node owning all the node's CPUs, running torchrun, which
-    binds each worker to the CPUs nearest its GPU."""
+    binds each worker to the CPUs nearest its GPU; the rendezvous is named after the job."""
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
     return "\n".join([
         "#!/bin/bash",
         f"# moeplan export: {plan.summary()}",
+        *prediction_lines(plan),
         "#SBATCH --job-name=moeplan",
         f"#SBATCH --nodes={plan.cluster.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={per_node}",
         "#SBATCH --exclusive",
+        *RUNTIME_SETTINGS,
         "set -euo pipefail",
         ': "${SLURM_JOB_NODELIST:?submit this script with sbatch}"',
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        ': "${SLURM_JOB_ID:?submit this script with sbatch}"',
+        'MASTER_ADDR="${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
+        '| head -n 1)}"',
         "export MASTER_ADDR",
+        *_runtime_args(steps),
         "# one task per node with every CPU of the node (srun no longer inherits "
         "--cpus-per-task from sbatch)",
-        'srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --cpu-bind=none '
-        + " ".join(torchrun_command(plan, plan_path, steps)),
+        "CMD=(" + " ".join([
+            "srun", "--ntasks-per-node=1", '--cpus-per-task="$SLURM_CPUS_ON_NODE"',
+            "--cpu-bind=none",
+            *torchrun_command(plan, plan_path, rdzv_id='"$SLURM_JOB_ID"'),
+            '"${RUN_ARGS[@]}"', '"$@"']) + ")",
+        *_say(_runtime_summary(plan)),
         "",
     ])

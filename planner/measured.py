@@ -18,7 +18,7 @@ from cost_models import Evaluation, evaluate
 from cost_models.components import LAYER_COMPONENTS, STEP_COMPONENTS, predicted_components
 from plans import Plan, SpecError
 from plans.execution import Deviation, executed_as_measured, measured_deviations
-from plans.plan import RECOMPUTE_TAGS
+from plans.notation import RECOMPUTE_TAGS
 from plans.results import ProfileResult, TrainStepResult, read, recorded_deviations
 
 COMPONENT_ORDER = (*(k for c in LAYER_COMPONENTS for k in (c, f"{c}_bwd")), *STEP_COMPONENTS)
@@ -67,7 +67,7 @@ class Comparison:
 
 
 _DISPATCH = {"a2a": "a2a", "all_to_all": "a2a", "ag+rs": "ag+rs",
-             "allgather_reduce_scatter": "ag+rs"}
+             "allgather_reduce_scatter": "ag+rs", "deepep": "deepep"}
 
 
 def layout_of(summary: str) -> dict[str, str]:

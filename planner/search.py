@@ -414,6 +414,7 @@ def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSp
             grad_sync_precision=sync, grad_sync_overlap=space.grad_sync_overlap,
             grad_accumulation_fusion=space.grad_accumulation_fusion, kernels=space.kernels,
             target=space.target,
+            optimizer_sharding=layout.optimizer_sharding,
         )
     except ValidationError:
         return None
@@ -500,19 +501,29 @@ def _loss_order(plan: Plan, losses: tuple[CrossEntropy, ...] = tuple(CrossEntrop
     return sorted(_leanest_loss(losses), key=head_s)
 
 
+def split_stages(plan: Plan) -> Plan:
+    """``plan`` with its layers split over the pipeline's chunks as the search splits them
+    (planner.staging's ILP over the plan's stage costs)."""
+    costs = cost_models.stage_costs(plan)
+    m = plan.model
+    # the leading dense layers sit in the first chunk; the layers after them, MoE and
+    # interleaved dense (moe_layer_interval), are priced at their mean
+    dense, body = m.dense_layers, m.layers - m.dense_layers
+    interleaved = m.dense_ffn_layers - dense
+    layer_s = (costs.layer_s * (body - interleaved) + costs.dense_layer_s * interleaved) / body
+    split = split_layers(
+        m.layers, plan.degrees.pp, plan.degrees.vpp,
+        SplitCosts(layer_s, costs.embedding_s, costs.head_s,
+                   dense * (costs.dense_layer_s - layer_s)),
+        dense_layers=dense,
+    )
+    return plan.model_copy(update={"stage_layers": split})
+
+
 def _evaluate_option(plan: Plan, option, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
                      ) -> Ranked | None:
     for loss in _loss_order(plan, losses):
-        candidate = _with_option(plan, option, cross_entropy=loss)
-        costs = cost_models.stage_costs(candidate)
-        dense = candidate.model.dense_layers
-        split = split_layers(
-            candidate.model.layers, candidate.degrees.pp, candidate.degrees.vpp,
-            SplitCosts(costs.layer_s, costs.embedding_s, costs.head_s,
-                       dense * (costs.dense_layer_s - costs.layer_s)),
-            dense_layers=dense,
-        )
-        candidate = candidate.model_copy(update={"stage_layers": split})
+        candidate = split_stages(_with_option(plan, option, cross_entropy=loss))
         if cost_models.memory_breakdown(candidate).fits:
             ranked = evaluate_plan(candidate)
             return ranked if ranked.evaluation.feasible else None

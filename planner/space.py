@@ -1,8 +1,9 @@
 """The search space: which layouts and options a search may choose from, and their enumeration.
 
 Enumeration rules (hard constraints only; the Plan's own invariants reject the rest):
-- the attention group (sp, tp or cp) and the expert group (ep or etp) stay inside the NVLink
-  domain;
+- the attention group (sp, tp or cp) and expert TP (etp) stay inside the NVLink domain; an EP
+  group is inside it or whole NVLink domains (a multiple of it: contiguous nodes, plans.layout),
+  the all-to-all priced link by link (cost_models.volumes.ep_link_shares);
 - pp divides the GPUs left after the attention group and is at most the layer count;
 - micro-batches must fill the global batch; interleaving needs micro-batches divisible by pp;
 - fp8 gradient sync only for fp8 training.
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from planner.staging import least_layers
 from plans import (
     EPFFN,
     TPFFN,
@@ -25,6 +27,7 @@ from plans import (
     Dispatch,
     Kernels,
     ModelSpec,
+    OptimizerSharding,
     Overlap,
     PipelineSchedule,
     Precision,
@@ -59,12 +62,25 @@ class Layout:
     ffn: FFNKind
     micro_batch_size: int
     schedule: PipelineSchedule
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
+
+
+RUNTIME_DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
+"""The EP dispatchers moeplan's runtime runs (plans.execution): a default search's."""
+
+
+def ep_degrees(experts: int, ranks: int, domain: int) -> list[int]:
+    """EP group sizes for ``experts`` over ``ranks`` (dp x attention group) ranks: divisors of
+    both, inside the NVLink domain or whole domains (contiguous nodes), ascending."""
+    return [e for e in _divisors(ranks)
+            if experts % e == 0 and (e <= domain or e % domain == 0)]
 
 
 RUNNABLE_FIELDS = {
     "attention": "attention.kind", "ffn": "ffn.kind", "dispatch": "ffn.dispatch",
     "overlap": "overlap", "recompute": "recompute", "schedules": "schedule",
     "grad_sync": "grad_sync_precision", "cross_entropy": "cross_entropy",
+    "optimizer_sharding": "optimizer_sharding",
 }
 """SearchSpace option -> the plan field whose values it chooses."""
 
@@ -82,7 +98,8 @@ class SearchSpace:
     """Attention strategies. CP is left out by default: the runtime does not execute it (the
     paper rejects it for causal-mask imbalance); add it to compare predictions."""
     ffn: tuple[FFNKind, ...] = tuple(FFNKind)
-    dispatch: tuple[Dispatch, ...] = tuple(Dispatch)
+    dispatch: tuple[Dispatch, ...] = RUNTIME_DISPATCHES
+    """EP dispatchers; deepep (Megatron-Core's, plans.execution) only when asked for."""
     overlap: tuple[Overlap, ...] = DEFAULT_OVERLAPS
     recompute: tuple[Recompute, ...] = tuple(Recompute)
     schedules: tuple[PipelineSchedule, ...] = tuple(PipelineSchedule)
@@ -91,10 +108,26 @@ class SearchSpace:
     max_vpp: int = 4
     attention_degrees: tuple[int, ...] | None = None
     """Allowed sp/tp/cp degrees; None = every divisor of the NVLink domain."""
+    expert_parallel_degrees: tuple[int, ...] | None = None
+    """Allowed ep degrees for an EP FFN; None = every one ``ep_degrees`` gives."""
     expert_tp_degrees: tuple[int, ...] | None = None
-    """Allowed etp degrees for a TP FFN; None = every divisor of the NVLink domain above 1."""
+    """Allowed etp degrees (1: whole experts, an EP FFN); None = any: for a TP FFN every
+    divisor of the NVLink domain above 1."""
     pp: tuple[int, ...] | None = None
     """Allowed pipeline degrees; None = any that fits."""
+    vpp_degrees: tuple[int, ...] | None = None
+    """Allowed virtual-stage counts (1: the 1f1b schedule); None = 1 and 2 to max_vpp."""
+    sp_degrees: tuple[int, ...] | None = None
+    """Allowed Ulysses SP degrees (1: attention is not sequence-parallel); None = any."""
+    tp_degrees: tuple[int, ...] | None = None
+    """Allowed attention TP degrees (1: no TP attention); None = any."""
+    cp_degrees: tuple[int, ...] | None = None
+    """Allowed CP degrees (1: no CP); None = any."""
+    ep_degrees: tuple[int, ...] | None = None
+    """Allowed expert-parallel degrees (1: no EP); None = any dividing the experts."""
+    optimizer_sharding: tuple[OptimizerSharding, ...] = (OptimizerSharding.zero1,)
+    """Where the optimizer states live; ZeRO-1 alone by default (never slower at the same
+    step, leaner), so it is only searched when asked."""
     grad_sync_overlap: bool = True
     """Every plan overlaps its DP gradient sync with the backward."""
     grad_accumulation_fusion: bool = True
@@ -155,6 +188,13 @@ class SearchSpace:
                     dp = cluster.gpus // (n * pp)
                     yield from self._ffn_layouts(kind, n, pp, dp, model, training, domain)
 
+    def admits(self, d: Degrees) -> bool:
+        """Whether every degree of ``d`` is one its axis allows."""
+        pins = ((self.pp, d.pp), (self.vpp_degrees, d.vpp), (self.sp_degrees, d.sp),
+                (self.tp_degrees, d.tp), (self.cp_degrees, d.cp), (self.ep_degrees, d.ep),
+                (self.expert_tp_degrees, d.etp))
+        return all(allowed is None or degree in allowed for allowed, degree in pins)
+
     def _attention_kinds(self, n: int) -> tuple[AttentionKind, ...]:
         # with a group of one, every kind is the same plan: keep one
         if n == 1:
@@ -168,10 +208,12 @@ class SearchSpace:
         inner = dp * n
         for ffn in self.ffn:
             if ffn == FFNKind.ep:
-                groups = [e for e in _divisors(inner) if model.experts % e == 0 and e <= domain]
+                groups = [e for e in ep_degrees(model.experts, inner, domain)
+                          if self.expert_parallel_degrees is None
+                          or e in self.expert_parallel_degrees]
                 degree_sets = [dict(ep=e) for e in groups]
             else:
-                allowed = self.expert_tp_degrees or _divisors(domain)
+                allowed = [t for t in (self.expert_tp_degrees or _divisors(domain)) if t > 1]
                 groups = [t for t in _divisors(domain)
                           if inner % t == 0 and t > 1 and t in allowed]
                 degree_sets = [dict(etp=t) for t in groups]
@@ -180,18 +222,25 @@ class SearchSpace:
                     if training.global_batch % (dp * mbs):
                         continue
                     micro_batches = training.global_batch // (dp * mbs)
-                    for schedule, vpp in self._schedules(pp, micro_batches, model.layers):
+                    for schedule, vpp in self._schedules(pp, micro_batches, model):
                         degrees = Degrees(pp=pp, vpp=vpp, dp=dp, **attn, **ffn_degrees)
-                        yield Layout(degrees, kind, ffn, mbs, schedule)
+                        if not self.admits(degrees):
+                            continue
+                        for sharding in self.optimizer_sharding:
+                            yield Layout(degrees, kind, ffn, mbs, schedule, sharding)
 
-    def _schedules(self, pp: int, micro_batches: int, layers: int
+    def _schedules(self, pp: int, micro_batches: int, model: ModelSpec
                    ) -> Iterator[tuple[PipelineSchedule, int]]:
-        if PipelineSchedule.one_f_one_b in self.schedules:
+        """The schedules and vpp whose chunks the model's layers can fill (staging)."""
+        def fits(vpp: int) -> bool:
+            return least_layers(pp, vpp, model.dense_layers) <= model.layers
+
+        if PipelineSchedule.one_f_one_b in self.schedules and fits(1):
             yield PipelineSchedule.one_f_one_b, 1
         if PipelineSchedule.interleaved_1f1b in self.schedules and pp > 1:
             if micro_batches % pp == 0:
                 for vpp in range(2, self.max_vpp + 1):
-                    if pp * vpp <= layers:
+                    if fits(vpp):
                         yield PipelineSchedule.interleaved_1f1b, vpp
 
     def options(self, layout: Layout, training: TrainingSpec

@@ -41,9 +41,16 @@ class SplitCosts:
     """Extra cost of the leading dense layers over MoE layers, all of them together."""
 
 
+def least_layers(pp: int, vpp: int, dense_layers: int) -> int:
+    """The fewest layers a split over pp x vpp chunks can hold: every chunk keeps a layer and
+    the first chunk also the dense layers."""
+    return pp * vpp + max(dense_layers - 1, 0)
+
+
 def split_layers(layers: int, pp: int, vpp: int, costs: SplitCosts, dense_layers: int = 0
                  ) -> tuple[int, ...]:
-    """Layers of each of the pp x vpp chunks, in pipeline order."""
+    """Layers of each of the pp x vpp chunks, in pipeline order; ValueError (one line) when
+    the model has fewer layers than ``least_layers``."""
     unit = costs.layer_s
     first = round((costs.embedding_s + costs.dense_extra_s) / unit / _COST_GRAIN)
     last = round(costs.head_s / unit / _COST_GRAIN)
@@ -55,6 +62,10 @@ def _solve(layers: int, pp: int, vpp: int, dense_layers: int, first_extra: int, 
            ) -> tuple[int, ...]:
     if pp * vpp > layers:
         raise ValueError(f"pp x vpp ({pp} x {vpp} = {pp * vpp}) exceeds model.layers ({layers})")
+    if (least := least_layers(pp, vpp, dense_layers)) > layers:
+        raise ValueError(f"model.layers ({layers}): pp x vpp = {pp} x {vpp} chunks of a layer "
+                         f"or more, the first holding the {dense_layers} dense layers, need "
+                         f"{least}")
     if pp == 1:
         return _deal(layers, vpp, dense_layers)
     extra_first, extra_last = first_extra * _COST_GRAIN, last_extra * _COST_GRAIN

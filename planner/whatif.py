@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from planner.search import SearchResult, check_searches, search
@@ -129,10 +129,15 @@ class Point:
     settings: tuple[Setting, ...]
     cluster: ClusterSpec
     result: SearchResult
+    machine: str | None = None
+    """The cluster's name as given, where several machines are compared."""
 
     @property
     def label(self) -> str:
-        return ", ".join(f"{s.knob}={s.text}" for s in self.settings) or "as given"
+        knobs = ", ".join(f"{s.knob}={s.text}" for s in self.settings)
+        if self.machine is not None:
+            return f"{self.machine}, {knobs}" if knobs else self.machine
+        return knobs or "as given"
 
 
 def whatif(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
@@ -150,6 +155,24 @@ def whatif(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
         points.append(Point(combo, changed, search(model, changed, training, space, top=1)))
         if progress is not None:
             progress(i + 1, len(grid))
+    return points
+
+
+def whatif_machines(model: ModelSpec, clusters: list[tuple[str, ClusterSpec]],
+                    training: TrainingSpec, varies: list[list[Setting]],
+                    space: SearchSpace | None = None, progress=None) -> list[Point]:
+    """Each machine (name as given, cluster at the job's GPU count) re-planned at every point
+    of the grid of knob values: machine by machine, the grid inside."""
+    check_knobs_once(varies)
+    per_machine = math.prod(len(v) for v in varies)
+    check_searches(len(clusters) * per_machine, "--cluster")
+    points: list[Point] = []
+    for name, cluster in clusters:
+        done = len(points)
+        step = None if progress is None else (
+            lambda i, n, done=done: progress(done + i, len(clusters) * per_machine))
+        points += [replace(p, machine=name)
+                   for p in whatif(model, cluster, training, varies, space, progress=step)]
     return points
 
 

@@ -13,7 +13,7 @@ _WHERE = {
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
     "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
     "OptimizerSharding": "plans.enums", "Kernels": "plans.enums", "Dispatch": "plans.enums",
-    "Target": "plans.enums",
+    "Target": "plans.enums", "CudaGraphs": "plans.enums",
     **dict.fromkeys(("COMPONENT_KEYS", "Component", "LAYER_REGIONS", "LayerOperator",
                      "RECOMPUTED", "TIMER_OF"), "plans.operators"),
     **dict.fromkeys((
@@ -28,7 +28,7 @@ _WHERE = {
 __all__ = [
     "COMPONENT_KEYS", "LAYER_REGIONS", "RECOMPUTED", "SCHEMA_VERSION", "TIMER_OF",
     "AttentionKind", "AttentionStrategy", "CPAttention", "ClusterSpec", "Component",
-    "CrossEntropy", "LayerOperator",
+    "CrossEntropy", "CudaGraphs", "LayerOperator",
     "Degrees", "Dispatch", "EPFFN", "Efficiency", "FFNStrategy", "GPUSpec", "Kernels",
     "MeshAxis",
     "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 
-SUBMODULES = ("catalog", "errors", "execution", "enums", "layout", "operators", "results")
+SUBMODULES = ("catalog", "errors", "execution", "enums", "hf", "layout", "operators", "results")
 
 
 def __getattr__(name: str):
@@ -56,6 +56,7 @@ def __getattr__(name: str):
 if TYPE_CHECKING:
     from plans.enums import (
         AttentionKind,
+        CudaGraphs,
         Dispatch,
         Kernels,
         Overlap,

@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from plans import hf
 from plans.errors import SpecError, describe
 from plans.io import read_document
 from plans.plan import Plan
@@ -56,6 +57,19 @@ def _path_shaped(text: str) -> bool:
     return Path(text).suffix in (".yaml", ".yml", ".json") or "/" in text or os.sep in text
 
 
+def _read_spec(spec: type[T], path: Path) -> T:
+    """A spec file; for models also a Hugging Face config.json or a snapshot folder holding
+    one (plans.hf)."""
+    if spec is ModelSpec:
+        if hf.config_path(path) is not None and path.is_dir():
+            return hf.load(path)
+        data = read_document(path)
+        if hf.is_hf_config(data):
+            return hf.to_spec(data, str(path), hf.model_name(path))
+        return parse(spec, data, str(path))
+    return parse(spec, read_document(path), str(path))
+
+
 @cache
 def _load(kind: str, name_or_path: str, spec: type[T], what: str) -> T:
     """A catalog name, or a path to a spec file. A catalog name wins over a file of the same
@@ -66,13 +80,14 @@ def _load(kind: str, name_or_path: str, spec: type[T], what: str) -> T:
     builtin = CATALOG_DIR / kind / f"{name_or_path.lower()}.yaml"
     if _path_shaped(name_or_path) or (name_or_path.strip() and not _exists(builtin)
                                       and _exists(path)):
-        return parse(spec, read_document(path), str(path))
+        return _read_spec(spec, path)
     if not _exists(builtin):
         close = difflib.get_close_matches(name_or_path.lower(), names(kind), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise SpecError(
             f"{what}: unknown name {name_or_path!r}; {hint}built-in {kind}: "
-            f"{', '.join(names(kind))} (or give a path to a .yaml/.json file)"
+            f"{', '.join(names(kind))} (or give a path to a .yaml/.json file"
+            f"{', a Hugging Face config.json or a snapshot folder' if kind == 'models' else ''})"
         )
     return parse(spec, read_document(builtin), f"{kind[:-1]} {name_or_path}")
 

@@ -33,6 +33,18 @@ class Dispatch(StrEnum):
     """All-to-all(v) of routed tokens there and back."""
     allgather_reduce_scatter = "allgather_reduce_scatter"
     """All-gather + local scatter to dispatch; local gather + reduce-scatter to combine."""
+    deepep = "deepep"
+    """DeepEP's hierarchical all-to-all (Megatron-Core's ``flex`` dispatcher): each token
+    crosses the network once per destination node, to the GPU of its own local index there,
+    which forwards it over NVLink to that node's destination GPUs; a GPU receives each token
+    once, whatever number of its experts it goes to. The combine mirrors it
+    (cost_models.volumes.ep_link_shares prices the links)."""
+
+    @property
+    def moves_routed_copies(self) -> bool:
+        """Whether the dispatch sends tokens to the ranks of their routed experts (all-to-all
+        and DeepEP's) rather than all-gathering every rank's tokens."""
+        return self != Dispatch.allgather_reduce_scatter
 
 
 class Recompute(StrEnum):
@@ -45,6 +57,11 @@ class Recompute(StrEnum):
     """Recompute the attention core (RoPE and SDPA), keeping its inputs."""
     full = "full"
     """Keep only each layer's input; recompute the whole layer in backward."""
+
+
+class PipelineSchedule(StrEnum):
+    one_f_one_b = "1f1b"
+    interleaved_1f1b = "interleaved_1f1b"
 
 
 class AttentionKind(StrEnum):
@@ -106,6 +123,19 @@ class OptimizerSharding(StrEnum):
     weights are all-gathered."""
 
 
+class CudaGraphs(StrEnum):
+    """Which parts of each layer Megatron-Core captures as CUDA graphs (TransformerEngine's
+    graphs, ``--cuda-graph-impl transformer_engine --cuda-graph-scope ...``): a graphed part
+    is replayed by one launch, forward and backward, instead of launching its kernels one by
+    one from the host (cost_models.megatron prices the host's launches)."""
+
+    none = "none"
+    moe_router = "moe_router"
+    """The MoE router and the dispatcher's preprocessing (scopes moe_router, moe_preprocess)."""
+    attn_moe_router = "attn_moe_router"
+    """Those and the attention block (scopes attn, moe_router, moe_preprocess)."""
+
+
 class Target(StrEnum):
     """Which runtime executes a plan: what it runs and how it is priced
     (plans.execution: one capability column per target)."""
@@ -114,3 +144,48 @@ class Target(StrEnum):
     """moeplan's own runtime (runtime/, `moeplan train`, `export --to torchrun|slurm`)."""
     megatron = "megatron"
     """Megatron-Core through Megatron-LM's pretrain_gpt.py (`export --to megatron`)."""
+
+
+class RouterScore(StrEnum):
+    """The function turning a token's router logits into expert scores."""
+
+    softmax = "softmax"
+    """Softmax over the experts (Mixtral, Qwen, DeepSeek-V2)."""
+    sigmoid = "sigmoid"
+    """An independent sigmoid per expert; the kept top-k scores are renormalised to sum to
+    one (DeepSeek-V3, Kimi-K2, GLM-4.5)."""
+
+
+class LinearBias(StrEnum):
+    """Which linear layers carry a bias vector."""
+
+    none = "none"
+    qkv = "qkv"
+    """The query, key and value projections (Qwen2-MoE, GLM-4.5)."""
+    all = "all"
+    """Every linear layer: attention in and out, router, experts and dense FFNs (GPT-OSS)."""
+
+
+class WindowKind(StrEnum):
+    """How a windowed attention layer limits the keys a query sees."""
+
+    sliding = "sliding"
+    """The ``sliding_window`` keys before it, itself included (GPT-OSS, Mistral)."""
+    chunked = "chunked"
+    """The keys of its own ``sliding_window``-token chunk up to itself (Llama-4's chunked
+    local attention)."""
+class ExpertGemm(StrEnum):
+    """How a rank's routed experts run their three GEMMs (runtime.moe.GroupedExperts); the
+    weights, their layout and their gradients are the same in each."""
+
+    grouped = "grouped"
+    """Three grouped GEMMs (torch._grouped_mm) over the rows per expert on the device: no
+    wait on the host."""
+    grouped_w13 = "grouped_w13"
+    """w1 and w3 as one grouped GEMM of twice the width (the two weights concatenated at each
+    forward, [E, 2 x ffn, hidden]), the SwiGLU over its two halves; w2 grouped."""
+    per_expert = "per_expert"
+    """One cuBLAS matmul per expert, each product written into its slice of one output (no
+    split and no concatenation), the weight gradients likewise: the rows per expert are read
+    on the host, copied behind an event when the experts' forward starts and waited for
+    there (the dispatch's kernels finished, the experts' not yet queued)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import Enum, StrEnum
 
 from pydantic import BaseModel
@@ -121,6 +120,9 @@ _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
 
 MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
+    Capability("cuda_graphs", "none", Support.executed),
+    *(Capability("cuda_graphs", v, Support.refused, "moeplan's runtime captures no CUDA graphs")
+      for v in ("moe_router", "attn_moe_router")),
     Capability("target", "megatron", Support.refused,
                "the plan is for Megatron-Core: launch it with `moeplan export --to megatron`"),
     # the job: the model and batch are built as written; the cluster is the launch's
@@ -128,6 +130,55 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("model.dropout", False, Support.executed),
     Capability("model.dropout", True, Support.refused,
                "the model asks for dropout; this runtime trains without (set model.dropout 0)"),
+    # the model's architecture features (MODEL_FEATURES): GQA, softmax routing, every layer
+    # its own full causal attention are what moeplan's runtime builds
+    Capability("model.mla", False, Support.executed),
+    Capability("model.mla", True, Support.refused,
+               "moeplan's runtime runs GQA attention only; MLA plans run on target megatron"),
+    Capability("model.router_score", "softmax", Support.executed),
+    Capability("model.router_score", "sigmoid", Support.refused,
+               "moeplan's runtime routes by softmax scores only; sigmoid routing runs on target "
+               "megatron"),
+    Capability("model.router_expert_bias", False, Support.executed),
+    Capability("model.router_expert_bias", True, Support.refused,
+               "moeplan's runtime has no aux-loss-free expert bias; it runs on target megatron"),
+    Capability("model.routed_scaling_factor", False, Support.executed),
+    Capability("model.routed_scaling_factor", True, Support.refused,
+               "moeplan's runtime does not scale the routed experts' output; it runs on target "
+               "megatron"),
+    Capability("model.expert_groups", False, Support.executed),
+    Capability("model.expert_groups", True, Support.refused,
+               "moeplan's runtime routes over all experts (no group-limited routing); it runs "
+               "on target megatron"),
+    Capability("model.mtp_layers", False, Support.executed),
+    Capability("model.mtp_layers", True, Support.refused,
+               "moeplan's runtime has no multi-token prediction modules; MTP runs on target "
+               "megatron"),
+    Capability("model.moe_layer_interval", False, Support.executed),
+    Capability("model.moe_layer_interval", True, Support.refused,
+               "moeplan's runtime places dense layers first only; interleaved MoE layers run on "
+               "target megatron"),
+    Capability("model.sliding_window", False, Support.executed),
+    Capability("model.sliding_window", True, Support.refused,
+               "moeplan's runtime attends over the whole causal prefix in every layer; sliding "
+               "windows run on target megatron"),
+    Capability("model.linear_bias", "none", Support.executed),
+    Capability("model.linear_bias", ANY, Support.refused,
+               "moeplan's runtime has bias-free linear layers; biases run on target megatron"),
+    Capability("model.attention_sinks", False, Support.executed),
+    Capability("model.attention_sinks", True, Support.refused,
+               "moeplan's runtime has no attention sinks; they run on target megatron "
+               "(--softmax-type learnable)"),
+    Capability("model.shared_expert_gate", False, Support.executed),
+    Capability("model.shared_expert_gate", True, Support.refused,
+               "moeplan's runtime adds the shared experts ungated"),
+    Capability("model.kv_share_layers", False, Support.executed),
+    Capability("model.kv_share_layers", True, Support.refused,
+               "moeplan's runtime gives every layer its own keys and values (no cross-layer "
+               "attention)"),
+    Capability("model.rotary_fraction", False, Support.executed),
+    Capability("model.rotary_fraction", True, Support.refused,
+               "moeplan's runtime rotates whole heads; partial RoPE runs on target megatron"),
     *_executed("cluster", ANY, reason="the launch's GPUs; the spec gives peak FLOP/s for MFU"),
     *_executed("training.global_batch", ANY),
     *_executed("training.seq_len", ANY),
@@ -162,6 +213,10 @@ MOEPLAN: tuple[Capability, ...] = (
                "etp, the group's tokens all-gathered before and the partial sums "
                "reduce-scattered after (runtime.parallel.expert.ExpertTPDispatcher)"),
     *_executed("ffn.dispatch", "all_to_all", "allgather_reduce_scatter"),
+    Capability("ffn.dispatch", "deepep", Support.refused,
+               "no hierarchical (DeepEP) dispatcher: all_to_all sends every routed copy to "
+               "its expert's rank; Megatron-Core runs deepep (target megatron, its flex "
+               "dispatcher)"),
     *_executed("ffn.capacity_factor", ANY, reason="null is dropless"),
     *_executed("schedule", "1f1b", "interleaved_1f1b"),
     # how a step runs
@@ -171,6 +226,10 @@ MOEPLAN: tuple[Capability, ...] = (
     *_executed("recompute", "none", "selective", "full",
                reason="selective reruns the attention core (RoPE and SDPA)"),
     *_executed("cross_entropy", "chunked", "materialized"),
+    Capability("cuda_graphs", "none", Support.executed),
+    Capability("cuda_graphs", ANY, Support.refused,
+               "moeplan's runtime captures no TransformerEngine CUDA graphs (a Megatron-Core "
+               "mechanism: target megatron)"),
     *_executed("kernels", "eager", "fused",
                reason="fused: torch.compile regions (runtime.kernels; inductor's C++ backend "
                "on CPU), the chunked loss's softmax and gradient one region per chunk and its "
@@ -233,7 +292,7 @@ def _megatron_ep_overlap(plan: Plan) -> str | None:
     if d.ep == 1:
         return ("Megatron-Core's EP overlap (--overlap-moe-expert-parallel-comm) needs "
                 "expert parallelism (ep > 1); plan overlap none")
-    if getattr(plan.ffn, "dispatch", None) != "all_to_all":
+    if getattr(plan.ffn, "dispatch", None) not in ("all_to_all", "deepep"):
         return ("Megatron-Core's EP overlap runs with the alltoall (or flex) dispatcher "
                 "only, not allgather (ffn.dispatch all_to_all)")
     if plan.recompute == "full":
@@ -263,6 +322,31 @@ MEGATRON: tuple[Capability, ...] = (
               requires=_megatron_model),
     _megatron("model.dropout", False, reason="--attention-dropout 0 --hidden-dropout 0"),
     _megatron("model.dropout", True, reason="--attention-dropout, --hidden-dropout"),
+    # the model's architecture features (MODEL_FEATURES), as Megatron-Core's own arguments
+    # (planner.export.megatron_attention, megatron_routing)
+    *(_megatron(f"model.{name}", False, reason="the feature unused: Megatron's default")
+      for name in (
+        "mla", "router_expert_bias", "routed_scaling_factor", "expert_groups", "mtp_layers",
+        "moe_layer_interval", "sliding_window", "attention_sinks", "shared_expert_gate",
+        "kv_share_layers", "rotary_fraction")),
+    _megatron("model.mla", True, reason="--multi-latent-attention --q-lora-rank --kv-lora-rank "
+              "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim"),
+    _megatron("model.router_score", ANY, reason="--moe-router-score-function"),
+    _megatron("model.router_expert_bias", True, reason="--moe-router-enable-expert-bias"),
+    _megatron("model.routed_scaling_factor", True, reason="--moe-router-topk-scaling-factor"),
+    _megatron("model.expert_groups", True, reason="--moe-router-num-groups "
+              "--moe-router-group-topk"),
+    _megatron("model.mtp_layers", True, reason="--mtp-num-layers"),
+    _megatron("model.moe_layer_interval", True, reason="--moe-layer-freq"),
+    _megatron("model.sliding_window", True, reason="--window-size --window-attn-skip-freq"),
+    _megatron("model.linear_bias", ANY, reason="--add-qkv-bias, --add-bias-linear"),
+    _megatron("model.attention_sinks", True, reason="--softmax-type learnable"),
+    _megatron("model.shared_expert_gate", True, Support.refused,
+              "Megatron-LM's arguments have no shared-expert gate"),
+    _megatron("model.kv_share_layers", True, Support.refused,
+              "Megatron-LM has no cross-layer attention (every layer projects its own keys and "
+              "values)"),
+    _megatron("model.rotary_fraction", True, reason="--rotary-percent"),
     _megatron("cluster", ANY, reason="the launch's GPUs (CUDA, NCCL)"),
     _megatron("training.global_batch", ANY, reason="--global-batch-size"),
     _megatron("training.seq_len", ANY, reason="--seq-length"),
@@ -298,6 +382,8 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("ffn.dispatch", "all_to_all", reason="--moe-token-dispatcher-type alltoall"),
     _megatron("ffn.dispatch", "allgather_reduce_scatter",
               reason="--moe-token-dispatcher-type allgather"),
+    _megatron("ffn.dispatch", "deepep", reason="--moe-token-dispatcher-type flex "
+              "--moe-enable-deepep: one copy per destination node, forwarded over NVLink"),
     _megatron("ffn.capacity_factor", ANY, reason="null: dropless; else "
               "--moe-expert-capacity-factor"),
     _megatron("schedule", "1f1b", reason="Megatron's 1F1B (no virtual stages)"),
@@ -318,6 +404,10 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("cross_entropy", "chunked", Support.runs_as,
               "Megatron-Core has no chunked loss: it materialises the whole micro-batch's "
               "logits", "materialized"),
+    _megatron("cuda_graphs", "none", reason="no --cuda-graph-impl: kernels launched one by one"),
+    _megatron("cuda_graphs", ANY, Support.refused,
+              "the exported Megatron-LM (megatron-core 0.15) has no moe_router CUDA-graph scope "
+              "(--cuda-graph-scope); the recipes that graph it are priced, not exported"),
     _megatron("kernels", "fused", reason="Megatron-Core's own fused kernels, on by default: "
               "TransformerEngine's RMSNorm and GEMMs, the fused SwiGLU (--bias-swiglu-fusion) "
               "and RoPE (--apply-rope-fusion)"),
@@ -345,6 +435,21 @@ TABLE: tuple[Capability, ...] = MOEPLAN + MEGATRON
 
 NOT_EXECUTED = ("schema_version", "prediction")
 """Plan fields that describe the plan and instruct nothing."""
+
+MODEL_FEATURES = ("mla", "router_score", "router_expert_bias", "routed_scaling_factor",
+                  "expert_groups", "mtp_layers", "moe_layer_interval", "sliding_window",
+                  "linear_bias", "attention_sinks", "shared_expert_gate", "kv_share_layers",
+                  "rotary_fraction")
+"""ModelSpec fields the table answers for: an enum's value, else whether the model departs
+from the field's default (uses the feature)."""
+
+
+def model_features(model: BaseModel) -> Iterator[tuple[str, object]]:
+    """(``model.<field>``, value) of every MODEL_FEATURES field of ``model``."""
+    for name in MODEL_FEATURES:
+        value = getattr(model, name)
+        yield f"model.{name}", (value if isinstance(value, Enum)
+                                else value != type(model).model_fields[name].default)
 
 
 def _text(value: object) -> str:
@@ -401,6 +506,7 @@ def plan_fields(plan: Plan) -> Iterator[tuple[str, object]]:
             yield name, value
         if name == "model":
             yield "model.dropout", value.dropout > 0  # whether the model asks for dropout
+            yield from model_features(value)
 
 
 def _answers(plan: Plan, backend: Backend, target: Target
@@ -548,27 +654,6 @@ def _parsed(current: object, text: object) -> object:
 
 _BEFORE_FUSION = ("results without the record predate it, and no runtime before it fused the "
                   "gradient accumulation")
-
-
-EAGER_STEP_IN_BUCKETS_SINCE = "2026-12-01T09:34:07+00:00"
-"""When the runtime's eager optimizer step began casting the main gradients to fp32 one bucket
-at a time (commit 029a588 on main): a result measured before it cast every gradient at once,
-and its peak is priced that way (``steps_in_buckets``). Runs are made from main's tree of
-their day, so a result's date says which runtime made it."""
-
-
-def steps_in_buckets(measured_on: str | None) -> bool:
-    """Whether a run measured on ``measured_on`` (its result's ``date``, ISO 8601) stepped the
-    eager optimizer one bucket at a time; a run without a date is taken as the runtime's now."""
-    if measured_on is None:
-        return True
-    try:
-        when = datetime.fromisoformat(measured_on)
-    except ValueError:
-        raise SpecError(f"date: '{measured_on}' is not an ISO 8601 time") from None
-    if when.tzinfo is None:  # written without an offset: UTC, as the results are
-        when = when.replace(tzinfo=UTC)
-    return when >= datetime.fromisoformat(EAGER_STEP_IN_BUCKETS_SINCE)
 
 
 def record(plan: Plan, backend: Backend) -> list[dict]:

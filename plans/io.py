@@ -174,6 +174,18 @@ def read_document(path: Path, where: str | None = None) -> dict:
 # ---- outputs ------------------------------------------------------------------------------------
 
 
+YAML_SUFFIXES = (".yaml", ".yml")
+"""Names written as YAML; every other name is written as JSON (and read_document reads
+both)."""
+
+
+def plan_text(plan, path: Path) -> str:
+    """A Plan as the file at ``path`` holds it: YAML for a .yaml or .yml name, else JSON."""
+    if path.suffix.lower() in YAML_SUFFIXES:
+        return yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False)
+    return plan.model_dump_json(indent=2)
+
+
 def check_destination(path: Path, what: str, force: bool) -> None:
     """Refuse, before any work, a destination ``write_atomic`` could not or must not replace."""
     where = f"{what}: {path}"

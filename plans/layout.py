@@ -16,7 +16,7 @@ of pp x vpp runs on stage c mod pp.
 
 from __future__ import annotations
 
-from plans.enums import CHUNK_LOGITS
+from plans.enums import CHUNK_LOGITS, ExpertGemm
 from plans.plan import (
     EPFFN,
     AttentionStrategy,
@@ -175,12 +175,17 @@ Qwen3-30B-A3B's 128 of 768, 9.60 against 8.14 (the per-expert launches cost more
 they save)."""
 
 
-def accumulates_experts_in_gemm(fusion: bool, local_experts: int, local_ffn: int) -> bool:
+def accumulates_experts_in_gemm(fusion: bool, local_experts: int, local_ffn: int,
+                                gemm: ExpertGemm = ExpertGemm.grouped) -> bool:
     """Whether a rank's routed experts (``local_experts`` of ``local_ffn`` width each, after
     EP and expert TP) add their weight gradients into the main gradients inside the GEMM
-    (per-expert matmuls): under gradient-accumulation fusion with at most
-    PER_EXPERT_MAX_LOCAL_EXPERTS experts at least PER_EXPERT_MIN_FFN wide. Otherwise the grouped
-    GEMM writes each weight gradient and a separate pass adds it. ``fusion`` is the value the
-    runtime executes (plans.execution)."""
-    return (fusion and local_experts <= PER_EXPERT_MAX_LOCAL_EXPERTS
-            and local_ffn >= PER_EXPERT_MIN_FFN)
+    (per-expert matmuls): under gradient-accumulation fusion, with grouped GEMMs
+    (``gemm``, plans.enums.ExpertGemm) at most PER_EXPERT_MAX_LOCAL_EXPERTS experts at least
+    PER_EXPERT_MIN_FFN wide, with per-expert GEMMs always, with w1 and w3 as one GEMM never
+    (the concatenated weight is no parameter to accumulate into). Otherwise the GEMM writes
+    each weight gradient and a separate pass adds it. ``fusion`` is the value the runtime
+    executes (plans.execution)."""
+    if not fusion or gemm == ExpertGemm.grouped_w13:
+        return False
+    return gemm == ExpertGemm.per_expert or (local_experts <= PER_EXPERT_MAX_LOCAL_EXPERTS
+                                             and local_ffn >= PER_EXPERT_MIN_FFN)

@@ -29,6 +29,10 @@ class LayerOperator(StrEnum):
     qkv_gemm = "qkv_gemm"
     """The Q, K and V projections (one GEMM in the cost model, three Linear modules in the
     runtime)."""
+    qkv_up_gemm = "qkv_up_gemm"
+    """MLA: the query and key/value up-projections from their latents (``qkv_gemm`` is then
+    the down-projections to the latents and the shared RoPE key; the latents' RMSNorms are
+    priced in memory)."""
     qk_norm = "qk_norm"
     """Per-head RMSNorm of q and k (Qwen3); priced in memory, its time not modelled."""
     sp_a2a_qkv = "sp_a2a_qkv"

@@ -15,12 +15,25 @@ from pydantic import Field, field_validator, model_validator
 
 from plans.enums import (
     CrossEntropy,
+    CudaGraphs,
     Dispatch,
     Kernels,
     OptimizerSharding,
     Overlap,
+    PipelineSchedule,
     Recompute,
     Target,
+)
+from plans.notation import (
+    ATTENTION_TAGS,
+    DISPATCH_TAGS,
+    NO_GAF,
+    OPTIMIZER_SHARDING_TAGS,
+    OVERLAP_TAGS,
+    RECOMPUTE_TAGS,
+    SCHEDULE_TAGS,
+    SYNC_AFTER_BWD,
+    Prefix,
 )
 from plans.specs import (
     MAX_LAYERS,
@@ -32,6 +45,7 @@ from plans.specs import (
     Precision,
     Tokens,
     TrainingSpec,
+    mfu,
 )
 
 SCHEMA_VERSION = 1
@@ -168,11 +182,6 @@ FFNStrategy = Annotated[EPFFN | TPFFN, Field(discriminator="kind")]
 # ---- schedule, overlap, recomputation ---------------------------------------------------------
 
 
-class PipelineSchedule(StrEnum):
-    one_f_one_b = "1f1b"
-    interleaved_1f1b = "interleaved_1f1b"
-
-
 NonNegative = Annotated[float, Field(ge=0)]
 
 
@@ -194,12 +203,11 @@ class Prediction(Frozen):
         """Where the stored numbers contradict each other for ``plan`` (a hand-edited block):
         tokens/s and MFU follow from the step time, the components sum to it."""
         out = []
-        tokens = plan.training.tokens_per_step
-        flops = plan.model.flops_per_token(plan.training.seq_len) * tokens
-        peak = plan.cluster.gpus * plan.cluster.gpu.bf16_dense_tflops * 1e12
+        tokens, c = plan.training.tokens_per_step, plan.cluster
         derived = {
             "tokens_per_s": (self.tokens_per_s, tokens / self.step_time_s),
-            "mfu": (self.mfu, flops / (peak * self.step_time_s)),
+            "mfu": (self.mfu, mfu(plan.model, plan.training.seq_len, tokens, self.step_time_s,
+                                  c.gpus, c.gpu)),
         }
         if self.breakdown_s:
             derived["step_time_s"] = (self.step_time_s, sum(self.breakdown_s.values()))
@@ -213,10 +221,6 @@ class Prediction(Frozen):
 
 
 # ---- the plan -----------------------------------------------------------------------------------
-
-
-RECOMPUTE_TAGS = {Recompute.none: "none", Recompute.selective: "sel", Recompute.full: "full"}
-"""A plan's recomputation in its notation (``rc:sel``)."""
 
 
 class Plan(Frozen):
@@ -262,6 +266,8 @@ class Plan(Frozen):
     memory-bound pass."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
+    cuda_graphs: CudaGraphs = CudaGraphs.none
+    """The layer parts captured as CUDA graphs (Megatron-Core's ``--cuda-graph-scope``)."""
     prediction: Prediction | None = None
 
     @field_validator("schema_version", mode="before")
@@ -329,13 +335,13 @@ class Plan(Frozen):
     # ---- the one plan notation (tables, exports, logs) --------------------------------------
     def layout_notation(self) -> str:
         """Degrees and strategies: `pp4 vpp2 dp2 sp8 ep8 a2a mbs1` (vpp shown when > 1; the
-        attention group as sp / tp / cp; the FFN as `epN a2a`, `epN ag+rs` or `etpN`)."""
+        attention group as sp / tp / cp; the FFN as `epN a2a`, `epN ag+rs`, `epN deepep` or
+        `etpN`); the short names are plans.notation's, which parses them back."""
         d = self.degrees
         vpp = f" vpp{d.vpp}" if d.vpp > 1 else ""
-        attention = f"{self.attention.kind.removeprefix('ulysses_')}{d.attention_group}"
+        attention = f"{ATTENTION_TAGS[self.attention.kind]}{d.attention_group}"
         if isinstance(self.ffn, EPFFN):
-            dispatch = {"all_to_all": "a2a", "allgather_reduce_scatter": "ag+rs"}
-            ffn = f"ep{d.ep} {dispatch[self.ffn.dispatch]}"
+            ffn = f"ep{d.ep} {DISPATCH_TAGS[self.ffn.dispatch]}"
             if self.ffn.capacity_factor is not None:
                 ffn += f" cf{self.ffn.capacity_factor:g}"
         else:
@@ -346,22 +352,26 @@ class Plan(Frozen):
         """Schedule, overlap, recomputation, gradient sync: `i1f1b ov:inter+intra rc:sel
         sync:bf16`, plus `sync-after-bwd` / `no-gaf` / `ce:chunked` where the gradient
         sync is not overlapped, gradient accumulation not fused or the loss chunked,
-        `k:fused` where the memory-bound operators are fused, and `t:megatron` where the plan
-        is for a target other than moeplan."""
-        overlap = {"none": "none", "inter_op": "inter", "inter_intra_op": "inter+intra"}
-        sched = "1f1b" if self.schedule == PipelineSchedule.one_f_one_b else "i1f1b"
-        out = (f"{sched} ov:{overlap[self.overlap.value]} rc:{RECOMPUTE_TAGS[self.recompute]} "
-               f"sync:{self.grad_sync_precision.value}")
+        `k:fused` where the memory-bound operators are fused, `os:none` where the optimizer
+        states are not sharded, `cg:SCOPE` where Megatron-Core graphs part of each layer and
+        `t:megatron` where the plan is for a target other than moeplan (plans.notation)."""
+        out = (f"{SCHEDULE_TAGS[self.schedule]} {Prefix.overlap}{OVERLAP_TAGS[self.overlap]} "
+               f"{Prefix.recompute}{RECOMPUTE_TAGS[self.recompute]} "
+               f"{Prefix.sync}{self.grad_sync_precision.value}")
         if not self.grad_sync_overlap:
-            out += " sync-after-bwd"
+            out += f" {SYNC_AFTER_BWD}"
         if not self.grad_accumulation_fusion:
-            out += " no-gaf"
+            out += f" {NO_GAF}"
         if self.cross_entropy != CrossEntropy.materialized:
-            out += f" ce:{self.cross_entropy.value}"
+            out += f" {Prefix.cross_entropy}{self.cross_entropy.value}"
         if self.kernels != Kernels.eager:
-            out += f" k:{self.kernels.value}"
+            out += f" {Prefix.kernels}{self.kernels.value}"
+        if self.optimizer_sharding != OptimizerSharding.zero1:
+            out += f" {Prefix.optimizer_sharding}{OPTIMIZER_SHARDING_TAGS[self.optimizer_sharding]}"
+        if self.cuda_graphs != CudaGraphs.none:
+            out += f" {Prefix.cuda_graphs}{self.cuda_graphs.value}"
         if self.target != Target.moeplan:
-            out += f" t:{self.target.value}"
+            out += f" {Prefix.target}{self.target.value}"
         return out
 
     def summary(self) -> str:

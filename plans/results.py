@@ -1,15 +1,16 @@
 """Benchmark results as typed documents: what bench/ writes and calibration, fidelity and the
 reports read (instead of parsing row names). Fields a reader does not use are kept
 (``extra="allow"``), so a result round-trips; every committed result under bench/results
-parses (tests/bench/test_results_schema.py), including ones written before a field existed.
-A bad file is a one-line SpecError naming the field."""
+parses (tests/bench/test_campaigns.py). Every result carries the ``schema_version`` it was
+written in and the facts of the runtime it was measured under (``MEASURED_UNDER``, stamped by
+runtime.provenance.metadata). A bad file is a one-line SpecError naming the field."""
 
 from __future__ import annotations
 
-import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, ClassVar, TypeVar
+from types import MappingProxyType
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -20,6 +21,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    StrictBool,
     ValidationError,
     model_validator,
 )
@@ -29,6 +31,17 @@ from plans.io import parse_text, read_text
 from plans.operators import COMPONENT_KEYS
 from plans.plan import OptimizerSharding, Prediction
 
+SCHEMA_VERSION = 1
+"""The result documents' schema, which this module reads; a document of another is refused."""
+
+MEASURED_UNDER = MappingProxyType({"eager_step_in_buckets": True})
+"""What the runtime of this tree executes that prices its results (each a field of the result
+documents it writes; runtime.provenance.metadata stamps them):
+
+- ``eager_step_in_buckets``: the eager optimizer step casts the main gradients to fp32 and steps
+  one bucket at a time (runtime.parallel.optimizer); false: every gradient cast at once
+  (cost_models.memory.optimizer_step_workspace prices either)."""
+
 
 class Result(BaseModel):
     """Provenance every result carries (bench/_meta.py, runtime/provenance.py)."""
@@ -37,6 +50,9 @@ class Result(BaseModel):
     SOURCE: ClassVar[str] = ""
     """What writes documents of this kind."""
 
+    schema_version: Literal[SCHEMA_VERSION] = SCHEMA_VERSION
+    """The schema the document was written in (every writer stamps it; a document without it
+    is read as this one)."""
     commit: str | None = None
     date: str | None = None
     torch: str | None = None
@@ -72,11 +88,14 @@ class TrainStepResult(Result):
     """Peak allocated device memory per rank."""
     peak_reserved_gib_per_rank: list[PositiveFloat] | None = None
     """Peak reserved by the caching allocator per rank (what the cost model's peak predicts);
-    written since bench/train_step.py records it."""
+    None where the run did not record it."""
     allocator_per_rank: list[dict] | None = None
     """Where the reserve over the allocated peak sits, per rank (runtime.memory.
     allocator_breakdown: active, requested and fragment peaks, retries, reserved per stream;
-    empty off CUDA); written since bench/train_step.py records it."""
+    empty off CUDA); None where the run did not record it."""
+    eager_step_in_buckets: StrictBool = MEASURED_UNDER["eager_step_in_buckets"]
+    """How the run's eager optimizer stepped (``MEASURED_UNDER``; a result without it is taken
+    as measured by this tree's runtime): its peak is priced so."""
     components_s: ComponentSeconds = {}
     """Seconds per runtime component (plans.Component), mean over ranks."""
     tokens_per_step: PositiveInt | None = None
@@ -85,11 +104,11 @@ class TrainStepResult(Result):
     measured_steps: PositiveInt
     routing_skew: PositiveFloat | None = None
     """Mean over steps, ranks, MoE layers and micro-batches of max / mean routed slots per
-    expert (TrainingSpec.routing_skew's measurement); written since the runtime logs it."""
+    expert (TrainingSpec.routing_skew's measurement); None where the run did not log it."""
     routing_skew_max: PositiveFloat | None = None
     expert_rows_per_rank: list[NonNegativeInt | None] | None = None
     """Routed rows each rank's experts computed over the measured steps (None on a rank without
-    MoE layers); written since the runtime counts them."""
+    MoE layers); None where the run did not count them."""
     expert_rows_per_rank_layer: list[list[NonNegativeInt] | None] | None = None
     """The same per MoE layer of each rank."""
     ep_rank_load_step: PositiveFloat | None = None
@@ -100,19 +119,11 @@ class TrainStepResult(Result):
     """The same per MoE layer, averaged over layers and groups: the measured counterpart of
     cost_models.skew.rank_skew, which paces each layer."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
-    """Written since the plan field exists; older results say ``zero1: true | false``."""
     ulysses_head_groups: PositiveInt | None = None
     """Head groups the runtime's Ulysses cores moved heads in (1: every all-to-all blocking;
-    runtime.parallel.attention.head_groups); written since the runtime runs head groups, so
-    None is a run from before, whose Ulysses all-to-alls all blocked."""
+    runtime.parallel.attention.head_groups); None where the run did not record them: its
+    Ulysses all-to-alls all blocked."""
     prediction: Prediction | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_zero1(cls, data: object) -> object:
-        if isinstance(data, dict) and "zero1" in data and "optimizer_sharding" not in data:
-            data = {**data, "optimizer_sharding": "zero1" if data["zero1"] else "none"}
-        return data
 
 
 class LogStep(BaseModel):
@@ -159,11 +170,10 @@ class ProfileResult(Result):
     """The plan file that ran, as given."""
     plan_summary: str = ""
     model: str = ""
-    """The plan's model name; written since profiles record it."""
+    """The plan's model name; empty where the profile did not record it."""
     step_wall_s: PositiveFloat
     class_s: dict[str, NonNegativeFloat]
     components_s: ComponentSeconds = {}
-    """Written since the timer components were added to profiles."""
     slowest: list[KernelRow]
 
 
@@ -195,9 +205,6 @@ class SweepOp(StrEnum):
         return self in (SweepOp.all_to_all, SweepOp.all_gather, SweepOp.reduce_scatter)
 
 
-_LEGACY_MIB = re.compile(r"(\d+) MiB")
-
-
 class SweepRow(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -214,28 +221,16 @@ class SweepRow(BaseModel):
     device_s: PositiveFloat | None = None
     """The same call's kernels with the host ahead of the GPU (bench/_dist_bench.device_timed:
     a spin kernel holds the GPU while the host queues the call): the die's time, dispatch
-    excluded. Kernel rows of sweeps since 2026-12-01; None for collectives and older sweeps."""
+    excluded. None for collectives, and for kernel rows of sweeps that did not time it."""
     achieved_tb_s: PositiveFloat | None = None
     shape: dict[str, int | str] = {}
     """What ran (bench/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
     n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
-    kv_heads and model); layer_op model, tokens; head_loss model, tokens, chunked. Empty in sweeps
-    written before the micro-benchmarks (their kernel rows are not fitted)."""
+    kv_heads and model); layer_op model, tokens; head_loss model, tokens, chunked. Empty where
+    the sweep did not record the shape (such kernel rows are not fitted)."""
     backward: bool = False
     """The row timed forward and backward (autograd), not the forward alone."""
     layer_op: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy(cls, data: object) -> object:
-        """Rows written before ``op`` and ``bytes`` existed (bench/results/calibration_h200.json
-        of 2026-11-29) named them only: "all_gather 16 MiB full", "copy 256 MiB"."""
-        if not isinstance(data, dict) or "op" in data or not isinstance(data.get("name"), str):
-            return data
-        op = data["name"].split(" ", 1)[0]
-        size = _LEGACY_MIB.search(data["name"])
-        extra = {"bytes": int(size.group(1)) * 2**20} if size and int(size.group(1)) else {}
-        return {**data, "op": op, **extra}
 
     @model_validator(mode="after")
     def _sized(self) -> SweepRow:
@@ -321,8 +316,7 @@ class DispatchShape(BaseModel):
 
 
 class DispatchSweep(Result):
-    """The runtime's EP dispatchers over shapes and top-k (one shape for results written
-    before the sweep flags existed)."""
+    """The runtime's EP dispatchers over shapes and top-k."""
 
     SOURCE: ClassVar[str] = "bench/dispatch_gpu.py"
 

@@ -7,7 +7,7 @@ Units are in field names: ``_tflops`` (10^12 FLOP/s), ``_gb_s`` (10^9 bytes/s), 
 from __future__ import annotations
 
 from enum import StrEnum
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Annotated
 
 from pydantic import (
@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from plans.enums import Dispatch, Kernels, Precision
+from plans.enums import Dispatch, Kernels, LinearBias, Precision, RouterScore, WindowKind
 
 
 class Frozen(BaseModel):
@@ -78,6 +78,7 @@ GPUs = Annotated[int, Field(gt=0, le=MAX_GPUS)]
 OptionalLayers = Annotated[int, Field(ge=0, le=MAX_LAYERS)]
 OptionalWidth = Annotated[int, Field(ge=0, le=MAX_WIDTH)]
 OptionalExperts = Annotated[int, Field(ge=0, le=MAX_EXPERTS)]
+OptionalTokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
 
 
 def _printable(v: str) -> str:
@@ -96,21 +97,71 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=200), AfterVali
 # --------------------------------------------------------------------------------------------
 
 
+CAUSAL_FRACTION = 0.5
+"""Share of the score matrix a causal mask leaves to compute."""
+
+
+def attended_fraction(seq_len: int, window: int, kind: WindowKind = WindowKind.sliding
+                      ) -> float:
+    """Share of the s x s score matrix one causal layer computes: 1/2 over the whole sequence
+    (``window`` 0 or at least ``seq_len``); a sliding window of w keys leaves w/s (1 - w/2s);
+    chunks of w tokens, each causal inside itself, leave w / 2s."""
+    if not window or window >= seq_len:
+        return CAUSAL_FRACTION
+    w = window / seq_len
+    return w * (1 - w / 2) if kind == WindowKind.sliding else w / 2
+
+
+@cache
+def moe_pattern(layers: int, dense_layers: int, moe_layer_interval: int) -> tuple[bool, ...]:
+    """Whether each layer's FFN is MoE: after the first ``dense_layers``, the last layer of
+    every ``moe_layer_interval`` (Llama-4's ``interleave_moe_layer_step``)."""
+    return tuple(i >= dense_layers and (i - dense_layers) % moe_layer_interval
+                 == moe_layer_interval - 1 for i in range(layers))
+
+
+class MLASpec(Frozen):
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 Sec. 2.1): queries and
+    keys/values projected down to low-rank latents (each RMS-normed) and up to every head;
+    each query and key head is a no-RoPE part and a RoPE part, whose key is one head shared by
+    every head, projected from the hidden state with the kv latent."""
+
+    q_lora_rank: OptionalWidth = 0
+    """Width of the query latent (0: queries projected from the hidden state directly, as in
+    DeepSeek-V2-Lite)."""
+    kv_lora_rank: Width
+    """Width of the key/value latent."""
+    qk_nope_head_dim: Width
+    """Width of the part of each query and key head without RoPE."""
+    qk_rope_head_dim: Width
+    """Width of the RoPE part of each query and key head."""
+    v_head_dim: Width
+    """Width of each value head."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class ModelSpec(Frozen):
-    """A decoder-only MoE transformer: GQA attention and SwiGLU (routed + shared) experts."""
+    """A decoder-only MoE transformer: GQA or MLA attention, SwiGLU routed and shared experts,
+    dense-FFN layers first or interleaved, optional sliding-window layers and multi-token
+    prediction."""
 
     name: Name
     """Name shown in reports."""
     layers: Layers
-    """Transformer layers, MoE and dense together."""
+    """Transformer layers, MoE and dense together (MTP modules not included)."""
     hidden: Width
     """Model (residual stream) width h."""
     query_heads: Heads
     """Attention query heads."""
     kv_heads: Heads
-    """Attention key/value heads (GQA); query_heads / kv_heads is the paper's m."""
+    """Attention key/value heads (GQA); query_heads / kv_heads is the paper's m. With MLA every
+    head has its own key and value: kv_heads = query_heads."""
     head_dim: Width
-    """Width of one attention head (query_heads * head_dim need not equal hidden)."""
+    """Width of one query and key head (query_heads * head_dim need not equal hidden); with
+    MLA, qk_nope_head_dim + qk_rope_head_dim."""
     vocab: Vocab
     """Vocabulary size."""
     expert_ffn_hidden: Width
@@ -123,23 +174,70 @@ class ModelSpec(Frozen):
     """Always-active shared experts per MoE layer."""
     shared_expert_ffn_hidden: OptionalWidth = 0
     """Inner width of one shared expert (0 when there are none)."""
+    shared_expert_gate: bool = False
+    """The shared experts' output is scaled by a sigmoid of one learned projection of the token
+    (Qwen2-MoE's ``shared_expert_gate``)."""
     dense_layers: OptionalLayers = 0
     """Leading layers whose FFN is a dense SwiGLU instead of MoE."""
+    moe_layer_interval: Layers = 1
+    """After the dense_layers, the last layer of every moe_layer_interval layers is MoE and
+    the others dense (Llama-4 Maverick: 2); 1: every one is MoE."""
     dense_ffn_hidden: OptionalWidth = 0
     """Inner width of the dense layers' FFN (0 when there are none)."""
     tied_embeddings: bool = False
     """Whether the LM head shares the token-embedding matrix."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention's shapes; absent: GQA (query_heads, kv_heads, head_dim)."""
+    kv_share_layers: Layers = 1
+    """Cross-layer attention (Hunyuan-Large's CLA: 2): each run of this many consecutive layers
+    attends over the keys and values of its first layer; the others have no K and V
+    projections. 1: every layer its own."""
+    linear_bias: LinearBias = LinearBias.none
+    """Which linear layers carry a bias."""
+    attention_sinks: bool = False
+    """A learned logit per head joins every softmax over the keys (GPT-OSS)."""
+    sliding_window: OptionalTokens = 0
+    """Keys a windowed layer's query attends to (window_kind); 0: every layer attends over the
+    whole causal prefix."""
+    window_kind: WindowKind = WindowKind.sliding
+    """How the windowed layers limit their keys."""
+    full_attention_every: OptionalLayers = 0
+    """With a sliding_window: every layer whose number (from 1) this divides attends over the
+    whole prefix, the others over the window (GPT-OSS: 2, Megatron's --window-attn-skip-freq);
+    0: every layer is windowed."""
     rope_theta: float = Field(10000.0, gt=0, le=1e12)
     """RoPE base (theta) of the rotary position embedding."""
+    rotary_fraction: float = Field(1.0, gt=0, le=1)
+    """Share of each query and key head RoPE rotates (GLM-4.5: 0.5; Megatron's
+    --rotary-percent); the rest passes unrotated."""
     norm_eps: float = Field(1e-6, gt=0, lt=1)
     """Epsilon of every RMSNorm."""
     qk_norm: bool = False
     """RMSNorm over each query and key head (head_dim wide) before RoPE (Qwen3, Hunyuan-Large)."""
+    router_score: RouterScore = RouterScore.softmax
+    """How the router turns its logits into expert scores."""
     router_pre_softmax: bool = False
     """Routing weights are the softmax over all experts taken at the top-k (DeepSeekMoE,
     top-1 routers); false: the kept top-k weights are renormalised to sum to one (Mixtral)."""
+    router_expert_bias: bool = False
+    """Aux-loss-free load balancing (DeepSeek-V3, arXiv 2412.19437 Sec. 2.1.2): a per-expert
+    bias, updated from the experts' loads outside the gradient, is added to the scores for the
+    top-k choice only."""
+    routed_scaling_factor: float = Field(1.0, gt=0, le=1000)
+    """The routed experts' summed output is multiplied by this (DeepSeek-V3: 2.5)."""
+    expert_groups: Experts = 1
+    """Group-limited routing: the experts form this many equal groups (DeepSeek-V3: 8, one per
+    node of its EP64); 1: no groups."""
+    groups_per_token: Experts = 1
+    """Groups a token's top_k experts are chosen from (DeepSeek-V3: 4); equal to
+    expert_groups: no limit."""
     aux_loss_coeff: float = Field(0.01, ge=0, le=1)
     """Weight of the load-balancing loss (0 disables it)."""
+    mtp_layers: OptionalLayers = 0
+    """Multi-token prediction depth (DeepSeek-V3 Sec. 2.2): modules after the last layer, each
+    an RMSNorm of its input and of the next token's embedding, a projection of the two (2h to
+    h), one transformer layer of the last layer's kind and the shared LM head with its own
+    final norm; the embedding and the head are the model's."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Attention and hidden dropout probability (every catalog model trains without)."""
 
@@ -155,16 +253,55 @@ class ModelSpec(Frozen):
             raise ValueError(
                 f"dense_layers ({self.dense_layers}) must be < layers ({self.layers})"
             )
+        if self.layers - self.dense_layers < self.moe_layer_interval:
+            raise ValueError(
+                f"moe_layer_interval ({self.moe_layer_interval}) leaves no MoE layer in the "
+                f"{self.layers - self.dense_layers} layers after dense_layers"
+            )
         if (self.shared_experts > 0) != (self.shared_expert_ffn_hidden > 0):
             raise ValueError(
                 f"shared_experts ({self.shared_experts}) and shared_expert_ffn_hidden "
                 f"({self.shared_expert_ffn_hidden}) must both be zero or both positive"
             )
-        if (self.dense_layers > 0) != (self.dense_ffn_hidden > 0):
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ValueError("shared_expert_gate: the model has no shared experts")
+        dense = self.dense_ffn_layers
+        if (dense > 0) != (self.dense_ffn_hidden > 0):
             raise ValueError(
-                f"dense_layers ({self.dense_layers}) and dense_ffn_hidden "
-                f"({self.dense_ffn_hidden}) must both be zero or both positive"
+                f"dense_ffn_hidden ({self.dense_ffn_hidden}) must be positive exactly when some "
+                f"layer is dense ({dense} are: dense_layers {self.dense_layers}, "
+                f"moe_layer_interval {self.moe_layer_interval})"
             )
+        if self.mla is not None:
+            if self.kv_heads != self.query_heads:
+                raise ValueError(f"kv_heads ({self.kv_heads}) must equal query_heads "
+                                 f"({self.query_heads}) with mla (every head has its own key)")
+            if self.head_dim != self.mla.qk_head_dim:
+                raise ValueError(f"head_dim ({self.head_dim}) must equal mla.qk_nope_head_dim "
+                                 f"+ mla.qk_rope_head_dim ({self.mla.qk_head_dim})")
+            if self.linear_bias != LinearBias.none:
+                raise ValueError(f"linear_bias ({self.linear_bias}) must be none with mla")
+            if self.kv_share_layers != 1:
+                raise ValueError(f"kv_share_layers ({self.kv_share_layers}) must be 1 with mla")
+        if self.experts % self.expert_groups:
+            raise ValueError(f"expert_groups ({self.expert_groups}) must divide experts "
+                             f"({self.experts})")
+        if self.groups_per_token > self.expert_groups:
+            raise ValueError(f"groups_per_token ({self.groups_per_token}) must be <= "
+                             f"expert_groups ({self.expert_groups})")
+        if self.top_k > self.groups_per_token * self.experts_per_group:
+            raise ValueError(
+                f"top_k ({self.top_k}) must be <= groups_per_token x experts per group "
+                f"({self.groups_per_token} x {self.experts_per_group})")
+        if self.router_score == RouterScore.sigmoid and self.router_pre_softmax:
+            raise ValueError("router_pre_softmax must be false with router_score sigmoid "
+                             "(the kept sigmoid scores are renormalised)")
+        if self.full_attention_every and not self.sliding_window:
+            raise ValueError(f"full_attention_every ({self.full_attention_every}) needs a "
+                             f"sliding_window")
+        if self.full_attention_every > self.layers:
+            raise ValueError(f"full_attention_every ({self.full_attention_every}) must be <= "
+                             f"layers ({self.layers})")
         return self
 
     # ---- derived shape ----------------------------------------------------------------------
@@ -174,8 +311,35 @@ class ModelSpec(Frozen):
         return self.query_heads // self.kv_heads
 
     @property
+    def moe_pattern(self) -> tuple[bool, ...]:
+        """Whether each layer's FFN is MoE (plans.specs.moe_pattern)."""
+        return moe_pattern(self.layers, self.dense_layers, self.moe_layer_interval)
+
+    @property
     def moe_layers(self) -> int:
-        return self.layers - self.dense_layers
+        return sum(self.moe_pattern)
+
+    @property
+    def dense_ffn_layers(self) -> int:
+        """Layers whose FFN is dense: the leading dense_layers and the interleaved ones."""
+        return self.layers - self.moe_layers
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.experts // self.expert_groups
+
+    @property
+    def mtp_layer_is_moe(self) -> bool:
+        """An MTP module's transformer layer is of the model's last layer's kind."""
+        return self.moe_pattern[-1]
+
+    def layer_window(self, layer: int) -> int:
+        """Keys layer ``layer`` (from 0) attends to: the sliding_window, or 0 for the whole
+        prefix (Megatron-Core's is_layer_window_attention)."""
+        if not self.sliding_window:
+            return 0
+        every = self.full_attention_every
+        return 0 if every and (layer + 1) % every == 0 else self.sliding_window
 
     @property
     def q_dim(self) -> int:
@@ -183,70 +347,174 @@ class ModelSpec(Frozen):
 
     @property
     def kv_dim(self) -> int:
+        """Width of the keys of one token (and of its values under GQA)."""
         return self.kv_heads * self.head_dim
 
-    # ---- parameter counts (norm weights included, biases absent) -----------------------------
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.mla else self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of the values of one token: kv_dim under GQA, query_heads x v_head_dim with
+        MLA; the attention output (the out projection's input) is query_heads x v_head_dim."""
+        return self.kv_heads * self.v_head_dim
+
+    @property
+    def attn_out_dim(self) -> int:
+        return self.query_heads * self.v_head_dim
+
+    # ---- parameter counts (norm weights included) ---------------------------------------------
+    @property
+    def attention_gemm_params(self) -> int:
+        """Weights of one layer's attention projections (GEMMs).
+
+        GQA: Q, K, V and output. MLA: the query down- (h x q_lora_rank) and up-projection
+        (q_lora_rank x heads x qk_head_dim; with q_lora_rank 0 one h x heads x qk_head_dim),
+        the kv down-projection with the shared RoPE key (h x (kv_lora_rank + qk_rope_head_dim)),
+        its up-projection (kv_lora_rank x heads x (qk_nope_head_dim + v_head_dim)) and the
+        output (heads x v_head_dim x h)."""
+        h, out = self.hidden, self.attn_out_dim * self.hidden
+        if self.mla is None:
+            return h * (self.q_dim + 2 * self.kv_dim) + out
+        a = self.mla
+        q = (h * a.q_lora_rank + a.q_lora_rank * self.q_dim) if a.q_lora_rank else h * self.q_dim
+        kv_down = h * (a.kv_lora_rank + a.qk_rope_head_dim)
+        kv_up = a.kv_lora_rank * self.query_heads * (a.qk_nope_head_dim + a.v_head_dim)
+        return q + kv_down + kv_up + out
+
+    @property
+    def kv_projection_params(self) -> int:
+        """The K and V projections (and their biases) of one layer under GQA, which a layer
+        sharing another's keys and values lacks (kv_share_layers)."""
+        bias = self.kv_dim + self.v_dim if self.linear_bias != LinearBias.none else 0
+        return 0 if self.mla else self.hidden * (self.kv_dim + self.v_dim) + bias
+
+    @property
+    def kv_borrowing_layers(self) -> int:
+        """Layers using an earlier layer's keys and values: all but the first of each run of
+        kv_share_layers."""
+        return self.layers - -(-self.layers // self.kv_share_layers)
+
     @property
     def attention_params(self) -> int:
-        """Q, K, V and output projections of one layer."""
-        return self.hidden * (2 * self.q_dim + 2 * self.kv_dim)
+        """One layer's attention: its projections, MLA's latent norms, biases and sinks."""
+        other = self.mla.q_lora_rank + self.mla.kv_lora_rank if self.mla else 0
+        if self.linear_bias != LinearBias.none:
+            other += self.q_dim + self.kv_dim + self.v_dim
+        if self.linear_bias == LinearBias.all:
+            other += self.hidden
+        if self.attention_sinks:
+            other += self.query_heads
+        return self.attention_gemm_params + other
 
     @property
     def expert_params(self) -> int:
-        """One routed SwiGLU expert: fc1, gate (fc3) and fc2."""
-        return 3 * self.hidden * self.expert_ffn_hidden
+        """One routed SwiGLU expert: fc1, gate (fc3) and fc2 (and their biases)."""
+        bias = 2 * self.expert_ffn_hidden + self.hidden if self.linear_bias == LinearBias.all \
+            else 0
+        return 3 * self.hidden * self.expert_ffn_hidden + bias
 
     @property
     def shared_expert_params(self) -> int:
-        """All shared experts of one MoE layer."""
-        return self.shared_experts * 3 * self.hidden * self.shared_expert_ffn_hidden
+        """All shared experts of one MoE layer (and their gate)."""
+        gate = self.hidden if self.shared_expert_gate else 0
+        return self.shared_experts * 3 * self.hidden * self.shared_expert_ffn_hidden + gate
 
     @property
     def router_params(self) -> int:
-        return self.hidden * self.experts
+        bias = self.experts if self.linear_bias == LinearBias.all else 0
+        return self.hidden * self.experts + bias
 
     @property
     def dense_ffn_params(self) -> int:
-        return 3 * self.hidden * self.dense_ffn_hidden
+        bias = 2 * self.dense_ffn_hidden + self.hidden if self.linear_bias == LinearBias.all \
+            else 0
+        return 3 * self.hidden * self.dense_ffn_hidden + bias
 
     @property
     def embedding_params(self) -> int:
         """Token embedding plus, when untied, the LM head."""
         return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
 
-    def _layer_params(self, routed_experts: int) -> int:
-        norms = 2 * self.hidden
-        moe = routed_experts * self.expert_params + self.shared_expert_params + self.router_params
-        dense = self.dense_ffn_params + norms + self.attention_params
-        return self.moe_layers * (self.attention_params + norms + moe) + self.dense_layers * dense
+    @property
+    def mtp_extra_params(self) -> int:
+        """One MTP module beside its transformer layer: its three RMSNorms and the 2h x h
+        projection."""
+        return 3 * self.hidden + 2 * self.hidden * self.hidden
+
+    def layer_params(self, moe: bool, routed_experts: int) -> int:
+        """One transformer layer's parameters, an MoE one counting ``routed_experts``."""
+        ffn = (routed_experts * self.expert_params + self.shared_expert_params
+               + self.router_params) if moe else self.dense_ffn_params
+        return self.attention_params + 2 * self.hidden + ffn
+
+    def _params(self, routed_experts: int) -> int:
+        layers = sum(self.layer_params(moe, routed_experts) for moe in (True, False)
+                     for _ in range(self.moe_layers if moe else self.dense_ffn_layers))
+        mtp = self.mtp_layers * (self.layer_params(self.mtp_layer_is_moe, routed_experts)
+                                 + self.mtp_extra_params)
+        borrowed = self.kv_borrowing_layers * self.kv_projection_params
+        return layers - borrowed + mtp + self.embedding_params + self.hidden
 
     @property
     def total_params(self) -> int:
-        return self._layer_params(self.experts) + self.embedding_params + self.hidden
+        """Every trained parameter, MTP modules included (they share the embedding and head)."""
+        return self._params(self.experts)
 
     @property
     def active_params(self) -> int:
-        """Parameters one token touches: top_k routed experts per MoE layer."""
-        return self._layer_params(self.top_k) + self.embedding_params + self.hidden
+        """Parameters one token touches: top_k routed experts per MoE layer, the embedding row
+        and the LM head, the MTP modules included."""
+        return self._params(self.top_k)
 
     @property
     def matmul_params_per_token(self) -> int:
-        """Weights used in matrix multiplies by one token: active parameters less norms and the
-        embedding lookup (the LM head is a GEMM and counts)."""
-        norms = (2 * self.layers + 1) * self.hidden
-        lookup = self.vocab * self.hidden
-        return self.active_params - norms - lookup
+        """Weights used in matrix multiplies by one token: the projections, the top_k routed and
+        the shared experts, the routers, the dense FFNs, the LM head (an untied one), and per
+        MTP module its projection, its layer's and the head once more."""
+
+        def layer(moe: bool) -> int:
+            ffn = (self.top_k * 3 * self.hidden * self.expert_ffn_hidden
+                   + self.shared_experts * 3 * self.hidden * self.shared_expert_ffn_hidden
+                   + self.hidden * self.experts
+                   + (self.hidden if self.shared_expert_gate else 0)) if moe \
+                else 3 * self.hidden * self.dense_ffn_hidden
+            return self.attention_gemm_params + ffn
+
+        head = self.embedding_params - self.vocab * self.hidden
+        mtp = layer(self.mtp_layer_is_moe) + 2 * self.hidden * self.hidden + head
+        borrowed = self.kv_borrowing_layers * self.hidden * (self.kv_dim + self.v_dim)
+        return (self.moe_layers * layer(True) + self.dense_ffn_layers * layer(False) + head
+                + self.mtp_layers * mtp - (0 if self.mla else borrowed))
+
+    @property
+    def kv_projection_share(self) -> float:
+        """Share of the layers that project their own keys and values (kv_share_layers)."""
+        return 1 - self.kv_borrowing_layers / self.layers
+
+    def attended_share(self, seq_len: int) -> float:
+        """The layers' attended fractions of the s x s score matrix, summed
+        (attended_fraction of each layer's window)."""
+        return sum(attended_fraction(seq_len, self.layer_window(i), self.window_kind)
+                   for i in range(self.layers))
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs of every layer's attention core per token: QK^T at head_dim and PV at
+        v_head_dim, 2 x s x heads x width each, times the layer's attended fraction
+        (attended_fraction: 1/2 causal, less over a window); MTP layers attend causally."""
+        per_key = 2 * seq_len * self.query_heads * (self.head_dim + self.v_head_dim)
+        return per_key * (self.attended_share(seq_len) + self.mtp_layers * CAUSAL_FRACTION)
 
     def flops_per_token(self, seq_len: int, training: bool = True) -> float:
         """Model FLOPs per token as the paper's MFU counts them: GEMMs and FlashAttention only.
 
         Forward = 2 x matmul weights (router and LM head included) + causal attention
-        (QK^T and AV: 2 x 2 x s x q_dim per layer, halved by the causal mask).
-        Training = 3 x forward (backward is twice the forward); recomputation is not counted.
+        (attention_flops_per_token). Training = 3 x forward (backward is twice the forward);
+        recomputation is not counted.
         """
         gemm = 2 * self.matmul_params_per_token
-        attention = self.layers * 2 * 2 * seq_len * self.q_dim * 0.5
-        return (3 if training else 1) * (gemm + attention)
+        return (3 if training else 1) * (gemm + self.attention_flops_per_token(seq_len))
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,6 +565,10 @@ class DispatchFloors(Frozen):
     allgather_reduce_scatter: Annotated[float, Field(ge=0)] = 3290.0
 
     def of(self, dispatch: Dispatch) -> float:
+        # DeepEP's dispatch also waits on the host for its receive counts: the all-to-all's
+        # floor, a prior (no moeplan runtime runs it eagerly; plans.execution)
+        if dispatch == Dispatch.deepep:
+            return self.all_to_all
         return getattr(self, dispatch.value)
 
 
@@ -370,6 +642,23 @@ class Efficiency(Frozen):
     NCCL's buffers and the prediction's error (docs/memory.md: -2.2% .. +6.7% on H200)."""
 
 
+class FactorSource(StrEnum):
+    """Where a cluster's efficiency factors come from."""
+
+    measured = "measured"
+    """Fitted to measurements (on this GPU or one of the same die)."""
+    prior = "prior"
+    """No measurement on this GPU: the Efficiency defaults or a figure carried from another."""
+
+
+class EfficiencySource(Frozen):
+    """The provenance of a cluster's ``efficiency`` factors, shown by `moeplan explain`."""
+
+    kind: FactorSource
+    note: Name
+    """What was measured, or what the prior is taken from."""
+
+
 class ClusterSpec(Frozen):
     name: Name
     gpu: GPUSpec
@@ -378,6 +667,8 @@ class ClusterSpec(Frozen):
     gpus: GPUs
     """GPUs in the job: a multiple of gpus_per_node, or fewer than one node."""
     efficiency: Efficiency = Efficiency()
+    efficiency_source: EfficiencySource | None = None
+    """Where ``efficiency`` comes from; None: not stated."""
     stage_time_cv: float = Field(0.023, ge=0, le=1)
     """Coefficient of variation of one GPU's time for one micro-batch's work (clocks, power,
     launch jitter): the pipeline and the data-parallel replicas wait for the slowest
@@ -457,3 +748,12 @@ class TrainingSpec(Frozen):
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
+
+
+def mfu(model: ModelSpec, seq_len: int, tokens: float, seconds: float, gpus: int,
+        gpu: GPUSpec) -> float:
+    """Model FLOPs utilization: ``tokens`` of ``seq_len``-token sequences trained in ``seconds``
+    (ModelSpec.flops_per_token) over ``gpus`` GPUs' peak dense bf16 throughput, what the
+    predictions, the runtime's steps and the paper's MFU all report."""
+    return model.flops_per_token(seq_len) * tokens / (gpus * gpu.bf16_dense_tflops * 1e12
+                                                      * seconds)

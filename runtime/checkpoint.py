@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+from torch.distributed.checkpoint.api import CheckpointException
 
 from plans import Plan, SpecError
 from plans.enums import OptimizerSharding
@@ -140,6 +141,68 @@ def check_run(ckpt_dir: Path, record: RunRecord, resume: bool, overwrite: bool) 
     if not resume and theirs.layout != record.layout:
         raise SpecError(f"--ckpt-dir: {ckpt_dir} holds this run's checkpoints under layout "
                         f"'{theirs.layout}'; pass --resume with that plan, or --overwrite")
+    if not resume:  # starting at step 1 would overwrite them one by one
+        raise SpecError(f"--ckpt-dir: {ckpt_dir} holds this run's checkpoints up to step "
+                        f"{complete(ckpt_dir)[0][0]}; pass --resume or --overwrite")
+
+
+# ---- disk space ---------------------------------------------------------------------------------
+
+GIB = 2**30
+
+
+def checkpoint_bytes(plan: Plan, param_bytes: int) -> int:
+    """Bytes one checkpoint of ``plan`` writes, all ranks together: every parameter once (DCP
+    keeps one copy of replicated keys; shards are disjoint) in the parameter dtype
+    (``param_bytes``: 2 for bf16 on GPUs, 4 for fp32 on CPU), plus its optimizer states in
+    fp32 (Optimizer.state_bytes_per_param), ZeRO-1 slices or whole (the same total); an fp32
+    parameter is its own master weight (runtime.parallel.optimizer._master), stored once.
+    DCP's metadata and the manifest add a few percent."""
+    own_master = 4 if param_bytes == 4 else 0
+    per_param = param_bytes + plan.training.optimizer.state_bytes_per_param - own_master
+    return plan.model.total_params * per_param
+
+
+def size_text(n: int) -> str:
+    """Bytes for a reader: GiB from one GiB up, MiB below."""
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes, for an unprivileged writer, on the filesystem that holds (or will hold)
+    ``folder``: its nearest existing ancestor's."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def check_space(ckpt_dir: Path, needed: int) -> None:
+    """Refuse a checkpoint folder whose filesystem cannot hold one checkpoint."""
+    free = free_bytes(ckpt_dir)
+    if free < needed:
+        raise SpecError(f"--ckpt-dir: {ckpt_dir} has {size_text(free)} free, one checkpoint "
+                        f"of this plan takes {size_text(needed)}")
+
+
+class CheckpointWriteFailed(Exception):
+    """A checkpoint could not be written (no space, an I/O error); its partial folder is
+    removed and the earlier complete checkpoints are kept."""
+
+    def __init__(self, rank: int, step: int, folder: Path, needed: int, reason: str):
+        free = free_bytes(folder)
+        super().__init__(f"rank {rank}: writing the checkpoint of step {step} to {folder} "
+                         f"failed ({reason}); it needs {size_text(needed)}, "
+                         f"{size_text(free)} are free; removed its partial "
+                         f".tmp-step-{step}, earlier checkpoints are kept")
+
+
+def prune(ckpt_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints; returns the deleted ones."""
+    gone = [p for _, p in complete(ckpt_dir)[keep:]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def reshardable(layout: str) -> bool:
@@ -246,26 +309,48 @@ def find_resumable(
     return None
 
 
-def save(trainer: Trainer, ckpt_dir: Path, step: int) -> Path:
-    """Save after ``step`` steps have completed."""
+def save(trainer: Trainer, ckpt_dir: Path, step: int, needed: int = 0) -> Path:
+    """Save after ``step`` steps have completed. A write that fails (OSError on this rank, or
+    DCP's CheckpointException gathering one from any rank) removes ``.tmp-step-N`` and raises
+    CheckpointWriteFailed (``needed``: the checkpoint's bytes, for its message)."""
     tmp, final = ckpt_dir / f".tmp-step-{step}", ckpt_dir / f"step-{step}"
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank0 = rank == 0
     if rank0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     state = state_dict(trainer)
     state["trainer.step"].fill_(step)
-    dcp.save(state, checkpoint_id=str(tmp))
-    _barrier()
+    try:
+        dcp.save(state, checkpoint_id=str(tmp))
+        _barrier()
+        if rank0:
+            write_manifest(tmp, step)
+    except (OSError, CheckpointException, SpecError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteFailed(rank, step, ckpt_dir, needed, _write_error(e)) from None
     if rank0:
-        write_manifest(tmp, step)
         if final.is_symlink() or (final.exists() and not final.is_dir()):
             final.unlink()
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     _barrier()
     return final
+
+
+def _write_error(e: BaseException) -> str:
+    """The first line of a failed write's reason: the OSError's own text (DCP wraps each
+    rank's failure in a CheckpointException, whose line names the ranks and the error)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    if isinstance(e, CheckpointException):
+        for failure in e.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, OSError) and cause.strerror:
+                return cause.strerror
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 # a stored key: "model.<name>[.shard<i>of<n>]" or "optim.<name>[.shard<i>of<n>].<state>"

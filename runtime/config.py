@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from plans import ModelSpec
-from plans.enums import Kernels
+from plans.enums import ExpertGemm, Kernels
 from runtime.kernels import KernelOps, kernel_ops
 
 
@@ -23,6 +23,8 @@ class ModelOptions:
     init_std: float = 0.02
     kernels: Kernels = Kernels.eager
     """The memory-bound operators' implementation (plan.kernels; runtime.kernels)."""
+    expert_gemm: ExpertGemm = ExpertGemm.grouped
+    """How the routed experts run their GEMMs (runtime.moe.GroupedExperts)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import stat
-from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
@@ -18,22 +17,11 @@ import torch
 
 from plans import MeshAxis, Plan, SpecError
 from plans.layout import tokens_per_rank
+from plans.run_options import TokenDtype
 from runtime.parallel.mesh import Mesh
 from runtime.parallel.pipeline import MicroBatch
 
-
-class TokenDtype(StrEnum):
-    u16 = "u16"
-    u32 = "u32"
-
-    @property
-    def numpy(self) -> type:
-        return np.uint16 if self is TokenDtype.u16 else np.uint32
-
-    @classmethod
-    def from_path(cls, path: Path) -> TokenDtype | None:
-        suffix = path.suffix.lstrip(".")
-        return cls(suffix) if suffix in cls.__members__ else None
+NUMPY_DTYPE = {TokenDtype.u16: np.uint16, TokenDtype.u32: np.uint32}
 
 
 class TokenSource(Protocol):
@@ -65,7 +53,7 @@ SCAN_TOKENS = 1 << 24
 """Tokens read per chunk when checking a token file's ids (64 MiB of uint32)."""
 
 
-def check_token_file(path: Path, dtype: TokenDtype, vocab: int, window: int) -> int:
+def check_token_file(path: Path, dtype: type, vocab: int, window: int) -> int:
     """Refuse a token file no step could read correctly; returns its token count. A regular,
     non-empty file of whole tokens, at least one window (seq_len + 1) long, every id below the
     vocabulary (an id out of range would index past the embedding, or on CPU train on garbage)."""
@@ -75,36 +63,36 @@ def check_token_file(path: Path, dtype: TokenDtype, vocab: int, window: int) -> 
         raise SpecError(f"--data: {path}: cannot read ({e.strerror})") from None
     if not stat.S_ISREG(st.st_mode):
         raise SpecError(f"--data: {path} is not a regular file")
-    width = np.dtype(dtype.numpy).itemsize
+    width = np.dtype(dtype).itemsize
     if st.st_size == 0:
         raise SpecError(f"--data: {path} is empty")
     if st.st_size % width:
         raise SpecError(f"--data: {path} has {st.st_size} bytes, not a whole number of "
-                        f"{width}-byte {dtype} tokens")
+                        f"{width}-byte {np.dtype(dtype).name} tokens")
     count = st.st_size // width
     if count < window:
         raise SpecError(f"--data: {path} holds {count} tokens, fewer than seq_len + 1 ({window})")
-    if vocab < np.iinfo(dtype.numpy).max + 1:
-        tokens = np.memmap(path, dtype=dtype.numpy, mode="r")
+    if vocab < np.iinfo(dtype).max + 1 or np.iinfo(dtype).min < 0:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
         for start in range(0, count, SCAN_TOKENS):
             chunk = tokens[start : start + SCAN_TOKENS]
-            top = int(chunk.max())
-            if top >= vocab:
-                at = start + int(np.argmax(chunk >= vocab))
+            if int(chunk.max()) >= vocab or int(chunk.min()) < 0:
+                at = start + int(np.argmax((chunk >= vocab) | (chunk < 0)))
                 raise SpecError(f"--data: {path}: token {at} is id {int(tokens[at])}, outside "
                                 f"the vocabulary (model.vocab = {vocab})")
     return count
 
 
 class TokenFile:
-    """Raw little-endian uint16 or uint32 tokens; each sequence is a window at a position drawn
-    from (seed, step)."""
+    """Raw little-endian integer tokens (``dtype``, a numpy integer type); each sequence is a
+    window at a position drawn from (seed, step). A Megatron indexed dataset's ``.bin`` is such
+    a file: its documents back to back (runtime.indexed)."""
 
-    def __init__(self, path: Path, dtype: TokenDtype, global_batch: int, seq_len: int, seed: int,
+    def __init__(self, path: Path, dtype: type, global_batch: int, seq_len: int, seed: int,
                  vocab: int):
         self.global_batch, self.window, self.seed = global_batch, seq_len + 1, seed
         check_token_file(path, dtype, vocab, self.window)
-        self.tokens = np.memmap(path, dtype=dtype.numpy, mode="r")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
 
     def batch(self, step: int) -> torch.Tensor:
         g = _generator(self.seed, step)

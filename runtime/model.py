@@ -129,6 +129,7 @@ class TransformerBlock(nn.Module):
                 o.capacity_factor,
                 pre_softmax=m.router_pre_softmax,
                 ops=ops,
+                gemm=o.expert_gemm,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

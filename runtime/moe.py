@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plans.enums import ExpertGemm
 from runtime.kernels import EAGER, KernelOps, count_per_expert
 
 
@@ -175,6 +176,45 @@ class Router(nn.Module):
 # ---- expert computation ---------------------------------------------------------------------
 
 
+def start_host_copy(t: torch.Tensor) -> Callable[[], list]:
+    """Start copying ``t`` to the host; the returned function waits for the copy alone and
+    gives its values as a list. On CUDA the copy goes to pinned memory behind an event, so
+    kernels queued after this call keep running while the host reads (a plain ``.tolist()``
+    waits for everything queued before it returns)."""
+    if not t.is_cuda:
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> list:
+        done.synchronize()
+        return host.tolist()
+
+    return read
+
+
+class HostCounts:
+    """Rows per expert on the device, and copied to the host without waiting
+    (``start_host_copy``), read once when first needed. Read in the backward (the per-expert
+    weight gradients of gradient-accumulation fusion), the GPU has long passed the copy;
+    reading them in the forward made the host wait for the GPU at every MoE layer: the
+    eight-micro-batch Mixtral step then took 487.1 ms against its unfused twin's 481.7
+    (bench/results/h200/speed17/counts_in_forward, f851b03); read in the backward, 440.0
+    against 467.0 (speed17/, 835712a)."""
+
+    def __init__(self, counts: torch.Tensor):
+        self.device = counts
+        self._read = start_host_copy(counts)
+        self._host: list[int] | None = None
+
+    def tolist(self) -> list[int]:
+        if self._host is None:
+            self._host = self._read()
+        return self._host
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` grouped by expert times each expert's ``w[e]`` ([E, out, in], Linear
     layout): torch._grouped_mm on CUDA in bf16 (parameters and activations are bf16 there),
@@ -187,23 +227,90 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[1])
 
 
+def per_expert_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """grouped_mm as one matmul per expert (``counts`` on the host), each product written
+    into its slice of one output."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            torch.mm(x[start:start + c], w[e].transpose(0, 1), out=out[start:start + c])
+        start += c
+    return out
+
+
+def per_expert_weight_grad(g: torch.Tensor, x: torch.Tensor, counts: list[int],
+                           like: torch.Tensor) -> torch.Tensor:
+    """The gradient of per_expert_mm's weight ([E, out, in] as ``like``): g_e.T @ x_e per
+    expert, written into its slice (zero for an expert without rows)."""
+    grad = torch.empty_like(like)
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            torch.mm(g[start:start + c].transpose(0, 1), x[start:start + c], out=grad[e])
+        else:
+            grad[e].zero_()
+        start += c
+    return grad
+
+
+def expert_product(gemm: ExpertGemm) -> Callable[[torch.Tensor, torch.Tensor, HostCounts],
+                                                 torch.Tensor]:
+    """The product of grouped rows with a stacked weight ([E, out, in]) as ``gemm`` runs it:
+    grouped_mm over the counts on the device, or per_expert_mm over them on the host."""
+    if gemm == ExpertGemm.per_expert:
+        return lambda x, w, counts: per_expert_mm(x, w, counts.tolist())
+    return lambda x, w, counts: grouped_mm(x, w, counts.device)
+
+
+class _PerExpertMM(torch.autograd.Function):
+    """per_expert_mm with its backward as per-expert matmuls too (the rows' gradient into
+    slices of one tensor, the weight's into its experts' slices)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: HostCounts) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.counts = counts
+        return per_expert_mm(x, w, counts.tolist())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        rows = ctx.counts.tolist()
+        gx = per_expert_mm(g, w.transpose(-2, -1), rows) if ctx.needs_input_grad[0] else None
+        gw = per_expert_weight_grad(g, x, rows, w) if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
 def grouped_matmul(counts: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``GroupedExperts.matmul``'s default: ``grouped_mm`` over ``counts``."""
+    """``GroupedExperts.matmul`` of ExpertGemm grouped and grouped_w13: ``grouped_mm`` over
+    ``counts``."""
     return lambda x, w: grouped_mm(x, w, counts)
+
+
+def per_expert_matmul(counts: torch.Tensor
+                      ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``GroupedExperts.matmul`` of ExpertGemm per_expert: per-expert matmuls forward and
+    backward over the counts on the host (``HostCounts``, read at the first product)."""
+    host = HostCounts(counts)
+    return lambda x, w: _PerExpertMM.apply(x, w, host)
 
 
 class GroupedExperts(nn.Module):
     """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts.
-    ``matmul(counts)`` gives the product of grouped rows with a stacked weight: ``grouped_mm``
-    unless a transform sets another (runtime.parallel.grad_accumulation)."""
+    ``gemm`` says how the GEMMs run (plans.enums.ExpertGemm); ``matmul(counts)`` gives the
+    product of grouped rows with a stacked weight: ``gemm``'s, unless a transform sets another
+    (runtime.parallel.grad_accumulation)."""
 
-    def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER):
+    def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER,
+                 gemm: ExpertGemm = ExpertGemm.grouped):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
         self.ops = ops
-        self.matmul = grouped_matmul
+        self.gemm = gemm
+        self.matmul = per_expert_matmul if gemm == ExpertGemm.per_expert else grouped_matmul
         self.rows = 0
         """Routed rows these experts computed since ``take_rows`` (the rows tensor's shape, on
         the host: no device read). A recomputed forward counts again, on every rank alike."""
@@ -215,6 +322,9 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         self.rows += x.shape[0]
         mm = self.matmul(counts)
+        if self.gemm == ExpertGemm.grouped_w13:
+            gate, up = mm(x, torch.cat([self.w1, self.w3], dim=1)).chunk(2, dim=-1)
+            return mm(self.ops.swiglu(gate, up), self.w2)
         h = self.ops.swiglu(mm(x, self.w1), mm(x, self.w3))
         return mm(h, self.w2)
 
@@ -305,11 +415,12 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         pre_softmax: bool = False,
         ops: KernelOps = EAGER,
+        gemm: ExpertGemm = ExpertGemm.grouped,
     ):
         super().__init__()
         self.router = Router(hidden, experts, top_k, balance_groups, capacity_factor, pre_softmax,
                              ops)
-        self.experts = GroupedExperts(experts, hidden, ffn_hidden, ops)
+        self.experts = GroupedExperts(experts, hidden, ffn_hidden, ops, gemm)
         self.shared = (
             FeedForward(hidden, shared_experts * shared_ffn_hidden, ops) if shared_experts
             else None

@@ -1,4 +1,5 @@
-"""What a measurement ran on: commit, date, Python, machine, torch, GPU. torch is imported only
+"""What a measurement ran on: the result schema, commit, date, Python, machine, torch, GPU and
+the facts of this runtime that price it (plans.results.MEASURED_UNDER). torch is imported only
 when this is called, so torch-free benchmark scripts can stamp their results too."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import os
 import platform
 import subprocess
 from pathlib import Path
+
+from plans.results import MEASURED_UNDER, SCHEMA_VERSION
 
 
 def commit() -> str:
@@ -36,6 +39,8 @@ def metadata() -> dict:
     switches = {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("NCCL_", "TORCH_NCCL_"))}
     return {
+        "schema_version": SCHEMA_VERSION,
+        **MEASURED_UNDER,
         "commit": commit(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from plans import EPFFN, CrossEntropy, Degrees, Plan, UlyssesAttention
 from plans.layout import tokens_per_rank
+from plans.specs import mfu
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
 from runtime.loss import (
@@ -164,6 +165,11 @@ class Trainer:
         with self.timers.region(Component.grad_sync):
             self.optimizer.sync_gradients()
 
+    def set_learning_rate(self, lr: float) -> None:
+        """The learning rate of the next optimizer steps (every parameter group)."""
+        for group in self.optimizer.opt.param_groups:
+            group["lr"] = lr
+
     def optimizer_step(self) -> None:
         with self.timers.region(Component.optimizer):
             self.optimizer.step()
@@ -183,14 +189,13 @@ class Trainer:
         skew = routing_skew(moes) or (None, None)
         rows = [m.experts.take_rows() for m in moes] if moes else None
         tokens = self.plan.training.tokens_per_step
-        flops = self.plan.model.flops_per_token(self.plan.training.seq_len) * tokens
-        peak = self.mesh.world * self.plan.cluster.gpu.bf16_dense_tflops * 1e12
         return StepMetrics(
             step=step,
             loss=loss,
             step_time_s=elapsed,
             tokens_per_s=tokens / elapsed,
-            mfu=flops / elapsed / peak,
+            mfu=mfu(self.plan.model, self.plan.training.seq_len, tokens, elapsed,
+                    self.mesh.world, self.plan.cluster.gpu),
             peak_memory_gib=peak_memory_gib(self.device),
             components_s=self.timers.collect(),
             routing_skew=skew[0],

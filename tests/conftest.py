@@ -31,3 +31,10 @@ def pool4():
     pool = _pool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def pool8():
+    pool = _pool(8)
+    yield pool
+    pool.close()

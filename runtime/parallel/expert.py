@@ -4,7 +4,6 @@ Experts are contiguous per rank: rank r holds experts [r E/n, (r+1) E/n)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from runtime.kernels import (
 )
 from runtime.metrics import Component, Timers
 from runtime.model import Shard, Transformer
-from runtime.moe import DispatchHandle, Routing, sort_by_expert
+from runtime.moe import DispatchHandle, Routing, sort_by_expert, start_host_copy
 from runtime.parallel.comm import all_gather, all_to_all, reduce_scatter, sum_replicated
 from runtime.parallel.mesh import Mesh
 
@@ -137,25 +136,6 @@ class _AllGatherPlan:
 
     slots: torch.Tensor
     counts: torch.Tensor
-
-
-def start_host_copy(t: torch.Tensor) -> Callable[[], list]:
-    """Start copying ``t`` to the host; the returned function waits for the copy alone and
-    gives its values as a list. On CUDA the copy goes to pinned memory behind an event, so
-    kernels queued after this call keep running while the host reads (a plain ``.tolist()``
-    waits for everything queued before it returns)."""
-    if not t.is_cuda:
-        return t.tolist
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def read() -> list:
-        done.synchronize()
-        return host.tolist()
-
-    return read
 
 
 def expert_order(indices: torch.Tensor, experts: int, dropless: bool) -> torch.Tensor:
@@ -350,7 +330,10 @@ def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers
     group, n = mesh.groups[MeshAxis.ep], mesh.size(MeshAxis.ep)
     if kind == Dispatch.all_to_all:
         return AllToAllDispatcher(num_experts, group, n, timers, ops)
-    return AllGatherDispatcher(num_experts, group, n, mesh.index(MeshAxis.ep), timers, ops)
+    if kind == Dispatch.allgather_reduce_scatter:
+        return AllGatherDispatcher(num_experts, group, n, mesh.index(MeshAxis.ep), timers, ops)
+    raise ValueError(f"ffn.dispatch: {kind} has no dispatcher in this runtime "
+                     "(plans.execution refuses it)")
 
 
 def apply_expert_parallel(

@@ -13,9 +13,10 @@ runtime.parallel.parallelize):
   chunked loss computes the head's weight gradient itself (runtime.loss) and the embedding's is
   a scatter, and a tied pair shares one weight;
 - the routed experts where ``plans.layout.accumulates_experts_in_gemm`` says so (few wide
-  experts per rank): their weight gradients as one matmul per expert (the forward and the
-  rows' gradient stay grouped GEMMs). Many narrow experts keep autograd's grouped weight
-  gradient, which a separate pass adds (``torch._grouped_mm`` has no accumulating form).
+  experts per rank, or every expert GEMM per expert): their weight gradients as one matmul
+  per expert (the forward and the rows' gradient as the experts' ExpertGemm runs them).
+  Many narrow grouped experts keep autograd's grouped weight gradient, which a separate pass
+  adds (``torch._grouped_mm`` has no accumulating form).
 
 Such a GEMM's autograd function returns no gradient for its weight: its backward adds into
 ``main_grad`` and then calls ``grad_ready``, which runs the hooks the gradient sync put on the
@@ -30,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plans.enums import ExpertGemm
 from plans.layout import accumulates_experts_in_gemm
 from runtime.kernels import add_product
 from runtime.model import Transformer
-from runtime.moe import GroupedExperts, grouped_mm
-from runtime.parallel.expert import start_host_copy
+from runtime.moe import GroupedExperts, HostCounts, expert_product
 
 IN_GEMM = "accumulates_in_gemm"
 """Attribute marking a parameter whose weight-gradient GEMM adds into its main gradient."""
@@ -104,42 +105,25 @@ def linear_accumulating(param: nn.Parameter, x: torch.Tensor) -> torch.Tensor:
     return _LinearAccumulating.apply(x, param)
 
 
-class HostCounts:
-    """Rows per expert, copied to the host without waiting (``expert.start_host_copy``: pinned
-    memory behind an event), started in the forward and read once in the backward, when the
-    GPU has long passed the copy. Reading them in the forward made the host wait for the GPU at
-    every MoE layer: the eight-micro-batch Mixtral step then took 487.1 ms against its unfused
-    twin's 481.7 (bench/results/h200/speed17/counts_in_forward, f851b03); read here, 440.0
-    against 467.0 (speed17/, 835712a)."""
-
-    def __init__(self, counts: torch.Tensor):
-        self.device = counts
-        self._read = start_host_copy(counts)
-        self._host: list[int] | None = None
-
-    def tolist(self) -> list[int]:
-        if self._host is None:
-            self._host = self._read()
-        return self._host
-
-
 class _ExpertsAccumulating(torch.autograd.Function):
     """Rows grouped by expert times each expert's ``w[e]`` ([E, out, in]) and the rows'
-    gradient as grouped GEMMs (runtime.moe.grouped_mm); the weight gradient as one matmul per
-    expert that adds ``g_e.T @ x_e`` into the expert's slice of the main gradient."""
+    gradient as ``product`` runs them (runtime.moe.expert_product: grouped GEMMs, or one
+    matmul per expert); the weight gradient as one matmul per expert that adds
+    ``g_e.T @ x_e`` into the expert's slice of the main gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: HostCounts) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: nn.Parameter, counts: HostCounts,
+                product: Callable) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.counts, ctx.param = counts, weight
-        return grouped_mm(x, weight.detach(), counts.device)
+        ctx.counts, ctx.param, ctx.product = counts, weight, product
+        return product(x, weight.detach(), counts)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         (x,), w = ctx.saved_tensors, ctx.param.detach()
         gx = None
-        if ctx.needs_input_grad[0]:  # g_e @ w[e]: the grouped product with w[e].T
-            gx = grouped_mm(g, w.transpose(-2, -1), ctx.counts.device)
+        if ctx.needs_input_grad[0]:  # g_e @ w[e]: the product with w[e].T
+            gx = ctx.product(g, w.transpose(-2, -1), ctx.counts)
         if ctx.needs_input_grad[1]:
             target = _main_grad(ctx.param)
             start = 0
@@ -148,18 +132,28 @@ class _ExpertsAccumulating(torch.autograd.Function):
                     add_product(target[e], g[start:start + c].t(), x[start:start + c])
                 start += c
             grad_ready(ctx.param)
-        return gx, None, None
+        return gx, None, None, None
+
+
+def accumulating_matmul(gemm: ExpertGemm) -> Callable:
+    """``GroupedExperts.matmul``'s accumulating form for ``gemm``: its products forward and
+    for the rows' gradient, and each weight's gradient added into its main gradient by
+    per-expert GEMMs (the counts reach the host in the background, ``HostCounts``)."""
+    product = expert_product(gemm)
+
+    def matmul(counts: torch.Tensor):
+        host = HostCounts(counts)
+
+        def mm(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
+            return _ExpertsAccumulating.apply(x, w, host, product)
+        return mm
+    return matmul
 
 
 def per_expert_accumulating(counts: torch.Tensor):
-    """``GroupedExperts.matmul``'s accumulating form: grouped GEMMs, and each weight's gradient
-    added into its main gradient by per-expert GEMMs (the counts reach the host in the
-    background, ``HostCounts``)."""
-    host = HostCounts(counts)
-
-    def mm(x: torch.Tensor, w: nn.Parameter) -> torch.Tensor:
-        return _ExpertsAccumulating.apply(x, w, host)
-    return mm
+    """``accumulating_matmul`` of ExpertGemm grouped: grouped GEMMs forward and for the rows'
+    gradient, per-expert accumulating weight gradients."""
+    return accumulating_matmul(ExpertGemm.grouped)(counts)
 
 
 _FUSED = "grad_accumulation_fused"
@@ -187,8 +181,8 @@ def fuse_accumulation(root: nn.Module) -> None:
             setattr(module, _FUSED, True)
         elif isinstance(module, GroupedExperts):
             local_experts, local_ffn, _ = module.w1.shape
-            if accumulates_experts_in_gemm(True, local_experts, local_ffn):
-                module.matmul = per_expert_accumulating
+            if accumulates_experts_in_gemm(True, local_experts, local_ffn, module.gemm):
+                module.matmul = accumulating_matmul(module.gemm)
                 setattr(module, _FUSED, True)
 
 

@@ -16,9 +16,8 @@ stream the same way). For two chunks the issue order (``COLLECTIVES_ALONE``) is
 (D dispatch, C combine; p pack, x exchange, u unpack; E experts; S the shared experts): the
 communication lane runs Dx0 Dx1 Cx0 Cx1, so chunk 1's dispatch moves beside chunk 0's
 permutations and GEMMs (and the shared experts), and chunk 0's combine beside chunk 1's.
-Putting the permutations on the communication lane with the collectives (the schedule before
-2026-12-01) made that lane busier than the GEMMs' at Qwen3-30B-A3B's shape (13 ms against 9 ms
-in a traced step, docs/performance.md).
+The permutations stay off the communication lane: with them it is busier than the GEMMs' lane
+at Qwen3-30B-A3B's shape (13 ms against 9 ms in a traced step, docs/performance.md).
 
 On CUDA the compute lane is the training stream and the communication lane a second stream; a
 step on the other lane than its chunk's previous step waits for that step's event, and every
@@ -106,27 +105,10 @@ def _collectives_alone_order(chunks: int, shared: bool) -> list[tuple[Step, int]
     return order
 
 
-def _token_moves_order(chunks: int, shared: bool) -> list[tuple[Step, int]]:
-    """D0 [S] E0 D1 C0 E1 D2 C1 ... with D and C each a whole send or combine."""
-    send = [Step.dispatch_pack, Step.dispatch_exchange, Step.dispatch_unpack]
-    back = [Step.combine_pack, Step.combine_exchange, Step.combine_unpack]
-    order = [(s, 0) for s in send] + ([(Step.shared, 0)] if shared else [])
-    for i in range(chunks):
-        order.append((Step.experts, i))
-        if i + 1 < chunks:
-            order += [(s, i + 1) for s in send]
-        order += [(s, i) for s in back]
-    return order
-
-
 COLLECTIVES_ALONE = Schedule(frozenset({Step.dispatch_exchange, Step.combine_exchange}),
                              _collectives_alone_order)
-"""The collectives alone on the communication lane, the permutations with the GEMMs (the
-default; what cost_models.layer_graph prices)."""
-TOKEN_MOVES = Schedule(frozenset(CHAIN) - {Step.experts}, _token_moves_order)
-"""Every token move (permutations and collectives) on the communication lane, the GEMMs
-alone on the compute lane: the schedule before 2026-12-01, kept for the benchmark
-(bench/moe_layer_gpu.py --schedule)."""
+"""The collectives alone on the communication lane, the permutations with the GEMMs (what
+cost_models.layer_graph prices)."""
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -256,8 +238,8 @@ def collect(lanes: Lanes, chunks: list[Chunk], key: str) -> list[torch.Tensor]:
 class ChunkedExpertFFN:
     """``MoE.expert_ffn`` as the chunked schedule above (installed on the instance)."""
 
-    def __init__(self, moe: MoE, chunks: int, schedule: Schedule = COLLECTIVES_ALONE):
-        self.moe, self.chunks, self.schedule = moe, chunks, schedule
+    def __init__(self, moe: MoE, chunks: int):
+        self.moe, self.chunks = moe, chunks
         self._lanes: Lanes | None = None
         self.steps: dict[Step, Callable[[Chunk], None]] = {
             Step.dispatch_pack: self._dispatch_pack, Step.dispatch_exchange: self._dispatch_x,
@@ -317,7 +299,7 @@ class ChunkedExpertFFN:
                   for t, r, p in zip(parts[0], routings, prepared, strict=True)]
         # the shared experts read every token
         whole = Chunk({"tokens": tokens}) if self.moe.shared is not None else None
-        run_schedule(lanes, self.schedule, self.steps, chunks, whole)
+        run_schedule(lanes, COLLECTIVES_ALONE, self.steps, chunks, whole)
         y = torch.cat(collect(lanes, chunks, "y"))
         return y + whole.values["shared"] if whole is not None else y
 

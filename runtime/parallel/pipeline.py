@@ -1,13 +1,6 @@
-"""Pipeline parallelism: stage pruning from ``stage_layers`` and the schedules as action lists.
-
-A schedule is a list of actions per stage (forward or backward of one model chunk on one
-micro-batch), and one interpreter (``ActionSchedule``) runs any such list. ``stage_actions``
-generates Megatron-LM's orders (Narayanan et al., SC'21): model chunk c of pp x vpp lives on
-stage c mod pp (plans.layout); 1F1B is the vpp = 1 case (pp - stage - 1 warm-up forwards, then
-one forward and one backward alternately, then the remaining backwards), interleaved 1F1B the
-vpp >= 2 case (Sec. 2.2). Every rank derives the same lock-step timeline of all stages
-(``timeline``), so each send has its receive in the same tick's batched isend/irecv on the
-peer (no send/send deadlock on NCCL or gloo). Activations and their gradients travel in the
+"""Pipeline parallelism: stage pruning from ``stage_layers`` and one interpreter
+(``ActionSchedule``) of the schedules' action lists (plans.pipeline: 1F1B and interleaved 1F1B,
+and the lock-step timeline every rank derives). Activations and their gradients travel in the
 parameter dtype (Megatron's pipeline dtype). docs/architecture.md says why this runs on our own
 interpreter rather than torch.distributed.pipelining's schedules.
 """
@@ -21,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from plans.layout import chunks_of_stage, stage_of_chunk
+from plans.layout import chunks_of_stage
+from plans.pipeline import Message, timeline
 from runtime.metrics import Component, Timers
 from runtime.model import Transformer
 from runtime.parallel.mesh import Mesh
@@ -58,92 +52,6 @@ class MicroBatch:
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-# ---- actions and their timeline ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Action:
-    forward: bool
-    chunk: int
-    """Global model chunk (0 .. pp x vpp - 1)."""
-    micro: int
-
-
-@dataclass(frozen=True)
-class Message:
-    src: int
-    """Source stage."""
-    dst: int
-    key: tuple[str, int, int]
-    """("act", producing chunk, micro-batch) or ("grad", producing chunk, micro-batch)."""
-
-
-def stage_actions(pp: int, vpp: int, m: int, stage: int) -> list[Action]:
-    """Megatron-LM's order of one stage (megatron/core/pipeline_parallel/schedules.py):
-    virtual micro-batch k runs local chunk (k mod pp x vpp) // pp (reversed for backward) on
-    micro-batch (k // (pp x vpp)) x pp + k mod pp. Warm-up forwards: min(pp - stage - 1, M)
-    for 1F1B (vpp = 1); (pp - stage - 1) x 2 + (vpp - 1) x pp for interleaved 1F1B (all of
-    them when M = pp), then one forward and one backward alternately, then the remaining
-    backwards. Interleaving needs M to be a multiple of pp (checked by the plan)."""
-    total, group = m * vpp, pp * vpp
-
-    def action(k: int, forward: bool) -> Action:
-        local = (k % group) // pp
-        if not forward:
-            local = vpp - 1 - local
-        return Action(forward, local * pp + stage, (k // group) * pp + k % pp)
-
-    if vpp == 1:
-        warmup = min(pp - stage - 1, m)
-    else:
-        warmup = total if m == pp else min((pp - stage - 1) * 2 + (vpp - 1) * pp, total)
-    order = [action(k, True) for k in range(warmup)]
-    for k in range(total - warmup):
-        order += [action(warmup + k, True), action(k, False)]
-    order += [action(k, False) for k in range(total - warmup, total)]
-    return order
-
-
-def timeline(pp: int, vpp: int, m: int) -> list[tuple[dict[int, Action], list[Message]]]:
-    """Lock-step timeline of every stage's actions: in each tick every stage runs its next
-    action if the input it needs arrived in an earlier tick, then the tick's messages are
-    exchanged. Every rank derives the same timeline, so each send has its receive in the same
-    tick's batch on the peer (no send/send deadlock on NCCL or gloo)."""
-    chunks = pp * vpp
-    orders = [stage_actions(pp, vpp, m, s) for s in range(pp)]
-    pos = [0] * pp
-    have: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]
-    ticks: list[tuple[dict[int, Action], list[Message]]] = []
-    while any(pos[s] < len(orders[s]) for s in range(pp)):
-        actions: dict[int, Action] = {}
-        for s in range(pp):
-            if pos[s] == len(orders[s]):
-                continue
-            a = orders[s][pos[s]]
-            need = (
-                ("act", a.chunk - 1, a.micro) if a.forward and a.chunk > 0
-                else ("grad", a.chunk + 1, a.micro) if not a.forward and a.chunk < chunks - 1
-                else None
-            )
-            if need is None or need in have[s]:
-                actions[s] = a
-                pos[s] += 1
-        if not actions:
-            raise RuntimeError(f"pipeline order stalls at positions {pos}")
-        messages = []
-        for s, a in actions.items():
-            if a.forward and a.chunk < chunks - 1:
-                messages.append(Message(s, stage_of_chunk(a.chunk + 1, pp),
-                                        ("act", a.chunk, a.micro)))
-            elif not a.forward and a.chunk > 0:
-                messages.append(Message(s, stage_of_chunk(a.chunk - 1, pp),
-                                        ("grad", a.chunk, a.micro)))
-        for msg in messages:
-            have[msg.dst].add(msg.key)
-        ticks.append((actions, messages))
-    return ticks
 
 
 class ActionSchedule:

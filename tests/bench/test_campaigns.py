@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from plans.results import (
+    MEASURED_UNDER,
+    SCHEMA_VERSION,
     OverlapBench,
     ParityResult,
     ProfileResult,
@@ -165,7 +167,7 @@ def test_every_committed_result_parses_as_its_typed_document():
         assert read_log(path, "log")
 
 
-def test_legacy_sweep_rows_get_op_and_bytes_and_new_rows_need_no_name_parsing(tmp_path):
+def test_sweep_rows_say_op_and_bytes_without_name_parsing(tmp_path):
     sweep = read(Sweep, RESULTS / "calibration_h200.json", "sweep")
     by_name = {r.name: r for r in sweep.rows}
     assert by_name["all_gather 16 MiB full"].op == SweepOp.all_gather
@@ -174,21 +176,29 @@ def test_legacy_sweep_rows_get_op_and_bytes_and_new_rows_need_no_name_parsing(tm
     assert by_name["gemm 8192x8192x8192"].bytes is None
     row = {"name": "whatever", "op": "all_to_all", "bytes": 4096, "measured_s": 1e-3}
     path = tmp_path / "s.json"
-    path.write_text(json.dumps({"world": 2, "rows": [row]}))
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "world": 2, "rows": [row]}))
     assert read(Sweep, path, "sweep").rows[0].bytes == 4096
-    path.write_text(json.dumps({"world": 2, "rows": [{**row, "bytes": None}]}))
+    path.write_text(json.dumps({"schema_version": SCHEMA_VERSION, "world": 2,
+                                "rows": [{**row, "bytes": None}]}))
     with pytest.raises(SpecError, match="bytes"):
         read(Sweep, path, "sweep")
 
 
-def test_old_train_step_results_say_zero1_and_read_as_optimizer_sharding(tmp_path):
-    old = RESULTS / "h200" / "train_step_mixtral2l_1gpu_recompute_full.json"  # before the field
-    doc = json.loads(old.read_text())
-    assert doc["zero1"] is True and "optimizer_sharding" not in doc
-    assert read(TrainStepResult, old, "r").optimizer_sharding == "zero1"
+def test_results_carry_their_schema_version_and_the_facts_they_were_measured_under(tmp_path):
+    """Every committed result states this schema and the facts it was measured under
+    (plans.results.MEASURED_UNDER); one of another schema is refused in one line naming the
+    field."""
+    for path in RESULTS.rglob("*.json"):
+        doc = json.loads(path.read_text())
+        assert doc["schema_version"] == SCHEMA_VERSION, path
+        assert set(MEASURED_UNDER) <= set(doc), path
+    result = RESULTS / "h200" / "train_step_mixtral2l_1gpu_recompute_full.json"
+    assert read(TrainStepResult, result, "r").eager_step_in_buckets is False
     path = tmp_path / "r.json"
-    path.write_text(json.dumps({**doc, "zero1": False}))
-    assert read(TrainStepResult, path, "r").optimizer_sharding == "none"
+    path.write_text(json.dumps({**json.loads(result.read_text()),
+                                "schema_version": SCHEMA_VERSION + 1}))
+    with pytest.raises(SpecError, match=f"^r: {path}: schema_version: "):
+        read(TrainStepResult, path, "r")
 
 
 def test_the_performance_doc_is_current():

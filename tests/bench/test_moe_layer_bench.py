@@ -23,13 +23,15 @@ def _run(procs: int, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("procs, shape", [(1, "qwen3-30b-a3b"), (2, "mixtral-8x7b")])
-def test_moe_layer_script(tmp_path, procs, shape):
+@pytest.mark.parametrize("procs, shape, gemm", [(1, "qwen3-30b-a3b", "grouped"),
+                                               (2, "mixtral-8x7b", "per_expert")])
+def test_moe_layer_script(tmp_path, procs, shape, gemm):
     out = tmp_path / "m.json"
-    r = _run(procs, "--shapes", shape, *SMALL, "--out", str(out))
+    r = _run(procs, "--shapes", shape, *SMALL, "--expert-gemm", gemm, "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert res["world"] == procs and res["dtype"] == "float32" and res["inter_op_chunks"] == 2
+    assert res["expert_gemm"] == gemm
     row = res["shapes"][shape]
     assert row["tokens_per_rank"] == 64 and row["hidden"] in (4096 // 64, 2048 // 64)
     assert row["peer"] == {"status": "skipped", "reason": "--no-peer"}

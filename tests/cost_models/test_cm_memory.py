@@ -10,7 +10,7 @@ import pytest
 from cost_models import memory_breakdown
 from cost_models.memory import in_flight_micro_batches, layer_activation_bytes
 from cost_models.params import stage_params
-from plans import Degrees, Plan, Recompute, SpecError
+from plans import Degrees, Plan, Recompute
 from plans.catalog import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -151,21 +151,15 @@ def test_over_hbm_is_infeasible_with_numbers(plan_352b):
     assert ev.reason == f"peak memory {peak:.1f} GiB > usable 73.6 GiB on stage 0"
 
 
-def test_runs_before_the_bucketed_step_are_priced_with_every_gradient_cast_at_once():
-    # the eager optimizer casts one bucket at a time since plans.execution's date; the
-    # 1-GPU Mixtral plan's peak was set by the fp32 copies of all its gradients before it
+def test_runs_whose_eager_step_cast_every_gradient_at_once_are_priced_so():
+    # a result measured with eager_step_in_buckets false (plans.results.MEASURED_UNDER): the
+    # 1-GPU Mixtral plan's peak was set by the fp32 copies of all its gradients
     from cost_models.memory import optimizer_step_workspace
     from cost_models.params import largest_param, stage_params_of
     from plans.catalog import load_plan
-    from plans.execution import EAGER_STEP_IN_BUCKETS_SINCE, steps_in_buckets
 
     plan = load_plan(Path(__file__).resolve().parents[2] / "bench" / "gpu_plans" / "fidelity"
                      / "mixtral2l_1gpu_mbs1.json")
-    assert steps_in_buckets(None) and steps_in_buckets(EAGER_STEP_IN_BUCKETS_SINCE)
-    assert not steps_in_buckets("2026-11-30T23:59:00+00:00")
-    assert steps_in_buckets("2026-12-02T00:00:00")  # no offset: UTC
-    with pytest.raises(SpecError, match="date: 'yesterday' is not an ISO 8601 time"):
-        steps_in_buckets("yesterday")
     (stage,) = stage_params_of(plan)
     d, m = plan.degrees, plan.model
     bucket = 40_000_000 + largest_param(m, d)
@@ -177,3 +171,18 @@ def test_runs_before_the_bucketed_step_are_priced_with_every_gradient_cast_at_on
     before, now = memory_breakdown(plan, step_in_buckets=False), memory_breakdown(plan)
     assert before.components_bytes["optimizer_step_workspace"] == whole
     assert before.peak_bytes - now.peak_bytes > 5 * GIB
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(4, 1, 8), (4, 1, 2), (4, 2, 8), (4, 2, 4), (3, 3, 6)])
+def test_in_flight_micro_batches_are_the_schedules_warm_up(pp, vpp, m):
+    """The stage's action list (plans.pipeline) holds at most this many chunk forwards whose
+    backward has not run: 1F1B's pp - stage; interleaved, Megatron-LM's warm-up plus one, or
+    every chunk when m = pp."""
+    for stage in range(pp):
+        if vpp == 1:
+            chunks = min(pp - stage, m)
+        elif m == pp:
+            chunks = m * vpp
+        else:
+            chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, m * vpp)
+        assert in_flight_micro_batches(stage, pp, vpp, m) == chunks / vpp

@@ -43,6 +43,8 @@ def test_every_layer_graph_node_is_a_layer_operator(node_plan):
     seen: set[LayerOperator] = set()
     # tiny-moe-shared: shared experts, a dense layer, QK norm
     plans = [*_plans(node_plan, "internal-352b"), *_plans(node_plan, "tiny-moe-shared", 2)]
+    # MLA: the up-projections from the latents
+    plans += _plans(node_plan, "deepseek-v3")[:1]
     # eager kernels: the dispatch's host wait
     plans += [p.model_copy(update={"kernels": Kernels.eager}) for p in plans[:2]]
     # fused kernels: RoPE priced as its own operator

@@ -121,6 +121,26 @@ def test_bad_inputs_write_nothing(tmp_path):
     assert not out.exists()
 
 
+def test_a_measurement_of_another_device_is_refused(tmp_path):
+    out = tmp_path / "c.yaml"
+    # a CPU profile (runtime.provenance records no GPU) against the H200 base
+    cpu = tmp_path / "cpu_profile.json"
+    cpu.write_text(json.dumps({**json.loads(PROFILE.read_text()), "gpu": None}))
+    one_line_error(calibrate(cpu, "--plan", PLAN, "--out", out), "profile", "measured on cpu",
+                   "H200-SXM")
+    # an H200 sweep against an A100 base, and an H200 profile against a B200 one (whose name
+    # GB200 holds as letters, not as a word)
+    one_line_error(calibrate("--collectives", SWEEP, "--base", "a100", "--out", out),
+                   "--collectives", "NVIDIA H200", "A100-SXM-80GB")
+    gb200 = tmp_path / "gb200.json"
+    gb200.write_text(json.dumps({**json.loads(PROFILE.read_text()), "gpu": "NVIDIA GB200"}))
+    one_line_error(calibrate(gb200, "--plan", PLAN, "--base", "b200", "--out", out),
+                   "profile", "NVIDIA GB200", "B200")
+    one_line_error(calibrate(PROFILE, "--plan", PLAN, "--fused-profile", cpu, "--fused-plan",
+                             FUSED_PLAN, "--out", out), "--fused-profile", "cpu")
+    assert not out.exists()
+
+
 def test_an_existing_out_file_is_kept(tmp_path):
     out = tmp_path / "mine.yaml"
     shutil.copy(SHIPPED, out)

@@ -18,13 +18,17 @@ def test_search_then_train(tmp_path):
                             "--out", str(plan)],
                            capture_output=True, text=True, timeout=120)
     assert found.returncode == 0, found.stderr
-    trained = subprocess.run([*moeplan, "train", str(plan), "--steps", "2", "--log", str(log)],
+    cache = tmp_path / "compile_cache"
+    trained = subprocess.run([*moeplan, "train", str(plan), "--steps", "2", "--log", str(log),
+                              "--compile-cache", str(cache)],
                              capture_output=True, text=True, timeout=300,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert trained.returncode == 0, trained.stderr[-3000:]
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["loss"] > 0 and s["tokens_per_s"] > 0 for s in steps)
+    # the launcher hands the cache folder to every rank; the summary names it
+    assert cache.is_dir() and f"compile cache {cache.resolve()}" in trained.stdout
 
 
 def test_train_refuses_a_launch_that_does_not_match_the_plan(tmp_path):

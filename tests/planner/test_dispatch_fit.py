@@ -48,7 +48,7 @@ def test_the_catalog_factors_are_the_fit_of_the_committed_sweep(sweep):
     cluster = catalog.load_cluster("h200-runtime")
     f = df.fit(df.points(sweep, cluster, catalog.load_model("mixtral-8x7b")))
     assert f.gather_scatter == pytest.approx(cluster.efficiency.gather_scatter, abs=1e-3)
-    for d in Dispatch:
+    for d in df.SHORT:
         assert f.floors_us[d] == pytest.approx(cluster.efficiency.dispatch_floor_us.of(d),
                                                abs=5.0)
 
@@ -56,14 +56,14 @@ def test_the_catalog_factors_are_the_fit_of_the_committed_sweep(sweep):
 def test_the_fit_recovers_known_factors():
     gs, floors = 0.2, {Dispatch.all_to_all: 2e-3, Dispatch.allgather_reduce_scatter: 1.5e-3}
     pts = []
-    for d in Dispatch:
+    for d in df.SHORT:
         for i in range(1, 30):
             p = df.Point(1024, 8, 1024, 1, d, 1.0, i * 1e-4, i * 2e-4, 0.5)
             pts.append(df.Point(1024, 8, 1024, 1, d, p.predicted_s(gs, floors[d]), p.collectives_s,
                                 p.permutation_s, 0.5))
     f = df.fit(pts)
     assert f.gather_scatter == pytest.approx(gs, abs=1e-3)
-    for d in Dispatch:
+    for d in df.SHORT:
         assert f.floors_us[d] == pytest.approx(floors[d] * 1e6, abs=5.0)
     assert f.max_abs_error < 0.01
 

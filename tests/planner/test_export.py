@@ -58,7 +58,14 @@ MEGATRON_FLAGS = {
     "--attention-dropout": True, "--hidden-dropout": True, "--qk-layernorm": False,
     "--moe-router-pre-softmax": False, "--moe-aux-loss-coeff": True,
     "--pipeline-model-parallel-layout": True, "--recompute-modules": True,
-    "--fp8-recipe": True, "--train-iters": True, "--overlap-moe-expert-parallel-comm": False,
+    "--fp8-recipe": True, "--train-iters": True,
+    "--multi-latent-attention": False, "--q-lora-rank": True, "--kv-lora-rank": True,
+    "--qk-head-dim": True, "--qk-pos-emb-head-dim": True, "--v-head-dim": True,
+    "--rope-type": True, "--no-rope-fusion": False, "--moe-router-score-function": True,
+    "--moe-router-enable-expert-bias": False, "--moe-router-topk-scaling-factor": True,
+    "--moe-router-num-groups": True, "--moe-router-group-topk": True, "--mtp-num-layers": True,
+    "--window-size": True, "--window-attn-skip-freq": True, "--softmax-type": True,
+    "--rotary-percent": True, "--add-qkv-bias": False, "--overlap-moe-expert-parallel-comm": False,
     "--sgd-momentum": True,
 }
 CHOICES = {
@@ -218,9 +225,9 @@ def test_torchrun_single_and_multi_node():
 def test_slurm_script():
     script = slurm_script(PLANS["megascale"], "my plans/$x.json", steps=100)
     assert "#SBATCH --nodes=8" in script and "#SBATCH --gpus-per-node=8" in script
-    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    srun = next(line for line in script.splitlines() if line.startswith("CMD=(srun "))
     assert '--cpus-per-task="$SLURM_CPUS_ON_NODE"' in srun
-    words = shlex.split(srun.replace("$MASTER_ADDR", "host"))
+    words = shlex.split(srun.replace("$MASTER_ADDR", "host").removeprefix("CMD=(")[:-1])
     assert "torchrun" in words and "runtime.train" in words
     assert words[words.index("--plan") + 1] == "my plans/$x.json"  # quoted, not expanded
 
@@ -244,11 +251,12 @@ def test_scripts_stop_with_a_clear_message_when_a_variable_is_unset(target, tmp_
         (fake / tool).write_text("#!/bin/sh\necho launched\n")
         (fake / tool).chmod(0o755)
     env = {"PATH": f"{fake}:/usr/bin:/bin", "MEGATRON_LM": "/m", "LR": "1e-4",
-           "TRAIN_ITERS": "10", "DATA_PATH": "/d"}
+           "TRAIN_ITERS": "10", "DATA_PATH": "/d", "TOKENIZER_MODEL": "/t", "RDZV_ID": "j1"}
     if target == "slurm":
         done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
         assert done.returncode != 0 and "submit this script with sbatch" in done.stderr
         env["SLURM_JOB_NODELIST"], env["SLURM_CPUS_ON_NODE"] = "n[1-8]", "64"
+        env["SLURM_JOB_ID"] = "41"
     else:
         done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
         assert done.returncode != 0 and "set MASTER_ADDR" in done.stderr
@@ -281,9 +289,9 @@ def test_megatron_model_environment_recompute_and_steps():
     no_sp = plan(degrees=Degrees(pp=4, dp=16, ep=8))
     assert megatron_env(no_sp) == {}
     script = megatron_script(no_sp)
-    assert "TRAIN_ITERS" in script and "set LR" in script and "DATA_PATH" in script
+    assert "set TRAIN_ITERS" in script and "LR=" in script and "set DATA_PATH" in script
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in script
-    assert "TRAIN_ITERS" not in megatron_script(no_sp, steps=3)
+    assert 'TRAIN_ITERS="${TRAIN_ITERS:-3}"' in megatron_script(no_sp, steps=3)
     hunyuan = catalog.load_model("hunyuan-large")
     top1 = plan(model=hunyuan, degrees=Degrees(pp=4, dp=2, sp=8, ep=8), stage_layers=(16,) * 4)
     assert parse_megatron(megatron_args(top1)[0])["--moe-router-pre-softmax"] is True
@@ -353,3 +361,51 @@ def test_inter_op_is_megatrons_ep_overlap_and_tile_fused_overlap_is_refused():
     sgd = PLANS["megascale"].model_copy(update={"training": TrainingSpec(
         global_batch=256, seq_len=4096, optimizer="sgd")})
     assert parse_megatron(megatron_args(sgd)[0])["--sgd-momentum"] == "0"
+def _dry_run(script: str, tmp_path, *argv: str, **env: str) -> tuple[list[str], str]:
+    """The command a script would run (DRY_RUN=1) as words, and what it said it would do."""
+    path = tmp_path / "run.sh"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    done = subprocess.run(["bash", str(path), *argv], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1", **env})
+    assert done.returncode == 0, done.stderr
+    return shlex.split(done.stdout), done.stderr
+
+
+def test_runtime_scripts_pass_data_checkpoints_and_steps_and_say_so(tmp_path):
+    p = PLANS["megascale"]
+    words, said = _dry_run(torchrun_script(p, "/plans/a b.json", steps=100), tmp_path,
+                           "--seed", "3", MASTER_ADDR="n1", RDZV_ID="job7",
+                           DATA="/data/tok.u16", CKPT_DIR="/ckpt", CKPT_EVERY="50",
+                           LOG_FILE="/logs/m.jsonl")
+    assert words[words.index("--rdzv-id") + 1] == "job7"
+    run = words[words.index("runtime.train") + 1:]
+    assert run == ["--plan", "/plans/a b.json", "--steps", "100", "--data", "/data/tok.u16",
+                   "--ckpt-dir", "/ckpt", "--ckpt-every", "50", "--log-file", "/logs/m.jsonl",
+                   "--seed", "3"]
+    assert "100 steps" in said and "/data/tok.u16" in said and "/ckpt every 50" in said
+    words, said = _dry_run(torchrun_script(p, "/p.json"), tmp_path, MASTER_ADDR="n1",
+                           SLURM_JOB_ID="99", STEPS="7", RESUME="1")
+    assert words[words.index("--rdzv-id") + 1] == "99"
+    assert words[words.index("runtime.train") + 1:] == ["--plan", "/p.json", "--steps", "7",
+                                                         "--resume"]
+    assert "synthetic tokens" in said and "checkpoints: none" in said
+
+
+def test_slurm_rendezvous_is_the_job(tmp_path):
+    words, said = _dry_run(slurm_script(PLANS["megascale"], "/p.json", steps=20), tmp_path,
+                           SLURM_JOB_NODELIST="n[1-8]", SLURM_JOB_ID="12345",
+                           SLURM_CPUS_ON_NODE="64", MASTER_ADDR="n1", CKPT_DIR="/c")
+    assert words[0] == "srun" and words[words.index("--rdzv-id") + 1] == "12345"
+    assert words[words.index("--rdzv-endpoint") + 1] == "n1:29500"
+    assert words[-4:] == ["--ckpt-dir", "/c", "--ckpt-every", "1000"]
+    assert "20 steps" in said
+
+
+def test_megatron_script_takes_extra_arguments(tmp_path):
+    words, said = _dry_run(megatron_script(PLANS["megascale"], steps=30), tmp_path,
+                           "--eval-iters", "0", MEGATRON_LM="/m", MASTER_ADDR="n1",
+                           RDZV_ID="r", MOCK_DATA="1", EXTRA_ARGS="--seed 5 --no-load-optim")
+    assert words[-5:] == ["--seed", "5", "--no-load-optim", "--eval-iters", "0"]
+    assert "--mock-data" in words and words[words.index("--train-iters") + 1] == "30"
+    assert "synthetic tokens" in said and "30 iterations" in said

@@ -12,7 +12,10 @@ the dev extra); skipped when megatron-core is not installed.
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
 import sys
 import warnings
 from collections import Counter
@@ -23,7 +26,12 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install "
                     "'megatron-core==0.15.3', part of the dev extra)")
 
-from planner.export import megatron_args, megatron_env, megatron_refusal  # noqa: E402
+from planner.export import (  # noqa: E402
+    megatron_args,
+    megatron_env,
+    megatron_refusal,
+    megatron_script,
+)
 from planner.search import search  # noqa: E402
 from plans import Plan, SpecError, TrainingSpec, catalog  # noqa: E402
 
@@ -89,11 +97,26 @@ def _gpu(monkeypatch, arch: int) -> None:
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
 
 
-def run_megatron(plan: Plan, arch: int, arguments, monkeypatch) -> tuple[object, object]:
-    """Parse, validate and build TransformerConfig from the export as pretrain_gpt.py would,
-    in the environment the export sets, on ranks of the plan's world size."""
-    args, _ = megatron_args(plan, steps=10)
-    user = ["--lr", "1e-4", "--mock-data"]  # what the script's TRAINING_ARGS ask the user for
+def script_argv(plan: Plan, tmp: Path, **env: str) -> list[str]:
+    """pretrain_gpt.py's arguments as the exported script passes them: the script run by bash
+    with DRY_RUN=1 (it prints the command it would run, quoted for the shell)."""
+    script = tmp / "megatron.sh"
+    script.write_text(megatron_script(plan, steps=10))
+    base = {"PATH": os.environ["PATH"], "MEGATRON_LM": "/opt/Megatron-LM", "DRY_RUN": "1",
+            "MASTER_ADDR": "node0", "RDZV_ID": "job1"}
+    r = subprocess.run(["bash", str(script), *env.pop("ARGV", "").split()],
+                       env={**base, **env}, capture_output=True, text=True, check=True)
+    words = shlex.split(r.stdout)
+    return words[words.index("/opt/Megatron-LM/pretrain_gpt.py") + 1:]
+
+
+def run_megatron(plan: Plan, arch: int, arguments, monkeypatch, tmp: Path, **env: str
+                 ) -> tuple[object, object]:
+    """Parse, validate and build TransformerConfig from the exported script's whole command
+    line as pretrain_gpt.py would, in the environment the export sets, on ranks of the plan's
+    world size (synthetic data unless ``env`` says otherwise)."""
+    args = script_argv(plan, tmp, **(env or {"MOCK_DATA": "1"}))
+    user: list[str] = []
     for k, v in megatron_env(plan).items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("WORLD_SIZE", str(plan.degrees.world))
@@ -141,7 +164,7 @@ def check_is_the_plan(plan: Plan, parsed, config) -> None:
         assert config.recompute_modules == ["core_attn"]
 
 
-def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys):
+def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys, tmp_path):
     arguments = _megatron()
     plans = _plans()
     assert len(plans) >= 100
@@ -154,7 +177,7 @@ def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys):
             refused[re.sub(r"\d+", "N", why.split(":")[0])] += 1
             continue
         try:
-            parsed, config = run_megatron(plan, arch, arguments, monkeypatch)
+            parsed, config = run_megatron(plan, arch, arguments, monkeypatch, tmp_path)
         except (AssertionError, ValueError) as e:
             pytest.fail(f"{label} ({plan.summary()}): Megatron rejects the export: {e}")
         check_is_the_plan(plan, parsed, config)
@@ -185,8 +208,19 @@ def test_the_check_catches_an_export_megatron_rejects(monkeypatch):
         arguments.validate_args(arguments.parse_args())
 
 
+def _small() -> Plan:
+    """A tiny-moe plan with EP all-to-all that Megatron runs."""
+    from plans import EPFFN, Degrees, Dispatch, UlyssesAttention
+
+    return Plan(model=catalog.load_model("tiny-moe"), cluster=catalog.load_cluster("h200", gpus=8),
+                training=TrainingSpec(global_batch=32, seq_len=512),
+                degrees=Degrees(dp=4, sp=2, ep=4), attention=UlyssesAttention(),
+                ffn=EPFFN(dispatch=Dispatch.all_to_all), stage_layers=(4,))
+
+
 def _uneven_interleaved() -> Plan:
-    """An interleaved Ulysses plan with an uneven split (9 layers over pp 2 x vpp 2)."""
+    """An interleaved Ulysses plan with an uneven split (9 layers over pp 2 x vpp 2), no EP
+    overlap (with it Megatron only warns where CUDA_DEVICE_MAX_CONNECTIONS is unset)."""
     from plans import Degrees, Overlap, PipelineSchedule, UlyssesAttention
 
     model = catalog.load_model("tiny-moe").model_copy(update={"layers": 9})
@@ -195,3 +229,91 @@ def _uneven_interleaved() -> Plan:
                  degrees=Degrees(pp=2, vpp=2, dp=4, sp=2, ep=4), attention=UlyssesAttention(),
                  stage_layers=(3, 2, 2, 2), schedule=PipelineSchedule.interleaved_1f1b,
                  overlap=Overlap.none)
+
+
+def _feature_plan(model, pp: int, stage_layers: tuple[int, ...]) -> Plan:
+    """A hand-made plan (no search): pp stages, Ulysses 2, EP 8, on 8 GPUs a stage."""
+    from plans import EPFFN, Degrees, UlyssesAttention
+
+    return Plan(model=model, cluster=catalog.load_cluster("h800", gpus=8 * pp),
+                training=TrainingSpec(global_batch=64, seq_len=4096),
+                degrees=Degrees(pp=pp, dp=4, sp=2, ep=8), attention=UlyssesAttention(),
+                ffn=EPFFN(), stage_layers=stage_layers, micro_batch_size=1)
+
+
+HF = Path(__file__).parents[1] / "plans" / "hf_configs"
+
+
+@pytest.mark.parametrize("name,pp,stages", [
+    ("deepseek-v3", 4, (16, 15, 15, 15)),
+    ("kimi-k2", 2, (31, 30)),
+    ("gpt-oss-120b", 2, (18, 18)),
+    ("glm-4.5", 4, (23, 23, 23, 23)),
+    (str(HF / "deepseek-v2.json"), 1, (60,)),
+    (str(HF / "qwen3-30b-a3b.json"), 2, (24, 24)),
+])
+def test_new_model_features_export_as_megatron_cores_own_flags(name, pp, stages, monkeypatch,
+                                                              tmp_path):
+    """MLA, sigmoid routing with the expert bias, the routed scaling, group-limited routing,
+    MTP (in the last pipeline chunk), dense-first layers, sliding windows with full layers
+    between, sinks, biases and partial RoPE, read back from Megatron's TransformerConfig."""
+    m = catalog.load_model(name)
+    plan = _feature_plan(m, pp, stages)
+    parsed, config = run_megatron(plan, 9, _megatron(), monkeypatch, tmp_path)
+    check_is_mla_plan(plan, parsed, config)
+
+
+def check_is_mla_plan(plan: Plan, parsed, config) -> None:
+    m = plan.model
+    assert config.multi_latent_attention == (m.mla is not None)
+    if m.mla is not None:
+        assert (config.q_lora_rank or 0) == m.mla.q_lora_rank
+        assert config.kv_lora_rank == m.mla.kv_lora_rank
+        assert (config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (
+            m.mla.qk_nope_head_dim, m.mla.qk_rope_head_dim, m.mla.v_head_dim)
+    else:
+        assert config.num_query_groups == m.kv_heads and config.kv_channels == m.head_dim
+    assert config.moe_router_score_function == m.router_score.value
+    assert config.moe_router_enable_expert_bias == m.router_expert_bias
+    assert (config.moe_router_topk_scaling_factor or 1.0) == m.routed_scaling_factor
+    assert (config.moe_router_num_groups or 1) == m.expert_groups
+    assert (config.moe_router_group_topk or 1) == m.groups_per_token
+    assert (config.mtp_num_layers or 0) == m.mtp_layers
+    pattern = config.moe_layer_freq
+    pattern = [1] * m.layers if pattern == 1 else list(pattern)
+    assert tuple(bool(x) for x in pattern) == m.moe_pattern
+    if m.sliding_window:
+        assert tuple(config.window_size) == (m.sliding_window - 1, 0)
+        assert config.window_attn_skip_freq == (m.full_attention_every or None)
+    else:
+        assert config.window_size is None
+    assert (config.softmax_type == "learnable") == m.attention_sinks
+    assert parsed.rotary_percent == m.rotary_fraction
+    assert config.add_bias_linear == (m.linear_bias.value == "all")
+    assert config.add_qkv_bias == (m.linear_bias.value != "none")
+    if plan.degrees.pp > 1:
+        layout = config.pipeline_model_parallel_layout.layout
+        assert sum(1 for x in layout[-1][-1] if x.name == "mtp") == m.mtp_layers
+    assert parsed.rotary_base == m.rope_theta
+
+
+def test_interleaved_moe_layers_export_their_pattern(monkeypatch, tmp_path):
+    maverick = catalog.load_model(str(HF / "llama-4-maverick.json"))
+    assert "chunked" in megatron_refusal(_feature_plan(maverick, 2, (24, 24)))
+    full = maverick.model_copy(update={"sliding_window": 0, "full_attention_every": 0})
+    plan = _feature_plan(full, 2, (24, 24))
+    parsed, config = run_megatron(plan, 9, _megatron(), monkeypatch, tmp_path)
+    check_is_mla_plan(plan, parsed, config)
+    assert list(config.moe_layer_freq)[:4] == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize("config,why", [
+    ("qwen2-57b-a14b", "model.shared_expert_gate"),
+    ("hunyuan-large", "model.kv_share_layers"),
+])
+def test_features_megatron_cannot_express_are_refused(config, why):
+    m = catalog.load_model(str(HF / f"{config}.json"))
+    plan = _feature_plan(m, 1, (m.layers,))
+    assert megatron_refusal(plan).startswith(why)
+    with pytest.raises(SpecError, match=f"--to megatron: {why}"):
+        megatron_args(plan)

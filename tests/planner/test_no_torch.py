@@ -50,3 +50,28 @@ def test_plans_cost_models_and_planner_import_and_search_without_torch():
     assert done.returncode == 0, done.stderr[-2000:]
     best = json.loads(done.stdout)["top"][0]["plan"]
     assert best["degrees"] and best["prediction"]["step_time_s"] > 0
+
+
+def run_cli_without_torch(*args: str) -> subprocess.CompletedProcess:
+    """`moeplan ARGS` as its console script runs it, in a process where torch is missing."""
+    code = (f"import sys\nsys.argv = ['moeplan', *{list(args)!r}]\n"
+            "from planner.cli import main\nmain()\n")
+    return run_without_torch(code)
+
+
+def test_moeplan_search_runs_without_torch():
+    done = run_cli_without_torch("search", "tiny-moe", "h800", "--gpus", "8")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Best plans" in done.stdout and "predicted speedup" in done.stdout
+
+
+def test_train_and_profile_say_in_one_line_that_they_need_torch(tmp_path):
+    plan = tmp_path / "plan.json"
+    made = run_cli_without_torch("search", "tiny-moe", "h200", "--gpus", "1", "--global-batch",
+                                 "2", "--seq-len", "128", "--runnable", "--out", str(plan))
+    assert made.returncode == 0, made.stderr[-2000:]
+    for command, extra in (("train", []), ("profile", ["--out", str(tmp_path / "p.json")])):
+        done = run_cli_without_torch(command, str(plan), *extra)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.splitlines() == [
+            f"error: {command}: needs torch (the runtime): pip install -e '.[runtime]'"]

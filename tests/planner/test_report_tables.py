@@ -42,8 +42,9 @@ def test_search_output_keeps_every_value(columns):
     doc = json.loads(runner.invoke(app, [*args, "--json"]).output)
     text = runner.invoke(app, args).output
     header = " ".join(text.split("Best plans")[0].split())  # the job, restated (maybe wrapped)
-    assert header.startswith("Mixtral-8x7B on 16 x H100-SXM (2 nodes of 8): global batch 32 x "
-                             "4,096 tokens = 131,072 tokens/step, bf16")
+    assert header.startswith("Mixtral-8x7B (46.7B total, 12.9B active) on 16 x H100-SXM "
+                             "(2 nodes of 8): global batch 32 x 4,096 tokens = 131,072 "
+                             "tokens/step, bf16")
     for ranked in [*doc["top"], doc["baseline"]]:
         for token in ranked["notation"].split():  # every part of the plan notation, whole
             assert re.search(rf"(^|\s){re.escape(token)}(\s|$)", text, re.M), token

@@ -52,3 +52,25 @@ def test_dense_layers_stay_in_the_first_chunk():
 def test_too_many_chunks_refused():
     with pytest.raises(ValueError, match=r"pp x vpp \(4 x 3 = 12\) exceeds model.layers \(8\)"):
         split_layers(8, 4, 3, SplitCosts(1.0, 0.0, 0.0))
+
+
+def test_dense_layers_that_leave_a_chunk_empty_are_one_line():
+    # 4 layers, 3 of them dense, over pp 2 x vpp 2: the first chunk holds 3, three chunks remain
+    with pytest.raises(ValueError, match=r"model.layers \(4\).*3 dense layers, need 6"):
+        split_layers(4, 2, 2, SplitCosts(1.0, 0.0, 0.0), dense_layers=3)
+    assert split_layers(4, 2, 1, SplitCosts(1.0, 0.0, 0.0), dense_layers=3) == (3, 1)
+
+
+def test_search_skips_splits_the_dense_layers_cannot_fill(tmp_path):
+    """A 4-layer model with 3 dense layers on 4 GPUs: the search offers only splits its
+    layers fill (no pp 4, no interleaving), never a solver failure."""
+    from planner.search import search
+    from plans import TrainingSpec, catalog
+
+    model = catalog.load_model("tiny-moe").model_copy(
+        update={"dense_layers": 3, "dense_ffn_hidden": 128})
+    result = search(model, catalog.load_cluster("h200", gpus=4),
+                    TrainingSpec(global_batch=8, seq_len=256), top=50)
+    assert result.top
+    for r in result.top:
+        assert r.plan.stage_layers[0] >= 3 and min(r.plan.stage_layers) >= 1

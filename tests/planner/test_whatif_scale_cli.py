@@ -106,7 +106,7 @@ def test_strong_and_weak_scaling(tmp_path):
     assert [p["global_batch"] for p in weak] == [256, 512]  # 32 sequences per 8-GPU domain
     assert plot.exists()
     bad = run("scale", *JOB, "--gpus", "64,x")
-    assert bad.exit_code == 2 and "comma-separated" in bad.output
+    assert bad.exit_code == 2 and "--gpus: 'x' is not a positive GPU count" in bad.output
 
 
 def test_export_commands(tmp_path):

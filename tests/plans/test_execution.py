@@ -16,6 +16,7 @@ from plans import (
     CPAttention,
     Degrees,
     Kernels,
+    ModelSpec,
     Optimizer,
     Overlap,
     Plan,
@@ -23,10 +24,12 @@ from plans import (
     TPAttention,
     TrainingSpec,
     UlyssesAttention,
+    catalog,
 )
 from plans.enums import Target
 from plans.execution import (
     ANY,
+    MODEL_FEATURES,
     NOT_EXECUTED,
     TABLE,
     Backend,
@@ -78,6 +81,11 @@ def _schema_fields() -> list[tuple[str, list]]:
             out.append((name, _values(info.annotation)))
         if name == "model":  # whether the model asks for dropout (plans.execution.plan_fields)
             out.append(("model.dropout", [False, True]))
+            for feature in MODEL_FEATURES:
+                annotation = ModelSpec.model_fields[feature].annotation
+                values = list(annotation) if isinstance(annotation, type) and issubclass(
+                    annotation, Enum) else [False, True]
+                out.append((f"model.{feature}", values))
     return out
 
 
@@ -187,6 +195,20 @@ def test_a_measured_run_is_priced_by_what_it_recorded():
     assert legacy.grad_accumulation_fusion is False and legacy.overlap == Overlap.inter_op
     assert [d.field for d in measured_deviations(plan, None)][0] == "grad_accumulation_fusion"
     assert {d.field for d in measured_deviations(plan, older)} == {d["field"] for d in older}
+
+
+@pytest.mark.parametrize("backend", list(Backend))
+def test_a_deepseek_v3_plan_is_refused_naming_each_model_feature(backend):
+    v3 = catalog.load_model("deepseek-v3")
+    plan = make(model=v3, degrees=Degrees(pp=4, dp=2, sp=8, ep=8), ffn=EPFFN(),
+                stage_layers=(16, 15, 15, 15))
+    found = refusals(plan, backend)
+    assert [line.split(":")[0] for line in found] == [
+        "model.mla", "model.router_score", "model.router_expert_bias",
+        "model.routed_scaling_factor", "model.expert_groups", "model.mtp_layers"]
+    assert "moeplan's runtime runs GQA attention only; MLA plans run on target megatron" in found[0]
+    with pytest.raises(UnsupportedFeature, match="^model.mla: "):
+        check(plan, backend)
 
 
 def test_megatron_runs_each_field_by_its_flag_and_refuses_what_it_lacks():

@@ -72,3 +72,25 @@ def test_chunk_c_runs_on_stage_c_mod_pp_and_tokens_per_rank():
     assert list(chunks_of_stage(1, d)) == [1, 3, 5]
     assert tokens_per_rank(2, 4096, d.attention_group) == 2 * 4096 / 2
     assert tokens_per_rank(1, 4096, Degrees(sp=8, ep=8).attention_group) == 512
+
+
+@pytest.mark.parametrize("d", [Degrees(pp=2, dp=8, sp=4, ep=16), Degrees(pp=3, dp=4, sp=8, ep=32),
+                               Degrees(pp=1, dp=16, tp=2, ep=16)], ids=str)
+def test_an_ep_group_larger_than_a_node_is_whole_contiguous_nodes(d):
+    """Ranks fill nodes of 8 in order: an EP group of 16 or 32 is 2 or 4 whole nodes next to
+    each other, every node of it in one group (FFN view pp x edp x ep x etp), and the attention
+    group stays inside one node; comm.group_layout prices it so."""
+    from cost_models import comm
+    per_node = 8
+    for group in groups(d, A.ep):
+        assert group == list(range(group[0], group[0] + d.ep))
+        assert group[0] % per_node == 0
+        assert {r // per_node for r in group} == set(range(group[0] // per_node,
+                                                         (group[0] + d.ep) // per_node))
+    for group in groups(d, A.attn):
+        assert len({r // per_node for r in group}) == 1
+    layout = comm.group_layout(d.ep, stride(d, A.ep), per_node)
+    assert (layout.ranks_per_node, layout.nodes) == (per_node, d.ep // per_node)
+    # the replicas of an expert (edp) are one rank of each EP group: every one on its own node
+    for group in groups(d, A.edp):
+        assert len({r // per_node for r in group}) == len(group)

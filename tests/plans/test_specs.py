@@ -1,6 +1,7 @@
 """Specs, catalog and parameter formulas against published model sizes."""
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -177,3 +178,108 @@ def test_a_key_given_twice_is_refused(tmp_path):
     merged = tmp_path / "m.yaml"
     merged.write_text("b: &x {c: 1}\nd:\n  <<: *x\n  e: 2\n")
     assert read_document(Path(merged))["d"] == {"c": 1, "e": 2}
+
+
+# ---- published counts of the Hugging Face configs (tests/plans/hf_configs) ----------------------
+# (config, total, active, convention). A figure is met when the count lies within 0.5% of it, or,
+# for a figure published to fewer digits than that, when the count rounds to it (half a unit of
+# its last digit: "37B" is 36.5B .. 37.5B). Conventions, as each publisher counts:
+#   all        every parameter (embedding row and LM head included): Mistral, Qwen, Phi, Meta
+#   no_lookup  less the input embedding (a lookup, no GEMM), head kept: DeepSeek, Moonshot
+#              (Kimi-K2's card: 1T / 32B), OpenAI (gpt-oss model card: 116.83B / 5.13B)
+#   no_vocab   less the embedding and the LM head, MTP layer kept: Zhipu (GLM-4.5 355B / 32B)
+# DeepSeek-V3's 671B / 37B are without its MTP module; 685B is with it (the checkpoint also
+# stores the module's own copy of the embedding and head, 1.85B, which training shares:
+# ModelSpec counts them once, 682.6B, -0.35%).
+HF_PUBLISHED = [  # config, total and its convention, active and its convention, update
+    ("deepseek-v3", "671B", "all", "37B", "no_lookup", {"mtp_layers": 0}),
+    ("deepseek-v3", "685B", "all", None, "", {}),
+    ("deepseek-v2", "236B", "all", "21B", "no_lookup", {}),
+    ("kimi-k2", "1T", "all", "32B", "no_lookup", {}),
+    ("qwen3-235b-a22b", "235B", "all", "22B", "all", {}),
+    ("qwen3-30b-a3b", "30.5B", "all", None, "", {}),
+    ("qwen2-57b-a14b", "57.4B", "all", "14.2B", "all", {}),
+    ("mixtral-8x7b", "46.7B", "all", "12.9B", "all", {}),
+    ("gpt-oss-120b", "116.83B", "all", "5.13B", "no_lookup", {}),
+    ("glm-4.5", "355B", "no_vocab", "32B", "no_vocab", {}),
+    ("llama-4-maverick", "400B", "all", "17B", "all", {}),
+    ("phi-3.5-moe", "41.9B", "all", "6.6B", "all", {}),
+    ("hunyuan-large", "389B", "all", None, "", {}),
+]
+HF_CONFIGS = Path(__file__).parent / "hf_configs"
+
+
+def _figure(text: str) -> tuple[float, float]:
+    """A published count and the tolerance it allows (module comment)."""
+    scale = {"T": 1e12, "B": 1e9}[text[-1]]
+    digits = text[:-1]
+    unit = 10.0 ** -len(digits.partition(".")[2]) * scale
+    value = float(digits) * scale
+    return value, max(0.005 * value, unit / 2)
+
+
+def _convention(m: ModelSpec, n: int, convention: str) -> int:
+    lookup = m.vocab * m.hidden
+    return {"all": n, "no_lookup": n - lookup, "no_vocab": n - m.embedding_params}[convention]
+
+
+@pytest.mark.parametrize("config,total,total_as,active,active_as,update", HF_PUBLISHED,
+                         ids=[f"{c}-{t}" for c, t, *_ in HF_PUBLISHED])
+def test_hf_configs_match_published_counts(config, total, total_as, active, active_as, update):
+    m = catalog.load_model(str(HF_CONFIGS / f"{config}.json")).model_copy(update=update)
+    value, tolerance = _figure(total)
+    assert abs(_convention(m, m.total_params, total_as) - value) <= tolerance
+    if active is not None:
+        value, tolerance = _figure(active)
+        assert abs(_convention(m, m.active_params, active_as) - value) <= tolerance
+
+
+def test_qwen3_30b_active_is_the_published_figure_truncated():
+    """Qwen3-30B-A3B's card says 3.3B activated: 3.353B cut to one decimal."""
+    m = catalog.load_model(str(HF_CONFIGS / "qwen3-30b-a3b.json"))
+    assert 3.3e9 <= m.active_params < 3.4e9
+
+
+def test_mla_counts_follow_the_deepseek_v3_shapes():
+    """One DeepSeek-V3 attention layer: q down 7168x1536 and up 1536x(128x192), kv down
+    7168x(512+64) and up 512x(128x(128+128)), output (128x128)x7168, latent norms 1536+512."""
+    m = catalog.load_model("deepseek-v3")
+    gemm = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert m.attention_gemm_params == gemm
+    assert m.attention_params == gemm + 1536 + 512
+    # attention core: QK^T at 192 wide, PV at 128, causal half of the s x s scores
+    assert m.attention_flops_per_token(4096) == pytest.approx(
+        2 * 4096 * 128 * (192 + 128) * 0.5 * (61 + 1))
+
+
+def test_layer_pattern_window_and_mtp_fields():
+    scout = catalog.load_model("llama-4-scout")
+    assert [scout.layer_window(i) for i in range(4)] == [8192, 8192, 8192, 0]
+    maverick = catalog.load_model(str(HF_CONFIGS / "llama-4-maverick.json"))
+    assert maverick.moe_pattern[:4] == (False, True, False, True)
+    assert maverick.moe_layers == 24 and maverick.dense_ffn_layers == 24
+    oss = catalog.load_model("gpt-oss-120b")
+    assert [oss.layer_window(i) for i in range(4)] == [128, 0, 128, 0]
+    v3 = catalog.load_model("deepseek-v3")
+    no_mtp = v3.model_copy(update={"mtp_layers": 0})
+    # one MTP module: an MoE layer, two input norms, the 2h x h projection and a final norm
+    assert v3.total_params - no_mtp.total_params == (v3.layer_params(True, 256)
+                                                     + 2 * 7168 * 7168 + 3 * 7168)
+    assert v3.flops_per_token(4096) > no_mtp.flops_per_token(4096)
+
+
+@pytest.mark.parametrize("update,field", [
+    ({"kv_heads": 8}, "kv_heads"),
+    ({"head_dim": 128}, "head_dim"),
+    ({"expert_groups": 7}, "expert_groups"),
+    ({"groups_per_token": 9}, "groups_per_token"),
+    ({"top_k": 8, "groups_per_token": 1, "expert_groups": 64}, "top_k"),
+    ({"router_pre_softmax": True}, "router_pre_softmax"),
+    ({"moe_layer_interval": 70}, "moe_layer_interval"),
+    ({"full_attention_every": 2}, "full_attention_every"),
+])
+def test_new_fields_refuse_inconsistent_values_naming_the_field(update, field):
+    data = {**catalog.load_model("deepseek-v3").model_dump(), **update}
+    with pytest.raises(ValidationError) as e:
+        ModelSpec.model_validate(data)
+    assert describe(e.value).startswith(f"{field} ")

@@ -49,7 +49,8 @@ def test_train_checks_inputs_before_launching(tmp_path, plan_doc, monkeypatch):
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(b"\0" * 64)
     assert_one_line_error(run("train", plan, "--data", tmp_path / "none.u16"), "--data")
-    assert_one_line_error(run("train", plan, "--data", tokens), "--data", ".u16")
+    # a .bin names a Megatron indexed dataset: its .idx is needed beside it
+    assert_one_line_error(run("train", plan, "--data", tokens), "--data", "tokens.idx")
     assert_one_line_error(run("train", plan, "--resume"), "--resume", "--ckpt-dir")
     assert_one_line_error(run("train", plan, "--ckpt-every", "2"), "--ckpt-every")
     assert_one_line_error(run("train", plan, "--ckpt-dir", tokens), "--ckpt-dir")
@@ -177,8 +178,8 @@ def test_help_reads_whole_at_80_columns():
         out = narrow.invoke(app, [command, "--help"] if command else ["--help"]).output
         assert max(len(line) for line in out.splitlines()) <= 80, (command, out)
     train = narrow.invoke(app, ["train", "--help"]).output
-    for option, words in (("--ckpt-every", "every N steps"), ("--resume", "newest checkpoint"),
-                          ("--log", "appended")):
+    for option, words in (("--ckpt-every", "every K steps"), ("--resume", "newest checkpoint"),
+                          ("--log-file", "a resumed run continues its own")):
         assert words in " ".join(train.split()), option
 
 
@@ -191,7 +192,8 @@ def test_exported_scripts_name_the_plan_by_its_absolute_path(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     for target in ("torchrun", "slurm"):
         script = run("export", "plan.json", "--to", target).output
-        words = shlex.split(script.strip().splitlines()[-1])
+        cmd = next(ln for ln in script.splitlines() if ln.startswith("CMD=("))
+        words = shlex.split(cmd.removeprefix("CMD=(").removesuffix(")"))
         assert words[words.index("--plan") + 1] == str(plan.resolve()), target
 
 

@@ -174,7 +174,7 @@ def test_markup_in_names_is_printed_literally(tmp_path, plan_doc, name):
     path = _put(tmp_path / "p.json", doc)
     result = run("explain", path)
     assert result.exit_code == 0, result.output
-    assert f"{name} on 8 x {name}" in result.output
+    assert f"{name} (378K total, 231K active) on 8 x {name}" in result.output
 
 
 @pytest.mark.parametrize("name", ["bad\ud800name", "two\nlines", "bell\x07", ""])

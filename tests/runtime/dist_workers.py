@@ -48,15 +48,22 @@ def make_plan(
     kernels: Kernels = Kernels.eager,
     spec_update: dict | None = None,
     cross_entropy: CrossEntropy = CrossEntropy.materialized,
+    gpus_per_node: int | None = None,
     **degrees: int,
 ) -> Plan:
     """A test plan; optimizer states replicated unless asked (the parity tests read every
     rank's all-reduced main gradients, which ZeRO-1 reduce-scatters instead). ``spec_update``:
-    model fields changed from the catalog model's."""
+    model fields changed from the catalog model's. ``gpus_per_node``: the cluster's node size
+    (virtual nodes on CPU), the catalog's by default."""
     d = Degrees(**degrees)
     spec = load_model(model)
     if spec_update:
         spec = type(spec).model_validate({**spec.model_dump(), **spec_update})
+    cluster = load_cluster("h200", gpus=d.world)
+    if gpus_per_node is not None:
+        cluster = type(cluster).model_validate(
+            {**cluster.model_dump(), "node": {**cluster.node.model_dump(),
+                                              "gpus_per_node": gpus_per_node}})
     extra: dict = {"attention": TPAttention()} if tp_attention else {}
     if d.vpp > 1:
         extra["schedule"] = PipelineSchedule.interleaved_1f1b
@@ -64,7 +71,7 @@ def make_plan(
     precision = Precision.fp8 if grad_sync_precision == Precision.fp8 else Precision.bf16
     return Plan(
         model=spec,
-        cluster=load_cluster("h200", gpus=d.world),
+        cluster=cluster,
         training=TrainingSpec(global_batch=global_batch, seq_len=seq_len, precision=precision,
                               optimizer=optimizer),
         degrees=d,
@@ -313,14 +320,11 @@ def dispatcher_vs_local(kind: str, dropped: bool = False):
     return True
 
 
-def chunked_vs_serial(kind: str, capacity_factor: float | None, shared: bool,
-                      schedule: str = "COLLECTIVES_ALONE"):
-    """One EP MoE layer run serially and as the chunked inter-op ``schedule`` (a
-    runtime.parallel.overlap Schedule's name) on the same ranks:
+def chunked_vs_serial(kind: str, capacity_factor: float | None, shared: bool):
+    """One EP MoE layer run serially and as the chunked inter-op schedule on the same ranks:
     output, input and every parameter gradient agree (an odd token count splits unevenly;
     a capacity factor drops slots, so dispatch filters them)."""
     from runtime.moe import MoE
-    from runtime.parallel import overlap
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
     from runtime.parallel.overlap import ChunkedExpertFFN
 
@@ -349,7 +353,7 @@ def chunked_vs_serial(kind: str, capacity_factor: float | None, shared: bool,
         return y.detach(), xs.grad, {k: p.grad.clone() for k, p in moe.named_parameters()}
 
     serial = run()
-    moe.expert_ffn = ChunkedExpertFFN(moe, 2, getattr(overlap, schedule))
+    moe.expert_ffn = ChunkedExpertFFN(moe, 2)
     chunked = run()
     torch.testing.assert_close(chunked[0], serial[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(chunked[1], serial[1], rtol=1e-4, atol=1e-6)

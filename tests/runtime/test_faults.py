@@ -150,3 +150,43 @@ def test_damaged_checkpoints_are_detected_and_skipped(train_here, tmp_path):
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "step-2" in warnings[0] and "damaged" in warnings[0]
     assert "step-1 after step 1" in r.stdout
+
+
+def test_a_checkpoint_write_that_fails_ends_the_run_in_one_line(train_here, tmp_path,
+                                                               monkeypatch):
+    """The disk fills during step 4's checkpoint (its first file half written, then ENOSPC):
+    one line names the rank, the step, the folder and the sizes; the partial .tmp-step-4 is
+    removed and step-2 kept and still resumable."""
+    import errno
+
+    plan = tmp_path / "p.json"
+    plan.write_text(make_plan().model_dump_json())
+    ck = tmp_path / "ck"
+    real = checkpoint.dcp.save
+
+    def fill_the_disk(state, checkpoint_id):
+        if not checkpoint_id.endswith("step-4"):
+            return real(state, checkpoint_id=checkpoint_id)
+        Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", fill_the_disk)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: 10 * 2**30)
+    r = train_here("--plan", str(plan), "--steps", "6", "--ckpt-dir", str(ck),
+                   "--ckpt-every", "2")
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: rank 0: writing the checkpoint of step 4 to {ck}")
+    assert "No space left on device" in lines[0] and "GiB free" not in lines[0]
+    from runtime.train import checkpoint_size
+
+    needed = checkpoint_size(make_plan())
+    assert f"needs {checkpoint.size_text(needed)}, 10.00 GiB are free" in lines[0]
+    written = sum(p.stat().st_size for p in (ck / "step-2").rglob("*") if p.is_file())
+    assert 0.9 * needed < written < 1.1 * needed, (written, needed)  # the estimate holds
+    assert not list(ck.glob(".tmp-step-*"))
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-2"]
+    assert checkpoint.verify(ck / "step-2") is None
+    assert "step 5 loss" not in r.stdout  # the run ended at the failed save

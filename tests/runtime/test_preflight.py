@@ -112,3 +112,25 @@ def test_cli_train_refuses_before_torchrun(tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     assert result.output.strip().startswith("error: --data:") and "65535" in result.output
     assert launched == []
+
+
+def test_a_checkpoint_folder_without_room_for_one_checkpoint_is_refused(job, tmp_path, capsys,
+                                                                         monkeypatch):
+    """The free-space reading faked: one byte short of this plan's checkpoint is refused,
+    with both sizes in the line; exactly enough passes."""
+    from plans.catalog import load_plan
+    from runtime.train import checkpoint_size
+
+    needed = checkpoint_size(load_plan(job))
+    plan = load_plan(job)
+    # fp32 parameters (their own masters) + AdamW's two moments
+    assert needed == plan.model.total_params * (4 + 8)
+    ck = tmp_path / "ck"
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: needed - 1)
+    err = _check(capsys, "--plan", job, "--ckpt-dir", ck, "--ckpt-every", "5")
+    gib = checkpoint.size_text
+    assert err.startswith("error: --ckpt-dir:") and str(ck) in err
+    assert f"{gib(needed - 1)} free" in err and f"takes {gib(needed)}" in err
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda folder: needed)
+    assert main(["--plan", str(job), "--ckpt-dir", str(ck), "--ckpt-every", "5",
+                 "--check"]) == 0

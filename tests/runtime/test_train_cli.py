@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from dist_workers import make_plan
 
@@ -68,7 +69,9 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     plan = _write(make_plan(), tmp_path / "p.json")
     log = tmp_path / "log.jsonl"
     digests = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (corpus, plan)}
-    r = _train("--plan", str(plan), "--steps", "2", "--data", str(corpus), "--log", str(log))
+    cache = tmp_path / "compile_cache"
+    r = _train("--plan", str(plan), "--steps", "2", "--data", str(corpus), "--log", str(log),
+               "--compile-cache", str(cache))
     assert r.returncode == 0, r.stderr
     # the runtime never writes its inputs
     assert digests == {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in digests}
@@ -77,6 +80,39 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     for key in ("loss", "tokens_per_s", "mfu", "peak_memory_gib", "components_s"):
         assert key in rows[0]
     assert "step 2 loss" in r.stdout
+    # eager kernels compile nothing; the last line puts the first step apart from the rest
+    assert rows[0]["compiled_graphs"] == {"hits": 0, "misses": 0}
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("first step ") and "(median of 1 step)" in last, last
+    assert str(cache.resolve()) in last and cache.is_dir()
+
+
+_COMPILE = """
+import sys
+from pathlib import Path
+from runtime.compile_cache import cache_counts, use_cache_dir
+use_cache_dir(Path(sys.argv[1]))
+import torch
+torch.compile(lambda x: torch.relu(x) * 2 + 1, fullgraph=True)(torch.randn(8))
+print(cache_counts().as_dict())
+"""
+
+
+def test_a_second_process_loads_the_compiled_graph_from_the_cache_folder(tmp_path):
+    """runtime.compile_cache: a relaunch over the same folder compiles nothing again
+    (inductor's FX graph cache hits, read from torch's counters)."""
+    cache = tmp_path / "cache"
+
+    def launch() -> dict:
+        r = subprocess.run([sys.executable, "-c", _COMPILE, str(cache)], cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+    assert launch() == {"hits": 0, "misses": 1}
+    assert (cache / "fxgraph").is_dir()
+    assert launch() == {"hits": 1, "misses": 0}
 
 
 @pytest.mark.parametrize(
@@ -100,3 +136,116 @@ def test_resume_continues_the_same_run(pool2, tmp_path, layout):
     full = [json.loads(x)["loss"] for x in full_log.read_text().splitlines()]
     part = [json.loads(x)["loss"] for x in part_log.read_text().splitlines()]
     assert part == full[2:]
+
+
+# ---- the training options of issue 31 --------------------------------------------------------
+
+
+def _records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_learning_rate_schedules():
+    from argparse import Namespace
+
+    from plans.run_options import LrSchedule
+    from runtime.train import learning_rate
+
+    cos = Namespace(lr=1.0, min_lr=0.1, warmup_steps=4, steps=14,
+                    lr_schedule=LrSchedule.cosine)
+    lrs = [learning_rate(s, cos) for s in range(14)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]  # linear warmup, the last warmup step at --lr
+    assert lrs[4] == 1.0 and all(a > b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+    assert learning_rate(14, cos) == pytest.approx(0.1)  # the floor at --steps
+    assert lrs[9] == pytest.approx(0.1 + 0.45 * (1 + np.cos(np.pi / 2)))
+    flat = Namespace(lr=2.0, min_lr=0.0, warmup_steps=0, steps=5,
+                     lr_schedule=LrSchedule.constant)
+    assert {learning_rate(s, flat) for s in range(5)} == {2.0}
+
+
+def test_a_run_logs_its_id_plan_hash_and_schedule_and_ends_with_a_summary(train_here, tmp_path):
+    plan = _write(make_plan(), tmp_path / "p.json")
+    log, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    r = train_here("--plan", str(plan), "--steps", "4", "--lr", "1e-2", "--lr-schedule",
+                   "cosine", "--warmup-steps", "2", "--min-lr", "1e-3", "--weight-decay", "0",
+                   "--seed", "3", "--log-file", str(log), "--ckpt-dir", str(ck),
+                   "--ckpt-every", "1", "--ckpt-keep", "2")
+    assert r.returncode == 0, r.stderr
+    rows = _records(log)
+    # warmup over 2 steps, then a half cosine over the other 2 towards 1e-3
+    assert [row["lr"] for row in rows] == pytest.approx([5e-3, 1e-2, 1e-2, 1e-3 + 4.5e-3])
+    assert len({row["run_id"] for row in rows}) == 1
+    assert rows[0]["plan_sha256"] == json.loads((ck / "run.json").read_text())["plan_sha256"]
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-3", "step-4"]  # --ckpt-keep 2
+    end = r.stdout.strip().splitlines()[-1]
+    tokens = 4 * make_plan().training.tokens_per_step
+    assert end.startswith(f"trained steps 1..4 (4 steps, {tokens:,} tokens)"), end
+    assert f"{ck} (2 kept, newest step-4)" in end and str(log) in end
+
+
+def test_a_log_or_checkpoints_of_another_run_or_a_later_step_are_refused(train_here, tmp_path):
+    plan = _write(make_plan(), tmp_path / "p.json")
+    log, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    base = ["--plan", str(plan), "--log-file", str(log), "--ckpt-dir", str(ck),
+            "--ckpt-every", "2"]
+    assert train_here(*base, "--steps", "2").returncode == 0
+    # the same run again from step 1 would overwrite step-2 and repeat the log's steps
+    r = train_here("--plan", str(plan), "--ckpt-dir", str(ck), "--ckpt-every", "2")
+    _one_line_error(r, "--ckpt-dir", "up to step 2", "pass --resume or --overwrite")
+    r = train_here("--plan", str(plan), "--log-file", str(log))
+    _one_line_error(r, "--log-file", "already holds steps of this run", "--resume")
+    # another run (another seed) appending to this log
+    r = train_here("--plan", str(plan), "--log-file", str(log), "--seed", "9")
+    _one_line_error(r, "--log-file", "another run")
+    # resuming continues both
+    r = train_here(*base, "--steps", "3", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in _records(log)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--lr", "-1"], ["--lr", ">= 0"]),
+    (["--lr-schedule", "linear"], ["--lr-schedule", "linear"]),
+    (["--ckpt-keep", "2"], ["--ckpt-keep", "needs --ckpt-dir"]),
+    (["--lr", "1e-3", "--min-lr", "1e-2"], ["--min-lr", "above --lr"]),
+    (["--steps", "0"], ["--steps", ">= 1"]),
+])
+def test_bad_training_options_are_one_line(train_here, tmp_path, args, words):
+    plan = _write(make_plan(), tmp_path / "p.json")
+    _one_line_error(train_here("--plan", str(plan), *args, "--check"), *words)
+
+
+def test_megatron_indexed_dataset_written_by_megatron_is_read(train_here, tmp_path):
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset",
+                                  reason="megatron-core is not installed")
+    import torch
+
+    from runtime.indexed import read_index
+
+    prefix = tmp_path / "corpus_text_document"
+    builder = indexed.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    docs = [list(range(i, i + 30 + 7 * i)) for i in range(6)]
+    for doc in docs:
+        builder.add_document(torch.tensor(doc), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+    index = read_index(prefix)
+    theirs = indexed.IndexedDataset(str(prefix))
+    assert index.dtype == np.uint16 and index.tokens == sum(map(len, docs))
+    assert list(index.sequence_lengths) == list(theirs.sequence_lengths)
+    assert list(index.document_indices) == list(theirs.document_indices)
+    tokens = np.memmap(index.bin, dtype=index.dtype, mode="r")
+    for i, doc in enumerate(docs):  # each sequence where its pointer says, as Megatron reads it
+        at = int(index.sequence_pointers[i]) // 2
+        assert list(tokens[at:at + len(doc)]) == doc == list(theirs[i])
+    plan = _write(make_plan(), tmp_path / "p.json")
+    log = tmp_path / "m.jsonl"
+    for data in (prefix, f"{prefix}.bin"):
+        log.unlink(missing_ok=True)
+        r = train_here("--plan", str(plan), "--steps", "2", "--data", str(data),
+                       "--log-file", str(log))
+        assert r.returncode == 0, r.stderr
+        assert [row["step"] for row in _records(log)] == [1, 2]
+    (tmp_path / "bad.idx").write_bytes(b"MMIDIDX\x00\x00" + b"\x02" + b"\x00" * 30)
+    (tmp_path / "bad.bin").write_bytes(b"")
+    _one_line_error(train_here("--plan", str(plan), "--data", str(tmp_path / "bad"), "--check"),
+                    "--data", "bad.idx", "version")

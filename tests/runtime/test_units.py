@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from plans.enums import ExpertGemm
 from runtime.moe import (
     GroupedExperts,
     LocalDispatcher,
@@ -67,6 +68,81 @@ def test_grouped_mm_fallback_matches_row_by_row():
     torch.testing.assert_close(grouped_mm(x, w, counts), expect)
 
 
+def _expert_pair(gemm: ExpertGemm) -> tuple[GroupedExperts, GroupedExperts]:
+    """``gemm``'s experts and grouped ones with the same fp64 weights."""
+    torch.manual_seed(0)
+    other, grouped = GroupedExperts(4, 6, 5, gemm=gemm), GroupedExperts(4, 6, 5)
+    with torch.no_grad():
+        for a, b in zip(other.parameters(), grouped.parameters(), strict=True):
+            b.copy_(torch.randn_like(b))
+            a.copy_(b)
+    return other.double(), grouped.double()
+
+
+@pytest.mark.parametrize("gemm", list(ExpertGemm))
+def test_every_expert_gemm_gives_the_grouped_outputs_and_gradients(gemm):
+    """plans.enums.ExpertGemm: the paths compute one function (an expert without rows too)."""
+    other, grouped = _expert_pair(gemm)
+    counts = torch.tensor([3, 0, 4, 2])
+    x = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(9, 6, dtype=torch.float64)
+    x_ref = x.detach().clone().requires_grad_()
+    out, ref = other(x, counts), grouped(x_ref, counts)
+    out.backward(g)
+    ref.backward(g)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    for a, b in zip(other.parameters(), grouped.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    assert torch.count_nonzero(other.w1.grad[1]) == 0
+
+
+@pytest.mark.parametrize("gemm", [ExpertGemm.grouped, ExpertGemm.per_expert])
+def test_accumulating_expert_gemms_add_the_grouped_gradients_into_main_gradients(gemm):
+    """Gradient-accumulation fusion over each ExpertGemm that accumulates in the GEMM
+    (plans.layout.accumulates_experts_in_gemm): two backwards add into the main gradients."""
+    from runtime.parallel.grad_accumulation import accumulating_matmul
+
+    other, grouped = _expert_pair(gemm)
+    for p in other.parameters():
+        p.main_grad = torch.zeros_like(p)
+    other.matmul = accumulating_matmul(gemm)
+    counts = torch.tensor([1, 3, 0, 2])
+    for _ in range(2):
+        x, g = torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
+        other(x, counts).backward(g)
+        grouped(x, counts).backward(g)
+    for a, b in zip(other.parameters(), grouped.parameters(), strict=True):
+        assert a.grad is None
+        torch.testing.assert_close(a.main_grad, b.grad, rtol=0, atol=1e-12)
+
+
+def test_the_expert_gemm_option_reaches_every_moe_layer_and_trains_alike():
+    """ModelOptions.expert_gemm builds every layer's experts with it; the model's logits and
+    gradients are the grouped model's."""
+    from plans.catalog import load_model
+    from runtime.config import ModelConfig, ModelOptions
+    from runtime.model import Transformer, init_weights
+
+    spec = load_model("tiny-moe")
+    tokens = torch.randint(0, spec.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = {}
+    for gemm in ExpertGemm:
+        with torch.device("meta"):
+            model = Transformer(ModelConfig(spec, ModelOptions(expert_gemm=gemm)))
+        init_weights(model, 0, {}, torch.device("cpu"), torch.float64)
+        assert {m.experts.gemm for m in model.moe_layers()} == {gemm}
+        model.head_logits = True
+        logits = model(tokens)
+        logits.square().mean().backward()
+        results[gemm] = (logits.detach(), {k: p.grad for k, p in model.named_parameters()})
+    ref_logits, ref_grads = results[ExpertGemm.grouped]
+    for logits, grads in results.values():
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-12, atol=1e-12)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[k], rtol=1e-10, atol=1e-12)
+
+
 def test_local_dispatch_combine_matches_dense_moe():
     torch.manual_seed(0)
     experts, k, t, h = 4, 2, 7, 6
@@ -104,7 +180,7 @@ def test_dispatcher_matches_local_permutation(pool2, kind, dropped):
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (2, 4, 6), (1, 3, 2),
                                         (2, 1, 4), (4, 1, 3), (4, 1, 8), (1, 1, 3)])
 def test_timeline_runs_every_chunk_once_in_megatron_order(pp, vpp, m):
-    from runtime.parallel.pipeline import stage_actions, timeline
+    from plans.pipeline import stage_actions, timeline
 
     ticks = timeline(pp, vpp, m)
     for stage in range(pp):
@@ -222,7 +298,7 @@ def test_trainer_losses_agree_between_cross_entropy_kinds():
 
 
 def test_1f1b_is_the_vpp1_action_list():
-    from runtime.parallel.pipeline import stage_actions
+    from plans.pipeline import stage_actions
 
     def text(order):
         return " ".join(f"{'F' if a.forward else 'B'}{a.micro}" for a in order)
@@ -299,43 +375,33 @@ def test_every_timer_region_of_a_step_is_a_plans_component(pool2):
 
 @pytest.mark.parametrize("kind", ["all_to_all", "allgather_reduce_scatter"])
 @pytest.mark.parametrize("capacity_factor, shared", [(None, True), (1.0, False)])
-@pytest.mark.parametrize("schedule", ["COLLECTIVES_ALONE", "TOKEN_MOVES"])
-def test_chunked_moe_matches_the_serial_layer(pool2, kind, capacity_factor, shared, schedule):
-    assert all(pool2.run("dist_workers", "chunked_vs_serial", kind, capacity_factor, shared,
-                         schedule))
+def test_chunked_moe_matches_the_serial_layer(pool2, kind, capacity_factor, shared):
+    assert all(pool2.run("dist_workers", "chunked_vs_serial", kind, capacity_factor, shared))
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3])
 @pytest.mark.parametrize("shared", [False, True])
-def test_overlap_schedules_are_software_pipelines(chunks, shared):
-    """Both schedules issue every chunk's steps once and in data-flow order (CHAIN). The
-    default sends chunk i + 1's dispatch before chunk i's experts and unpacks chunk i's combine
-    after chunk i + 1's is sent, so each collective but the first and the last has compute
-    issued beside it, with the collectives alone on the communication lane; the token-moves
-    schedule issues chunk i's experts before chunk i + 1's dispatch, which comes before chunk
-    i's combine, with every token move on the communication lane."""
-    from runtime.parallel.overlap import CHAIN, COLLECTIVES_ALONE, TOKEN_MOVES, Lane, Step
+def test_the_overlap_schedule_is_a_software_pipeline(chunks, shared):
+    """The schedule issues every chunk's steps once and in data-flow order (CHAIN), sends chunk
+    i + 1's dispatch before chunk i's experts and unpacks chunk i's combine after chunk i + 1's
+    is sent, so each collective but the first and the last has compute issued beside it, with
+    the collectives alone on the communication lane."""
+    from runtime.parallel.overlap import CHAIN, COLLECTIVES_ALONE, Lane, Step
 
-    for schedule in (COLLECTIVES_ALONE, TOKEN_MOVES):
-        order = schedule.order(chunks, shared)
-        routed = [(s, i) for s, i in order if s != Step.shared]
-        assert sorted(routed) == sorted((s, i) for s in CHAIN for i in range(chunks))
-        at = {stage: n for n, stage in enumerate(order)}
-        for i in range(chunks):
-            assert [at[s, i] for s in CHAIN] == sorted(at[s, i] for s in CHAIN)
-        assert [s for s, _ in order].count(Step.shared) == int(shared)
-        assert schedule.lane(Step.experts) == schedule.lane(Step.shared) == Lane.compute
-    at = {stage: n for n, stage in enumerate(COLLECTIVES_ALONE.order(chunks, shared))}
+    schedule = COLLECTIVES_ALONE
+    order = schedule.order(chunks, shared)
+    routed = [(s, i) for s, i in order if s != Step.shared]
+    assert sorted(routed) == sorted((s, i) for s in CHAIN for i in range(chunks))
+    at = {stage: n for n, stage in enumerate(order)}
+    for i in range(chunks):
+        assert [at[s, i] for s in CHAIN] == sorted(at[s, i] for s in CHAIN)
+    assert [s for s, _ in order].count(Step.shared) == int(shared)
+    assert schedule.lane(Step.experts) == schedule.lane(Step.shared) == Lane.compute
     for i in range(chunks - 1):
         assert at[Step.dispatch_exchange, i + 1] < at[Step.experts, i]
         assert at[Step.combine_exchange, i + 1] < at[Step.combine_unpack, i]
     assert {s for s in Step if COLLECTIVES_ALONE.lane(s) == Lane.comm} == {
         Step.dispatch_exchange, Step.combine_exchange}
-    at = {stage: n for n, stage in enumerate(TOKEN_MOVES.order(chunks, shared))}
-    for i in range(chunks - 1):
-        assert at[Step.experts, i] < at[Step.dispatch_pack, i + 1] < at[Step.combine_pack, i]
-    assert {s for s in Step if TOKEN_MOVES.lane(s) == Lane.compute} == {Step.experts,
-                                                                         Step.shared}
 
 
 def test_routing_skew_is_max_over_mean_slots_per_expert_read_once():

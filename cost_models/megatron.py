@@ -1,0 +1,281 @@
+"""A megatron-target plan as Megatron-Core runs it, where that differs from moeplan's runtime:
+the host's kernel launches and the dropless dispatcher's wait on the device, CUDA graphs, the
+EP all-to-all overlap between micro-batches, and the tensors its layers keep for backward.
+Pure functions of the plan; each is read only for ``plan.target == Target.megatron``
+(cost_models.evaluate, cost_models.memory).
+
+The launch counts below are priors: read off Megatron-Core 0.15's TransformerLayer, MoELayer,
+TopKRouter, MoEAlltoAllTokenDispatcher and TEGroupedMLP with TransformerEngine 2.x (fused
+RoPE, fused attention, fused permutation and router, TE's GroupedLinear), not measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+from cost_models.layer import LayerTiming, layer_key, layer_timing_for
+from cost_models.volumes import CommKind
+from plans.enums import CudaGraphs, Overlap, Precision, Recompute, Target
+from plans.layout import moe_chunks as layout_moe_chunks
+from plans.plan import EPFFN, Degrees, Plan
+from plans.specs import ModelSpec
+
+HOST_US_PER_LAUNCH = 17.6
+"""Host time of one kernel launched from Python: PyTorch's dispatch of the operation,
+autograd's record of it and the launch. A measurement here: the fixed time per eager kernel
+fitted to moeplan's layer operators timed one call at a time on H200
+(``elementwise_launch_us``, bench/results/calibration_h200.json, docs/fidelity.md).
+TransformerEngine's modules dispatch their kernels through the same stack; it is taken for
+every host (x86 DGX, Grace) without a measurement of theirs."""
+D2H_SYNC_US = 10.0
+"""A device-to-host wait: the copy of the split sizes and the host's wake-up before it
+launches again, the GPU idle meanwhile. A prior (the order of one launch and one small copy)."""
+
+
+@dataclass(frozen=True)
+class Launches:
+    """Kernels one pass of a layer part launches from the host (forward, backward)."""
+
+    fwd: int
+    bwd: int
+
+    def __add__(self, other: Launches) -> Launches:
+        return Launches(self.fwd + other.fwd, self.bwd + other.bwd)
+
+
+NONE = Launches(0, 0)
+ATTENTION = Launches(12, 24)
+"""The attention block: fused input norm + QKV GEMM (2), q/k norms (2), fused RoPE (2),
+fused attention with its preparation (3), output projection (1), bias-dropout-add (1),
+the residual (1); backward about twice as many (data and weight gradients)."""
+ROUTER = Launches(12, 24)
+"""Pre-MLP norm, the router's gate GEMM, the fused top-k / softmax, the load-balancing loss
+and statistics (``moe_router_fusion``): CUDA graph scope ``moe_router``."""
+PREPROCESS = Launches(6, 0)
+"""The dispatcher's preprocessing: tokens per expert, their all-gather over the EP group and
+the split sizes (scope ``moe_preprocess``); nothing in backward."""
+DISPATCH_COMBINE = Launches(8, 8)
+"""Fused permute (2), all-to-all, chunk sort; chunk unsort, all-to-all, fused un-permute
+with the routing weights; never graphed (their sizes change every micro-batch)."""
+EXPERTS_FIXED = Launches(3, 6)
+"""TEGroupedMLP's splits, SwiGLU (``bias_activation_fusion``) and concatenations."""
+PER_EXPERT_GEMMS = Launches(2, 4)
+"""TE's GroupedLinear runs one GEMM per local expert: fc1 and fc2 forward, their data and
+weight gradients backward."""
+DENSE_FFN = Launches(6, 12)
+"""A dense layer's MLP: fused norm + fc1, SwiGLU, fc2, the residual."""
+TP_COLLECTIVES = Launches(2, 2)
+"""Under TP > 1, the sequence-parallel all-gather and reduce-scatter of the attention."""
+
+
+def _graphed(part: Launches, graphed: bool) -> Launches:
+    """A graphed part replays as one launch per pass."""
+    return Launches(min(part.fwd, 1), min(part.bwd, 1)) if graphed else part
+
+
+def _quantized(gemms: int, plan: Plan) -> Launches:
+    """fp8 (TransformerEngine) quantises each GEMM's input in forward and its output's
+    gradient in backward: one more launch per GEMM each way."""
+    return Launches(gemms, gemms) if plan.training.precision == Precision.fp8 else NONE
+
+
+@dataclass(frozen=True)
+class LayerLaunches:
+    """One layer's host launches per micro-batch, split at the dispatcher's wait."""
+
+    before_wait: Launches
+    """Attention, router and the dispatcher's preprocessing (all of a dense layer)."""
+    after_wait: Launches
+    """Permutation, all-to-alls, experts and combine: launched once the host has the split
+    sizes, onto an idle GPU."""
+
+
+def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
+    """Kernels one layer launches from the host per micro-batch, less what CUDA graphs
+    replay; full recomputation reruns the forward's in backward."""
+    g = plan.cuda_graphs
+    before = (_graphed(ATTENTION, g == CudaGraphs.attn_moe_router)
+              + (TP_COLLECTIVES if plan.degrees.tp > 1 else NONE) + _quantized(2, plan))
+    after = NONE
+    if dense:
+        before = before + DENSE_FFN + _quantized(2, plan)
+    else:
+        local = (plan.model.experts // plan.degrees.ep if isinstance(plan.ffn, EPFFN)
+                 else plan.model.experts)
+        router = g in (CudaGraphs.moe_router, CudaGraphs.attn_moe_router)
+        before = before + _graphed(ROUTER, router) + _graphed(PREPROCESS, router)
+        if plan.model.shared_experts:
+            before = before + DENSE_FFN + _quantized(2, plan)
+        after = (DISPATCH_COMBINE + EXPERTS_FIXED + _quantized(2 * local, plan)
+                 + Launches(local * PER_EXPERT_GEMMS.fwd, local * PER_EXPERT_GEMMS.bwd))
+    if plan.recompute == Recompute.full:
+        before = before + Launches(0, before.fwd)
+        after = after + Launches(0, after.fwd)
+    return LayerLaunches(before, after)
+
+
+def syncs(plan: Plan, dense: bool = False) -> int:
+    """Device-to-host waits of one layer per micro-batch: a dropless MoE layer's dispatcher
+    reads the tokens per expert on the host (the all-to-all's split sizes, GroupedLinear's
+    per-expert rows) once per forward, again when full recomputation reruns it; a
+    capacity-bound one (ffn.capacity_factor) has static sizes."""
+    if dense or not isinstance(plan.ffn, EPFFN) or plan.ffn.capacity_factor is not None:
+        return 0
+    return 2 if plan.recompute == Recompute.full else 1
+
+
+AFTER_WAIT = ("dispatch", "expert_compute", "combine")
+"""The layer regions (plans.Component) the host launches after the dispatcher's wait."""
+
+
+def host_wait_s(plan: Plan, timing: LayerTiming, dense: bool = False) -> tuple[float, float]:
+    """GPU time one layer loses to its host per micro-batch, forward and backward.
+
+    Forward: the dispatcher's wait empties the GPU's queue every MoE layer, and what follows
+    it (the experts' many small launches) starts on an idle GPU: with h1, d1 the host and
+    device times of the part after the wait and h2, d2 those of the rest of the layer up to
+    the next wait, the layer takes max(max(h1, d1) + d2, h1 + h2), plus the waits. A layer
+    with no wait (dense, capacity-bound) lets the host run ahead: max(h, d).
+    Backward has no wait, so the host runs ahead over the layers: max(host, device)."""
+    n = launches(plan, dense)
+    us = HOST_US_PER_LAUNCH * 1e-6
+    h1, h2 = n.after_wait.fwd * us, n.before_wait.fwd * us
+    host_bwd = (n.after_wait.bwd + n.before_wait.bwd) * us
+    waits = syncs(plan, dense)
+    if waits:
+        d1 = min(timing.fwd_s, sum(timing.region_s[k] for k in AFTER_WAIT))
+        d2 = timing.fwd_s - d1
+        fwd = max(max(h1, d1) + d2, h1 + h2) + waits * D2H_SYNC_US * 1e-6
+    else:
+        fwd = max(h1 + h2, timing.fwd_s)
+    return fwd - timing.fwd_s, max(0.0, host_bwd - timing.bwd_s)
+
+
+def moe_chunks(plan: Plan) -> int:
+    """Token chunks a MoE layer runs in: Megatron-Core's EP overlap overlaps two micro-batches
+    and leaves the layer whole (1); moeplan's runtime chunks it (plans.layout.moe_chunks)."""
+    if plan.target == Target.megatron:
+        return 1
+    return layout_moe_chunks(plan.overlap, plan.ffn, plan.degrees.ep)
+
+
+EP_KINDS = (CommKind.ep_dispatch.value, CommKind.ep_combine.value)
+
+
+FP8_CAST_BYTES = 4
+"""Bytes per element of TransformerEngine's quantisation of a GEMM operand under fp8: read the
+bf16 tensor, write its fp8 copy row-wise and column-wise (the data and weight gradients read
+one each); weights are quantised once per step (``is_first_microbatch``), not counted."""
+
+
+def fp8_cast_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
+    """Device seconds of one layer's fp8 quantisations per micro-batch, forward (each GEMM's
+    input) and backward (each GEMM's output gradient), at the fused kernels' rate; 0 in bf16.
+    Elements per token of this rank: QKV in h, out q / tp, the routed rows' fc1 in k h and
+    fc2 in k F; backward QKV (q + 2 kv) / tp, out h, fc1 2 k F, fc2 k h; dense or shared FFN
+    h and F in, 2 F and h out."""
+    if plan.training.precision != Precision.fp8:
+        return 0.0, 0.0
+    from cost_models.compute import fused_elementwise_s
+    from plans.layout import tokens_per_rank
+
+    m, d = plan.model, plan.degrees
+    fwd = m.hidden + m.q_dim / d.tp
+    bwd = (m.q_dim + 2 * m.kv_dim) / d.tp + m.hidden
+    widths = [m.dense_ffn_hidden] if dense else [
+        m.shared_experts * m.shared_expert_ffn_hidden] if m.shared_experts else []
+    for f in widths:
+        fwd, bwd = fwd + m.hidden + f, bwd + 2 * f + m.hidden
+    if not dense:
+        k, f = m.top_k, m.expert_ffn_hidden
+        fwd, bwd = fwd + k * (m.hidden + f), bwd + k * (2 * f + m.hidden)
+    tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
+    return tuple(fused_elementwise_s(tokens * e * FP8_CAST_BYTES, plan.cluster)
+                 for e in (fwd, bwd))
+
+
+def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
+    """One layer's device time as Megatron-Core schedules it, its fp8 quantisations
+    included (``fp8_cast_s``): its communication blocks
+    (overlap none), except under its EP overlap (overlap inter_op:
+    ``--overlap-moe-expert-parallel-comm``), which runs one micro-batch's forward beside
+    another's backward so that each one's dispatch and combine all-to-alls run beside the
+    other's compute: a share ``efficiency.overlap`` of them is hidden, at most the layer's
+    compute."""
+    timing = layer_timing_for(layer_key(plan, dense), Overlap.none)
+    cast_fwd, cast_bwd = fp8_cast_s(plan, dense)
+    if cast_fwd or cast_bwd:
+        timing = replace(timing, fwd_s=timing.fwd_s + cast_fwd, bwd_s=timing.bwd_s + cast_bwd,
+                         compute_s=timing.compute_s + cast_fwd + cast_bwd)
+    if plan.overlap != Overlap.inter_op:
+        return timing
+    exposed = dict(timing.exposed_comm_s)
+    ep = sum(exposed.get(k, 0.0) for k in EP_KINDS)
+    if not ep:
+        return timing
+    hidden = min(plan.cluster.efficiency.overlap * ep, timing.compute_s)
+    for k in EP_KINDS:
+        if k in exposed:
+            exposed[k] -= hidden * exposed[k] / ep
+    keep = 1 - hidden / timing.total_s
+    return replace(timing, fwd_s=timing.fwd_s * keep, bwd_s=timing.bwd_s * keep,
+                   exposed_comm_s=MappingProxyType(exposed))
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+LOSS_BYTES_PER_LOGIT = 2
+"""Megatron-Core's loss (``cross_entropy_fusion_impl te``, the Megatron-Bridge recipes'):
+TransformerEngine's fused cross-entropy reads the bf16 logits and writes their gradient in
+place, so the logits' own 2 bytes are the loss's peak."""
+ROUTER_DTYPE_BYTES = 4
+"""The router runs in fp32 (``moe_router_dtype fp32``, Megatron-Bridge's Qwen3 provider): its
+gate keeps an fp32 copy of its input, its logits and probabilities are fp32."""
+
+
+def kept_bytes_per_token(m: ModelSpec, d: Degrees, precision: Precision, policy: Recompute,
+                         dense: bool) -> float:
+    """Bytes one layer keeps for backward per token of this rank (b s / (tp cp) tokens under
+    sequence parallelism), as Megatron-Core with TransformerEngine saves them; a GEMM's input
+    is kept in the GEMM's precision (TE keeps the fp8 copy it quantised under fp8):
+
+    - input norm fused with the QKV GEMM: its input (2 h), output (the GEMM's input) and the
+      fp32 inverse norm;
+    - q/k norms (qk_norm): their inputs, 2 (q + kv) / tp;
+    - fused attention: RoPE'd q, k, v, its output and fp32 log-sum-exp; the output
+      projection's input is that output (its fp8 copy under fp8);
+    - pre-MLP norm: its input (2 h); the fp32 router: its input copy (4 h), logits,
+      probabilities and the routing map and permutation map (13 E);
+    - each routed row (k per token, at the rank's EP load): fc1's input, the SwiGLU's input
+      (fc1's 2 F-wide output) and fc2's input; the combine's un-permute keeps the returned
+      rows (2 h each) for the routing weights' gradient;
+    - dense FFN and shared experts: the same per token, without routing.
+
+    Selective recomputation (``--recompute-modules core_attn``) keeps the core's inputs and
+    drops its log-sum-exp; full keeps each layer's input only."""
+    from cost_models.memory import EP_LOAD  # the memory model's one rank-load margin
+
+    if policy == Recompute.full:
+        return 2.0 * m.hidden
+    gemm_in = float(precision.bytes) if precision == Precision.fp8 else 2.0
+    h, tp = m.hidden, d.tp
+    q, kv = m.q_dim / tp, m.kv_dim / tp
+    out = 2.0 * h + gemm_in * h + 4.0
+    if m.qk_norm:
+        out += 2.0 * (q + kv)
+    out += 2.0 * (q + 2 * kv) + 2.0 * q
+    if policy == Recompute.none:
+        out += 4.0 * m.query_heads / tp
+    if gemm_in < 2.0:
+        out += gemm_in * q
+    out += 2.0 * h + 4.0
+    if dense:
+        return out + gemm_in * h + (4.0 + gemm_in) * m.dense_ffn_hidden
+    out += ROUTER_DTYPE_BYTES * (h + 3 * m.experts) + m.experts
+    load = EP_LOAD if d.ep > 1 else 1.0
+    f = m.expert_ffn_hidden
+    out += m.top_k * (load * (gemm_in * h + (4.0 + gemm_in) * f) + 2.0 * h)
+    if m.shared_experts:
+        out += gemm_in * h + (4.0 + gemm_in) * m.shared_experts * m.shared_expert_ffn_hidden
+    return out

@@ -1,0 +1,70 @@
+"""torch.compile's on-disk caches, shared by every launch of every plan on a machine: a
+relaunch of the same plan loads its compiled kernels instead of compiling them again.
+
+Inductor keys its caches by the graph, its inputs' shapes and dtypes, the compiler's
+configuration and torch's version, never by the plan or the run: one folder serves every
+plan. What it holds (torch._inductor.codecache): the FX graph cache (the generated code of
+every compiled region, ``fxgraph/``), AOTAutograd's cache (the forward and backward graphs of
+a region, ``aotautograd/``), the Triton kernels' binaries (``triton/``) and the autotuner's
+picks. torch turns these caches on by default and puts them under ``/tmp`` (lost on a reboot);
+the runtime keeps them under the user's cache folder instead (``default_cache_dir``), or in the
+folder ``--compile-cache`` (runtime.train, bench/train_step.py) or ``TORCHINDUCTOR_CACHE_DIR``
+names.
+
+Dynamo still traces every region's Python on a relaunch (its bytecode analysis is not
+cached); what the cache saves is the compilation behind it (lowering, code generation, the
+C++ / Triton compiler), most of a first step's time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Where torch._inductor.runtime.cache_dir_utils.cache_dir looks (read at each compile)."""
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/moeplan/torch_compile`` (``~/.cache`` without XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "moeplan" / "torch_compile"
+
+
+def use_cache_dir(folder: Path | None = None) -> Path:
+    """Point torch.compile's caches at ``folder`` (created), before the process compiles
+    anything; None keeps a TORCHINDUCTOR_CACHE_DIR the environment sets, else
+    ``default_cache_dir``. Returns the folder in use. The environment variable is what
+    inductor reads, and ranks started from this process (torchrun's workers) inherit it."""
+    if folder is None:
+        folder = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else (
+            default_cache_dir())
+    folder = folder.expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = str(folder)
+    return folder
+
+
+@dataclass(frozen=True)
+class CacheCounts:
+    """Compiled graphs this process loaded from the cache (``hits``) and compiled (``misses``)
+    so far: inductor's FX graph cache counters (torch._dynamo.utils.counters["inductor"]), one
+    per forward or backward graph of a region."""
+
+    hits: int = 0
+    misses: int = 0
+
+    def __sub__(self, other: CacheCounts) -> CacheCounts:
+        return CacheCounts(self.hits - other.hits, self.misses - other.misses)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses}
+
+
+def cache_counts() -> CacheCounts:
+    """The process's FX graph cache hits and misses so far."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return CacheCounts(int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"]))
