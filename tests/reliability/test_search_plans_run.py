@@ -11,6 +11,7 @@ import random
 import pytest
 
 from plans import Plan
+from plans.enums import Target
 from plans.execution import Backend
 from runtime.parallel.parallelize import check_supported
 
@@ -29,26 +30,39 @@ def emitted(model, cluster, gpus, batch, seq, *extra: str) -> list[Plan]:
                  "--seq-len", seq, "--top", "5", "--json", *extra)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
-    return [Plan.model_validate(p["plan"]) for p in doc["top"] + [doc["baseline"]] if p]
+    return [Plan.model_validate(p["plan"])
+            for p in doc["top"] + [doc["baseline"], doc["reference"]] if p]
 
 
 @pytest.mark.parametrize("job", JOBS)
 def test_every_emitted_plan_passes_the_runtime_checks(job):
+    """moeplan plans pass moeplan's runtime checks; the baseline and the reference are
+    Megatron-Core's plans: its column runs them, and moeplan's runtime refuses them."""
+    from plans.execution import UnsupportedFeature, refusals
+
     for plan in emitted(*job):
         for backend in Backend:  # raises UnsupportedFeature with a field path otherwise
-            check_supported(plan, backend)
+            if plan.target == "moeplan":
+                check_supported(plan, backend)
+            else:
+                assert refusals(plan, target=plan.target) == []
+                with pytest.raises(UnsupportedFeature, match="^target: megatron "):
+                    check_supported(plan, backend)
 
 
 @pytest.mark.parametrize("job,pick", [
     (("tiny-moe", "h200", 4, 8, 64), 0),          # the best plan
-    (("tiny-moe-shared", "h100", 2, 8, 64), -1),  # the Megatron-style baseline
+    (("tiny-moe-shared", "h100", 2, 8, 64), -1),  # the paper's Megatron-LM layout
 ])
 def test_a_sample_of_emitted_plans_trains(request, tmp_path, job, pick):
     # eager kernels: ranks compiling fused ones on a CPU machine take minutes
     # (tests/runtime/test_kernels.py holds fused against eager)
     plan = emitted(*job, "--kernels", "eager")[pick]
-    if pick == -1:
+    if pick == -1:  # a Megatron layout, trained by moeplan's runtime
+        from plans.execution import as_target
+
         assert plan.attention.kind == "tp" and plan.ffn.kind == "tp"
+        plan = as_target(plan, Target.moeplan).model_copy(update={"kernels": "eager"})
     path = tmp_path / "plan.json"
     path.write_text(plan.model_dump_json())
     log = tmp_path / "log.jsonl"
