@@ -321,8 +321,8 @@ def print_search(result: SearchResult, job: str) -> None:
     echo(job)
     table = [(label + (UNEXECUTED_MARK if label in marked else ""), r.plan, r.evaluation)
              for label, r in rows]
-    echo_table(f"Best plans (fastest first), megatron: {BASELINE_LABEL}, paper: "
-               f"{REFERENCE_LABEL}", PLAN_COLUMNS, plan_rows(table))
+    echo_table("Best plans (fastest first)", PLAN_COLUMNS, plan_rows(table))
+    echo(f"megatron: {BASELINE_LABEL}; paper: {REFERENCE_LABEL}")
     if marked:
         echo(f"{UNEXECUTED_MARK} no runtime executes tile-fused overlap (ov:inter+intra, "
              "plans.execution): predictions for comparison only")
@@ -665,6 +665,7 @@ def whatif_document(points, job: dict) -> dict:
             "best": _ranked("best", best),
             "baseline": _ranked("megatron", p.result.baseline),
             "speedup": p.result.speedup,
+        "reference_speedup": p.result.reference_speedup,
             "changes": plan_changes(reference, best.plan if best else None),
         })
     return envelope("whatif", job, points=out)
@@ -707,6 +708,7 @@ def scale_document(points, job: dict) -> dict:
         "baseline": _ranked("megatron", p.result.baseline),
         "best_days_per_1t_tokens": days(p.result.best),
         "speedup": p.result.speedup,
+        "reference_speedup": p.result.reference_speedup,
     } for p in points])
 
 

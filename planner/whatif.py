@@ -165,7 +165,7 @@ def whatif_machines(model: ModelSpec, clusters: list[tuple[str, ClusterSpec]],
     of the grid of knob values: machine by machine, the grid inside."""
     check_knobs_once(varies)
     per_machine = math.prod(len(v) for v in varies)
-    check_searches(len(clusters) * per_machine, "--cluster")
+    check_searches(len(clusters) * per_machine, "--cluster" if len(clusters) > 1 else "--vary")
     points: list[Point] = []
     for name, cluster in clusters:
         done = len(points)

@@ -30,7 +30,7 @@ from enum import Enum, StrEnum
 
 from pydantic import BaseModel
 
-from plans.enums import Target
+from plans.enums import RouterScore, Target
 from plans.errors import SpecError
 from plans.plan import Plan
 
@@ -257,7 +257,7 @@ MOEPLAN: tuple[Capability, ...] = (
 
 def _megatron_model(plan: Plan) -> str | None:
     m = plan.model
-    if m.top_k == 1 and not m.router_pre_softmax:
+    if m.top_k == 1 and not m.router_pre_softmax and m.router_score == RouterScore.softmax:
         return ("top-1 routing with renormalised weights: Megatron-Core's TransformerConfig "
                 "needs --moe-router-pre-softmax for top-1 (model.router_pre_softmax)")
     if m.rope_theta != int(m.rope_theta):

@@ -394,13 +394,13 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
             if rank == 0 and args.ckpt_keep:
                 checkpoint.prune(args.ckpt_dir, args.ckpt_keep)
     log.close()
+    if rank == 0 and times:
+        print(compile_summary(times, counted - began, cache), flush=True)
     if rank == 0:
         print(summary(args, plan, start, saved), flush=True)
     # Process groups die while the interpreter is whole (mesh.end_process_groups says why):
     # the trainer's gradient hooks form a cycle that keeps it and its groups alive, so close()
     # unhooks them and destroys the trainer's groups first.
-    if rank == 0 and times:
-        print(compile_summary(times, counted - began, cache), flush=True)
     trainer.close()
     del trainer
     if owns_group:

@@ -233,12 +233,13 @@ def _uneven_interleaved() -> Plan:
 
 def _feature_plan(model, pp: int, stage_layers: tuple[int, ...]) -> Plan:
     """A hand-made plan (no search): pp stages, Ulysses 2, EP 8, on 8 GPUs a stage."""
-    from plans import EPFFN, Degrees, UlyssesAttention
+    from plans import EPFFN, Degrees, Overlap, UlyssesAttention
 
     return Plan(model=model, cluster=catalog.load_cluster("h800", gpus=8 * pp),
                 training=TrainingSpec(global_batch=64, seq_len=4096),
                 degrees=Degrees(pp=pp, dp=4, sp=2, ep=8), attention=UlyssesAttention(),
-                ffn=EPFFN(), stage_layers=stage_layers, micro_batch_size=1)
+                ffn=EPFFN(), stage_layers=stage_layers, micro_batch_size=1,
+                overlap=Overlap.none)
 
 
 HF = Path(__file__).parents[1] / "plans" / "hf_configs"

@@ -112,9 +112,10 @@ def test_megascale_layout_beats_megatron_on_the_paper_job():
     # the paper's comparison: its TP-in-node Megatron-LM layout, the reference row
     assert result.reference.plan.attention.kind == "tp"
     assert 1.3 < result.reference_speedup < 2.5  # the paper measured 1.88x
-    # the baseline: Megatron-Core's best, searched; no faster than the search's best
+    # the baseline: Megatron-Core's best, searched over its own column (DeepEP across nodes
+    # included, which moeplan's runtime does not run): priced within 10% of the search's best
     assert result.baseline.plan.target == Target.megatron
-    assert result.speedup >= 1 - 1e-9
+    assert 0.9 < result.speedup < 1.1
     assert 0.3 < result.best.evaluation.mfu < 0.6
 
 

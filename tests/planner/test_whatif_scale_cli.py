@@ -34,7 +34,8 @@ def test_tp_layout_falls_behind_as_compute_outgrows_bandwidth(compute_sweep):
     slow, fast = compute_sweep
     assert slow["settings"] == {"gpu_tflops": "1x"} and fast["settings"] == {"gpu_tflops": "4x"}
     assert fast["best"]["tokens_per_s"] > slow["best"]["tokens_per_s"]
-    assert fast["speedup"] > slow["speedup"] > 1  # the paper's thesis
+    # the paper's thesis, against its TP-in-node Megatron-LM layout (the reference row)
+    assert fast["reference_speedup"] > slow["reference_speedup"] > 1
     assert fast["best"]["plan"]["degrees"]["tp"] == 1
     assert fast["speedup"] == pytest.approx(
         fast["baseline"]["step_time_s"] / fast["best"]["step_time_s"])
@@ -96,7 +97,7 @@ def test_strong_and_weak_scaling(tmp_path):
         b = p["best"]
         assert b["tokens_per_s_per_gpu"] == pytest.approx(b["tokens_per_s"] / p["gpus"])
         assert p["best_days_per_1t_tokens"] == pytest.approx(1e12 / b["tokens_per_s"] / 86400)
-        assert p["speedup"] > 1
+        assert p["reference_speedup"] > 1
     assert strong[1]["best"]["tokens_per_s"] > strong[0]["best"]["tokens_per_s"]
     plot = tmp_path / "scale.png"
     # weak scaling sets the batch itself (--global-batch beside --weak is refused)

@@ -242,8 +242,8 @@ def test_whatif_plot_with_wrong_suffix_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("gpus,extra,words", [
-    ("", [], ["--gpus", "positive GPU counts"]),
-    ("1,x", [], ["--gpus", "whole numbers"]),
+    ("", [], ["--gpus", "empty value"]),
+    ("1,x", [], ["--gpus", "'x' is not a positive GPU count"]),
     ("8,0", [], ["--gpus", "positive"]),
     ("1,12", [], ["--gpus: gpus (12) must be a multiple of node.gpus_per_node (8)"]),
     ("8,4096", [], ["--gpus: no plan of tiny-moe fits 4096"]),
