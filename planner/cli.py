@@ -335,8 +335,8 @@ OptPrecisionOpt = Annotated[TrainingPrecision | None, typer.Option(
 def _is_plan_file(ref: str) -> bool:
     """A plan reference names a file (by its suffix, a path separator, or because something
     exists at it: the loader says what is wrong with a directory or a device) or is notation."""
-    return (Path(ref).suffix.lower() in (".json", ".yaml", ".yml") or "/" in ref
-            or Path(ref).exists())
+    return bool(ref.strip()) and (Path(ref).suffix.lower() in (".json", ".yaml", ".yml")
+                                  or "/" in ref or Path(ref).exists())
 
 
 def _job_options_for_notation(refs: list[str], model, gpus, global_batch, seq_len,
