@@ -11,7 +11,7 @@ from cost_models.layer import layer_key
 from cost_models.layer_graph import forward_graph
 from cost_models.memory import layer_activation_terms
 from cost_models.params import stage_layer_counts, stage_params
-from cost_models.volumes import nodes_per_token, ulysses_attention
+from cost_models.volumes import ulysses_attention
 from plans import (
     EPFFN,
     Degrees,
@@ -118,22 +118,6 @@ def test_sliding_windows_shrink_the_attention_core():
     assert whole["flash_attn"].duration_s == fa(flops, plan_of(oss).cluster)
     assert oss.attention_flops_per_token(4096) == pytest.approx(
         ratio * full.attention_flops_per_token(4096))
-
-
-def test_group_limited_routing_bounds_the_nodes_a_token_reaches():
-    v3 = catalog.load_model("deepseek-v3")
-    assert nodes_per_token(v3, 1) == 1
-    assert nodes_per_token(v3, 8) == pytest.approx(4.0)  # 4 of 8 groups, a group per node
-    free = v3.model_copy(update={"expert_groups": 1, "groups_per_token": 1})
-    # 8 experts of 256 over 8 nodes of 32: 8 (1 - C(224, 8) / C(256, 8))
-    none = 1.0
-    for i in range(8):
-        none *= (224 - i) / (256 - i)
-    assert nodes_per_token(free, 8) == pytest.approx(8 * (1 - none))
-    assert nodes_per_token(free, 8) > nodes_per_token(v3, 8)
-    # groups spanning two nodes each: 4 groups x the nodes their 2 experts reach in a group
-    assert nodes_per_token(v3, 16) == pytest.approx(4 * 2 * (1 - 16 / 32 * 15 / 31))
-    assert nodes_per_token(v3, 64) <= 8
 
 
 def test_cross_layer_kv_sharing_halves_the_kv_projections():
