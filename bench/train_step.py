@@ -50,7 +50,7 @@ from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
 from plans.specs import mfu  # noqa: E402
-from runtime.compile_cache import cache_counts, use_cache_dir  # noqa: E402
+from runtime.compile_cache import cache_counts, compile_phases, use_cache_dir  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.attention import head_groups  # noqa: E402
@@ -187,7 +187,8 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
             rows = m.expert_rows if rows is None else [a + b for a, b in
                                                        zip(rows, m.expert_rows, strict=True)]
     compiled = {"first_step": (after_first - began).as_dict(),
-                "after_first_step": (cache_counts() - after_first).as_dict()}
+                "after_first_step": (cache_counts() - after_first).as_dict(),
+                "phases_s": compile_phases()}
     peak = m.peak_memory_gib
     # the caching allocator's peak reserved bytes: what the cost model's peak predicts (read
     # before the unmeasured step that counts host syncs)

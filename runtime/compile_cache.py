@@ -68,3 +68,21 @@ def cache_counts() -> CacheCounts:
 
     inductor = counters["inductor"]
     return CacheCounts(int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"]))
+
+
+COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "build_guards",
+                  "OutputGraph.call_user_compiler", "create_aot_dispatcher_function",
+                  "compile_fx_inner", "PyCodeCache.load_by_key_path", "async_compile.wait")
+"""The phases of torch.compile that split a first step's time: Dynamo's tracing and guards,
+then the compiler behind it (AOTAutograd, inductor, loading the generated modules, waiting
+for the Triton compiler)."""
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds this process spent so far in each of COMPILE_PHASES that ran
+    (torch._dynamo.utils.compile_times, summed over its calls)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    spent = dict(zip(names, (float(v) for v in values), strict=True))
+    return {name: spent[name] for name in COMPILE_PHASES if name in spent}
