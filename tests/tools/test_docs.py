@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_notation_grammar_in_the_docs_is_the_parsers():
-    doc = textwrap.dedent(notation.__doc__)
-    grammar = doc[doc.index("layout   pp"):].split("\n\n")[0].strip()
+    doc = notation.__doc__
+    start = doc.rindex("\n", 0, doc.index("layout   pp")) + 1
+    grammar = textwrap.dedent(doc[start:].split("\n\n")[0])
     assert grammar.count("\n") >= 4
     assert grammar in (ROOT / "docs" / "cli.md").read_text()
