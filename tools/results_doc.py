@@ -71,7 +71,10 @@ def _signed(x: float) -> str:
 def headline() -> dict:
     """What `moeplan search` prints now for the headline job (its --json document)."""
     out = subprocess.run([sys.executable, "-m", "planner.cli", "search", *HEADLINE, "--json"],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
+                         cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"error: moeplan search {' '.join(HEADLINE)}: {last}")
     return json.loads(out.stdout)
 
 
