@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -60,6 +61,9 @@ SEGMENT_NODES = 16
 """Megatron-Bridge's SLURM executor (scripts/performance/utils/executors.py, v0.2.1) runs a
 GB200/GB300 job beyond one rack in segments of the largest node count <= 18 dividing its
 nodes (4 GPUs each): the NVLink domain of a job of 64 nodes is 16 nodes."""
+DISPATCH = {"alltoall": Dispatch.all_to_all, "flex": Dispatch.deepep}
+"""The recipe's moe_token_dispatcher_type: flex (DeepEP / HybridEP) sends one copy of a token
+per destination node and forwards it over NVLink, which Dispatch.deepep prices."""
 TARGETS = {"median_abs_error": 0.10, "worst_abs_error": 0.25, "megascale_abs_error": 0.15,
            "megascale_speedup": (1.6, 2.0)}
 """Issue 29's targets (reported, not tuned to)."""
@@ -100,6 +104,60 @@ def chunk_layers(layers: int, chunks: int, edges_count: bool) -> tuple[int, ...]
     return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
 
 
+def _expand(layout: str) -> str:
+    """A Megatron layout string with its repetitions written out: `X*n` repeats the one
+    symbol or parenthesised group before it n times."""
+    out: list[str] = []
+    stack: list[list[str]] = []
+    i = 0
+    while i < len(layout):
+        ch = layout[i]
+        if ch == "(":
+            stack.append(out)
+            out = []
+        elif ch == ")":
+            group, out = "".join(out), stack.pop()
+            out.append(group)
+        elif ch == "*":
+            digits = re.match(r"\d+", layout[i + 1:])
+            if digits is None or not out:
+                raise SpecError(f"pipeline layout {layout!r}: '*' needs a symbol and a count")
+            out[-1] *= int(digits.group())
+            i += len(digits.group())
+        elif ch in "EtmL|":
+            out.append(ch)
+        else:
+            raise SpecError(f"pipeline layout {layout!r}: unknown symbol {ch!r}")
+        i += 1
+    if stack:
+        raise SpecError(f"pipeline layout {layout!r}: unclosed '('")
+    return "".join(out)
+
+
+def layout_layers(layout: str, model, chunks: int) -> tuple[int, ...]:
+    """Decoder layers per model chunk of Megatron's --pipeline-model-parallel-layout (chunks in
+    pipeline order, chunk c on stage c mod pp: megatron/core/transformer/
+    pipeline_parallel_layer_layout.py): "E" the embedding (first chunk), "t" a decoder layer,
+    "m" an MTP module and "L" the loss (last chunk), where the Plan places them too."""
+    parts = _expand(layout).split("|")
+    if len(parts) != chunks:
+        raise SpecError(f"pipeline layout {layout!r}: {len(parts)} chunks, the layout has "
+                        f"{chunks} (pp x vp)")
+    text = "".join(parts)
+    if (not parts[0].startswith("E") or not parts[-1].endswith("L")
+            or text.count("E") != 1 or text.count("L") != 1):
+        raise SpecError(f"pipeline layout {layout!r}: the embedding must open the first chunk "
+                        "and the loss close the last")
+    if text.count("m") != model.mtp_layers or "m" in "".join(parts[:-1]):
+        raise SpecError(f"pipeline layout {layout!r}: the model's {model.mtp_layers} MTP "
+                        "modules go in the last chunk")
+    out = tuple(p.count("t") for p in parts)
+    if sum(out) != model.layers:
+        raise SpecError(f"pipeline layout {layout!r}: {sum(out)} decoder layers, the model "
+                        f"has {model.layers}")
+    return out
+
+
 def cuda_graphs(scopes: list[str]) -> CudaGraphs:
     if not scopes:
         return CudaGraphs.none
@@ -109,10 +167,15 @@ def cuda_graphs(scopes: list[str]) -> CudaGraphs:
 def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
     """The row's published layout with its recipe's settings (bench/data/...yaml)."""
     model = catalog.load_model(row["model"])
+    if not row.get("mtp", True):  # the row's "w/o MTP"
+        model = model.model_copy(update={"mtp_layers": 0})
     recipe = row["recipe"]
     dp = row["gpus"] // (row["pp"] * row["tp"] * row["cp"])
     vpp = row["vp"]
     chunks = row["pp"] * vpp
+    stages = (layout_layers(recipe["pipeline_layout"], model, chunks)
+              if recipe.get("pipeline_layout")
+              else chunk_layers(model.layers, chunks, "235b" in row["model"]))
     return Plan(
         target=target, model=model, cluster=cluster_of(row),
         training=TrainingSpec(global_batch=row["gbs"], seq_len=row["seq_len"],
@@ -120,8 +183,8 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
                               else Precision.fp8),
         degrees=Degrees(pp=row["pp"], vpp=vpp, dp=dp, tp=row["tp"], ep=row["ep"],
                         etp=row["etp"]),
-        attention=TPAttention(), ffn=EPFFN(dispatch=Dispatch.all_to_all),
-        stage_layers=chunk_layers(model.layers, chunks, "235b" in row["model"]),
+        attention=TPAttention(), ffn=EPFFN(dispatch=DISPATCH[recipe["dispatcher"]]),
+        stage_layers=stages,
         micro_batch_size=row["mbs"],
         schedule=(PipelineSchedule.interleaved_1f1b if vpp > 1
                   else PipelineSchedule.one_f_one_b),
