@@ -83,3 +83,14 @@ def test_flex_dispatcher_rows_are_priced_as_deepep(bench):
         want = Dispatch.deepep if row["recipe"]["dispatcher"] == "flex" else Dispatch.all_to_all
         assert bench.row_plan(row).ffn.dispatch == want, row["id"]
     assert any(r["recipe"]["dispatcher"] == "flex" for r in rows)
+
+
+def test_the_host_launch_time_is_the_fit_to_the_host_bound_rows(fresh):
+    """cost_models.megatron.HOST_US_PER_LAUNCH is fitted to the two Qwen3 DGX-B200 rows at
+    micro-batch 1: their errors are of opposite signs and within 10%."""
+    rows = {r["id"]: r for r in fresh["rows"]}
+    errors = [rows[k]["megatron"]["error"]
+              for k in ("qwen3-30b-b200-fp8mx", "qwen3-235b-b200-fp8mx")]
+    assert min(errors) < 0 < max(errors)
+    assert max(map(abs, errors)) < 0.10
+    assert rows["qwen3-30b-b200-fp8mx"]["mbs"] == rows["qwen3-235b-b200-fp8mx"]["mbs"] == 1
