@@ -29,7 +29,7 @@ def test_committed_results_are_what_the_script_computes(hopper):
     assert {k: committed[k] for k in fresh} == fresh
 
 
-def test_the_gh100_clusters_carry_the_fit_and_only_they_do(hopper):
+def test_the_gh100_clusters_carry_the_fit_and_blackwell_as_its_prior(hopper):
     committed = json.loads((ROOT / "bench/results/hopper_factors.json").read_text())
     carried = committed["carried"]
     assert set(carried) == set(hopper.CARRIED)
@@ -38,8 +38,12 @@ def test_the_gh100_clusters_carry_the_fit_and_only_they_do(hopper):
         assert {k: getattr(eff, k) for k in carried} == carried, name
         # the eager memory-bound factor keeps the prior
         assert eff.elementwise == Efficiency().elementwise
-    for name in ("a100", "b200", "gb200-nvl72"):
-        assert catalog.load_cluster(name).efficiency == Efficiency(), name
+    assert catalog.load_cluster("a100").efficiency == Efficiency()
+    # Blackwell has no measurement: its prior is the same kernels' Hopper factors
+    for name in ("b200", "gb200-nvl72", "gb300-nvl72"):
+        cluster = catalog.load_cluster(name)
+        assert {k: getattr(cluster.efficiency, k) for k in carried} == carried, name
+        assert cluster.efficiency_source.kind == "prior", name
 
 
 def test_the_fused_rate_is_the_device_time_of_the_fused_operators(hopper):
