@@ -169,16 +169,19 @@ def _grad_accumulation_s(params: StageParams, plan: Plan, edge: bool = False) ->
             + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
 
 
-def _stage_accumulation_s(plan: Plan, stage: int) -> float:
-    """One micro-batch's gradient accumulation on ``stage``: its layers', the embedding's on
+def _stage_accumulations_s(plan: Plan) -> list[float]:
+    """One micro-batch's gradient accumulation per stage: its layers', the embedding's on
     the first stage, the LM head's on the last."""
     parts = part_params(plan.model, plan.degrees)
-    n_moe, n_dense = stage_layer_counts(plan.model, plan.stage_layers, plan.degrees.pp)[stage]
-    return (n_moe * _grad_accumulation_s(parts.moe_layer, plan)
-            + n_dense * _grad_accumulation_s(parts.dense_layer, plan)
-            + (_grad_accumulation_s(parts.embedding, plan, edge=True) if stage == 0 else 0.0)
-            + (_grad_accumulation_s(parts.head, plan, edge=True)
-               if stage == plan.degrees.pp - 1 else 0.0))
+    moe_s = _grad_accumulation_s(parts.moe_layer, plan)
+    dense_s = _grad_accumulation_s(parts.dense_layer, plan)
+    embedding_s = _grad_accumulation_s(parts.embedding, plan, edge=True)
+    head_s = _grad_accumulation_s(parts.head, plan, edge=True)
+    last = plan.degrees.pp - 1
+    return [n_moe * moe_s + n_dense * dense_s + (embedding_s if stage == 0 else 0.0)
+            + (head_s if stage == last else 0.0)
+            for stage, (n_moe, n_dense) in enumerate(
+                stage_layer_counts(plan.model, plan.stage_layers, plan.degrees.pp))]
 
 
 def stage_costs(plan: Plan) -> StageCosts:
@@ -210,7 +213,7 @@ def evaluate(plan: Plan) -> Evaluation:
     bwd[0] += emb.bwd_s
     fwd[last] += head.fwd_s
     bwd[last] += head.bwd_s
-    accumulate_s = [_stage_accumulation_s(plan, i) for i in range(d.pp)]
+    accumulate_s = _stage_accumulations_s(plan)
     bwd = [b + a for b, a in zip(bwd, accumulate_s, strict=True)]
     stage_s = [f + b for f, b in zip(fwd, bwd, strict=True)]
     busiest = max(range(d.pp), key=stage_s.__getitem__)

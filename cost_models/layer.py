@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from types import MappingProxyType
 
@@ -34,7 +34,7 @@ from cost_models.schedule import Stream, Task, list_schedule
 from plans.enums import Target
 from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import LAYER_REGIONS, TIMER_OF
-from plans.plan import Overlap, Plan
+from plans.plan import Overlap, Plan, Recompute
 
 BOTH = frozenset(Stream)
 COMPUTE = frozenset({Stream.compute})
@@ -159,13 +159,25 @@ def _run(graph: nx.DiGraph, program, overlap: Overlap, hidden_share: float) -> _
     return _Pass(sched.makespan_s, compute, recompute, dict(exposed), sched.critical_path)
 
 
+def _forward_key(key: LayerKey) -> LayerKey:
+    """The key of the layer's forward pass: its operators do not depend on the recomputation
+    policy (backward_graph adds the reruns), so every policy shares one."""
+    return key if key.recompute == Recompute.none else replace(key, recompute=Recompute.none)
+
+
+@lru_cache(maxsize=4096)
+def _forward_graph(key: LayerKey, overlap: Overlap) -> nx.DiGraph:
+    """The forward graph of ``layer_graphs`` (``key`` from _forward_key)."""
+    return forward_graph(key, moe_chunks(overlap, key.ffn, key.ep),
+                         ulysses_chunks(overlap, key.attention, key.model, key.sp))
+
+
 @lru_cache(maxsize=4096)
 def layer_graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGraph]:
     """Forward and backward graphs of the layer as ``overlap`` runs it: inter_op chunks the
     MoE part as the runtime does and runs gradients as autograd nodes."""
     inter = overlap == Overlap.inter_op
-    fwd = forward_graph(key, moe_chunks(overlap, key.ffn, key.ep),
-                        ulysses_chunks(overlap, key.attention, key.model, key.sp))
+    fwd = _forward_graph(_forward_key(key), overlap)
     return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter)
 
 
@@ -180,7 +192,9 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
     policies = list(Overlap)[: list(Overlap).index(overlap) + 1]
     best = None
     for policy in reversed(policies):
-        graph = layer_graphs(key, overlap if policy == Overlap.none else policy)[backward]
+        runs = overlap if policy == Overlap.none else policy
+        graph = (layer_graphs(key, runs)[1] if backward
+                 else _forward_graph(_forward_key(key), runs))
         program = _program(graph)
         # with no overlap everything runs back to back: its makespan is the sum of the
         # durations, known without scheduling; schedule it only if it could win
@@ -205,9 +219,16 @@ def _region_s(fwd: nx.DiGraph, bwd: nx.DiGraph) -> dict[str, float]:
 
 
 @lru_cache(maxsize=4096)
+def _forward_pass(key: LayerKey, overlap: Overlap) -> _Pass:
+    """The forward schedule of ``layer_timing_for`` (``key`` from _forward_key)."""
+    return _best(key, overlap, backward=False)
+
+
+@lru_cache(maxsize=4096)
 def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
-    """Schedule the layer's graphs (built once per key and policy)."""
-    fwd = _best(key, overlap, backward=False)
+    """Schedule the layer's graphs (built once per key and policy; the forward pass once for
+    every recomputation policy)."""
+    fwd = _forward_pass(_forward_key(key), overlap)
     bwd = _best(key, overlap, backward=True)
     exposed = {k: fwd.exposed_s.get(k, 0.0) + bwd.exposed_s.get(k, 0.0)
                for k in sorted({*fwd.exposed_s, *bwd.exposed_s})}

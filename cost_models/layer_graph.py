@@ -431,6 +431,69 @@ def _shared_experts(g: _Builder, norm: str, rows: float, width_divisor: int) -> 
     return g.gemm(LO.shared_fc2, rows, m.hidden, f, act)
 
 
+@dataclass(frozen=True)
+class _MoEChunks:
+    """The sizes one chunk of an MoE layer moves and computes (_moe_ffn)."""
+
+    chunks: int
+    n: int
+    """The FFN's group: ep, or etp under expert TP."""
+    local: int
+    """Experts on this rank."""
+    width: float
+    """Each local expert's FFN width."""
+    gathered_tokens: float
+    """Tokens the shared experts see (the all-gathered group's under expert TP)."""
+    t: float
+    """One chunk's tokens."""
+    per_expert: float
+    """One chunk's rows per local expert (the busiest EP rank's)."""
+    a2a: bool
+    """The dispatch moves the routed copies (all-to-all)."""
+    eager: object
+    """The eager permutation's passes (cost_models.dispatch), None under fused kernels."""
+    token_rows: float
+    """Rows of tokens the eager combine scatters into: this rank's, or the group's after an
+    all-gather."""
+    every_slot: tuple | None
+    """Fused with every slot routed (dropless, local or all-to-all): gathers both ways."""
+
+    @property
+    def side(self) -> bool:
+        """Whether the chunks' collectives ride the communication stream beside the other
+        chunk's expert GEMMs."""
+        return self.chunks > 1
+
+    @property
+    def rows(self) -> float:
+        return self.per_expert * self.local
+
+    def at(self, c: int) -> str:
+        return f"@{c}" if self.side else ""
+
+
+def _moe_chunks(k: LayerKey, chunks: int) -> _MoEChunks:
+    m = k.model
+    t, e = k.tokens, m.experts
+    if isinstance(k.ffn, EPFFN):
+        n, local, width, gathered_tokens = k.ep, e // k.ep, m.expert_ffn_hidden, t
+        # the busiest EP rank's load paces the grouped GEMMs and receives the most rows
+        busiest = skew.rank_skew(t * n * m.top_k, e, n, k.routing_skew, k.ffn.capacity_factor)
+        per_expert = cc.expert_tokens(t * n, m.top_k, e, k.ffn.capacity_factor) * busiest
+    else:
+        n, local, width, gathered_tokens = k.etp, e, m.expert_ffn_hidden / k.etp, t * k.etp
+        per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)
+    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch.moves_routed_copies
+    # one chunk's share of the tokens and rows
+    t, per_expert = t / chunks, per_expert / chunks
+    eager = eager_permutation(k.ffn.dispatch if isinstance(k.ffn, EPFFN) else None, n) \
+        if k.kernels == Kernels.eager else None
+    every_slot = (fused_every_slot(n > 1) if k.kernels == Kernels.fused and a2a
+                  and k.ffn.capacity_factor is None else None)
+    return _MoEChunks(chunks, n, local, width, gathered_tokens, t, per_expert, a2a, eager,
+                      n * t if eager is ALL_GATHER else t, every_slot)
+
+
 def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
     """Router over every token, then dispatch, expert GEMMs and combine, in ``chunks`` token
     chunks (plans.layout.moe_chunks: the inter-operator overlapped layer of
@@ -441,111 +504,117 @@ def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
     # the router's softmax and top-k run eager under either kernel set (runtime.kernels)
     topk = g.memory(LO.router_topk, 2 * t * e * cc.FP32_BYTES, 2 * t * e * cc.FP32_BYTES, logits,
                     fusable=False)
-    if isinstance(k.ffn, EPFFN):
-        n, local, width, gathered_tokens = k.ep, e // k.ep, m.expert_ffn_hidden, t
-        # the busiest EP rank's load paces the grouped GEMMs and receives the most rows
-        busiest = skew.rank_skew(t * n * m.top_k, e, n, k.routing_skew, k.ffn.capacity_factor)
-        per_expert = cc.expert_tokens(t * n, m.top_k, e, k.ffn.capacity_factor) * busiest
-    else:
-        n, local, width, gathered_tokens = k.etp, e, m.expert_ffn_hidden / k.etp, t * k.etp
-        per_expert = cc.expert_tokens(gathered_tokens, m.top_k, e, None)
-    a2a = isinstance(k.ffn, EPFFN) and k.ffn.dispatch.moves_routed_copies
-    # one chunk's share of the tokens and rows; its collectives ride the communication stream
-    # beside the other chunk's expert GEMMs when the layer is chunked
-    t, per_expert, side = t / chunks, per_expert / chunks, chunks > 1
-    rows = per_expert * local
-    row_bytes = h * AB
-    eager = eager_permutation(k.ffn.dispatch if isinstance(k.ffn, EPFFN) else None, n) \
-        if k.kernels == Kernels.eager else None
-    # Rows of tokens the eager combine scatters into: this rank's, or the group's after an
-    # all-gather.
-    token_rows = n * t if eager is ALL_GATHER else t
-    # fused with every slot routed (dropless, local or all-to-all): gathers both ways
-    every_slot = (fused_every_slot(n > 1) if k.kernels == Kernels.fused and a2a
-                  and k.ffn.capacity_factor is None else None)
+    x = _moe_chunks(k, chunks)
+    dispatched, shared = _moe_dispatch(g, x, norm, topk)
+    outs = _moe_experts_and_combine(g, x, dispatched, topk, shared)
+    if x.eager is not None and x.eager.host_sync:
+        outs = _dispatch_host_wait(g, outs)
+    return (*outs, shared)
 
-    def permutation(name: LayerOperator, fused_fwd: float, fused_bwd: float,
-                    eager_fwd: Passes | None, eager_bwd: Passes | None, *after: str | None,
-                    at: str) -> str:
-        if eager_fwd is None or eager_bwd is None:
-            return g.memory(name, fused_fwd * row_bytes, fused_bwd * row_bytes, *after, at=at)
-        return g.permutation(name, eager_fwd.rows(rows, token_rows) * row_bytes,
-                             eager_bwd.rows(rows, token_rows) * row_bytes, *after, at=at)
 
+def _permutation(g: _Builder, x: _MoEChunks, name: LayerOperator, fused_fwd: float,
+                 fused_bwd: float, eager_fwd: Passes | None, eager_bwd: Passes | None,
+                 *after: str | None, at: str) -> str:
+    """A permutation of one chunk's rows: ``fused_*`` rows under fused kernels, the eager
+    passes' rows otherwise."""
+    row_bytes = g.key.model.hidden * AB
+    if eager_fwd is None or eager_bwd is None:
+        return g.memory(name, fused_fwd * row_bytes, fused_bwd * row_bytes, *after, at=at)
+    return g.permutation(name, eager_fwd.rows(x.rows, x.token_rows) * row_bytes,
+                         eager_bwd.rows(x.rows, x.token_rows) * row_bytes, *after, at=at)
+
+
+def _moe_dispatch(g: _Builder, x: _MoEChunks, norm: str, topk: str
+                  ) -> tuple[list[tuple[str, Transfer, str | None]], str | None]:
+    """Each chunk's dispatch, as (its rows ready, its combine's transfer, its permutation),
+    and the shared experts (after the first chunk's dispatch is issued)."""
+    k, m = g.key, g.key.model
+    t, n, rows = x.t, x.n, x.rows
     shared = None
-    dispatched: list[tuple[str, Transfer, str | None]] = []  # (ready, combine transfer, perm)
-    for c in range(chunks):
-        at = f"@{c}" if side else ""
+    dispatched: list[tuple[str, Transfer, str | None]] = []
+    e_fwd = x.eager.dispatch_fwd if x.eager else None
+    e_bwd = x.eager.dispatch_bwd if x.eager else None
+    for c in range(x.chunks):
+        at = x.at(c)
         perm = None
-        e_fwd = eager.dispatch_fwd if eager else None
-        e_bwd = eager.dispatch_bwd if eager else None
-        if a2a:
+        if x.a2a:
             send, back = vol.ep_ffn(m, t, n, k.ffn.dispatch, routed_copies=rows)
-            fwd_rows, bwd_rows = ((every_slot[0].rows(rows, t), every_slot[1].rows(rows, t))
-                                  if every_slot else (t + rows, t + rows))
-            perm = permutation(LO.dispatch_permute, fwd_rows, bwd_rows, e_fwd, e_bwd, norm, topk,
-                               at=at)
+            fwd_rows, bwd_rows = ((x.every_slot[0].rows(rows, t), x.every_slot[1].rows(rows, t))
+                                  if x.every_slot else (t + rows, t + rows))
+            perm = _permutation(g, x, LO.dispatch_permute, fwd_rows, bwd_rows, e_fwd, e_bwd,
+                                norm, topk, at=at)
             ready = g.comm(LO.ep_dispatch, send, perm, fuse_with=LO.expert_fc13, rows=rows,
-                           at=at, side_stream=side)
+                           at=at, side_stream=x.side)
             if c == 0:
-                shared = _shared_experts(g, norm, t * chunks, 1)
+                shared = _shared_experts(g, norm, t * x.chunks, 1)
         else:
             send, back = (vol.ep_ffn(m, t, n, Dispatch.allgather_reduce_scatter)
                           if isinstance(k.ffn, EPFFN) else vol.tp_ffn(m, t, n))
             # All-gather every rank's tokens, then pick the rows routed to local experts.
             gather = LO.ep_dispatch if isinstance(k.ffn, EPFFN) else LO.etp_all_gather
             arrived = g.comm(gather, send, norm, fuse_with=LO.expert_fc13, rows=rows, at=at,
-                             side_stream=side)
-            ready = permutation(LO.dispatch_scatter, 2 * rows, rows + n * t, e_fwd, e_bwd,
-                                arrived, topk, at=at)
+                             side_stream=x.side)
+            ready = _permutation(g, x, LO.dispatch_scatter, 2 * rows, rows + n * t, e_fwd,
+                                 e_bwd, arrived, topk, at=at)
             # Shared experts are replicated under EP (local tokens), split by etp under TP.
             if c == 0:
-                shared = _shared_experts(g, norm if k.etp == 1 else arrived, gathered_tokens,
-                                         k.etp)
+                shared = _shared_experts(g, norm if k.etp == 1 else arrived,
+                                         x.gathered_tokens, k.etp)
         dispatched.append((ready, back, perm))
+    return dispatched, shared
+
+
+def _moe_experts_and_combine(g: _Builder, x: _MoEChunks,
+                             dispatched: list[tuple[str, Transfer, str | None]], topk: str,
+                             shared: str | None) -> list[str]:
+    """Each chunk's expert GEMMs and combine; the combined outputs."""
+    k, h = g.key, g.key.model.hidden
+    t, n, rows = x.t, x.n, x.rows
+    e_fwd = x.eager.combine_fwd if x.eager else None
+    e_bwd = x.eager.combine_bwd if x.eager else None
     outs = []
     for c, (ready, back, _) in enumerate(dispatched):
-        at = f"@{c}" if side else ""
+        at = x.at(c)
         # One compute stream runs the chunks' expert GEMMs in issue order: chunk c after chunk
         # c - 1 (and, derived from that edge, its gradients before c - 1's, as autograd does),
         # and after the next chunk's permutation, so that chunk's dispatch runs beside them.
         previous = f"{LO.expert_fc2.value}@{c - 1}" if c else None
-        following = dispatched[c + 1][2] if c + 1 < chunks else None
-        fc13 = g.grouped(LO.expert_fc13, local, per_expert, 2 * width, h, ready, previous,
-                         following, at=at)
-        act = _swiglu(g, LO.expert_swiglu, rows, width, fc13, at)
-        fc2 = g.grouped(LO.expert_fc2, local, per_expert, h, width, act, at=at)
-        e_fwd = eager.combine_fwd if eager else None
-        e_bwd = eager.combine_bwd if eager else None
-        if a2a:
+        following = dispatched[c + 1][2] if c + 1 < x.chunks else None
+        fc13 = g.grouped(LO.expert_fc13, x.local, x.per_expert, 2 * x.width, h, ready,
+                         previous, following, at=at)
+        act = _swiglu(g, LO.expert_swiglu, rows, x.width, fc13, at)
+        fc2 = g.grouped(LO.expert_fc2, x.local, x.per_expert, h, x.width, act, at=at)
+        if x.a2a:
             returned = g.comm(LO.ep_combine, back, fc2, fuse_with=LO.expert_fc2, rows=rows,
-                              at=at, side_stream=side)
-            fwd_rows, bwd_rows = ((every_slot[2].rows(rows, t), every_slot[3].rows(rows, t))
-                                  if every_slot else (rows + t, rows + t))
-            outs.append(permutation(LO.combine_unpermute, fwd_rows, bwd_rows, e_fwd, e_bwd,
-                                    returned, topk, at=at))
+                              at=at, side_stream=x.side)
+            fwd_rows, bwd_rows = ((x.every_slot[2].rows(rows, t), x.every_slot[3].rows(rows, t))
+                                  if x.every_slot else (rows + t, rows + t))
+            outs.append(_permutation(g, x, LO.combine_unpermute, fwd_rows, bwd_rows, e_fwd,
+                                     e_bwd, returned, topk, at=at))
         else:
             # Weighted local gather into a zeroed n x tokens buffer, reduce-scatter it back.
-            gathered = permutation(LO.combine_gather, rows + n * t, 2 * rows, e_fwd, e_bwd, fc2,
-                                   topk, shared if k.etp > 1 else None, at=at)
+            gathered = _permutation(g, x, LO.combine_gather, rows + n * t, 2 * rows, e_fwd,
+                                    e_bwd, fc2, topk, shared if k.etp > 1 else None, at=at)
             scatter = LO.ep_combine if isinstance(k.ffn, EPFFN) else LO.etp_reduce_scatter
             outs.append(g.comm(scatter, back, gathered, fuse_with=LO.expert_fc2, rows=rows,
-                               at=at, side_stream=side))
-    if eager is not None and eager.host_sync:
-        # The dispatch waits on the host, then the CPU launches its small kernels one by one:
-        # the layer's dispatch + combine (forward and backward, every chunk) never takes less
-        # than the measured floor; the shortfall is GPU time lost to the host, before the
-        # first collective.
-        floor_s = k.cluster.efficiency.dispatch_floor_us.of(
-            k.ffn.dispatch if isinstance(k.ffn, EPFFN) else Dispatch.allgather_reduce_scatter
-        ) * 1e-6
-        moved = sum(op.duration_s + sum(op.bwd) for _, op in g.graph.nodes(data="op")
-                    if op.operator in DISPATCH_COMBINE_OPS)
-        if floor_s > moved:
-            outs = [g.host_wait(floor_s - moved, *outs)]
-    return (*outs, shared)
+                               at=at, side_stream=x.side))
+    return outs
 
 
+def _dispatch_host_wait(g: _Builder, outs: list[str]) -> list[str]:
+    """The eager dispatch waits on the host, then the CPU launches its small kernels one by
+    one: the layer's dispatch + combine (forward and backward, every chunk) never takes less
+    than the measured floor; the shortfall is GPU time lost to the host, before the first
+    collective. Returns the layer's outputs (``outs``, or the wait after them)."""
+    k = g.key
+    floor_s = k.cluster.efficiency.dispatch_floor_us.of(
+        k.ffn.dispatch if isinstance(k.ffn, EPFFN) else Dispatch.allgather_reduce_scatter
+    ) * 1e-6
+    moved = sum(op.duration_s + sum(op.bwd) for _, op in g.graph.nodes(data="op")
+                if op.operator in DISPATCH_COMBINE_OPS)
+    if floor_s > moved:
+        return [g.host_wait(floor_s - moved, *outs)]
+    return outs
 DISPATCH_COMBINE_OPS = frozenset(
     op for op, region in TIMER_OF.items()
     if region in (Component.dispatch, Component.combine)

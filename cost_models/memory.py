@@ -129,32 +129,47 @@ class Kept:
             self.producer not in recomputed and bool(self.readers & recomputed))
 
 
-def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: bool,
-                  micro_batch: int, kernels: Kernels = Kernels.eager,
+def _kept_tensors(model: ModelSpec, tp: int, sp: int, ep: int, etp: int, ffn: FFNStrategy,
+                  dense: bool, micro_batch: int, kernels: Kernels = Kernels.eager,
                   linears_accumulate: bool = False) -> list[Kept]:
-    """The tensors of one layer that this runtime's autograd graph can keep, per token. Fused
-    kernels (runtime.kernels, torch.compile regions) keep less: an RMSNorm only its bf16 output
-    (which the next GEMM keeps) and the fp32 inverse norm instead of fp32 copies of its input
-    and normalised value; SwiGLU its two inputs and its output (the next GEMM's input), not the
-    SiLU too."""
+    """The tensors of one layer that this runtime's autograd graph can keep, per token, under
+    the layer's degrees (``tp``, ``sp``, ``ep``, ``etp``). Fused kernels (runtime.kernels,
+    torch.compile regions) keep less: an RMSNorm only its bf16 output (which the next GEMM
+    keeps) and the fp32 inverse norm instead of fp32 copies of its input and normalised
+    value; SwiGLU its two inputs and its output (the next GEMM's input), not the SiLU too."""
+    fused = kernels == Kernels.fused
+    swiglu = 6.0 if fused else 8.0  # bytes per element of the FFN's hidden width
+    out = _attention_kept(model, tp, sp, micro_batch, fused, linears_accumulate)
+    if dense:
+        out.append(Kept("dense_ffn", swiglu * model.dense_ffn_hidden,
+                        frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})))
+    else:
+        out += _moe_kept(model, ep, etp, ffn, swiglu)
+    # the residual stream handed to the next layer (that layer's input)
+    out.append(Kept("layer_output", 2.0 * model.hidden, frozenset({LO.ffn_residual}),
+                    LO.ffn_residual))
+    return out
+
+
+def _attention_kept(model: ModelSpec, tp: int, sp: int, micro_batch: int, fused: bool,
+                    linears_accumulate: bool) -> list[Kept]:
+    """The layer's input, its norms and the attention block's kept tensors (_kept_tensors)."""
     h = model.hidden
     q, kv, v, o = model.q_dim, model.kv_dim, model.v_dim, model.attn_out_dim
-    fused = kernels == Kernels.fused
     norm = 2.0 * h + 4.0 if fused else 10.0 * h
-    swiglu = 6.0 if fused else 8.0  # bytes per element of the FFN's hidden width
     out: list[Kept] = [
         Kept("layer_input", 2.0 * h, frozenset(), None,
              frozenset({LO.attn_norm, LO.attn_residual})),
         Kept("norms", norm, frozenset({LO.attn_norm})),
         Kept("norms", norm, frozenset({LO.ffn_norm})),
     ]
-    if degrees.tp > 1:
+    if tp > 1:
         # torch's Linear makes (and keeps) a batch-major copy of a non-contiguous input per
         # projection; the accumulating Linear (grad_accumulation_fusion) keeps the input as
         # given, one tensor for the three (measured on H200: deepseek4l_tp2_etp2_mbs4's
         # attention kept 2 tp h per token at 2feebb8, 8 tp h at 5dc7a2f)
         copies = 3 if micro_batch > 1 and not linears_accumulate else 1
-        out.append(Kept("attention_input", copies * 2.0 * degrees.tp * h,
+        out.append(Kept("attention_input", copies * 2.0 * tp * h,
                         frozenset({LO.qkv_gemm}), LO.tp_all_gather, frozenset({LO.qkv_gemm})))
     if model.qk_norm:
         out.append(Kept("qk_norm", 8.0 * (q + kv), frozenset({LO.qk_norm})))
@@ -165,7 +180,7 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
         latent_norm = 2.0 * latents + 8.0 if fused else 10.0 * latents
         out.append(Kept("mla_latents", 2.0 * latents + latent_norm,
                         frozenset({LO.qkv_up_gemm})))
-    ulysses = degrees.sp > 1
+    ulysses = sp > 1
     out += [
         # q, k, v as the core receives them (no backward keeps them: the core keeps its own)
         Kept("attention_core", 2.0 * (q + kv + v), frozenset(),
@@ -181,36 +196,53 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
     ]
     if ulysses:
         out.append(Kept("attention_core", 2.0 * o, frozenset({LO.out_gemm}), LO.sp_a2a_out))
-    if dense:
-        out.append(Kept("dense_ffn", swiglu * model.dense_ffn_hidden,
-                        frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})))
-    else:
-        k = model.top_k * (ffn.capacity_factor if isinstance(ffn, EPFFN)
-                           and ffn.capacity_factor else 1.0)
-        out.append(Kept("router", 4.0 * model.experts + 12.0 * model.top_k,
-                        frozenset({LO.router_topk})))
-        f = model.expert_ffn_hidden
-        experts = frozenset({LO.expert_fc13, LO.expert_swiglu, LO.expert_fc2})
-        if isinstance(ffn, EPFFN):
-            load = EP_LOAD if degrees.ep > 1 else 1.0
-            per_row = 2.0 * h + swiglu * f
-            if ffn.dispatch.moves_routed_copies:
-                rows = Kept("expert_rows", k * per_row * load + 4.0 * k * h,
-                            experts | {LO.combine_unpermute}, LO.ep_dispatch)
-            else:
-                rows = Kept("expert_rows", k * (per_row + 4.0 * h) * load,
-                            experts | {LO.combine_gather}, LO.dispatch_scatter)
-        else:
-            rows = Kept("expert_rows", 6.0 * k * h * degrees.etp + swiglu * k * f,
-                        experts | {LO.combine_gather}, LO.dispatch_scatter)
-        out.append(rows)
-        if model.shared_experts:
-            out.append(Kept("dense_ffn",
-                            swiglu * model.shared_experts * model.shared_expert_ffn_hidden,
-                            frozenset({LO.shared_fc13, LO.shared_swiglu, LO.shared_fc2})))
-    # the residual stream handed to the next layer (that layer's input)
-    out.append(Kept("layer_output", 2.0 * h, frozenset({LO.ffn_residual}), LO.ffn_residual))
     return out
+
+
+def _moe_kept(model: ModelSpec, ep: int, etp: int, ffn: FFNStrategy, swiglu: float
+              ) -> list[Kept]:
+    """An MoE FFN's kept tensors (_kept_tensors): the router's, the expert rows, the shared
+    experts'."""
+    h = model.hidden
+    k = model.top_k * (ffn.capacity_factor if isinstance(ffn, EPFFN)
+                       and ffn.capacity_factor else 1.0)
+    out = [Kept("router", 4.0 * model.experts + 12.0 * model.top_k,
+                frozenset({LO.router_topk}))]
+    f = model.expert_ffn_hidden
+    experts = frozenset({LO.expert_fc13, LO.expert_swiglu, LO.expert_fc2})
+    if isinstance(ffn, EPFFN):
+        load = EP_LOAD if ep > 1 else 1.0
+        per_row = 2.0 * h + swiglu * f
+        if ffn.dispatch.moves_routed_copies:
+            rows = Kept("expert_rows", k * per_row * load + 4.0 * k * h,
+                        experts | {LO.combine_unpermute}, LO.ep_dispatch)
+        else:
+            rows = Kept("expert_rows", k * (per_row + 4.0 * h) * load,
+                        experts | {LO.combine_gather}, LO.dispatch_scatter)
+    else:
+        rows = Kept("expert_rows", 6.0 * k * h * etp + swiglu * k * f,
+                    experts | {LO.combine_gather}, LO.dispatch_scatter)
+    out.append(rows)
+    if model.shared_experts:
+        out.append(Kept("dense_ffn",
+                        swiglu * model.shared_experts * model.shared_expert_ffn_hidden,
+                        frozenset({LO.shared_fc13, LO.shared_swiglu, LO.shared_fc2})))
+    return out
+
+
+@lru_cache(maxsize=65536)
+def _terms_per_token(model: ModelSpec, tp: int, sp: int, ep: int, etp: int, ffn: FFNStrategy,
+                     recomputed: frozenset[LayerOperator], dense: bool, micro_batch: int,
+                     kernels: Kernels, linears_accumulate: bool
+                     ) -> tuple[tuple[str, float], ...]:
+    """The bytes per token of ``layer_activation_terms`` with the operators ``recomputed``,
+    keyed on the degrees a layer's kept tensors depend on."""
+    terms: dict[str, float] = {}
+    for t in _kept_tensors(model, tp, sp, ep, etp, ffn, dense, micro_batch, kernels,
+                           linears_accumulate):
+        if t.kept(recomputed):
+            terms[t.term] = terms.get(t.term, 0.0) + t.bytes_per_token
+    return tuple(terms.items())
 
 
 def layer_activation_terms(
@@ -246,23 +278,22 @@ def layer_activation_terms(
     - dense_ffn: dense layers and shared experts, 8 F (the input is the norm's output);
     - layer_output: the residual stream handed to the next layer (2 h);
     - layer_input: recomputing the whole layer keeps its input (2 h) only."""
-    recomputed = RECOMPUTED[policy]
-    terms: dict[str, float] = {}
-    for t in _kept_tensors(model, degrees, ffn, dense, micro_batch, kernels, linears_accumulate):
-        if t.kept(recomputed):
-            terms[t.term] = terms.get(t.term, 0.0) + t.bytes_per_token
-    return {name: b * tokens for name, b in terms.items()}
+    d = degrees
+    return {name: b * tokens for name, b in _terms_per_token(
+        model, d.tp, d.sp, d.ep, d.etp, ffn, RECOMPUTED[policy], dense, micro_batch, kernels,
+        linears_accumulate)}
 
 
-@lru_cache(maxsize=65536)
 def layer_activation_bytes(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
     linears_accumulate: bool = False,
 ) -> float:
     """The sum of ``layer_activation_terms``."""
-    return sum(layer_activation_terms(model, tokens, degrees, ffn, policy, dense,
-                                      micro_batch, kernels, linears_accumulate).values())
+    d = degrees
+    return sum(b * tokens for _, b in _terms_per_token(
+        model, d.tp, d.sp, d.ep, d.etp, ffn, RECOMPUTED[policy], dense, micro_batch, kernels,
+        linears_accumulate))
 
 
 LOSS_BYTES_PER_LOGIT = 12
@@ -380,6 +411,9 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     if chunks > 1 and not experts_accumulate_in_gemm:
         working_of[False] += WEIGHT_BYTES * part_params(model, d).moe_layer.expert
     names = tuple(MEMORY_TERMS)
+    fused_step = opt.runs_fused(kernels)
+    # stages holding the same parameters hold the same states and step workspace
+    resident: dict[StageParams, tuple[tuple[float, float, float], float]] = {}
 
     def stage(i: int) -> tuple[float, tuple[float, ...]]:
         """Peak of stage i and its components (``names``): the resident states plus the larger
@@ -389,14 +423,16 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
         larger counts."""
         moe, dense = layers[i]
         p = params[i]
-        shard = p.optimizer_shard(d, sharding)  # the states (and update) this GPU holds
-        states = (WEIGHT_BYTES * p.total, grad_bytes * p.total, opt_bytes * shard)
+        if p not in resident:
+            shard = p.optimizer_shard(d, sharding)  # the states (and update) this GPU holds
+            resident[p] = ((WEIGHT_BYTES * p.total, grad_bytes * p.total, opt_bytes * shard),
+                           optimizer_step_workspace(model, d, p, sharding, grad_bytes,
+                                                    fused_step, step_in_buckets))
+        states, step = resident[p]
         stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
         activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
         working = working_of[moe == 0] if moe + dense else 0.0
         loss = logits if i == d.pp - 1 else 0.0
-        step = optimizer_step_workspace(model, d, p, sharding, grad_bytes,
-                                        opt.runs_fused(kernels), step_in_buckets)
         transient = max(activations + buffers + max(working, loss), step)
         reserve = ALLOCATOR_RESERVE * transient + LOSS_RESERVE * loss
         return (sum(states) + transient + reserve,

@@ -91,6 +91,7 @@ class PartParams:
     """Final norm and LM head (a tied embedding's copy counts only with pp > 1)."""
 
 
+@lru_cache(maxsize=4096)
 def part_params(model: ModelSpec, degrees: Degrees) -> PartParams:
     """Per layer, its mean over the layers: cross-layer KV sharing (kv_share_layers) leaves
     some layers without K and V projections. The head carries the MTP modules' projections

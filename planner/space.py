@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from functools import cache
 
 from planner.staging import least_layers
 from plans import (
@@ -257,11 +258,15 @@ class SearchSpace:
                         yield dispatch, overlap, recompute, sync
 
 
+@cache
 def attention_strategy(kind: AttentionKind):
+    """The attention strategy of ``kind`` (one immutable instance per kind)."""
     return {AttentionKind.ulysses_sp: UlyssesAttention(), AttentionKind.tp: TPAttention(),
             AttentionKind.cp: CPAttention()}[kind]
 
 
+@cache
 def ffn_strategy(kind: FFNKind, dispatch: Dispatch | None):
+    """The FFN strategy of ``kind`` under ``dispatch`` (one immutable instance per pair)."""
     return EPFFN(dispatch=dispatch or Dispatch.all_to_all) if kind == FFNKind.ep else TPFFN()
 

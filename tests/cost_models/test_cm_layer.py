@@ -226,3 +226,20 @@ def test_fused_kernels_price_the_fusable_operators_at_the_fused_factor(node_plan
     rope_bytes *= 2
     assert fused.nodes["rope"]["duration_s"] == pytest.approx(
         rope_bytes / (plan.cluster.gpu.hbm_tb_s * 1e12 * 0.5))
+
+
+@pytest.mark.parametrize("name", ["internal-352b", "deepseek-v3", "mixtral-8x7b"])
+@pytest.mark.parametrize("overlap", list(Overlap))
+def test_the_forward_pass_is_the_same_under_every_recomputation_policy(node_plan, name,
+                                                                        overlap):
+    # layer_timing shares one forward graph and schedule among the policies: the forward
+    # operators and their order do not depend on the policy, only the backward's reruns do
+    graphs = {}
+    for policy in Recompute:
+        g = forward_graph(layer_key(node_plan(name, recompute=policy, overlap=overlap)), 2)
+        graphs[policy] = (sorted((n, repr(d)) for n, d in g.nodes(data=True)),
+                          sorted(g.edges()))
+    assert graphs[Recompute.none] == graphs[Recompute.selective] == graphs[Recompute.full]
+    timings = {p: layer_timing(node_plan(name, recompute=p, overlap=overlap)) for p in Recompute}
+    assert len({t.fwd_s for t in timings.values()}) == 1
+    assert timings[Recompute.full].bwd_s > timings[Recompute.none].bwd_s
