@@ -131,8 +131,10 @@ def facts(search: dict) -> dict[str, str]:
     f |= {"calib_rows": str(len(c["rows"])), "calib_median": _pct(c["median_abs_error"]),
           "calib_worst": _pct(c["max_abs_error"]), "calib_cluster": c["cluster_spec"]}
     sp = _load(SEARCH_SPEED)
-    f |= {"search_s": f"{sp['search_s_min']:.1f}", "search_cores": str(sp["cores"]),
-          "search_candidates": f"{sp['result']['candidates']:,}",
+    job = sp["jobs"]["internal-352b"]
+    f |= {"search_s": f"{job['search_s_min']:.1f}", "search_cores": str(sp["cores"]),
+          "search_ratio": f"{job['ratio_to_loop']:.1f}",
+          "search_candidates": f"{job['result']['candidates']:,}",
           "search_commit": sp["commit"]}
     fz, adv = _load(FUZZ), _load(ADVERSARIAL)
     f |= {"fuzz_cases": f"{fz['cases']:,}", "fuzz_tracebacks": str(fz["outcomes"]["traceback"]),
