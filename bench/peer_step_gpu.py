@@ -18,7 +18,9 @@ bench/gpu_plans/searched/; global batch 8 x 4,096, micro-batch 8):
   checkpointing and per-block compile as ``--peer-ac`` / ``--peer-compile`` say (``recipe``:
   its MoE recipe's, ``PEER_RECIPES``), fp32 weights under bf16 autocast (its FSDP2 mixed
   precision needs a device mesh; one GPU runs autocast), SDPA attention (causal, one
-  document per row), cross-entropy mean over the batch's tokens, gradient clipping at its
+  document per row), its recipes' loss (ChunkedLossWrapper over CrossEntropyLoss: the LM
+  head and cross-entropy per sequence chunk, the sum over the step's tokens divided by their
+  count), gradient clipping at its
   default max-norm 1.0, its default AdamW (lr 8e-4, betas 0.9 / 0.95, eps 1e-8, weight decay
   0.1); no load-balance bias (``load_balance_coeff`` None);
 - Megatron-Core: recorded as not installed or not run (``megatron_status``).
@@ -229,6 +231,7 @@ def peer_settings(name: str, args) -> dict:
             "compile": compile_ if args.peer_compile == "recipe" else args.peer_compile,
             "recipe": {"ac": ac, "compile": compile_},
             "attention": "sdpa (causal)", "precision": "fp32 weights, bf16 autocast",
+            "loss": "ChunkedLossWrapper(CrossEntropyLoss), 8 chunks",
             "optimizer": "AdamW lr 8e-4 betas (0.9, 0.95) eps 1e-8 weight_decay 0.1",
             "max_norm": PEER_MAX_NORM, "load_balance_coeff": None}
 
@@ -264,23 +267,32 @@ def peer_params(plan: Plan) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def peer_step(model, opt, plan: Plan, data: SyntheticTokens, step: int,
+def peer_loss(model, plan: Plan):
+    """torchtitan's loss as its MoE recipes build it: ChunkedLossWrapper over CrossEntropyLoss
+    (sum over the tokens divided by the step's valid tokens), the LM head applied per chunk."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    loss_fn = ChunkedLossWrapper.Config(
+        loss_fn=CrossEntropyLoss.Config(global_vocab_size=plan.model.vocab)).build()
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    return loss_fn
+
+
+def peer_step(model, opt, loss_fn, plan: Plan, data: SyntheticTokens, step: int,
               device: torch.device) -> tuple[float, float]:
-    """One torchtitan training step on ``data.batch(step)`` in the plan's micro-batches:
-    (loss, seconds)."""
+    """One torchtitan training step (torchtitan.trainer's forward_backward_step per
+    micro-batch, then clipping and the optimizer) on ``data.batch(step)``: (loss, seconds)."""
     t0 = time.perf_counter()
     batch = data.batch(step).to(device, non_blocking=True)
     micro = plan.micro_batch_size
-    n_micro = batch.shape[0] // micro
+    valid = torch.tensor(float(batch[:, 1:].numel()), device=device)
     opt.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
-    for i in range(n_micro):
+    for i in range(batch.shape[0] // micro):
         rows = batch[i * micro:(i + 1) * micro]
-        inputs, labels = rows[:, :-1], rows[:, 1:]
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(inputs)
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten()) / n_micro
+            loss, _ = loss_fn(model(rows[:, :-1]), rows[:, 1:], valid)
         loss.backward()
         total += loss.detach()
     torch.nn.utils.clip_grad_norm_(model.parameters(), PEER_MAX_NORM, foreach=True)
@@ -295,10 +307,11 @@ def measure_peer(plan: Plan, settings: dict, device: torch.device, args) -> dict
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
     model, opt = build_peer(plan, settings, device)
-    warm = [peer_step(model, opt, plan, data, s, device) for s in range(args.warmup)]
+    loss_fn = peer_loss(model, plan)
+    warm = [peer_step(model, opt, loss_fn, plan, data, s, device) for s in range(args.warmup)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timed = [peer_step(model, opt, plan, data, s, device)
+    timed = [peer_step(model, opt, loss_fn, plan, data, s, device)
              for s in range(args.warmup, args.warmup + args.steps)]
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     del model, opt
