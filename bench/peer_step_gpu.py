@@ -20,9 +20,9 @@ bench/gpu_plans/searched/; global batch 8 x 4,096, micro-batch 8):
   precision needs a device mesh; one GPU runs autocast), SDPA attention (causal, one
   document per row), its recipes' loss (ChunkedLossWrapper over CrossEntropyLoss: the LM
   head and cross-entropy per sequence chunk, the sum over the step's tokens divided by their
-  count), gradient clipping at its
-  default max-norm 1.0, its default AdamW (lr 8e-4, betas 0.9 / 0.95, eps 1e-8, weight decay
-  0.1); no load-balance bias (``load_balance_coeff`` None);
+  count), gradient clipping at its default max-norm 1.0, its default AdamW (lr 8e-4, betas
+  0.9 / 0.95, eps 1e-8, weight decay 0.1); no load-balance bias (``load_balance_coeff``
+  None);
 - Megatron-Core: recorded as not installed or not run (``megatron_status``).
 
 Both see the same token batches: runtime.data.SyntheticTokens seeded with ``--seed`` (one
