@@ -1,0 +1,470 @@
+"""Whole training steps on one GPU: our runtime's searched plan against torchtitan 0.3.0's own
+model and step (and Megatron-Core's where it is installed), same shape, tokens and batch.
+
+    python bench/peer_step_gpu.py --models qwen3-30b-a3b --out $OUT/peer_step_qwen3.json
+    python bench/peer_step_gpu.py --tiny --out /tmp/peer_tiny.json       (CPU, tiny shapes)
+
+Per model (``MODELS``: the reduced-depth 1-GPU plans ``moeplan search --runnable`` picked,
+bench/gpu_plans/searched/; global batch 8 x 4,096, micro-batch 8):
+
+- ours: bench/train_step.measure on the plan (the runtime's trainer: the plan's kernels,
+  recompute, cross-entropy and ZeRO-1 AdamW; bf16 parameters with fp32 masters);
+- torchtitan: its decoder (``torchtitan.models.qwen3``'s MoE transformer block: GQA with
+  fused QKV, RMSNorm, RoPE, its MoE with the grouped experts and the local token dispatcher)
+  configured to the plan's model spec (hidden, heads, kv heads, head dim, expert FFN, experts,
+  top-k, vocab, depth; qk-norm only where the spec has it; the router's score as the spec's:
+  softmax over the top-k (renormalised) or softmax over every expert then top-k), initialised
+  by its own ``init_weights``; its step as torchtitan.trainer runs it on one rank: activation
+  checkpointing and per-block compile as ``--peer-ac`` / ``--peer-compile`` say (``recipe``:
+  its MoE recipe's, ``PEER_RECIPES``), fp32 weights under bf16 autocast (its FSDP2 mixed
+  precision needs a device mesh; one GPU runs autocast), SDPA attention (causal, one
+  document per row), its recipes' loss (ChunkedLossWrapper over CrossEntropyLoss: the LM
+  head and cross-entropy per sequence chunk, the sum over the step's tokens divided by their
+  count), gradient clipping at its default max-norm 1.0, its default AdamW (lr 8e-4, betas
+  0.9 / 0.95, eps 1e-8, weight decay 0.1); no load-balance bias (``load_balance_coeff``
+  None);
+- Megatron-Core: recorded as not installed or not run (``megatron_status``).
+
+Both see the same token batches: runtime.data.SyntheticTokens seeded with ``--seed`` (one
+stream, batch ``step`` at step ``step``). Parameter counts of both models are counted and
+must agree within ``PARAM_TOLERANCE``. Timing: ``--warmup`` steps (the first reported apart),
+then ``--steps`` timed steps, each ended by a synchronise (ours: the trainer's step time);
+peak memory is torch.cuda.max_memory_allocated over the timed steps; MFU by plans.specs.mfu
+on the plan's model spec for both. The result, rewritten after each model so that one model
+failing keeps the others', holds per model both sides' numbers or the reason one did not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import torch  # noqa: E402
+import train_step  # noqa: E402  (configures the allocator before CUDA allocates)
+from _meta import metadata  # noqa: E402
+
+from plans import Plan, SpecError  # noqa: E402
+from plans.catalog import load_plan  # noqa: E402
+from plans.execution import UnsupportedFeature  # noqa: E402
+from plans.io import write_atomic  # noqa: E402
+from plans.specs import mfu  # noqa: E402
+from runtime.config import ModelConfig  # noqa: E402
+from runtime.data import SyntheticTokens  # noqa: E402
+from runtime.memory import GIB  # noqa: E402
+from runtime.model import Transformer  # noqa: E402
+from runtime.parallel.parallelize import check_supported, launch_backend  # noqa: E402
+from runtime.trainer import model_options  # noqa: E402
+
+PLANS = HERE / "gpu_plans" / "searched"
+MODELS = {
+    "qwen3-30b-a3b": PLANS / "qwen4l_1gpu.json",
+    "mixtral-8x7b": PLANS / "mixtral2l_1gpu.json",
+    "deepseekmoe": PLANS / "deepseek4l_1gpu.json",
+    "deepseek-v3": None,  # reduced depth of the catalog's DeepSeek-V3 (MLA), built here
+}
+DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b", "deepseekmoe", "deepseek-v3"]
+DEEPSEEK_V3_LAYERS = 4
+
+PEER_RECIPES = {
+    # torchtitan.models.qwen3.config_registry.qwen3_30b_a3b: FullAC, compile off
+    "qwen3-30b-a3b": ("full", "off"),
+    # no torchtitan Mixtral recipe: its other MoE decoder recipe (Qwen3-30B-A3B) is used
+    "mixtral-8x7b": ("full", "off"),
+    # torchtitan.models.deepseek_v3.config_registry (16B / 671B): SelectiveAC, compile of the
+    # loss only (the model uncompiled)
+    "deepseekmoe": ("selective", "off"),
+}
+"""Per model, torchtitan's MoE recipe's activation checkpointing and model compile."""
+
+PARAM_TOLERANCE = 0.005
+"""The two models' parameter counts agree within 0.5%."""
+
+PEER_MAX_NORM = 1.0
+"""torchtitan's training.max_norm default: gradients clipped to this global norm."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="JSON result")
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="steps before timing (the first "
+                   "reported apart)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peer-ac", choices=["recipe", "none", "selective", "full"],
+                   default="recipe", help="torchtitan's activation checkpointing")
+    p.add_argument("--peer-compile", choices=["recipe", "off", "model"], default="recipe",
+                   help="torchtitan's compile (model: each transformer block, fullgraph)")
+    p.add_argument("--no-ours", action="store_true", help="time torchtitan's step only")
+    p.add_argument("--no-peer", action="store_true", help="time our step only")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny shapes (hidden 64, 2 layers, 2 x 32 tokens) for a CPU run")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must be >= 1 (the first step is reported apart)")
+    return args
+
+
+# ---- the plans --------------------------------------------------------------------------------
+
+
+def tiny(plan: Plan) -> Plan:
+    """``plan`` at tiny widths, 2 layers, 2 sequences of 32 tokens, kernels and precision a CPU
+    runs: the same structure (GQA ratio, routing, qk-norm) for a smoke run."""
+    m = plan.model
+    heads = 4
+    data = plan.model_dump()
+    data["model"].update(
+        layers=2, hidden=64, query_heads=heads, kv_heads=max(1, heads * m.kv_heads
+                                                             // m.query_heads),
+        head_dim=16, vocab=256, expert_ffn_hidden=32, experts=min(m.experts, 8),
+        top_k=min(m.top_k, 2))
+    data["training"].update(global_batch=2, seq_len=32)
+    data.update(stage_layers=[2], micro_batch_size=2, prediction=None)
+    return Plan.model_validate(data)
+
+
+def deepseek_v3_plan(template: Plan) -> Plan:
+    """The catalog's DeepSeek-V3 at DEEPSEEK_V3_LAYERS layers (its dense layers kept up to one)
+    in ``template``'s 1-GPU layout."""
+    from plans.catalog import load_model
+
+    model = load_model("deepseek-v3").model_dump()
+    model.update(name=f"DeepSeek-V3-{DEEPSEEK_V3_LAYERS}L", layers=DEEPSEEK_V3_LAYERS,
+                 dense_layers=min(1, model["dense_layers"]), mtp_layers=0)
+    data = template.model_dump()
+    data.update(model=model, stage_layers=[DEEPSEEK_V3_LAYERS], prediction=None)
+    return Plan.model_validate(data)
+
+
+def plan_of(name: str, args) -> Plan:
+    """The model's plan, refused first at full size where our runtime cannot run it (so a
+    model our runtime refuses is refused for that reason in --tiny runs too)."""
+    path = MODELS[name]
+    plan = (deepseek_v3_plan(load_plan(MODELS["qwen3-30b-a3b"])) if path is None
+            else load_plan(path))
+    check_supported(plan, launch_backend())
+    return tiny(plan) if args.tiny else plan
+
+
+def our_params(plan: Plan) -> int:
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(plan.model, model_options(plan)))
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---- torchtitan -------------------------------------------------------------------------------
+
+
+def peer_config(plan: Plan):
+    """torchtitan's Qwen3Model.Config at ``plan``'s model spec (GQA models only)."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import (
+        make_gqa_config,
+        make_moe_config,
+        make_routed_experts_config,
+        make_router_config,
+    )
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.qwen3 import Qwen3Model
+    from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+
+    m = plan.model
+    if m.mla is not None or m.shared_experts or m.dense_layers or m.tied_embeddings:
+        raise SpecError(f"model {m.name}: the peer builds GQA MoE decoders without shared "
+                        "experts, dense layers or tied embeddings")
+    std = 0.02
+    linear = {"weight": lambda t: torch.nn.init.normal_(t, std=std),
+              "bias": torch.nn.init.zeros_}
+    residual = {"weight": lambda t: torch.nn.init.normal_(t, std=std / (2 * m.layers) ** 0.5),
+                "bias": torch.nn.init.zeros_}
+    experts = {"w1_EFD": linear["weight"], "w3_EFD": linear["weight"],
+               "w2_EDF": residual["weight"]}
+
+    def norm(dim: int):
+        return RMSNorm.Config(normalized_shape=dim, eps=m.norm_eps,
+                              param_init={"weight": torch.nn.init.ones_})
+
+    rope = CosSinRoPE.Config(dim=m.head_dim, max_seq_len=plan.training.seq_len,
+                             theta=m.rope_theta)
+    # router_pre_softmax: softmax over every expert, then top-k (weights not renormalised);
+    # otherwise top-k of the logits, softmax over those k (= softmax then renormalise)
+    route_norm = not m.router_pre_softmax
+    layers = [
+        Qwen3TransformerBlock.Config(
+            attention_norm=norm(m.hidden), ffn_norm=norm(m.hidden),
+            attention=make_gqa_config(
+                dim=m.hidden, n_heads=m.query_heads, n_kv_heads=m.kv_heads,
+                head_dim=m.head_dim, wqkv_param_init=linear, wo_param_init=residual,
+                inner_attention=ScaledDotProductAttention.Config(), fuse_qkv=True, rope=rope,
+                qk_norm=norm(m.head_dim) if m.qk_norm else None),
+            moe=make_moe_config(
+                num_experts=m.experts,
+                router=make_router_config(dim=m.hidden, num_experts=m.experts,
+                                          gate_param_init=linear, top_k=m.top_k,
+                                          score_func="softmax", route_norm=route_norm),
+                routed_experts=make_routed_experts_config(
+                    dim=m.hidden, hidden_dim=m.expert_ffn_hidden, num_experts=m.experts,
+                    top_k=m.top_k, param_init=experts, comm_backend="standard"),
+                load_balance_coeff=None))
+        for _ in range(m.layers)]
+    return Qwen3Model.Config(
+        vocab_size=m.vocab, dim=m.hidden, norm=norm(m.hidden),
+        tok_embeddings=Embedding.Config(num_embeddings=m.vocab, embedding_dim=m.hidden,
+                                        param_init={"weight": linear["weight"]}),
+        lm_head=Linear.Config(in_features=m.hidden, out_features=m.vocab, param_init=linear),
+        layers=layers)
+
+
+def peer_settings(name: str, args) -> dict:
+    ac, compile_ = PEER_RECIPES.get(name, ("full", "off"))
+    return {"ac": ac if args.peer_ac == "recipe" else args.peer_ac,
+            "compile": compile_ if args.peer_compile == "recipe" else args.peer_compile,
+            "recipe": {"ac": ac, "compile": compile_},
+            "attention": "sdpa (causal)", "precision": "fp32 weights, bf16 autocast",
+            "loss": "ChunkedLossWrapper(CrossEntropyLoss), 8 chunks",
+            "optimizer": "AdamW lr 8e-4 betas (0.9, 0.95) eps 1e-8 weight_decay 0.1",
+            "max_norm": PEER_MAX_NORM, "load_balance_coeff": None}
+
+
+def build_peer(plan: Plan, settings: dict, device: torch.device):
+    """(model, optimizer) as torchtitan.trainer builds them on one rank: meta build, AC, then
+    per-block compile, then to_empty and init_weights, then AdamW."""
+    from torchtitan.config import CompileConfig, ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+    from torchtitan.distributed.compile import apply_compile
+
+    with torch.device("meta"):
+        model = peer_config(plan).build()
+    ac = {"full": FullAC.Config, "selective": SelectiveAC.Config}.get(settings["ac"])
+    if ac is not None:
+        ac().build(dump_folder="").apply(model)
+    if settings["compile"] == "model":
+        apply_compile(model, compile_config=CompileConfig(enable=True, components=["model"]),
+                      parallel_dims=ParallelDims.from_config(ParallelismConfig(), world_size=1))
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8,
+                            weight_decay=0.1, fused=device.type == "cuda")
+    return model, opt
+
+
+def peer_params(plan: Plan) -> int:
+    with torch.device("meta"):
+        model = peer_config(plan).build()
+    return sum(p.numel() for p in model.parameters())
+
+
+def peer_loss(model, plan: Plan):
+    """torchtitan's loss as its MoE recipes build it: ChunkedLossWrapper over CrossEntropyLoss
+    (sum over the tokens divided by the step's valid tokens), the LM head applied per chunk."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    loss_fn = ChunkedLossWrapper.Config(
+        loss_fn=CrossEntropyLoss.Config(global_vocab_size=plan.model.vocab)).build()
+    loss_fn.set_lm_head(model.lm_head)
+    model._skip_lm_head = True
+    return loss_fn
+
+
+def peer_step(model, opt, loss_fn, plan: Plan, data: SyntheticTokens, step: int,
+              device: torch.device) -> tuple[float, float]:
+    """One torchtitan training step (torchtitan.trainer's forward_backward_step per
+    micro-batch, then clipping and the optimizer) on ``data.batch(step)``: (loss, seconds)."""
+    t0 = time.perf_counter()
+    batch = data.batch(step).to(device, non_blocking=True)
+    micro = plan.micro_batch_size
+    valid = torch.tensor(float(batch[:, 1:].numel()), device=device)
+    opt.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    for i in range(batch.shape[0] // micro):
+        rows = batch[i * micro:(i + 1) * micro]
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss, _ = loss_fn(model(rows[:, :-1]), rows[:, 1:], valid)
+        loss.backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), PEER_MAX_NORM, foreach=True)
+    opt.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    loss = float(total)
+    return loss, time.perf_counter() - t0
+
+
+def measure_peer(plan: Plan, settings: dict, device: torch.device, args) -> dict:
+    t = plan.training
+    data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
+    model, opt = build_peer(plan, settings, device)
+    loss_fn = peer_loss(model, plan)
+    warm = [peer_step(model, opt, loss_fn, plan, data, s, device) for s in range(args.warmup)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timed = [peer_step(model, opt, loss_fn, plan, data, s, device)
+             for s in range(args.warmup, args.warmup + args.steps)]
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    del model, opt
+    times = [s for _, s in timed]
+    step_time = sum(times) / len(times)
+    return {
+        "status": "ok", "version": _version("torchtitan"), "settings": settings,
+        "first_step_s": warm[0][1], "warmup_step_times_s": [s for _, s in warm],
+        "step_time_s": step_time, "step_times_s": times,
+        "step_median_s": sorted(times)[len(times) // 2],
+        "tokens_per_s": t.tokens_per_step / step_time,
+        "mfu": mfu(plan.model, t.seq_len, t.tokens_per_step, step_time, 1, plan.cluster.gpu),
+        "peak_memory_gib": peak,
+        "warmup_losses": [loss for loss, _ in warm], "losses": [loss for loss, _ in timed],
+    }
+
+
+# ---- Megatron-Core ----------------------------------------------------------------------------
+
+
+def megatron_status() -> dict:
+    """Megatron-Core's step: whether it can be imported here (its whole-step run is not built
+    by this script)."""
+    v = _version("megatron-core")
+    if v is None:
+        return {"status": "not installed"}
+    return {"status": "not run", "version": v,
+            "reason": "a Megatron-Core whole step is not built by this script"}
+
+
+# ---- one model --------------------------------------------------------------------------------
+
+
+def _failure(exc: BaseException) -> dict:
+    traceback.print_exc()
+    return {"status": "failed",
+            "reason": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+
+
+def _release(device: torch.device) -> None:
+    train_step.release(device)
+    torch._dynamo.reset()
+
+
+def run_model(name: str, args, device: torch.device) -> dict:
+    try:
+        plan = plan_of(name, args)
+    except (SpecError, UnsupportedFeature, ValueError) as e:
+        reason = " ".join(str(e).split())[:300]
+        return {"status": "skipped", "reason": f"our runtime refuses the model: {reason}"}
+    t = plan.training
+    row: dict = {"plan": str(MODELS[name]) if MODELS[name] else "built: deepseek_v3_plan",
+                 "plan_summary": plan.summary(), "model_spec": plan.model.model_dump(),
+                 "global_batch": t.global_batch, "seq_len": t.seq_len,
+                 "micro_batch_size": plan.micro_batch_size, "seed": args.seed,
+                 "tokens": "runtime.data.SyntheticTokens(global_batch, seq_len, vocab, seed)"}
+    ours_n = our_params(plan)
+    row["params"] = {"ours": ours_n}
+    if not args.no_peer:
+        try:
+            peer_n = peer_params(plan)
+        except Exception as e:  # noqa: BLE001  (a third-party model that cannot be built)
+            row["peer"] = _failure(e)
+        else:
+            row["params"]["torchtitan"] = peer_n
+            gap = abs(peer_n - ours_n) / ours_n
+            row["params"]["relative_gap"] = gap
+            if gap > PARAM_TOLERANCE:
+                row["peer"] = {"status": "failed",
+                               "reason": f"parameter counts differ by {gap:.2%} (ours "
+                                         f"{ours_n:,}, torchtitan {peer_n:,})"}
+    if args.no_ours:
+        row["ours"] = {"status": "skipped", "reason": "--no-ours"}
+    else:
+        try:
+            res = train_step.measure(plan, Path(row["plan"]), 0, 1, device, args.steps,
+                                     args.warmup, args.seed)
+            row["ours"] = {"status": "ok", **{k: res[k] for k in (
+                "first_step_s", "warmup_step_times_s", "step_time_s", "step_times_s",
+                "step_median_s", "tokens_per_s", "mfu", "losses", "compiled_graphs",
+                "host_syncs_per_rank", "deviations")},
+                "peak_memory_gib": res["peak_memory_gib_per_rank"][0]}
+        except Exception as e:  # noqa: BLE001  (recorded; the peer and other models still run)
+            row["ours"] = _failure(e)
+        _release(device)
+    if args.no_peer:
+        row["peer"] = {"status": "skipped", "reason": "--no-peer"}
+    elif "peer" not in row:
+        try:
+            row["peer"] = measure_peer(plan, peer_settings(name, args), device, args)
+        except Exception as e:  # noqa: BLE001
+            row["peer"] = _failure(e)
+        _release(device)
+    row["megatron_core"] = megatron_status()
+    ours, peer = row["ours"], row["peer"]
+    if ours.get("status") == "ok" and peer.get("status") == "ok":
+        row["speedup_vs_torchtitan"] = peer["step_time_s"] / ours["step_time_s"]
+        if device.type == "cuda":
+            row["memory_ratio_vs_torchtitan"] = ours["peak_memory_gib"] / peer["peak_memory_gib"]
+    return row
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def summary_line(name: str, row: dict) -> str:
+    parts = [name]
+    for side in ("ours", "peer"):
+        r = row.get(side, {})
+        if r.get("status") == "ok":
+            mem = (f" {r['peak_memory_gib']:.1f} GiB" if r.get("peak_memory_gib") is not None
+                   else "")
+            parts.append(f"{side} {r['step_time_s'] * 1e3:.1f} ms MFU {r['mfu']:.1%}{mem} "
+                         f"first {r['first_step_s']:.1f} s")
+        else:
+            parts.append(f"{side} {r.get('status', row.get('status'))}")
+    if "speedup_vs_torchtitan" in row:
+        parts.append(f"ratio {row['speedup_vs_torchtitan']:.2f}x")
+    return " | ".join(parts)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    result = {
+        **metadata(),
+        "benchmark": "whole training step on one GPU: our searched plan against torchtitan's "
+                     "model and step (same shape, tokens, batch)",
+        "device": str(device), "tiny": args.tiny, "warmup": args.warmup, "steps": args.steps,
+        "wheels": {p: _version(p) for p in ("torchtitan", "spmd_types", "tyro",
+                                            "typeguard", "docstring-parser",
+                                            "torch_checkpointing", "megatron-core")},
+        "models": {},
+    }
+    for name in args.models:
+        try:
+            row = run_model(name, args, device)
+        except Exception as e:  # noqa: BLE001  (one model's failure keeps the others')
+            row = _failure(e)
+        result["models"][name] = row
+        print(summary_line(name, row), flush=True)
+        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
