@@ -13,9 +13,9 @@ the projections on the rank's tokens, TP splits the up-projections and the outpu
 by heads and keeps the down-projections (and the latent norms) on every tp rank, as
 cost_models.layer_graph._projections prices them (Megatron-Core's MLASelfAttention).
 
-RoPE here is the rotate-half form of runtime.kernels.rotate; DeepSeek's reference permutes the
-RoPE part's columns to interleaved pairs first, a fixed relabelling of the projections' output
-columns that weights drawn from scratch do not see.
+RoPE here is the rotate-half form of runtime.kernels.rotate (the kernel set's rotate_qk);
+DeepSeek's reference permutes the RoPE part's columns to interleaved pairs first, a fixed
+relabelling of the projections' output columns that weights drawn from scratch do not see.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.kernels import EAGER, KernelOps, rope_tables, rotate
+from runtime.kernels import EAGER, KernelOps, rope_tables
 
 
 class MLACore(nn.Module):
@@ -41,9 +41,9 @@ class MLACore(nn.Module):
     def prologue(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.rope_dim
         cos, sin = rope_tables(q.shape[1], r, self.rope_theta, q.device)
-        q = torch.cat([q[..., :-r], rotate(q[..., -r:], cos, sin)], dim=-1)
-        k = torch.cat([k[..., :-r], rotate(k[..., -r:], cos, sin)], dim=-1)
-        return q, k
+        q_rope, k_rope = self.ops.rotate_qk(q[..., -r:], k[..., -r:], cos, sin)
+        return (torch.cat([q[..., :-r], q_rope], dim=-1),
+                torch.cat([k[..., :-r], k_rope], dim=-1))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k = self.prologue(q, k)

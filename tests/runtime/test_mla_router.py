@@ -9,7 +9,10 @@ import math
 import pytest
 import torch
 from dist_workers import make_plan
+from test_kernels import one_step
+from test_parity import GRAD_RTOL, LOSS_RTOL, _rel
 
+from plans import Kernels, Recompute
 from plans.execution import refusals
 from plans.specs import ModelSpec
 from runtime.config import ModelConfig
@@ -178,3 +181,16 @@ def test_the_model_trains_a_step(update):
     assert torch.isfinite(loss)
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, missing
+
+
+def test_fused_kernels_train_mla_and_sigmoid_routing_as_eager():
+    """The compiled RoPE on MLA's rope parts (under selective recomputation) and the sigmoid
+    router beside the fused norms give the eager model's loss and gradients."""
+    layout = dict(recompute=Recompute.selective, global_batch=2,
+                  spec_update={**MLA, **SIGMOID_GROUPS})
+    eager_loss, eager = one_step(make_plan(**layout))
+    fused_loss, fused = one_step(make_plan(kernels=Kernels.fused, **layout))
+    assert abs(fused_loss - eager_loss) / eager_loss < LOSS_RTOL, (fused_loss, eager_loss)
+    assert fused.keys() == eager.keys()
+    for name, grad in fused.items():
+        assert _rel(grad, eager[name]) < GRAD_RTOL, (name, _rel(grad, eager[name]))
