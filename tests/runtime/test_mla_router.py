@@ -12,6 +12,7 @@ from dist_workers import make_plan
 from test_kernels import one_step
 from test_parity import GRAD_RTOL, LOSS_RTOL, _rel
 
+from cost_models.volumes import ACT_BYTES, ulysses_attention
 from plans import Kernels, Recompute
 from plans.execution import refusals
 from plans.specs import ModelSpec
@@ -194,3 +195,21 @@ def test_fused_kernels_train_mla_and_sigmoid_routing_as_eager():
     assert fused.keys() == eager.keys()
     for name, grad in fused.items():
         assert _rel(grad, eager[name]) < GRAD_RTOL, (name, _rel(grad, eager[name]))
+
+
+def test_the_heads_ulysses_moves_are_the_cost_models_bytes():
+    """What MLA hands its core (q, every head's expanded k, v) and gets back is what
+    cost_models.volumes.ulysses_attention prices the two all-to-alls at."""
+    m = spec(**MLA)
+    attn = MLAttention(ModelConfig(m))
+    seen = {}
+
+    def record(_module, args, out):
+        seen["in"], seen["out"] = sum(t.numel() for t in args), out.numel()
+
+    attn.core.register_forward_hook(record)
+    b, s = 2, 8
+    attn(torch.randn(b, s, m.hidden))
+    qkv, out = ulysses_attention(m, b, s, 1)
+    assert seen["in"] * ACT_BYTES == qkv.buffer_bytes
+    assert seen["out"] * ACT_BYTES == out.buffer_bytes
