@@ -118,6 +118,14 @@ _INTRA_OP_WHY = "no tile-level fused communication kernels; the inter-operator o
 _BF16_WHY = "GEMMs run in bf16; fp8 applies to the gradient sync only"
 _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
 
+
+def _moeplan_mla(plan: Plan) -> str | None:
+    if plan.model.qk_norm:
+        return ("model.qk_norm with mla: moeplan's runtime norms MLA's latents, not its "
+                "query and key heads")
+    return None
+
+
 MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
     Capability("cuda_graphs", "none", Support.executed),
@@ -130,26 +138,26 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("model.dropout", False, Support.executed),
     Capability("model.dropout", True, Support.refused,
                "the model asks for dropout; this runtime trains without (set model.dropout 0)"),
-    # the model's architecture features (MODEL_FEATURES): GQA, softmax routing, every layer
-    # its own full causal attention are what moeplan's runtime builds
+    # the model's architecture features (MODEL_FEATURES): what moeplan's runtime builds
     Capability("model.mla", False, Support.executed),
-    Capability("model.mla", True, Support.refused,
-               "moeplan's runtime runs GQA attention only; MLA plans run on target megatron"),
+    Capability("model.mla", True, Support.executed,
+               "runtime.mla: the q and kv latents (RMS-normed), RoPE on the rope parts only; "
+               "TP splits the up- and output projections by heads, Ulysses moves every head's "
+               "expanded keys and values", requires=_moeplan_mla),
     Capability("model.router_score", "softmax", Support.executed),
-    Capability("model.router_score", "sigmoid", Support.refused,
-               "moeplan's runtime routes by softmax scores only; sigmoid routing runs on target "
-               "megatron"),
+    Capability("model.router_score", "sigmoid", Support.executed,
+               "runtime.router: the kept sigmoid scores renormalised"),
     Capability("model.router_expert_bias", False, Support.executed),
-    Capability("model.router_expert_bias", True, Support.refused,
-               "moeplan's runtime has no aux-loss-free expert bias; it runs on target megatron"),
+    Capability("model.router_expert_bias", True, Support.executed,
+               "runtime.router: a per-expert bias buffer added to the scores for the top-k "
+               "choice only; the spec names no update rate, so it stays at zero"),
     Capability("model.routed_scaling_factor", False, Support.executed),
-    Capability("model.routed_scaling_factor", True, Support.refused,
-               "moeplan's runtime does not scale the routed experts' output; it runs on target "
-               "megatron"),
+    Capability("model.routed_scaling_factor", True, Support.executed,
+               "runtime.router: the gate weights multiplied by it"),
     Capability("model.expert_groups", False, Support.executed),
-    Capability("model.expert_groups", True, Support.refused,
-               "moeplan's runtime routes over all experts (no group-limited routing); it runs "
-               "on target megatron"),
+    Capability("model.expert_groups", True, Support.executed,
+               "runtime.router: the groups_per_token groups of highest top-2 biased score, "
+               "the top-k inside them"),
     Capability("model.mtp_layers", False, Support.executed),
     Capability("model.mtp_layers", True, Support.refused,
                "moeplan's runtime has no multi-token prediction modules; MTP runs on target "

@@ -18,7 +18,9 @@ from torch import nn
 from plans.enums import Kernels
 from runtime.config import ModelConfig
 from runtime.kernels import EAGER, KernelOps, rope_tables, rotate
+from runtime.mla import MLAttention
 from runtime.moe import FeedForward, MoE
+from runtime.router import Scoring
 
 
 class RMSNorm(nn.Module):
@@ -95,6 +97,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(m.head_dim, m.norm_eps, ops) if m.qk_norm else None
         self.core = AttentionCore(m.rope_theta, ops)
 
+    tp_splits = (("wq", 0), ("wk", 0), ("wv", 0), ("wo", 1))
+    """(projection, dim) of the weights TP attention splits by heads."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -111,7 +116,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         m, o, ops = cfg.spec, cfg.options, cfg.ops
         self.attention_norm = RMSNorm(m.hidden, m.norm_eps, ops)
-        self.attention = Attention(cfg)
+        self.attention = MLAttention(cfg) if m.mla is not None else Attention(cfg)
         self.ffn_norm = RMSNorm(m.hidden, m.norm_eps, ops)
         self.moe: MoE | None = None
         self.feed_forward: FeedForward | None = None
@@ -128,6 +133,7 @@ class TransformerBlock(nn.Module):
                 m.shared_expert_ffn_hidden,
                 o.capacity_factor,
                 pre_softmax=m.router_pre_softmax,
+                scoring=Scoring.of(m),
                 ops=ops,
                 gemm=o.expert_gemm,
             )
@@ -231,12 +237,15 @@ def init_weights(
     dtype: torch.dtype = torch.float32,
 ) -> None:
     """Materialise a (meta or real) model on ``device`` with its deterministic weights, held in
-    ``dtype`` (drawn in fp32, then rounded)."""
+    ``dtype`` (drawn in fp32, then rounded), the routers' expert biases at zero."""
     model.to_empty(device=device)
     model.to(dtype=dtype)
     model.tie_weights()
     std = model.cfg.options.init_std
     with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buf.zero_()
         for name, p in model.named_parameters():
             shard = shards.get(name)
             shape = shard.full_shape(p.shape) if shard else tuple(p.shape)

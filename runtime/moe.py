@@ -17,6 +17,7 @@ from torch import nn
 
 from plans.enums import ExpertGemm
 from runtime.kernels import EAGER, KernelOps, count_per_expert
+from runtime.router import Scoring, route_scored
 
 
 @dataclass
@@ -122,7 +123,9 @@ def capacity_mask(indices: torch.Tensor, experts: int, capacity: int) -> torch.T
 class Router(nn.Module):
     """Softmax router with top-k. The kept weights are renormalised to sum to one (Mixtral,
     Qwen3), or with ``pre_softmax`` kept as the softmax over all experts (DeepSeekMoE, top-1:
-    Megatron-LM's --moe-router-pre-softmax)."""
+    Megatron-LM's --moe-router-pre-softmax). A ``scoring`` scores and chooses as
+    runtime.router says (sigmoid, expert bias, group-limited routing, scaling); with an expert
+    bias the router holds it in the buffer ``expert_bias`` (not trained, zero at the start)."""
 
     def __init__(
         self,
@@ -133,10 +136,14 @@ class Router(nn.Module):
         capacity_factor: float | None = None,
         pre_softmax: bool = False,
         ops: KernelOps = EAGER,
+        scoring: Scoring | None = None,
     ):
         super().__init__()
         self.gate = nn.Linear(hidden, experts, bias=False)
         self.ops = ops
+        self.scoring = scoring
+        self.register_buffer("expert_bias", torch.zeros(experts)
+                             if scoring is not None and scoring.expert_bias else None)
         self.pre_softmax = pre_softmax
         self.experts = experts
         self.top_k = top_k
@@ -160,8 +167,12 @@ class Router(nn.Module):
         return load
 
     def forward(self, x: torch.Tensor) -> Routing:
-        weights, indices, counts, prob_sum = self.ops.route(self.gate(x), self.top_k,
-                                                            not self.pre_softmax)
+        if self.scoring is None:
+            weights, indices, counts, prob_sum = self.ops.route(self.gate(x), self.top_k,
+                                                                not self.pre_softmax)
+        else:
+            weights, indices, counts, prob_sum = route_scored(
+                self.gate(x), self.top_k, not self.pre_softmax, self.scoring, self.expert_bias)
         aux = balance_from_stats(counts, prob_sum, x.shape[0], self.top_k, self.balance_groups,
                                  self.reduce_stats, self._record_load)
         if self.capacity_factor is not None:
@@ -416,10 +427,11 @@ class MoE(nn.Module):
         pre_softmax: bool = False,
         ops: KernelOps = EAGER,
         gemm: ExpertGemm = ExpertGemm.grouped,
+        scoring: Scoring | None = None,
     ):
         super().__init__()
         self.router = Router(hidden, experts, top_k, balance_groups, capacity_factor, pre_softmax,
-                             ops)
+                             ops, scoring)
         self.experts = GroupedExperts(experts, hidden, ffn_hidden, ops, gemm)
         self.shared = (
             FeedForward(hidden, shared_experts * shared_ffn_hidden, ops) if shared_experts

@@ -18,6 +18,7 @@ from torch import nn
 from plans import MeshAxis
 from plans.layout import kv_heads_sent
 from runtime.metrics import Component, Timers, timed
+from runtime.mla import MLAttention
 from runtime.model import Attention, Shard, Transformer
 from runtime.parallel.comm import (
     all_to_all,
@@ -98,9 +99,10 @@ class ChunkedUlyssesCore(UlyssesCore):
                      x.reshape(b, s_local, n, c, heads // (n * c), d).unbind(3))
 
     def _pack_in(self, c: Chunk) -> None:
+        # heads x width flattened: MLA's value heads are narrower than its query and key heads
         parts = [c.inputs[name] for name in ("q", "k", "v")]
-        c.values["widths"] = [t.shape[3] for t in parts]
-        c.values["moving"] = torch.cat(parts, dim=3)
+        c.values["shapes"] = [t.shape[3:] for t in parts]
+        c.values["moving"] = torch.cat([t.flatten(3) for t in parts], dim=3)
 
     def _exchange(self, c: Chunk) -> None:
         moving = c.values.pop("moving")
@@ -109,11 +111,14 @@ class ChunkedUlyssesCore(UlyssesCore):
                                    splits, splits, self.group)
 
     def _unpack_in(self, c: Chunk) -> None:
-        # [n (sequence block), b, s/n, heads, d] -> [b, s, heads, d]
+        # [n (sequence block), b, s/n, heads x d] -> [b, s, heads, d] each
         recv = c.values.pop("moving")
-        n, b, s_local, width, d = recv.shape
-        heads = recv.permute(1, 0, 2, 3, 4).reshape(b, n * s_local, width, d)
-        c.values["qkv"] = torch.split(heads, c.values.pop("widths"), dim=2)
+        n, b, s_local, _ = recv.shape
+        rows = recv.permute(1, 0, 2, 3).reshape(b, n * s_local, -1)
+        shapes = c.values.pop("shapes")
+        parts = torch.split(rows, [heads * d for heads, d in shapes], dim=2)
+        c.values["qkv"] = tuple(t.view(b, n * s_local, *shape)
+                                for t, shape in zip(parts, shapes, strict=True))
 
     def _run_core(self, c: Chunk) -> None:
         c.values["out"] = self._core(*c.values.pop("qkv"))
@@ -168,8 +173,10 @@ def apply_ulysses(model: Transformer, mesh: Mesh, timers: Timers | None, chunks:
 def apply_tensor_parallel_attention(
     model: Transformer, mesh: Mesh, shards: dict[str, Shard], timers: Timers | None
 ) -> None:
-    """Column-parallel Q/K/V (this rank's heads), row-parallel output projection; all-gather of
-    the sequence before and reduce-scatter after (Megatron-LM sequence parallelism)."""
+    """Column-parallel Q/K/V (this rank's heads; MLA: its up-projections, the down-projections
+    whole on every rank), row-parallel output projection (``tp_splits`` of the attention);
+    all-gather of the sequence before and reduce-scatter after (Megatron-LM sequence
+    parallelism)."""
     group, n, i = mesh.groups[MeshAxis.attn], mesh.size(MeshAxis.attn), mesh.index(MeshAxis.attn)
     if group is None:
         return
@@ -187,8 +194,8 @@ def apply_tensor_parallel_attention(
         return timed(timers, Component.attention_comm, scatter_sequence, out, group)
 
     for lid, block in model.layers.items():
-        attn: Attention = block.attention
-        for proj, dim in (("wq", 0), ("wk", 0), ("wv", 0), ("wo", 1)):
+        attn: Attention | MLAttention = block.attention
+        for proj, dim in attn.tp_splits:
             linear: nn.Linear = getattr(attn, proj)
             shard = Shard(dim, i, n)
             linear.weight = nn.Parameter(shard.take(linear.weight.detach()))

@@ -27,6 +27,7 @@ from plans.execution import Backend, check, executed_value
 from plans.layout import moe_chunks, ulysses_chunks
 from runtime.loss import VocabShard
 from runtime.metrics import Component, Timers, timed
+from runtime.mla import MLACore
 from runtime.model import AttentionCore, Shard, Transformer, TransformerBlock
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
 from runtime.parallel.data_parallel import replication_groups
@@ -62,6 +63,7 @@ def check_supported(plan: Plan, backend: Backend) -> None:
 RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = (
     (TransformerBlock, frozenset(LayerOperator)),
     (AttentionCore, frozenset({LayerOperator.rope, LayerOperator.flash_attn})),
+    (MLACore, frozenset({LayerOperator.rope, LayerOperator.flash_attn})),
 )
 """The modules activation checkpointing can wrap and the layer operators each one runs."""
 

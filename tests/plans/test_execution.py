@@ -198,17 +198,20 @@ def test_a_measured_run_is_priced_by_what_it_recorded():
 
 
 @pytest.mark.parametrize("backend", list(Backend))
-def test_a_deepseek_v3_plan_is_refused_naming_each_model_feature(backend):
+def test_a_deepseek_v3_plan_is_refused_for_its_mtp_module_alone(backend):
+    """moeplan's runtime runs MLA and sigmoid group-limited routing with the expert bias and
+    the scaling factor; the multi-token prediction module is the one field it refuses."""
     v3 = catalog.load_model("deepseek-v3")
     plan = make(model=v3, degrees=Degrees(pp=4, dp=2, sp=8, ep=8), ffn=EPFFN(),
                 stage_layers=(16, 15, 15, 15))
     found = refusals(plan, backend)
-    assert [line.split(":")[0] for line in found] == [
-        "model.mla", "model.router_score", "model.router_expert_bias",
-        "model.routed_scaling_factor", "model.expert_groups", "model.mtp_layers"]
-    assert "moeplan's runtime runs GQA attention only; MLA plans run on target megatron" in found[0]
-    with pytest.raises(UnsupportedFeature, match="^model.mla: "):
+    assert [line.split(":")[0] for line in found] == ["model.mtp_layers"]
+    assert "no multi-token prediction modules" in found[0]
+    with pytest.raises(UnsupportedFeature, match="^model.mtp_layers: "):
         check(plan, backend)
+    assert refusals(make(model=v3.model_copy(update={"mtp_layers": 0}),
+                         degrees=Degrees(pp=4, dp=2, sp=8, ep=8), ffn=EPFFN(),
+                         stage_layers=(16, 15, 15, 15)), backend) == []
 
 
 def test_megatron_runs_each_field_by_its_flag_and_refuses_what_it_lacks():

@@ -1,0 +1,178 @@
+"""A DeepSeek-V3 layer on one GPU at full width, as the runtime runs it, against the cost model:
+the MLA attention block and the MoE FFN block, forward + backward.
+
+    python bench/deepseek_layers_gpu.py --out $OUT/deepseek_v3_layers.json
+    python bench/deepseek_layers_gpu.py --tiny --out /tmp/x.json   (CPU smoke test)
+
+The plan is the catalog's DeepSeek-V3 cut to one MoE layer (no dense layers, no MTP module):
+hidden 7168; MLA with 128 heads, q_lora_rank 1536, kv_lora_rank 512, no-RoPE 128 and RoPE 64
+query / key head dims, value head dim 128; 256 routed experts of 2048 with top-8 sigmoid routing
+over 8 groups (4 per token), the expert bias and the routed scaling factor 2.5, 1 shared
+expert of 2048; ``--batch`` sequences of ``--seq`` tokens (default 1 x 4,096), one GPU (no
+parallelism), overlap none, no recomputation, for each kernel set (``--kernels``). The
+runtime builds and parallelises the one-layer model from the plan (bench/layers_gpu.
+build_block); the blocks are x + attention(attention_norm(x)) and x + moe(ffn_norm(x)).
+
+``predicted`` is the cost model's time of the same blocks for the same plan (``--cluster``,
+default the fitted ``h200-runtime``): the layer graph's operators up to the attention residual
+(the attention block) and after it (the FFN block), forward and backward, scheduled as the
+plan's overlap runs them (bench/attention_block_gpu.predict's rule); ``ratio`` is measured over
+predicted. Timing: CUDA events (wall clock on CPU), median after warm-up. bf16 on CUDA, fp32 on
+CPU. ``--tiny`` shrinks every width (and the sequence) so the script runs on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import torch  # noqa: E402
+from _dist_bench import init, timed  # noqa: E402
+from _meta import metadata  # noqa: E402
+from layers_gpu import build_block  # noqa: E402
+
+from cost_models.layer import layer_graphs, layer_key, schedule_s  # noqa: E402
+from plans import (  # noqa: E402
+    EPFFN,
+    Degrees,
+    Kernels,
+    Overlap,
+    Plan,
+    Recompute,
+    TrainingSpec,
+    UlyssesAttention,
+    catalog,
+)
+from plans.io import write_atomic  # noqa: E402
+from plans.specs import ModelSpec  # noqa: E402
+
+ONE_LAYER = {"layers": 1, "dense_layers": 0, "dense_ffn_hidden": 0, "mtp_layers": 0}
+TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 256,
+        "mla": {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                "qk_rope_head_dim": 4, "v_head_dim": 8},
+        "experts": 16, "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 32,
+        "expert_groups": 4, "groups_per_token": 2, "top_k": 4}
+"""--tiny: DeepSeek-V3's structure at CPU size."""
+BLOCKS = ("attention", "moe")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="JSON result")
+    p.add_argument("--cluster", default="h200-runtime",
+                   help="catalog cluster of the plan (the cost model's prediction)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="sequences")
+    p.add_argument("--kernels", nargs="+", default=[k.value for k in Kernels],
+                   choices=[k.value for k in Kernels])
+    p.add_argument("--tiny", action="store_true", help="CPU-sized widths (smoke test)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.seq, args.warmup, args.repeats = min(args.seq, 64), 1, 2
+    return args
+
+
+def model_spec(tiny: bool) -> ModelSpec:
+    v3 = catalog.load_model("deepseek-v3")
+    update = {**ONE_LAYER, **(TINY if tiny else {})}
+    return ModelSpec.model_validate({**v3.model_dump(), **update})
+
+
+def layer_plan(model: ModelSpec, args, kernels: Kernels) -> Plan:
+    return Plan(
+        model=model, cluster=catalog.load_cluster(args.cluster, gpus=1),
+        training=TrainingSpec(global_batch=args.batch, seq_len=args.seq), stage_layers=(1,),
+        micro_batch_size=args.batch, degrees=Degrees(), attention=UlyssesAttention(),
+        ffn=EPFFN(), overlap=Overlap.none, recompute=Recompute.none, kernels=kernels,
+    )
+
+
+def predict(plan: Plan) -> dict[str, float]:
+    """Seconds of each block, forward + backward: the forward graph's operators up to the
+    attention residual (attention) and after it (moe), and the backward graph's nodes of those
+    operators, each pass scheduled as ``plan.overlap`` runs them."""
+    fwd, bwd = layer_graphs(layer_key(plan), plan.overlap)
+    order = sorted(fwd.nodes, key=lambda name: fwd.nodes[name]["order"])
+    cut = order.index("attn_residual") + 1
+    hidden = plan.cluster.efficiency.overlap
+    out = {}
+    for block, names in zip(BLOCKS, (order[:cut], order[cut:]), strict=True):
+        operators = {fwd.nodes[name]["op"].operator for name in names}
+        back = [name for name, node in bwd.nodes.items() if node["op"].operator in operators]
+        out[f"{block}_s"] = (schedule_s(fwd.subgraph(names), plan.overlap, hidden)
+                             + schedule_s(bwd.subgraph(back), plan.overlap, hidden))
+    return out
+
+
+def measure(layer, block: str, x: torch.Tensor, grad: torch.Tensor, device, args) -> float:
+    params = list(layer.parameters())
+
+    def run() -> None:
+        for p in params:
+            p.grad = None
+        xs = x.detach().requires_grad_(True)
+        if block == "attention":
+            y = xs + layer.attention(layer.attention_norm(xs))
+        else:
+            y = xs + layer.moe(layer.ffn_norm(xs))
+        y.backward(grad)
+
+    seconds = timed(run, device, args.warmup, args.repeats)
+    for p in params:
+        p.grad = None
+    return seconds
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    _, _, device, dtype = init()
+    model = model_spec(args.tiny)
+    rows = []
+    for kernels in map(Kernels, args.kernels):
+        plan = layer_plan(model, args, kernels)
+        layer = build_block(plan, 0, 1, device, dtype, args.seed)
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        shape = (args.batch, args.seq, model.hidden)
+        x = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        predicted = predict(plan)
+        for block in BLOCKS:
+            measured = measure(layer, block, x, grad, device, args)
+            rows.append({"block": block, "kernels": kernels.value,
+                         "measured_fwd_bwd_s": measured,
+                         "predicted_fwd_bwd_s": predicted[f"{block}_s"],
+                         "ratio": measured / predicted[f"{block}_s"]})
+            print(f"{block:9s} {kernels.value:5s} measured {measured * 1e3:9.3f} ms  "
+                  f"predicted {predicted[f'{block}_s'] * 1e3:9.3f} ms  "
+                  f"ratio {rows[-1]['ratio']:.3f}")
+        del layer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result = {
+        **metadata(),
+        "bench": "deepseek_layers_gpu",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "cluster": args.cluster,
+        "tiny": args.tiny,
+        "model": model.model_dump(mode="json"),
+        "batch": args.batch,
+        "seq": args.seq,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
