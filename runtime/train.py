@@ -351,8 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
            device: torch.device, owns_group: bool, cache: Path) -> int:
-    optim = {k: v for k, v in (("lr", args.lr), ("weight_decay", args.weight_decay))
-             if v is not None}
+    optim = {k: v for k, v in (("lr", args.lr), ("weight_decay", args.weight_decay),
+                               ("clip_grad", args.clip_grad)) if v is not None}
     trainer = build_trainer(
         plan, rank, world, device, args.seed, data,
         options=model_options(plan, args.aux_loss_coeff, args.per_expert_balance),
