@@ -1,4 +1,5 @@
-"""Export a plan into the launches people already run: Megatron-LM arguments, torchrun, Slurm."""
+"""Export a plan into the launches people already run: Megatron-LM arguments, torchtitan,
+torchrun, Slurm."""
 
 from __future__ import annotations
 
@@ -19,8 +20,17 @@ from plans import (
     Precision,
     SpecError,
 )
-from plans.enums import CrossEntropy, LinearBias, RouterScore, Target, WindowKind
-from plans.execution import as_target, refusals
+from plans.enums import (
+    CrossEntropy,
+    Kernels,
+    LinearBias,
+    PipelineSchedule,
+    Recompute,
+    RouterScore,
+    Target,
+    WindowKind,
+)
+from plans.execution import ExportOnly, as_target, deviations, refusals, torchtitan_model
 
 RDZV_PORT = 29500
 
@@ -552,3 +562,153 @@ def slurm_script(plan: Plan, plan_path: str, steps: int | None = None) -> str:
         *_say(_runtime_summary(plan)),
         "",
     ])
+
+
+# ---- torchtitan 0.3.0: `torchrun -m torchtitan.train --module M --config F` and its
+# `--section.key value` overrides (torchtitan/config/manager.py ConfigManager); torchtitan
+# 0.3.0 reads no TOML file: its jobs are config functions and these arguments -----------------
+
+
+def torchtitan_refusal(plan: Plan) -> str | None:
+    """Why torchtitan cannot run this plan as planned, or None: its column of the capability
+    table (plans.execution.TORCHTITAN)."""
+    found = refusals(plan, target=ExportOnly.torchtitan)
+    return found[0] if found else None
+
+
+def torchtitan_model_parts(plan: Plan) -> list[list[str]]:
+    """The plan's exact split as torchtitan's --parallelism.module_fqns_per_model_part: the
+    pp x vpp chunks in pipeline order (part c on stage c mod pp, its Interleaved1F1B loop
+    order), the embedding on the first, the final norm and LM head on the last."""
+    parts, first = [], 0
+    last = len(plan.stage_layers) - 1
+    for c, n in enumerate(plan.stage_layers):
+        part = (["tok_embeddings"] if c == 0 else []) + [f"layers.{i}"
+                                                         for i in range(first, first + n)]
+        parts.append(part + (["norm", "lm_head"] if c == last else []))
+        first += n
+    return parts
+
+
+def torchtitan_parallelism(plan: Plan) -> list[str]:
+    """--parallelism.* of the plan: data parallelism as FSDP2 (zero1) or replicas (none), TP
+    with sequence parallelism, ring CP, EP, and the pipeline with its exact split."""
+    d = plan.degrees
+    shard = d.dp if plan.optimizer_sharding == OptimizerSharding.zero1 else 1
+    p = "--parallelism."
+    args = [f"{p}data_parallel_replicate_degree", str(d.dp // shard),
+            f"{p}data_parallel_shard_degree", str(shard),
+            f"{p}tensor_parallel_degree", str(d.tp),
+            f"{p}context_parallel_degree", str(d.cp),
+            f"{p}expert_parallel_degree", str(d.ep),
+            f"{p}pipeline_parallel_degree", str(d.pp)]
+    if d.tp > 1:
+        args.append(f"{p}enable_sequence_parallel")
+    if d.cp > 1:
+        balancer = "headtail" if getattr(plan.attention, "zigzag", False) else "None"
+        args += [f"{p}context_parallel_load_balancer", balancer]
+    if d.pp > 1:
+        schedule = {PipelineSchedule.one_f_one_b: "1F1B",
+                    PipelineSchedule.interleaved_1f1b: "Interleaved1F1B"}[plan.schedule]
+        args += [f"{p}pipeline_parallel_schedule", schedule,
+                 f"{p}pipeline_parallel_microbatch_size", str(plan.micro_batch_size),
+                 f"{p}module_fqns_per_model_part",
+                 *(",".join(part) for part in torchtitan_model_parts(plan))]
+    return args
+
+
+def torchtitan_training(plan: Plan, steps: int | None) -> list[str]:
+    """--training.* and --compile.*: the batch (torchtitan accumulates gradients to
+    global_batch_size over local_batch_size per replica; with PP the micro-batches are the
+    pipeline's), the sequence, bf16 parameters with fp32 reductions, torch.compile for fused
+    kernels."""
+    t, d = plan.training, plan.degrees
+    local = plan.micro_batch_size if d.pp == 1 else t.global_batch // d.dp
+    args = ["--training.local_batch_size", str(local),
+            "--training.global_batch_size", str(t.global_batch),
+            "--training.seq_len", str(t.seq_len),
+            "--training.mixed_precision_param", "bfloat16",
+            "--training.mixed_precision_reduce", "float32"]
+    if steps is not None:
+        args += ["--training.steps", str(steps)]
+    if plan.kernels == Kernels.fused:
+        return args + ["--compile.enable", "--compile.components", "model,loss"]
+    return args + ["--compile.no-enable"]
+
+
+TORCHTITAN_AC = {Recompute.none: "activation_checkpoint:none",
+                 Recompute.full: "activation_checkpoint:full"}
+"""The activation_checkpoint subcommand of each recomputation torchtitan runs (the column
+refuses selective)."""
+
+
+@dataclass(frozen=True)
+class TorchtitanJob:
+    """torchtitan.train's arguments for a plan: the config function, the overrides, the
+    activation-checkpoint subcommand (tyro takes it last), notes on what runs differently."""
+
+    module: str
+    config: str
+    args: list[str]
+    checkpointing: str
+    notes: list[str]
+
+
+def torchtitan_job(plan: Plan, steps: int | None = None) -> TorchtitanJob:
+    """The torchtitan job of ``plan``; SpecError when torchtitan cannot run it."""
+    why = torchtitan_refusal(plan)
+    if why is not None:
+        raise SpecError(f"--to torchtitan: {why}")
+    module, config = torchtitan_model(plan.model)
+    notes = [d.note().removeprefix("note: ") for d in
+             deviations(plan, target=ExportOnly.torchtitan)]
+    if plan.optimizer_sharding == OptimizerSharding.zero1 and plan.degrees.dp > 1:
+        notes.append("optimizer_sharding zero1 runs as FSDP2: torchtitan shards the "
+                     "parameters and gradients with the states and all-gathers the parameters "
+                     "for the forward and the backward")
+    if plan.model.aux_loss_coeff > 0:
+        notes.append(f"model.aux_loss_coeff {plan.model.aux_loss_coeff:g}: torchtitan's MoE "
+                     "balances the experts by expert-bias updates (load_balance_coeff), with "
+                     "no auxiliary loss")
+    args = torchtitan_parallelism(plan) + torchtitan_training(plan, steps)
+    return TorchtitanJob(module, config, args, TORCHTITAN_AC[plan.recompute], notes)
+
+
+def torchtitan_script(plan: Plan, steps: int | None = None) -> str:
+    """A bash script launching torchtitan's trainer with the plan on every node: the config
+    function with the plan's overrides, then EXTRA_ARGS and the script's arguments (later
+    overrides win), the activation-checkpoint subcommand last. DRY_RUN=1 prints the command
+    and starts nothing."""
+    job = torchtitan_job(plan, steps)
+    per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
+    lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}", *prediction_lines(plan),
+             f"#   (the plan as target {plan.target} runs it: torchtitan's own step differs "
+             "where the notes say)"]
+    for n in job.notes:
+        lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
+                               break_long_words=False, break_on_hyphens=False)
+    lines += [
+        f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
+        "run this script once on every node",
+        f"# torchtitan 0.3.0 config function {job.module}.{job.config}: its data set, "
+        "tokenizer, optimizer and",
+        "# schedule; HF_ASSETS (the tokenizer folder), DUMP_FOLDER (checkpoints, logs) and "
+        "EXTRA_ARGS or this",
+        "# script's arguments (--section.key value) override it",
+        "set -euo pipefail",
+        _array("TITAN_ARGS", _pairs(job.args)),
+        'DUMP_FOLDER="${DUMP_FOLDER:-./outputs}"',
+        'TITAN_ARGS+=(--dump_folder "$DUMP_FOLDER")',
+        'if [[ -n "${HF_ASSETS:-}" ]]; then TITAN_ARGS+=(--hf_assets_path "$HF_ASSETS"); fi',
+        'read -r -a EXTRA <<< "${EXTRA_ARGS:-}"',
+    ]
+    launch = _torchrun_launch(plan)
+    lines += launch.checks
+    lines.append("CMD=(" + " ".join([*launch.words, "-m", "torchtitan.train", "--module",
+                                     job.module, "--config", job.config,
+                                     '"${TITAN_ARGS[@]}"', '"${EXTRA[@]}"', '"$@"',
+                                     job.checkpointing]) + ")")
+    lines += _say([f"torchtitan: {plan.summary()}",
+                   f"{plan.cluster.nodes} node(s) x {per_node} GPUs; {job.module}."
+                   f"{job.config}; outputs: $DUMP_FOLDER"])
+    return "\n".join(lines) + "\n"
