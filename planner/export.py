@@ -184,19 +184,13 @@ def megatron_routing(m: ModelSpec) -> list[str]:
     return args
 
 
-def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
-    """`pretrain_gpt.py` arguments that run the plan (training iterations when ``steps``; the
-    learning rate and data are the user's), and notes on what Megatron runs differently.
-    Raises SpecError when Megatron cannot express the plan."""
-    why = megatron_refusal(plan)
-    if why is not None:
-        raise SpecError(f"--to megatron: {why}")
-    m, d, t = plan.model, plan.degrees, plan.training
-    notes: list[str] = []
+def megatron_model_args(m: ModelSpec, seq_len: int) -> list[str]:
+    """The model's flags: sizes, the sequence (and RoPE positions), norms, RoPE, biases,
+    dropout, the attention's and the router's shape, the MoE layers and the dense ones, MTP."""
     args: list[str] = [
         "--num-layers", str(m.layers), "--hidden-size", str(m.hidden),
         "--num-attention-heads", str(m.query_heads), *megatron_attention(m),
-        "--seq-length", str(t.seq_len), "--max-position-embeddings", str(t.seq_len),
+        "--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
         "--vocab-size", str(m.vocab),
         "--normalization", "RMSNorm", "--norm-epsilon", f"{m.norm_eps:g}", "--swiglu",
         "--position-embedding-type", "rope", "--rotary-base", str(int(m.rope_theta)),
@@ -222,16 +216,28 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     if m.shared_experts:
         args += ["--moe-shared-expert-intermediate-size",
                  str(m.shared_experts * m.shared_expert_ffn_hidden)]
+    return args + megatron_ffn_layers(m)
+
+
+def megatron_ffn_layers(m: ModelSpec) -> list[str]:
+    """Which layers are MoE (--moe-layer-freq, the dense FFN's width) and the MTP modules."""
     if m.dense_ffn_layers:
         pattern = (f"([0]*{m.dense_layers}+[1]*{m.moe_layers})" if m.moe_layer_interval == 1
                    else "[" + ",".join(str(int(moe)) for moe in m.moe_pattern) + "]")
-        args += ["--ffn-hidden-size", str(m.dense_ffn_hidden), "--moe-layer-freq", pattern]
+        args = ["--ffn-hidden-size", str(m.dense_ffn_hidden), "--moe-layer-freq", pattern]
     else:
-        args += ["--ffn-hidden-size", str(m.expert_ffn_hidden)]
+        args = ["--ffn-hidden-size", str(m.expert_ffn_hidden)]
     if m.mtp_layers:
         args += ["--mtp-num-layers", str(m.mtp_layers)]
+    return args
 
-    # ---- parallelism: world = TP x PP x DP x CP in Megatron ---------------------------------
+
+def megatron_parallel_args(plan: Plan) -> tuple[list[str], list[str]]:
+    """The layout's flags (world = TP x PP x DP x CP in Megatron), with notes: Ulysses as
+    a2a context parallelism, ring CP, the exact pipeline split, the token dispatcher."""
+    d = plan.degrees
+    args: list[str] = []
+    notes: list[str] = []
     tp, cp = d.tp, d.cp
     if plan.attention.kind == "ulysses_sp" and d.sp > 1:
         cp = d.sp
@@ -253,27 +259,35 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args += ["--cp-comm-type", "p2p"]
     if d.pp > 1:  # the exact split, interleaved or not; vpp = chunks / pp
         args += ["--pipeline-model-parallel-layout", megatron_layout(plan)]
-    if isinstance(plan.ffn, EPFFN):
-        dispatcher = {Dispatch.all_to_all: "alltoall", Dispatch.allgather_reduce_scatter:
-                      "allgather", Dispatch.deepep: "flex"}[plan.ffn.dispatch]
-        args += ["--moe-token-dispatcher-type", dispatcher]
-        if plan.ffn.dispatch == Dispatch.deepep:  # the flex dispatcher's DeepEP backend
-            args.append("--moe-enable-deepep")
-        if plan.ffn.capacity_factor is not None:
-            args += ["--moe-expert-capacity-factor", f"{plan.ffn.capacity_factor:g}"]
-    else:
-        args += ["--moe-token-dispatcher-type", "allgather"]
+    return args + megatron_dispatcher(plan), notes
 
-    # ---- batch, schedule, recomputation, precision ------------------------------------------
-    args += ["--micro-batch-size", str(plan.micro_batch_size),
-             "--global-batch-size", str(t.global_batch)]
-    args += megatron_recompute(plan)
-    notes += megatron_cross_entropy(plan)[1]
-    args.append("--bf16")
+
+def megatron_dispatcher(plan: Plan) -> list[str]:
+    """The token dispatcher: the plan's EP dispatch (DeepEP as the flex dispatcher's
+    backend) and capacity, or allgather for expert TP."""
+    if not isinstance(plan.ffn, EPFFN):
+        return ["--moe-token-dispatcher-type", "allgather"]
+    dispatcher = {Dispatch.all_to_all: "alltoall", Dispatch.allgather_reduce_scatter:
+                  "allgather", Dispatch.deepep: "flex"}[plan.ffn.dispatch]
+    args = ["--moe-token-dispatcher-type", dispatcher]
+    if plan.ffn.dispatch == Dispatch.deepep:
+        args.append("--moe-enable-deepep")
+    if plan.ffn.capacity_factor is not None:
+        args += ["--moe-expert-capacity-factor", f"{plan.ffn.capacity_factor:g}"]
+    return args
+
+
+def megatron_step_args(plan: Plan) -> list[str]:
+    """How a step runs: batch, recomputation, precision, optimizer and its sharding, the
+    gradient sync and the EP overlap."""
+    t = plan.training
+    args = ["--micro-batch-size", str(plan.micro_batch_size),
+            "--global-batch-size", str(t.global_batch),
+            *megatron_recompute(plan), "--bf16"]
     if t.optimizer == Optimizer.sgd:  # the plan's SGD is plain (Megatron's default has 0.9)
         args += ["--optimizer", "sgd", "--sgd-momentum", "0"]
-    zero1 = plan.optimizer_sharding == OptimizerSharding.zero1
-    if zero1:  # Megatron's distributed optimizer shards the states over data parallelism
+    if plan.optimizer_sharding == OptimizerSharding.zero1:
+        # Megatron's distributed optimizer shards the states over data parallelism
         args.append("--use-distributed-optimizer")
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -288,6 +302,20 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args.append("--grad-reduce-in-bf16")
     if plan.overlap == Overlap.inter_op:  # plans.execution: Megatron-Core's EP overlap
         args.append("--overlap-moe-expert-parallel-comm")
+    return args
+
+
+def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
+    """`pretrain_gpt.py` arguments that run the plan (training iterations when ``steps``; the
+    learning rate and data are the user's), and notes on what Megatron runs differently.
+    Raises SpecError when Megatron cannot express the plan."""
+    why = megatron_refusal(plan)
+    if why is not None:
+        raise SpecError(f"--to megatron: {why}")
+    parallel, notes = megatron_parallel_args(plan)
+    args = (megatron_model_args(plan.model, plan.training.seq_len) + parallel
+            + megatron_step_args(plan))
+    notes += megatron_cross_entropy(plan)[1]
     if steps is not None:
         args += ["--train-iters", str(steps)]
     return args, notes
@@ -325,14 +353,10 @@ def _array(name: str, words: list[str]) -> str:
     return f"{name}=(\n" + "\n".join(f"  {w}" for w in words) + "\n)"
 
 
-def megatron_script(plan: Plan, steps: int | None = None) -> str:
-    """A bash script launching Megatron-LM's pretrain_gpt.py with the plan on every node: the
-    plan's flags, then training flags from environment variables (defaults shown in the
-    script), then EXTRA_ARGS and the script's own arguments, which Megatron's argparse lets
-    override any earlier flag. DRY_RUN=1 prints the command and starts nothing."""
-    args, notes = megatron_args(plan)  # the iterations are TRAIN_ITERS, default ``steps``
+def _megatron_header(plan: Plan, notes: list[str]) -> list[str]:
+    """The script's comments: the plan, the prediction and where Megatron's log states the
+    same figures, the notes, the world and the usage."""
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
-    iters = str(steps) if steps is not None else None
     lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}"]
     lines += prediction_lines(plan)
     lines += [
@@ -344,7 +368,7 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
     for n in notes:  # comments wrapped between words, read at 100 columns
         lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
                                break_long_words=False, break_on_hyphens=False)
-    lines += [
+    return lines + [
         f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
         "run this script once on every node",
         "# usage: DATA_PATH=prefix TOKENIZER_MODEL=hf-name-or-dir [LR=..] bash THIS "
@@ -353,12 +377,14 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
         "#   training settings below come from the environment (defaults shown); EXTRA_ARGS "
         "and the",
         "#   script's arguments are passed last, so they override any flag before them",
-        "set -euo pipefail",
-        ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (holding pretrain_gpt.py)}"',
     ]
-    lines += [f"export {k}={v}" for k, v in megatron_env(plan).items()]
-    lines.append(_array("MEGATRON_ARGS", _pairs(args)))
-    lines += [
+
+
+def _megatron_training(plan: Plan, steps: int | None) -> list[str]:
+    """TRAINING_ARGS from the environment: optimizer steps (default ``steps``), a
+    warmup-and-cosine learning rate, clipping, weight decay, checkpoints and logs."""
+    iters = str(steps) if steps is not None else None
+    return [
         "# training: optimizer steps, a warmup-and-cosine learning rate, clipping, weight "
         "decay",
         f'TRAIN_ITERS="${{TRAIN_ITERS:-{iters}}}"' if iters else
@@ -385,26 +411,49 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
             '--tensorboard-dir "$TENSORBOARD_DIR" --log-timers-to-tensorboard',
             '--log-memory-to-tensorboard',
         ]),
-        "# data: a Megatron indexed dataset (PREFIX.bin + PREFIX.idx) read with its "
-        "Hugging Face tokenizer",
-        "# (the tokenizer's vocabulary is the model's), or synthetic tokens with MOCK_DATA=1",
-        'if [[ -n "${MOCK_DATA:-}" ]]; then',
-        "  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)",
-        '  DATA_SAID="synthetic tokens (MOCK_DATA)"',
-        "else",
-        "  DATA_ARGS=(",
-        '    --data-path "${DATA_PATH:?set DATA_PATH, a Megatron indexed-dataset prefix '
-        '(PREFIX.bin + PREFIX.idx), or MOCK_DATA=1}"',
-        '    --tokenizer-type HuggingFaceTokenizer',
-        '    --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL, the Hugging Face '
-        'tokenizer (a hub name or a folder) of DATA_PATH}"',
-        '    --split "${SPLIT:-99,1,0}"',
-        "  )",
-        '  DATA_SAID="$DATA_PATH (tokenizer $TOKENIZER_MODEL)"',
-        "fi",
-        "# more pretrain_gpt.py flags: EXTRA_ARGS (split on spaces) and this script's arguments",
-        'read -r -a EXTRA <<< "${EXTRA_ARGS:-}"',
     ]
+
+
+MEGATRON_DATA = [
+    "# data: a Megatron indexed dataset (PREFIX.bin + PREFIX.idx) read with its "
+    "Hugging Face tokenizer",
+    "# (the tokenizer's vocabulary is the model's), or synthetic tokens with MOCK_DATA=1",
+    'if [[ -n "${MOCK_DATA:-}" ]]; then',
+    "  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)",
+    '  DATA_SAID="synthetic tokens (MOCK_DATA)"',
+    "else",
+    "  DATA_ARGS=(",
+    '    --data-path "${DATA_PATH:?set DATA_PATH, a Megatron indexed-dataset prefix '
+    '(PREFIX.bin + PREFIX.idx), or MOCK_DATA=1}"',
+    '    --tokenizer-type HuggingFaceTokenizer',
+    '    --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL, the Hugging Face '
+    'tokenizer (a hub name or a folder) of DATA_PATH}"',
+    '    --split "${SPLIT:-99,1,0}"',
+    "  )",
+    '  DATA_SAID="$DATA_PATH (tokenizer $TOKENIZER_MODEL)"',
+    "fi",
+    "# more pretrain_gpt.py flags: EXTRA_ARGS (split on spaces) and this script's arguments",
+    'read -r -a EXTRA <<< "${EXTRA_ARGS:-}"',
+]
+"""The script's DATA_ARGS (an indexed dataset and its tokenizer, or synthetic tokens) and
+EXTRA (EXTRA_ARGS)."""
+
+
+def megatron_script(plan: Plan, steps: int | None = None) -> str:
+    """A bash script launching Megatron-LM's pretrain_gpt.py with the plan on every node: the
+    plan's flags, then training flags from environment variables (defaults shown in the
+    script), then EXTRA_ARGS and the script's own arguments, which Megatron's argparse lets
+    override any earlier flag. DRY_RUN=1 prints the command and starts nothing."""
+    args, notes = megatron_args(plan)  # the iterations are TRAIN_ITERS, default ``steps``
+    per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
+    lines = _megatron_header(plan, notes)
+    lines += [
+        "set -euo pipefail",
+        ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (holding pretrain_gpt.py)}"',
+    ]
+    lines += [f"export {k}={v}" for k, v in megatron_env(plan).items()]
+    lines.append(_array("MEGATRON_ARGS", _pairs(args)))
+    lines += _megatron_training(plan, steps) + MEGATRON_DATA
     launch = _torchrun_launch(plan)
     lines += launch.checks
     lines.append("CMD=(" + " ".join([*launch.words, '"$MEGATRON_LM/pretrain_gpt.py"',
