@@ -1149,8 +1149,9 @@ def export_cmd(
     plan: PlanArg,
     to: Annotated[ExportTarget, typer.Option("--to", help="What to launch with.")],
     steps: Annotated[int | None, typer.Option(
-        "--steps", min=1, help="Optimizer steps (megatron: --train-iters; else the runtime's "
-        "--steps); default: megatron's script asks for TRAIN_ITERS, the runtime runs 10.")
+        "--steps", min=1, help="Optimizer steps (megatron: --train-iters; torchtitan: "
+        "--training.steps; else the runtime's --steps); default: megatron's script asks for "
+        "TRAIN_ITERS, torchtitan's config function sets them, the runtime runs 10.")
     ] = None,
 ) -> None:
     """Print a launch script for the plan: Megatron-LM's pretrain_gpt.py, torchtitan 0.3.0's

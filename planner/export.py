@@ -731,8 +731,8 @@ def torchtitan_script(plan: Plan, steps: int | None = None) -> str:
     job = torchtitan_job(plan, steps)
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
     lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}", *prediction_lines(plan),
-             f"#   (the plan as target {plan.target} runs it: torchtitan's own step differs "
-             "where the notes say)"]
+             f"#   (the plan priced as written, for target {plan.target}: torchtitan's step "
+             "differs where the notes say)"]
     for n in job.notes:
         lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
                                break_long_words=False, break_on_hyphens=False)
