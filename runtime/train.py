@@ -219,6 +219,8 @@ class RunLog:
             f"mfu {m.mfu:.2%} step {m.step_time_s * 1e3:.0f} ms peak "
             f"{m.peak_memory_gib:.2f} GiB"
         )
+        if m.grad_norm is not None:  # --clip-grad: the norm before clipping
+            line += f" grad norm {m.grad_norm:.3g}"
         compiled = compiled or CacheCounts()
         if compiled.hits or compiled.misses:
             line += f" (graphs: {compiled.hits} from cache, {compiled.misses} compiled)"
@@ -232,8 +234,10 @@ class RunLog:
         if self.board is not None:
             for name, value in (("loss", m.loss), ("lr", lr), ("tokens_per_s", m.tokens_per_s),
                                 ("mfu", m.mfu), ("step_time_s", m.step_time_s),
-                                ("peak_memory_gib", m.peak_memory_gib)):
-                self.board.add_scalar(f"train/{name}", value, m.step + 1)
+                                ("peak_memory_gib", m.peak_memory_gib),
+                                ("grad_norm", m.grad_norm)):
+                if value is not None:
+                    self.board.add_scalar(f"train/{name}", value, m.step + 1)
 
     def close(self) -> None:
         if self.board is not None:
