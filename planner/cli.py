@@ -119,6 +119,7 @@ class TrainingPrecision(StrEnum):
 
 class ExportTarget(StrEnum):
     megatron = "megatron"
+    torchtitan = "torchtitan"
     torchrun = "torchrun"
     slurm = "slurm"
 
@@ -1141,27 +1142,36 @@ def calibrate_cmd(
     typer.echo(f"wrote {out}")
 
 
-@app.command("export", short_help="Print a launch script: Megatron-LM, torchrun or Slurm.")
+@app.command("export", short_help="Print a launch script: Megatron-LM, torchtitan, torchrun "
+             "or Slurm.")
 @user_errors
 def export_cmd(
     plan: PlanArg,
     to: Annotated[ExportTarget, typer.Option("--to", help="What to launch with.")],
     steps: Annotated[int | None, typer.Option(
-        "--steps", min=1, help="Optimizer steps (megatron: --train-iters; else the runtime's "
-        "--steps); default: megatron's script asks for TRAIN_ITERS, the runtime runs 10.")
+        "--steps", min=1, help="Optimizer steps (megatron: --train-iters; torchtitan: "
+        "--training.steps; else the runtime's --steps); default: megatron's script asks for "
+        "TRAIN_ITERS, torchtitan's config function sets them, the runtime runs 10.")
     ] = None,
 ) -> None:
-    """Print a launch script for the plan: Megatron-LM's pretrain_gpt.py, or moeplan's runtime
-    under torchrun or Slurm. A plan Megatron cannot express is refused with the reason.
+    """Print a launch script for the plan: Megatron-LM's pretrain_gpt.py, torchtitan 0.3.0's
+    trainer, or moeplan's runtime under torchrun or Slurm. A plan the launcher cannot express
+    is refused with the reason (plans.execution: the launcher's column).
 
     \b
     Examples:
       moeplan export plan.json --to megatron --steps 1000 > megatron.sh
+      moeplan export plan.json --to torchtitan --steps 1000 > titan.sh
       moeplan export plan.json --to slurm --steps 1000 > job.sbatch
       moeplan export plan.json --to torchrun > run.sh
     """
     import cost_models
-    from planner.export import megatron_script, slurm_script, torchrun_script
+    from planner.export import (
+        megatron_script,
+        slurm_script,
+        torchrun_script,
+        torchtitan_script,
+    )
     from plans.execution import as_target, executed_plan
 
     loaded = plans.catalog.load_plan(plan)
@@ -1175,6 +1185,8 @@ def export_cmd(
             step = cost_models.evaluate(priced).step_time_s
             typer.echo(f"note: {plan}: a plan for target {loaded.target}, priced anew as a "
                        f"megatron plan: predicted step {step:.3f} s", err=True)
+    elif to == ExportTarget.torchtitan:  # priced as the plan's own target runs it
+        script = torchtitan_script(loaded, steps)  # refuses what torchtitan cannot express
     elif loaded.target != Target.moeplan:
         raise plans.SpecError(f"target: {loaded.target} is not run by moeplan's runtime: "
                               "`--to torchrun|slurm` launch moeplan plans; use --to megatron")

@@ -1,4 +1,5 @@
-"""Export a plan into the launches people already run: Megatron-LM arguments, torchrun, Slurm."""
+"""Export a plan into the launches people already run: Megatron-LM arguments, torchtitan,
+torchrun, Slurm."""
 
 from __future__ import annotations
 
@@ -19,8 +20,17 @@ from plans import (
     Precision,
     SpecError,
 )
-from plans.enums import CrossEntropy, LinearBias, RouterScore, Target, WindowKind
-from plans.execution import as_target, refusals
+from plans.enums import (
+    CrossEntropy,
+    Kernels,
+    LinearBias,
+    PipelineSchedule,
+    Recompute,
+    RouterScore,
+    Target,
+    WindowKind,
+)
+from plans.execution import ExportOnly, as_target, deviations, refusals, torchtitan_model
 
 RDZV_PORT = 29500
 
@@ -174,19 +184,13 @@ def megatron_routing(m: ModelSpec) -> list[str]:
     return args
 
 
-def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
-    """`pretrain_gpt.py` arguments that run the plan (training iterations when ``steps``; the
-    learning rate and data are the user's), and notes on what Megatron runs differently.
-    Raises SpecError when Megatron cannot express the plan."""
-    why = megatron_refusal(plan)
-    if why is not None:
-        raise SpecError(f"--to megatron: {why}")
-    m, d, t = plan.model, plan.degrees, plan.training
-    notes: list[str] = []
+def megatron_model_args(m: ModelSpec, seq_len: int) -> list[str]:
+    """The model's flags: sizes, the sequence (and RoPE positions), norms, RoPE, biases,
+    dropout, the attention's and the router's shape, the MoE layers and the dense ones, MTP."""
     args: list[str] = [
         "--num-layers", str(m.layers), "--hidden-size", str(m.hidden),
         "--num-attention-heads", str(m.query_heads), *megatron_attention(m),
-        "--seq-length", str(t.seq_len), "--max-position-embeddings", str(t.seq_len),
+        "--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
         "--vocab-size", str(m.vocab),
         "--normalization", "RMSNorm", "--norm-epsilon", f"{m.norm_eps:g}", "--swiglu",
         "--position-embedding-type", "rope", "--rotary-base", str(int(m.rope_theta)),
@@ -212,16 +216,28 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     if m.shared_experts:
         args += ["--moe-shared-expert-intermediate-size",
                  str(m.shared_experts * m.shared_expert_ffn_hidden)]
+    return args + megatron_ffn_layers(m)
+
+
+def megatron_ffn_layers(m: ModelSpec) -> list[str]:
+    """Which layers are MoE (--moe-layer-freq, the dense FFN's width) and the MTP modules."""
     if m.dense_ffn_layers:
         pattern = (f"([0]*{m.dense_layers}+[1]*{m.moe_layers})" if m.moe_layer_interval == 1
                    else "[" + ",".join(str(int(moe)) for moe in m.moe_pattern) + "]")
-        args += ["--ffn-hidden-size", str(m.dense_ffn_hidden), "--moe-layer-freq", pattern]
+        args = ["--ffn-hidden-size", str(m.dense_ffn_hidden), "--moe-layer-freq", pattern]
     else:
-        args += ["--ffn-hidden-size", str(m.expert_ffn_hidden)]
+        args = ["--ffn-hidden-size", str(m.expert_ffn_hidden)]
     if m.mtp_layers:
         args += ["--mtp-num-layers", str(m.mtp_layers)]
+    return args
 
-    # ---- parallelism: world = TP x PP x DP x CP in Megatron ---------------------------------
+
+def megatron_parallel_args(plan: Plan) -> tuple[list[str], list[str]]:
+    """The layout's flags (world = TP x PP x DP x CP in Megatron), with notes: Ulysses as
+    a2a context parallelism, ring CP, the exact pipeline split, the token dispatcher."""
+    d = plan.degrees
+    args: list[str] = []
+    notes: list[str] = []
     tp, cp = d.tp, d.cp
     if plan.attention.kind == "ulysses_sp" and d.sp > 1:
         cp = d.sp
@@ -243,27 +259,35 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args += ["--cp-comm-type", "p2p"]
     if d.pp > 1:  # the exact split, interleaved or not; vpp = chunks / pp
         args += ["--pipeline-model-parallel-layout", megatron_layout(plan)]
-    if isinstance(plan.ffn, EPFFN):
-        dispatcher = {Dispatch.all_to_all: "alltoall", Dispatch.allgather_reduce_scatter:
-                      "allgather", Dispatch.deepep: "flex"}[plan.ffn.dispatch]
-        args += ["--moe-token-dispatcher-type", dispatcher]
-        if plan.ffn.dispatch == Dispatch.deepep:  # the flex dispatcher's DeepEP backend
-            args.append("--moe-enable-deepep")
-        if plan.ffn.capacity_factor is not None:
-            args += ["--moe-expert-capacity-factor", f"{plan.ffn.capacity_factor:g}"]
-    else:
-        args += ["--moe-token-dispatcher-type", "allgather"]
+    return args + megatron_dispatcher(plan), notes
 
-    # ---- batch, schedule, recomputation, precision ------------------------------------------
-    args += ["--micro-batch-size", str(plan.micro_batch_size),
-             "--global-batch-size", str(t.global_batch)]
-    args += megatron_recompute(plan)
-    notes += megatron_cross_entropy(plan)[1]
-    args.append("--bf16")
+
+def megatron_dispatcher(plan: Plan) -> list[str]:
+    """The token dispatcher: the plan's EP dispatch (DeepEP as the flex dispatcher's
+    backend) and capacity, or allgather for expert TP."""
+    if not isinstance(plan.ffn, EPFFN):
+        return ["--moe-token-dispatcher-type", "allgather"]
+    dispatcher = {Dispatch.all_to_all: "alltoall", Dispatch.allgather_reduce_scatter:
+                  "allgather", Dispatch.deepep: "flex"}[plan.ffn.dispatch]
+    args = ["--moe-token-dispatcher-type", dispatcher]
+    if plan.ffn.dispatch == Dispatch.deepep:
+        args.append("--moe-enable-deepep")
+    if plan.ffn.capacity_factor is not None:
+        args += ["--moe-expert-capacity-factor", f"{plan.ffn.capacity_factor:g}"]
+    return args
+
+
+def megatron_step_args(plan: Plan) -> list[str]:
+    """How a step runs: batch, recomputation, precision, optimizer and its sharding, the
+    gradient sync and the EP overlap."""
+    t = plan.training
+    args = ["--micro-batch-size", str(plan.micro_batch_size),
+            "--global-batch-size", str(t.global_batch),
+            *megatron_recompute(plan), "--bf16"]
     if t.optimizer == Optimizer.sgd:  # the plan's SGD is plain (Megatron's default has 0.9)
         args += ["--optimizer", "sgd", "--sgd-momentum", "0"]
-    zero1 = plan.optimizer_sharding == OptimizerSharding.zero1
-    if zero1:  # Megatron's distributed optimizer shards the states over data parallelism
+    if plan.optimizer_sharding == OptimizerSharding.zero1:
+        # Megatron's distributed optimizer shards the states over data parallelism
         args.append("--use-distributed-optimizer")
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
@@ -278,6 +302,20 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
         args.append("--grad-reduce-in-bf16")
     if plan.overlap == Overlap.inter_op:  # plans.execution: Megatron-Core's EP overlap
         args.append("--overlap-moe-expert-parallel-comm")
+    return args
+
+
+def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
+    """`pretrain_gpt.py` arguments that run the plan (training iterations when ``steps``; the
+    learning rate and data are the user's), and notes on what Megatron runs differently.
+    Raises SpecError when Megatron cannot express the plan."""
+    why = megatron_refusal(plan)
+    if why is not None:
+        raise SpecError(f"--to megatron: {why}")
+    parallel, notes = megatron_parallel_args(plan)
+    args = (megatron_model_args(plan.model, plan.training.seq_len) + parallel
+            + megatron_step_args(plan))
+    notes += megatron_cross_entropy(plan)[1]
     if steps is not None:
         args += ["--train-iters", str(steps)]
     return args, notes
@@ -315,14 +353,10 @@ def _array(name: str, words: list[str]) -> str:
     return f"{name}=(\n" + "\n".join(f"  {w}" for w in words) + "\n)"
 
 
-def megatron_script(plan: Plan, steps: int | None = None) -> str:
-    """A bash script launching Megatron-LM's pretrain_gpt.py with the plan on every node: the
-    plan's flags, then training flags from environment variables (defaults shown in the
-    script), then EXTRA_ARGS and the script's own arguments, which Megatron's argparse lets
-    override any earlier flag. DRY_RUN=1 prints the command and starts nothing."""
-    args, notes = megatron_args(plan)  # the iterations are TRAIN_ITERS, default ``steps``
+def _megatron_header(plan: Plan, notes: list[str]) -> list[str]:
+    """The script's comments: the plan, the prediction and where Megatron's log states the
+    same figures, the notes, the world and the usage."""
     per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
-    iters = str(steps) if steps is not None else None
     lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}"]
     lines += prediction_lines(plan)
     lines += [
@@ -334,7 +368,7 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
     for n in notes:  # comments wrapped between words, read at 100 columns
         lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
                                break_long_words=False, break_on_hyphens=False)
-    lines += [
+    return lines + [
         f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
         "run this script once on every node",
         "# usage: DATA_PATH=prefix TOKENIZER_MODEL=hf-name-or-dir [LR=..] bash THIS "
@@ -343,12 +377,14 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
         "#   training settings below come from the environment (defaults shown); EXTRA_ARGS "
         "and the",
         "#   script's arguments are passed last, so they override any flag before them",
-        "set -euo pipefail",
-        ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (holding pretrain_gpt.py)}"',
     ]
-    lines += [f"export {k}={v}" for k, v in megatron_env(plan).items()]
-    lines.append(_array("MEGATRON_ARGS", _pairs(args)))
-    lines += [
+
+
+def _megatron_training(plan: Plan, steps: int | None) -> list[str]:
+    """TRAINING_ARGS from the environment: optimizer steps (default ``steps``), a
+    warmup-and-cosine learning rate, clipping, weight decay, checkpoints and logs."""
+    iters = str(steps) if steps is not None else None
+    return [
         "# training: optimizer steps, a warmup-and-cosine learning rate, clipping, weight "
         "decay",
         f'TRAIN_ITERS="${{TRAIN_ITERS:-{iters}}}"' if iters else
@@ -375,26 +411,49 @@ def megatron_script(plan: Plan, steps: int | None = None) -> str:
             '--tensorboard-dir "$TENSORBOARD_DIR" --log-timers-to-tensorboard',
             '--log-memory-to-tensorboard',
         ]),
-        "# data: a Megatron indexed dataset (PREFIX.bin + PREFIX.idx) read with its "
-        "Hugging Face tokenizer",
-        "# (the tokenizer's vocabulary is the model's), or synthetic tokens with MOCK_DATA=1",
-        'if [[ -n "${MOCK_DATA:-}" ]]; then',
-        "  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)",
-        '  DATA_SAID="synthetic tokens (MOCK_DATA)"',
-        "else",
-        "  DATA_ARGS=(",
-        '    --data-path "${DATA_PATH:?set DATA_PATH, a Megatron indexed-dataset prefix '
-        '(PREFIX.bin + PREFIX.idx), or MOCK_DATA=1}"',
-        '    --tokenizer-type HuggingFaceTokenizer',
-        '    --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL, the Hugging Face '
-        'tokenizer (a hub name or a folder) of DATA_PATH}"',
-        '    --split "${SPLIT:-99,1,0}"',
-        "  )",
-        '  DATA_SAID="$DATA_PATH (tokenizer $TOKENIZER_MODEL)"',
-        "fi",
-        "# more pretrain_gpt.py flags: EXTRA_ARGS (split on spaces) and this script's arguments",
-        'read -r -a EXTRA <<< "${EXTRA_ARGS:-}"',
     ]
+
+
+MEGATRON_DATA = [
+    "# data: a Megatron indexed dataset (PREFIX.bin + PREFIX.idx) read with its "
+    "Hugging Face tokenizer",
+    "# (the tokenizer's vocabulary is the model's), or synthetic tokens with MOCK_DATA=1",
+    'if [[ -n "${MOCK_DATA:-}" ]]; then',
+    "  DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)",
+    '  DATA_SAID="synthetic tokens (MOCK_DATA)"',
+    "else",
+    "  DATA_ARGS=(",
+    '    --data-path "${DATA_PATH:?set DATA_PATH, a Megatron indexed-dataset prefix '
+    '(PREFIX.bin + PREFIX.idx), or MOCK_DATA=1}"',
+    '    --tokenizer-type HuggingFaceTokenizer',
+    '    --tokenizer-model "${TOKENIZER_MODEL:?set TOKENIZER_MODEL, the Hugging Face '
+    'tokenizer (a hub name or a folder) of DATA_PATH}"',
+    '    --split "${SPLIT:-99,1,0}"',
+    "  )",
+    '  DATA_SAID="$DATA_PATH (tokenizer $TOKENIZER_MODEL)"',
+    "fi",
+    "# more pretrain_gpt.py flags: EXTRA_ARGS (split on spaces) and this script's arguments",
+    'read -r -a EXTRA <<< "${EXTRA_ARGS:-}"',
+]
+"""The script's DATA_ARGS (an indexed dataset and its tokenizer, or synthetic tokens) and
+EXTRA (EXTRA_ARGS)."""
+
+
+def megatron_script(plan: Plan, steps: int | None = None) -> str:
+    """A bash script launching Megatron-LM's pretrain_gpt.py with the plan on every node: the
+    plan's flags, then training flags from environment variables (defaults shown in the
+    script), then EXTRA_ARGS and the script's own arguments, which Megatron's argparse lets
+    override any earlier flag. DRY_RUN=1 prints the command and starts nothing."""
+    args, notes = megatron_args(plan)  # the iterations are TRAIN_ITERS, default ``steps``
+    per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
+    lines = _megatron_header(plan, notes)
+    lines += [
+        "set -euo pipefail",
+        ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (holding pretrain_gpt.py)}"',
+    ]
+    lines += [f"export {k}={v}" for k, v in megatron_env(plan).items()]
+    lines.append(_array("MEGATRON_ARGS", _pairs(args)))
+    lines += _megatron_training(plan, steps) + MEGATRON_DATA
     launch = _torchrun_launch(plan)
     lines += launch.checks
     lines.append("CMD=(" + " ".join([*launch.words, '"$MEGATRON_LM/pretrain_gpt.py"',
@@ -552,3 +611,153 @@ def slurm_script(plan: Plan, plan_path: str, steps: int | None = None) -> str:
         *_say(_runtime_summary(plan)),
         "",
     ])
+
+
+# ---- torchtitan 0.3.0: `torchrun -m torchtitan.train --module M --config F` and its
+# `--section.key value` overrides (torchtitan/config/manager.py ConfigManager); torchtitan
+# 0.3.0 reads no TOML file: its jobs are config functions and these arguments -----------------
+
+
+def torchtitan_refusal(plan: Plan) -> str | None:
+    """Why torchtitan cannot run this plan as planned, or None: its column of the capability
+    table (plans.execution.TORCHTITAN)."""
+    found = refusals(plan, target=ExportOnly.torchtitan)
+    return found[0] if found else None
+
+
+def torchtitan_model_parts(plan: Plan) -> list[list[str]]:
+    """The plan's exact split as torchtitan's --parallelism.module_fqns_per_model_part: the
+    pp x vpp chunks in pipeline order (part c on stage c mod pp, its Interleaved1F1B loop
+    order), the embedding on the first, the final norm and LM head on the last."""
+    parts, first = [], 0
+    last = len(plan.stage_layers) - 1
+    for c, n in enumerate(plan.stage_layers):
+        part = (["tok_embeddings"] if c == 0 else []) + [f"layers.{i}"
+                                                         for i in range(first, first + n)]
+        parts.append(part + (["norm", "lm_head"] if c == last else []))
+        first += n
+    return parts
+
+
+def torchtitan_parallelism(plan: Plan) -> list[str]:
+    """--parallelism.* of the plan: data parallelism as FSDP2 (zero1) or replicas (none), TP
+    with sequence parallelism, ring CP, EP, and the pipeline with its exact split."""
+    d = plan.degrees
+    shard = d.dp if plan.optimizer_sharding == OptimizerSharding.zero1 else 1
+    p = "--parallelism."
+    args = [f"{p}data_parallel_replicate_degree", str(d.dp // shard),
+            f"{p}data_parallel_shard_degree", str(shard),
+            f"{p}tensor_parallel_degree", str(d.tp),
+            f"{p}context_parallel_degree", str(d.cp),
+            f"{p}expert_parallel_degree", str(d.ep),
+            f"{p}pipeline_parallel_degree", str(d.pp)]
+    if d.tp > 1:
+        args.append(f"{p}enable_sequence_parallel")
+    if d.cp > 1:
+        balancer = "headtail" if getattr(plan.attention, "zigzag", False) else "None"
+        args += [f"{p}context_parallel_load_balancer", balancer]
+    if d.pp > 1:
+        schedule = {PipelineSchedule.one_f_one_b: "1F1B",
+                    PipelineSchedule.interleaved_1f1b: "Interleaved1F1B"}[plan.schedule]
+        args += [f"{p}pipeline_parallel_schedule", schedule,
+                 f"{p}pipeline_parallel_microbatch_size", str(plan.micro_batch_size),
+                 f"{p}module_fqns_per_model_part",
+                 *(",".join(part) for part in torchtitan_model_parts(plan))]
+    return args
+
+
+def torchtitan_training(plan: Plan, steps: int | None) -> list[str]:
+    """--training.* and --compile.*: the batch (torchtitan accumulates gradients to
+    global_batch_size over local_batch_size per replica; with PP the micro-batches are the
+    pipeline's), the sequence, bf16 parameters with fp32 reductions, torch.compile for fused
+    kernels."""
+    t, d = plan.training, plan.degrees
+    local = plan.micro_batch_size if d.pp == 1 else t.global_batch // d.dp
+    args = ["--training.local_batch_size", str(local),
+            "--training.global_batch_size", str(t.global_batch),
+            "--training.seq_len", str(t.seq_len),
+            "--training.mixed_precision_param", "bfloat16",
+            "--training.mixed_precision_reduce", "float32"]
+    if steps is not None:
+        args += ["--training.steps", str(steps)]
+    if plan.kernels == Kernels.fused:
+        return args + ["--compile.enable", "--compile.components", "model,loss"]
+    return args + ["--compile.no-enable"]
+
+
+TORCHTITAN_AC = {Recompute.none: "activation_checkpoint:none",
+                 Recompute.full: "activation_checkpoint:full"}
+"""The activation_checkpoint subcommand of each recomputation torchtitan runs (the column
+refuses selective)."""
+
+
+@dataclass(frozen=True)
+class TorchtitanJob:
+    """torchtitan.train's arguments for a plan: the config function, the overrides, the
+    activation-checkpoint subcommand (tyro takes it last), notes on what runs differently."""
+
+    module: str
+    config: str
+    args: list[str]
+    checkpointing: str
+    notes: list[str]
+
+
+def torchtitan_job(plan: Plan, steps: int | None = None) -> TorchtitanJob:
+    """The torchtitan job of ``plan``; SpecError when torchtitan cannot run it."""
+    why = torchtitan_refusal(plan)
+    if why is not None:
+        raise SpecError(f"--to torchtitan: {why}")
+    module, config = torchtitan_model(plan.model)
+    notes = [d.note().removeprefix("note: ") for d in
+             deviations(plan, target=ExportOnly.torchtitan)]
+    if plan.optimizer_sharding == OptimizerSharding.zero1 and plan.degrees.dp > 1:
+        notes.append("optimizer_sharding zero1 runs as FSDP2: torchtitan shards the "
+                     "parameters and gradients with the states and all-gathers the parameters "
+                     "for the forward and the backward")
+    if plan.model.aux_loss_coeff > 0:
+        notes.append(f"model.aux_loss_coeff {plan.model.aux_loss_coeff:g}: torchtitan's MoE "
+                     "balances the experts by expert-bias updates (load_balance_coeff), with "
+                     "no auxiliary loss")
+    args = torchtitan_parallelism(plan) + torchtitan_training(plan, steps)
+    return TorchtitanJob(module, config, args, TORCHTITAN_AC[plan.recompute], notes)
+
+
+def torchtitan_script(plan: Plan, steps: int | None = None) -> str:
+    """A bash script launching torchtitan's trainer with the plan on every node: the config
+    function with the plan's overrides, then EXTRA_ARGS and the script's arguments (later
+    overrides win), the activation-checkpoint subcommand last. DRY_RUN=1 prints the command
+    and starts nothing."""
+    job = torchtitan_job(plan, steps)
+    per_node = min(plan.cluster.gpus, plan.cluster.node.gpus_per_node)
+    lines = ["#!/bin/bash", f"# moeplan export: {plan.summary()}", *prediction_lines(plan),
+             f"#   (the plan priced as written, for target {plan.target}: torchtitan's step "
+             "differs where the notes say)"]
+    for n in job.notes:
+        lines += textwrap.wrap(f"note: {n}", 98, initial_indent="# ", subsequent_indent="#   ",
+                               break_long_words=False, break_on_hyphens=False)
+    lines += [
+        f"# world size {plan.degrees.world} = {plan.cluster.nodes} nodes x {per_node} GPUs; "
+        "run this script once on every node",
+        f"# torchtitan 0.3.0 config function {job.module}.{job.config}: its data set, "
+        "tokenizer, optimizer and",
+        "# schedule; HF_ASSETS (the tokenizer folder), DUMP_FOLDER (checkpoints, logs) and "
+        "EXTRA_ARGS or this",
+        "# script's arguments (--section.key value) override it",
+        "set -euo pipefail",
+        _array("TITAN_ARGS", _pairs(job.args)),
+        'DUMP_FOLDER="${DUMP_FOLDER:-./outputs}"',
+        'TITAN_ARGS+=(--dump_folder "$DUMP_FOLDER")',
+        'if [[ -n "${HF_ASSETS:-}" ]]; then TITAN_ARGS+=(--hf_assets_path "$HF_ASSETS"); fi',
+        'read -r -a EXTRA <<< "${EXTRA_ARGS:-}"',
+    ]
+    launch = _torchrun_launch(plan)
+    lines += launch.checks
+    lines.append("CMD=(" + " ".join([*launch.words, "-m", "torchtitan.train", "--module",
+                                     job.module, "--config", job.config,
+                                     '"${TITAN_ARGS[@]}"', '"${EXTRA[@]}"', '"$@"',
+                                     job.checkpointing]) + ")")
+    lines += _say([f"torchtitan: {plan.summary()}",
+                   f"{plan.cluster.nodes} node(s) x {per_node} GPUs; {job.module}."
+                   f"{job.config}; outputs: $DUMP_FOLDER"])
+    return "\n".join(lines) + "\n"

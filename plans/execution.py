@@ -50,7 +50,22 @@ class Backend(StrEnum):
     """CUDA GPUs over NCCL: bf16 parameters and compute, fp32 optimizer masters."""
 
 
-TARGET_NAMES = {Target.moeplan: "moeplan's runtime", Target.megatron: "Megatron-Core"}
+class ExportOnly(StrEnum):
+    """A launcher moeplan writes a job for from a plan of any target, but neither searches nor
+    prices for: its column says what the job runs of the plan (``refusals``), and the plan is
+    priced as its own target runs it."""
+
+    torchtitan = "torchtitan"
+    """torchtitan 0.3.0's trainer (``python -m torchtitan.train``), as ``moeplan export --to
+    torchtitan`` launches it."""
+
+
+Column = Target | ExportOnly
+"""A column of the table: a target, or a launcher moeplan only exports to."""
+
+TARGET_NAMES: dict[Column, str] = {Target.moeplan: "moeplan's runtime",
+                                   Target.megatron: "Megatron-Core",
+                                   ExportOnly.torchtitan: "torchtitan 0.3.0"}
 """How lines name a target."""
 
 
@@ -85,11 +100,11 @@ class Capability:
     """For ``runs_as``: the value the target executes instead."""
     backends: tuple[Backend, ...] = tuple(Backend)
     """moeplan's backends the row holds on (Megatron-Core runs on CUDA only: ignored)."""
-    target: Target = Target.moeplan
+    target: Column = Target.moeplan
     requires: Rule | None = None
     """A rule the rest of the plan must keep for this value to run (refused otherwise)."""
 
-    def matches(self, value: object, backend: Backend, target: Target) -> bool:
+    def matches(self, value: object, backend: Backend, target: Column) -> bool:
         return (target == self.target
                 and (target != Target.moeplan or backend in self.backends)
                 and (self.value is ANY or self.value == value))
@@ -438,7 +453,187 @@ MEGATRON: tuple[Capability, ...] = (
 )
 """Megatron-Core's column: what pretrain_gpt.py runs of a plan, each row naming its flag."""
 
-TABLE: tuple[Capability, ...] = MOEPLAN + MEGATRON
+# ---- torchtitan 0.3.0 (torchtitan/config/configs.py ParallelismConfig, TrainingConfig,
+# CompileConfig; torchtitan/distributed/parallel_dims.py, activation_checkpoint.py) ---------
+
+TORCHTITAN_MODELS: dict[str, tuple[str, str]] = {
+    "qwen3-30b-a3b": ("qwen3", "qwen3_30b_a3b"),
+    "deepseek-v3": ("deepseek_v3", "deepseek_v3_671b"),
+    "gpt-oss-120b": ("gpt_oss", "gpt_oss_120b"),
+}
+"""Catalog models and torchtitan 0.3.0's --module / --config building the same architecture:
+torchtitan takes its model from a config function, never from sizes."""
+
+
+def torchtitan_model(model: BaseModel) -> tuple[str, str] | None:
+    """torchtitan's (--module, --config) for ``model``: a catalog model as the catalog has it."""
+    from plans.catalog import load_model
+
+    for name, job in TORCHTITAN_MODELS.items():
+        if model == load_model(name):
+            return job
+    return None
+
+
+def _torchtitan_model(plan: Plan) -> str | None:
+    if torchtitan_model(plan.model) is None:
+        return (f"model {plan.model.name}: torchtitan 0.3.0 builds its model from a config "
+                "function, and it has one for the catalog's "
+                f"{', '.join(TORCHTITAN_MODELS)} only (as the catalog has them)")
+    return None
+
+
+def _torchtitan_degrees(plan: Plan) -> str | None:
+    """ParallelDims' mesh: dense dp_replicate x dp_shard x cp x tp x pp; experts on
+    dp_replicate x efsdp x ep with efsdp = dp_shard x cp x tp / ep (EP borrows from FSDP and
+    TP); no expert tensor parallelism."""
+    d = plan.degrees
+    if d.etp > 1:
+        return (f"etp {d.etp}: torchtitan 0.3.0 has no expert tensor parallelism (its experts "
+                "are whole per EP rank, FSDP-sharded over efsdp)")
+    shard = d.dp if plan.optimizer_sharding == "zero1" else 1
+    region = shard * d.cp * d.tp
+    if region % d.ep:
+        return (f"ep {d.ep}: torchtitan's EP borrows its ranks from FSDP and TP (dp_shard x cp "
+                f"x tp = {shard} x {d.cp} x {d.tp}, which ep must divide; dp replicas stay "
+                "outside); optimizer_sharding zero1 makes dp the FSDP degree")
+    return None
+
+
+def _torchtitan_stages(plan: Plan) -> str | None:
+    if plan.degrees.pp > 1 and 0 in plan.stage_layers[1:-1]:
+        return ("a pipeline chunk without layers: torchtitan builds every model part from "
+                "module names (--parallelism.module_fqns_per_model_part), none empty")
+    return None
+
+
+def _torchtitan_no_ulysses(plan: Plan) -> str | None:
+    if plan.degrees.sp > 1:
+        return (f"Ulysses sp {plan.degrees.sp}: torchtitan's context parallelism is ring "
+                "attention (context_parallel_degree); it has no all-to-all (Ulysses) sequence "
+                "parallelism")
+    return None
+
+
+def _torchtitan_dropless(plan: Plan) -> str | None:
+    if getattr(plan.ffn, "capacity_factor", None) is not None:
+        return ("torchtitan's MoE is dropless (no expert capacity); plan capacity_factor "
+                "null")
+    return None
+
+
+def _torchtitan(field: str, value: object, support: Support = Support.executed,
+                reason: str = "", runs: object = None, requires: Rule | None = None
+                ) -> Capability:
+    return Capability(field, value, support, reason, runs, target=ExportOnly.torchtitan,
+                      requires=requires)
+
+
+_TT_MODEL = "as torchtitan's config function for the model builds it (the model row)"
+TORCHTITAN: tuple[Capability, ...] = (
+    _torchtitan("target", ANY, reason="a torchtitan job whichever target the plan is for"),
+    _torchtitan("model", ANY, reason="--module / --config: the config function building the "
+                "model (TORCHTITAN_MODELS)", requires=_torchtitan_model),
+    _torchtitan("model.dropout", False, reason="no dropout (torchtitan's models have none)"),
+    _torchtitan("model.dropout", True, Support.refused,
+                "torchtitan's models train without dropout"),
+    *(_torchtitan(f"model.{name}", ANY, reason=_TT_MODEL) for name in (
+        "mla", "router_score", "router_expert_bias", "routed_scaling_factor",
+        "expert_groups", "moe_layer_interval", "sliding_window", "linear_bias",
+        "attention_sinks", "shared_expert_gate", "kv_share_layers", "rotary_fraction")),
+    _torchtitan("model.mtp_layers", False, reason="no MTP modules"),
+    _torchtitan("model.mtp_layers", True, Support.refused,
+                "torchtitan 0.3.0's config functions for these models build no multi-token "
+                "prediction modules"),
+    _torchtitan("cluster", ANY, reason="the launch's GPUs (CUDA, NCCL)"),
+    _torchtitan("training.global_batch", ANY, reason="--training.global_batch_size"),
+    _torchtitan("training.seq_len", ANY, reason="--training.seq_len"),
+    _torchtitan("training.routing_skew", ANY, reason="the router routes as it learns"),
+    _torchtitan("training.optimizer", "adam", reason="AdamW, the config function's optimizer "
+                "param group"),
+    _torchtitan("training.optimizer", "sgd", Support.refused,
+                "torchtitan's config functions train AdamW (their optimizer param groups); "
+                "SGD is no argument of the job"),
+    _torchtitan("training.precision", "bf16", reason="FSDP2 mixed precision: bf16 parameters "
+                "(--training.mixed_precision_param bfloat16), fp32 reductions"),
+    _torchtitan("training.precision", "fp8", Support.refused,
+                "torchtitan's fp8 GEMMs are a model converter of dedicated config functions "
+                "(e.g. deepseek_v3_671b_float8), not an argument of this job"),
+    _torchtitan("training.precision", "fp32", Support.refused,
+                "training is mixed precision (bf16 or fp8)"),
+    _torchtitan("degrees", ANY, reason="--parallelism.data_parallel_shard_degree (zero1) or "
+                "data_parallel_replicate_degree (none), tensor_parallel_degree, "
+                "context_parallel_degree, pipeline_parallel_degree, expert_parallel_degree",
+                requires=_torchtitan_degrees),
+    _torchtitan("stage_layers", ANY, reason="--parallelism.module_fqns_per_model_part: the "
+                "exact split, pp x vpp model parts", requires=_torchtitan_stages),
+    _torchtitan("micro_batch_size", ANY, reason="--training.local_batch_size (pp = 1: "
+                "gradient accumulation to the global batch) or "
+                "--parallelism.pipeline_parallel_microbatch_size"),
+    _torchtitan("attention.kind", "ulysses_sp", reason="no sequence parallelism of the "
+                "attention (sp = 1)", requires=_torchtitan_no_ulysses),
+    _torchtitan("attention.kind", "tp", reason="--parallelism.tensor_parallel_degree with "
+                "--parallelism.enable_sequence_parallel"),
+    _torchtitan("attention.kind", "cp", reason="--parallelism.context_parallel_degree: ring "
+                "attention"),
+    _torchtitan("attention.zigzag", True, reason="--parallelism.context_parallel_load_balancer "
+                "headtail (the zigzag chunks)"),
+    _torchtitan("attention.zigzag", False, reason="--parallelism.context_parallel_load_balancer "
+                "None"),
+    _torchtitan("ffn.kind", "ep", reason="--parallelism.expert_parallel_degree, whole experts "
+                "per rank"),
+    _torchtitan("ffn.kind", "tp", reason="experts unsplit (etp 1), FSDP-sharded over efsdp"),
+    _torchtitan("ffn.dispatch", "all_to_all", reason="torchtitan's EP all-to-all dispatch"),
+    _torchtitan("ffn.dispatch", "allgather_reduce_scatter", Support.refused,
+                "torchtitan's EP dispatches by all-to-all only"),
+    _torchtitan("ffn.dispatch", "deepep", Support.refused,
+                "torchtitan's DeepEP dispatch is a model backend of dedicated config functions "
+                "(e.g. qwen3_moe_deepep), not an argument of this job"),
+    _torchtitan("ffn.capacity_factor", ANY, reason="dropless", requires=_torchtitan_dropless),
+    _torchtitan("schedule", "1f1b", reason="--parallelism.pipeline_parallel_schedule 1F1B"),
+    _torchtitan("schedule", "interleaved_1f1b", reason="--parallelism."
+                "pipeline_parallel_schedule Interleaved1F1B (part c on stage c mod pp)"),
+    _torchtitan("overlap", "none", reason="each layer's communication blocks"),
+    _torchtitan("overlap", ANY, Support.refused,
+                "torchtitan 0.3.0 overlaps no EP communication with compute in this job (its "
+                "async EP is a model backend of dedicated config functions); plan overlap none"),
+    _torchtitan("recompute", "none", reason="activation_checkpoint:none"),
+    _torchtitan("recompute", "full", reason="activation_checkpoint:full (FullAC: every block "
+                "rerun from its input)"),
+    _torchtitan("recompute", "selective", Support.refused,
+                "torchtitan's selective AC is per operator (it keeps matmul and attention "
+                "outputs and reruns every second matmul), not the attention core alone"),
+    _torchtitan("cross_entropy", "chunked", reason="the config functions' ChunkedLossWrapper"),
+    _torchtitan("cross_entropy", "materialized", Support.runs_as,
+                "the config functions wrap the loss in ChunkedLossWrapper", "chunked"),
+    _torchtitan("cuda_graphs", "none", reason="no CUDA graphs"),
+    _torchtitan("cuda_graphs", ANY, Support.refused,
+                "no TransformerEngine CUDA-graph scopes in torchtitan"),
+    _torchtitan("kernels", "fused", reason="--compile.enable --compile.components model,loss "
+                "(torch.compile)"),
+    _torchtitan("kernels", "eager", reason="--compile.no-enable"),
+    _torchtitan("optimizer_sharding", "zero1", reason="FSDP2 over dp "
+                "(--parallelism.data_parallel_shard_degree): states, gradients and parameters "
+                "sharded (ZeRO-3: parameters all-gathered for the forward and the backward)"),
+    _torchtitan("optimizer_sharding", "none", reason="replicas "
+                "(--parallelism.data_parallel_replicate_degree)"),
+    _torchtitan("grad_sync_precision", "fp32", reason="--training.mixed_precision_reduce "
+                "float32 (its only choice)"),
+    _torchtitan("grad_sync_precision", ANY, Support.refused,
+                "torchtitan 0.3.0 reduces gradients in float32 only "
+                "(training.mixed_precision_reduce)"),
+    _torchtitan("grad_sync_overlap", True, reason="FSDP2 / replicate reduce during the "
+                "backward"),
+    _torchtitan("grad_sync_overlap", False, Support.runs_as,
+                "FSDP2 and replicate always reduce during the backward", True),
+    _torchtitan("grad_accumulation_fusion", False, reason="autograd accumulates .grad"),
+    _torchtitan("grad_accumulation_fusion", True, Support.runs_as,
+                "torchtitan accumulates gradients in autograd", False),
+)
+"""torchtitan 0.3.0's column: what the exported job runs of a plan (export-only: plans are
+not searched or priced for it)."""
+
+TABLE: tuple[Capability, ...] = MOEPLAN + MEGATRON + TORCHTITAN
 """The capability table: every plan field, every value, per target (and backend)."""
 
 NOT_EXECUTED = ("schema_version", "prediction")
@@ -467,7 +662,7 @@ def _text(value: object) -> str:
 
 
 def lookup(field: str, value: object, backend: Backend = Backend.cuda_nccl,
-           target: Target = Target.moeplan) -> Capability:
+           target: Column = Target.moeplan) -> Capability:
     """The table's answer for ``field`` = ``value`` on ``target`` (moeplan: on ``backend``;
     the first matching row)."""
     text = value if isinstance(value, bool) or value is ANY else _text(value)
@@ -487,7 +682,7 @@ def executed_value(field: str, value: object, backend: Backend = Backend.cuda_nc
 
 
 def executes(field: str, value: object, backend: Backend = Backend.cuda_nccl,
-             target: Target = Target.moeplan) -> bool:
+             target: Column = Target.moeplan) -> bool:
     """Whether the target runs ``field`` = ``value`` as written (its rules across fields
     aside: ``refusals`` checks a whole plan)."""
     return lookup(field, value, backend, target).support == Support.executed
@@ -517,7 +712,7 @@ def plan_fields(plan: Plan) -> Iterator[tuple[str, object]]:
             yield from model_features(value)
 
 
-def _answers(plan: Plan, backend: Backend, target: Target
+def _answers(plan: Plan, backend: Backend, target: Column
              ) -> Iterator[tuple[Capability, object]]:
     for field, value in plan_fields(plan):
         if isinstance(value, BaseModel | tuple) or value is None:
@@ -540,7 +735,7 @@ def _refusal(row: Capability, value: object, backend: Backend, reason: str) -> s
 
 
 def refusals(plan: Plan, backend: Backend = Backend.cuda_nccl,
-             target: Target = Target.moeplan) -> list[str]:
+             target: Column = Target.moeplan) -> list[str]:
     """One line per plan field the target cannot run (moeplan: on ``backend``): a refused
     value, or a rule across fields the plan breaks."""
     out = []
@@ -552,12 +747,13 @@ def refusals(plan: Plan, backend: Backend = Backend.cuda_nccl,
     return out
 
 
-RULES: dict[Target, tuple[Capability, ...]] = {
-    t: tuple(r for r in TABLE if r.target == t and r.requires is not None) for t in Target}
+RULES: dict[Column, tuple[Capability, ...]] = {
+    t: tuple(r for r in TABLE if r.target == t and r.requires is not None)
+    for t in (*Target, *ExportOnly)}
 """Per target, the rows with a rule across fields."""
 
 
-def rule_refusals(plan: Plan, target: Target, fields: frozenset[str] | None = None
+def rule_refusals(plan: Plan, target: Column, fields: frozenset[str] | None = None
                   ) -> list[str]:
     """The lines of ``refusals`` from rules across fields only (of the rows on ``fields``
     when given), for a plan whose values the target runs one by one (a search narrowed to
@@ -595,14 +791,14 @@ class Deviation:
         return f"note: {self.field}: planned {self.planned}, runs {self.executed}: {self.reason}"
 
 
-def _deviating(plan: Plan, backend: Backend, target: Target
+def _deviating(plan: Plan, backend: Backend, target: Column
                ) -> list[tuple[Capability, object]]:
     return [(row, value) for row, value in _answers(plan, backend, target)
             if row.support == Support.runs_as]
 
 
 def deviations(plan: Plan, backend: Backend = Backend.cuda_nccl,
-               target: Target = Target.moeplan) -> list[Deviation]:
+               target: Column = Target.moeplan) -> list[Deviation]:
     """The plan fields the target runs as another value (moeplan: on ``backend``; ``check``
     refuses the ones it cannot run at all). Hold a measurement against the plan as
     executed."""

@@ -83,6 +83,8 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
               minimum=0.0),
     RunOption("--weight-decay", float, None, "Decoupled weight decay of the matrices (default: "
               "runtime.parallel.optimizer.OptimizerConfig's).", minimum=0.0),
+    RunOption("--clip-grad", float, 0.0, "Clip the gradients to this global L2 norm, over "
+              "every parameter shard (0: no clipping).", minimum=0.0),
     RunOption("--aux-loss-coeff", float, None, "Balance-loss weight (default: the model's, "
               "ModelSpec.aux_loss_coeff).", minimum=0.0),
     RunOption("--per-expert-balance", bool, False, "Plain per-expert balance loss instead of "

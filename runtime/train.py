@@ -219,6 +219,8 @@ class RunLog:
             f"mfu {m.mfu:.2%} step {m.step_time_s * 1e3:.0f} ms peak "
             f"{m.peak_memory_gib:.2f} GiB"
         )
+        if m.grad_norm is not None:  # --clip-grad: the norm before clipping
+            line += f" grad norm {m.grad_norm:.3g}"
         compiled = compiled or CacheCounts()
         if compiled.hits or compiled.misses:
             line += f" (graphs: {compiled.hits} from cache, {compiled.misses} compiled)"
@@ -232,8 +234,10 @@ class RunLog:
         if self.board is not None:
             for name, value in (("loss", m.loss), ("lr", lr), ("tokens_per_s", m.tokens_per_s),
                                 ("mfu", m.mfu), ("step_time_s", m.step_time_s),
-                                ("peak_memory_gib", m.peak_memory_gib)):
-                self.board.add_scalar(f"train/{name}", value, m.step + 1)
+                                ("peak_memory_gib", m.peak_memory_gib),
+                                ("grad_norm", m.grad_norm)):
+                if value is not None:
+                    self.board.add_scalar(f"train/{name}", value, m.step + 1)
 
     def close(self) -> None:
         if self.board is not None:
@@ -351,8 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
            device: torch.device, owns_group: bool, cache: Path) -> int:
-    optim = {k: v for k, v in (("lr", args.lr), ("weight_decay", args.weight_decay))
-             if v is not None}
+    optim = {k: v for k, v in (("lr", args.lr), ("weight_decay", args.weight_decay),
+                               ("clip_grad", args.clip_grad)) if v is not None}
     trainer = build_trainer(
         plan, rank, world, device, args.seed, data,
         options=model_options(plan, args.aux_loss_coeff, args.per_expert_balance),

@@ -47,6 +47,9 @@ class StepMetrics:
     """Routed rows this rank's experts computed in the step, per MoE layer of the rank (in
     model order; every micro-batch): per layer, the EP ranks' busiest over their mean is the
     load imbalance cost_models.skew derives. None on a stage without MoE layers."""
+    grad_norm: float | None = None
+    """Global L2 norm of the step's gradients before clipping (OptimizerConfig.clip_grad);
+    None without clipping."""
 
 
 def model_options(
@@ -111,9 +114,8 @@ class Trainer:
         scale = 1.0 / (plan.num_micro_batches * d.dp)
         for moe in model.moe_layers():
             moe.aux_loss_scale = cfg.options.aux_loss_coeff * scale
-        self.optimizer = build_optimizer(
-            model, mesh, self.pm.replication, plan, optim or OptimizerConfig()
-        )
+        self.optim = optim or OptimizerConfig()
+        self.optimizer = build_optimizer(model, mesh, self.pm.replication, plan, self.optim)
         tokens = plan.training.tokens_per_step
         self.loss_scale = 1.0 / tokens
         # activations between stages are sequence-sharded over the whole attention group
@@ -165,6 +167,13 @@ class Trainer:
         with self.timers.region(Component.grad_sync):
             self.optimizer.sync_gradients()
 
+    def clip_gradients(self) -> float | None:
+        """Clip the synchronised gradients to OptimizerConfig.clip_grad (none when 0): the
+        global norm before clipping, every rank's the same."""
+        if not self.optim.clip_grad:
+            return None
+        return self.optimizer.clip_grad_norm(self.optim.clip_grad, self.mesh.world)
+
     def set_learning_rate(self, lr: float) -> None:
         """The learning rate of the next optimizer steps (every parameter group)."""
         for group in self.optimizer.opt.param_groups:
@@ -180,6 +189,7 @@ class Trainer:
         # the loss is read after the optimizer is queued: reading it first would hold the host
         # until the backward ends, and the GPU would wait for the sync's and optimizer's launches
         self.sync_gradients()
+        grad_norm = self.clip_gradients()
         self.optimizer_step()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -201,6 +211,7 @@ class Trainer:
             routing_skew=skew[0],
             routing_skew_max=skew[1],
             expert_rows=rows,
+            grad_norm=grad_norm,
         )
 
     def checkpoint_key(self, name: str) -> str:

@@ -67,6 +67,8 @@ class OptimizerConfig:
     eps: float = 1e-8
     bucket_params: int = GRAD_SYNC_BUCKET_PARAMS
     """Parameters per gradient-sync bucket (data_parallel.split_buckets)."""
+    clip_grad: float = 0.0
+    """Largest global gradient norm (``clip_grad_norm``); 0: no clipping."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,41 @@ class FusedAdamW:
                     group["weight_decay"])
 
 
+GradPiece = tuple[torch.Tensor, int]
+"""A synchronised gradient tensor on this rank and how many ranks hold the same values."""
+
+
+def copies(mesh: Mesh, axes: tuple[MeshAxis, ...]) -> int:
+    """Ranks holding one replicated gradient after its sync over ``axes``."""
+    n = 1
+    for axis in axes:
+        n *= mesh.size(axis)
+    return n
+
+
+@torch.no_grad()
+def clip_grad_norm(pieces: list[GradPiece], max_norm: float, world: int) -> float:
+    """Scale the synchronised gradients in place so that their global L2 norm is at most
+    ``max_norm`` (torch.nn.utils.clip_grad_norm_'s rule, coefficient max_norm / (norm +
+    1e-6)); returns the norm before clipping. Every gradient element counts once: a piece's
+    squares are divided by the ranks holding the same values, so one all-reduce over the
+    world sums every shard (TP, EP, ZeRO-1, pipeline stages) once and each replica's share of
+    a replicated gradient (Megatron-LM's get_grad_norm_fp32 reduces over the model-parallel
+    group after dropping the replicas instead)."""
+    device = pieces[0][0].device if pieces else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for grad, holders in pieces:
+        total += torch.linalg.vector_norm(grad, dtype=torch.float32).square() / holders
+    if world > 1:
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for grad, _ in pieces:
+            grad.mul_(coef)
+    return norm
+
+
 def _master(p: nn.Parameter) -> torch.Tensor:
     """fp32 master weight of a parameter: the parameter itself when it is fp32."""
     if p.dtype == torch.float32:
@@ -173,6 +210,11 @@ class _Replicated:
         self.masters = {name: _master(p) for name, p in params.items()}
         self.pieces = split_buckets(list(params), params, bucket_params) if params else []
         """The eager step's pieces: each casts its main gradients to fp32 and steps alone."""
+
+    def grad_pieces(self) -> list[GradPiece]:
+        """The synchronised main-gradient buckets, each with its holders."""
+        mesh = self.sync.mesh
+        return [(buffer, copies(mesh, axes)) for axes, buffer in self.sync.buckets]
 
     def decay_split(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ms = [(self.params[n].ndim >= 2, m) for n, m in self.masters.items()]
@@ -273,6 +315,11 @@ class ReplicatedOptimizer:
     @torch.no_grad()
     def sync_gradients(self) -> None:
         self.launcher.finish()
+
+    def clip_grad_norm(self, max_norm: float, world: int) -> float:
+        """Clip the synchronised gradients to the global norm ``max_norm`` (after
+        ``sync_gradients``); the norm before clipping."""
+        return clip_grad_norm(self.replicated.grad_pieces(), max_norm, world)
 
     def step(self) -> None:
         if self.fused is not None:
@@ -416,6 +463,13 @@ class ShardedOptimizer:
                 b.shard_grad = done[b.launch]
             else:
                 b.shard_grad = b.grad_buffer
+
+    def clip_grad_norm(self, max_norm: float, world: int) -> float:
+        """Clip the synchronised gradients to the global norm ``max_norm`` (after
+        ``sync_gradients``): each bucket's shard gradient (its slice of the sum, held by this
+        rank alone) and the replicated rest; the norm before clipping."""
+        shards = [(b.shard_grad, 1) for b, _ in self.buckets]
+        return clip_grad_norm(shards + self.rest.grad_pieces(), max_norm, world)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -33,6 +33,7 @@ from plans.execution import (
     NOT_EXECUTED,
     TABLE,
     Backend,
+    ExportOnly,
     Support,
     UnsupportedFeature,
     check,
@@ -89,7 +90,8 @@ def _schema_fields() -> list[tuple[str, list]]:
     return out
 
 
-COLUMNS = [(Target.moeplan, b) for b in Backend] + [(Target.megatron, Backend.cuda_nccl)]
+COLUMNS = [(Target.moeplan, b) for b in Backend] + [(Target.megatron, Backend.cuda_nccl),
+                                                   (ExportOnly.torchtitan, Backend.cuda_nccl)]
 
 
 @pytest.mark.parametrize("target,backend", COLUMNS)

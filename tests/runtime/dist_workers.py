@@ -428,3 +428,23 @@ def closed_trainers(plan_json: str, times: int):
         gc.collect()
         out.append((loss, len(_world.pg_map) - before, optimizer() is not None))
     return out
+
+
+def clipped_step(plan_json: str, max_norm: float):
+    """One step clipped to ``max_norm``: the norm before clipping, this rank's clipped main
+    gradients (replicated states: the synchronised sums), and the next step's loss and
+    norm."""
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size(),
+                          optim=OptimizerConfig(lr=OPTIM.lr, clip_grad=max_norm))
+    return clipped_run(trainer)
+
+
+def clipped_run(trainer):
+    trainer.forward_backward(0)
+    trainer.sync_gradients()
+    norm = trainer.clip_gradients()
+    grads = trainer.local_gradients()
+    trainer.optimizer_step()
+    after = trainer.train_step(1)
+    return norm, grads, after.loss, after.grad_norm

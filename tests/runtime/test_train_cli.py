@@ -170,9 +170,10 @@ def test_a_run_logs_its_id_plan_hash_and_schedule_and_ends_with_a_summary(train_
     r = train_here("--plan", str(plan), "--steps", "4", "--lr", "1e-2", "--lr-schedule",
                    "cosine", "--warmup-steps", "2", "--min-lr", "1e-3", "--weight-decay", "0",
                    "--seed", "3", "--log-file", str(log), "--ckpt-dir", str(ck),
-                   "--ckpt-every", "1", "--ckpt-keep", "2")
+                   "--ckpt-every", "1", "--ckpt-keep", "2", "--clip-grad", "0.5")
     assert r.returncode == 0, r.stderr
     rows = _records(log)
+    assert all(row["grad_norm"] > 0 for row in rows)  # the norm before clipping, every step
     # warmup over 2 steps, then a half cosine over the other 2 towards 1e-3
     assert [row["lr"] for row in rows] == pytest.approx([5e-3, 1e-2, 1e-2, 1e-3 + 4.5e-3])
     assert len({row["run_id"] for row in rows}) == 1
@@ -250,3 +251,27 @@ def test_megatron_indexed_dataset_written_by_megatron_is_read(train_here, tmp_pa
     (tmp_path / "bad.bin").write_bytes(b"")
     _one_line_error(train_here("--plan", str(plan), "--data", str(tmp_path / "bad"), "--check"),
                     "--data", "bad.idx", "version")
+
+
+TRAINING_FLAGS = ("--steps", "--lr", "--lr-schedule", "--warmup-steps", "--min-lr",
+                  "--weight-decay", "--clip-grad", "--seed", "--log-file", "--data")
+
+
+def test_moeplan_train_and_runtime_train_take_the_same_training_flags():
+    import typer.main
+
+    from planner.cli import app
+    from runtime.train import parse_args
+
+    train = typer.main.get_command(app).commands["train"]
+    launcher = {flag for param in train.params for flag in param.opts}
+    runtime = parse_args(["--plan", "p.json", "--clip-grad", "0.5", "--weight-decay", "0",
+                          "--seed", "7", "--lr", "1e-3", "--lr-schedule", "cosine"])
+    assert set(TRAINING_FLAGS) <= launcher
+    assert (runtime.clip_grad, runtime.weight_decay, runtime.seed, runtime.lr,
+            runtime.lr_schedule) == (0.5, 0.0, 7, 1e-3, "cosine")
+
+
+def test_a_negative_clip_grad_is_one_line(tmp_path):
+    plan = _write(make_plan(), tmp_path / "p.json")
+    _one_line_error(_train("--plan", str(plan), "--clip-grad", "-1"), "--clip-grad", ">= 0")
