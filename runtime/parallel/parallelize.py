@@ -20,6 +20,7 @@ from plans import (
     LayerOperator,
     MeshAxis,
     Plan,
+    Recompute,
     TPAttention,
     UlyssesAttention,
 )
@@ -59,11 +60,16 @@ def check_supported(plan: Plan, backend: Backend) -> None:
     check(plan, backend)
 
 
-RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = (
-    (TransformerBlock, frozenset(LayerOperator)),
-    (AttentionCore, frozenset({LayerOperator.rope, LayerOperator.flash_attn})),
-)
-"""The modules activation checkpointing can wrap and the layer operators each one runs."""
+RECOMPUTE_MODULE: dict[Recompute, type[nn.Module]] = {
+    Recompute.selective: AttentionCore,
+    Recompute.full: TransformerBlock,
+}
+"""The module that runs exactly the operators of each recomputation level."""
+
+RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = tuple(
+    (module, RECOMPUTED[level]) for level, module in RECOMPUTE_MODULE.items())
+"""The modules activation checkpointing can wrap and the layer operators each one runs (the
+operator sets are ``plans.RECOMPUTED``'s)."""
 
 
 def apply_recompute(model: Transformer, operators: frozenset[LayerOperator]) -> None:
