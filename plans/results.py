@@ -358,5 +358,5 @@ def read_log(path: Path, what: str) -> list[LogStep]:
 def recorded_deviations(result: BaseModel) -> list[dict] | None:
     """The plan fields a measured run executed differently, as the result recorded them
     (plans.execution.record); None where it recorded none (plans.execution.executed_as_measured
-    reads that as a result from before the record)."""
+    then reads the capability table)."""
     return (result.model_extra or {}).get("deviations")
