@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +32,14 @@ class Routing:
     filter them."""
 
 
+State = TypeVar("State")
+"""A dispatcher's own record of one dispatch (``None`` where it keeps none)."""
+
+
 @dataclass
-class DispatchHandle:
-    """What a dispatcher needs to undo its dispatch; extra fields belong to the dispatcher."""
+class DispatchHandle(Generic[State]):
+    """What a dispatcher needs to undo its dispatch; ``extra`` is the dispatcher's own
+    record (runtime.parallel.expert: ``AllToAllState``, ``SharedExpertsState``)."""
 
     slots: torch.Tensor
     """Flat (token * k + slot) index of each expert-input row, in expert order."""
@@ -42,7 +47,7 @@ class DispatchHandle:
     """[T', k] routing weights of the tokens the rows came from."""
     num_tokens: int
     top_k: int
-    extra: dict[str, Any]
+    extra: State
 
 
 class Dispatcher(Protocol):
@@ -377,7 +382,7 @@ class LocalDispatcher:
         slots, counts = sort_by_expert(routing.indices, self.num_local_experts,
                                        routing.dropless)
         rows = self.ops.gather_rows(tokens, slots, k)
-        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {})
+        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, None)
         return rows, counts, handle
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -110,7 +110,7 @@ class _Timed:
 @dataclass
 class Moving:
     """Tokens between two phases of a send or combine: the rows in flight, the handle the later
-    phases read (a dispatcher keeps its own fields in ``handle.extra``) and, while sending, the
+    phases read (a dispatcher keeps its own record in ``handle.extra``) and, while sending, the
     rows per local expert."""
 
     rows: torch.Tensor
@@ -128,6 +128,25 @@ class _AllToAllPlan:
     """[n, local experts] rows each peer sends each local expert."""
     in_splits: list[int]
     out_splits: list[int]
+
+
+@dataclass
+class AllToAllState:
+    """An all-to-all dispatch's record: the rows each peer sends and receives, and the
+    received rows' order by local expert (known once they arrive)."""
+
+    in_splits: list[int]
+    out_splits: list[int]
+    order: torch.Tensor | None = None
+
+
+@dataclass
+class SharedExpertsState:
+    """Expert TP with shared experts: the gathered tokens they run on, then their partial
+    sums until the combine adds them (each dropped once read)."""
+
+    tokens: torch.Tensor | None = None
+    out: torch.Tensor | None = None
 
 
 @dataclass
@@ -190,14 +209,14 @@ class AllToAllDispatcher(_Timed):
         slots = prepared.slots
         if not routing.dropless:  # dropped slots sort last: keep the routed ones
             slots = slots[:sum(prepared.in_splits)]
-        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {
-            "in_splits": prepared.in_splits, "out_splits": prepared.out_splits})
+        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k,
+                                AllToAllState(prepared.in_splits, prepared.out_splits))
         return Moving(self.ops.gather_rows(tokens, slots, k), handle,
                       prepared.recv_counts)
 
     def _send_exchange(self, moving: Moving) -> Moving:
-        extra = moving.handle.extra
-        received = all_to_all(moving.rows, extra["out_splits"], extra["in_splits"], self.group)
+        state = moving.handle.extra
+        received = all_to_all(moving.rows, state.out_splits, state.in_splits, self.group)
         return Moving(received, moving.handle, moving.counts)
 
     def _send_unpack(self, moving: Moving) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -211,17 +230,18 @@ class AllToAllDispatcher(_Timed):
         )
         order = torch.argsort((chunk % el) * n + torch.div(chunk, el, rounding_mode="floor"),
                               stable=True)
-        handle.extra["order"] = order
+        handle.extra.order = order
         return self.ops.permute_rows(received, order), recv_counts.sum(0), handle
 
     def _combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
-        order = handle.extra["order"]
+        order = handle.extra.order
+        assert order is not None, "combine before the dispatch's rows arrived"
         return Moving(self.ops.permute_rows(expert_out, inverse_permutation(order), order),
                       handle)
 
     def _combine_exchange(self, moving: Moving) -> Moving:
-        extra = moving.handle.extra
-        rows = all_to_all(moving.rows, extra["in_splits"], extra["out_splits"], self.group)
+        state = moving.handle.extra
+        rows = all_to_all(moving.rows, state.in_splits, state.out_splits, self.group)
         return Moving(rows, moving.handle)
 
     def _combine_unpack(self, moving: Moving) -> torch.Tensor:
@@ -261,14 +281,14 @@ class AllGatherDispatcher(_Timed):
                    ) -> Moving:
         """Nothing to permute before the all-gather: the tokens go as they are."""
         handle = DispatchHandle(prepared.slots, routing.weights, tokens.shape[0],
-                                routing.indices.shape[1], {})
+                                routing.indices.shape[1], None)
         return Moving(tokens, handle, prepared.counts)
 
     def _send_exchange(self, moving: Moving) -> Moving:
         h = moving.handle
         all_tokens = all_gather(moving.rows, self.group)
         all_weights = all_gather(h.weights, self.group)
-        handle = DispatchHandle(h.slots, all_weights, all_tokens.shape[0], h.top_k, {})
+        handle = DispatchHandle(h.slots, all_weights, all_tokens.shape[0], h.top_k, None)
         return Moving(all_tokens, handle, moving.counts)
 
     def _send_unpack(self, moving: Moving) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -311,18 +331,22 @@ class ExpertTPDispatcher(AllGatherDispatcher):
     def _send_exchange(self, moving: Moving) -> Moving:
         moving = super()._send_exchange(moving)
         if self.shared is not None:
-            moving.handle.extra["tokens"] = moving.rows
+            moving.handle.extra = SharedExpertsState(tokens=moving.rows)
         return moving
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        if self.shared is not None:
-            handle.extra["shared"] = self.shared(handle.extra.pop("tokens"))
+        state = handle.extra
+        if isinstance(state, SharedExpertsState) and self.shared is not None:
+            state.out, state.tokens = self.shared(state.tokens), None
         return super().combine(expert_out, handle)
 
     def _combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
         moving = super()._combine_pack(expert_out, handle)
-        shared = handle.extra.pop("shared", None)
-        return moving if shared is None else Moving(moving.rows + shared, handle)
+        state = handle.extra
+        if not isinstance(state, SharedExpertsState) or state.out is None:
+            return moving
+        shared, state.out = state.out, None
+        return Moving(moving.rows + shared, handle)
 
 
 def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None,
