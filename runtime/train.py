@@ -49,7 +49,7 @@ from runtime.data import NUMPY_DTYPE, SyntheticTokens, TokenFile, TokenSource
 from runtime.indexed import indexed_prefix, read_index
 from runtime.machine import check_machine
 from runtime.memory import InsufficientMemory, check_fits, configure_allocator, out_of_memory_line
-from runtime.parallel.mesh import WorldSizeMismatch, end_process_groups
+from runtime.parallel.mesh import WorldSizeMismatch, end_process_groups, start_process_group
 from runtime.parallel.optimizer import OptimizerConfig
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend
 from runtime.trainer import StepMetrics, build_trainer, model_options
@@ -331,8 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if owns_group:
         # NCCL's watchdog aborts the communicator on an error or timeout instead of hanging
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout_s))
+        start_process_group(rank, world, device, timedelta(seconds=args.timeout_s))
         signal.signal(signal.SIGTERM, _on_sigterm(rank, progress))
     if rank == 0:
         for d in deviations(plan, backend_of(device)):
