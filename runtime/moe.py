@@ -304,8 +304,8 @@ def per_expert_matmul(counts: torch.Tensor
 class GroupedExperts(nn.Module):
     """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts.
     ``gemm`` says how the GEMMs run (plans.enums.ExpertGemm); ``matmul(counts)`` gives the
-    product of grouped rows with a stacked weight: ``gemm``'s, unless a transform sets another
-    (runtime.parallel.grad_accumulation)."""
+    product of grouped rows with a stacked weight: ``gemm``'s, unless the caller passes another
+    (runtime.parallel.wrappers.AccumulatingExperts)."""
 
     def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER,
                  gemm: ExpertGemm = ExpertGemm.grouped):
@@ -324,9 +324,10 @@ class GroupedExperts(nn.Module):
         rows, self.rows = self.rows, 0
         return rows
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                matmul: Callable | None = None) -> torch.Tensor:
         self.rows += x.shape[0]
-        mm = self.matmul(counts)
+        mm = (matmul or self.matmul)(counts)
         if self.gemm == ExpertGemm.grouped_w13:
             gate, up = mm(x, torch.cat([self.w1, self.w3], dim=1)).chunk(2, dim=-1)
             return mm(self.ops.swiglu(gate, up), self.w2)
