@@ -375,11 +375,18 @@ def apply_expert_parallel(
         moe = block.moe
         if moe is None or n == 1:
             continue
-        for w in ("w1", "w2", "w3"):
-            shard = Shard(0, i, n)
-            setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
-            shards[f"layers.{lid}.moe.experts.{w}"] = shard
+        _keep_expert_shards(moe, lid, {"w1": 0, "w2": 0, "w3": 0}, i, n, shards)
         moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers, moe.ops)
+
+
+def _keep_expert_shards(moe: nn.Module, lid: str, dims: dict[str, int], index: int, size: int,
+                        shards: dict[str, Shard]) -> None:
+    """Keep this rank's slice (``index`` of ``size``) of each stacked expert weight, split
+    along ``dims[weight]``, and record it in ``shards``."""
+    for w, dim in dims.items():
+        shard = Shard(dim, index, size)
+        setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
+        shards[f"layers.{lid}.moe.experts.{w}"] = shard
 
 
 def sum_balance_stats_over_attention(model: Transformer, mesh: Mesh) -> None:
@@ -406,10 +413,7 @@ def apply_expert_tensor_parallel(
         moe = block.moe
         if moe is None or n == 1:
             continue
-        for w, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
-            shard = Shard(dim, i, n)
-            setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
-            shards[f"layers.{lid}.moe.experts.{w}"] = shard
+        _keep_expert_shards(moe, lid, {"w1": 1, "w3": 1, "w2": 2}, i, n, shards)
         if moe.shared is not None:
             for w, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
                 linear = getattr(moe.shared, w)
