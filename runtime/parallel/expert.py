@@ -4,6 +4,7 @@ Experts are contiguous per rank: rank r holds experts [r E/n, (r+1) E/n)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from runtime.kernels import (
 )
 from runtime.metrics import Component, Timers
 from runtime.model import Shard, Transformer
-from runtime.moe import DispatchHandle, Routing, sort_by_expert, start_host_copy
+from runtime.moe import DispatchHandle, MoE, Routing, sort_by_expert, start_host_copy
 from runtime.parallel.comm import all_gather, all_to_all, reduce_scatter, sum_replicated
 from runtime.parallel.mesh import Mesh
 
@@ -369,14 +370,23 @@ def apply_expert_parallel(
 ) -> None:
     """Keep this rank's experts and install the dispatcher; balance statistics are summed over
     the attention group so the balance loss is the micro-batch's, whatever the sequence split."""
-    n, i = mesh.size(MeshAxis.ep), mesh.index(MeshAxis.ep)
-    sum_balance_stats_over_attention(model, mesh)
-    for lid, block in model.layers.items():
-        moe = block.moe
-        if moe is None or n == 1:
-            continue
+    for lid, moe, i, n in _moe_layers_split_over(model, mesh, MeshAxis.ep):
         _keep_expert_shards(moe, lid, {"w1": 0, "w2": 0, "w3": 0}, i, n, shards)
         moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers, moe.ops)
+
+
+def _moe_layers_split_over(model: Transformer, mesh: Mesh, axis: MeshAxis
+                           ) -> Iterator[tuple[str, MoE, int, int]]:
+    """The MoE layers to split over ``axis`` (none where it has one rank), each with this
+    rank's index on it and its size; the routers' balance statistics are summed over the
+    attention group first."""
+    n, i = mesh.size(axis), mesh.index(axis)
+    sum_balance_stats_over_attention(model, mesh)
+    if n == 1:
+        return
+    for lid, block in model.layers.items():
+        if block.moe is not None:
+            yield lid, block.moe, i, n
 
 
 def _keep_expert_shards(moe: nn.Module, lid: str, dims: dict[str, int], index: int, size: int,
@@ -407,12 +417,7 @@ def apply_expert_tensor_parallel(
     width (column parallel), w2 ([E, h, ffn]) by its columns (row parallel); the shared experts
     the same way, run by the dispatcher on the gathered tokens. The router stays replicated
     and runs on this rank's own tokens."""
-    n, i = mesh.size(MeshAxis.etp), mesh.index(MeshAxis.etp)
-    sum_balance_stats_over_attention(model, mesh)
-    for lid, block in model.layers.items():
-        moe = block.moe
-        if moe is None or n == 1:
-            continue
+    for lid, moe, i, n in _moe_layers_split_over(model, mesh, MeshAxis.etp):
         _keep_expert_shards(moe, lid, {"w1": 1, "w3": 1, "w2": 2}, i, n, shards)
         if moe.shared is not None:
             for w, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
