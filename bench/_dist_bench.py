@@ -17,7 +17,7 @@ import torch.distributed as dist
 from cost_models.compute import ACT_BYTES
 from cost_models.volumes import Collective, Transfer
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
-from runtime.parallel.mesh import end_process_groups
+from runtime.parallel.mesh import end_process_groups, start_process_group
 
 
 def init() -> tuple[int, int, torch.device, torch.dtype]:
@@ -27,13 +27,11 @@ def init() -> tuple[int, int, torch.device, torch.dtype]:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dtype, backend = torch.bfloat16, "nccl"
+        dtype = torch.bfloat16
     else:
-        device, dtype, backend = torch.device("cpu"), torch.float32, "gloo"
+        device, dtype = torch.device("cpu"), torch.float32
     if world > 1:
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=5), **kw)
+        start_process_group(rank, world, device, timedelta(minutes=5))
     return rank, world, device, dtype
 
 

@@ -60,7 +60,7 @@ from runtime.loss import chunked_cross_entropy, materialized_cross_entropy  # no
 from runtime.model import AttentionCore, RMSNorm  # noqa: E402
 from runtime.moe import Router, grouped_mm, sort_by_expert  # noqa: E402
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into  # noqa: E402
-from runtime.parallel.mesh import end_process_groups  # noqa: E402
+from runtime.parallel.mesh import end_process_groups, start_process_group  # noqa: E402
 
 
 class Grid:
@@ -360,9 +360,7 @@ def main() -> None:
         device = torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     if world > 1:
-        kw = {"device_id": device} if cuda else {}
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=10), **kw)
+        start_process_group(rank, world, device, timedelta(minutes=10))
     cluster = catalog.load_cluster(args.cluster, gpus=max(world, 1))
     torch.manual_seed(rank)
     sweep = Sweep(cluster, device, dtype, Grid(args.smoke))

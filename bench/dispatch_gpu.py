@@ -55,10 +55,11 @@ from plans import (  # noqa: E402
     catalog,
 )
 from plans.layout import tokens_per_rank  # noqa: E402
+from plans.notation import DISPATCH_KEYS  # noqa: E402
 from plans.specs import ModelSpec  # noqa: E402
 
 DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
-SHORT = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag_rs"}
+SHORT = {d: DISPATCH_KEYS[d] for d in DISPATCHES}
 
 
 def _ints(text: str) -> list[int]:

@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from runtime.memory import GIB, MemoryPhases, configure_allocator  # noqa: E402
-from runtime.parallel.mesh import end_process_groups  # noqa: E402
+from runtime.parallel.mesh import end_process_groups, start_process_group  # noqa: E402
 
 configure_allocator()
 
@@ -168,8 +168,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     if world > 1:
-        dist.init_process_group("nccl", rank=rank, world_size=world,
-                                timeout=timedelta(minutes=5), device_id=device)
+        start_process_group(rank, world, device, timedelta(minutes=5))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, plan in plans.items():
         if plan.degrees.world != world:

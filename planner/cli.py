@@ -10,7 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import wraps
 from pathlib import Path
@@ -577,19 +577,24 @@ def explain(
       moeplan explain --model mixtral-8x7b --cluster h100 --gpus 16 --tp 8 --ep 1
       moeplan explain plan.json --measured train_step.json --cluster h200-runtime
     """
-    import cost_models
     from planner.pins import parse_pins
-    from planner.report import (
-        explain_document,
-        measured_document,
-        print_explain,
-        print_measured,
-    )
 
     _check_plot(plot, force)
     if plot is not None and measured is not None:
         raise plans.SpecError("--plot: draws the predicted breakdown; not with --measured")
     pinned = parse_pins(pins or {}, Precision((precision or TrainingPrecision.bf16).value))
+    loaded = _explained_plan(plan, model, cluster, gpus, global_batch, seq_len, precision,
+                             pinned, json_out)
+    if measured is not None:
+        _echo_measured(loaded, measured, json_out)
+    else:
+        _echo_explain(loaded, plot, force, json_out)
+
+
+def _explained_plan(plan: str | None, model: str | None, cluster: str | None,
+                    gpus: int | None, global_batch: int | None, seq_len: int | None,
+                    precision: TrainingPrecision | None, pinned, json_out: bool):
+    """The plan ``explain`` prices: the PLAN given, or the fastest the pins allow."""
     if plan is None:
         for option, value in (("--model", model), ("--cluster", cluster), ("--gpus", gpus)):
             if value is None:
@@ -600,29 +605,34 @@ def explain(
         spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus, what="--cluster")
         training, _ = _training(global_batch, seq_len or 8192,
                                 precision or TrainingPrecision.bf16, gpus)
-        loaded = _pinned_search(spec_model, spec_cluster, training, pinned,
-                                json_out=json_out).best.plan
-    else:
-        if pinned.text:
-            raise plans.SpecError(f"{pinned.text.split()[0]}: the pin options choose a plan "
-                                  "by search; a PLAN states its layout (write it in the "
-                                  "notation)")
-        _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
-        loaded = _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
-    if measured is not None:
-        from planner.measured import compare
+        return _pinned_search(spec_model, spec_cluster, training, pinned,
+                              json_out=json_out).best.plan
+    if pinned.text:
+        raise plans.SpecError(f"{pinned.text.split()[0]}: the pin options choose a plan "
+                              "by search; a PLAN states its layout (write it in the "
+                              "notation)")
+    _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
+    return _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
 
-        comparison = compare(loaded, measured)
-        if json_out:
-            typer.echo(json.dumps(measured_document(comparison, measured), indent=2))
-        else:
-            print_measured(comparison, measured)
-        return
+
+def _echo_measured(loaded, measured: Path, json_out: bool) -> None:
+    from planner.measured import compare
+    from planner.report import measured_document, print_measured
+
+    comparison = compare(loaded, measured)
+    if json_out:
+        typer.echo(json.dumps(measured_document(comparison, measured), indent=2))
+    else:
+        print_measured(comparison, measured)
+
+
+def _echo_explain(loaded, plot: Path | None, force: bool, json_out: bool) -> None:
+    import cost_models
+    from planner.report import explain_document, job_text, print_explain
+
     priced, notes = _by_target(loaded)
     evaluation = cost_models.evaluate(priced)
     if plot is not None:
-        from planner.report import job_text
-
         _plots().breakdown_plot([("plan", priced, evaluation)], plot,
                                 job_text(priced.model, priced.cluster, priced.training), force)
     if json_out:
@@ -1058,10 +1068,7 @@ def calibrate_cmd(
       moeplan calibrate profile.json --plan bench/gpu_plans/mixtral2l_1gpu.json \\
           --out my-h200.yaml
     """
-    import yaml
-
     from planner import calibrate as cal
-    from plans.results import OverlapBench, ProfileResult, Sweep, read
 
     _check_out(out, force)
     base_cluster = plans.catalog.load_cluster(base, what="--base")
@@ -1070,58 +1077,36 @@ def calibrate_cmd(
     if profile is not None and plan is None:
         raise plans.SpecError("--plan: the 1-GPU plan that was profiled is needed with a "
                               "profile")
-    measured_profile = read(ProfileResult, profile, "profile") if profile else None
-    sweep = read(Sweep, collectives, "--collectives") if collectives else None
-    beside = read(OverlapBench, overlap, "--overlap") if overlap else None
-    for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
-                          (beside, "--overlap")):
-        if taken is not None:
-            cal.check_device(taken, option, base_cluster)
-    if runs is not None and not runs.is_dir():
-        raise plans.SpecError(f"--runs: {runs} is not a folder")
-    if (fused_profile is None) != (fused_plan is None):
-        raise plans.SpecError("--fused-profile: goes with --fused-plan, the plan it profiled")
-    from planner.measured import check_profile_pairing
-
-    profiled_plan = plans.catalog.load_plan(plan) if plan else None
-    if measured_profile is not None:
-        cal.check_one_gpu(profiled_plan, "--plan")
-        check_profile_pairing(profiled_plan, measured_profile, profile, "profile", "--plan")
-    fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
-    fused_plan_spec = plans.catalog.load_plan(fused_plan) if fused_plan else None
-    if fused is not None:
-        cal.check_device(fused, "--fused-profile", base_cluster)
-        cal.check_one_gpu(fused_plan_spec, "--fused-plan")
-        check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
-                              "--fused-plan")
-    result = cal.calibrate(measured_profile, profiled_plan, base_cluster,
-                           name or f"{base_cluster.name}-calibrated", sweep, beside)
-    if fused is not None:
-        result = cal.with_fused_step(result, fused, fused_plan_spec)
+    given = _calibration_inputs(profile, plan, collectives, overlap, fused_profile, fused_plan,
+                                runs, base_cluster)
+    result = cal.calibrate(given.profile, given.plan, base_cluster,
+                           name or f"{base_cluster.name}-calibrated", given.sweep,
+                           given.overlap)
+    if given.fused is not None:
+        result = cal.with_fused_step(result, given.fused, given.fused_plan)
     pairs = cal.runs_with_plans(runs, plans_dir) if runs else []
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
                               f"in {plans_dir} (--plans)")
-    rows, held, held_before = [], [], []
-    for run, plan_path in pairs:
-        row = cal.fidelity_row(run, plan_path, result.cluster)
-        before = cal.fidelity_row(run, plan_path)
-        fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
-        held_out = plan_path.resolve() not in fitted
-        rows.append({**row.as_dict(), "step_error_before": before.step_error,
-                     "held_out": held_out})
-        if held_out:
-            held.append(row)
-            held_before.append(before)
-    sources = ([f"profile {profile.name}, commit {measured_profile.commit}"] if profile else []
-               ) + ([f"collectives {collectives.name}, commit {sweep.commit}"] if sweep else []
-                    ) + ([f"fused profile {fused_profile.name}, commit {fused.commit}"]
-                         if fused else []
-                         ) + ([f"overlap {overlap.name}, commit {beside.commit}"] if beside else [])
-    header = (f"# {result.cluster.name}: {base_cluster.name} with efficiency factors fitted to "
-              f"moeplan's runtime by `moeplan calibrate`\n# ({'; '.join(sources)}).\n")
-    _write_new(out, header + yaml.safe_dump(result.cluster.model_dump(mode="json"),
-                                            sort_keys=False), force)
+    fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
+    rows, held, held_before = _fidelity_rows(pairs, result.cluster, fitted)
+    sources = ([f"profile {profile.name}, commit {given.profile.commit}"] if profile else []
+               ) + ([f"collectives {collectives.name}, commit {given.sweep.commit}"]
+                    if given.sweep else []
+                    ) + ([f"fused profile {fused_profile.name}, commit {given.fused.commit}"]
+                         if given.fused else []
+                         ) + ([f"overlap {overlap.name}, commit {given.overlap.commit}"]
+                              if given.overlap else [])
+    _write_calibrated(out, result.cluster, base_cluster, sources, force)
+    _echo_calibrated(result, base_cluster, out, rows, held, held_before, json_out)
+
+
+def _echo_calibrated(result, base_cluster, out: Path, rows: list[dict], held: list,
+                     held_before: list, json_out: bool) -> None:
+    """The fitted factors, each run's errors and the held-out runs' median error, after and
+    with the base's factors."""
+    from planner import calibrate as cal
+
     after = cal.fidelity_summary([r.step_error for r in held], [r.memory_error for r in held])
     was = cal.fidelity_summary([r.step_error for r in held_before],
                                [r.memory_error for r in held_before])
@@ -1140,6 +1125,80 @@ def calibrate_cmd(
                    f"(with {base_cluster.name}'s factors {was.median_abs_step_error:.1%}) over "
                    f"{after.runs} runs")
     typer.echo(f"wrote {out}")
+
+
+@dataclass(frozen=True)
+class _CalibrationInputs:
+    """The measurements ``calibrate`` fits to, read and checked against the base cluster."""
+
+    profile: object | None
+    plan: plans.Plan | None
+    sweep: object | None
+    overlap: object | None
+    fused: object | None
+    fused_plan: plans.Plan | None
+
+
+def _calibration_inputs(profile: Path | None, plan: Path | None, collectives: Path | None,
+                        overlap: Path | None, fused_profile: Path | None,
+                        fused_plan: Path | None, runs: Path | None,
+                        base_cluster) -> _CalibrationInputs:
+    from planner import calibrate as cal
+    from planner.measured import check_profile_pairing
+    from plans.results import OverlapBench, ProfileResult, Sweep, read
+
+    measured_profile = read(ProfileResult, profile, "profile") if profile else None
+    sweep = read(Sweep, collectives, "--collectives") if collectives else None
+    beside = read(OverlapBench, overlap, "--overlap") if overlap else None
+    for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
+                          (beside, "--overlap")):
+        if taken is not None:
+            cal.check_device(taken, option, base_cluster)
+    if runs is not None and not runs.is_dir():
+        raise plans.SpecError(f"--runs: {runs} is not a folder")
+    if (fused_profile is None) != (fused_plan is None):
+        raise plans.SpecError("--fused-profile: goes with --fused-plan, the plan it profiled")
+    profiled_plan = plans.catalog.load_plan(plan) if plan else None
+    if measured_profile is not None:
+        cal.check_one_gpu(profiled_plan, "--plan")
+        check_profile_pairing(profiled_plan, measured_profile, profile, "profile", "--plan")
+    fused = read(ProfileResult, fused_profile, "--fused-profile") if fused_profile else None
+    fused_plan_spec = plans.catalog.load_plan(fused_plan) if fused_plan else None
+    if fused is not None:
+        cal.check_device(fused, "--fused-profile", base_cluster)
+        cal.check_one_gpu(fused_plan_spec, "--fused-plan")
+        check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
+                              "--fused-plan")
+    return _CalibrationInputs(measured_profile, profiled_plan, sweep, beside, fused,
+                              fused_plan_spec)
+
+
+def _fidelity_rows(pairs, cluster, fitted: list[Path]):
+    """Each measured run against the calibrated cluster and the base's factors: the rows
+    shown, and the held-out (not fitted to) runs' rows after and before."""
+    from planner import calibrate as cal
+
+    rows, held, held_before = [], [], []
+    for run, plan_path in pairs:
+        row = cal.fidelity_row(run, plan_path, cluster)
+        before = cal.fidelity_row(run, plan_path)
+        held_out = plan_path.resolve() not in fitted
+        rows.append({**row.as_dict(), "step_error_before": before.step_error,
+                     "held_out": held_out})
+        if held_out:
+            held.append(row)
+            held_before.append(before)
+    return rows, held, held_before
+
+
+def _write_calibrated(out: Path, cluster, base_cluster, sources: list[str],
+                      force: bool) -> None:
+    import yaml
+
+    header = (f"# {cluster.name}: {base_cluster.name} with efficiency factors fitted to "
+              f"moeplan's runtime by `moeplan calibrate`\n# ({'; '.join(sources)}).\n")
+    _write_new(out, header + yaml.safe_dump(cluster.model_dump(mode="json"),
+                                            sort_keys=False), force)
 
 
 @app.command("export", short_help="Print a launch script: Megatron-LM, torchtitan, torchrun "

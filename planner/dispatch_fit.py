@@ -26,6 +26,7 @@ import networkx as nx
 from cost_models.evaluate import evaluate
 from cost_models.layer import layer_key
 from cost_models.layer_graph import DISPATCH_COMBINE_OPS, OpKind, forward_graph
+from planner.space import RUNTIME_DISPATCHES
 from plans import (
     EPFFN,
     ClusterSpec,
@@ -40,9 +41,10 @@ from plans import (
     UlyssesAttention,
     catalog,
 )
+from plans.notation import DISPATCH_KEYS
 from plans.results import DispatchSweep, read
 
-SHORT = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag_rs"}
+SHORT = {d: DISPATCH_KEYS[d] for d in RUNTIME_DISPATCHES}
 """The dispatchers moeplan's runtime runs and the sweep measures, by their names in it."""
 
 
@@ -107,7 +109,7 @@ def points(sweep: DispatchSweep, cluster: ClusterSpec, model: ModelSpec) -> list
                 comm = sum(_fwd_bwd(g, n) for n in names if g.nodes[n]["kind"] == OpKind.comm)
                 perm = sum(_fwd_bwd(g, n) for n in names if g.nodes[n]["kind"] != OpKind.comm)
                 out.append(Point(shape.hidden, shape.experts, shape.tokens_per_rank, row.top_k,
-                                 d, row.of(SHORT[d]).measured.fwd_bwd_s, comm, perm,
+                                 d, row.of(d).measured.fwd_bwd_s, comm, perm,
                                  cluster.efficiency.gather_scatter))
     return out
 
@@ -190,7 +192,7 @@ def choices(sweep: DispatchSweep, cluster: ClusterSpec, model: ModelSpec) -> lis
                      for d in SHORT}
             out.append(Choice(
                 shape.hidden, shape.experts, shape.tokens_per_rank, row.top_k,
-                {d: row.of(SHORT[d]).measured.fwd_bwd_s for d in SHORT},
+                {d: row.of(d).measured.fwd_bwd_s for d in SHORT},
                 {d: dispatch_combine_s(p) for d, p in plans.items()},
                 {d: evaluate(p).step_time_s for d, p in plans.items()},
             ))

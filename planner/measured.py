@@ -18,7 +18,7 @@ from cost_models import Evaluation, evaluate
 from cost_models.components import LAYER_COMPONENTS, STEP_COMPONENTS, predicted_components
 from plans import Plan, SpecError
 from plans.execution import Deviation, executed_as_measured, measured_deviations
-from plans.notation import RECOMPUTE_TAGS
+from plans.notation import DISPATCH_TAGS, RECOMPUTE_TAGS
 from plans.results import ProfileResult, TrainStepResult, read, recorded_deviations
 
 COMPONENT_ORDER = (*(k for c in LAYER_COMPONENTS for k in (c, f"{c}_bwd")), *STEP_COMPONENTS)
@@ -66,8 +66,8 @@ class Comparison:
         return max(rows, key=lambda r: abs(r.predicted_s - r.measured_s), default=None)
 
 
-_DISPATCH = {"a2a": "a2a", "all_to_all": "a2a", "ag+rs": "ag+rs",
-             "allgather_reduce_scatter": "ag+rs", "deepep": "deepep"}
+_DISPATCH = {**{tag: tag for tag in DISPATCH_TAGS.values()},
+             **{d.value: tag for d, tag in DISPATCH_TAGS.items()}}
 
 
 def layout_of(summary: str) -> dict[str, str]:

@@ -65,9 +65,9 @@ def check_searches(count: int, what: str) -> None:
 
 
 # Options from the least memory to the most, for the first-pass memory check.
-_LEAN_RECOMPUTE = (Recompute.full, Recompute.selective, Recompute.none)
-_LEAN_SYNC = (Precision.fp8, Precision.bf16, Precision.fp32)
-_OVERLAP_STRENGTH = (Overlap.none, Overlap.inter_op, Overlap.inter_intra_op)
+_LEAN_RECOMPUTE = tuple(reversed(Recompute))
+_LEAN_SYNC = tuple(reversed(Precision))
+_OVERLAP_STRENGTH = tuple(Overlap)
 _SAME_TIME = 1e-9
 """Relative difference under which two predicted layer times are the same time."""
 

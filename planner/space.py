@@ -66,7 +66,7 @@ class Layout:
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
 
 
-RUNTIME_DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
+RUNTIME_DISPATCHES = tuple(d for d in Dispatch if executes("ffn.dispatch", d))
 """The EP dispatchers moeplan's runtime runs (plans.execution): a default search's."""
 
 

@@ -7,6 +7,8 @@ from enum import StrEnum
 
 
 class Precision(StrEnum):
+    """A number format, from the widest to the narrowest (the search's order of memory)."""
+
     fp32 = "fp32"
     bf16 = "bf16"
     fp8 = "fp8"
@@ -17,7 +19,8 @@ class Precision(StrEnum):
 
 
 class Overlap(StrEnum):
-    """Communication-computation overlap inside a layer (paper Sec. 4)."""
+    """Communication-computation overlap inside a layer (paper Sec. 4), from the weakest to
+    the strongest."""
 
     none = "none"
     inter_op = "inter_op"
@@ -50,7 +53,8 @@ class Dispatch(StrEnum):
 class Recompute(StrEnum):
     """Which layer operators are rerun in backward instead of keeping their activations: the
     set ``plans.operators.RECOMPUTED`` gives, which the runtime wraps in checkpointing and the
-    cost model prices (cost_models.memory, layer_graph)."""
+    cost model prices (cost_models.memory, layer_graph); from the fewest operators rerun to
+    the most."""
 
     none = "none"
     selective = "selective"

@@ -856,10 +856,6 @@ def _parsed(current: object, text: object) -> object:
     return text == "true" if isinstance(current, bool) and isinstance(text, str) else text
 
 
-_BEFORE_FUSION = ("results without the record predate it, and no runtime before it fused the "
-                  "gradient accumulation")
-
-
 def record(plan: Plan, backend: Backend) -> list[dict]:
     """What a measured result writes of how its run executed ``plan`` (``deviations``): read
     back by ``executed_as_measured``."""
@@ -870,22 +866,15 @@ def record(plan: Plan, backend: Backend) -> list[dict]:
 def measured_deviations(plan: Plan, recorded: list[dict] | None,
                         backend: Backend = Backend.cuda_nccl) -> list[Deviation]:
     """The fields a measured run executed differently from ``plan`` (``executed_as_measured``)."""
-    if recorded is not None:
-        return [Deviation(d["field"], d["planned"], d["executed"], "recorded by the run")
-                for d in recorded]
-    legacy = deviations(plan.model_copy(update={"grad_accumulation_fusion": False}), backend)
-    if plan.grad_accumulation_fusion:
-        legacy.insert(0, Deviation("grad_accumulation_fusion", "true", "false", _BEFORE_FUSION))
-    return legacy
+    if recorded is None:
+        return deviations(plan, backend)
+    return [Deviation(d["field"], d["planned"], d["executed"], "recorded by the run")
+            for d in recorded]
 
 
 def executed_as_measured(plan: Plan, recorded: list[dict] | None,
                          backend: Backend = Backend.cuda_nccl) -> Plan:
     """The plan as a measured run executed it: the deviations the run recorded
-    (bench/train_step.py, ``moeplan profile`` and the runtime's log write them), or, for a
-    result that recorded none, this table's with gradient-accumulation fusion run as false:
-    results without the record predate it, and no runtime before it fused the gradient
-    accumulation."""
-    if recorded is None:
-        return executed_plan(plan.model_copy(update={"grad_accumulation_fusion": False}), backend)
+    (bench/train_step.py, ``moeplan profile`` and the runtime's log write them), or this
+    table's for a result that recorded none."""
     return executed_plan(plan, backend, recorded)

@@ -41,6 +41,8 @@ ATTENTION_TAGS = {AttentionKind.ulysses_sp: "sp", AttentionKind.tp: "tp", Attent
 """The attention kind as the axis its degree is written on (``sp8``)."""
 DISPATCH_TAGS = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag+rs",
                  Dispatch.deepep: "deepep"}
+DISPATCH_KEYS = {d: tag.replace("+", "_") for d, tag in DISPATCH_TAGS.items()}
+"""The dispatcher as a key of a results row (an identifier: ``ag_rs``)."""
 SCHEDULE_TAGS = {PipelineSchedule.one_f_one_b: "1f1b", PipelineSchedule.interleaved_1f1b: "i1f1b"}
 OVERLAP_TAGS = {Overlap.none: "none", Overlap.inter_op: "inter",
                 Overlap.inter_intra_op: "inter+intra"}

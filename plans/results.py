@@ -26,8 +26,10 @@ from pydantic import (
     model_validator,
 )
 
+from plans.enums import Dispatch
 from plans.errors import SpecError, describe
 from plans.io import parse_text, read_text
+from plans.notation import DISPATCH_KEYS
 from plans.operators import COMPONENT_KEYS
 from plans.plan import OptimizerSharding, Prediction
 
@@ -301,8 +303,8 @@ class DispatchRow(BaseModel):
     a2a: DispatcherRow
     ag_rs: DispatcherRow
 
-    def of(self, short: str) -> DispatcherRow:
-        return self.a2a if short == "a2a" else self.ag_rs
+    def of(self, dispatch: Dispatch) -> DispatcherRow:
+        return getattr(self, DISPATCH_KEYS[dispatch])
 
 
 class DispatchShape(BaseModel):
@@ -358,5 +360,5 @@ def read_log(path: Path, what: str) -> list[LogStep]:
 def recorded_deviations(result: BaseModel) -> list[dict] | None:
     """The plan fields a measured run executed differently, as the result recorded them
     (plans.execution.record); None where it recorded none (plans.execution.executed_as_measured
-    reads that as a result from before the record)."""
+    then reads the capability table)."""
     return (result.model_extra or {}).get("deviations")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +33,14 @@ class Routing:
     filter them."""
 
 
+State = TypeVar("State")
+"""A dispatcher's own record of one dispatch (``None`` where it keeps none)."""
+
+
 @dataclass
-class DispatchHandle:
-    """What a dispatcher needs to undo its dispatch; extra fields belong to the dispatcher."""
+class DispatchHandle(Generic[State]):
+    """What a dispatcher needs to undo its dispatch; ``extra`` is the dispatcher's own
+    record (runtime.parallel.expert: ``AllToAllState``, ``SharedExpertsState``)."""
 
     slots: torch.Tensor
     """Flat (token * k + slot) index of each expert-input row, in expert order."""
@@ -43,7 +48,7 @@ class DispatchHandle:
     """[T', k] routing weights of the tokens the rows came from."""
     num_tokens: int
     top_k: int
-    extra: dict[str, Any]
+    extra: State
 
 
 class Dispatcher(Protocol):
@@ -310,8 +315,8 @@ def per_expert_matmul(counts: torch.Tensor
 class GroupedExperts(nn.Module):
     """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts.
     ``gemm`` says how the GEMMs run (plans.enums.ExpertGemm); ``matmul(counts)`` gives the
-    product of grouped rows with a stacked weight: ``gemm``'s, unless a transform sets another
-    (runtime.parallel.grad_accumulation)."""
+    product of grouped rows with a stacked weight: ``gemm``'s, unless the caller passes another
+    (runtime.parallel.wrappers.AccumulatingExperts)."""
 
     def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER,
                  gemm: ExpertGemm = ExpertGemm.grouped):
@@ -330,9 +335,10 @@ class GroupedExperts(nn.Module):
         rows, self.rows = self.rows, 0
         return rows
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                matmul: Callable | None = None) -> torch.Tensor:
         self.rows += x.shape[0]
-        mm = self.matmul(counts)
+        mm = (matmul or self.matmul)(counts)
         if self.gemm == ExpertGemm.grouped_w13:
             gate, up = mm(x, torch.cat([self.w1, self.w3], dim=1)).chunk(2, dim=-1)
             return mm(self.ops.swiglu(gate, up), self.w2)
@@ -388,7 +394,7 @@ class LocalDispatcher:
         slots, counts = sort_by_expert(routing.indices, self.num_local_experts,
                                        routing.dropless)
         rows = self.ops.gather_rows(tokens, slots, k)
-        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {})
+        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, None)
         return rows, counts, handle
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

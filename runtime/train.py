@@ -49,7 +49,7 @@ from runtime.data import NUMPY_DTYPE, SyntheticTokens, TokenFile, TokenSource
 from runtime.indexed import indexed_prefix, read_index
 from runtime.machine import check_machine
 from runtime.memory import InsufficientMemory, check_fits, configure_allocator, out_of_memory_line
-from runtime.parallel.mesh import WorldSizeMismatch, end_process_groups
+from runtime.parallel.mesh import WorldSizeMismatch, end_process_groups, start_process_group
 from runtime.parallel.optimizer import OptimizerConfig
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend
 from runtime.trainer import StepMetrics, build_trainer, model_options
@@ -282,11 +282,15 @@ def resume_point(ckpt_dir: Path, rank: int) -> tuple[Path, int] | None:
     return choice[0]
 
 
-class _Progress:
-    step = 0
+@dataclass
+class Progress:
+    """The step a run is in, for the lines that say where it stopped; ``main`` owns it and
+    the loop advances it."""
+
+    step: int = 0
 
 
-def _on_sigterm(rank: int, progress: type[_Progress]):
+def _on_sigterm(rank: int, progress: Progress):
     def handler(_signum, _frame):
         print(f"error: rank {rank}: stopped by SIGTERM during step {progress.step + 1} "
               "(the launcher was stopped, or stopped the ranks after one failed)",
@@ -326,20 +330,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         except InsufficientMemory as e:
             print(f"error: rank {rank}: {e}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    progress = Progress()
     owns_group = world > 1 and not dist.is_initialized()
     if owns_group:
         # NCCL's watchdog aborts the communicator on an error or timeout instead of hanging
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=args.timeout_s))
-        signal.signal(signal.SIGTERM, _on_sigterm(rank, _Progress))
+        start_process_group(rank, world, device, timedelta(seconds=args.timeout_s))
+        signal.signal(signal.SIGTERM, _on_sigterm(rank, progress))
     if rank == 0:
         for d in deviations(plan, backend_of(device)):
             print(d.note(), file=sys.stderr, flush=True)
     try:
-        return _train(args, plan, data, rank, world, device, owns_group, cache)
+        return _train(args, plan, data, rank, world, device, owns_group, cache, progress)
     except torch.OutOfMemoryError:
-        print(out_of_memory_line(plan, device, rank, _Progress.step), file=sys.stderr,
+        print(out_of_memory_line(plan, device, rank, progress.step), file=sys.stderr,
               flush=True)
         return EXIT_FAILED
     except checkpoint.CheckpointWriteFailed as e:
@@ -347,14 +351,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except (dist.DistError, RuntimeError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"error: rank {rank}: training stopped during step {_Progress.step + 1}: "
+        print(f"error: rank {rank}: training stopped during step {progress.step + 1}: "
               f"a collective failed (a peer died or --timeout-s passed): {reason}",
               file=sys.stderr, flush=True)
         return EXIT_FAILED
 
 
 def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
-           device: torch.device, owns_group: bool, cache: Path) -> int:
+           device: torch.device, owns_group: bool, cache: Path, progress: Progress) -> int:
     optim = {k: v for k, v in (("lr", args.lr), ("weight_decay", args.weight_decay),
                                ("clip_grad", args.clip_grad)) if v is not None}
     trainer = build_trainer(
@@ -384,7 +388,7 @@ def _train(args, plan: Plan, data: TokenSource, rank: int, world: int,
     times: list[float] = []
     began = counted = cache_counts()
     for step in range(start, args.steps):
-        _Progress.step = step
+        progress.step = step
         lr = learning_rate(step, args)
         trainer.set_learning_rate(lr)
         metrics = trainer.train_step(step)

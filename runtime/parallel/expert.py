@@ -4,6 +4,7 @@ Experts are contiguous per rank: rank r holds experts [r E/n, (r+1) E/n)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from runtime.kernels import (
 )
 from runtime.metrics import Component, Timers
 from runtime.model import Shard, Transformer
-from runtime.moe import DispatchHandle, Routing, sort_by_expert, start_host_copy
+from runtime.moe import DispatchHandle, MoE, Routing, sort_by_expert, start_host_copy
 from runtime.parallel.comm import all_gather, all_to_all, reduce_scatter, sum_replicated
 from runtime.parallel.mesh import Mesh
 
@@ -110,7 +111,7 @@ class _Timed:
 @dataclass
 class Moving:
     """Tokens between two phases of a send or combine: the rows in flight, the handle the later
-    phases read (a dispatcher keeps its own fields in ``handle.extra``) and, while sending, the
+    phases read (a dispatcher keeps its own record in ``handle.extra``) and, while sending, the
     rows per local expert."""
 
     rows: torch.Tensor
@@ -128,6 +129,25 @@ class _AllToAllPlan:
     """[n, local experts] rows each peer sends each local expert."""
     in_splits: list[int]
     out_splits: list[int]
+
+
+@dataclass
+class AllToAllState:
+    """An all-to-all dispatch's record: the rows each peer sends and receives, and the
+    received rows' order by local expert (known once they arrive)."""
+
+    in_splits: list[int]
+    out_splits: list[int]
+    order: torch.Tensor | None = None
+
+
+@dataclass
+class SharedExpertsState:
+    """Expert TP with shared experts: the gathered tokens they run on, then their partial
+    sums until the combine adds them (each dropped once read)."""
+
+    tokens: torch.Tensor | None = None
+    out: torch.Tensor | None = None
 
 
 @dataclass
@@ -190,14 +210,14 @@ class AllToAllDispatcher(_Timed):
         slots = prepared.slots
         if not routing.dropless:  # dropped slots sort last: keep the routed ones
             slots = slots[:sum(prepared.in_splits)]
-        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k, {
-            "in_splits": prepared.in_splits, "out_splits": prepared.out_splits})
+        handle = DispatchHandle(slots, routing.weights, tokens.shape[0], k,
+                                AllToAllState(prepared.in_splits, prepared.out_splits))
         return Moving(self.ops.gather_rows(tokens, slots, k), handle,
                       prepared.recv_counts)
 
     def _send_exchange(self, moving: Moving) -> Moving:
-        extra = moving.handle.extra
-        received = all_to_all(moving.rows, extra["out_splits"], extra["in_splits"], self.group)
+        state = moving.handle.extra
+        received = all_to_all(moving.rows, state.out_splits, state.in_splits, self.group)
         return Moving(received, moving.handle, moving.counts)
 
     def _send_unpack(self, moving: Moving) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -211,17 +231,18 @@ class AllToAllDispatcher(_Timed):
         )
         order = torch.argsort((chunk % el) * n + torch.div(chunk, el, rounding_mode="floor"),
                               stable=True)
-        handle.extra["order"] = order
+        handle.extra.order = order
         return self.ops.permute_rows(received, order), recv_counts.sum(0), handle
 
     def _combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
-        order = handle.extra["order"]
+        order = handle.extra.order
+        assert order is not None, "combine before the dispatch's rows arrived"
         return Moving(self.ops.permute_rows(expert_out, inverse_permutation(order), order),
                       handle)
 
     def _combine_exchange(self, moving: Moving) -> Moving:
-        extra = moving.handle.extra
-        rows = all_to_all(moving.rows, extra["in_splits"], extra["out_splits"], self.group)
+        state = moving.handle.extra
+        rows = all_to_all(moving.rows, state.in_splits, state.out_splits, self.group)
         return Moving(rows, moving.handle)
 
     def _combine_unpack(self, moving: Moving) -> torch.Tensor:
@@ -261,14 +282,14 @@ class AllGatherDispatcher(_Timed):
                    ) -> Moving:
         """Nothing to permute before the all-gather: the tokens go as they are."""
         handle = DispatchHandle(prepared.slots, routing.weights, tokens.shape[0],
-                                routing.indices.shape[1], {})
+                                routing.indices.shape[1], None)
         return Moving(tokens, handle, prepared.counts)
 
     def _send_exchange(self, moving: Moving) -> Moving:
         h = moving.handle
         all_tokens = all_gather(moving.rows, self.group)
         all_weights = all_gather(h.weights, self.group)
-        handle = DispatchHandle(h.slots, all_weights, all_tokens.shape[0], h.top_k, {})
+        handle = DispatchHandle(h.slots, all_weights, all_tokens.shape[0], h.top_k, None)
         return Moving(all_tokens, handle, moving.counts)
 
     def _send_unpack(self, moving: Moving) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -311,18 +332,22 @@ class ExpertTPDispatcher(AllGatherDispatcher):
     def _send_exchange(self, moving: Moving) -> Moving:
         moving = super()._send_exchange(moving)
         if self.shared is not None:
-            moving.handle.extra["tokens"] = moving.rows
+            moving.handle.extra = SharedExpertsState(tokens=moving.rows)
         return moving
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        if self.shared is not None:
-            handle.extra["shared"] = self.shared(handle.extra.pop("tokens"))
+        state = handle.extra
+        if isinstance(state, SharedExpertsState) and self.shared is not None:
+            state.out, state.tokens = self.shared(state.tokens), None
         return super().combine(expert_out, handle)
 
     def _combine_pack(self, expert_out: torch.Tensor, handle: DispatchHandle) -> Moving:
         moving = super()._combine_pack(expert_out, handle)
-        shared = handle.extra.pop("shared", None)
-        return moving if shared is None else Moving(moving.rows + shared, handle)
+        state = handle.extra
+        if not isinstance(state, SharedExpertsState) or state.out is None:
+            return moving
+        shared, state.out = state.out, None
+        return Moving(moving.rows + shared, handle)
 
 
 def make_dispatcher(kind: Dispatch, num_experts: int, mesh: Mesh, timers: Timers | None,
@@ -345,17 +370,33 @@ def apply_expert_parallel(
 ) -> None:
     """Keep this rank's experts and install the dispatcher; balance statistics are summed over
     the attention group so the balance loss is the micro-batch's, whatever the sequence split."""
-    n, i = mesh.size(MeshAxis.ep), mesh.index(MeshAxis.ep)
-    sum_balance_stats_over_attention(model, mesh)
-    for lid, block in model.layers.items():
-        moe = block.moe
-        if moe is None or n == 1:
-            continue
-        for w in ("w1", "w2", "w3"):
-            shard = Shard(0, i, n)
-            setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
-            shards[f"layers.{lid}.moe.experts.{w}"] = shard
+    for lid, moe, i, n in _moe_layers_split_over(model, mesh, MeshAxis.ep):
+        _keep_expert_shards(moe, lid, {"w1": 0, "w2": 0, "w3": 0}, i, n, shards)
         moe.dispatcher = make_dispatcher(kind, model.cfg.spec.experts, mesh, timers, moe.ops)
+
+
+def _moe_layers_split_over(model: Transformer, mesh: Mesh, axis: MeshAxis
+                           ) -> Iterator[tuple[str, MoE, int, int]]:
+    """The MoE layers to split over ``axis`` (none where it has one rank), each with this
+    rank's index on it and its size; the routers' balance statistics are summed over the
+    attention group first."""
+    n, i = mesh.size(axis), mesh.index(axis)
+    sum_balance_stats_over_attention(model, mesh)
+    if n == 1:
+        return
+    for lid, block in model.layers.items():
+        if block.moe is not None:
+            yield lid, block.moe, i, n
+
+
+def _keep_expert_shards(moe: nn.Module, lid: str, dims: dict[str, int], index: int, size: int,
+                        shards: dict[str, Shard]) -> None:
+    """Keep this rank's slice (``index`` of ``size``) of each stacked expert weight, split
+    along ``dims[weight]``, and record it in ``shards``."""
+    for w, dim in dims.items():
+        shard = Shard(dim, index, size)
+        setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
+        shards[f"layers.{lid}.moe.experts.{w}"] = shard
 
 
 def sum_balance_stats_over_attention(model: Transformer, mesh: Mesh) -> None:
@@ -376,16 +417,8 @@ def apply_expert_tensor_parallel(
     width (column parallel), w2 ([E, h, ffn]) by its columns (row parallel); the shared experts
     the same way, run by the dispatcher on the gathered tokens. The router stays replicated
     and runs on this rank's own tokens."""
-    n, i = mesh.size(MeshAxis.etp), mesh.index(MeshAxis.etp)
-    sum_balance_stats_over_attention(model, mesh)
-    for lid, block in model.layers.items():
-        moe = block.moe
-        if moe is None or n == 1:
-            continue
-        for w, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
-            shard = Shard(dim, i, n)
-            setattr(moe.experts, w, nn.Parameter(shard.take(getattr(moe.experts, w).detach())))
-            shards[f"layers.{lid}.moe.experts.{w}"] = shard
+    for lid, moe, i, n in _moe_layers_split_over(model, mesh, MeshAxis.etp):
+        _keep_expert_shards(moe, lid, {"w1": 1, "w3": 1, "w2": 2}, i, n, shards)
         if moe.shared is not None:
             for w, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
                 linear = getattr(moe.shared, w)

@@ -36,6 +36,13 @@ from plans.layout import accumulates_experts_in_gemm
 from runtime.kernels import add_product
 from runtime.model import Transformer
 from runtime.moe import GroupedExperts, HostCounts, expert_product
+from runtime.parallel.wrappers import (
+    Accumulating,
+    AccumulatingExperts,
+    AccumulatingLinear,
+    chain,
+    replace,
+)
 
 IN_GEMM = "accumulates_in_gemm"
 """Attribute marking a parameter whose weight-gradient GEMM adds into its main gradient."""
@@ -156,15 +163,12 @@ def per_expert_accumulating(counts: torch.Tensor):
     return accumulating_matmul(ExpertGemm.grouped)(counts)
 
 
-_FUSED = "grad_accumulation_fused"
-"""Attribute of a module whose weights' GEMMs add into their main gradients."""
-
-
 def apply_grad_accumulation_fusion(model: Transformer) -> None:
     """Route the weight gradients of the blocks' Linear layers, and of the routed experts where
     ``accumulates_experts_in_gemm`` holds, into their main gradients inside the GEMMs. The
-    modules are flagged; ``mark_parameters`` marks their parameters once the model is
-    materialised (materialising replaces the parameter objects)."""
+    modules are wrapped (runtime.parallel.wrappers.Accumulating); ``mark_parameters`` marks
+    their parameters once the model is materialised (materialising replaces the parameter
+    objects)."""
     for block in model.layers.values():
         fuse_accumulation(block)
 
@@ -172,24 +176,22 @@ def apply_grad_accumulation_fusion(model: Transformer) -> None:
 def fuse_accumulation(root: nn.Module) -> None:
     """The transform on one module tree: a block, or one bare MoE layer
     (bench/moe_layer_gpu.py --grad-accumulation-fusion)."""
-    for module in root.modules():
+    for name, module in list(root.named_modules()):
         if isinstance(module, nn.Linear):
             if module.bias is not None:
                 raise ValueError(f"{type(module).__name__} with a bias: the runtime's "
                                  "Linear layers have none")
-            module.forward = lambda x, m=module: linear_accumulating(m.weight, x)
-            setattr(module, _FUSED, True)
+            replace(root, name, AccumulatingLinear(module, linear_accumulating))
         elif isinstance(module, GroupedExperts):
             local_experts, local_ffn, _ = module.w1.shape
             if accumulates_experts_in_gemm(True, local_experts, local_ffn, module.gemm):
-                module.matmul = accumulating_matmul(module.gemm)
-                setattr(module, _FUSED, True)
+                replace(root, name, AccumulatingExperts(module, accumulating_matmul(module.gemm)))
 
 
 def mark_parameters(model: nn.Module) -> None:
     """Mark (``in_gemm``) the parameters of the modules ``apply_grad_accumulation_fusion``
     routed, for the gradient sync to attach (data_parallel.attach_main_grads)."""
     for module in model.modules():
-        if getattr(module, _FUSED, False):
+        if any(isinstance(m, Accumulating) for m in chain(module)):
             for p in module.parameters(recurse=False):
                 setattr(p, IN_GEMM, True)

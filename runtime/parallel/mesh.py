@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import gc
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,16 @@ def build_mesh(plan: Plan, rank: int, world: int, device_type: str = "cpu") -> M
             raise RuntimeError(f"mesh: the {axis} group {dist.get_process_group_ranks(pg)} is "
                                f"not plans.layout's {mesh.members[axis]}")
     return mesh
+
+
+def start_process_group(rank: int, world: int, device: torch.device, timeout: timedelta,
+                        init_method: str | None = None) -> None:
+    """Join the launch's default process group: NCCL bound to this rank's GPU on CUDA, gloo
+    on CPU (``init_method``: the rendezvous, the launcher's environment when None)."""
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=timeout,
+                            device_id=device if cuda else None)
 
 
 def end_process_groups() -> None:

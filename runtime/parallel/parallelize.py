@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from plans import (
     EPFFN,
@@ -20,6 +19,7 @@ from plans import (
     LayerOperator,
     MeshAxis,
     Plan,
+    Recompute,
     TPAttention,
     UlyssesAttention,
 )
@@ -37,12 +37,7 @@ from runtime.parallel.mesh import Mesh
 from runtime.parallel.overlap import apply_inter_op_overlap
 from runtime.parallel.pipeline import apply_pipeline
 from runtime.parallel.tensor import apply_tensor_parallel_rest
-
-
-def checkpoint_forward(module: nn.Module) -> None:
-    """Recompute ``module`` in backward instead of keeping its activations. The forward is
-    replaced on the instance, so parameter names stay those of the plain model."""
-    module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+from runtime.parallel.wrappers import Recomputed, Timed, plain, replace
 
 
 def backend_of(device: torch.device) -> Backend:
@@ -60,12 +55,18 @@ def check_supported(plan: Plan, backend: Backend) -> None:
     check(plan, backend)
 
 
-RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = (
-    (TransformerBlock, frozenset(LayerOperator)),
-    (AttentionCore, frozenset({LayerOperator.rope, LayerOperator.flash_attn})),
-    (MLACore, frozenset({LayerOperator.rope, LayerOperator.flash_attn})),
-)
-"""The modules activation checkpointing can wrap and the layer operators each one runs."""
+RECOMPUTE_MODULE: dict[Recompute, tuple[type[nn.Module], ...]] = {
+    Recompute.selective: (AttentionCore, MLACore),
+    Recompute.full: (TransformerBlock,),
+}
+"""The modules that run exactly the operators of each recomputation level (GQA's core and
+MLA's at the selective level)."""
+
+RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = tuple(
+    (module, RECOMPUTED[level]) for level, modules in RECOMPUTE_MODULE.items()
+    for module in modules)
+"""The modules activation checkpointing can wrap and the layer operators each one runs (the
+operator sets are ``plans.RECOMPUTED``'s)."""
 
 
 def apply_recompute(model: Transformer, operators: frozenset[LayerOperator]) -> None:
@@ -74,30 +75,32 @@ def apply_recompute(model: Transformer, operators: frozenset[LayerOperator]) -> 
     the set, and refuse a set they do not cover exactly."""
     if not operators:
         return
-    for block in model.layers.values():
+    for key, block in list(model.layers.items()):
         covered: set[LayerOperator] = set()
         wrapped: list[str] = []  # module names in the block ("" is the block itself)
         for name, module in block.named_modules():
             if any(w == "" or name.startswith(f"{w}.") for w in wrapped):
                 continue  # inside a module already recomputed
-            runs = next((ops for kind, ops in RECOMPUTE_MODULES if isinstance(module, kind)),
-                        None)
+            runs = next((ops for kind, ops in RECOMPUTE_MODULES
+                         if isinstance(plain(module), kind)), None)
             if runs is not None and runs <= operators:
-                checkpoint_forward(module)
                 covered |= runs
                 wrapped.append(name)
         if missing := operators - covered:
             raise ValueError(f"recompute: this runtime has no module that runs only "
                              f"{', '.join(sorted(missing))}")
+        for name in wrapped:
+            if name:
+                replace(block, name, Recomputed(block.get_submodule(name)))
+            else:
+                model.layers[key] = Recomputed(block)
 
 
 def apply_expert_timers(model: Transformer, timers: Timers) -> None:
     """Time each layer's grouped expert GEMMs, forward and backward."""
     for moe in model.moe_layers():
-        inner = moe.experts.forward
-        moe.experts.forward = functools.partial(
-            lambda x, counts, f: timed(timers, Component.expert_compute, f, x, counts), f=inner
-        )
+        moe.experts = Timed(moe.experts, functools.partial(timed, timers,
+                                                           Component.expert_compute))
 
 
 @dataclass

@@ -28,15 +28,12 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
+    from runtime.parallel.mesh import start_process_group
+
     torch.set_num_threads(1)
     sys.path.insert(0, str(HERE))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
+    start_process_group(rank, world, torch.device("cpu"), timedelta(seconds=60),
+                        f"tcp://127.0.0.1:{port}")
     while True:
         task = tasks.get()
         if task is None:

@@ -344,16 +344,17 @@ def test_chunked_cross_entropy_in_bf16_stays_near_the_fp32_loss(monkeypatch, chu
 def test_recompute_wraps_exactly_the_modules_of_the_recomputed_operators(policy):
     """The runtime checkpoints the modules running plans.RECOMPUTED[policy], the set the cost
     model prices: the attention cores for selective, whole layers for full."""
-    import functools
-
     from plans import RECOMPUTED, LayerOperator, Recompute, catalog
     from runtime.config import ModelConfig
     from runtime.model import AttentionCore, Transformer, TransformerBlock
     from runtime.parallel.parallelize import apply_recompute
+    from runtime.parallel.wrappers import Recomputed
 
     model = Transformer(ModelConfig(catalog.load_model("tiny-moe-shared")))
+    names = [n for n, _ in model.named_parameters()]
     apply_recompute(model, RECOMPUTED[Recompute(policy)])
-    wrapped = {type(m) for m in model.modules() if isinstance(m.forward, functools.partial)}
+    wrapped = {type(m.inner) for m in model.modules() if isinstance(m, Recomputed)}
+    assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys
     assert wrapped == {"none": set(), "selective": {AttentionCore},
                        "full": {TransformerBlock}}[policy]
     with pytest.raises(ValueError, match="expert_swiglu"):
