@@ -678,7 +678,7 @@ def measured_deviations(plan: Plan, recorded: list[dict] | None,
 def executed_as_measured(plan: Plan, recorded: list[dict] | None,
                          backend: Backend = Backend.cuda_nccl) -> Plan:
     """The plan as a measured run executed it: the deviations the run recorded
-    (bench/train_step.py, ``moeplan profile`` and the runtime's log write them), or, for a
+    (bench/steps/train_step.py, ``moeplan profile`` and the runtime's log write them), or, for a
     result that recorded none, this table's with gradient-accumulation fusion run as false:
     results without the record predate it, and no runtime before it fused the gradient
     accumulation."""

@@ -1,7 +1,7 @@
 """The plans of the fidelity suite: measured training steps the calibrated cost model is held
-to (bench/fidelity_report.py, docs/fidelity.md). None of them is used to fit the factors.
+to (bench/fidelity/fidelity_report.py, docs/fidelity.md). None of them is used to fit the factors.
 
-    python bench/fidelity_cases.py        # writes bench/gpu_plans/fidelity/<case>.json
+    python -m bench.fidelity.fidelity_cases        # writes bench/gpu_plans/fidelity/<case>.json
 
 Shapes (full width, reduced depth; global batch 8 x 4096):
 - Mixtral-8x7B, 2 layers: 8 experts top-2, expert FFN 14,336, vocabulary 32,000;
@@ -23,12 +23,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from memory_cases import reduced_plan  # noqa: E402
-
-from plans import (  # noqa: E402
+from bench.memory.memory_cases import reduced_plan
+from plans import (
     Degrees,
     Dispatch,
     Kernels,

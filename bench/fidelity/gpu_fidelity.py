@@ -1,9 +1,9 @@
 """Hold measured GPU training runs against the cost model's predictions for the same plans.
 
-    python bench/gpu_fidelity.py --runs bench/results/h200 --plans bench/gpu_plans \
+    python -m bench.fidelity.gpu_fidelity --runs bench/results/h200 --plans bench/gpu_plans \
         --name gpu_fidelity_h200
 
-Reads each `train_step_<plan>.json` (bench/train_step.py) or `train_<plan>.jsonl` (the
+Reads each `train_step_<plan>.json` (bench/steps/train_step.py) or `train_<plan>.jsonl` (the
 runtime's per-step log, steps after the first `--skip` averaged), evaluates `<plan>.json`
 with the cost model as the runtime executed it (plans.execution: no overlap, gradient sync after
 the backward, no gradient-accumulation fusion, bf16 GEMMs), on the plan's own cluster or on
@@ -17,12 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from _meta import write  # noqa: E402
-
-from planner.calibrate import fidelity_row, fidelity_summary, runs_with_plans  # noqa: E402
-from plans import catalog  # noqa: E402
+from bench._meta import write
+from planner.calibrate import fidelity_row, fidelity_summary, runs_with_plans
+from plans import catalog
 
 
 def main() -> None:

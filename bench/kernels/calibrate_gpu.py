@@ -1,7 +1,7 @@
 """Micro-benchmarks of every kernel class the cost model prices, next to its predictions: what
 `moeplan calibrate --collectives` fits a cluster's efficiency factors from.
 
-    torchrun --standalone --nproc-per-node 2 bench/calibrate_gpu.py --cluster h200 \
+    torchrun --standalone --nproc-per-node 2 -m bench.kernels.calibrate_gpu --cluster h200 \
         --out bench/results/calibration_h200.json
 
 Kernels are spread over the ranks (each rank times its share on its own GPU), then every rank
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -46,21 +45,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-import _dist_bench  # noqa: E402
-from _meta import metadata, write  # noqa: E402
-
-from planner.calibrate import row_seconds  # noqa: E402
-from plans import catalog  # noqa: E402
-from plans.io import write_atomic  # noqa: E402
-from plans.results import SweepOp, SweepRow  # noqa: E402
-from runtime.kernels import weighted_scatter  # noqa: E402
-from runtime.loss import chunked_cross_entropy, materialized_cross_entropy  # noqa: E402
-from runtime.model import AttentionCore, RMSNorm  # noqa: E402
-from runtime.moe import Router, grouped_mm, sort_by_expert  # noqa: E402
-from runtime.parallel.comm import all_gather_into, reduce_scatter_into  # noqa: E402
-from runtime.parallel.mesh import end_process_groups  # noqa: E402
+from bench import _dist_bench
+from bench._meta import metadata, write
+from planner.calibrate import row_seconds
+from plans import catalog
+from plans.io import write_atomic
+from plans.results import SweepOp, SweepRow
+from runtime.kernels import weighted_scatter
+from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
+from runtime.model import AttentionCore, RMSNorm
+from runtime.moe import Router, grouped_mm, sort_by_expert
+from runtime.parallel.comm import all_gather_into, reduce_scatter_into
+from runtime.parallel.mesh import end_process_groups
 
 
 class Grid:

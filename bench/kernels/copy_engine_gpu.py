@@ -1,6 +1,6 @@
 """Does a copy-engine transfer overlap an expert GEMM where NCCL on a side stream does not?
 
-    torchrun --nproc-per-node 2 bench/copy_engine_gpu.py \
+    torchrun --nproc-per-node 2 -m bench.kernels.copy_engine_gpu \
         --out bench/results/h200/copy_engine_x2.json
 
 Issue 11 item 3 asks for copy-engine transfers (symmetric-memory peer copies) so the SMs stay
@@ -32,13 +32,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _dist_bench import finish, init, slowest, timed  # noqa: E402
-from _meta import metadata  # noqa: E402
-
-from plans.io import write_atomic  # noqa: E402
-from runtime.moe import grouped_mm  # noqa: E402
+from bench._dist_bench import finish, init, slowest, timed
+from bench._meta import metadata
+from plans.io import write_atomic
+from runtime.moe import grouped_mm
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. 
 per expert are drawn from a top-k router over random logits (a mildly uneven load). SwiGLU runs
 eagerly in every variant alike; it is not what is compared.
 
-    python bench/expert_gemm_gpu.py --shape SHAPE --out RESULT.json    (SHAPE: see SHAPES)
+    python -m bench.kernels.expert_gemm_gpu --shape SHAPE --out RESULT.json    (SHAPE: see SHAPES)
 """
 
 from __future__ import annotations
@@ -39,16 +39,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from _dist_bench import device_timed  # noqa: E402
-from _meta import metadata  # noqa: E402
-
-from plans.io import write_atomic  # noqa: E402
-from runtime.parallel.grad_accumulation import per_expert_accumulating  # noqa: E402
+from bench._dist_bench import device_timed
+from bench._meta import metadata
+from plans.io import write_atomic
+from runtime.parallel.grad_accumulation import per_expert_accumulating
 
 SHAPES = {
     # name: (experts, hidden, ffn_hidden, top_k), the models' published configurations

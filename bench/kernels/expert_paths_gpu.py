@@ -9,7 +9,7 @@ dense ceiling at the same FLOPs:
 - ``dense``: every row through one expert's weights as plain cuBLAS matmuls, the same FLOPs:
   the ceiling a grouped GEMM could reach at the shape.
 
-    python bench/expert_paths_gpu.py --out RESULT.json [--shapes NAME ...] [--tokens 16384]
+    python -m bench.kernels.expert_paths_gpu --out RESULT.json [--shapes NAME ...] [--tokens 16384]
         [--kernels fused|eager]
 
 The rows per expert come from a top-k router over random logits (a mildly uneven load), the
@@ -31,10 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from _meta import metadata  # noqa: E402
-
+from bench._meta import metadata  # noqa: E402
 from plans.catalog import load_model  # noqa: E402
 from plans.enums import ExpertGemm, Kernels  # noqa: E402
 from plans.io import write_atomic  # noqa: E402

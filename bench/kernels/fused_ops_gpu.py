@@ -2,7 +2,7 @@
 forward + backward, at Mixtral-8x7B shapes by default (16k tokens of one micro-batch of 4 x
 4096, hidden 4096, 32 query and 8 KV heads of 128, expert FFN 14336, top-2 of 8 experts):
 
-    python bench/fused_ops_gpu.py --out bench/results/h200_fused/fused_ops_mixtral.json
+    python -m bench.kernels.fused_ops_gpu --out bench/results/h200_fused/fused_ops_mixtral.json
 
 Per operator: CUDA-event medians after warm-up (wall clock on CPU) of one call on an idle GPU
 and of its kernels with the host ahead (``device_``: bench/_dist_bench.device_timed, no host
@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
-from _dist_bench import device_timed, timed  # noqa: E402
-from _meta import metadata  # noqa: E402
 
+from bench._dist_bench import device_timed, timed  # noqa: E402
+from bench._meta import metadata  # noqa: E402
 from cost_models.compute import CE_FUSED_BYTES_PER_LOGIT  # noqa: E402
 from plans.enums import Kernels  # noqa: E402
 from plans.io import write_atomic  # noqa: E402

@@ -1,6 +1,7 @@
 """Run a benchmark with the GPU's clocks and power sampled beside it.
 
-    python bench/gpu_clocks.py --csv OUT.csv [--interval-ms 250] -- python3 bench/X.py ARGS...
+    python -m bench.kernels.gpu_clocks --csv OUT.csv [--interval-ms 250] -- python3 bench/X.py
+    ARGS...
 
 nvidia-smi samples, every ``--interval-ms``, the SM clock and its maximum, the power draw and
 limit, the temperature and the active clock-event reasons (bit 0x4: the software power cap)

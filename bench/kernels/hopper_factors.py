@@ -1,7 +1,7 @@
 """The efficiency factors of the Hopper die and its vendor kernels, fitted to the committed H200
 micro-benchmark sweep: what the catalog's H100, H800 and H200 clusters carry.
 
-    python bench/hopper_factors.py    # writes bench/results/hopper_factors.json
+    python -m bench.kernels.hopper_factors    # writes bench/results/hopper_factors.json
 
 H100 SXM, H800 SXM and H200 SXM are one die (GH100: 132 SMs, 989 dense bf16 TFLOP/s at the
 same clocks, 700 W; NVIDIA's H100 and H200 datasheets; the MegaScale-MoE paper's Table 4 for
@@ -34,14 +34,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from _meta import write  # noqa: E402
-
-from planner.calibrate import (  # noqa: E402
+from bench._meta import write
+from planner.calibrate import (
     fit_gemm,
     fit_grouped,
     fit_kernels,
@@ -50,8 +46,8 @@ from planner.calibrate import (  # noqa: E402
     row_seconds,
     with_efficiency,
 )
-from plans import Efficiency, catalog  # noqa: E402
-from plans.results import Sweep, SweepOp, read  # noqa: E402
+from plans import Efficiency, catalog
+from plans.results import Sweep, SweepOp, read
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = ROOT / "bench" / "results" / "h200" / "fidelity" / "calibration_h200.json"
@@ -59,7 +55,7 @@ SWEEP = ROOT / "bench" / "results" / "h200" / "fidelity" / "calibration_h200.jso
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
 """The fused memory-bound operators' device times at three shapes (campaign h200_fused_device)."""
 FUSED_SHAPES = ("mixtral", "qwen3", "352b")
-"""bench/fused_ops_gpu.py's results in DEVICE: Mixtral-8x7B and Qwen3-30B-A3B at 16k tokens,
+"""bench/kernels/fused_ops_gpu.py's results in DEVICE: Mixtral-8x7B and Qwen3-30B-A3B at 16k tokens,
 the 352B job's per-rank shapes (1,024 tokens)."""
 FUSED_OPS = ("rms_norm", "rope", "swiglu", "permute", "unpermute")
 """The operators the cost model prices at fused_elementwise under fused kernels

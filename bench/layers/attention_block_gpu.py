@@ -2,9 +2,10 @@
 recomputation: on one GPU the block alone, under Ulysses SP = N its all-to-alls' exposed time,
 blocking and in overlapped head groups.
 
-    torchrun --nproc-per-node N bench/attention_block_gpu.py --out $OUT/attention_block_xN.json
+    torchrun --nproc-per-node N -m bench.layers.attention_block_gpu --out
+    $OUT/attention_block_xN.json
     (N = 1: one GPU, no communication; N = 2: Ulysses SP = 2 over NCCL)
-    python bench/attention_block_gpu.py --simulate-sp 2 --out ...  (one GPU: one SP rank's
+    python -m bench.layers.attention_block_gpu --simulate-sp 2 --out ...  (one GPU: one SP rank's
     compute, its all-to-alls kept on the rank)
 
 The block is x + attention(attention_norm(x)) of a one-layer model built and parallelised by the
@@ -57,14 +58,13 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _dist_bench import finish, init, slowest, spun, timed  # noqa: E402
-from _meta import metadata  # noqa: E402
-from layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 
+from bench._dist_bench import finish, init, slowest, spun, timed  # noqa: E402
+from bench._meta import metadata  # noqa: E402
+from bench.layers.layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
 from cost_models.layer import layer_graphs, layer_key, schedule_s  # noqa: E402
 from cost_models.layer_graph import OpKind  # noqa: E402
 from plans import (  # noqa: E402

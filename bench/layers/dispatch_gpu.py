@@ -1,9 +1,9 @@
 """EP dispatch + combine of the runtime's two dispatchers against top-k, measured next to the
 cost model, with the dispatcher `moeplan search` picks.
 
-    torchrun --nproc-per-node N bench/dispatch_gpu.py --out $OUT/dispatch_xN.json \
+    torchrun --nproc-per-node N -m bench.layers.dispatch_gpu --out $OUT/dispatch_xN.json \
         [--picks bench/results/dispatch_planner_xN.json]
-    python bench/dispatch_gpu.py --planner-only --gpus N --cluster h200-runtime --runnable \
+    python -m bench.layers.dispatch_gpu --planner-only --gpus N --cluster h200-runtime --runnable \
         --out bench/results/dispatch_planner_xN.json
 
 Measured (N ranks = the EP group): for each top-k, tokens per rank = seq / N (micro-batch 1,
@@ -39,10 +39,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from _meta import metadata  # noqa: E402
-
+from bench._meta import metadata  # noqa: E402
 from cost_models import volumes as vol  # noqa: E402
 from cost_models.layer import layer_key, layer_timing  # noqa: E402
 from cost_models.layer_graph import forward_graph  # noqa: E402

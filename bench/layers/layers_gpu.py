@@ -2,7 +2,7 @@
 (all-to-all and all-gather dispatch) vs expert TP = N: measured forward and forward + backward
 next to the cost model's communication volume and times.
 
-    torchrun --nproc-per-node N bench/layers_gpu.py --out $OUT/layers_xN.json
+    torchrun --nproc-per-node N -m bench.layers.layers_gpu --out $OUT/layers_xN.json
 
 Three one-layer plans (Mixtral-8x7B width, seq 8192, micro-batch 1, no overlap, no
 recomputation: how this runtime executes a layer) are built and parallelised by the runtime
@@ -30,13 +30,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _dist_bench import collective_fn, finish, init, slowest, timed  # noqa: E402
-from _meta import metadata  # noqa: E402
 
+from bench._dist_bench import collective_fn, finish, init, slowest, timed  # noqa: E402
+from bench._meta import metadata  # noqa: E402
 from cost_models import volumes as vol  # noqa: E402
 from cost_models.layer import layer_key, layer_timing  # noqa: E402
 from cost_models.layer_graph import OpKind, forward_graph  # noqa: E402

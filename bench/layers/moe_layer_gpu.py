@@ -1,7 +1,7 @@
 """One MoE layer, forward + backward: serial against inter-operator overlapped, with its compute
 and its communication measured alone, beside torchtitan's MoE layer on the same shapes.
 
-    torchrun --nproc-per-node N bench/moe_layer_gpu.py --out $OUT/moe_layer_xN.json
+    torchrun --nproc-per-node N -m bench.layers.moe_layer_gpu --out $OUT/moe_layer_xN.json
     (N = 1: our layer and the peer on one GPU; N = 2: the EP = 2 group)
 
 Shapes (``SHAPES``, tokens per rank ``--tokens``, default 16k, micro-batch of one layer):
@@ -43,10 +43,8 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from _meta import metadata  # noqa: E402
-
+from bench._meta import metadata  # noqa: E402
 from plans.enums import ExpertGemm  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
 from plans.layout import INTER_OP_CHUNKS  # noqa: E402
@@ -342,7 +340,7 @@ def peer_result(args, shape, n, device, dtype, x, grad_out, timed, slowest) -> d
             peer(xs.unsqueeze(0)).squeeze(0).backward(grad_out)
 
         run()
-    except Exception as exc:  # noqa: BLE001  (any failure of a third-party layer is recorded)
+    except Exception as exc:
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         traceback.print_exc()
     ok = torch.tensor([0.0 if error else 1.0], device=device)

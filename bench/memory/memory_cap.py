@@ -9,7 +9,7 @@ request that finds no free block large enough first unmaps every free cached pag
 fragments the allocator gives back under pressure. Ran under the cap, the step either fits (its
 retries and step time say what the pressure cost) or stops with CUDA's out-of-memory error.
 
-    torchrun --nproc-per-node N bench/memory_cap.py --plan PLAN --out RESULT.json
+    torchrun --nproc-per-node N -m bench.memory.memory_cap --plan PLAN --out RESULT.json
 
 Rank 0 writes the result when every rank finished; a rank that runs out of memory writes
 RESULT.rank<r>.oom.json at once (its peers then wait in a collective until the launch's
@@ -23,21 +23,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _meta import metadata  # noqa: E402
-from train_step import ranks_per_gpu, setup  # noqa: E402  (sets the allocator first)
-
-from cost_models.memory import memory_breakdown  # noqa: E402
-from plans.execution import executed_plan, record  # noqa: E402
-from runtime.data import SyntheticTokens  # noqa: E402
-from runtime.memory import GIB  # noqa: E402
-from runtime.parallel.mesh import end_process_groups  # noqa: E402
-from runtime.parallel.parallelize import backend_of  # noqa: E402
-from runtime.trainer import build_trainer  # noqa: E402
+from bench._meta import metadata
+from bench.steps.train_step import ranks_per_gpu, setup
+from cost_models.memory import memory_breakdown
+from plans.execution import executed_plan, record
+from runtime.data import SyntheticTokens
+from runtime.memory import GIB
+from runtime.parallel.mesh import end_process_groups
+from runtime.parallel.parallelize import backend_of
+from runtime.trainer import build_trainer
 
 
 def main(argv=None) -> int:

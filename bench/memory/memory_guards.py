@@ -1,6 +1,6 @@
 """The runtime's memory guards on a GPU, as a user meets them:
 
-    python bench/memory_guards.py --out bench/results/h200/memory/guards.json
+    python -m bench.memory.memory_guards --out bench/results/h200/memory/guards.json
 
 1. a plan predicted above the GPU's free memory (bench/gpu_plans/memory/too_big_qwen4l_1gpu.json:
    254 GiB predicted) is refused before the first step: exit 2, one line;
@@ -20,9 +20,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(ROOT), str(HERE)]
 
-from _meta import metadata  # noqa: E402
+from bench._meta import metadata  # noqa: E402
 
 PLANS = HERE / "gpu_plans" / "memory"
 TRAIN = [sys.executable, "-m", "runtime.train", "--steps"]

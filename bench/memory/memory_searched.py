@@ -1,25 +1,24 @@
 """The plans `moeplan search --runnable` picks for the memory issue's jobs: reduced-depth
 Qwen3-30B-A3B and DeepSeekMoE shapes (4 layers), global batch 16 x 4096, on 1 and 2 H200s of the
-calibrated cluster h200-runtime. Written to bench/gpu_plans/memory/ for bench/memory_suite.py
+calibrated cluster h200-runtime. Written to bench/gpu_plans/memory/ for bench/memory/memory_suite.py
 (``--plan-files``), which checks on the device that they run without running out of memory and
-records their peaks for bench/memory_report.py (held out: chosen by the cost model before they
+records their peaks for bench/memory/memory_report.py (held out: chosen by the cost model before
+they
 were measured). The committed files are the plans measured at commit 5dc7a2f (the chunked
 loss for each; the search now prefers the materialized loss where it fits, so a rerun may
 write other plans, to be measured again).
 
-    python bench/memory_searched.py        # imports the planner: run on the CPU machine
+    python -m bench.memory.memory_searched        # imports the planner: run on the CPU machine
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from memory_cases import TRAINING, write_searched  # noqa: E402
+from bench.memory.memory_cases import TRAINING, write_searched  # noqa: E402
 
 OUT = HERE / "gpu_plans" / "memory"
 JOBS = [(shape, gpus) for shape in ("qwen4l", "deepseek4l") for gpus in (1, 2)]

@@ -1,7 +1,7 @@
 """Memory truth: the peak device memory of training steps of many plans, and its parts.
 
-    python bench/memory_suite.py --world 1 --out-dir bench/results/h200/memory
-    torchrun --nproc-per-node 2 bench/memory_suite.py --world 2 --out-dir ...
+    python -m bench.memory.memory_suite --world 1 --out-dir bench/results/h200/memory
+    torchrun --nproc-per-node 2 -m bench.memory.memory_suite --world 2 --out-dir ...
 
 Runs every case of ``CASES`` whose world size is ``--world`` (or those named by ``--cases``) in
 one process per rank, one after another: builds the runtime's trainer for the case's plan, runs
@@ -19,7 +19,8 @@ probed step that records per rank
 
 A case that runs out of memory is recorded as such, with the allocator's numbers at the failure.
 Each case writes ``memory_<case>.json`` (rank 0; every rank's numbers inside) with metadata
-(GPU, torch, commit, date). Predictions are not computed here: ``bench/memory_report.py`` holds
+(GPU, torch, commit, date). Predictions are not computed here: ``bench/memory/memory_report.py``
+holds
 the committed measurements against the cost model of the tree it runs on.
 """
 
@@ -35,7 +36,6 @@ from datetime import timedelta
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from runtime.memory import GIB, MemoryPhases, configure_allocator  # noqa: E402
 from runtime.parallel.mesh import end_process_groups  # noqa: E402
@@ -44,9 +44,9 @@ configure_allocator()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _meta import metadata  # noqa: E402
-from memory_cases import CASES  # noqa: E402
 
+from bench._meta import metadata  # noqa: E402
+from bench.memory.memory_cases import CASES  # noqa: E402
 from plans import Plan  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import record  # noqa: E402

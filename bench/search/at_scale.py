@@ -1,6 +1,6 @@
 """Hold the cost model against published large runs, each evaluated as its published plan.
 
-    python bench/at_scale.py          # writes bench/results/at_scale.json
+    python -m bench.search.at_scale          # writes bench/results/at_scale.json
 
 Runs (the configurations as published; what a source leaves open is named in ``assumed``):
 
@@ -26,10 +26,11 @@ Runs (the configurations as published; what a source leaves open is named in ``a
   optimizer): the split says where a residual lies.
 
 No efficiency factor is fitted here: every run is priced on its catalog cluster, whose
-Hopper factors (GEMM, grouped GEMM, FlashAttention) are those bench/hopper_factors.py fits to the
+Hopper factors (GEMM, grouped GEMM, FlashAttention) are those bench/kernels/hopper_factors.py fits
+to the
 H200 micro-benchmark sweep and nothing else; the rest are the catalog's priors. ``sensitivity``
 re-prices the three checks with the H200 factors that were not carried (the JSON of
-bench/hopper_factors.py says why), to show their weight, not to adopt them. The check is a
+bench/kernels/hopper_factors.py says why), to show their weight, not to adopt them. The check is a
 documented residual, not a target the model was tuned to (docs/fidelity_at_scale.md).
 """
 
@@ -37,16 +38,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from _meta import write  # noqa: E402
-
-import cost_models  # noqa: E402
-from planner.calibrate import with_efficiency  # noqa: E402
-from plans import (  # noqa: E402
+import cost_models
+from bench._meta import write
+from planner.calibrate import with_efficiency
+from plans import (
     EPFFN,
     TPFFN,
     Degrees,
@@ -63,7 +60,7 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
-from plans.specs import mfu  # noqa: E402
+from plans.specs import mfu
 
 TARGET = 0.25
 """Issue 12: each published number within 25%."""
@@ -255,7 +252,7 @@ HOPPER_FACTORS = Path(__file__).parent / "results" / "hopper_factors.json"
 
 
 def not_carried_factors() -> dict[str, dict[str, float]]:
-    """The H200 factors bench/hopper_factors.py does not carry to the catalog, by group: the
+    """The H200 factors bench/kernels/hopper_factors.py does not carry to the catalog, by group: the
     fixed times per (grouped) GEMM call of the sweep's one-call fit (the host's dispatch
     inside), and the fused memory-bound operators' factor of the calibrated h200-runtime
     cluster (its profiled step's residual, host included)."""

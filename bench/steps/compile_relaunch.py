@@ -1,8 +1,8 @@
-"""The first step of a relaunch: one plan launched twice (bench/train_step.py, a process each)
+"""The first step of a relaunch: one plan launched twice (bench/steps/train_step.py, a process each)
 over one torch.compile cache folder (runtime.compile_cache), empty before the first launch.
 The first launch compiles every region; the second loads them from the cache.
 
-    python bench/compile_relaunch.py --plan PLAN --out RESULT.json [--steps S] [--warmup W]
+    python -m bench.steps.compile_relaunch --plan PLAN --out RESULT.json [--steps S] [--warmup W]
         [--cache-dir DIR]
 
 Writes JSON (bench/_meta.py's metadata): per launch, the first step's time, the median of the
@@ -24,10 +24,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from _meta import metadata  # noqa: E402
-
+from bench._meta import metadata  # noqa: E402
 from plans import SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.io import write_atomic  # noqa: E402
@@ -50,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def launch(plan: Path, world: int, out: Path, cache: Path, steps: int, warmup: int) -> dict:
-    """One bench/train_step.py launch; its result's first-step fields and its wall time."""
+    """One bench/steps/train_step.py launch; its result's first-step fields and its wall time."""
     runner = ([sys.executable] if world == 1 else
               [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(world)])

@@ -1,10 +1,10 @@
 """Write the plans (bench/gpu_plans/) the GPU benchmarks run: a reduced Mixtral-8x7B
 (2 layers, full width) on one and two H200s, in the layouts worth comparing; and, per node size
 N (8 and 2), under bench/gpu_plans/xN/: Ulysses SP = EP = N with each dispatcher (for
-bench/parity_gpu.py), and with ``--search`` the best plan `moeplan search` finds for one node
+bench/steps/parity_gpu.py), and with ``--search`` the best plan `moeplan search` finds for one node
 of N H200s for the reduced model and the Megatron-style baseline it compares against (for
-bench/train_step.py: measured speedup against predicted). Plans are data: regenerate with
-    python bench/make_gpu_plans.py [--search]
+bench/steps/train_step.py: measured speedup against predicted). Plans are data: regenerate with
+    python -m bench.steps.make_gpu_plans [--search]
 ``--search`` imports the planner (pulp / highspy): run it on the CPU machine. The search is
 `moeplan search --runnable`'s (what this runtime executes: no overlap, the gradient sync overlapped,
 no gradient-accumulation fusion) on the calibrated h200-runtime cluster; the baseline is

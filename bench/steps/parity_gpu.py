@@ -1,7 +1,7 @@
 """Correctness of a parallel layout against the single-process reference: loss and every
 gradient after one step (before the optimizer), as relative errors.
 
-    torchrun --nproc-per-node 2 bench/parity_gpu.py --plan PLAN --out bench/results/NAME.json
+    torchrun --nproc-per-node 2 -m bench.steps.parity_gpu --plan PLAN --out bench/results/NAME.json
 
 A gradient's error is ||g - g_ref|| / ||g_ref|| over this rank's slice (the reference sliced
 the same way); each rank reruns the reference itself and compares its own slices, so only a
@@ -27,13 +27,12 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _meta import metadata  # noqa: E402
-from train_step import setup  # noqa: E402
 
+from bench._meta import metadata  # noqa: E402
+from bench.steps.train_step import setup  # noqa: E402
 from plans import OptimizerSharding  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.parallel.mesh import end_process_groups  # noqa: E402

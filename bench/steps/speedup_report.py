@@ -1,10 +1,10 @@
 """Measured speedup of moeplan search's plan over the Megatron-style baseline, held against the
 predicted one.
 
-    python bench/speedup_report.py --best RUN_BEST.json --baseline RUN_BASELINE.json \
+    python -m bench.steps.speedup_report --best RUN_BEST.json --baseline RUN_BASELINE.json \
         --out $OUT/speedup_x8.json
 
-Reads two bench/train_step.py results (each carries its plan's prediction) and writes the
+Reads two bench/steps/train_step.py results (each carries its plan's prediction) and writes the
 measured step times, the predicted ones, both speedups (baseline / best) and their ratio.
 """
 
@@ -15,11 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _meta import metadata  # noqa: E402
-
-from plans import SpecError  # noqa: E402
-from plans.results import TrainStepResult, read  # noqa: E402
+from bench._meta import metadata
+from plans import SpecError
+from plans.results import TrainStepResult, read
 
 
 def main(argv=None) -> int:

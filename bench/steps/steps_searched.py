@@ -1,25 +1,22 @@
 """The plans `moeplan search --runnable` picks for the fidelity suite's job (global batch
-8 x 4096, bench/fidelity_cases.py) on one and two H200s of the calibrated cluster
+8 x 4096, bench/fidelity/fidelity_cases.py) on one and two H200s of the calibrated cluster
 h200-runtime, for the three reduced-depth shapes: what a user of the planner trains. Written to
 bench/gpu_plans/searched/ for campaigns h200_searched_fused_loss_1gpu and h200_searched_x2,
 which measure their steps (held out: chosen by the cost model before they were measured). A
 rerun after the cost model changes may write other plans, to be measured again.
 
-    python bench/steps_searched.py        # imports the planner: run on the CPU machine
+    python -m bench.steps.steps_searched        # imports the planner: run on the CPU machine
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-from fidelity_cases import TRAINING  # noqa: E402
-from memory_cases import SHAPES, write_searched  # noqa: E402
-
+from bench.fidelity.fidelity_cases import TRAINING  # noqa: E402
+from bench.memory.memory_cases import SHAPES, write_searched  # noqa: E402
 from plans import Plan  # noqa: E402
 
 OUT = HERE / "gpu_plans" / "searched"

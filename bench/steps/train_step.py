@@ -1,8 +1,8 @@
 """Measured training-step time of a plan, for comparison with the cost model's prediction.
 
-    torchrun --nproc-per-node N bench/train_step.py --plan PLAN --steps S --warmup W \
+    torchrun --nproc-per-node N -m bench.steps.train_step --plan PLAN --steps S --warmup W \
         --out bench/results/NAME.json
-    torchrun --nproc-per-node N bench/train_step.py --plans P1 P2 ... --out-dir DIR
+    torchrun --nproc-per-node N -m bench.steps.train_step --plans P1 P2 ... --out-dir DIR
 
 With ``--plans``, one launch measures every listed plan whose GPU count is the launch's world
 size (others are skipped), one after another in the same processes, each written to
@@ -30,7 +30,6 @@ from datetime import timedelta
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 from runtime.memory import (  # noqa: E402
     GIB,
@@ -43,8 +42,8 @@ configure_allocator()  # as the runtime's launch does (runtime.train), before CU
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from _meta import metadata  # noqa: E402
 
+from bench._meta import metadata  # noqa: E402
 from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, record  # noqa: E402

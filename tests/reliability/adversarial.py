@@ -13,7 +13,7 @@ worker launched on bad input is seen. A case is counted as
               file changed that must not, a checkpoint lost, a resumed run that differs)
 - ok:         none of these
 
-    python bench/adversarial.py [--only KIND] [--no-write]
+    python -m tests.reliability.adversarial [--only KIND] [--no-write]
 
 writes bench/results/adversarial.json (commit, date, counts per kind, failures).
 """
@@ -37,12 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "runtime"))
-sys.path.insert(0, str(Path(__file__).parent))
-from _meta import write  # noqa: E402
 from dist_workers import make_plan  # noqa: E402
 
+from bench._meta import write  # noqa: E402
 from plans import CPAttention, catalog  # noqa: E402
 from plans.enums import OptimizerSharding  # noqa: E402
 
@@ -537,7 +534,7 @@ def main() -> None:
                                                    "wrong")},
         "by_group": {g: dict(c) for g, c in by_group.items()},
         "failures": failures,
-        "command": "python bench/adversarial.py",
+        "command": "python -m tests.reliability.adversarial",
     }
     print(json.dumps(payload["outcomes"]), json.dumps(payload["by_group"]))
     for f in failures[:10]:

@@ -14,7 +14,7 @@ Zero tracebacks, hangs, bad errors and writes is the target. `train` gets only c
 fail before launching (its launcher is replaced by one that records the launch), and so does
 `profile`.
 
-    python bench/fuzz_cli.py [--cases 10000] [--seed 0] [--timeout 20]
+    python -m tests.reliability.fuzz_cli [--cases 10000] [--seed 0] [--timeout 20]
 """
 
 from __future__ import annotations
@@ -33,11 +33,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).parent))
-from _meta import write  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
+from bench._meta import write  # noqa: E402
 from planner import launch  # noqa: E402
 from planner.cli import app  # noqa: E402
 from planner.whatif import Knob  # noqa: E402
@@ -538,7 +536,7 @@ def main() -> None:
         "by_command": {c: dict(v) for c, v in sorted(by_command.items())},
         "failures": failures,
         "slowest_cases": [{"seconds": round(t, 3), "argv": a} for t, a in slowest],
-        "command": f"python bench/fuzz_cli.py --cases {args.cases} --seed {args.seed}",
+        "command": f"python -m tests.reliability.fuzz_cli --cases {args.cases} --seed {args.seed}",
     }
     print(json.dumps(payload["outcomes"]), f"in {seconds:.0f} s")
     print(json.dumps(payload["by_command"]))
