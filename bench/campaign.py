@@ -84,7 +84,7 @@ class TrainStep(_PlanStep):
         return f"train_step_{self.stem}"
 
     def command(self, results: Path) -> list[str]:
-        return [*_launcher(self.ranks()), "bench.steps.train_step", "--plan", self.train_step,
+        return [*launcher(self.ranks()), "-m", "bench.steps.train_step", "--plan", self.train_step,
                 "--steps", str(self.steps), "--warmup", str(self.warmup),
                 "--out", str(results / f"{self.name}.json")]
 
@@ -106,7 +106,7 @@ class Parity(_PlanStep):
         return 1 if self.share_gpu else self.ranks()
 
     def command(self, results: Path) -> list[str]:
-        return [*_launcher(self.ranks(), force_torchrun=True), "bench.steps.parity_gpu",
+        return [*launcher(self.ranks(), force_torchrun=True), "-m", "bench.steps.parity_gpu",
                 "--plan", self.parity, *(["--share-gpu"] if self.share_gpu else []),
                 "--out", str(results / f"{self.name}.json")]
 
@@ -130,8 +130,8 @@ class Profile(_PlanStep):
 
 class Script(_Step):
     script: str
-    """The benchmark's module (``bench.layers.layers_gpu``) or its file under the repository
-    (``bench/layers/layers_gpu.py``): either way it runs as ``python -m MODULE``."""
+    """The benchmark's module (``bench.layers.layers_gpu``, run as ``python -m``), or a Python
+    file (a path ending in ``.py``, run as itself with the repository on ``PYTHONPATH``)."""
     name: str
     args: list[str] = []
     ranks_: PositiveInt = Field(1, alias="ranks")
@@ -152,26 +152,33 @@ class Script(_Step):
     def gpus_needed(self) -> int:
         return 1 if self.share_gpu else self.ranks_
 
-    def command(self, results: Path) -> list[str]:
-        args = [a.replace("{results}", str(results)) for a in self.args]
-        return [*_launcher(self.ranks_), self.module, *args,
-                *(["--share-gpu"] if self.share_gpu else [])]
+    @property
+    def is_file(self) -> bool:
+        return self.script.endswith(".py")
 
     @property
-    def module(self) -> str:
-        return self.script.removesuffix(".py").replace("/", ".")
+    def module(self) -> str | None:
+        return None if self.is_file else self.script
 
     def source(self) -> Path:
-        return Path(*self.module.split(".")).with_suffix(".py")
+        """The file that runs (a module's under the repository)."""
+        return ROOT / (self.script if self.is_file else
+                       Path(*self.script.split(".")).with_suffix(".py"))
+
+    def command(self, results: Path) -> list[str]:
+        args = [a.replace("{results}", str(results)) for a in self.args]
+        target = [self.script] if self.is_file else ["-m", self.script]
+        return [*launcher(self.ranks_), *target, *args,
+                *(["--share-gpu"] if self.share_gpu else [])]
 
 
-def _launcher(ranks: int, force_torchrun: bool = False) -> list[str]:
-    """The one way a step starts: ``python -m`` for one process, torchrun's ``-m`` for more;
-    the command's next word is the module."""
+def launcher(ranks: int, force_torchrun: bool = False) -> list[str]:
+    """The one way a benchmark starts: plain python for one process, torchrun for more; a
+    module follows as ``-m MODULE``."""
     if ranks == 1 and not force_torchrun:
-        return [sys.executable, "-m"]
+        return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(ranks), "-m"]
+            "--nproc-per-node", str(ranks)]
 
 
 def _step_kind(data: object) -> str:
@@ -253,7 +260,7 @@ def check(campaign: Campaign) -> list[str]:
         if plan is not None and not (ROOT / plan).is_file():
             problems.append(f"{s.name}: plan {plan} does not exist")
             continue
-        if isinstance(s, Script) and not (ROOT / s.source()).is_file():
+        if isinstance(s, Script) and not s.source().is_file():
             problems.append(f"{s.name}: script {s.script} does not exist")
             continue
         if s.gpus_needed() > campaign.gpus:

@@ -37,7 +37,7 @@ from plans import (
 
 TRAINING = TrainingSpec(global_batch=8, seq_len=4096)
 CLUSTER = "h200"
-OUT = Path(__file__).resolve().parent / "gpu_plans" / "fidelity"
+OUT = Path(__file__).resolve().parents[1] / "gpu_plans" / "fidelity"
 ONE_GPU = Degrees()
 A2A, AG = Dispatch.all_to_all, Dispatch.allgather_reduce_scatter
 SEL, FULL = Recompute.selective, Recompute.full

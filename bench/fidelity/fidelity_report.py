@@ -28,7 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from bench.fidelity.fidelity_cases import CASES, PROFILED, plan_path  # noqa: E402
 from cost_models import skew  # noqa: E402

@@ -30,12 +30,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-from bench._meta import metadata  # noqa: E402
-from plans.catalog import load_model  # noqa: E402
-from plans.enums import ExpertGemm, Kernels  # noqa: E402
-from plans.io import write_atomic  # noqa: E402
+from bench._meta import metadata
+from plans.catalog import load_model
+from plans.enums import ExpertGemm, Kernels
+from plans.io import write_atomic
 
 
 def _catalog(name: str) -> tuple[int, int, int, int]:
@@ -115,7 +113,8 @@ def build(name: str, experts: int, hidden: int, ffn: int, ops, device, dtype):
 
 def measure_shape(args, name: str, device, dtype, ops) -> dict:
     import torch
-    from _dist_bench import device_timed
+
+    from bench._dist_bench import device_timed
 
     experts, hidden, ffn, top_k = SHAPES[name]()
     hidden, ffn = hidden // args.scale, ffn // args.scale

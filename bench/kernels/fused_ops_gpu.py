@@ -26,17 +26,15 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import torch
 
-import torch  # noqa: E402
-
-from bench._dist_bench import device_timed, timed  # noqa: E402
-from bench._meta import metadata  # noqa: E402
-from cost_models.compute import CE_FUSED_BYTES_PER_LOGIT  # noqa: E402
-from plans.enums import Kernels  # noqa: E402
-from plans.io import write_atomic  # noqa: E402
-from runtime.kernels import KernelOps, kernel_ops, rope_tables  # noqa: E402
-from runtime.loss import chunk_tokens, chunked_cross_entropy  # noqa: E402
+from bench._dist_bench import device_timed, timed
+from bench._meta import metadata
+from cost_models.compute import CE_FUSED_BYTES_PER_LOGIT
+from plans.enums import Kernels
+from plans.io import write_atomic
+from runtime.kernels import KernelOps, kernel_ops, rope_tables
+from runtime.loss import chunk_tokens, chunked_cross_entropy
 
 FP32 = 4
 OPS = ("rms_norm", "rope", "swiglu", "router", "permute", "unpermute", "cross_entropy")

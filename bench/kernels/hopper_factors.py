@@ -49,7 +49,7 @@ from planner.calibrate import (
 from plans import Efficiency, catalog
 from plans.results import Sweep, SweepOp, read
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "bench" / "results" / "h200" / "fidelity" / "calibration_h200.json"
 """The micro-benchmark sweep docs/fidelity.md calibrates from (campaign h200_fidelity)."""
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"

@@ -57,17 +57,15 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench._dist_bench import finish, init, slowest, spun, timed  # noqa: E402
-from bench._meta import metadata  # noqa: E402
-from bench.layers.layers_gpu import OVERRIDES, build_block, model_spec  # noqa: E402
-from cost_models.layer import layer_graphs, layer_key, schedule_s  # noqa: E402
-from cost_models.layer_graph import OpKind  # noqa: E402
-from plans import (  # noqa: E402
+from bench._dist_bench import finish, init, slowest, spun, timed
+from bench._meta import metadata
+from bench.layers.layers_gpu import OVERRIDES, build_block, model_spec
+from cost_models.layer import layer_graphs, layer_key, schedule_s
+from cost_models.layer_graph import OpKind
+from plans import (
     EPFFN,
     Degrees,
     Dispatch,
@@ -79,12 +77,12 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
-from plans.io import write_atomic  # noqa: E402
-from plans.layout import kv_heads_sent, ulysses_chunks  # noqa: E402
-from plans.specs import ModelSpec  # noqa: E402
-from runtime.parallel.attention import ChunkedUlyssesCore, UlyssesCore  # noqa: E402
-from runtime.parallel.comm import all_to_all, head_to_seq, seq_to_head  # noqa: E402
-from runtime.parallel.overlap import Chunk  # noqa: E402
+from plans.io import write_atomic
+from plans.layout import kv_heads_sent, ulysses_chunks
+from plans.specs import ModelSpec
+from runtime.parallel.attention import ChunkedUlyssesCore, UlyssesCore
+from runtime.parallel.comm import all_to_all, head_to_seq, seq_to_head
+from runtime.parallel.overlap import Chunk
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 """Issue 11's two shapes (the MoE layer bench's), here their attention."""

@@ -38,22 +38,20 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-from bench._meta import metadata  # noqa: E402
-from cost_models import volumes as vol  # noqa: E402
-from cost_models.layer import layer_key, layer_timing  # noqa: E402
-from cost_models.layer_graph import forward_graph  # noqa: E402
-from planner.dispatch_fit import point_plan  # noqa: E402
-from plans import (  # noqa: E402
+from bench._meta import metadata
+from cost_models import volumes as vol
+from cost_models.layer import layer_key, layer_timing
+from cost_models.layer_graph import forward_graph
+from planner.dispatch_fit import point_plan
+from plans import (
     TIMER_OF,
     Component,
     Dispatch,
     TrainingSpec,
     catalog,
 )
-from plans.layout import tokens_per_rank  # noqa: E402
-from plans.specs import ModelSpec  # noqa: E402
+from plans.layout import tokens_per_rank
+from plans.specs import ModelSpec
 
 DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
 SHORT = {Dispatch.all_to_all: "a2a", Dispatch.allgather_reduce_scatter: "ag_rs"}
@@ -156,8 +154,8 @@ def measure_rows(args, hidden: int, experts: int, seq: int, group, device, dtype
     """Every top-k of one shape: both dispatchers' dispatch + combine (forward, forward +
     backward), the raw collectives of the cost model's transfers, and the predictions."""
     import torch
-    from _dist_bench import collective_fn, slowest, timed
 
+    from bench._dist_bench import collective_fn, slowest, timed
     from runtime.moe import Routing
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
 
@@ -241,7 +239,8 @@ def sweep_shapes(args, experts_default: int, hidden_default: int) -> list[tuple[
 def measure(args) -> int:
     import torch
     import torch.distributed as dist
-    from _dist_bench import finish, init
+
+    from bench._dist_bench import finish, init
 
     rank, n, device, dtype = init()
     if n < 2:

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from planner import dispatch_fit as df  # noqa: E402
 from plans import catalog  # noqa: E402

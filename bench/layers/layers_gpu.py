@@ -29,17 +29,15 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench._dist_bench import collective_fn, finish, init, slowest, timed  # noqa: E402
-from bench._meta import metadata  # noqa: E402
-from cost_models import volumes as vol  # noqa: E402
-from cost_models.layer import layer_key, layer_timing  # noqa: E402
-from cost_models.layer_graph import OpKind, forward_graph  # noqa: E402
-from plans import (  # noqa: E402
+from bench._dist_bench import collective_fn, finish, init, slowest, timed
+from bench._meta import metadata
+from cost_models import volumes as vol
+from cost_models.layer import layer_key, layer_timing
+from cost_models.layer_graph import OpKind, forward_graph
+from plans import (
     EPFFN,
     TPFFN,
     Degrees,
@@ -52,13 +50,13 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
-from plans.layout import tokens_per_rank  # noqa: E402
-from plans.specs import ModelSpec  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.model import Transformer  # noqa: E402
-from runtime.parallel.mesh import build_mesh  # noqa: E402
-from runtime.parallel.parallelize import backend_of, parallelize  # noqa: E402
-from runtime.trainer import model_options  # noqa: E402
+from plans.layout import tokens_per_rank
+from plans.specs import ModelSpec
+from runtime.config import ModelConfig
+from runtime.model import Transformer
+from runtime.parallel.mesh import build_mesh
+from runtime.parallel.parallelize import backend_of, parallelize
+from runtime.trainer import model_options
 
 OVERRIDES = {  # flag -> ModelSpec field (smoke tests shrink the model)
     "hidden": "hidden", "ffn_hidden": "expert_ffn_hidden", "experts": "experts",

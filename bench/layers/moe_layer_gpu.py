@@ -42,12 +42,10 @@ import sys
 import traceback
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-from bench._meta import metadata  # noqa: E402
-from plans.enums import ExpertGemm  # noqa: E402
-from plans.io import write_atomic  # noqa: E402
-from plans.layout import INTER_OP_CHUNKS  # noqa: E402
+from bench._meta import metadata
+from plans.enums import ExpertGemm
+from plans.io import write_atomic
+from plans.layout import INTER_OP_CHUNKS
 
 SHAPES = {
     "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, top_k=2),
@@ -375,8 +373,8 @@ def _version(package: str) -> str | None:
 def measure(args) -> int:
     import torch
     import torch.distributed as dist
-    from _dist_bench import finish, init, slowest, timed
 
+    from bench._dist_bench import finish, init, slowest, timed
     from plans import Kernels
     from runtime.kernels import kernel_ops
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 from cost_models.memory import GIB, memory_breakdown  # noqa: E402
 from plans import Plan  # noqa: E402

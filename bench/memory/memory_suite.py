@@ -35,10 +35,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-from runtime.memory import GIB, MemoryPhases, configure_allocator  # noqa: E402
-from runtime.parallel.mesh import end_process_groups  # noqa: E402
+from runtime.memory import GIB, MemoryPhases, configure_allocator
+from runtime.parallel.mesh import end_process_groups
 
 configure_allocator()
 

@@ -248,7 +248,7 @@ def _by_vpp() -> dict[str, dict]:
     return out
 
 
-HOPPER_FACTORS = Path(__file__).parent / "results" / "hopper_factors.json"
+HOPPER_FACTORS = Path(__file__).resolve().parents[1] / "results" / "hopper_factors.json"
 
 
 def not_carried_factors() -> dict[str, dict[str, float]]:

@@ -23,12 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
-from bench._meta import metadata  # noqa: E402
-from plans import SpecError  # noqa: E402
-from plans.catalog import load_plan  # noqa: E402
-from plans.io import write_atomic  # noqa: E402
+from bench._meta import metadata
+from bench.campaign import ROOT, launcher
+from plans import SpecError
+from plans.catalog import load_plan
+from plans.io import write_atomic
 
 TARGET_FIRST_STEP_S = 5.0
 """A relaunch's first step under 5 s (issue 34's targets)."""
@@ -49,13 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def launch(plan: Path, world: int, out: Path, cache: Path, steps: int, warmup: int) -> dict:
     """One bench/steps/train_step.py launch; its result's first-step fields and its wall time."""
-    runner = ([sys.executable] if world == 1 else
-              [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(world)])
-    cmd = [*runner, str(HERE / "train_step.py"), "--plan", str(plan), "--out", str(out),
+    cmd = [*launcher(world), "-m", "bench.steps.train_step", "--plan", str(plan), "--out", str(out),
            "--steps", str(steps), "--warmup", str(warmup), "--compile-cache", str(cache)]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - t0
     if r.returncode != 0 or not out.exists():
         return {"status": "failed", "exit": r.returncode, "wall_s": wall}

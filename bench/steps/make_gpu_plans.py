@@ -34,7 +34,7 @@ from plans import (
     catalog,
 )
 
-OUT = Path(__file__).parent / "gpu_plans"
+OUT = Path(__file__).resolve().parents[1] / "gpu_plans"
 
 
 def model(layers: int):

@@ -26,17 +26,15 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from bench._meta import metadata  # noqa: E402
-from bench.steps.train_step import setup  # noqa: E402
-from plans import OptimizerSharding  # noqa: E402
-from runtime.data import SyntheticTokens  # noqa: E402
-from runtime.parallel.mesh import end_process_groups  # noqa: E402
-from runtime.trainer import build_trainer, model_options, reference_plan  # noqa: E402
+from bench._meta import metadata
+from bench.steps.train_step import setup
+from plans import OptimizerSharding
+from runtime.data import SyntheticTokens
+from runtime.parallel.mesh import end_process_groups
+from runtime.trainer import build_trainer, model_options, reference_plan
 
 FP32_TOLERANCE = {"loss": 1e-5, "grad": 1e-4}
 BF16_FACTOR, BF16_FLOOR = 2.0, 1e-3

@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "h200"
 DOC = ROOT / "docs" / "performance.md"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 
 from bench.fidelity.fidelity_cases import TRAINING  # noqa: E402
 from bench.memory.memory_cases import SHAPES, write_searched  # noqa: E402

@@ -29,7 +29,7 @@ from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 
 from runtime.memory import (  # noqa: E402
     GIB,

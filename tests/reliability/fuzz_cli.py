@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 from typer.testing import CliRunner  # noqa: E402
 
 from bench._meta import write  # noqa: E402
