@@ -206,3 +206,15 @@ def test_the_performance_doc_is_current():
 
     assert (ROOT / "docs" / "performance.md").read_text() == report.render()
     assert "not measured" not in "\n".join(report.step_table())
+
+
+def test_the_results_index_is_current():
+    """bench/results/INDEX.md is what bench.index makes of the manifest and the committed
+    results: every campaign under its results folder, and every folder no campaign writes."""
+    from bench import index
+
+    text = index.render()
+    assert index.INDEX.read_text() == text, "stale: run python -m bench.index"
+    for name, c in campaign.load_manifest().campaigns.items():
+        assert f"- `{name}` (" in text
+        assert f"## `{c.results.rstrip('/')}` (" in text
