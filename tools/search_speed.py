@@ -3,7 +3,7 @@
 Target (issue 2): under 2 s on one core. Runs the search in a fresh process per repeat (cold
 caches, including the stage-split ILP cache), pinned to one core where the OS allows it.
 
-    python bench/search_speed.py [--repeats 3]
+    python -m tools.search_speed [--repeats 3]
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _meta import write  # noqa: E402
+from bench._meta import write
 
 ONE_RUN = """
 import json, time
