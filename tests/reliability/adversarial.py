@@ -36,12 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-from dist_workers import make_plan  # noqa: E402
+from bench._meta import write
+from plans import CPAttention, catalog
+from plans.enums import OptimizerSharding
+from tests.runtime.dist_workers import make_plan
 
-from bench._meta import write  # noqa: E402
-from plans import CPAttention, catalog  # noqa: E402
-from plans.enums import OptimizerSharding  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "100"}

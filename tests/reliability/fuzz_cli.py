@@ -31,15 +31,15 @@ from collections import Counter
 from pathlib import Path
 
 import yaml
+from typer.testing import CliRunner
+
+from bench._meta import write
+from planner import launch
+from planner.cli import app
+from planner.whatif import Knob
+from plans import SpecError, catalog
 
 ROOT = Path(__file__).resolve().parents[2]
-from typer.testing import CliRunner  # noqa: E402
-
-from bench._meta import write  # noqa: E402
-from planner import launch  # noqa: E402
-from planner.cli import app  # noqa: E402
-from planner.whatif import Knob  # noqa: E402
-from plans import SpecError, catalog  # noqa: E402
 
 MODELS = ["tiny-moe", "tiny-moe-shared"]
 RESULTS = ROOT / "bench" / "results"
