@@ -1,6 +1,5 @@
 """The plans of the memory suite (bench/memory/memory_suite.py): reduced-depth models of three
-shapes,
-micro-batch 1 to 8, both dispatchers, recomputation none / selective / full, 1 and 2 GPUs,
+shapes, micro-batch 1 to 8, both dispatchers, recomputation none / selective / full, 1 and 2 GPUs,
 Ulysses SP, DP, PP (1F1B and interleaved) and the TP baseline layout.
 
 Shapes (full width, reduced depth; global batch 16 x 4096):

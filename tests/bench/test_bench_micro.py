@@ -1,6 +1,5 @@
 """bench/layers/dispatch_gpu.py, bench/layers/layers_gpu.py and bench/steps/speedup_report.py on
-CPU: gloo,
-2 processes, tiny shapes via flags (smoke tests of the scripts the GPU campaign runs)."""
+CPU: gloo, 2 processes, tiny shapes via flags (smoke tests of the scripts the GPU campaign runs)."""
 
 from __future__ import annotations
 
@@ -62,8 +61,8 @@ def test_dispatch_script(tmp_path):
 def test_dispatch_sweep(tmp_path):
     out = tmp_path / "sweep.json"
     r = _run("-m", "bench.layers.dispatch_gpu", *TINY, "--max-top-k", "2",
-             "--sweep-hidden", "32,64",
-             "--sweep-experts", "4", "--sweep-seq", "64,128", "--out", str(out))
+             "--sweep-hidden", "32,64", "--sweep-experts", "4", "--sweep-seq", "64,128", "--out",
+             str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     shapes = [(c["hidden"], c["experts"], c["tokens_per_rank"]) for c in res["configs"]]
@@ -147,8 +146,7 @@ def test_fused_ops_script(tmp_path):
 
 def test_calibration_micro_benchmarks_then_calibrate_from_them(tmp_path):
     """bench/kernels/calibrate_gpu.py --smoke on 2 CPU ranks: a row of every kind the fit reads,
-    each
-    with its shape and the cost model's prediction; `moeplan calibrate` fits a cluster from the
+    each with its shape and the cost model's prediction; `moeplan calibrate` fits a cluster from the
     sweep alone."""
     from plans.results import Sweep, SweepOp, read
 

@@ -1,6 +1,5 @@
 """bench/fidelity/fidelity_report.py: the committed docs/fidelity.md is what the committed results
-give,
-and the whole pipeline (fit on micro-benchmarks only, price the suite's plans, table, targets)
+give, and the whole pipeline (fit on micro-benchmarks only, price the suite's plans, table, targets)
 works end to end on synthetic results generated from the cost model (tests/bench/
 fidelity_fixture.py: a test fixture, never committed as results)."""
 
@@ -82,8 +81,7 @@ def test_check_fails_on_a_missed_target(tmp_path):
 
 def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
     """h200_fidelity: the sweep first, then every case of bench/fidelity/fidelity_cases.py on its
-    GPU
-    count, results where the report reads them; every 2-GPU plan in a launch of its own (the
+    GPU count, results where the report reads them; every 2-GPU plan in a launch of its own (the
     peak memory of a plan measured after others in one launch carries theirs)."""
     from bench.campaign import Script, TrainStep, load_manifest
 

@@ -1,6 +1,5 @@
 """bench/kernels/gpu_clocks.py on a machine without nvidia-smi: the command runs alone, its exit
-status
-is the script's, and the CSV says why it holds no samples."""
+status is the script's, and the CSV says why it holds no samples."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """bench/kernels/hopper_factors.py: the Hopper factors the catalog carries are the committed fit to
-the
-H200 micro-benchmark sweep, and exactly the catalog's GH100 clusters carry them."""
+the H200 micro-benchmark sweep, and exactly the catalog's GH100 clusters carry them."""
 
 from __future__ import annotations
 
