@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from plans.io import write_atomic  # noqa: E402
-from runtime.provenance import metadata  # noqa: E402, F401  (re-exported to the scripts)
+from plans.io import write_atomic
+from runtime.provenance import metadata
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -1,6 +1,6 @@
 """Run one measurement campaign of bench/campaigns.yaml: the runner of every device call.
 
-    python3 bench/campaign.py NAME [--only STEP ...] [--dry-run] [--manifest bench/campaigns.yaml]
+    python3 -m bench.campaign NAME [--only STEP ...] [--dry-run] [--manifest bench/campaigns.yaml]
     bash bench/run_campaign.sh NAME      # on a GPU machine: environment and wheels first
 
 Each step runs under a timeout (its own, capped by what is left of the campaign's budget; a
@@ -30,7 +30,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from plans import SpecError  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
@@ -85,7 +84,7 @@ class TrainStep(_PlanStep):
         return f"train_step_{self.stem}"
 
     def command(self, results: Path) -> list[str]:
-        return [*_launcher(self.ranks()), "bench/train_step.py", "--plan", self.train_step,
+        return [*launcher(self.ranks()), "-m", "bench.steps.train_step", "--plan", self.train_step,
                 "--steps", str(self.steps), "--warmup", str(self.warmup),
                 "--out", str(results / f"{self.name}.json")]
 
@@ -107,7 +106,7 @@ class Parity(_PlanStep):
         return 1 if self.share_gpu else self.ranks()
 
     def command(self, results: Path) -> list[str]:
-        return [*_launcher(self.ranks(), force_torchrun=True), "bench/parity_gpu.py",
+        return [*launcher(self.ranks(), force_torchrun=True), "-m", "bench.steps.parity_gpu",
                 "--plan", self.parity, *(["--share-gpu"] if self.share_gpu else []),
                 "--out", str(results / f"{self.name}.json")]
 
@@ -131,6 +130,8 @@ class Profile(_PlanStep):
 
 class Script(_Step):
     script: str
+    """The benchmark's module (``bench.layers.layers_gpu``, run as ``python -m``), or a Python
+    file (a path ending in ``.py``, run as itself with the repository on ``PYTHONPATH``)."""
     name: str
     args: list[str] = []
     ranks_: PositiveInt = Field(1, alias="ranks")
@@ -151,13 +152,29 @@ class Script(_Step):
     def gpus_needed(self) -> int:
         return 1 if self.share_gpu else self.ranks_
 
+    @property
+    def is_file(self) -> bool:
+        return self.script.endswith(".py")
+
+    @property
+    def module(self) -> str | None:
+        return None if self.is_file else self.script
+
+    def source(self) -> Path:
+        """The file that runs (a module's under the repository)."""
+        return ROOT / (self.script if self.is_file else
+                       Path(*self.script.split(".")).with_suffix(".py"))
+
     def command(self, results: Path) -> list[str]:
         args = [a.replace("{results}", str(results)) for a in self.args]
-        return [*_launcher(self.ranks_), self.script, *args,
+        target = [self.script] if self.is_file else ["-m", self.script]
+        return [*launcher(self.ranks_), *target, *args,
                 *(["--share-gpu"] if self.share_gpu else [])]
 
 
-def _launcher(ranks: int, force_torchrun: bool = False) -> list[str]:
+def launcher(ranks: int, force_torchrun: bool = False) -> list[str]:
+    """The one way a benchmark starts: plain python for one process, torchrun for more; a
+    module follows as ``-m MODULE``."""
     if ranks == 1 and not force_torchrun:
         return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -243,7 +260,7 @@ def check(campaign: Campaign) -> list[str]:
         if plan is not None and not (ROOT / plan).is_file():
             problems.append(f"{s.name}: plan {plan} does not exist")
             continue
-        if isinstance(s, Script) and not (ROOT / s.script).is_file():
+        if isinstance(s, Script) and not s.source().is_file():
             problems.append(f"{s.name}: script {s.script} does not exist")
             continue
         if s.gpus_needed() > campaign.gpus:

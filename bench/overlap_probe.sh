@@ -9,6 +9,6 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD
 O=${OUT:-/tmp/out}
 mkdir -p "$O"
-T="torchrun --nproc-per-node 2 bench/moe_layer_gpu.py --no-peer"
+T="torchrun --nproc-per-node 2 -m bench.layers.moe_layer_gpu --no-peer"
 run() { local name=$1; shift; echo "== $name $(date +%T)"; timeout "${LIMIT:-150}" "$@" > "$O/$name.log" 2>&1; echo "rc $? $(date +%T)"; grep -E " ms|trace" "$O/$name.log" | tail -12; }
 run x2_trace $T --trace --out "$O/x2_trace.json"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command of a device call: bash bench/run_campaign.sh NAME (a campaign of
 # bench/campaigns.yaml). Sets the environment of the GPU machines, installs the pydantic wheels
-# carried in .whl/ (pydantic is not installed there), and hands over to bench/campaign.py.
+# carried in .whl/ (pydantic is not installed there), and hands over to bench.campaign.
 set -uo pipefail
 # NVLink multicast (NVLS) stays off on the lent machines
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -11,4 +11,4 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'GPU(s)')"
-exec python3 bench/campaign.py "$@"
+exec python3 -m bench.campaign "$@"

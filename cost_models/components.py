@@ -3,7 +3,7 @@
 The runtime times regions of one rank's step: attention communication and core, dispatch,
 grouped expert GEMMs and combine (forward, and backward as ``<component>_bwd``), the forward
 and backward of the pipeline schedule, the loss, stage-to-stage transfers, the whole schedule,
-gradient sync and the optimizer. ``bench/train_step.py`` writes their mean over ranks.
+gradient sync and the optimizer. ``bench/steps/train_step.py`` writes their mean over ranks.
 ``predicted_components`` prices the same regions: the operators of the layer graph that fall
 inside each region (``operator_component``, the one mapping), summed over the layers of each
 stage and the step's micro-batches, averaged over stages like the measurement.
@@ -66,7 +66,7 @@ def layer_components(key: LayerKey) -> dict[str, float]:
 
 def predicted_components(plan: Plan, e: Evaluation | None = None) -> Mapping[str, float]:
     """One step of ``plan`` in the runtime's components, mean over pipeline stages (as
-    bench/train_step.py averages over ranks). Price the plan as executed
+    bench/steps/train_step.py averages over ranks). Price the plan as executed
     (plans.execution.executed_plan) to hold it against a measurement."""
     e = evaluate(plan) if e is None else e
     d, m = plan.degrees, plan.num_micro_batches

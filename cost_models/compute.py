@@ -120,7 +120,7 @@ def grouped_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> fl
     x d / (d + ``grouped_gemm_half_rows``), d the smallest of m, n, k (the rows per expert in
     forward, data- and weight-gradient GEMMs alike, when experts get fewer rows than their
     widths). A saturating curve fitted by `moeplan calibrate` to grouped GEMMs timed over
-    8..128 experts and 32..4096 rows per expert (bench/calibrate_gpu.py); with the default
+    8..128 experts and 32..4096 rows per expert (bench/kernels/calibrate_gpu.py); with the default
     half-point 0 it is ``grouped_gemm`` at every size."""
     eff = cluster.efficiency
     d = min(m, n, k)

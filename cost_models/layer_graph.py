@@ -386,7 +386,7 @@ def attention_core_s(model: ModelSpec, batch: int, seq: int, heads: float, kv_he
                      cluster: ClusterSpec, backward: bool) -> float:
     """The eager runtime's attention core on one rank (``heads`` query and ``kv_heads`` key
     heads of ``model``'s width): its prologue's eager kernels and causal FlashAttention, as the
-    layer graph prices them (bench/calibrate_gpu.py's attention_core rows)."""
+    layer graph prices them (bench/kernels/calibrate_gpu.py's attention_core rows)."""
     d, rows = model.head_dim, batch * seq
     fwd_bytes, bwd_bytes = prologue_bytes(rows, heads * d, kv_heads * d)
     fwd_launches, bwd_launches = ROPE_LAUNCHES[heads > kv_heads]

@@ -252,7 +252,7 @@ def layer_activation_terms(
 ) -> dict[str, float]:
     """Bytes one layer keeps for backward per micro-batch, ``tokens`` per rank, by the tensor
     this runtime's autograd graph saves (runtime/model.py, runtime/moe.py, runtime/parallel/);
-    each term checked against the bytes each module keeps on H200 (bench/memory_suite.py,
+    each term checked against the bytes each module keeps on H200 (bench/memory/memory_suite.py,
     module_kept_bytes; tests/cost_models/test_cm_memory.py holds them to it). A tensor counts
     unless every operator that keeps it is recomputed (``plans.RECOMPUTED[policy]``), and the
     inputs the recomputed operators read from the others count (checkpointing keeps them).

@@ -1,10 +1,10 @@
 """Calibration: a cluster's efficiency factors fitted to measurements of moeplan's runtime on
 its GPUs, and the error table of the cost model against measured training steps.
 
-Inputs are the benchmark JSON files: the micro-benchmark sweep of bench/calibrate_gpu.py
+Inputs are the benchmark JSON files: the micro-benchmark sweep of bench/kernels/calibrate_gpu.py
 (kernels over shapes, the runtime's memory-bound layer operators, copies, NCCL collectives),
 optionally one profiled 1-GPU step (`moeplan profile`: device seconds per kernel class), and
-measured steps (bench/train_step.py) to test against. Every measured run is priced as the
+measured steps (bench/steps/train_step.py) to test against. Every measured run is priced as the
 runtime executed it (plans.execution).
 
 From a sweep with shaped kernel rows (fit_kernels; least squares on log time, every row the
@@ -373,7 +373,7 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
 
 
 def fit_overlap(bench: OverlapBench) -> float:
-    """efficiency.overlap from NCCL beside the expert GEMMs (bench/copy_engine_gpu.py): the
+    """efficiency.overlap from NCCL beside the expert GEMMs (bench/kernels/copy_engine_gpu.py): the
     share of the collectives' time that running beside the GEMMs saved, pooled over the
     shapes, sum(compute + nccl - beside) / sum(nccl), within [0, 1]. Below 0 (together slower
     than one after the other: the collective's SMs and memory traffic slow the GEMMs) nothing
@@ -518,7 +518,7 @@ class Measured:
 
 
 def measured_run(path: Path, skip: int = 2) -> Measured:
-    """A bench/train_step.py result (.json) or the runtime's per-step log (.jsonl, the first
+    """A bench/steps/train_step.py result (.json) or the runtime's per-step log (.jsonl, the first
     ``skip`` steps left out, medians of the rest)."""
     if path.suffix == ".json":
         r = read(TrainStepResult, path, "--runs")

@@ -544,7 +544,8 @@ def explain(
         "a2a mbs1', with --model, --cluster and --gpus); without it, the fastest plan the pin "
         "options allow for --model on --gpus x --cluster.")] = None,
     measured: Annotated[Path | None, typer.Option(
-        "--measured", help="A measured step of this plan (bench/train_step.py's result JSON): "
+        "--measured", help="A measured step of this plan (bench.steps.train_step's result "
+        "JSON): "
         "predicted and measured seconds per runtime component, side by side.")] = None,
     cluster: Annotated[str | None, typer.Option(
         "--cluster", help="The cluster (catalog name or spec file): for a plan file, price it "
@@ -1033,12 +1034,12 @@ def calibrate_cmd(
     plan: Annotated[Path | None, typer.Option(
         "--plan", help="The 1-GPU plan that was profiled.")] = None,
     collectives: Annotated[Path | None, typer.Option(
-        "--collectives", help="bench/calibrate_gpu.py's sweep (kernel micro-benchmarks, "
+        "--collectives", help="bench/kernels/calibrate_gpu.py's sweep (kernel micro-benchmarks, "
                               "copies, NCCL collectives).")
     ] = None,
     overlap: Annotated[Path | None, typer.Option(
-        "--overlap", help="bench/copy_engine_gpu.py's result (NCCL beside the expert GEMMs, "
-                          "2 GPUs): sets efficiency.overlap.")
+        "--overlap", help="bench/kernels/copy_engine_gpu.py's result (NCCL beside the expert "
+                          "GEMMs, 2 GPUs): sets efficiency.overlap.")
     ] = None,
     base: Annotated[str, typer.Option(
         "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",

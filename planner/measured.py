@@ -1,7 +1,7 @@
 """A measured training step held against the cost model, component by component
 (`moeplan explain PLAN --measured RESULT.json`).
 
-The result is a bench/train_step.py document (plans.results.TrainStepResult); it must be a
+The result is a bench/steps/train_step.py document (plans.results.TrainStepResult); it must be a
 run of this plan: the same ranks, model and tokens per step, and the same layout. The plan is
 priced as the runtime executed it (plans.execution.executed_as_measured: what the run
 recorded), in the runtime's components (cost_models.components).
@@ -150,7 +150,7 @@ def check_profile_pairing(plan: Plan, profile: ProfileResult, path: Path, what: 
 
 
 def compare(plan: Plan, path: Path) -> Comparison:
-    """Read ``path`` (a bench/train_step.py result of ``plan``) and price its components."""
+    """Read ``path`` (a bench/steps/train_step.py result of ``plan``) and price its components."""
     r = read(TrainStepResult, path, "--measured")
     check_pairing(plan, r, path)
     recorded = recorded_deviations(r)

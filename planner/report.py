@@ -30,7 +30,7 @@ fragmentation and workspace the model does not count can exceed it."""
 TIE_TOLERANCE = 0.05
 """Plans whose predicted step is within this share of the best one's are ties: the cost
 model's stated error, the target docs/fidelity.md holds it to (median |step-time error| <= 5%;
-`python bench/fidelity_report.py` measures 2.0% over its 19 H200 plans, 1.5% over the 1-GPU
+`python -m bench.fidelity.fidelity_report` measures 2.0% over its 19 H200 plans, 1.5% over the 1-GPU
 ones). A ranking inside it is not a prediction."""
 TIME_DIGITS = 4
 """Significant figures of the largest time in a column of times; the others share its

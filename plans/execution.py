@@ -875,6 +875,6 @@ def measured_deviations(plan: Plan, recorded: list[dict] | None,
 def executed_as_measured(plan: Plan, recorded: list[dict] | None,
                          backend: Backend = Backend.cuda_nccl) -> Plan:
     """The plan as a measured run executed it: the deviations the run recorded
-    (bench/train_step.py, ``moeplan profile`` and the runtime's log write them), or this
+    (bench/steps/train_step.py, ``moeplan profile`` and the runtime's log write them), or this
     table's for a result that recorded none."""
     return executed_plan(plan, backend, recorded)

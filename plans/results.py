@@ -78,7 +78,7 @@ ComponentSeconds = Annotated[dict[str, float], AfterValidator(_known_components)
 class TrainStepResult(Result):
     """A measured training step of one plan."""
 
-    SOURCE: ClassVar[str] = "bench/train_step.py"
+    SOURCE: ClassVar[str] = "bench/steps/train_step.py"
 
     plan: str = ""
     """The plan file that ran."""
@@ -143,7 +143,7 @@ class LogStep(BaseModel):
 class ParityResult(Result):
     """A layout's bf16 loss and gradients against the one-GPU references."""
 
-    SOURCE: ClassVar[str] = "bench/parity_gpu.py"
+    SOURCE: ClassVar[str] = "bench/steps/parity_gpu.py"
 
     plan: str
     world: PositiveInt
@@ -226,7 +226,7 @@ class SweepRow(BaseModel):
     excluded. None for collectives, and for kernel rows of sweeps that did not time it."""
     achieved_tb_s: PositiveFloat | None = None
     shape: dict[str, int | str] = {}
-    """What ran (bench/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
+    """What ran (bench/kernels/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
     n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
     kv_heads and model); layer_op model, tokens; head_loss model, tokens, chunked. Empty where
     the sweep did not record the shape (such kernel rows are not fitted)."""
@@ -245,7 +245,7 @@ class SweepRow(BaseModel):
 class Sweep(Result):
     """Kernels, copies and collectives, measured next to the cost model's predictions."""
 
-    SOURCE: ClassVar[str] = "bench/calibrate_gpu.py"
+    SOURCE: ClassVar[str] = "bench/kernels/calibrate_gpu.py"
 
     world: int = Field(ge=2)
     rows: list[SweepRow]
@@ -272,7 +272,7 @@ class OverlapBench(Result):
     """An NCCL collective on a side stream beside the expert GEMMs (and a copy-engine peer
     copy beside them, which calibration does not read)."""
 
-    SOURCE: ClassVar[str] = "bench/copy_engine_gpu.py"
+    SOURCE: ClassVar[str] = "bench/kernels/copy_engine_gpu.py"
 
     world: int = Field(ge=2)
     rows: list[OverlapRow] = Field(min_length=1)
@@ -320,7 +320,7 @@ class DispatchShape(BaseModel):
 class DispatchSweep(Result):
     """The runtime's EP dispatchers over shapes and top-k."""
 
-    SOURCE: ClassVar[str] = "bench/dispatch_gpu.py"
+    SOURCE: ClassVar[str] = "bench/layers/dispatch_gpu.py"
 
     world: int = Field(ge=2)
     configs: list[DispatchShape] = Field(min_length=1)

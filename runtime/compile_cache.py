@@ -8,7 +8,7 @@ every compiled region, ``fxgraph/``), AOTAutograd's cache (the forward and backw
 a region, ``aotautograd/``), the Triton kernels' binaries (``triton/``) and the autotuner's
 picks. torch turns these caches on by default and puts them under ``/tmp`` (lost on a reboot);
 the runtime keeps them under the user's cache folder instead (``default_cache_dir``), or in the
-folder ``--compile-cache`` (runtime.train, bench/train_step.py) or ``TORCHINDUCTOR_CACHE_DIR``
+folder ``--compile-cache`` (runtime.train, bench/steps/train_step.py) or ``TORCHINDUCTOR_CACHE_DIR``
 names.
 
 Dynamo still traces every region's Python on a relaunch (its bytecode analysis is not

@@ -376,7 +376,7 @@ def _rowwise(fn: Callable) -> Callable:
     leading dimensions flattened into one dynamic row count, so every call site (the block's
     norms over the hidden size, the per-head q and k norms over the head size, each layout's
     shards of them) shares one graph per width and dtype. Static shapes compiled one graph
-    per call site and layout, and a process that builds several models (bench/parity_gpu.py:
+    per call site and layout, and a process that builds several models (bench/steps/parity_gpu.py:
     the layout, then its bf16 and fp32 one-rank references) passed dynamo's recompile limit
     (8), a hard failure under fullgraph."""
     compiled = _rows_dynamic(fn, 0)
@@ -398,7 +398,7 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         swiglu=_rows_dynamic(swiglu, 0, 1),
         # the router stays eager: its compiled region measured 2x slower forward + backward
         # (0.92 ms against 0.49 at Mixtral-8x7B shapes, 1.13 against 0.57 at Qwen3-30B-A3B's;
-        # bench/fused_ops_gpu.py, bench/results/h200/overlap14/fused_ops_*.json)
+        # bench/kernels/fused_ops_gpu.py, bench/results/h200/overlap14/fused_ops_*.json)
         route=route,
         gather_rows=_fused_gather_rows(),
         weighted_scatter=_fused_weighted_scatter(),

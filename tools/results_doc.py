@@ -28,9 +28,9 @@ FIDELITY_AT_SCALE = RESULTS / "fidelity_at_scale.json"
 CALIBRATION = RESULTS / "calibration_h200.json"
 FUZZ = RESULTS / "fuzz_cli.json"
 ADVERSARIAL = RESULTS / "adversarial.json"
-FIDELITY_REPORT = ROOT / "bench" / "fidelity_report.py"
-MEMORY_REPORT = ROOT / "bench" / "memory_report.py"
-DISPATCH_REPORT = ROOT / "bench" / "dispatch_report.py"
+FIDELITY_REPORT = "bench.fidelity.fidelity_report"
+MEMORY_REPORT = "bench.memory.memory_report"
+DISPATCH_REPORT = "bench.layers.dispatch_report"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 DOC = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
@@ -48,12 +48,9 @@ def end(name: str) -> str:
     return f"<!-- end of {name} -->"
 
 
-def _report(path: Path) -> ModuleType:
-    """A bench report script as a module (they are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"_results_doc_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _report(module: str) -> ModuleType:
+    """A bench report script's module (bench is a package)."""
+    return importlib.import_module(module)
 
 
 def _load(path: Path) -> dict:

@@ -22,19 +22,19 @@ use() {  # use grouped|per_expert
   else export MOEPLAN_COMMIT=$C; fi
 }
 layer() {
-  timeout 150 python3 bench/moe_layer_gpu.py --shapes mixtral-8x7b --kernels fused \
+  timeout 150 python -m bench.layers.moe_layer_gpu --shapes mixtral-8x7b --kernels fused \
     --grad-accumulation-fusion --out $R/moe_layer_x1_fused_gaf_$1.json > $R/moe_layer_$1.log 2>&1
   tail -2 $R/moe_layer_$1.log
 }
 step() {
-  timeout 90 python3 bench/train_step.py --plan bench/gpu_plans/$2.json --steps 5 --warmup 2 \
+  timeout 90 python -m bench.steps.train_step --plan bench/gpu_plans/$2.json --steps 5 --warmup 2 \
     --out $R/train_step_$2_$1.json > $R/train_step_$2_$1.log 2>&1
   tail -1 $R/train_step_$2_$1.log
 }
 use per_expert; layer per_expert
 use grouped;    layer grouped
 use per_expert
-timeout 120 python3 bench/expert_gemm_gpu.py --shape mixtral-8x7b --out $R/expert_gemm_mixtral.json \
+timeout 120 python -m bench.kernels.expert_gemm_gpu --shape mixtral-8x7b --out $R/expert_gemm_mixtral.json \
   > $R/expert_gemm_mixtral.log 2>&1; tail -4 $R/expert_gemm_mixtral.log
 use grouped;    step grouped_a mixtral2l_1gpu_mbs8_fused_gaf
 use per_expert; step per_expert mixtral2l_1gpu_mbs8_fused_gaf

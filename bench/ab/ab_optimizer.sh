@@ -5,7 +5,7 @@ set -u
 R=bench/results/h200/speed18/ab_optimizer; mkdir -p $R
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 cp runtime/parallel/optimizer.py /tmp/optimizer_now.py
-run() { python3 bench/train_step.py --plan bench/gpu_plans/fidelity/mixtral2l_1gpu_mbs1.json --steps 10 --warmup 2 --out $R/train_step_mixtral2l_1gpu_mbs1_$1.json 2>&1 | tail -1; }
+run() { python -m bench.steps.train_step --plan bench/gpu_plans/fidelity/mixtral2l_1gpu_mbs1.json --steps 10 --warmup 2 --out $R/train_step_mixtral2l_1gpu_mbs1_$1.json 2>&1 | tail -1; }
 run bucketed_a
 git show 8bc713e:runtime/parallel/optimizer.py > /tmp/optimizer_8bc713e.py 2>/dev/null ||
   cp bench/ab/optimizer_8bc713e.py /tmp/optimizer_8bc713e.py  # a tree sent without .git

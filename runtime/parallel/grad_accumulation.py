@@ -175,7 +175,7 @@ def apply_grad_accumulation_fusion(model: Transformer) -> None:
 
 def fuse_accumulation(root: nn.Module) -> None:
     """The transform on one module tree: a block, or one bare MoE layer
-    (bench/moe_layer_gpu.py --grad-accumulation-fusion)."""
+    (bench/layers/moe_layer_gpu.py --grad-accumulation-fusion)."""
     for name, module in list(root.named_modules()):
         if isinstance(module, nn.Linear):
             if module.bias is not None:

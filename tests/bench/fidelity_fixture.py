@@ -40,7 +40,7 @@ def _row(op: SweepOp, truth: ClusterSpec, **kw) -> SweepRow:
 
 def synthetic_sweep(truth: ClusterSpec, noise: float = 0.0, collectives: bool = False
                     ) -> Sweep:
-    """Rows over the shapes bench/calibrate_gpu.py times, measured as the cost model prices
+    """Rows over the shapes bench/kernels/calibrate_gpu.py times, measured as the cost model prices
     them on ``truth`` (2 GPUs), times ``wobble``."""
     truth = truth.with_gpus(2)
     rows = []

@@ -1,9 +1,9 @@
-"""bench/at_scale.py: the committed comparison with published large runs is what the script
+"""bench/search/at_scale.py: the committed comparison with published large runs is what the script
 computes from this cost model, and the checks that meet issue 12's 25% still do."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -14,10 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def at_scale():
-    spec = importlib.util.spec_from_file_location("at_scale", ROOT / "bench/at_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.search.at_scale")
 
 
 def test_committed_results_are_what_the_script_computes(at_scale):

@@ -1,4 +1,4 @@
-"""bench/attention_block_gpu.py on CPU: gloo, 1 and 2 processes, tiny shapes via flags (smoke
+"""bench/layers/attention_block_gpu.py on CPU: gloo, 1 and 2 processes, tiny shapes via flags (smoke
 tests of the script the h200_attention_block campaign runs)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ TINY = ["--hidden", "64", "--ffn-hidden", "128", "--experts", "4", "--heads", "4
 def _run(procs: int, *args: str) -> subprocess.CompletedProcess:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
               str(procs)] if procs > 1 else [sys.executable]
-    return subprocess.run([*launch, "bench/attention_block_gpu.py", *args], cwd=ROOT,
+    return subprocess.run([*launch, "-m", "bench.layers.attention_block_gpu", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -82,9 +82,9 @@ def test_attention_block_script_in_head_groups(tmp_path, procs, simulate):
 def test_attention_block_compute_alone_has_the_block_shapes():
     """The all-to-alls' local stand-ins change the layout as the exchange does ([b, s/n, H, d]
     -> [b, s, H/n, d] and back) and, one after the other, give back their input."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     import torch
-    from attention_block_gpu import local_head_to_seq, local_seq_to_head
+
+    from bench.layers.attention_block_gpu import local_head_to_seq, local_seq_to_head
 
     x = torch.randn(2, 8, 6, 4)
     heads = local_seq_to_head(x, 2)

@@ -1,5 +1,5 @@
-"""bench/dispatch_gpu.py, bench/layers_gpu.py and bench/speedup_report.py on CPU: gloo,
-2 processes, tiny shapes via flags (smoke tests of the scripts the GPU campaign runs)."""
+"""bench/layers/dispatch_gpu.py, bench/layers/layers_gpu.py and bench/steps/speedup_report.py on
+CPU: gloo, 2 processes, tiny shapes via flags (smoke tests of the scripts the GPU campaign runs)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _run(*cmd: str, procs: int = 2) -> subprocess.CompletedProcess:
 
 def test_dispatch_script(tmp_path):
     picks = tmp_path / "picks.json"
-    r = _run("bench/dispatch_gpu.py", "--planner-only", "--gpus", "2", "--max-top-k", "2",
+    r = _run("-m", "bench.layers.dispatch_gpu", "--planner-only", "--gpus", "2", "--max-top-k", "2",
              "--out", str(picks), procs=1)
     assert r.returncode == 0, r.stdout + r.stderr
     p = json.loads(picks.read_text())
@@ -33,7 +33,7 @@ def test_dispatch_script(tmp_path):
         for label, d in (("a2a", "all_to_all"), ("ag_rs", "allgather_reduce_scatter")):
             assert row[label]["dispatch"] == d or row[label]["degrees"]["ep"] == 1
     out = tmp_path / "d.json"
-    r = _run("bench/dispatch_gpu.py", *TINY, "--out", str(out), "--picks", str(picks))
+    r = _run("-m", "bench.layers.dispatch_gpu", *TINY, "--out", str(out), "--picks", str(picks))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     for key in ("commit", "date", "torch", "gpu", "world", "backend", "dtype", "rows",
@@ -60,8 +60,9 @@ def test_dispatch_script(tmp_path):
 
 def test_dispatch_sweep(tmp_path):
     out = tmp_path / "sweep.json"
-    r = _run("bench/dispatch_gpu.py", *TINY, "--max-top-k", "2", "--sweep-hidden", "32,64",
-             "--sweep-experts", "4", "--sweep-seq", "64,128", "--out", str(out))
+    r = _run("-m", "bench.layers.dispatch_gpu", *TINY, "--max-top-k", "2",
+             "--sweep-hidden", "32,64", "--sweep-experts", "4", "--sweep-seq", "64,128", "--out",
+             str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     shapes = [(c["hidden"], c["experts"], c["tokens_per_rank"]) for c in res["configs"]]
@@ -75,9 +76,9 @@ def test_dispatch_sweep(tmp_path):
 
 def test_layers_script(tmp_path):
     out = tmp_path / "l.json"
-    r = _run("bench/layers_gpu.py", "--hidden", "64", "--ffn-hidden", "128", "--experts", "4",
-             "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "128",
-             "--seq", "64", "--warmup", "1", "--repeats", "2", "--out", str(out))
+    r = _run("-m", "bench.layers.layers_gpu", "--hidden", "64", "--ffn-hidden", "128",
+             "--experts", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+             "--vocab", "128", "--seq", "64", "--warmup", "1", "--repeats", "2", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     for key in ("commit", "date", "torch", "gpu", "world", "backend", "blocks", "layers",
@@ -113,22 +114,22 @@ def test_speedup_report(tmp_path):
     best.write_text(json.dumps(run_json(1.0, 1.0)))
     base.write_text(json.dumps(run_json(1.5, 2.0)))
     out = tmp_path / "s.json"
-    r = _run("bench/speedup_report.py", "--best", str(best), "--baseline", str(base),
+    r = _run("-m", "bench.steps.speedup_report", "--best", str(best), "--baseline", str(base),
              "--out", str(out), procs=1)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert res["measured_speedup"] == 1.5 and res["predicted_speedup"] == 2.0
     assert res["measured_over_predicted"] == 0.75 and "commit" in res
     base.write_text(json.dumps({**run_json(1.5, 2.0), "step_time_s": "fast"}))
-    r = _run("bench/speedup_report.py", "--best", str(best), "--baseline", str(base),
+    r = _run("-m", "bench.steps.speedup_report", "--best", str(best), "--baseline", str(base),
              "--out", str(tmp_path / "t.json"), procs=1)
     assert r.returncode == 2 and "step_time_s" in r.stderr and not (tmp_path / "t.json").exists()
 
 
 def test_fused_ops_script(tmp_path):
-    """bench/fused_ops_gpu.py on CPU, one operator (CPU compilation dominates the time)."""
+    """bench/kernels/fused_ops_gpu.py on CPU, one operator (CPU compilation dominates the time)."""
     out = tmp_path / "f.json"
-    r = _run("bench/fused_ops_gpu.py", "--tokens", "64", "--seq", "32", "--hidden", "32",
+    r = _run("-m", "bench.kernels.fused_ops_gpu", "--tokens", "64", "--seq", "32", "--hidden", "32",
              "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--ffn", "48",
              "--experts", "4", "--warmup", "1", "--repeats", "2", "--ops", "permute",
              "--out", str(out), procs=1)
@@ -139,18 +140,18 @@ def test_fused_ops_script(tmp_path):
     assert row["fwd_bytes"] == (64 + 128) * 32 * 4  # tokens read once, k x tokens rows written
     for kind in ("eager", "fused"):
         assert row[kind]["fwd_s"] > 0 and row[kind]["fwd_bwd_s"] > 0
-    bad = _run("bench/fused_ops_gpu.py", "--ops", "nope", "--out", str(out), procs=1)
+    bad = _run("-m", "bench.kernels.fused_ops_gpu", "--ops", "nope", "--out", str(out), procs=1)
     assert bad.returncode == 2 and "argument --ops: invalid choice: 'nope'" in bad.stderr
 
 
 def test_calibration_micro_benchmarks_then_calibrate_from_them(tmp_path):
-    """bench/calibrate_gpu.py --smoke on 2 CPU ranks: a row of every kind the fit reads, each
-    with its shape and the cost model's prediction; `moeplan calibrate` fits a cluster from the
+    """bench/kernels/calibrate_gpu.py --smoke on 2 CPU ranks: a row of every kind the fit reads,
+    each with its shape and the cost model's prediction; `moeplan calibrate` fits a cluster from the
     sweep alone."""
     from plans.results import Sweep, SweepOp, read
 
     out = tmp_path / "sweep.json"
-    r = _run("bench/calibrate_gpu.py", "--smoke", "--cluster", "h200", "--out", str(out))
+    r = _run("-m", "bench.kernels.calibrate_gpu", "--smoke", "--cluster", "h200", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     sweep = read(Sweep, out, "sweep")
     assert {row.op for row in sweep.rows} == set(SweepOp)

@@ -28,9 +28,7 @@ from plans.results import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-import campaign  # noqa: E402
-
+from bench import campaign  # noqa: E402
 from plans import SpecError  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -105,12 +103,12 @@ def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_pat
     manifest = _manifest(tmp_path, {"tiny": {"about": "a CPU smoke run", "gpus": 1,
                                              "results": str(results), "steps": [
         {"train_step": str(plan), "steps": 2, "warmup": 1},
-        {"script": "bench/speedup_report.py", "name": "speedup", "result": "s.json",
+        {"script": "bench/steps/speedup_report.py", "name": "speedup", "result": "s.json",
          "args": ["--best", "{results}/a.json", "--baseline", "{results}/b.json",
                   "--out", "{results}/s.json"], "needs": ["a.json", "b.json"]},
     ]}})
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "bench/campaign.py", "tiny", "--manifest",
+    done = subprocess.run([sys.executable, "-m", "bench.campaign", "tiny", "--manifest",
                            str(manifest)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OUT": str(out), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout + done.stderr
@@ -202,13 +200,21 @@ def test_results_carry_their_schema_version_and_the_facts_they_were_measured_und
 
 
 def test_the_performance_doc_is_current():
-    """docs/performance.md is what bench/performance_report.py makes of the committed
+    """docs/performance.md is what bench/steps/performance_report.py makes of the committed
     results (and every train step it lists was measured)."""
-    import importlib.util
+    from bench.steps import performance_report as report
 
-    spec = importlib.util.spec_from_file_location(
-        "performance_report", ROOT / "bench" / "performance_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
     assert (ROOT / "docs" / "performance.md").read_text() == report.render()
     assert "not measured" not in "\n".join(report.step_table())
+
+
+def test_the_results_index_is_current():
+    """bench/results/INDEX.md is what bench.index makes of the manifest and the committed
+    results: every campaign under its results folder, and every folder no campaign writes."""
+    from bench import index
+
+    text = index.render()
+    assert index.INDEX.read_text() == text, "stale: run python -m bench.index"
+    for name, c in campaign.load_manifest().campaigns.items():
+        assert f"- `{name}` (" in text
+        assert f"## `{c.results.rstrip('/')}` (" in text

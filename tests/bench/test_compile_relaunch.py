@@ -1,4 +1,4 @@
-"""bench/compile_relaunch.py on CPU with a tiny eager plan (a smoke test of the script the
+"""bench/steps/compile_relaunch.py on CPU with a tiny eager plan (a smoke test of the script the
 h200_expert_paths campaign runs): two launches over one compile cache, each launch's first
 step apart from its steady state."""
 
@@ -19,7 +19,7 @@ def test_compile_relaunch_script(tmp_path):
     plan, out = tmp_path / "p.json", tmp_path / "r.json"
     plan.write_text(make_plan().model_dump_json())
     r = subprocess.run(
-        [sys.executable, "bench/compile_relaunch.py", "--plan", str(plan), "--steps", "1",
+        [sys.executable, "-m", "bench.steps.compile_relaunch", "--plan", str(plan), "--steps", "1",
          "--warmup", "1", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,4 +1,4 @@
-"""bench/copy_engine_gpu.py on CPU: 2 gloo processes, shapes scaled down (smoke test of the
+"""bench/kernels/copy_engine_gpu.py on CPU: 2 gloo processes, shapes scaled down (smoke test of the
 script the copy-engine spike runs on 2 H200s)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _run(procs: int, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(procs), "bench/copy_engine_gpu.py", "--out", str(out), "--scale", "0.02",
+         str(procs), "-m", "bench.kernels.copy_engine_gpu", "--out", str(out), "--scale", "0.02",
          "--warmup", "1", "--repeats", "1"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -40,7 +40,7 @@ def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_
 
 
 def test_one_rank_is_refused_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "bench/copy_engine_gpu.py", "--out",
+    r = subprocess.run([sys.executable, "-m", "bench.kernels.copy_engine_gpu", "--out",
                         str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [

@@ -1,4 +1,4 @@
-"""bench/expert_paths_gpu.py on CPU, shapes divided down (a smoke test of the script the
+"""bench/kernels/expert_paths_gpu.py on CPU, shapes divided down (a smoke test of the script the
 h200_expert_paths campaign runs): every ExpertGemm path and the references timed, the
 fastest path named."""
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_expert_paths_script(tmp_path):
     out = tmp_path / "e.json"
     r = subprocess.run(
-        [sys.executable, "bench/expert_paths_gpu.py", "--shapes", "mixtral-8x7b",
+        [sys.executable, "-m", "bench.kernels.expert_paths_gpu", "--shapes", "mixtral-8x7b",
          "qwen3-30b-a3b", "--tokens", "16", "--scale", "256", "--kernels", "eager",
          "--warmup", "0", "--repeats", "1", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -1,5 +1,6 @@
-"""bench/fidelity_at_scale.py: the committed comparison with published Megatron-Core runs is
-what the script computes from this cost model, and its generated document section is current."""
+"""bench/fidelity/fidelity_at_scale.py: the committed comparison with published Megatron-Core
+runs is what the script computes from this cost model, and its generated document section is
+current."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location(
-        "fidelity_at_scale", ROOT / "bench/fidelity_at_scale.py")
+        "fidelity_at_scale", ROOT / "bench/fidelity/fidelity_at_scale.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,5 +1,5 @@
-"""bench/fidelity_report.py: the committed docs/fidelity.md is what the committed results give,
-and the whole pipeline (fit on micro-benchmarks only, price the suite's plans, table, targets)
+"""bench/fidelity/fidelity_report.py: the committed docs/fidelity.md is what the committed results
+give, and the whole pipeline (fit on micro-benchmarks only, price the suite's plans, table, targets)
 works end to end on synthetic results generated from the cost model (tests/bench/
 fidelity_fixture.py: a test fixture, never committed as results)."""
 
@@ -11,17 +11,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "bench"), str(Path(__file__).parent)]
+sys.path.insert(0, str(Path(__file__).parent))
 
-import fidelity_report  # noqa: E402
-from fidelity_cases import CASES, PROFILED, plan_path  # noqa: E402
 from fidelity_fixture import true_cluster, write_suite  # noqa: E402
+
+from bench.fidelity import fidelity_report  # noqa: E402
+from bench.fidelity.fidelity_cases import CASES, PROFILED, plan_path  # noqa: E402
 
 
 def test_the_committed_document_is_current():
     text, _ = fidelity_report.render()
     assert fidelity_report.DOC.read_text() == text, (
-        "docs/fidelity.md is stale: run python bench/fidelity_report.py")
+        "docs/fidelity.md is stale: run python -m bench.fidelity.fidelity_report")
 
 
 def test_every_suite_plan_is_written_by_the_generator():
@@ -79,19 +80,19 @@ def test_check_fails_on_a_missed_target(tmp_path):
 
 
 def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
-    """h200_fidelity: the sweep first, then every case of bench/fidelity_cases.py on its GPU
-    count, results where the report reads them; every 2-GPU plan in a launch of its own (the
+    """h200_fidelity: the sweep first, then every case of bench/fidelity/fidelity_cases.py on its
+    GPU count, results where the report reads them; every 2-GPU plan in a launch of its own (the
     peak memory of a plan measured after others in one launch carries theirs)."""
-    from campaign import Script, TrainStep, load_manifest
+    from bench.campaign import Script, TrainStep, load_manifest
 
     campaign = load_manifest().campaigns["h200_fidelity"]
     assert ROOT / campaign.results == fidelity_report.RESULTS
     first = campaign.steps[0]
-    assert isinstance(first, Script) and first.script == "bench/calibrate_gpu.py"
+    assert isinstance(first, Script) and first.module == "bench.kernels.calibrate_gpu"
     assert first.result == fidelity_report.SWEEP
     launched = {}
     for step in campaign.steps:
-        if isinstance(step, Script) and step.script == "bench/train_step.py":
+        if isinstance(step, Script) and step.module == "bench.steps.train_step":
             plans = step.args[step.args.index("--plans") + 1:]
             for p in plans:
                 launched[Path(p).stem] = step.ranks()

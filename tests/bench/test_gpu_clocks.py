@@ -1,5 +1,5 @@
-"""bench/gpu_clocks.py on a machine without nvidia-smi: the command runs alone, its exit status
-is the script's, and the CSV says why it holds no samples."""
+"""bench/kernels/gpu_clocks.py on a machine without nvidia-smi: the command runs alone, its exit
+status is the script's, and the CSV says why it holds no samples."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "bench/gpu_clocks.py", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "bench.kernels.gpu_clocks", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60,
                           env={"PATH": "/usr/bin:/bin"})
 

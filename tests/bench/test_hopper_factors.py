@@ -1,9 +1,9 @@
-"""bench/hopper_factors.py: the Hopper factors the catalog carries are the committed fit to the
-H200 micro-benchmark sweep, and exactly the catalog's GH100 clusters carry them."""
+"""bench/kernels/hopper_factors.py: the Hopper factors the catalog carries are the committed fit to
+the H200 micro-benchmark sweep, and exactly the catalog's GH100 clusters carry them."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -16,11 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def hopper():
-    spec = importlib.util.spec_from_file_location("hopper_factors",
-                                                  ROOT / "bench/hopper_factors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.kernels.hopper_factors")
 
 
 def test_committed_results_are_what_the_script_computes(hopper):

@@ -1,5 +1,5 @@
-"""bench/moe_layer_gpu.py on CPU: gloo, 1 and 2 processes, shapes divided down (smoke tests of
-the script the h200_moe_layer campaign runs)."""
+"""bench/layers/moe_layer_gpu.py on CPU: gloo, 1 and 2 processes, shapes divided down (smoke tests
+of the script the h200_moe_layer campaign runs)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SMALL = ["--tokens", "64", "--scale", "64", "--warmup", "1", "--repeats", "1", "
 def _run(procs: int, *args: str) -> subprocess.CompletedProcess:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
               str(procs)] if procs > 1 else [sys.executable]
-    return subprocess.run([*launch, "bench/moe_layer_gpu.py", *args], cwd=ROOT,
+    return subprocess.run([*launch, "-m", "bench.layers.moe_layer_gpu", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -1,5 +1,5 @@
 """Kernel times against hand arithmetic (H800: 989 TFLOP/s bf16, 3.35 TB/s, 132 SMs; the
-efficiency factors read from the catalog cluster, bench/hopper_factors.py's fit)."""
+efficiency factors read from the catalog cluster, bench/kernels/hopper_factors.py's fit)."""
 
 import math
 

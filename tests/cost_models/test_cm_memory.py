@@ -2,7 +2,6 @@
 memory suite; ZeRO-1 states; feasibility."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,6 @@ from cost_models.memory import in_flight_micro_batches, layer_activation_bytes
 from cost_models.params import stage_params
 from plans import Degrees, Plan, Recompute
 from plans.catalog import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 GIB = 2**30
 
@@ -31,7 +28,7 @@ def _measured(case: str) -> tuple[Plan, dict]:
                                   "qwen4l_1gpu_mbs8_full", "deepseek4l_tp2_etp2_mbs4"])
 def test_layer_terms_match_the_bytes_each_layer_kept_on_h200(case):
     # module_kept_bytes: allocated after minus before each layer's forward of the first
-    # micro-batch on H200 (bench/memory_suite.py); one MoE layer of the plan's stage
+    # micro-batch on H200 (bench/memory/memory_suite.py); one MoE layer of the plan's stage
     plan, rank = _measured(case)
     d, t = plan.degrees, plan.training
     tokens = plan.micro_batch_size * t.seq_len / (d.sp * d.cp * d.tp)
@@ -60,7 +57,7 @@ def test_ep_layer_terms_bracket_the_ranks_measured_layers():
 def test_every_plan_of_the_memory_suite_meets_the_target():
     # the committed suite (docs/memory.md): within 10% of the measured peak reserved bytes,
     # never more than 3% below
-    import memory_report
+    from bench.memory import memory_report
 
     rows = memory_report.rows()
     assert len(rows) >= 19

@@ -107,7 +107,7 @@ def test_a_result_of_another_plan_is_refused(tmp_path):
 def test_a_file_that_is_not_a_result_is_refused(tmp_path):
     plan = str(paths("mixtral2l_sp2_ep2_a2a")[0])
     one_line_error(runner.invoke(app, ["explain", plan, "--measured", plan]),
-                   "bench/train_step.py")
+                   "bench/steps/train_step.py")
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{not json")
     one_line_error(runner.invoke(app, ["explain", plan, "--measured", str(garbage)]))

@@ -58,7 +58,7 @@ def test_train_checks_inputs_before_launching(tmp_path, plan_doc, monkeypatch):
 
 def test_a_model_with_a_billion_experts_is_searched_at_once(tmp_path):
     # the EP degrees were the divisors of the expert count, enumerated one by one: the search
-    # of a model file with experts = 10^9 never ended (bench/fuzz_cli.py, seed 0)
+    # of a model file with experts = 10^9 never ended (tests/reliability/fuzz_cli.py, seed 0)
     import time
 
     from plans import catalog

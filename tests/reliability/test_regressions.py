@@ -104,7 +104,7 @@ def test_capacity_factor_at_the_limit_is_accepted(tmp_path, plan_doc):
 
 @pytest.mark.parametrize("value", ["1e400", "inf", "-inf", "nan", "1e400x"])
 def test_whatif_non_finite_vary_value(value):
-    # found by bench/fuzz_cli.py: nvlink_domain=1e400 -> int(inf) raised OverflowError
+    # found by tests/reliability/fuzz_cli.py: nvlink_domain=1e400 -> int(inf) raised OverflowError
     for knob in ("nvlink_domain", "hbm_gib"):
         line = assert_one_line_error(run("whatif", *TINY_JOB, "--vary", f"{knob}={value}"),
                                      f"--vary {knob}")

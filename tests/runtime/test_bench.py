@@ -1,4 +1,5 @@
-"""bench/train_step.py, bench/parity_gpu.py and runtime.profile on CPU (gloo; smoke tests)."""
+"""bench/steps/train_step.py, bench/steps/parity_gpu.py and runtime.profile on CPU (gloo; smoke
+tests)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(ROOT / "bench" / script), *args]
+           "2", "-m", script, *args]
     return subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=180)
 
@@ -25,7 +26,7 @@ def test_train_step_writes_measurement(tmp_path):
     plan = tmp_path / "p.json"
     plan.write_text(make_plan(sp=2, ep=2).model_dump_json())
     out = tmp_path / "r.json"
-    r = _torchrun("train_step.py", "--plan", str(plan), "--steps", "2", "--warmup", "1",
+    r = _torchrun("bench.steps.train_step", "--plan", str(plan), "--steps", "2", "--warmup", "1",
                   "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -61,7 +62,7 @@ def test_parity_script_passes_in_fp32(tmp_path):
     plan = tmp_path / "p.json"
     plan.write_text(make_plan(pp=2, vpp=2, stage_layers=(1, 1, 1, 1)).model_dump_json())
     out = tmp_path / "r.json"
-    r = _torchrun("parity_gpu.py", "--plan", str(plan), "--out", str(out))
+    r = _torchrun("bench.steps.parity_gpu", "--plan", str(plan), "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert res["pass"] and res["precision"] == "fp32"
@@ -73,7 +74,7 @@ def test_parity_script_ranks_taking_turns_on_a_shared_device(tmp_path):
     plan = tmp_path / "p.json"
     plan.write_text(make_plan(sp=2, ep=2).model_dump_json())
     out = tmp_path / "r.json"
-    r = _torchrun("parity_gpu.py", "--plan", str(plan), "--out", str(out), "--share-gpu")
+    r = _torchrun("bench.steps.parity_gpu", "--plan", str(plan), "--out", str(out), "--share-gpu")
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert res["pass"] and res["backend"] == "gloo" and res["world"] == 2
@@ -112,7 +113,8 @@ def test_train_step_measures_several_plans_in_one_launch(tmp_path):
     for name, plan in names.items():
         (tmp_path / f"{name}.json").write_text(plan.model_dump_json())
     out = tmp_path / "results"
-    r = _torchrun("train_step.py", "--plans", *(str(tmp_path / f"{n}.json") for n in names),
+    r = _torchrun("bench.steps.train_step",
+                  "--plans", *(str(tmp_path / f"{n}.json") for n in names),
                   "--steps", "1", "--warmup", "1", "--out-dir", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     assert sorted(p.name for p in out.iterdir()) == ["train_step_a.json", "train_step_b.json"]
@@ -123,13 +125,13 @@ def test_train_step_measures_several_plans_in_one_launch(tmp_path):
 
 
 def test_memory_cap_needs_a_gpu_and_says_so_in_one_line(tmp_path):
-    """bench/memory_cap.py caps a CUDA allocator: on CPU it stops before any work, exit 2."""
+    """bench/memory/memory_cap.py caps a CUDA allocator: on CPU it stops before any work, exit 2."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: the script would run for real")
     out = tmp_path / "cap.json"
-    r = subprocess.run([sys.executable, "bench/memory_cap.py", "--plan",
+    r = subprocess.run([sys.executable, "-m", "bench.memory.memory_cap", "--plan",
                         "bench/gpu_plans/fidelity/mixtral2l_1gpu_mbs1.json", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2

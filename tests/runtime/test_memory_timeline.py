@@ -1,4 +1,4 @@
-"""The allocator-history replay behind ``bench/train_step.py --memory-timeline``
+"""The allocator-history replay behind ``bench/steps/train_step.py --memory-timeline``
 (runtime.memory.replay_history), on a synthetic history: which stream's pages are mapped, what
 is allocated and still pending when the reserved bytes peak, and who allocated what is live."""
 

@@ -1,0 +1,1 @@
+"""Benchmarks writing typed results (plans/results.py), run as `python -m bench.GROUP.SCRIPT`."""

@@ -1,0 +1,1 @@
+"""Developer tools run from the repository root as `python -m tools.NAME`."""
