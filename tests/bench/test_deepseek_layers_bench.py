@@ -1,4 +1,4 @@
-"""bench/deepseek_layers_gpu.py on CPU with --tiny (smoke test of the script the
+"""bench.layers.deepseek_layers_gpu on CPU with --tiny (smoke test of the script the
 h200_deepseek_v3_layers campaign runs)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_deepseek_layers_script_runs_tiny_and_writes_the_prediction_beside(tmp_path):
     out = tmp_path / "v3.json"
-    r = subprocess.run([sys.executable, "bench/deepseek_layers_gpu.py", "--tiny", "--kernels",
+    r = subprocess.run([sys.executable, "-m", "bench.layers.deepseek_layers_gpu", "--tiny", "--kernels",
                         "eager", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,4 +1,4 @@
-"""bench/peer_step_gpu.py --tiny on CPU, end to end: our runtime's plan and torchtitan's model
+"""bench.steps.peer_step_gpu --tiny on CPU, end to end: our runtime's plan and torchtitan's model
 and step at tiny widths on the same tokens (skipped where torchtitan cannot be imported; the
 0.3.0 wheel and its deps from .whl/ go on PYTHONPATH for this test)."""
 
@@ -25,7 +25,7 @@ def _torchtitan_importable() -> bool:
 def test_peer_step_tiny(tmp_path):
     out = tmp_path / "peer.json"
     r = subprocess.run(
-        [sys.executable, "bench/peer_step_gpu.py", "--tiny", "--models", "deepseekmoe",
+        [sys.executable, "-m", "bench.steps.peer_step_gpu", "--tiny", "--models", "deepseekmoe",
          "deepseek-v3", "--warmup", "1", "--steps", "2", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,8 +1,8 @@
 """A DeepSeek-V3 layer on one GPU at full width, as the runtime runs it, against the cost model:
 the MLA attention block and the MoE FFN block, forward + backward.
 
-    python bench/deepseek_layers_gpu.py --out $OUT/deepseek_v3_layers.json
-    python bench/deepseek_layers_gpu.py --tiny --out /tmp/x.json   (CPU smoke test)
+    python -m bench.layers.deepseek_layers_gpu --out $OUT/deepseek_v3_layers.json
+    python -m bench.layers.deepseek_layers_gpu --tiny --out /tmp/x.json   (CPU smoke test)
 
 The plan is the catalog's DeepSeek-V3 cut to one MoE layer (no dense layers, no MTP module):
 hidden 7168; MLA with 128 heads, q_lora_rank 1536, kv_lora_rank 512, no-RoPE 128 and RoPE 64
@@ -28,16 +28,13 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+import torch
 
-import torch  # noqa: E402
-from _dist_bench import init, timed  # noqa: E402
-from _meta import metadata  # noqa: E402
-from layers_gpu import build_block  # noqa: E402
-
-from cost_models.layer import layer_graphs, layer_key, schedule_s  # noqa: E402
-from plans import (  # noqa: E402
+from bench._dist_bench import init, timed
+from bench._meta import metadata
+from bench.layers.layers_gpu import build_block
+from cost_models.layer import layer_graphs, layer_key, schedule_s
+from plans import (
     EPFFN,
     Degrees,
     Kernels,
@@ -48,8 +45,8 @@ from plans import (  # noqa: E402
     UlyssesAttention,
     catalog,
 )
-from plans.io import write_atomic  # noqa: E402
-from plans.specs import ModelSpec  # noqa: E402
+from plans.io import write_atomic
+from plans.specs import ModelSpec
 
 ONE_LAYER = {"layers": 1, "dense_layers": 0, "dense_ffn_hidden": 0, "mtp_layers": 0}
 TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 256,

@@ -1,8 +1,8 @@
 """Whole training steps on one GPU: our runtime's searched plan against torchtitan 0.3.0's own
 model and step (and Megatron-Core's where it is installed), same shape, tokens and batch.
 
-    python bench/peer_step_gpu.py --models qwen3-30b-a3b --out $OUT/peer_step_qwen3.json
-    python bench/peer_step_gpu.py --tiny --out /tmp/peer_tiny.json       (CPU, tiny shapes)
+    python -m bench.steps.peer_step_gpu --models qwen3-30b-a3b --out $OUT/peer_step_qwen3.json
+    python -m bench.steps.peer_step_gpu --tiny --out /tmp/peer_tiny.json       (CPU, tiny shapes)
 
 Per model (``MODELS``: the reduced-depth 1-GPU plans ``moeplan search --runnable`` picked,
 bench/gpu_plans/searched/; global batch 8 x 4,096, micro-batch 8):
@@ -44,26 +44,23 @@ import traceback
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE)]
+import torch
 
-import torch  # noqa: E402
-import train_step  # noqa: E402  (configures the allocator before CUDA allocates)
-from _meta import metadata  # noqa: E402
+from bench._meta import metadata
+from bench.steps import train_step  # configures the allocator before CUDA allocates
+from plans import Plan, SpecError
+from plans.catalog import load_plan
+from plans.execution import UnsupportedFeature
+from plans.io import write_atomic
+from plans.specs import mfu
+from runtime.config import ModelConfig
+from runtime.data import SyntheticTokens
+from runtime.memory import GIB
+from runtime.model import Transformer
+from runtime.parallel.parallelize import check_supported, launch_backend
+from runtime.trainer import model_options
 
-from plans import Plan, SpecError  # noqa: E402
-from plans.catalog import load_plan  # noqa: E402
-from plans.execution import UnsupportedFeature  # noqa: E402
-from plans.io import write_atomic  # noqa: E402
-from plans.specs import mfu  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
-from runtime.data import SyntheticTokens  # noqa: E402
-from runtime.memory import GIB  # noqa: E402
-from runtime.model import Transformer  # noqa: E402
-from runtime.parallel.parallelize import check_supported, launch_backend  # noqa: E402
-from runtime.trainer import model_options  # noqa: E402
-
-PLANS = HERE / "gpu_plans" / "searched"
+PLANS = Path(__file__).resolve().parents[1] / "gpu_plans" / "searched"
 MODELS = {
     "qwen3-30b-a3b": PLANS / "qwen4l_1gpu.json",
     "mixtral-8x7b": PLANS / "mixtral2l_1gpu.json",
