@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-from plans.enums import ExpertGemm
 from plans.specs import CAUSAL_FRACTION, ClusterSpec, Precision  # noqa: F401 (re-exported)
 
 TILE = 128
@@ -139,19 +138,6 @@ def grouped_gemm_s(
     peak = grouped_efficiency(m_per_group, n, k, cluster)
     launch = cluster.efficiency.grouped_gemm_launch_us
     return _gemm_s(m_per_group, n, k, groups, peak, launch, cluster, precision)
-
-
-def expert_gemm_s(
-    gemm: ExpertGemm, groups: int, m_per_group: float, n: float, k: float,
-    cluster: ClusterSpec, precision: Precision,
-) -> float:
-    """A rank's ``groups`` experts' GEMM of one shape as ``gemm`` runs it
-    (plans.layout.expert_gemm): one grouped kernel (``grouped_gemm_s``), or one dense GEMM per
-    expert (``gemm_s`` each: per-expert cuBLAS runs at the dense rate, measured on one H200 at
-    Mixtral-8x7B's shape, 695 against 696 TFLOP/s, bench/results/h200/expert_paths/)."""
-    if gemm == ExpertGemm.per_expert:
-        return groups * gemm_s(m_per_group, n, k, cluster, precision)
-    return grouped_gemm_s(groups, m_per_group, n, k, cluster, precision)
 
 
 def expert_tokens(tokens: float, top_k: int, experts: int, capacity_factor: float | None) -> float:

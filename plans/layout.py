@@ -164,34 +164,28 @@ def ulysses_chunks(overlap: Overlap, attention: AttentionStrategy, model: ModelS
 
 PER_EXPERT_MAX_LOCAL_EXPERTS = 16
 PER_EXPERT_MIN_FFN = 4096
-"""When each rank's experts are this few and this wide, one cuBLAS matmul per expert beats
-the grouped GEMM (plans.enums.ExpertGemm). Measured on one H200, the three expert GEMMs with
-SwiGLU forward + backward at 16,384 tokens (python -m bench.kernels.expert_paths_gpu,
-bench/results/h200/expert_paths/expert_paths.json): per-expert against grouped, Mixtral-8x7B's
-8 experts of 14,336 49.8 against 53.2 ms and Phi-3.5-MoE's 16 of 6,400 22.4 against 23.6 (the
-dense cuBLAS rate); DeepSeekMoE's 64 of 1,408 21.2 against 8.8, Qwen3-235B-A22B's 128 of
-1,536 40.6 against 25.0, DeepSeek-V3's 256 of 2,048 69.4 against 67.7 (the per-expert launches
-cost more than the grouped kernel loses). The same bound holds for the weight gradients alone
-(bench/results/h200/speed17/: 55.3 against 60.2 ms at Mixtral's shape, 9.60 against 8.14 at
-Qwen3-30B-A3B's)."""
-
-
-def expert_gemm(local_experts: int, local_ffn: int) -> ExpertGemm:
-    """How a rank's routed experts (``local_experts`` of ``local_ffn`` width each, after EP
-    and expert TP) run their GEMMs: per_expert at most PER_EXPERT_MAX_LOCAL_EXPERTS experts at
-    least PER_EXPERT_MIN_FFN wide, grouped otherwise. The runtime runs it
-    (runtime.moe.GroupedExperts) and the cost model prices it (cost_models.compute)."""
-    if local_experts <= PER_EXPERT_MAX_LOCAL_EXPERTS and local_ffn >= PER_EXPERT_MIN_FFN:
-        return ExpertGemm.per_expert
-    return ExpertGemm.grouped
+"""When each rank's experts are this few and this wide, their weight gradients as one cuBLAS
+matmul per expert, each adding into its slice of the main gradient (beta = 1), beat the grouped
+GEMM's weight gradient and the separate pass that adds it. Measured on one H200, three expert
+GEMMs with SwiGLU forward + backward, the runtime's form (grouped forward and rows' gradient,
+per-expert accumulating weight gradients) against grouped + pass (bench/kernels/expert_gemm_gpu.py,
+bench/results/h200/speed17/): Mixtral-8x7B's 8 experts of 14,336, 55.3 against 60.2 ms at 16k
+tokens and 13.9 against 16.3 at 4,096; DeepSeekMoE-16B's 64 of 1,408, 9.85 against 9.90 (even);
+Qwen3-30B-A3B's 128 of 768, 9.60 against 8.14 (the per-expert launches cost more than the pass
+they save)."""
 
 
 def accumulates_experts_in_gemm(fusion: bool, local_experts: int, local_ffn: int,
-                                gemm: ExpertGemm | None = None) -> bool:
-    """Whether a rank's routed experts add their weight gradients into the main gradients
-    inside the GEMM (per-expert matmuls, beta = 1): under gradient-accumulation fusion when
-    they run per expert (``gemm``, by default ``expert_gemm``'s choice). Otherwise the GEMM
-    writes each weight gradient and a separate pass adds it. ``fusion`` is the value the
-    runtime executes (plans.execution)."""
-    gemm = gemm or expert_gemm(local_experts, local_ffn)
-    return fusion and gemm == ExpertGemm.per_expert
+                                gemm: ExpertGemm = ExpertGemm.grouped) -> bool:
+    """Whether a rank's routed experts (``local_experts`` of ``local_ffn`` width each, after
+    EP and expert TP) add their weight gradients into the main gradients inside the GEMM
+    (per-expert matmuls): under gradient-accumulation fusion, with grouped GEMMs
+    (``gemm``, plans.enums.ExpertGemm) at most PER_EXPERT_MAX_LOCAL_EXPERTS experts at least
+    PER_EXPERT_MIN_FFN wide, with per-expert GEMMs always, with w1 and w3 as one GEMM never
+    (the concatenated weight is no parameter to accumulate into). Otherwise the GEMM writes
+    each weight gradient and a separate pass adds it. ``fusion`` is the value the runtime
+    executes (plans.execution)."""
+    if not fusion or gemm == ExpertGemm.grouped_w13:
+        return False
+    return gemm == ExpertGemm.per_expert or (local_experts <= PER_EXPERT_MAX_LOCAL_EXPERTS
+                                             and local_ffn >= PER_EXPERT_MIN_FFN)

@@ -23,9 +23,8 @@ class ModelOptions:
     init_std: float = 0.02
     kernels: Kernels = Kernels.eager
     """The memory-bound operators' implementation (plan.kernels; runtime.kernels)."""
-    expert_gemm: ExpertGemm | None = None
-    """How the routed experts run their GEMMs (runtime.moe.GroupedExperts); None: as
-    plans.layout.expert_gemm chooses for their local shape."""
+    expert_gemm: ExpertGemm = ExpertGemm.grouped
+    """How the routed experts run their GEMMs (runtime.moe.GroupedExperts)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plans.enums import ExpertGemm
-from plans.layout import expert_gemm
 from runtime.kernels import EAGER, KernelOps, count_per_expert
 from runtime.router import Scoring, route_scored
 
@@ -300,7 +299,8 @@ class _PerExpertMM(torch.autograd.Function):
 
 
 def grouped_matmul(counts: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``GroupedExperts.matmul`` of ExpertGemm grouped: ``grouped_mm`` over ``counts``."""
+    """``GroupedExperts.matmul`` of ExpertGemm grouped and grouped_w13: ``grouped_mm`` over
+    ``counts``."""
     return lambda x, w: grouped_mm(x, w, counts)
 
 
@@ -314,28 +314,22 @@ def per_expert_matmul(counts: torch.Tensor
 
 class GroupedExperts(nn.Module):
     """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts.
-    ``gemm`` says how the GEMMs run (plans.enums.ExpertGemm); None: as plans.layout.expert_gemm
-    chooses for the experts this module holds once parallelised (``path``). The product of
-    grouped rows with a stacked weight is the path's, unless the caller passes another
+    ``gemm`` says how the GEMMs run (plans.enums.ExpertGemm); ``matmul(counts)`` gives the
+    product of grouped rows with a stacked weight: ``gemm``'s, unless the caller passes another
     (runtime.parallel.wrappers.AccumulatingExperts)."""
 
     def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER,
-                 gemm: ExpertGemm | None = None):
+                 gemm: ExpertGemm = ExpertGemm.grouped):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))
         self.ops = ops
         self.gemm = gemm
+        self.matmul = per_expert_matmul if gemm == ExpertGemm.per_expert else grouped_matmul
         self.rows = 0
         """Routed rows these experts computed since ``take_rows`` (the rows tensor's shape, on
         the host: no device read). A recomputed forward counts again, on every rank alike."""
-
-    def path(self) -> ExpertGemm:
-        """The ExpertGemm these experts run: ``gemm``, else the rule's for their local count
-        and width (expert parallelism and expert TP shard them before the first step)."""
-        local_experts, local_ffn, _ = self.w1.shape
-        return self.gemm or expert_gemm(local_experts, local_ffn)
 
     def take_rows(self) -> int:
         rows, self.rows = self.rows, 0
@@ -344,9 +338,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor,
                 matmul: Callable | None = None) -> torch.Tensor:
         self.rows += x.shape[0]
-        if matmul is None:
-            matmul = per_expert_matmul if self.path() == ExpertGemm.per_expert else grouped_matmul
-        mm = matmul(counts)
+        mm = (matmul or self.matmul)(counts)
+        if self.gemm == ExpertGemm.grouped_w13:
+            gate, up = mm(x, torch.cat([self.w1, self.w3], dim=1)).chunk(2, dim=-1)
+            return mm(self.ops.swiglu(gate, up), self.w2)
         h = self.ops.swiglu(mm(x, self.w1), mm(x, self.w3))
         return mm(h, self.w2)
 
@@ -437,7 +432,7 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         pre_softmax: bool = False,
         ops: KernelOps = EAGER,
-        gemm: ExpertGemm | None = None,
+        gemm: ExpertGemm = ExpertGemm.grouped,
         scoring: Scoring | None = None,
     ):
         super().__init__()

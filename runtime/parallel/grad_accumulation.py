@@ -184,8 +184,8 @@ def fuse_accumulation(root: nn.Module) -> None:
             replace(root, name, AccumulatingLinear(module, linear_accumulating))
         elif isinstance(module, GroupedExperts):
             local_experts, local_ffn, _ = module.w1.shape
-            if accumulates_experts_in_gemm(True, local_experts, local_ffn, module.path()):
-                replace(root, name, AccumulatingExperts(module, accumulating_matmul(module.path())))
+            if accumulates_experts_in_gemm(True, local_experts, local_ffn, module.gemm):
+                replace(root, name, AccumulatingExperts(module, accumulating_matmul(module.gemm)))
 
 
 def mark_parameters(model: nn.Module) -> None:
