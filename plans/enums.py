@@ -185,9 +185,6 @@ class ExpertGemm(StrEnum):
     grouped = "grouped"
     """Three grouped GEMMs (torch._grouped_mm) over the rows per expert on the device: no
     wait on the host."""
-    grouped_w13 = "grouped_w13"
-    """w1 and w3 as one grouped GEMM of twice the width (the two weights concatenated at each
-    forward, [E, 2 x ffn, hidden]), the SwiGLU over its two halves; w2 grouped."""
     per_expert = "per_expert"
     """One cuBLAS matmul per expert, each product written into its slice of one output (no
     split and no concatenation), the weight gradients likewise: the rows per expert are read

@@ -181,11 +181,10 @@ def accumulates_experts_in_gemm(fusion: bool, local_experts: int, local_ffn: int
     EP and expert TP) add their weight gradients into the main gradients inside the GEMM
     (per-expert matmuls): under gradient-accumulation fusion, with grouped GEMMs
     (``gemm``, plans.enums.ExpertGemm) at most PER_EXPERT_MAX_LOCAL_EXPERTS experts at least
-    PER_EXPERT_MIN_FFN wide, with per-expert GEMMs always, with w1 and w3 as one GEMM never
-    (the concatenated weight is no parameter to accumulate into). Otherwise the GEMM writes
+    PER_EXPERT_MIN_FFN wide, with per-expert GEMMs always. Otherwise the GEMM writes
     each weight gradient and a separate pass adds it. ``fusion`` is the value the runtime
     executes (plans.execution)."""
-    if not fusion or gemm == ExpertGemm.grouped_w13:
+    if not fusion:
         return False
     return gemm == ExpertGemm.per_expert or (local_experts <= PER_EXPERT_MAX_LOCAL_EXPERTS
                                              and local_ffn >= PER_EXPERT_MIN_FFN)

@@ -226,8 +226,8 @@ class SweepRow(BaseModel):
     excluded. None for collectives, and for kernel rows of sweeps that did not time it."""
     achieved_tb_s: PositiveFloat | None = None
     shape: dict[str, int | str] = {}
-    """What ran (bench/kernels/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per expert),
-    n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
+    """What ran (bench/kernels/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per
+    expert), n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
     kv_heads and model); layer_op model, tokens; head_loss model, tokens, chunked. Empty where
     the sweep did not record the shape (such kernel rows are not fitted)."""
     backward: bool = False

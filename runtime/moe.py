@@ -299,8 +299,7 @@ class _PerExpertMM(torch.autograd.Function):
 
 
 def grouped_matmul(counts: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``GroupedExperts.matmul`` of ExpertGemm grouped and grouped_w13: ``grouped_mm`` over
-    ``counts``."""
+    """``GroupedExperts.matmul`` of ExpertGemm grouped: ``grouped_mm`` over ``counts``."""
     return lambda x, w: grouped_mm(x, w, counts)
 
 
@@ -339,9 +338,6 @@ class GroupedExperts(nn.Module):
                 matmul: Callable | None = None) -> torch.Tensor:
         self.rows += x.shape[0]
         mm = (matmul or self.matmul)(counts)
-        if self.gemm == ExpertGemm.grouped_w13:
-            gate, up = mm(x, torch.cat([self.w1, self.w3], dim=1)).chunk(2, dim=-1)
-            return mm(self.ops.swiglu(gate, up), self.w2)
         h = self.ops.swiglu(mm(x, self.w1), mm(x, self.w3))
         return mm(h, self.w2)
 

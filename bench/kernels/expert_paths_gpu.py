@@ -2,10 +2,10 @@
 shapes of issue 34, each run as the runtime runs it (runtime.moe.GroupedExperts), beside the
 dense ceiling at the same FLOPs:
 
-- ``grouped``, ``grouped_w13``, ``per_expert``: GroupedExperts with that ExpertGemm, its
-  SwiGLU from ``--kernels`` (the plan's kernels: runtime.kernels);
+- ``grouped``, ``per_expert``: GroupedExperts with that ExpertGemm, its SwiGLU from
+  ``--kernels`` (the plan's kernels: runtime.kernels);
 - ``grouped_w13_stored``: w1 and w3 stored as one [E, 2 x ffn, hidden] weight, one grouped
-  GEMM (what ``grouped_w13`` would be without concatenating the two weights at each forward);
+  GEMM for both;
 - ``dense``: every row through one expert's weights as plain cuBLAS matmuls, the same FLOPs:
   the ceiling a grouped GEMM could reach at the shape.
 

@@ -161,6 +161,25 @@ def our_params(plan: Plan) -> int:
 # ---- torchtitan -------------------------------------------------------------------------------
 
 
+def _qwen3_model():
+    """torchtitan's ``torchtitan.models.qwen3.model`` module, loaded without its package's
+    ``__init__``: that imports the FSDP parallelisation, which needs
+    ``torch.distributed.fsdp.DataParallelMeshDims`` (torch 2.12 on; the H200 machine has 2.11),
+    and a one-GPU step uses neither. The module itself imports absolute names only."""
+    import importlib.util
+
+    import torchtitan.models
+
+    name = "torchtitan.models.qwen3.model"
+    if name not in sys.modules:
+        path = Path(torchtitan.models.__file__).parent / "qwen3" / "model.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def peer_config(plan: Plan):
     """torchtitan's Qwen3Model.Config at ``plan``'s model spec (GQA models only)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -172,8 +191,8 @@ def peer_config(plan: Plan):
         make_router_config,
     )
     from torchtitan.models.common.nn_modules import RMSNorm
-    from torchtitan.models.qwen3 import Qwen3Model
-    from torchtitan.models.qwen3.model import Qwen3TransformerBlock
+    qwen3 = _qwen3_model()
+    Qwen3Model, Qwen3TransformerBlock = qwen3.Qwen3Model, qwen3.Qwen3TransformerBlock
 
     m = plan.model
     if m.mla is not None or m.shared_experts or m.dense_layers or m.tied_embeddings:

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_deepseek_layers_script_runs_tiny_and_writes_the_prediction_beside(tmp_path):
     out = tmp_path / "v3.json"
-    r = subprocess.run([sys.executable, "-m", "bench.layers.deepseek_layers_gpu", "--tiny", "--kernels",
-                        "eager", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run([sys.executable, "-m", "bench.layers.deepseek_layers_gpu", "--tiny",
+                        "--kernels", "eager", "--out", str(out)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     for key in ("commit", "date", "torch", "gpu", "device", "model", "rows"):
