@@ -73,7 +73,7 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     return LayerKey(
         plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
         plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
-        plan.recompute, dense, plan.kernels, plan.training.routing_skew,
+        plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
     )
 
 
@@ -166,7 +166,8 @@ def layer_graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGrap
     inter = overlap == Overlap.inter_op
     fwd = forward_graph(key, moe_chunks(overlap, key.ffn, key.ep),
                         ulysses_chunks(overlap, key.attention, key.model, key.sp))
-    return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter)
+    return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter,
+                               modules=key.recompute_modules)
 
 
 def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:

@@ -24,9 +24,17 @@ from cost_models.params import (
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding, Target
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.layout import tokens_per_rank
-from plans.operators import RECOMPUTED, LayerOperator
+from plans.operators import DEFAULT_MODULES, LayerOperator, recomputed_operators
 from plans.pipeline import peak_in_flight_chunks
-from plans.plan import EPFFN, Degrees, FFNStrategy, PipelineSchedule, Plan, Recompute
+from plans.plan import (
+    EPFFN,
+    Degrees,
+    FFNStrategy,
+    PipelineSchedule,
+    Plan,
+    Recompute,
+    RecomputeModule,
+)
 from plans.specs import ModelSpec, Optimizer, Precision
 
 LO = LayerOperator
@@ -216,14 +224,15 @@ def _kept_tensors(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, dense: b
 def layer_activation_terms(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
-    linears_accumulate: bool = False,
+    linears_accumulate: bool = False, modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
 ) -> dict[str, float]:
     """Bytes one layer keeps for backward per micro-batch, ``tokens`` per rank, by the tensor
     this runtime's autograd graph saves (runtime/model.py, runtime/moe.py, runtime/parallel/);
     each term checked against the bytes each module keeps on H200 (bench/memory_suite.py,
     module_kept_bytes; tests/cost_models/test_cm_memory.py holds them to it). A tensor counts
-    unless every operator that keeps it is recomputed (``plans.RECOMPUTED[policy]``), and the
-    inputs the recomputed operators read from the others count (checkpointing keeps them).
+    unless every operator that keeps it is recomputed (``plans.operators.recomputed_operators``
+    of the policy and its modules), and the inputs the recomputed operators read from the
+    others count (checkpointing keeps them).
 
     - norms: each RMSNorm keeps its fp32 input copy and fp32 normalised value and hands a bf16
       output to the next operator: 10 h per norm;
@@ -246,7 +255,7 @@ def layer_activation_terms(
     - dense_ffn: dense layers and shared experts, 8 F (the input is the norm's output);
     - layer_output: the residual stream handed to the next layer (2 h);
     - layer_input: recomputing the whole layer keeps its input (2 h) only."""
-    recomputed = RECOMPUTED[policy]
+    recomputed = recomputed_operators(policy, modules)
     terms: dict[str, float] = {}
     for t in _kept_tensors(model, degrees, ffn, dense, micro_batch, kernels, linears_accumulate):
         if t.kept(recomputed):
@@ -258,11 +267,12 @@ def layer_activation_terms(
 def layer_activation_bytes(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
-    linears_accumulate: bool = False,
+    linears_accumulate: bool = False, modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
 ) -> float:
     """The sum of ``layer_activation_terms``."""
     return sum(layer_activation_terms(model, tokens, degrees, ffn, policy, dense,
-                                      micro_batch, kernels, linears_accumulate).values())
+                                      micro_batch, kernels, linears_accumulate,
+                                      modules).values())
 
 
 LOSS_BYTES_PER_LOGIT = 12
@@ -347,19 +357,19 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             kernels: Kernels = Kernels.eager, chunks: int = 1,
             experts_accumulate_in_gemm: bool = False,
             linears_accumulate: bool = False, step_in_buckets: bool = True,
-            target: Target = Target.moeplan, precision: Precision = Precision.bf16
-            ) -> MemoryBreakdown:
+            target: Target = Target.moeplan, precision: Precision = Precision.bf16,
+            modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     if target == Target.megatron:
         per_layer = {(dense, pol): tokens * megatron.kept_bytes_per_token(
-            model, d, precision, pol, dense) for dense in (False, True)
+            model, d, precision, pol, dense, modules) for dense in (False, True)
             for pol in (policy, Recompute.none)}
     else:
         per_layer = {
             (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch,
-                                                 kernels, linears_accumulate)
+                                                 kernels, linears_accumulate, modules)
             for dense in (False, True) for pol in (policy, Recompute.none)
         }
     layers = stage_layer_counts(model, stage_layers, d.pp)
@@ -421,4 +431,5 @@ def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdow
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
         megatron.moe_chunks(plan), experts_in_gemm(plan),
         plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
+        plan.recompute_modules,
     )

@@ -30,7 +30,7 @@ from enum import Enum, StrEnum
 
 from pydantic import BaseModel
 
-from plans.enums import RouterScore, Target
+from plans.enums import RecomputeModule, RouterScore, Target
 from plans.errors import SpecError
 from plans.plan import Plan
 
@@ -117,6 +117,15 @@ _INTER_OP_WHAT = (
 _INTRA_OP_WHY = "no tile-level fused communication kernels; the inter-operator overlap runs"
 _BF16_WHY = "GEMMs run in bf16; fp8 applies to the gradient sync only"
 _CPU_WHY = "CPU runs fp32 parameters and compute (the parity reference)"
+
+def _moeplan_recompute_modules(plan: Plan) -> str | None:
+    """moeplan's runtime checkpoints the attention core only (runtime.parallel.parallelize)."""
+    others = [m.value for m in plan.recompute_modules if m != RecomputeModule.core_attn]
+    if others:
+        return (f"selective recomputation reruns the attention core only, not "
+                f"{', '.join(others)} (a Megatron-Core module: target megatron)")
+    return None
+
 
 MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
@@ -225,6 +234,8 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("overlap", "inter_intra_op", Support.runs_as, _INTRA_OP_WHY, "inter_op"),
     *_executed("recompute", "none", "selective", "full",
                reason="selective reruns the attention core (RoPE and SDPA)"),
+    Capability("recompute_modules", ANY, Support.executed, "core_attn (RoPE and SDPA)",
+               requires=_moeplan_recompute_modules),
     *_executed("cross_entropy", "chunked", "materialized"),
     Capability("cuda_graphs", "none", Support.executed),
     Capability("cuda_graphs", ANY, Support.refused,
@@ -284,6 +295,15 @@ def _megatron_ulysses(plan: Plan) -> str | None:
 
 def _megatron_cp(plan: Plan) -> str | None:
     return _megatron_cp_split(plan, plan.degrees.cp)
+
+
+def _megatron_recompute_modules(plan: Plan) -> str | None:
+    """TransformerConfig.__post_init__'s check on recompute_modules that a plan can break
+    (Megatron-Core 0.15.3): mla_up_proj needs multi-latent attention (its moe_act check,
+    grouped GEMMs, the export always sets)."""
+    if RecomputeModule.mla_up_proj in plan.recompute_modules and plan.model.mla is None:
+        return "mla_up_proj recomputes MLA's up-projections: the model has no MLA"
+    return None
 
 
 def _megatron_ep_overlap(plan: Plan) -> str | None:
@@ -399,6 +419,8 @@ MEGATRON: tuple[Capability, ...] = (
               "--recompute-modules core_attn"),
     _megatron("recompute", "full", reason="--recompute-granularity full --recompute-method "
               "uniform --recompute-num-layers 1"),
+    _megatron("recompute_modules", ANY, reason="--recompute-modules (selective "
+              "recomputation's modules)", requires=_megatron_recompute_modules),
     _megatron("cross_entropy", "materialized", reason="the whole micro-batch's logits and "
               "their loss at once (Megatron's only kind)"),
     _megatron("cross_entropy", "chunked", Support.runs_as,
@@ -455,6 +477,8 @@ def model_features(model: BaseModel) -> Iterator[tuple[str, object]]:
 def _text(value: object) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, tuple) and all(isinstance(v, Enum) for v in value):
+        return ", ".join(v.value for v in value)
     return value.value if isinstance(value, Enum) else str(value)
 
 
