@@ -199,6 +199,7 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
         recompute=Recompute.selective if recipe["recompute_modules"] else Recompute.none,
         recompute_modules=(tuple(RecomputeModule(m) for m in recipe["recompute_modules"])
                            or DEFAULT_MODULES),
+        optimizer_moments=Precision(recipe.get("optimizer_moments", "fp32")),
         kernels=Kernels.fused, grad_sync_precision=Precision.bf16,
         cuda_graphs=cuda_graphs(recipe["cuda_graph_scope"]) if target == Target.megatron
         else CudaGraphs.none)

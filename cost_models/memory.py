@@ -63,8 +63,8 @@ def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
 MEMORY_TERMS = {
     "params": "the weights this GPU holds (bf16)",
     "grads": "their main gradients (fp32 for an fp32 gradient sync, else bf16)",
-    "optimizer": "optimizer states (fp32 master weights and moments) this GPU holds: its "
-                 "ZeRO-1 shard, or all of them without sharding",
+    "optimizer": "optimizer states (fp32 master weights, moments in plan.optimizer_moments) "
+                 "this GPU holds: its ZeRO-1 shard, or all of them without sharding",
     "activations": "activations kept for the backward, over the micro-batches in flight",
     "activation_working": "the working set of the layer being recomputed or back-propagated",
     "comm_buffers": "a layer's largest communication buffer (the dispatch's all-to-all or "
@@ -358,7 +358,8 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             experts_accumulate_in_gemm: bool = False,
             linears_accumulate: bool = False, step_in_buckets: bool = True,
             target: Target = Target.moeplan, precision: Precision = Precision.bf16,
-            modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> MemoryBreakdown:
+            modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
+            moments: Precision = Precision.fp32) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
@@ -379,7 +380,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     logits = loss_bytes(model, tokens, cross_entropy, kernels, target)
 
     grad_bytes = grad_bytes_per_param(grad_precision)
-    opt_bytes = opt.state_bytes_per_param
+    opt_bytes = opt.state_bytes(moments)
     working_of = {dense: (1 + BACKWARD_WORKING) * per_layer[dense, Recompute.none]
                   - per_layer[dense, policy] for dense in (False, True)}
     # A chunked MoE layer (inter-operator overlap) uses each expert weight once per chunk:
@@ -431,5 +432,5 @@ def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdow
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
         megatron.moe_chunks(plan), experts_in_gemm(plan),
         plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
-        plan.recompute_modules,
+        plan.recompute_modules, plan.optimizer_moments,
     )

@@ -242,6 +242,9 @@ def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list
     zero1 = plan.optimizer_sharding == OptimizerSharding.zero1
     if zero1:  # Megatron's distributed optimizer shards the states over data parallelism
         args.append("--use-distributed-optimizer")
+    if plan.optimizer_moments == Precision.bf16:
+        args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                 "--exp-avg-sq-dtype", "bf16"]
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     # the gradient reduce only: the plan's ZeRO-1 parameter all-gather follows the optimizer

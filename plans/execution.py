@@ -236,6 +236,10 @@ MOEPLAN: tuple[Capability, ...] = (
                reason="selective reruns the attention core (RoPE and SDPA)"),
     Capability("recompute_modules", ANY, Support.executed, "core_attn (RoPE and SDPA)",
                requires=_moeplan_recompute_modules),
+    Capability("optimizer_moments", "fp32", Support.executed),
+    Capability("optimizer_moments", "bf16", Support.refused,
+               "its AdamW keeps fp32 moments (Megatron-Core's precision-aware optimizer: "
+               "target megatron)"),
     *_executed("cross_entropy", "chunked", "materialized"),
     Capability("cuda_graphs", "none", Support.executed),
     Capability("cuda_graphs", ANY, Support.refused,
@@ -303,6 +307,17 @@ def _megatron_recompute_modules(plan: Plan) -> str | None:
     grouped GEMMs, the export always sets)."""
     if RecomputeModule.mla_up_proj in plan.recompute_modules and plan.model.mla is None:
         return "mla_up_proj recomputes MLA's up-projections: the model has no MLA"
+    return None
+
+
+def _megatron_moments(plan: Plan) -> str | None:
+    """OptimizerConfig.__post_init__ (megatron/core/optimizer/optimizer_config.py, 0.15.3):
+    the precision-aware optimizer is Adam's, in the distributed optimizer."""
+    if plan.training.optimizer != "adam":
+        return "the precision-aware optimizer is Adam's (training.optimizer adam)"
+    if plan.optimizer_sharding != "zero1":
+        return ("the precision-aware optimizer runs in the distributed optimizer only "
+                "(optimizer_sharding zero1)")
     return None
 
 
@@ -421,6 +436,9 @@ MEGATRON: tuple[Capability, ...] = (
               "uniform --recompute-num-layers 1"),
     _megatron("recompute_modules", ANY, reason="--recompute-modules (selective "
               "recomputation's modules)", requires=_megatron_recompute_modules),
+    _megatron("optimizer_moments", "fp32", reason="Megatron's default"),
+    _megatron("optimizer_moments", "bf16", reason="--use-precision-aware-optimizer "
+              "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16", requires=_megatron_moments),
     _megatron("cross_entropy", "materialized", reason="the whole micro-batch's logits and "
               "their loss at once (Megatron's only kind)"),
     _megatron("cross_entropy", "chunked", Support.runs_as,

@@ -269,6 +269,11 @@ class Plan(Frozen):
     gradient-accumulation fusion); false: each micro-batch's gradients are added by a separate
     memory-bound pass."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
+    optimizer_moments: Literal[Precision.fp32, Precision.bf16] = Precision.fp32
+    """Precision of Adam's moments (exp_avg, exp_avg_sq): fp32, or bf16 as Megatron-Core's
+    precision-aware optimizer keeps them (``--use-precision-aware-optimizer --exp-avg-dtype
+    bf16 --exp-avg-sq-dtype bf16``, fp32 master weights); priced in memory and in the
+    optimizer step's bytes (plans.specs.Optimizer.state_bytes)."""
     """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
     cuda_graphs: CudaGraphs = CudaGraphs.none
     """The layer parts captured as CUDA graphs (Megatron-Core's ``--cuda-graph-scope``)."""

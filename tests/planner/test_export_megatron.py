@@ -338,3 +338,19 @@ def test_recompute_modules_export_as_megatrons_selective_recomputation(
     parsed, config = run_megatron(plan, 9, _megatron(), monkeypatch, tmp_path)
     assert config.recompute_granularity == "selective"
     assert list(config.recompute_modules) == list(modules)
+
+
+def test_bf16_moments_export_as_the_precision_aware_optimizer(monkeypatch, tmp_path):
+    """Plan.optimizer_moments bf16 exports as --use-precision-aware-optimizer with bf16
+    moments, read back from Megatron's parsed arguments."""
+    import torch
+
+    from plans import Precision, Target
+
+    plan = _feature_plan(catalog.load_model("qwen3-30b-a3b"), 2, (24, 24)).model_copy(
+        update={"target": Target.megatron, "optimizer_moments": Precision.bf16})
+    parsed, _ = run_megatron(Plan.model_validate(plan.model_dump()), 9, _megatron(),
+                             monkeypatch, tmp_path)
+    assert parsed.use_precision_aware_optimizer and parsed.use_distributed_optimizer
+    assert parsed.exp_avg_dtype == parsed.exp_avg_sq_dtype == torch.bfloat16
+    assert parsed.main_params_dtype == torch.float32
