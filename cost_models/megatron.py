@@ -260,6 +260,8 @@ LOSS_BYTES_PER_LOGIT = 2
 """Megatron-Core's loss (``cross_entropy_fusion_impl te``, the Megatron-Bridge recipes'):
 TransformerEngine's fused cross-entropy reads the bf16 logits and writes their gradient in
 place, so the logits' own 2 bytes are the loss's peak."""
+ROUTED_WEIGHT_BYTES = 4
+"""A routed row's routing weight, fp32 (the router's dtype), kept by the weighted SwiGLU."""
 ROUTER_DTYPE_BYTES = 4
 """The router runs in fp32 (``moe_router_dtype fp32``, Megatron-Bridge's Qwen3 provider): its
 gate keeps an fp32 copy of its input, its logits and probabilities are fp32."""
@@ -282,8 +284,11 @@ def kept_bytes_per_token(m: ModelSpec, d: Degrees, precision: Precision, policy:
     - pre-MLP norm: its input (2 h); the fp32 router: its input copy (4 h), logits,
       probabilities and the routing map and permutation map (13 E);
     - each routed row (k per token, at the rank's EP load): fc1's input, the SwiGLU's input
-      (fc1's 2 F-wide output) and fc2's input; the combine's un-permute keeps the returned
-      rows (2 h each) for the routing weights' gradient;
+      (fc1's 2 F-wide output), fc2's input and the row's fp32 routing weight: TEGroupedMLP
+      applies the weights in its weighted SwiGLU (``weighted_bias_swiglu_impl``), and the
+      dispatcher's un-permute runs without them (``unpermute(..., probs=None)``,
+      moe/experts.py and moe/token_dispatcher.py, Megatron-Core 0.15.3), so the combine keeps
+      no rows;
     - dense FFN and shared experts: the same per token, without routing.
 
     Full recomputation keeps each layer's input only. Selective recomputation reruns
@@ -327,7 +332,7 @@ def kept_bytes_per_token(m: ModelSpec, d: Degrees, precision: Precision, policy:
     load = EP_LOAD if d.ep > 1 else 1.0
     f = m.expert_ffn_hidden
     fc2_in = 0.0 if RecomputeModule.moe_act in mods else gemm_in
-    out += m.top_k * (load * (gemm_in * h + (4.0 + fc2_in) * f) + 2.0 * h)
+    out += m.top_k * load * (gemm_in * h + (4.0 + fc2_in) * f + ROUTED_WEIGHT_BYTES)
     if m.shared_experts and RecomputeModule.shared_experts not in mods:
         out += gemm_in * h + (4.0 + gemm_in) * m.shared_experts * m.shared_expert_ffn_hidden
     return out

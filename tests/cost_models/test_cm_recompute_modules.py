@@ -81,8 +81,8 @@ def test_each_module_drops_what_it_discards():
     assert kept(qwen, (M.moe,)) == pytest.approx(
         kept(qwen, (M.core_attn,)) + 4.0 * qwen.query_heads
         - (megatron.ROUTER_DTYPE_BYTES * (qwen.hidden + 3 * qwen.experts) + qwen.experts
-           + qwen.top_k * (EP_LOAD * (2.0 * qwen.hidden + 6.0 * qwen.expert_ffn_hidden)
-                           + 2.0 * qwen.hidden)) + 2.0 * qwen.hidden)
+           + qwen.top_k * EP_LOAD * (2.0 * qwen.hidden + 6.0 * qwen.expert_ffn_hidden
+                                     + megatron.ROUTED_WEIGHT_BYTES)) + 2.0 * qwen.hidden)
     assert kept(v3, (M.mla_up_proj,)) == pytest.approx(
         kept(v3, (M.core_attn,)) + 4.0 * v3.query_heads - 2.0 * (v3.q_dim + 2 * v3.kv_dim))
     s = v3.shared_experts * v3.shared_expert_ffn_hidden
