@@ -57,7 +57,8 @@ def layer_components(key: LayerKey) -> dict[str, float]:
     for name, op in fwd.nodes(data="op"):
         if (c := operator_component(name)) is not None:
             out[c] += op.duration_s
-    for name, op in backward_graph(fwd, key.recompute).nodes(data="op"):
+    bwd = backward_graph(fwd, key.recompute, modules=key.recompute_modules)
+    for name, op in bwd.nodes(data="op"):
         forward_op, backward = _forward_name(name)
         if (c := operator_component(forward_op)) is not None:
             out[f"{c}_bwd" if backward else c] += op.duration_s

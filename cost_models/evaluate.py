@@ -250,7 +250,7 @@ def evaluate(plan: Plan) -> Evaluation:
     # masters and states, write the bf16 weights.
     shard = max(p.optimizer_shard(d, plan.optimizer_sharding) for p in stage_params_of(plan))
     grad_bytes = grad_bytes_per_param(plan.grad_sync_precision)
-    state = 2 * plan.training.optimizer.state_bytes_per_param
+    state = 2 * plan.training.optimizer.state_bytes(plan.optimizer_moments)
     if plan.training.optimizer.runs_fused(plan.kernels):
         per_param = grad_bytes + state + WEIGHT_BYTES
     else:

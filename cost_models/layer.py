@@ -73,7 +73,7 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     return LayerKey(
         plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
         plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
-        plan.recompute, dense, plan.kernels, plan.training.routing_skew,
+        plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
     )
 
 
@@ -178,7 +178,8 @@ def layer_graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGrap
     MoE part as the runtime does and runs gradients as autograd nodes."""
     inter = overlap == Overlap.inter_op
     fwd = _forward_graph(_forward_key(key), overlap)
-    return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter)
+    return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter,
+                               modules=key.recompute_modules)
 
 
 def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:

@@ -27,7 +27,13 @@ from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation, fused_ev
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
 from plans.layout import kv_heads_sent, tokens_per_rank
-from plans.operators import RECOMPUTED, TIMER_OF, Component, LayerOperator
+from plans.operators import (
+    DEFAULT_MODULES,
+    TIMER_OF,
+    Component,
+    LayerOperator,
+    recomputed_operators,
+)
 from plans.plan import (
     EPFFN,
     AttentionStrategy,
@@ -36,6 +42,7 @@ from plans.plan import (
     FFNStrategy,
     Kernels,
     Recompute,
+    RecomputeModule,
     TPAttention,
     UlyssesAttention,
 )
@@ -126,6 +133,8 @@ class LayerKey:
     """Whether the fusable memory-bound operators run as fused regions (plan.kernels)."""
     routing_skew: float = 1.0
     """TrainingSpec.routing_skew (cost_models.skew)."""
+    recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
+    """Plan.recompute_modules: what selective recomputation reruns."""
 
     @property
     def tokens(self) -> float:
@@ -638,8 +647,8 @@ def forward_graph(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> nx.Di
 # ---- backward -----------------------------------------------------------------------------------
 
 
-def backward_graph(fwd: nx.DiGraph, policy: Recompute, autograd_nodes: bool = False
-                   ) -> nx.DiGraph:
+def backward_graph(fwd: nx.DiGraph, policy: Recompute, autograd_nodes: bool = False,
+                   modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> nx.DiGraph:
     """Gradients in reverse program order, plus reruns of recomputed forward operators.
 
     With ``autograd_nodes`` the gradients run as torch autograd runs them (the inter-operator
@@ -649,7 +658,7 @@ def backward_graph(fwd: nx.DiGraph, policy: Recompute, autograd_nodes: bool = Fa
     ops: dict[str, Op] = {n: d["op"] for n, d in fwd.nodes(data=True)}
     order = sorted(ops, key=lambda n: fwd.nodes[n]["order"])
     # Only outputs some gradient reads are rerun: the layer's output is never needed again.
-    recomputed = RECOMPUTED[policy]
+    recomputed = recomputed_operators(policy, modules)
     rerun = [n for n in order if ops[n].operator in recomputed and fwd.out_degree(n)]
     bwd = nx.DiGraph()
 

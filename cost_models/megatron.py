@@ -16,8 +16,9 @@ from types import MappingProxyType
 
 from cost_models.layer import LayerTiming, layer_key, layer_timing_for
 from cost_models.volumes import CommKind
-from plans.enums import CudaGraphs, Overlap, Precision, Recompute, Target
+from plans.enums import CudaGraphs, Overlap, Precision, Recompute, RecomputeModule, Target
 from plans.layout import moe_chunks as layout_moe_chunks
+from plans.operators import DEFAULT_MODULES
 from plans.plan import EPFFN, Degrees, Plan
 from plans.specs import ModelSpec
 
@@ -72,6 +73,17 @@ TP_COLLECTIVES = Launches(2, 2)
 """Under TP > 1, the sequence-parallel all-gather and reduce-scatter of the attention."""
 
 
+RERUN_LAUNCHES = {
+    RecomputeModule.core_attn: 3, RecomputeModule.layernorm: 1, RecomputeModule.moe_act: 1,
+    RecomputeModule.mla_up_proj: 4, RecomputeModule.mlp: DENSE_FFN.fwd,
+    RecomputeModule.shared_experts: DENSE_FFN.fwd, RecomputeModule.moe: 0}
+"""Kernels a selective module's rerun launches in backward (priors, as the counts above):
+the fused attention with its preparation; the pre-MLP norm (the input norm is fused into the
+QKV GEMM); the experts' fused SwiGLU; MLA's two up-projection GEMMs and their RoPE; a dense
+or shared MLP's forward; moe reruns the router, the preprocessing and everything after the
+wait (counted in ``launches``)."""
+
+
 def _graphed(part: Launches, graphed: bool) -> Launches:
     """A graphed part replays as one launch per pass."""
     return Launches(min(part.fwd, 1), min(part.bwd, 1)) if graphed else part
@@ -115,6 +127,22 @@ def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
     if plan.recompute == Recompute.full:
         before = before + Launches(0, before.fwd)
         after = after + Launches(0, after.fwd)
+    elif plan.recompute == Recompute.selective:
+        mods = set(plan.recompute_modules)
+        if dense:
+            mods -= {RecomputeModule.moe, RecomputeModule.moe_act,
+                     RecomputeModule.shared_experts}
+        else:
+            mods.discard(RecomputeModule.mlp)
+        if not plan.model.shared_experts:
+            mods.discard(RecomputeModule.shared_experts)
+        if plan.model.mla is None:
+            mods.discard(RecomputeModule.mla_up_proj)
+        rerun = sum((RERUN_LAUNCHES[m] for m in mods), 0)
+        if RecomputeModule.moe in mods:
+            rerun += (ROUTER.fwd + PREPROCESS.fwd + after.fwd
+                      + (DENSE_FFN.fwd if plan.model.shared_experts else 0))
+        before = before + Launches(0, rerun)
     return LayerLaunches(before, after)
 
 
@@ -232,53 +260,79 @@ LOSS_BYTES_PER_LOGIT = 2
 """Megatron-Core's loss (``cross_entropy_fusion_impl te``, the Megatron-Bridge recipes'):
 TransformerEngine's fused cross-entropy reads the bf16 logits and writes their gradient in
 place, so the logits' own 2 bytes are the loss's peak."""
+ROUTED_WEIGHT_BYTES = 4
+"""A routed row's routing weight, fp32 (the router's dtype), kept by the weighted SwiGLU."""
 ROUTER_DTYPE_BYTES = 4
 """The router runs in fp32 (``moe_router_dtype fp32``, Megatron-Bridge's Qwen3 provider): its
 gate keeps an fp32 copy of its input, its logits and probabilities are fp32."""
 
 
 def kept_bytes_per_token(m: ModelSpec, d: Degrees, precision: Precision, policy: Recompute,
-                         dense: bool) -> float:
+                         dense: bool, modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
+                         ) -> float:
     """Bytes one layer keeps for backward per token of this rank (b s / (tp cp) tokens under
     sequence parallelism), as Megatron-Core with TransformerEngine saves them; a GEMM's input
     is kept in the GEMM's precision (TE keeps the fp8 copy it quantised under fp8):
 
     - input norm fused with the QKV GEMM: its input (2 h), output (the GEMM's input) and the
       fp32 inverse norm;
+    - MLA: the down-projection's output (the latents' norms' input, 2 per element) and the
+      normed latents the up-projections keep (their GEMMs' input), q_lora_rank + kv_lora_rank;
     - q/k norms (qk_norm): their inputs, 2 (q + kv) / tp;
     - fused attention: RoPE'd q, k, v, its output and fp32 log-sum-exp; the output
       projection's input is that output (its fp8 copy under fp8);
     - pre-MLP norm: its input (2 h); the fp32 router: its input copy (4 h), logits,
       probabilities and the routing map and permutation map (13 E);
     - each routed row (k per token, at the rank's EP load): fc1's input, the SwiGLU's input
-      (fc1's 2 F-wide output) and fc2's input; the combine's un-permute keeps the returned
-      rows (2 h each) for the routing weights' gradient;
+      (fc1's 2 F-wide output), fc2's input and the row's fp32 routing weight: TEGroupedMLP
+      applies the weights in its weighted SwiGLU (``weighted_bias_swiglu_impl``), and the
+      dispatcher's un-permute runs without them (``unpermute(..., probs=None)``,
+      moe/experts.py and moe/token_dispatcher.py, Megatron-Core 0.15.3), so the combine keeps
+      no rows;
     - dense FFN and shared experts: the same per token, without routing.
 
-    Selective recomputation (``--recompute-modules core_attn``) keeps the core's inputs and
-    drops its log-sum-exp; full keeps each layer's input only."""
+    Full recomputation keeps each layer's input only. Selective recomputation reruns
+    ``modules`` (``--recompute-modules``; TransformerLayer and its submodules, Megatron-Core
+    0.15), each dropping what it discards: core_attn the log-sum-exp (the core's inputs are
+    the checkpoint's, kept); mla_up_proj the up-projections' outputs, the core's q, k, v
+    (``CheckpointWithoutOutput`` discards them once the core has run); moe_act fc2's input
+    (the SwiGLU's output); mlp a dense layer's FFN, keeping its input (2 h); shared_experts
+    the shared FFN; moe the whole MoE block (router, routed rows, shared experts), keeping its
+    input (2 h). layernorm drops nothing counted here: the input norm is fused into the QKV
+    GEMM, and the pre-MLP norm's output is kept by no one but its readers, whose own copies
+    (the router's fp32 input, the dispatched rows) are counted with them."""
     from cost_models.memory import EP_LOAD  # the memory model's one rank-load margin
 
     if policy == Recompute.full:
         return 2.0 * m.hidden
+    mods = frozenset(modules) if policy == Recompute.selective else frozenset()
     gemm_in = float(precision.bytes) if precision == Precision.fp8 else 2.0
     h, tp = m.hidden, d.tp
     q, kv = m.q_dim / tp, m.kv_dim / tp
     out = 2.0 * h + gemm_in * h + 4.0
+    if m.mla is not None:
+        out += (2.0 + gemm_in) * (m.mla.q_lora_rank + m.mla.kv_lora_rank) + 8.0
     if m.qk_norm:
         out += 2.0 * (q + kv)
-    out += 2.0 * (q + 2 * kv) + 2.0 * q
-    if policy == Recompute.none:
+    if RecomputeModule.mla_up_proj not in mods or m.mla is None:
+        out += 2.0 * (q + 2 * kv)
+    out += 2.0 * q
+    if RecomputeModule.core_attn not in mods:
         out += 4.0 * m.query_heads / tp
     if gemm_in < 2.0:
         out += gemm_in * q
     out += 2.0 * h + 4.0
     if dense:
+        if RecomputeModule.mlp in mods:
+            return out + 2.0 * h
         return out + gemm_in * h + (4.0 + gemm_in) * m.dense_ffn_hidden
+    if RecomputeModule.moe in mods:
+        return out + 2.0 * h
     out += ROUTER_DTYPE_BYTES * (h + 3 * m.experts) + m.experts
     load = EP_LOAD if d.ep > 1 else 1.0
     f = m.expert_ffn_hidden
-    out += m.top_k * (load * (gemm_in * h + (4.0 + gemm_in) * f) + 2.0 * h)
-    if m.shared_experts:
+    fc2_in = 0.0 if RecomputeModule.moe_act in mods else gemm_in
+    out += m.top_k * load * (gemm_in * h + (4.0 + fc2_in) * f + ROUTED_WEIGHT_BYTES)
+    if m.shared_experts and RecomputeModule.shared_experts not in mods:
         out += gemm_in * h + (4.0 + gemm_in) * m.shared_experts * m.shared_expert_ffn_hidden
     return out

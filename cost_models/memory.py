@@ -24,9 +24,17 @@ from cost_models.params import (
 from plans.enums import CHUNK_LOGITS, CrossEntropy, Kernels, OptimizerSharding, Target
 from plans.execution import GRAD_SYNC_BUCKET_PARAMS
 from plans.layout import tokens_per_rank
-from plans.operators import RECOMPUTED, LayerOperator
+from plans.operators import DEFAULT_MODULES, LayerOperator, recomputed_operators
 from plans.pipeline import peak_in_flight_chunks
-from plans.plan import EPFFN, Degrees, FFNStrategy, PipelineSchedule, Plan, Recompute
+from plans.plan import (
+    EPFFN,
+    Degrees,
+    FFNStrategy,
+    PipelineSchedule,
+    Plan,
+    Recompute,
+    RecomputeModule,
+)
 from plans.specs import ModelSpec, Optimizer, Precision
 
 LO = LayerOperator
@@ -55,8 +63,8 @@ def optimizer_step_workspace(model: ModelSpec, d: Degrees, p: StageParams,
 MEMORY_TERMS = {
     "params": "the weights this GPU holds (bf16)",
     "grads": "their main gradients (fp32 for an fp32 gradient sync, else bf16)",
-    "optimizer": "optimizer states (fp32 master weights and moments) this GPU holds: its "
-                 "ZeRO-1 shard, or all of them without sharding",
+    "optimizer": "optimizer states (fp32 master weights, moments in plan.optimizer_moments) "
+                 "this GPU holds: its ZeRO-1 shard, or all of them without sharding",
     "activations": "activations kept for the backward, over the micro-batches in flight",
     "activation_working": "the working set of the layer being recomputed or back-propagated",
     "comm_buffers": "a layer's largest communication buffer (the dispatch's all-to-all or "
@@ -248,14 +256,15 @@ def _terms_per_token(model: ModelSpec, tp: int, sp: int, ep: int, etp: int, ffn:
 def layer_activation_terms(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
-    linears_accumulate: bool = False,
+    linears_accumulate: bool = False, modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
 ) -> dict[str, float]:
     """Bytes one layer keeps for backward per micro-batch, ``tokens`` per rank, by the tensor
     this runtime's autograd graph saves (runtime/model.py, runtime/moe.py, runtime/parallel/);
     each term checked against the bytes each module keeps on H200 (bench/memory/memory_suite.py,
     module_kept_bytes; tests/cost_models/test_cm_memory.py holds them to it). A tensor counts
-    unless every operator that keeps it is recomputed (``plans.RECOMPUTED[policy]``), and the
-    inputs the recomputed operators read from the others count (checkpointing keeps them).
+    unless every operator that keeps it is recomputed (``plans.operators.recomputed_operators``
+    of the policy and its modules), and the inputs the recomputed operators read from the
+    others count (checkpointing keeps them).
 
     - norms: each RMSNorm keeps its fp32 input copy and fp32 normalised value and hands a bf16
       output to the next operator: 10 h per norm;
@@ -280,20 +289,20 @@ def layer_activation_terms(
     - layer_input: recomputing the whole layer keeps its input (2 h) only."""
     d = degrees
     return {name: b * tokens for name, b in _terms_per_token(
-        model, d.tp, d.sp, d.ep, d.etp, ffn, RECOMPUTED[policy], dense, micro_batch, kernels,
-        linears_accumulate)}
+        model, d.tp, d.sp, d.ep, d.etp, ffn, recomputed_operators(policy, modules), dense,
+        micro_batch, kernels, linears_accumulate)}
 
 
 def layer_activation_bytes(
     model: ModelSpec, tokens: float, degrees: Degrees, ffn: FFNStrategy, policy: Recompute,
     dense: bool, micro_batch: int = 1, kernels: Kernels = Kernels.eager,
-    linears_accumulate: bool = False,
+    linears_accumulate: bool = False, modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
 ) -> float:
     """The sum of ``layer_activation_terms``."""
     d = degrees
     return sum(b * tokens for _, b in _terms_per_token(
-        model, d.tp, d.sp, d.ep, d.etp, ffn, RECOMPUTED[policy], dense, micro_batch, kernels,
-        linears_accumulate))
+        model, d.tp, d.sp, d.ep, d.etp, ffn, recomputed_operators(policy, modules), dense,
+        micro_batch, kernels, linears_accumulate))
 
 
 LOSS_BYTES_PER_LOGIT = 12
@@ -378,19 +387,20 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             kernels: Kernels = Kernels.eager, chunks: int = 1,
             experts_accumulate_in_gemm: bool = False,
             linears_accumulate: bool = False, step_in_buckets: bool = True,
-            target: Target = Target.moeplan, precision: Precision = Precision.bf16
-            ) -> MemoryBreakdown:
+            target: Target = Target.moeplan, precision: Precision = Precision.bf16,
+            modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
+            moments: Precision = Precision.fp32) -> MemoryBreakdown:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     if target == Target.megatron:
         per_layer = {(dense, pol): tokens * megatron.kept_bytes_per_token(
-            model, d, precision, pol, dense) for dense in (False, True)
+            model, d, precision, pol, dense, modules) for dense in (False, True)
             for pol in (policy, Recompute.none)}
     else:
         per_layer = {
             (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch,
-                                                 kernels, linears_accumulate)
+                                                 kernels, linears_accumulate, modules)
             for dense in (False, True) for pol in (policy, Recompute.none)
         }
     layers = stage_layer_counts(model, stage_layers, d.pp)
@@ -400,7 +410,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     logits = loss_bytes(model, tokens, cross_entropy, kernels, target)
 
     grad_bytes = grad_bytes_per_param(grad_precision)
-    opt_bytes = opt.state_bytes_per_param
+    opt_bytes = opt.state_bytes(moments)
     working_of = {dense: (1 + BACKWARD_WORKING) * per_layer[dense, Recompute.none]
                   - per_layer[dense, policy] for dense in (False, True)}
     # A chunked MoE layer (inter-operator overlap) uses each expert weight once per chunk:
@@ -457,4 +467,5 @@ def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdow
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
         megatron.moe_chunks(plan), experts_in_gemm(plan),
         plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
+        plan.recompute_modules, plan.optimizer_moments,
     )

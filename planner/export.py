@@ -9,15 +9,14 @@ from dataclasses import dataclass
 
 from plans import (
     EPFFN,
-    RECOMPUTED,
     Dispatch,
-    LayerOperator,
     ModelSpec,
     Optimizer,
     OptimizerSharding,
     Overlap,
     Plan,
     Precision,
+    Recompute,
     SpecError,
 )
 from plans.enums import (
@@ -50,39 +49,17 @@ def megatron_layout(plan: Plan) -> str:
     return "|".join(chunks)
 
 
-LO = LayerOperator
-MEGATRON_RECOMPUTE_MODULES: tuple[tuple[str, frozenset[LayerOperator]], ...] = (
-    # Megatron applies RoPE before core attention and keeps its output; moeplan's runtime reruns
-    # it with the core (runtime.model.AttentionCore): the nearest module, a few MB apart
-    ("core_attn", frozenset({LO.rope, LO.flash_attn})),
-    ("layernorm", frozenset({LO.attn_norm, LO.ffn_norm})),
-    ("moe_act", frozenset({LO.expert_swiglu})),
-    ("shared_experts", frozenset({LO.shared_fc13, LO.shared_swiglu, LO.shared_fc2})),
-    ("mlp", frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})),
-)
-"""Megatron-LM's --recompute-modules (megatron/core/transformer/transformer_config.py) and
-the layer operators each one reruns."""
-
-
 def megatron_recompute(plan: Plan) -> list[str]:
-    """Megatron-LM recomputation flags for the operators the plan recomputes
-    (``plans.RECOMPUTED``: what the runtime reruns and the cost model prices): every operator
-    of the layer is full recomputation from each layer's input (uniform, one layer per
-    recomputation unit); a subset is selective recomputation of the Megatron modules whose
-    operators it holds, which must cover it (selective: the attention core, ``core_attn``)."""
-    operators = RECOMPUTED[plan.recompute]
-    if not operators:
+    """Megatron-LM recomputation flags: full recomputation from each layer's input (uniform,
+    one layer per recomputation unit), or selective recomputation of the plan's modules
+    (``Plan.recompute_modules``, Megatron's own names)."""
+    if plan.recompute == Recompute.none:
         return []
-    if operators == frozenset(LayerOperator):
+    if plan.recompute == Recompute.full:
         return ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", "1"]
-    modules = [(name, ops) for name, ops in MEGATRON_RECOMPUTE_MODULES if ops <= operators]
-    missing = operators - frozenset().union(*(ops for _, ops in modules))
-    if missing:
-        raise ValueError(f"recompute {plan.recompute.value}: no Megatron-LM module recomputes "
-                         f"only {', '.join(sorted(missing))}")
     return ["--recompute-granularity", "selective", "--recompute-modules",
-            *(name for name, _ in modules)]
+            *(m.value for m in plan.recompute_modules)]
 
 
 def megatron_cross_entropy(plan: Plan) -> tuple[str | None, list[str]]:
@@ -289,6 +266,9 @@ def megatron_step_args(plan: Plan) -> list[str]:
     if plan.optimizer_sharding == OptimizerSharding.zero1:
         # Megatron's distributed optimizer shards the states over data parallelism
         args.append("--use-distributed-optimizer")
+    if plan.optimizer_moments == Precision.bf16:
+        args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                 "--exp-avg-sq-dtype", "bf16"]
     if t.precision == Precision.fp8:
         args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
     # the gradient reduce only: the plan's ZeRO-1 parameter all-gather follows the optimizer

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 _WHERE = {
     "SpecError": "plans.errors",
     "AttentionKind": "plans.enums", "Overlap": "plans.enums", "Precision": "plans.enums",
-    "Recompute": "plans.enums", "CrossEntropy": "plans.enums",
+    "Recompute": "plans.enums", "RecomputeModule": "plans.enums", "CrossEntropy": "plans.enums",
     "OptimizerSharding": "plans.enums", "Kernels": "plans.enums", "Dispatch": "plans.enums",
     "Target": "plans.enums", "CudaGraphs": "plans.enums",
     **dict.fromkeys(("COMPONENT_KEYS", "Component", "LAYER_REGIONS", "LayerOperator",
@@ -33,7 +33,8 @@ __all__ = [
     "MeshAxis",
     "ModelSpec", "NetworkSpec", "NodeSpec", "Optimizer", "OptimizerSharding", "Overlap",
     "PipelineSchedule", "Plan",
-    "Precision", "Prediction", "Recompute", "SpecError", "TPAttention", "TPFFN", "Target",
+    "Precision", "Prediction", "Recompute", "RecomputeModule", "SpecError", "TPAttention",
+    "TPFFN", "Target",
     "TrainingSpec",
     "UlyssesAttention",
 ]
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
         Overlap,
         Precision,
         Recompute,
+        RecomputeModule,
         Target,
     )
     from plans.errors import SpecError

@@ -48,13 +48,42 @@ def parse(kind: type[T], data: dict, where: str) -> T:
 
 
 def names(kind: str) -> list[str]:
-    """Catalog names of one kind ("models" or "clusters")."""
+    """Catalog names of one kind ("models", "clusters" or "efficiency" profiles)."""
     return sorted(p.stem for p in (CATALOG_DIR / kind).glob("*.yaml"))
 
 
 def _path_shaped(text: str) -> bool:
     """A spec file rather than a catalog name: a spec suffix or a folder in it."""
     return Path(text).suffix in (".yaml", ".yml", ".json") or "/" in text or os.sep in text
+
+
+PROFILE = "profile"
+"""The key of a cluster's ``efficiency`` that names an efficiency profile of the catalog."""
+
+
+def efficiency_profile(name: str, where: str) -> dict:
+    """The factors of the catalog's efficiency profile ``name`` (plans/catalog/efficiency/):
+    one definition of a set of kernel factors that several clusters share."""
+    path = CATALOG_DIR / "efficiency" / f"{name}.yaml" if isinstance(name, str) else None
+    if path is None or not name.strip() or "/" in name or not _exists(path):
+        raise SpecError(f"{where}.efficiency.{PROFILE}: unknown efficiency profile {name!r}; "
+                        f"built-in: {', '.join(names('efficiency'))}")
+    data = read_document(path)
+    if not isinstance(data, dict):
+        raise SpecError(f"efficiency profile {name}: not a mapping of factors")
+    return data
+
+
+def _with_profile(data: object, where: str) -> object:
+    """A cluster document with its ``efficiency: {profile: NAME, ...}`` replaced by that
+    profile's factors, the factors beside ``profile`` overriding them."""
+    if not isinstance(data, dict) or not isinstance(data.get("efficiency"), dict):
+        return data
+    eff = dict(data["efficiency"])
+    if PROFILE not in eff:
+        return data
+    name = eff.pop(PROFILE)
+    return {**data, "efficiency": {**efficiency_profile(name, where), **eff}}
 
 
 def _read_spec(spec: type[T], path: Path) -> T:
@@ -67,7 +96,10 @@ def _read_spec(spec: type[T], path: Path) -> T:
         if hf.is_hf_config(data):
             return hf.to_spec(data, str(path), hf.model_name(path))
         return parse(spec, data, str(path))
-    return parse(spec, read_document(path), str(path))
+    data = read_document(path)
+    if spec is ClusterSpec:
+        data = _with_profile(data, str(path))
+    return parse(spec, data, str(path))
 
 
 @cache
@@ -89,7 +121,11 @@ def _load(kind: str, name_or_path: str, spec: type[T], what: str) -> T:
             f"{', '.join(names(kind))} (or give a path to a .yaml/.json file"
             f"{', a Hugging Face config.json or a snapshot folder' if kind == 'models' else ''})"
         )
-    return parse(spec, read_document(builtin), f"{kind[:-1]} {name_or_path}")
+    where = f"{kind[:-1]} {name_or_path}"
+    data = read_document(builtin)
+    if spec is ClusterSpec:
+        data = _with_profile(data, where)
+    return parse(spec, data, where)
 
 
 def _exists(path: Path) -> bool:

@@ -63,6 +63,27 @@ class Recompute(StrEnum):
     """Keep only each layer's input; recompute the whole layer in backward."""
 
 
+class RecomputeModule(StrEnum):
+    """A module selective recomputation reruns: Megatron-Core's ``--recompute-modules``
+    (megatron/core/transformer/transformer_config.py, ``recompute_modules``); the operators
+    each reruns are ``plans.operators.MODULE_OPERATORS``."""
+
+    core_attn = "core_attn"
+    """The attention core (RoPE and SDPA); Megatron's default module."""
+    layernorm = "layernorm"
+    """The input and pre-MLP norms."""
+    moe_act = "moe_act"
+    """The routed experts' activation (SwiGLU)."""
+    mla_up_proj = "mla_up_proj"
+    """MLA's up-projections of the q and kv latents."""
+    mlp = "mlp"
+    """A dense layer's MLP."""
+    moe = "moe"
+    """The whole MoE block: router, dispatch, experts, combine."""
+    shared_experts = "shared_experts"
+    """The shared experts."""
+
+
 class PipelineSchedule(StrEnum):
     one_f_one_b = "1f1b"
     interleaved_1f1b = "interleaved_1f1b"

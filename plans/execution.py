@@ -30,7 +30,7 @@ from enum import Enum, StrEnum
 
 from pydantic import BaseModel
 
-from plans.enums import RouterScore, Target
+from plans.enums import RecomputeModule, RouterScore, Target
 from plans.errors import SpecError
 from plans.plan import Plan
 
@@ -141,6 +141,15 @@ def _moeplan_mla(plan: Plan) -> str | None:
     return None
 
 
+def _moeplan_recompute_modules(plan: Plan) -> str | None:
+    """moeplan's runtime checkpoints the attention core only (runtime.parallel.parallelize)."""
+    others = [m.value for m in plan.recompute_modules if m != RecomputeModule.core_attn]
+    if others:
+        return (f"selective recomputation reruns the attention core only, not "
+                f"{', '.join(others)} (a Megatron-Core module: target megatron)")
+    return None
+
+
 MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
     Capability("cuda_graphs", "none", Support.executed),
@@ -248,6 +257,12 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("overlap", "inter_intra_op", Support.runs_as, _INTRA_OP_WHY, "inter_op"),
     *_executed("recompute", "none", "selective", "full",
                reason="selective reruns the attention core (RoPE and SDPA)"),
+    Capability("recompute_modules", ANY, Support.executed, "core_attn (RoPE and SDPA)",
+               requires=_moeplan_recompute_modules),
+    Capability("optimizer_moments", "fp32", Support.executed),
+    Capability("optimizer_moments", "bf16", Support.refused,
+               "its AdamW keeps fp32 moments (Megatron-Core's precision-aware optimizer: "
+               "target megatron)"),
     *_executed("cross_entropy", "chunked", "materialized"),
     Capability("cuda_graphs", "none", Support.executed),
     Capability("cuda_graphs", ANY, Support.refused,
@@ -307,6 +322,26 @@ def _megatron_ulysses(plan: Plan) -> str | None:
 
 def _megatron_cp(plan: Plan) -> str | None:
     return _megatron_cp_split(plan, plan.degrees.cp)
+
+
+def _megatron_recompute_modules(plan: Plan) -> str | None:
+    """TransformerConfig.__post_init__'s check on recompute_modules that a plan can break
+    (Megatron-Core 0.15.3): mla_up_proj needs multi-latent attention (its moe_act check,
+    grouped GEMMs, the export always sets)."""
+    if RecomputeModule.mla_up_proj in plan.recompute_modules and plan.model.mla is None:
+        return "mla_up_proj recomputes MLA's up-projections: the model has no MLA"
+    return None
+
+
+def _megatron_moments(plan: Plan) -> str | None:
+    """OptimizerConfig.__post_init__ (megatron/core/optimizer/optimizer_config.py, 0.15.3):
+    the precision-aware optimizer is Adam's, in the distributed optimizer."""
+    if plan.training.optimizer != "adam":
+        return "the precision-aware optimizer is Adam's (training.optimizer adam)"
+    if plan.optimizer_sharding != "zero1":
+        return ("the precision-aware optimizer runs in the distributed optimizer only "
+                "(optimizer_sharding zero1)")
+    return None
 
 
 def _megatron_ep_overlap(plan: Plan) -> str | None:
@@ -422,6 +457,11 @@ MEGATRON: tuple[Capability, ...] = (
               "--recompute-modules core_attn"),
     _megatron("recompute", "full", reason="--recompute-granularity full --recompute-method "
               "uniform --recompute-num-layers 1"),
+    _megatron("recompute_modules", ANY, reason="--recompute-modules (selective "
+              "recomputation's modules)", requires=_megatron_recompute_modules),
+    _megatron("optimizer_moments", "fp32", reason="Megatron's default"),
+    _megatron("optimizer_moments", "bf16", reason="--use-precision-aware-optimizer "
+              "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16", requires=_megatron_moments),
     _megatron("cross_entropy", "materialized", reason="the whole micro-batch's logits and "
               "their loss at once (Megatron's only kind)"),
     _megatron("cross_entropy", "chunked", Support.runs_as,
@@ -658,6 +698,8 @@ def model_features(model: BaseModel) -> Iterator[tuple[str, object]]:
 def _text(value: object) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, tuple) and all(isinstance(v, Enum) for v in value):
+        return ", ".join(v.value for v in value)
     return value.value if isinstance(value, Enum) else str(value)
 
 

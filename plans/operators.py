@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from types import MappingProxyType
 
-from plans.enums import Recompute
+from plans.enums import Recompute, RecomputeModule
 
 
 class LayerOperator(StrEnum):
@@ -153,3 +153,32 @@ RECOMPUTED: Mapping[Recompute, frozenset[LayerOperator]] = MappingProxyType({
 })
 """The operators each recomputation level reruns in backward instead of keeping their
 activations; the inputs the set reads from operators outside it are kept."""
+
+
+_LO, _M = LayerOperator, RecomputeModule
+MODULE_OPERATORS: Mapping[RecomputeModule, frozenset[LayerOperator]] = MappingProxyType({
+    # Megatron applies RoPE before core attention and keeps its output; moeplan's runtime reruns
+    # it with the core (runtime.model.AttentionCore): the nearest module, a few MB apart
+    _M.core_attn: RECOMPUTED[Recompute.selective],
+    _M.layernorm: frozenset({_LO.attn_norm, _LO.ffn_norm}),
+    _M.moe_act: frozenset({_LO.expert_swiglu}),
+    _M.mla_up_proj: frozenset({_LO.qkv_up_gemm, _LO.rope}),  # the up-projections and RoPE
+    _M.mlp: frozenset({_LO.dense_fc13, _LO.dense_swiglu, _LO.dense_fc2}),
+    _M.moe: frozenset({_LO.router_gemm, _LO.router_topk, *_REGIONS[_C.dispatch],
+                       *_REGIONS[_C.expert_compute], *_REGIONS[_C.combine]}),
+    _M.shared_experts: frozenset({_LO.shared_fc13, _LO.shared_swiglu, _LO.shared_fc2}),
+})
+"""The layer operators each selective-recomputation module reruns."""
+DEFAULT_MODULES: tuple[RecomputeModule, ...] = (RecomputeModule.core_attn,)
+"""The modules selective recomputation reruns unless the plan names others (Megatron's
+default ``--recompute-modules``)."""
+
+
+def recomputed_operators(policy: Recompute,
+                         modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
+                         ) -> frozenset[LayerOperator]:
+    """The operators a recomputation policy reruns in backward: none, every operator (full), or
+    the union of the selective modules' operators."""
+    if policy != Recompute.selective:
+        return RECOMPUTED[policy]
+    return frozenset().union(*(MODULE_OPERATORS[m] for m in modules))

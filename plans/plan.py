@@ -22,6 +22,7 @@ from plans.enums import (
     Overlap,
     PipelineSchedule,
     Recompute,
+    RecomputeModule,
     Target,
 )
 from plans.notation import (
@@ -242,6 +243,9 @@ class Plan(Frozen):
     schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
     overlap: Overlap = Overlap.inter_intra_op
     recompute: Recompute = Recompute.selective
+    recompute_modules: tuple[RecomputeModule, ...] = (RecomputeModule.core_attn,)
+    """The modules selective recomputation reruns (plans.operators.MODULE_OPERATORS; under
+    none or full: the default only); Megatron-Core's ``--recompute-modules``."""
     cross_entropy: CrossEntropy = CrossEntropy.materialized
     """How the last stage computes the LM head and loss (memory: cost_models.memory; time:
     cost_models.pipeline.cross_entropy_s). The search takes the kind whose head is priced
@@ -265,6 +269,11 @@ class Plan(Frozen):
     gradient-accumulation fusion); false: each micro-batch's gradients are added by a separate
     memory-bound pass."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
+    optimizer_moments: Literal[Precision.fp32, Precision.bf16] = Precision.fp32
+    """Precision of Adam's moments (exp_avg, exp_avg_sq): fp32, or bf16 as Megatron-Core's
+    precision-aware optimizer keeps them (``--use-precision-aware-optimizer --exp-avg-dtype
+    bf16 --exp-avg-sq-dtype bf16``, fp32 master weights); priced in memory and in the
+    optimizer step's bytes (plans.specs.Optimizer.state_bytes)."""
     """Optimizer states sharded over each parameter's replicas (ZeRO-1) or kept in full."""
     cuda_graphs: CudaGraphs = CudaGraphs.none
     """The layer parts captured as CUDA graphs (Megatron-Core's ``--cuda-graph-scope``)."""
@@ -315,6 +324,12 @@ class Plan(Frozen):
                 )
         elif d.vpp != 1:
             problems.append(f"degrees.vpp: schedule 1f1b needs vpp = 1, got {d.vpp}")
+        mods = self.recompute_modules
+        if len(set(mods)) != len(mods) or not mods:
+            problems.append("recompute_modules: give each module once, at least one")
+        elif self.recompute != Recompute.selective and mods != (RecomputeModule.core_attn,):
+            problems.append(f"recompute_modules: modules are for recompute selective, got "
+                            f"recompute {self.recompute}")
         if self.grad_sync_precision == Precision.fp8 and t.precision != Precision.fp8:
             problems.append(
                 "grad_sync_precision: fp8 gradient sync needs training.precision fp8, "

@@ -708,14 +708,24 @@ class ClusterSpec(Frozen):
 # --------------------------------------------------------------------------------------------
 
 
+FP32_STATE = 4
+"""Bytes of an fp32 master weight."""
+
+
 class Optimizer(StrEnum):
     adam = "adam"
     sgd = "sgd"
 
     @property
     def state_bytes_per_param(self) -> int:
-        """fp32 master weights + optimizer moments (Adam: m and v)."""
-        return {"adam": 12, "sgd": 4}[self.value]
+        """fp32 master weights + fp32 optimizer moments (Adam: m and v)."""
+        return self.state_bytes(Precision.fp32)
+
+    def state_bytes(self, moments: Precision) -> int:
+        """Bytes per parameter of the fp32 master weight and the moments (Adam's m and v,
+        none for plain SGD) in ``moments``: 12 for Adam in fp32, 8 with bf16 moments
+        (Megatron-Core's precision-aware optimizer)."""
+        return FP32_STATE + {"adam": 2, "sgd": 0}[self.value] * moments.bytes
 
     def runs_fused(self, kernels: Kernels) -> bool:
         """Whether the update is one compiled pass (runtime.kernels.adamw_step: the gradient

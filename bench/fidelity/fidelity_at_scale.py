@@ -44,12 +44,14 @@ from plans import (  # noqa: E402
     Plan,
     Precision,
     Recompute,
+    RecomputeModule,
     Target,
     TPAttention,
     TrainingSpec,
     catalog,
 )
 from plans.errors import SpecError  # noqa: E402
+from plans.operators import DEFAULT_MODULES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "bench" / "data" / "megatron_bridge_25_11.yaml"
@@ -194,7 +196,11 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
         schedule=(PipelineSchedule.interleaved_1f1b if vpp > 1
                   else PipelineSchedule.one_f_one_b),
         overlap=Overlap.inter_op if recipe["moe_a2a_overlap"] else Overlap.none,
-        recompute=Recompute.none, kernels=Kernels.fused, grad_sync_precision=Precision.bf16,
+        recompute=Recompute.selective if recipe["recompute_modules"] else Recompute.none,
+        recompute_modules=(tuple(RecomputeModule(m) for m in recipe["recompute_modules"])
+                           or DEFAULT_MODULES),
+        optimizer_moments=Precision(recipe.get("optimizer_moments", "fp32")),
+        kernels=Kernels.fused, grad_sync_precision=Precision.bf16,
         cuda_graphs=cuda_graphs(recipe["cuda_graph_scope"]) if target == Target.megatron
         else CudaGraphs.none)
 

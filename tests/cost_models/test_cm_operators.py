@@ -90,9 +90,11 @@ def test_time_and_memory_both_follow_the_recomputed_set(node_plan, monkeypatch):
     selective = priced(Recompute.selective)
     assert selective != as_none and selective != as_full
     for stand_in, expected in ((Recompute.none, as_none), (Recompute.full, as_full)):
-        patched = {**RECOMPUTED, Recompute.selective: RECOMPUTED[stand_in]}
-        monkeypatch.setattr(lg, "RECOMPUTED", patched)
-        monkeypatch.setattr(mem, "RECOMPUTED", patched)
+        def patched(policy, modules, stand_in=stand_in):
+            return RECOMPUTED[stand_in if policy == Recompute.selective else policy]
+
+        monkeypatch.setattr(lg, "recomputed_operators", patched)
+        monkeypatch.setattr(mem, "recomputed_operators", patched)
         assert priced(Recompute.selective) == expected
 
 

@@ -318,3 +318,39 @@ def test_features_megatron_cannot_express_are_refused(config, why):
     assert megatron_refusal(plan).startswith(why)
     with pytest.raises(SpecError, match=f"--to megatron: {why}"):
         megatron_args(plan)
+
+
+@pytest.mark.parametrize("name,pp,stages,modules", [
+    ("deepseek-v3", 4, (16, 15, 15, 15), ("mla_up_proj", "moe_act")),
+    ("qwen3-30b-a3b", 2, (24, 24), ("layernorm", "moe_act", "core_attn")),
+    ("deepseekmoe", 2, (14, 14), ("mlp", "shared_experts", "moe")),
+])
+def test_recompute_modules_export_as_megatrons_selective_recomputation(
+        name, pp, stages, modules, monkeypatch, tmp_path):
+    """Plan.recompute_modules exports as --recompute-granularity selective
+    --recompute-modules, read back from Megatron's own TransformerConfig."""
+    from plans import Recompute, RecomputeModule, Target
+
+    plan = _feature_plan(catalog.load_model(name), pp, stages).model_copy(update={
+        "target": Target.megatron, "recompute": Recompute.selective,
+        "recompute_modules": tuple(RecomputeModule(m) for m in modules)})
+    plan = Plan.model_validate(plan.model_dump())
+    parsed, config = run_megatron(plan, 9, _megatron(), monkeypatch, tmp_path)
+    assert config.recompute_granularity == "selective"
+    assert list(config.recompute_modules) == list(modules)
+
+
+def test_bf16_moments_export_as_the_precision_aware_optimizer(monkeypatch, tmp_path):
+    """Plan.optimizer_moments bf16 exports as --use-precision-aware-optimizer with bf16
+    moments, read back from Megatron's parsed arguments."""
+    import torch
+
+    from plans import Precision, Target
+
+    plan = _feature_plan(catalog.load_model("qwen3-30b-a3b"), 2, (24, 24)).model_copy(
+        update={"target": Target.megatron, "optimizer_moments": Precision.bf16})
+    parsed, _ = run_megatron(Plan.model_validate(plan.model_dump()), 9, _megatron(),
+                             monkeypatch, tmp_path)
+    assert parsed.use_precision_aware_optimizer and parsed.use_distributed_optimizer
+    assert parsed.exp_avg_dtype == parsed.exp_avg_sq_dtype == torch.bfloat16
+    assert parsed.main_params_dtype == torch.float32

@@ -143,6 +143,31 @@ def test_spec_files_by_path(tmp_path):
         catalog.load_model(str(missing))
 
 
+def test_clusters_of_one_die_share_one_efficiency_profile(tmp_path):
+    """The Hopper factors are defined once (plans/catalog/efficiency/hopper.yaml): the GH100
+    clusters and the Blackwell ones, whose prior they are, name the profile; factors beside
+    the name override it; an unknown profile is one line naming the field."""
+    from plans.io import read_document
+
+    profile = read_document(catalog.CATALOG_DIR / "efficiency" / "hopper.yaml")
+    for name in ("h100", "h200", "h800", "b200", "gb200-nvl72", "gb300-nvl72"):
+        raw = read_document(catalog.CATALOG_DIR / "clusters" / f"{name}.yaml")
+        assert raw["efficiency"] == {"profile": "hopper"}, name
+        eff = catalog.load_cluster(name).efficiency
+        assert {k: getattr(eff, k) for k in profile} == profile, name
+    assert catalog.names("efficiency") == ["hopper"]
+    base = {**catalog.load_cluster("b200").model_dump(mode="json"), "name": "mine"}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({**base, "efficiency": {"profile": "hopper", "gemm": 0.7}}))
+    eff = catalog.load_cluster(str(path)).efficiency
+    assert (eff.gemm, eff.grouped_gemm) == (0.7, profile["grouped_gemm"])
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**base, "efficiency": {"profile": "blackwell"}}))
+    with pytest.raises(SpecError, match=r"bad.json.efficiency.profile: unknown efficiency "
+                                        r"profile 'blackwell'; built-in: hopper$"):
+        catalog.load_cluster(str(path))
+
+
 def test_cluster_round_trip():
     c = catalog.load_cluster("gb200-nvl72", gpus=144)
     assert ClusterSpec.model_validate_json(c.model_dump_json()) == c
