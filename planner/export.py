@@ -24,7 +24,6 @@ from plans.enums import (
     Kernels,
     LinearBias,
     PipelineSchedule,
-    Recompute,
     RouterScore,
     Target,
     WindowKind,

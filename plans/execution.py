@@ -643,6 +643,11 @@ TORCHTITAN: tuple[Capability, ...] = (
     _torchtitan("recompute", "selective", Support.refused,
                 "torchtitan's selective AC is per operator (it keeps matmul and attention "
                 "outputs and reruns every second matmul), not the attention core alone"),
+    _torchtitan("recompute_modules", ANY, reason="read under selective recomputation only, "
+                "which the recompute row refuses"),
+    _torchtitan("optimizer_moments", "fp32", reason="AdamW's fp32 moments"),
+    _torchtitan("optimizer_moments", "bf16", Support.refused,
+                "torchtitan's AdamW keeps its moments in the parameters' fp32"),
     _torchtitan("cross_entropy", "chunked", reason="the config functions' ChunkedLossWrapper"),
     _torchtitan("cross_entropy", "materialized", Support.runs_as,
                 "the config functions wrap the loss in ChunkedLossWrapper", "chunked"),
