@@ -1,4 +1,8 @@
-"""The operators of one transformer layer as networkx DAGs, forward and backward.
+"""The operators of one transformer layer, forward and backward: entries in program order (each
+operator with the operators it runs after), which cost_models.layer schedules, and their networkx
+DAGs for reports and calibration (graph_of). The backward pass's structure depends on the forward
+pass's alone (``Shape``: names, operators, kinds, edges; not durations), so it is derived once
+per layout shape and shared by every cluster and batch size.
 
 The forward graph is written out per strategy. The backward graph is derived from it: every
 operator's gradient runs after the gradients of its consumers; a GEMM becomes a data-gradient
