@@ -97,6 +97,10 @@ def test_time_and_memory_both_follow_the_recomputed_set(node_plan, monkeypatch):
         monkeypatch.setattr(lg, "RECOMPUTED", patched)
         monkeypatch.setattr(mem, "RECOMPUTED", patched)
         assert priced(Recompute.selective) == expected
+    # what was priced under the patched sets must not outlive the test
+    monkeypatch.undo()
+    for cached in (layer._backward, lg._backward_steps, mem._terms_per_token, mem._memory):
+        cached.cache_clear()
 
 
 def test_selective_drops_the_core_and_keeps_its_inputs(node_plan):
