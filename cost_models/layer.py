@@ -29,11 +29,20 @@ from types import MappingProxyType
 
 import networkx as nx
 
-from cost_models.layer_graph import LayerKey, Op, OpKind, backward_graph, forward_graph
+from cost_models.layer_graph import (
+    Entries,
+    LayerKey,
+    Op,
+    OpKind,
+    backward_entries,
+    entries_of,
+    forward_entries,
+    graph_of,
+)
 from cost_models.schedule import Stream, Task, list_schedule
 from plans.enums import Target
 from plans.layout import moe_chunks, ulysses_chunks
-from plans.operators import LAYER_REGIONS, TIMER_OF
+from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
 from plans.plan import Overlap, Plan, Recompute
 
 BOTH = frozenset(Stream)
@@ -77,31 +86,65 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     )
 
 
-def _program(graph: nx.DiGraph) -> list[tuple[str, Op, tuple[str, ...]]]:
-    """(name, op, predecessors) in topological order, ties in program order (Kahn's algorithm
-    with a heap on the program index; networkx's lexicographical sort, hand-rolled for speed)."""
-    nodes = graph.nodes
-    preds = {n: tuple(graph.predecessors(n)) for n in graph}
-    waiting = {n: len(p) for n, p in preds.items()}
-    ready = [(nodes[n]["order"], n) for n, w in waiting.items() if not w]
+@dataclass(frozen=True)
+class _Compiled:
+    """A pass's entries (cost_models.layer_graph) with its structure as indices."""
+
+    entries: Entries
+    order: tuple[int, ...]
+    """The entries in topological order, ties in program order."""
+    preds: tuple[tuple[int, ...], ...]
+    """Each entry's predecessors, by index."""
+    index: Mapping[str, int]
+    """Each operator's entry by name."""
+    graph_order: tuple[int, ...]
+    """The entries in the node order of their networkx graph (layer_graph.graph_of): a node
+    first named as a predecessor comes at that point."""
+
+
+@lru_cache(maxsize=4096)
+def _structure(names: tuple[tuple[str, tuple[str, ...]], ...]
+               ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The order, predecessors and graph order of _Compiled, from each entry's name and
+    predecessors' names (Kahn's algorithm with a heap on the program index)."""
+    index = {n: i for i, (n, _) in enumerate(names)}
+    preds = tuple(tuple(index[a] for a in after) for _, after in names)
+    succs: list[list[int]] = [[] for _ in names]
+    for i, p in enumerate(preds):
+        for j in p:
+            succs[j].append(i)
+    waiting = [len(p) for p in preds]
+    ready = [i for i, w in enumerate(waiting) if not w]
     heapq.heapify(ready)
-    out = []
+    order = []
     while ready:
-        _, n = heapq.heappop(ready)
-        out.append((n, nodes[n]["op"], preds[n]))
-        for s in graph.successors(n):
-            waiting[s] -= 1
-            if not waiting[s]:
-                heapq.heappush(ready, (nodes[s]["order"], s))
-    return out
+        i = heapq.heappop(ready)
+        order.append(i)
+        for j in succs[i]:
+            waiting[j] -= 1
+            if not waiting[j]:
+                heapq.heappush(ready, j)
+    seen: dict[int, None] = {}
+    for i, p in enumerate(preds):
+        seen.setdefault(i)
+        for j in p:
+            seen.setdefault(j)
+    return tuple(order), preds, tuple(seen)
 
 
-def _tasks(graph: nx.DiGraph, program: list[tuple[str, Op, tuple[str, ...]]], overlap: Overlap,
-           hidden_share: float) -> list[tuple[Task, Op]]:
+def _compile(entries: Entries) -> _Compiled:
+    names = tuple((op.name, after) for op, after in entries)
+    order, preds, graph_order = _structure(names)
+    return _Compiled(entries, order, preds, {n: i for i, (n, _) in enumerate(names)},
+                     graph_order)
+
+
+def _tasks(p: _Compiled, overlap: Overlap, hidden_share: float) -> list[tuple[Task, Op]]:
     """Scheduler tasks in topological, then program, order; a collective may become a blocking
     task followed by a communication-stream task."""
-    last_task: dict[str, int] = {}
+    last_task: dict[int, int] = {}
     out: list[tuple[Task, Op]] = []
+    entries = p.entries
 
     def emit(op: Op, duration: float, streams: frozenset, preds: tuple[int, ...]) -> int:
         kind = op.comm.value if op.comm is not None else None
@@ -109,20 +152,21 @@ def _tasks(graph: nx.DiGraph, program: list[tuple[str, Op, tuple[str, ...]]], ov
         out.append((Task(op.name, duration, streams, preds, kind, first), op))
         return len(out) - 1
 
-    for name, op, pred_names in program:
-        preds = tuple(last_task[p] for p in pred_names)
+    for i in p.order:
+        op = entries[i][0]
+        preds = tuple(last_task[j] for j in p.preds[i])
         if op.kind != OpKind.comm:
-            last_task[name] = emit(op, op.duration_s, COMPUTE, preds)
+            last_task[i] = emit(op, op.duration_s, COMPUTE, preds)
         elif overlap == Overlap.none or (overlap == Overlap.inter_op and not op.side_stream):
-            last_task[name] = emit(op, op.duration_s, BOTH, preds)
-        elif overlap == Overlap.inter_intra_op and op.fuse_with in graph:
-            partner = graph.nodes[op.fuse_with]["op"].duration_s
+            last_task[i] = emit(op, op.duration_s, BOTH, preds)
+        elif overlap == Overlap.inter_intra_op and op.fuse_with in p.index:
+            partner = entries[p.index[op.fuse_with]][0].duration_s
             exposed = min(op.duration_s,
                           max(0.0, op.duration_s - partner) + op.duration_s * op.fill_fraction)
-            last_task[name] = emit(op, exposed, BOTH, preds)
+            last_task[i] = emit(op, exposed, BOTH, preds)
         else:
             blocking = emit(op, (1 - hidden_share) * op.duration_s, BOTH, preds)
-            last_task[name] = emit(op, hidden_share * op.duration_s, COMM, (blocking,))
+            last_task[i] = emit(op, hidden_share * op.duration_s, COMM, (blocking,))
     return out
 
 
@@ -138,11 +182,11 @@ class _Pass:
 def schedule_s(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> float:
     """The two-stream makespan of ``graph`` (a layer's pass, or the operators of a part of it)
     under ``overlap``, a share ``hidden_share`` of each overlappable collective hidden."""
-    return _run(graph, _program(graph), overlap, hidden_share).time_s
+    return _run(_compile(entries_of(graph)), overlap, hidden_share).time_s
 
 
-def _run(graph: nx.DiGraph, program, overlap: Overlap, hidden_share: float) -> _Pass:
-    pairs = _tasks(graph, program, overlap, hidden_share)
+def _run(p: _Compiled, overlap: Overlap, hidden_share: float) -> _Pass:
+    pairs = _tasks(p, overlap, hidden_share)
     sched = list_schedule([t for t, _ in pairs])
     compute = recompute = 0.0
     exposed: dict[str, float] = defaultdict(float)
@@ -161,25 +205,33 @@ def _run(graph: nx.DiGraph, program, overlap: Overlap, hidden_share: float) -> _
 
 def _forward_key(key: LayerKey) -> LayerKey:
     """The key of the layer's forward pass: its operators do not depend on the recomputation
-    policy (backward_graph adds the reruns), so every policy shares one."""
-    return key if key.recompute == Recompute.none else replace(key, recompute=Recompute.none)
+    policy or its modules (backward_entries adds the reruns), so every policy shares one."""
+    if key.recompute == Recompute.none and key.recompute_modules == DEFAULT_MODULES:
+        return key
+    return replace(key, recompute=Recompute.none, recompute_modules=DEFAULT_MODULES)
 
 
 @lru_cache(maxsize=4096)
-def _forward_graph(key: LayerKey, overlap: Overlap) -> nx.DiGraph:
-    """The forward graph of ``layer_graphs`` (``key`` from _forward_key)."""
-    return forward_graph(key, moe_chunks(overlap, key.ffn, key.ep),
-                         ulysses_chunks(overlap, key.attention, key.model, key.sp))
+def _forward(key: LayerKey, overlap: Overlap) -> _Compiled:
+    """The forward pass of ``layer_graphs`` (``key`` from _forward_key)."""
+    return _compile(forward_entries(key, moe_chunks(overlap, key.ffn, key.ep),
+                                    ulysses_chunks(overlap, key.attention, key.model, key.sp)))
 
 
 @lru_cache(maxsize=4096)
+def _backward(key: LayerKey, overlap: Overlap) -> _Compiled:
+    """The backward pass of ``layer_graphs``."""
+    fwd = _forward(_forward_key(key), overlap).entries
+    return _compile(backward_entries(fwd, key.recompute,
+                                     autograd_nodes=overlap == Overlap.inter_op,
+                                     modules=key.recompute_modules))
+
+
 def layer_graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGraph]:
     """Forward and backward graphs of the layer as ``overlap`` runs it: inter_op chunks the
     MoE part as the runtime does and runs gradients as autograd nodes."""
-    inter = overlap == Overlap.inter_op
-    fwd = _forward_graph(_forward_key(key), overlap)
-    return fwd, backward_graph(fwd, key.recompute, autograd_nodes=inter,
-                               modules=key.recompute_modules)
+    return (graph_of(_forward(_forward_key(key), overlap).entries),
+            graph_of(_backward(key, overlap).entries))
 
 
 def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
@@ -194,24 +246,23 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
     best = None
     for policy in reversed(policies):
         runs = overlap if policy == Overlap.none else policy
-        graph = (layer_graphs(key, runs)[1] if backward
-                 else _forward_graph(_forward_key(key), runs))
-        program = _program(graph)
+        p = _backward(key, runs) if backward else _forward(_forward_key(key), runs)
         # with no overlap everything runs back to back: its makespan is the sum of the
         # durations, known without scheduling; schedule it only if it could win
         if best is not None and policy == Overlap.none and sum(
-                op.duration_s for _, op, _ in program) >= best.time_s:
+                p.entries[i][0].duration_s for i in p.order) >= best.time_s:
             continue
-        candidate = _run(graph, program, policy, hidden_share)
+        candidate = _run(p, policy, hidden_share)
         if best is None or candidate.time_s < best.time_s:
             best = candidate
     return best
 
 
-def _region_s(fwd: nx.DiGraph, bwd: nx.DiGraph) -> dict[str, float]:
+def _region_s(fwd: _Compiled, bwd: _Compiled) -> dict[str, float]:
     out = dict.fromkeys((k for c in LAYER_REGIONS for k in (c.value, f"{c.value}_bwd")), 0.0)
-    for graph, backward in ((fwd, False), (bwd, True)):
-        for _, op in graph.nodes(data="op"):
+    for p, backward in ((fwd, False), (bwd, True)):
+        for i in p.graph_order:
+            op = p.entries[i][0]
             region = TIMER_OF[op.operator]
             if region in LAYER_REGIONS:
                 key = f"{region.value}_bwd" if backward and not op.recompute else region.value
@@ -227,7 +278,7 @@ def _forward_pass(key: LayerKey, overlap: Overlap) -> _Pass:
 
 @lru_cache(maxsize=4096)
 def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
-    """Schedule the layer's graphs (built once per key and policy; the forward pass once for
+    """Schedule the layer's passes (built once per key and policy; the forward pass once for
     every recomputation policy)."""
     fwd = _forward_pass(_forward_key(key), overlap)
     bwd = _best(key, overlap, backward=True)
@@ -240,7 +291,8 @@ def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
         recompute_s=fwd.recompute_s + bwd.recompute_s,
         exposed_comm_s=MappingProxyType(exposed),
         critical_path=fwd.critical_path + bwd.critical_path,
-        region_s=MappingProxyType(_region_s(*layer_graphs(key, overlap))),
+        region_s=MappingProxyType(_region_s(_forward(_forward_key(key), overlap),
+                                            _backward(key, overlap))),
     )
 
 

@@ -1,4 +1,8 @@
-"""The operators of one transformer layer as networkx DAGs, forward and backward.
+"""The operators of one transformer layer, forward and backward: entries in program order (each
+operator with the operators it runs after), which cost_models.layer schedules, and their networkx
+DAGs for reports and calibration (graph_of). The backward pass's structure depends on the forward
+pass's alone (``Shape``: names, operators, kinds, edges; not durations), so it is derived once
+per layout shape and shared by every cluster and batch size.
 
 The forward graph is written out per strategy. The backward graph is derived from it: every
 operator's gradient runs after the gradients of its consumers; a GEMM becomes a data-gradient
@@ -16,6 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from functools import lru_cache
 from types import MappingProxyType
 
 import networkx as nx
@@ -173,21 +178,39 @@ class Op:
         return 1.0 / max(1, math.ceil(self.fuse_rows / cc.TILE))
 
 
+Entry = tuple[Op, tuple[str, ...]]
+"""An operator and the names of the operators it runs after, in the order it was added
+(``Entries``: one pass of a layer in program order, what its networkx graph is made of)."""
+Entries = tuple[Entry, ...]
+
+
+def graph_of(entries: Entries) -> nx.DiGraph:
+    """The networkx DAG of ``entries``: nodes in program order (``order``), each with its
+    operator, duration, stream and kind."""
+    graph = nx.DiGraph()
+    for i, (op, after) in enumerate(entries):
+        graph.add_node(op.name, op=op, duration_s=op.duration_s, stream=op.stream, kind=op.kind,
+                       order=i)
+        graph.add_edges_from((a, op.name) for a in after)
+    return graph
+
+
+def entries_of(graph: nx.DiGraph) -> Entries:
+    """The entries of ``graph`` (one built by graph_of, or a subgraph of one)."""
+    nodes = graph.nodes
+    return tuple((nodes[n]["op"], tuple(graph.predecessors(n)))
+                 for n in sorted(graph, key=lambda n: nodes[n]["order"]))
+
+
 class _Builder:
     """Adds operators in program order; the order breaks scheduling ties."""
 
     def __init__(self, key: LayerKey) -> None:
         self.key = key
-        self.graph = nx.DiGraph()
+        self.entries: list[Entry] = []
 
     def add(self, op: Op, *after: str | None) -> str:
-        self.graph.add_node(
-            op.name, op=op, duration_s=op.duration_s, stream=op.stream, kind=op.kind,
-            order=self.graph.number_of_nodes(),
-        )
-        for a in after:
-            if a is not None:
-                self.graph.add_edge(a, op.name)
+        self.entries.append((op, tuple(dict.fromkeys(a for a in after if a is not None))))
         return op.name
 
     def gemm(self, name: LayerOperator, m: float, n: float, k: float, *after: str | None) -> str:
@@ -619,7 +642,7 @@ def _dispatch_host_wait(g: _Builder, outs: list[str]) -> list[str]:
     floor_s = k.cluster.efficiency.dispatch_floor_us.of(
         k.ffn.dispatch if isinstance(k.ffn, EPFFN) else Dispatch.allgather_reduce_scatter
     ) * 1e-6
-    moved = sum(op.duration_s + sum(op.bwd) for _, op in g.graph.nodes(data="op")
+    moved = sum(op.duration_s + sum(op.bwd) for op, _ in g.entries
                 if op.operator in DISPATCH_COMBINE_OPS)
     if floor_s > moved:
         return [g.host_wait(floor_s - moved, *outs)]
@@ -635,67 +658,121 @@ dispatch and combine (plans.operators), less the host wait they are held against
 def forward_graph(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> nx.DiGraph:
     """The layer's operators; the MoE part in ``chunks`` token chunks (plans.layout.moe_chunks),
     Ulysses attention in ``head_chunks`` head groups (plans.layout.ulysses_chunks)."""
+    return graph_of(forward_entries(key, chunks, head_chunks))
+
+
+def forward_entries(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> Entries:
+    """The entries of ``forward_graph``."""
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
     attn = _attention(g, None, head_chunks)
     norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
     outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
     g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs, fusable=False)
-    return g.graph
+    return tuple(g.entries)
 
 
 # ---- backward -----------------------------------------------------------------------------------
 
 
-def backward_graph(fwd: nx.DiGraph, policy: Recompute, autograd_nodes: bool = False,
-                   modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> nx.DiGraph:
+
+
+class _Grad(StrEnum):
+    """What a backward operator is of its forward one (backward_entries)."""
+
+    comm = "comm"
+    """The collective run reversed, fused with its partner's data gradient."""
+    dgrad = "dgrad"
+    wgrad = "wgrad"
+    bwd = "bwd"
+    """The gradient of a memory-bound, attention or host operator."""
+    rerun = "rerun"
+    """The forward operator rerun (recomputed)."""
+
+
+Shape = tuple[tuple[str, LayerOperator, OpKind, str | None, tuple[str, ...]], ...]
+"""What the backward graph's structure depends on: each forward operator's name, operator,
+kind, fused partner and predecessors, in program order (not its durations, so clusters and
+batch sizes of one layout share it)."""
+
+
+@lru_cache(maxsize=2048)
+def _backward_steps(shape: Shape, policy: Recompute, autograd_nodes: bool,
+                    modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
+                    ) -> tuple[tuple[int, _Grad, str, str | None, tuple[str, ...]], ...]:
+    """backward_entries' operators as (forward operator's index, what it is of it, name, fused
+    partner, predecessors), in program order."""
+    index = {name: i for i, (name, *_) in enumerate(shape)}
+    succs: list[list[str]] = [[] for _ in shape]
+    for name, *_, after in shape:
+        for a in after:
+            succs[index[a]].append(name)
+    # Only outputs some gradient reads are rerun: the layer's output is never needed again.
+    recomputed = recomputed_operators(policy, modules)
+    rerun = {name for i, (name, operator, *_) in enumerate(shape)
+             if operator in recomputed and succs[i]}
+    gemms = (OpKind.gemm, OpKind.grouped_gemm)
+
+    def grad(name: str) -> str:
+        return f"{name}.dgrad" if shape[index[name]][2] in gemms else f"{name}.bwd"
+
+    def waits_for(consumer: str) -> list[str]:
+        gemm = shape[index[consumer]][2] in gemms
+        return [grad(consumer)] + ([f"{consumer}.wgrad"] if gemm and autograd_nodes else [])
+
+    steps = []
+    for i in reversed(range(len(shape))):
+        name, _, kind, fuse_with, preds = shape[i]
+        after = tuple(dict.fromkeys(w for c in succs[i] for w in waits_for(c)))
+        # A gradient that reads this operator's forward inputs needs recomputed ones rerun.
+        inputs = tuple(f"recompute.{p}" for p in preds if p in rerun)
+        if kind == OpKind.comm:
+            fuse = grad(fuse_with) if fuse_with else None
+            steps.append((i, _Grad.comm, grad(name), fuse, after))
+        elif kind in gemms:
+            steps.append((i, _Grad.dgrad, f"{name}.dgrad", fuse_with, after))
+            steps.append((i, _Grad.wgrad, f"{name}.wgrad", fuse_with, after + inputs))
+        else:
+            steps.append((i, _Grad.bwd, grad(name), fuse_with, after + inputs))
+    # Reruns come last in program order: they fill compute gaps (behind communication) and
+    # never win a tie against a gradient.
+    for i, (name, _, _, fuse_with, preds) in enumerate(shape):
+        if name in rerun:
+            fuse = f"recompute.{fuse_with}" if fuse_with in rerun else None
+            steps.append((i, _Grad.rerun, f"recompute.{name}", fuse,
+                          tuple(f"recompute.{p}" for p in preds if p in rerun)))
+    return tuple(steps)
+
+
+def shape_of(entries: Entries) -> Shape:
+    return tuple((op.name, op.operator, op.kind, op.fuse_with, after) for op, after in entries)
+
+
+def backward_entries(fwd: Entries, policy: Recompute, autograd_nodes: bool = False,
+                     modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> Entries:
     """Gradients in reverse program order, plus reruns of recomputed forward operators.
 
     With ``autograd_nodes`` the gradients run as torch autograd runs them (the inter-operator
     overlapped runtime): a GEMM's data and weight gradients are one node, so whatever reads its
     data gradient, on either stream, also waits for its weight gradient; without, the weight
     gradient waits for nothing downstream (a hand-scheduled layer, paper Sec. 4.1)."""
-    ops: dict[str, Op] = {n: d["op"] for n, d in fwd.nodes(data=True)}
-    order = sorted(ops, key=lambda n: fwd.nodes[n]["order"])
-    # Only outputs some gradient reads are rerun: the layer's output is never needed again.
-    recomputed = recomputed_operators(policy, modules)
-    rerun = [n for n in order if ops[n].operator in recomputed and fwd.out_degree(n)]
-    bwd = nx.DiGraph()
+    out = []
+    for i, grad, name, fuse, after in _backward_steps(shape_of(fwd), policy, autograd_nodes,
+                                                      modules):
+        op = fwd[i][0]
+        match grad:
+            case _Grad.comm | _Grad.rerun:
+                seconds = op.duration_s
+            case _Grad.wgrad:
+                seconds = op.bwd[1]
+            case _:
+                seconds = op.bwd[0]
+        out.append((Op(name, op.operator, op.kind, seconds, op.bwd, op.comm, fuse, op.fuse_rows,
+                       grad == _Grad.rerun, op.side_stream), after))
+    return tuple(out)
 
-    def add(op: Op, after: list[str]) -> None:
-        bwd.add_node(op.name, op=op, duration_s=op.duration_s, stream=op.stream, kind=op.kind,
-                     order=len(added))
-        added.append(op.name)
-        bwd.add_edges_from((a, op.name) for a in after)
 
-    def grad(name: str) -> str:
-        gemm = ops[name].kind in (OpKind.gemm, OpKind.grouped_gemm)
-        return f"{name}.dgrad" if gemm else f"{name}.bwd"
-
-    added: list[str] = []
-
-    def waits_for(consumer: str) -> list[str]:
-        gemm = ops[consumer].kind in (OpKind.gemm, OpKind.grouped_gemm)
-        return [grad(consumer)] + ([f"{consumer}.wgrad"] if gemm and autograd_nodes else [])
-
-    for name in reversed(order):
-        op = ops[name]
-        after = [w for c in fwd.successors(name) for w in waits_for(c)]
-        # A gradient that reads this operator's forward inputs needs recomputed ones rerun.
-        inputs = [f"recompute.{p}" for p in fwd.predecessors(name) if p in rerun]
-        if op.kind == OpKind.comm:
-            fuse = grad(op.fuse_with) if op.fuse_with else None
-            add(replace(op, name=grad(name), fuse_with=fuse), after)
-        elif op.kind in (OpKind.gemm, OpKind.grouped_gemm):
-            add(replace(op, name=f"{name}.dgrad", duration_s=op.bwd[0]), after)
-            add(replace(op, name=f"{name}.wgrad", duration_s=op.bwd[1]), after + inputs)
-        else:
-            add(replace(op, name=grad(name), duration_s=op.bwd[0]), after + inputs)
-    # Reruns come last in program order: they fill compute gaps (behind communication) and
-    # never win a tie against a gradient.
-    for name in rerun:
-        op = ops[name]
-        fuse = f"recompute.{op.fuse_with}" if op.fuse_with in rerun else None
-        add(replace(op, name=f"recompute.{name}", fuse_with=fuse, recompute=True),
-            [f"recompute.{p}" for p in fwd.predecessors(name) if p in rerun])
-    return bwd
+def backward_graph(fwd: nx.DiGraph, policy: Recompute, autograd_nodes: bool = False,
+                   modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> nx.DiGraph:
+    """The networkx DAG of backward_entries."""
+    return graph_of(backward_entries(entries_of(fwd), policy, autograd_nodes, modules))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+import cost_models.layer as layer
 import cost_models.layer_graph as lg
 import cost_models.memory as mem
-from cost_models.layer import layer_graphs, layer_key, layer_timing_for
+from cost_models.layer import layer_key, layer_timing_for
 from cost_models.layer_graph import backward_graph, forward_graph
 from cost_models.memory import layer_activation_terms
 from plans import (
@@ -80,7 +81,9 @@ def test_time_and_memory_both_follow_the_recomputed_set(node_plan, monkeypatch):
     tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
 
     def priced(policy: Recompute):
-        layer_graphs.cache_clear()  # the graphs are cached per key
+        # the passes and the backward structure are cached per key and policy
+        layer._backward.cache_clear()
+        lg._backward_steps.cache_clear()
         timing = layer_timing_for.__wrapped__(
             layer_key(plan.model_copy(update={"recompute": policy})), plan.overlap)
         terms = layer_activation_terms(plan.model, tokens, d, plan.ffn, policy, False)
@@ -96,6 +99,10 @@ def test_time_and_memory_both_follow_the_recomputed_set(node_plan, monkeypatch):
         monkeypatch.setattr(lg, "recomputed_operators", patched)
         monkeypatch.setattr(mem, "recomputed_operators", patched)
         assert priced(Recompute.selective) == expected
+    # what was priced under the patched sets must not outlive the test
+    monkeypatch.undo()
+    for cached in (layer._backward, lg._backward_steps, mem._terms_per_token, mem._memory):
+        cached.cache_clear()
 
 
 def test_selective_drops_the_core_and_keeps_its_inputs(node_plan):

@@ -1,0 +1,60 @@
+"""A layer pass's structure is built once per layout shape and shared by clusters; the
+networkx graphs of the critical-path report are the scheduled passes'."""
+
+import networkx as nx
+import pytest
+
+import cost_models.layer as layer
+import cost_models.layer_graph as lg
+from cost_models.layer import layer_graphs, layer_key, layer_timing_for, schedule_s
+from plans import EPFFN, Dispatch, Kernels, Overlap, Recompute
+
+CASES = [
+    ("internal-352b", Overlap.inter_op, Recompute.selective, Kernels.eager),
+    ("internal-352b", Overlap.inter_intra_op, Recompute.full, Kernels.fused),
+    ("mixtral-8x7b", Overlap.none, Recompute.none, Kernels.fused),
+    ("deepseek-v3", Overlap.inter_op, Recompute.full, Kernels.eager),
+]
+
+
+def _clear():
+    for cache in (layer._forward, layer._backward, layer._forward_pass, layer_timing_for,
+                  layer._structure, lg._backward_steps):
+        cache.cache_clear()
+
+
+@pytest.mark.parametrize(("name", "overlap", "recompute", "kernels"), CASES)
+def test_the_graphs_are_the_scheduled_passes(node_plan, name, overlap, recompute, kernels):
+    plan = node_plan(name, overlap=overlap, recompute=recompute, kernels=kernels,
+                     ffn=EPFFN(dispatch=Dispatch.all_to_all))
+    key = layer_key(plan)
+    fwd, bwd = layer_graphs(key, overlap)
+    assert lg.entries_of(fwd) == layer._forward(layer._forward_key(key), overlap).entries
+    assert lg.entries_of(bwd) == layer._backward(key, overlap).entries
+    # the report's backward graph is derived from the forward graph alone
+    derived = lg.backward_graph(fwd, recompute, autograd_nodes=overlap == Overlap.inter_op)
+    assert list(derived.nodes) == list(bwd.nodes)
+    assert list(derived.edges) == list(bwd.edges)
+    assert nx.is_directed_acyclic_graph(bwd)
+    hidden = plan.cluster.efficiency.overlap
+    assert schedule_s(fwd, Overlap.none, hidden) == pytest.approx(
+        sum(d for _, d in fwd.nodes(data="duration_s")))
+
+
+@pytest.mark.parametrize(("name", "overlap", "recompute", "kernels"), CASES)
+def test_another_cluster_reuses_the_structure_and_not_the_numbers(
+        node_plan, name, overlap, recompute, kernels):
+    plan = node_plan(name, overlap=overlap, recompute=recompute, kernels=kernels)
+    node = plan.cluster.node
+    slower = plan.cluster.model_copy(update={"node": node.model_copy(
+        update={"nvlink_gb_s": node.nvlink_gb_s / 3})})
+    other = plan.model_copy(update={"cluster": slower})
+    _clear()
+    fresh = layer_timing_for(layer_key(other), overlap)
+    _clear()
+    layer_timing_for(layer_key(plan), overlap)
+    steps = lg._backward_steps.cache_info()
+    reused = layer_timing_for(layer_key(other), overlap)
+    assert lg._backward_steps.cache_info().misses == steps.misses
+    assert reused == fresh
+    assert reused != layer_timing_for(layer_key(plan), overlap)
