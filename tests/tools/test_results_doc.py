@@ -39,8 +39,8 @@ def tool():
 
 def test_the_committed_documents_are_current(tool):
     doc, readme = tool.documents()
-    assert tool.DOC.read_text() == doc, "docs/results.md is stale: python tools/results_doc.py"
-    assert README.read_text() == readme, "README.md is stale: python tools/results_doc.py"
+    assert tool.DOC.read_text() == doc, "docs/results.md is stale: python -m tools.results_doc"
+    assert README.read_text() == readme, "README.md is stale: python -m tools.results_doc"
 
 
 def test_the_readme_keeps_its_two_setup_commands_and_150_lines():
