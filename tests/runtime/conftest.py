@@ -38,3 +38,14 @@ def train_here(capsys, monkeypatch):
 
     yield run
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """Each test compiles as a fresh process would: dynamo keeps its graphs per function across
+    tests, and the fused kernels' regions (one graph per width and dtype of RMSNorm, ...) summed
+    over the whole suite would pass its recompile limit, a hard failure under fullgraph."""
+    yield
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
