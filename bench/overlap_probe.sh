@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 11's overlap probe (one device call on nvidia-h200-x2): the MoE layer bench at EP = 2,
 # the inter-op step traced (each stream's busy time, the time streams ran side by side).
-#   OUT=... bash bench/overlap_probe.sh
+#   OUT=... bash bench/overlap_probe.sh   (committed: bench/results/h200/moe_layer/overlap_probes)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4

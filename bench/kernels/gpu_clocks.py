@@ -1,13 +1,13 @@
 """Run a benchmark with the GPU's clocks and power sampled beside it.
 
-    python -m bench.kernels.gpu_clocks --csv OUT.csv [--interval-ms 250] -- python3 bench/X.py
+    python -m bench.kernels.gpu_clocks --csv OUT.csv [--interval-ms 250] -- python3 -m bench.X
     ARGS...
 
 nvidia-smi samples, every ``--interval-ms``, the SM clock and its maximum, the power draw and
 limit, the temperature and the active clock-event reasons (bit 0x4: the software power cap)
 into ``--csv`` while the command runs; the command's exit status is this script's. Where
 nvidia-smi is missing (CPU machines) the command runs alone and the CSV says why in its one
-line. Used by campaign ``h200_layer_clocks`` (docs/performance.md: why the Mixtral-shaped
+line. Used by campaign ``h200_moe_layer`` (docs/performance.md: why the Mixtral-shaped
 layer's GEMMs run at the rate they do).
 """
 

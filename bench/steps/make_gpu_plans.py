@@ -58,7 +58,7 @@ def plan(gpus: int, degrees: Degrees, layers: int = 2, **kw) -> Plan:
 
 def with_gsync(p: Plan) -> Plan:
     """``p`` with the gradient sync overlapped with the last backward and the accumulation
-    into the bucket views (campaign h200_x2_gsync runs both: NCCL beside a full-GPU GEMM has
+    into the bucket views (campaign h200_steps_x2 runs both: NCCL beside a full-GPU GEMM has
     measured slower than serial on 2 H200s, so the overlap must earn its place)."""
     return p.model_copy(update={"grad_sync_overlap": True, "grad_accumulation_fusion": True})
 
@@ -85,7 +85,7 @@ PLANS = {
         2, Degrees(sp=2, ep=2), micro_batch_size=8, kernels=Kernels.fused,
         ffn=EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
     # fused kernels with the all-to-all dispatcher: every slot routed, so the permutation by
-    # gathers and the regroup (runtime.kernels; its bf16 parity on 2 GPUs, campaign h200_speed14)
+    # gathers and the regroup (runtime.kernels; its bf16 parity on 2 GPUs, campaign h200_steps_x2)
     "mixtral2l_dp2_ep2_fused": plan(2, Degrees(dp=2, ep=2), kernels=Kernels.fused),
     "mixtral2l_sp2_ep2_a2a": plan(2, Degrees(sp=2, ep=2)),
     "mixtral2l_sp2_ep2_ag": plan(2, Degrees(sp=2, ep=2),
@@ -119,7 +119,7 @@ PLANS |= {f"mixtral2l_sp2_ep2_a2a_interop_{tag}": PLANS["mixtral2l_sp2_ep2_a2a_i
 PLANS |= {f"{name}_gsync": with_gsync(PLANS[name])
           for name in ("mixtral2l_dp2_ep2", "mixtral2l_sp2_ep2_a2a", "mixtral2l_dp2_ep2_mbs4",
                        "mixtral2l_sp2_ep2_ag_mbs8")}
-# fused kernels with the overlapped gradient sync, serial MoE layer (campaign h200_speed13)
+# fused kernels with the overlapped gradient sync, serial MoE layer (campaign h200_steps_x2)
 PLANS |= {f"{name}_fused_gsync": with_gsync(PLANS[f"{name}_fused"])
           for name in ("mixtral2l_dp2_ep2_ag_mbs4", "mixtral2l_sp2_ep2_ag_mbs8")}
 # gradient-accumulation fusion (runtime.parallel.grad_accumulation) beside the same plans

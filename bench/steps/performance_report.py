@@ -272,7 +272,7 @@ def searched_x2() -> str:
     return ("measured over NCCL: " + ", ".join(
         f"`{r['plan_summary']}` {r['step_time_s'] * 1e3:.1f} ms (predicted "
         f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps) if steps else
-        "their steps over NCCL are `h200_searched`'s `*_2gpu` steps, which have not run: no "
+        "their steps over NCCL are `h200_searched_x2`'s, which has not run: no "
         "two-GPU machine was lent")
 
 
