@@ -32,7 +32,8 @@ CE_FUSED_BYTES_PER_LOGIT = 4 * ACT_BYTES
 fused), forward only (it computes the gradient there): one kernel whose loops over each row
 read the bf16 logits for the maximum, for the sum of exponentials and for the gradient, which
 it writes in bf16. Measured on H200 at Qwen3-30B-A3B's head (32k tokens, 152k vocabulary):
-12.05 ms for 19 chunks, 3.3 TB/s at these bytes (bench/results/h200/speed22/fused_loss)."""
+12.05 ms for 19 chunks, 3.3 TB/s at these bytes (bench/results/h200/kernels/
+fused_loss_qwen3.json)."""
 ATTENTION_BWD_FLOP_RATIO = 2.5
 """FlashAttention backward FLOPs / forward FLOPs: dQ, dK, dV, dP plus the recomputed S = QK^T
 (FlashAttention-2 paper, Sec. 3.1.2: 5 matmuls in backward against 2 in forward)."""

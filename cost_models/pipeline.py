@@ -133,7 +133,7 @@ def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int
       in a pass of its own (the first's cast 6 bytes an element, each add 10); fused, inside
       the GEMMs, each later chunk's GEMM reading the fp32 sum (4: its fp32 writes ran in the
       GEMMs' time, +5.3 ms over 18 chunks of Qwen3-30B-A3B's 152k x 2048 head on H200,
-      bench/results/h200/speed22/fused_loss). Its backward scales the kept gradients (the
+      bench/results/h200/kernels/fused_loss_qwen3.json). Its backward scales the kept gradients (the
       fp32 weight gradient read, scaled, cast: 14 bytes an element over several chunks, 4
       over one)."""
     logits = rows * model.vocab / tp

@@ -169,7 +169,7 @@ matmul per expert, each adding into its slice of the main gradient (beta = 1), b
 GEMM's weight gradient and the separate pass that adds it. Measured on one H200, three expert
 GEMMs with SwiGLU forward + backward, the runtime's form (grouped forward and rows' gradient,
 per-expert accumulating weight gradients) against grouped + pass (bench/kernels/expert_gemm_gpu.py,
-bench/results/h200/speed17/): Mixtral-8x7B's 8 experts of 14,336, 55.3 against 60.2 ms at 16k
+bench/results/h200/kernels/): Mixtral-8x7B's 8 experts of 14,336, 54.2 against 58.7 ms at 16k
 tokens and 13.9 against 16.3 at 4,096; DeepSeekMoE-16B's 64 of 1,408, 9.85 against 9.90 (even);
 Qwen3-30B-A3B's 128 of 768, 9.60 against 8.14 (the per-expert launches cost more than the pass
 they save)."""

@@ -252,7 +252,7 @@ class Plan(Frozen):
     faster where it fits: under eager kernels the materialized loss (the eager chunked loss
     measured 17 ms slower per 2-GPU pp2 Mixtral step, bench/results/h200/
     ab_loss_allocator_x2.json), under fused ones the chunked loss at the catalog's
-    vocabularies (bench/results/h200/speed23/)."""
+    vocabularies (bench/results/h200/searched/)."""
     kernels: Kernels = Kernels.eager
     """The layers' memory-bound operators as eager PyTorch or fused regions (priced at
     cluster.efficiency.elementwise or fused_elementwise; the eager token permutation pass by

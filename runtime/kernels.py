@@ -13,7 +13,7 @@ parallelism and no compiler:
 - route: softmax, top-k, renormalisation and the balance statistics in one pass;
 - gather_rows / weighted_scatter: the token permutation to expert order and back (fused, with
   every slot routed: gathers by the inverse permutation and a sum over each token's k rows,
-  never an atomic index-add, bench/results/h200/speed14/fused_ops_*.json);
+  never an atomic index-add, bench/results/h200/kernels/fused_ops_*.json);
 - cross_entropy_grad / accumulate_matmul: one chunk of the chunked loss (runtime.loss): the
   cross-entropy and its gradient over the chunk's logits, and the LM head's weight gradient
   summed over the chunks (fused, on CUDA: inside the GEMM, in fp32); cross_entropy_partial /
@@ -398,7 +398,7 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         swiglu=_rows_dynamic(swiglu, 0, 1),
         # the router stays eager: its compiled region measured 2x slower forward + backward
         # (0.92 ms against 0.49 at Mixtral-8x7B shapes, 1.13 against 0.57 at Qwen3-30B-A3B's;
-        # bench/kernels/fused_ops_gpu.py, bench/results/h200/overlap14/fused_ops_*.json)
+        # bench/kernels/fused_ops_gpu.py at 41dda38; git keeps bench/results/h200/overlap14/)
         route=route,
         gather_rows=_fused_gather_rows(),
         weighted_scatter=_fused_weighted_scatter(),

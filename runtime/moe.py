@@ -217,8 +217,8 @@ class HostCounts:
     weight gradients of gradient-accumulation fusion), the GPU has long passed the copy;
     reading them in the forward made the host wait for the GPU at every MoE layer: the
     eight-micro-batch Mixtral step then took 487.1 ms against its unfused twin's 481.7
-    (bench/results/h200/speed17/counts_in_forward, f851b03); read in the backward, 440.0
-    against 467.0 (speed17/, 835712a)."""
+    (f851b03; git keeps bench/results/h200/speed17/counts_in_forward); read in the backward,
+    440.0 against 467.0 (bench/results/h200/train_step_mixtral2l_1gpu_gaf.json, 835712a)."""
 
     def __init__(self, counts: torch.Tensor):
         self.device = counts

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def python_files() -> list[Path]:
     """The .py files git tracks or would (not ignored), outside tests/; every line counts."""
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "*.py"], cwd=ROOT,
+                         check=True, capture_output=True, text=True).stdout.split()
     return [ROOT / f for f in out if not f.startswith("tests/")]
 
 
