@@ -16,8 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.campaign import MANIFEST, ROOT, load_manifest
+from bench.report import write_or_check
 from plans import SpecError
-from plans.io import write_atomic
 
 RESULTS = ROOT / "bench" / "results"
 INDEX = RESULTS / "INDEX.md"
@@ -59,13 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.check:
-        current = INDEX.exists() and INDEX.read_text() == text
-        print(f"{INDEX.relative_to(ROOT)}: {'current' if current else 'stale'}")
-        return 0 if current else 1
-    write_atomic(INDEX, text, "index", force=True)
-    print("wrote", INDEX.relative_to(ROOT))
-    return 0
+    return write_or_check(INDEX, text, "python -m bench.index", args.check)
 
 
 if __name__ == "__main__":

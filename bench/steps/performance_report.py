@@ -14,18 +14,17 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
+
+from bench.report import fill, write_or_check
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "h200"
 LAYER, ATTENTION = RESULTS / "moe_layer", RESULTS / "attention_block"
 KERNEL_DIR, SEARCHED_DIR = RESULTS / "kernels", RESULTS / "searched"
 DOC = ROOT / "docs" / "performance.md"
-TEMPLATE = ROOT / "bench" / "templates" / "performance.md.tmpl"
-PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 STEPS = (
     # (layout, variant, the plan of bench/gpu_plans whose train step h200/ holds)
@@ -483,26 +482,15 @@ def sections() -> dict[str, str]:
 
 def render() -> str:
     """docs/performance.md: the template's prose with its ``{{name}}`` parts filled in."""
-    parts = sections()
-    return PLACEHOLDER.sub(lambda m: parts[m.group(1)], TEMPLATE.read_text())
+    return fill("performance.md.tmpl", sections())
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--check", action="store_true",
-                   help="exit 1 when docs/performance.md is stale")
-    args = p.parse_args()
-    text = render()
-    if args.check:
-        if not DOC.exists() or DOC.read_text() != text:
-            print("docs/performance.md is stale: python -m bench.steps.performance_report",
-                  file=sys.stderr)
-            return 1
-        print("docs/performance.md current")
-        return 0
-    DOC.write_text(text)
-    print(f"-> {DOC}")
-    return 0
+                   help="write nothing; exit 1 when docs/performance.md is stale")
+    return write_or_check(DOC, render(), "python -m bench.steps.performance_report",
+                          p.parse_args().check)
 
 
 if __name__ == "__main__":

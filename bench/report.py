@@ -1,0 +1,40 @@
+"""What bench/'s generated docs share: a template of bench/templates/ with its ``{{name}}``
+parts filled in, then written, or with ``--check`` held against the committed doc (exit 1 when
+it is stale or the report's own targets are missed). No torch."""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from plans.io import write_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATES = ROOT / "bench" / "templates"
+PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+def fill(template: str, parts: Mapping[str, object]) -> str:
+    """bench/templates/``template`` with each ``{{name}}`` replaced by ``parts[name]``."""
+    return PLACEHOLDER.sub(lambda m: str(parts[m.group(1)]), (TEMPLATES / template).read_text())
+
+
+def write_or_check(doc: Path, text: str, command: str, check: bool,
+                   misses: Iterable[str] = ()) -> int:
+    """Write ``text`` to ``doc``; with ``check`` write nothing and return 1 when the committed
+    ``doc`` differs (rerun ``command``) or ``misses`` names a missed target."""
+    name = doc.relative_to(ROOT)
+    if not check:
+        write_atomic(doc, text, str(name), force=True)
+        print(f"wrote {name}")
+        return 0
+    failed = [f"{name} is stale: {command}"] if not doc.exists() or doc.read_text() != text \
+        else []
+    failed += list(misses)
+    for line in failed:
+        print(line, file=sys.stderr)
+    if not failed:
+        print(f"{name} current")
+    return 1 if failed else 0
