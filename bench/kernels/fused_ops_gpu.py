@@ -2,7 +2,7 @@
 forward + backward, at Mixtral-8x7B shapes by default (16k tokens of one micro-batch of 4 x
 4096, hidden 4096, 32 query and 8 KV heads of 128, expert FFN 14336, top-2 of 8 experts):
 
-    python -m bench.kernels.fused_ops_gpu --out bench/results/h200/fused_ops_mixtral.json
+    python -m bench.kernels.fused_ops_gpu --out bench/results/h200/kernels/fused_ops_mixtral.json
 
 Per operator: CUDA-event medians after warm-up (wall clock on CPU) of one call on an idle GPU
 and of its kernels with the host ahead (``device_``: bench/_dist_bench.device_timed, no host
