@@ -25,7 +25,7 @@ def write_or_check(doc: Path, text: str, command: str, check: bool,
                    misses: Iterable[str] = ()) -> int:
     """Write ``text`` to ``doc``; with ``check`` write nothing and return 1 when the committed
     ``doc`` differs (rerun ``command``) or ``misses`` names a missed target."""
-    name = doc.relative_to(ROOT)
+    name = doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc
     if not check:
         write_atomic(doc, text, str(name), force=True)
         print(f"wrote {name}")
