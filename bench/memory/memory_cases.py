@@ -43,11 +43,15 @@ CLUSTER = "h200-runtime"
 ONE_GPU = Degrees()
 
 
-def reduced_model(shape: str) -> ModelSpec:
-    """The catalog model of ``shape`` (SHAPES) at its full width and reduced depth."""
-    name, layers = SHAPES[shape]
+def reduced(name: str, layers: int) -> ModelSpec:
+    """The catalog model ``name`` at its full width and ``layers`` layers, named so."""
     full = catalog.load_model(name)
     return full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
+
+
+def reduced_model(shape: str) -> ModelSpec:
+    """The catalog model of ``shape`` (SHAPES) at its full width and reduced depth."""
+    return reduced(*SHAPES[shape])
 
 
 def searched_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan:

@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.memory.memory_cases import reduced
 from plans import (
     EPFFN,
     TPFFN,
@@ -38,8 +39,7 @@ OUT = Path(__file__).resolve().parents[1] / "gpu_plans"
 
 
 def model(layers: int):
-    full = catalog.load_model("mixtral-8x7b")
-    return full.model_copy(update={"name": f"Mixtral-8x7B-{layers}L", "layers": layers})
+    return reduced("mixtral-8x7b", layers)
 
 
 def plan(gpus: int, degrees: Degrees, layers: int = 2, **kw) -> Plan:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from bench.memory.memory_cases import reduced
 from planner.search import _fastest_costs, _lower_bound, megatron_space, search
 from planner.space import AttentionKind, FFNKind, SearchSpace
 from plans import Overlap, Precision, Recompute, Target, TrainingSpec, catalog
@@ -29,7 +30,7 @@ def test_pruned_search_is_exact_where_overlap_hides_nothing():
     # otherwise (planner.search._overlap_levels)
     from planner.search import SearchStats, _search
 
-    model = catalog.load_model("mixtral-8x7b").model_copy(update={"layers": 2})
+    model = reduced("mixtral-8x7b", 2)
     cluster = catalog.load_cluster("h200-runtime", gpus=2)
     assert cluster.efficiency.overlap == 0
     training = TrainingSpec(global_batch=8, seq_len=4096)
@@ -53,7 +54,7 @@ def test_pruned_search_is_exact_where_overlap_hides_nothing():
 def test_a_layer_with_nothing_to_overlap_is_named_overlap_none():
     # on one GPU no level has anything to overlap: their layer graphs are priced alike up to
     # the order of a sum, which named a plan ov:inter beside its identical ov:none twin
-    model = catalog.load_model("qwen3-30b-a3b").model_copy(update={"layers": 4})
+    model = reduced("qwen3-30b-a3b", 4)
     cluster = catalog.load_cluster("h200-runtime", gpus=1)
     result = search(model, cluster, TrainingSpec(global_batch=8, seq_len=4096),
                     SearchSpace().runnable(), top=5)
@@ -185,8 +186,7 @@ def test_emitted_plans_fit_with_the_safety_margin(gpus):
     from planner.space import SearchSpace
     from plans import TrainingSpec
 
-    full = catalog.load_model("qwen3-30b-a3b")
-    model = full.model_copy(update={"layers": 4})
+    model = reduced("qwen3-30b-a3b", 4)
     cluster = catalog.load_cluster("h200-runtime", gpus=gpus)
     result = search(model, cluster, TrainingSpec(global_batch=16, seq_len=4096),
                     SearchSpace().runnable(), top=8)
