@@ -425,7 +425,7 @@ def ceiling() -> dict[str, str]:
     GEMMs at the best rate measured for the same FLOPs (issue 11's 1.15x target)."""
     gemms = json.loads((KERNEL_DIR / "expert_gemm_mixtral.json").read_text())
     even = json.loads((KERNEL_DIR / "expert_gemm_mixtral_balanced.json").read_text())
-    layer = json.loads((LAYER / "moe_layer_x1_fused.json").read_text())
+    layer = json.loads((LAYER / "moe_layer_x1_fused_mixtral.json").read_text())
     v = {k: x["fwd_bwd_s"] * 1e3 for k, x in gemms["variants"].items()}
     moved = max(abs(x["fwd_bwd_s"] * 1e3 / v[k] - 1) for k, x in even["variants"].items())
     shape = layer["shapes"]["mixtral-8x7b"]
