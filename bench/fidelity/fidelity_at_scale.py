@@ -189,7 +189,7 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
                         etp=row["etp"]),
         attention=TPAttention(), ffn=EPFFN(dispatch=DISPATCH[recipe["dispatcher"]]),
         stage_layers=stages,
-        micro_batch_size=row["mbs"],
+        micro_batch_size=recipe.get("priced_mbs", row["mbs"]),
         schedule=(PipelineSchedule.interleaved_1f1b if vpp > 1
                   else PipelineSchedule.one_f_one_b),
         overlap=Overlap.inter_op if recipe["moe_a2a_overlap"] else Overlap.none,
@@ -200,6 +200,39 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
         kernels=Kernels.fused, grad_sync_precision=Precision.bf16,
         cuda_graphs=cuda_graphs(recipe["cuda_graph_scope"]) if target == Target.megatron
         else CudaGraphs.none)
+
+
+TOKENDROP_CAPACITY = 1.0
+"""Megatron-Bridge v0.1.0rc4's apply_moe_token_drop (the 25.09 runs): capacity factor 1.0,
+every expert's input padded to its capacity (moe_pad_expert_input_to_capacity), the alltoall
+dispatcher (the function asserts it)."""
+
+
+def tokendrop_plan(row: dict) -> Plan:
+    """The row's layout as its 25.09 token-dropping run ran it: capacity-bound experts (static
+    shapes: no split-size wait) behind the alltoall dispatcher, the 25.11 recipe otherwise."""
+    plan = row_plan(row)
+    ffn = EPFFN(dispatch=Dispatch.all_to_all, capacity_factor=TOKENDROP_CAPACITY)
+    return plan.model_copy(update={"ffn": ffn})
+
+
+def tokendrop_pairs(rows: list[dict]) -> list[dict]:
+    """Rows whose layout also ran token-dropping in 25.09 (``tokendrop_25_09``): each run's
+    error, and the dropless / token-dropping throughput ratio published against predicted.
+    Held out: nothing is fitted to them."""
+    out = []
+    for row in rows:
+        if "tokendrop_25_09" not in row:
+            continue
+        drop = _priced(tokendrop_plan(row), row["tokendrop_25_09"])
+        dropless = _priced(row_plan(row), row["tokens_s_gpu"])
+        out.append({"id": row["id"], "published_tokendrop": row["tokendrop_25_09"],
+                    "predicted_tokendrop": drop["tokens_s_gpu"], "error": drop["error"],
+                    "published_dropless": row["tokens_s_gpu"],
+                    "predicted_dropless": dropless["tokens_s_gpu"],
+                    "published_ratio": row["tokens_s_gpu"] / row["tokendrop_25_09"],
+                    "predicted_ratio": dropless["tokens_s_gpu"] / drop["tokens_s_gpu"]})
+    return out
 
 
 def _terms_s(plan: Plan, e: cost_models.Evaluation) -> dict[str, float]:
@@ -326,6 +359,7 @@ def results() -> dict:
             "summary": {"megatron": summary(rows, "megatron"),
                         "moeplan": summary(rows, "moeplan"),
                         "megatron_held_out": summary(rows, "megatron", held_out=True)},
+            "tokendrop_25_09": tokendrop_pairs(yaml.safe_load(DATA.read_text())["rows"]),
             "megascale_table_3": megascale(at_scale)}
 
 
@@ -389,6 +423,16 @@ def document(doc: dict) -> str:
         before = b["rank_correlation_by_model"][model]
         if rho is not None:
             lines.append(f"| rank correlation, {model} | {before:+.2f} | {rho:+.2f} | | +1 |")
+    lines += ["", "Held out: the same layouts' token-dropping runs of the 25.09 container "
+              "(`tokendrop_25_09` in the data file: capacity factor 1.0, padded, alltoall), and "
+              "what dropless routing costs, published against predicted (dropless / "
+              "token-dropping tokens/s).", "",
+              "| run | 25.09 token-dropping | predicted | dropless / dropping, published | "
+              "predicted |", "|---|---|---|---|---|"]
+    for r in doc["tokendrop_25_09"]:
+        lines.append(f"| {r['id']} | {r['published_tokendrop']:,.0f} | "
+                     f"{r['predicted_tokendrop']:,.0f} ({_pct(r['error'])}) | "
+                     f"{r['published_ratio']:.2f} | {r['predicted_ratio']:.2f} |")
     lines += ["", "MegaScale-MoE Table 3 (target moeplan, bench/search/at_scale.py's plans): "
               "iteration time and the speedup over Megatron-LM's TP-in-node layout.", "",
               "| GPUs | published s | predicted s | error | speedup published | predicted |",
