@@ -144,3 +144,5 @@ def test_the_token_dropping_pairs_compare_like_with_like(fresh):
         assert p["predicted_dropless"] == rows[p["id"]]["megatron"]["tokens_s_gpu"]
         assert p["published_ratio"] == p["published_dropless"] / p["published_tokendrop"]
         assert abs(p["error"] - (p["predicted_tokendrop"] / p["published_tokendrop"] - 1)) < 1e-12
+        # without the host's term the step can only shorten
+        assert p["predicted_tokendrop_device"] >= p["predicted_tokendrop"]
