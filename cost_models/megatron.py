@@ -108,8 +108,11 @@ class LayerLaunches:
 
 def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
     """Kernels one layer launches from the host per micro-batch, less what CUDA graphs
-    replay; full recomputation reruns the forward's in backward."""
+    replay; full recomputation reruns the forward's in backward. A layerwise graph
+    (``CudaGraphs.layer``) replays the whole layer as one launch each way."""
     g = plan.cuda_graphs
+    if g == CudaGraphs.layer:
+        return LayerLaunches(Launches(1, 1), NONE)
     before = (_graphed(ATTENTION, g == CudaGraphs.attn_moe_router)
               + (TP_COLLECTIVES if plan.degrees.tp > 1 else NONE) + _quantized(2, plan))
     after = NONE

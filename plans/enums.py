@@ -159,6 +159,10 @@ class CudaGraphs(StrEnum):
     """The MoE router and the dispatcher's preprocessing (scopes moe_router, moe_preprocess)."""
     attn_moe_router = "attn_moe_router"
     """Those and the attention block (scopes attn, moe_router, moe_preprocess)."""
+    layer = "layer"
+    """Each whole TransformerLayer, its MoE block included (``--cuda-graph-impl local``, its
+    default layerwise scope; Megatron-Bridge's ``enable_cuda_graph``): a graph needs static
+    shapes, so a MoE layer must be capacity-bound (``ffn.capacity_factor``)."""
 
 
 class Target(StrEnum):

@@ -165,11 +165,15 @@ def layout_layers(layout: str, model, chunks: int) -> tuple[int, ...]:
 def cuda_graphs(scopes: list[str]) -> CudaGraphs:
     if not scopes:
         return CudaGraphs.none
+    if "layer" in scopes:
+        return CudaGraphs.layer
     return CudaGraphs.attn_moe_router if "attn" in scopes else CudaGraphs.moe_router
 
 
-def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
-    """The row's published layout with its recipe's settings (bench/data/...yaml)."""
+def row_plan(row: dict, target: Target = Target.megatron,
+             capacity_factor: float | None = None) -> Plan:
+    """The row's published layout with its recipe's settings (bench/data/...yaml), dropless
+    unless a ``capacity_factor`` is given."""
     model = catalog.load_model(row["model"])
     if not row.get("mtp", True):  # the row's "w/o MTP"
         model = model.model_copy(update={"mtp_layers": 0})
@@ -187,7 +191,8 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
                               else Precision.fp8),
         degrees=Degrees(pp=row["pp"], vpp=vpp, dp=dp, tp=row["tp"], ep=row["ep"],
                         etp=row["etp"]),
-        attention=TPAttention(), ffn=EPFFN(dispatch=DISPATCH[recipe["dispatcher"]]),
+        attention=TPAttention(),
+        ffn=EPFFN(dispatch=DISPATCH[recipe["dispatcher"]], capacity_factor=capacity_factor),
         stage_layers=stages,
         micro_batch_size=recipe.get("priced_mbs", row["mbs"]),
         schedule=(PipelineSchedule.interleaved_1f1b if vpp > 1
@@ -210,10 +215,15 @@ dispatcher (the function asserts it)."""
 
 def tokendrop_plan(row: dict) -> Plan:
     """The row's layout as its 25.09 token-dropping run ran it: capacity-bound experts (static
-    shapes: no split-size wait) behind the alltoall dispatcher, the 25.11 recipe otherwise."""
-    plan = row_plan(row)
-    ffn = EPFFN(dispatch=Dispatch.all_to_all, capacity_factor=TOKENDROP_CAPACITY)
-    return plan.model_copy(update={"ffn": ffn})
+    shapes: no split-size wait) behind the alltoall dispatcher, with that run's own CUDA
+    graphs, virtual stages and EP overlap (``tokendrop_25_09`` in the data file), the 25.11
+    recipe otherwise."""
+    twin = row["tokendrop_25_09"]
+    recipe = {**row["recipe"], "dispatcher": "alltoall",
+              "cuda_graph_scope": twin["cuda_graph_scope"],
+              "moe_a2a_overlap": twin["moe_a2a_overlap"]}
+    return row_plan({**row, "vp": twin["vp"], "recipe": recipe},
+                    capacity_factor=TOKENDROP_CAPACITY)
 
 
 def tokendrop_pairs(rows: list[dict]) -> list[dict]:
@@ -225,17 +235,18 @@ def tokendrop_pairs(rows: list[dict]) -> list[dict]:
     for row in rows:
         if "tokendrop_25_09" not in row:
             continue
-        drop = _priced(tokendrop_plan(row), row["tokendrop_25_09"])
+        published = row["tokendrop_25_09"]["tokens_s_gpu"]
+        drop = _priced(tokendrop_plan(row), published)
         dropless = _priced(row_plan(row), row["tokens_s_gpu"])
         device = drop["tokens_s_gpu"] * drop["step_s"] / (drop["step_s"]
                                                           - drop["terms_s"]["host"])
-        out.append({"id": row["id"], "published_tokendrop": row["tokendrop_25_09"],
+        out.append({"id": row["id"], "published_tokendrop": published,
                     "predicted_tokendrop": drop["tokens_s_gpu"], "error": drop["error"],
                     "predicted_tokendrop_device": device,
-                    "device_error": device / row["tokendrop_25_09"] - 1,
+                    "device_error": device / published - 1,
                     "published_dropless": row["tokens_s_gpu"],
                     "predicted_dropless": dropless["tokens_s_gpu"],
-                    "published_ratio": row["tokens_s_gpu"] / row["tokendrop_25_09"],
+                    "published_ratio": row["tokens_s_gpu"] / published,
                     "predicted_ratio": dropless["tokens_s_gpu"] / drop["tokens_s_gpu"]})
     return out
 

@@ -135,6 +135,36 @@ def test_a_token_dropping_twin_is_capacity_bound_and_waits_for_no_split_sizes(be
     assert drop.degrees == dropless.degrees and drop.micro_batch_size == dropless.micro_batch_size
 
 
+def test_a_token_dropping_twin_runs_its_own_releases_settings(bench):
+    """Megatron-Bridge v0.1.0rc4's perf matrix: whole-layer CUDA graphs (enable_cuda_graph) on
+    B200 / GB200 for Qwen3-30B-A3B, vp 12 on H100, no EP overlap for any Qwen3 run."""
+    from cost_models import megatron
+    from plans import CudaGraphs, Overlap
+
+    rows = _rows(bench)
+    b200 = bench.tokendrop_plan(rows["qwen3-30b-b200-fp8mx"])
+    assert b200.cuda_graphs == CudaGraphs.layer
+    assert megatron.launches(b200).before_wait == megatron.Launches(1, 1)
+    assert megatron.launches(b200).after_wait == megatron.NONE
+    h100 = bench.tokendrop_plan(rows["qwen3-30b-h100-fp8cs"])
+    assert h100.degrees.vpp == 12 and bench.row_plan(rows["qwen3-30b-h100-fp8cs"]).degrees.vpp == 24
+    assert h100.cuda_graphs == CudaGraphs.none
+    for row in rows.values():
+        if "tokendrop_25_09" in row:
+            assert bench.tokendrop_plan(row).overlap == Overlap.none
+
+
+def test_a_dropless_moe_layer_cannot_be_graphed_whole(bench):
+    import pydantic
+    import pytest
+
+    from plans import CudaGraphs
+
+    plan = bench.row_plan(_rows(bench)["qwen3-30b-b200-fp8mx"])
+    with pytest.raises(pydantic.ValidationError, match="cuda_graphs: layer"):
+        plan.model_validate({**plan.model_dump(), "cuda_graphs": CudaGraphs.layer})
+
+
 def test_the_token_dropping_pairs_compare_like_with_like(fresh):
     pairs = fresh["tokendrop_25_09"]
     assert len(pairs) == 5
