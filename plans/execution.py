@@ -154,7 +154,7 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
     Capability("cuda_graphs", "none", Support.executed),
     *(Capability("cuda_graphs", v, Support.refused, "moeplan's runtime captures no CUDA graphs")
-      for v in ("moe_router", "attn_moe_router")),
+      for v in ("moe_router", "attn_moe_router", "layer")),
     Capability("target", "megatron", Support.refused,
                "the plan is for Megatron-Core: launch it with `moeplan export --to megatron`"),
     # the job: the model and batch are built as written; the cluster is the launch's

@@ -253,13 +253,16 @@ def tokendrop_pairs(rows: list[dict]) -> list[dict]:
 
 def _terms_s(plan: Plan, e: cost_models.Evaluation) -> dict[str, float]:
     """What each Megatron-Core term adds to the step (busiest stage, seconds): the host's
-    launches and waits, the fp8 quantisations, and what its EP overlap hides (negative)."""
+    launches and waits, the fp8 quantisations, the experts' fp8 padding, and what its EP
+    overlap hides (negative)."""
     layers = max(sum(plan.stage_layers[i::plan.degrees.pp]) for i in range(plan.degrees.pp))
     casts = sum(megatron.fp8_cast_s(plan)) * layers * plan.num_micro_batches
+    padding = sum(megatron.fp8_padding_s(plan)) * layers * plan.num_micro_batches
     blocking = plan.model_copy(update={"overlap": Overlap.none})
     overlap = (e.step_time_s - cost_models.evaluate(blocking).step_time_s
                if plan.overlap == Overlap.inter_op else 0.0)
-    return {"host": e.breakdown_s["host"], "fp8_casts": casts, "ep_overlap": overlap}
+    return {"host": e.breakdown_s["host"], "fp8_casts": casts, "fp8_padding": padding,
+            "ep_overlap": overlap}
 
 
 def _priced(plan: Plan, published: float) -> dict:
@@ -385,7 +388,8 @@ def _pct(x: float) -> str:
 
 def _shares(priced: dict) -> str:
     t, step = priced["terms_s"], priced["step_s"]
-    return ", ".join(f"{t[k] / step:+.0%}" for k in ("host", "fp8_casts", "ep_overlap"))
+    return ", ".join(f"{t[k] / step:+.0%}" for k in ("host", "fp8_casts", "fp8_padding",
+                                                          "ep_overlap"))
 
 
 def document(doc: dict) -> str:
@@ -395,12 +399,13 @@ def document(doc: dict) -> str:
              "sources: "
              "`bench/data/megatron_bridge_25_11.yaml`). Tokens/s per GPU; `before` prices the "
              "same plan as moeplan's runtime would run it (target moeplan), `megatron` as "
-             "Megatron-Core runs it (target megatron: cost_models.megatron); then what three of "
+             "Megatron-Core runs it (target megatron: cost_models.megatron); then what four of "
              "its terms add to the step, as shares of it: the GPU's wait on its host's "
-             "launches, TransformerEngine's fp8 quantisations, and what its EP overlap hides; "
+             "launches, TransformerEngine's fp8 quantisations, the experts' fp8 padding "
+             "(TEGroupedMLP's Fp8Padding), and what its EP overlap hides; "
              "HBM: the predicted peak against the GPU's memory ('over' where above it).", "",
-             "| run | GPUs | layout | published | before | megatron | host, fp8 casts, EP "
-             "overlap | peak GiB / HBM |",
+             "| run | GPUs | layout | published | before | megatron | host, fp8 casts, fp8 "
+             "padding, EP overlap | peak GiB / HBM |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         name = f"{r['model']} {r['system']} {r['precision']}"
