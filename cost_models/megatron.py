@@ -21,6 +21,7 @@ from cost_models.volumes import CommKind
 from plans.enums import (
     CudaGraphs,
     Dispatch,
+    Fp8Recipe,
     Overlap,
     Precision,
     Recompute,
@@ -215,10 +216,13 @@ def moe_chunks(plan: Plan) -> int:
 EP_KINDS = (CommKind.ep_dispatch.value, CommKind.ep_combine.value)
 
 
-FP8_CAST_BYTES = 4
-"""Bytes per element of TransformerEngine's quantisation of a GEMM operand under fp8: read the
-bf16 tensor, write its fp8 copy row-wise and column-wise (the data and weight gradients read
-one each); weights are quantised once per step (``is_first_microbatch``), not counted."""
+FP8_CAST_BYTES = MappingProxyType({Fp8Recipe.mxfp8: 4, Fp8Recipe.tensorwise: 6})
+"""Bytes per element of TransformerEngine's quantisation of a GEMM operand under fp8, by
+recipe: read the bf16 tensor, write its fp8 copy row-wise and column-wise (the data and weight
+gradients read one each), 4; MXFP8 computes its block scales in that pass; per-tensor current
+scaling (tensorwise) first reads the bf16 tensor once more for its amax (TE's
+Float8CurrentScalingQuantizer: the amax, the scale from it, then the cast), 2 more. Weights
+are quantised once per step (``is_first_microbatch``), not counted."""
 
 
 def fp8_cast_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
@@ -242,14 +246,15 @@ def fp8_cast_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
         k, f = m.top_k, m.expert_ffn_hidden
         fwd, bwd = fwd + k * (m.hidden + f), bwd + k * (2 * f + m.hidden)
     tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
-    return tuple(fused_elementwise_s(tokens * e * FP8_CAST_BYTES, plan.cluster)
+    per = FP8_CAST_BYTES[plan.training.fp8_recipe]
+    return tuple(fused_elementwise_s(tokens * e * per, plan.cluster)
                  for e in (fwd, bwd))
 
 
-FP8_ALIGN_ROWS = 32
-"""Rows each expert's fp8 grouped GEMM input must be a multiple of: TransformerEngine's
-Fp8Padding aligns to 32 under MXFP8 and 16 under the other recipes (module/fp8_padding.py);
-the plan names no fp8 recipe, so the stricter."""
+FP8_ALIGN_ROWS = MappingProxyType({Fp8Recipe.mxfp8: 32, Fp8Recipe.tensorwise: 16})
+"""Rows each expert's fp8 grouped GEMM input must be a multiple of, by recipe:
+TransformerEngine's Fp8Padding aligns to 32 under MXFP8 and 16 under the other recipes
+(module/fp8_padding.py)."""
 FP8_PADDING_BYTES = 8
 """Bytes per routed row and hidden element of TEGroupedMLP's fp8 padding, each way: forward
 the rows padded and the experts' output unpadded, each a bf16 read and write (2 x 2 x 2);
@@ -273,7 +278,7 @@ def fp8_padded(plan: Plan, dense: bool = False) -> bool:
     m, d = plan.model, plan.degrees
     tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
     capacity = math.ceil(tokens * m.top_k / m.experts * cf)
-    return capacity * d.ep % FP8_ALIGN_ROWS != 0
+    return capacity * d.ep % FP8_ALIGN_ROWS[plan.training.fp8_recipe] != 0
 
 
 def fp8_padding_s(plan: Plan, dense: bool = False) -> tuple[float, float]:

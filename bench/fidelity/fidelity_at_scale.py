@@ -35,6 +35,7 @@ from plans import (
     CudaGraphs,
     Degrees,
     Dispatch,
+    Fp8Recipe,
     Kernels,
     Overlap,
     PipelineSchedule,
@@ -170,6 +171,13 @@ def cuda_graphs(scopes: list[str]) -> CudaGraphs:
     return CudaGraphs.attn_moe_router if "attn" in scopes else CudaGraphs.moe_router
 
 
+PRECISION = {"BF16": {"precision": Precision.bf16},
+             "FP8-CS": {"precision": Precision.fp8, "fp8_recipe": Fp8Recipe.tensorwise},
+             "FP8-MX": {"precision": Precision.fp8, "fp8_recipe": Fp8Recipe.mxfp8}}
+"""The performance summary's precisions: FP8-CS is TransformerEngine's per-tensor current
+scaling, FP8-MX its MXFP8 block scaling."""
+
+
 def row_plan(row: dict, target: Target = Target.megatron,
              capacity_factor: float | None = None) -> Plan:
     """The row's published layout with its recipe's settings (bench/data/...yaml), dropless
@@ -187,8 +195,7 @@ def row_plan(row: dict, target: Target = Target.megatron,
     return Plan(
         target=target, model=model, cluster=cluster_of(row),
         training=TrainingSpec(global_batch=row["gbs"], seq_len=row["seq_len"],
-                              precision=Precision.bf16 if row["precision"] == "BF16"
-                              else Precision.fp8),
+                              **PRECISION[row["precision"]]),
         degrees=Degrees(pp=row["pp"], vpp=vpp, dp=dp, tp=row["tp"], ep=row["ep"],
                         etp=row["etp"]),
         attention=TPAttention(),

@@ -50,9 +50,10 @@ def test_graphs_replay_their_scope_in_one_launch_and_fp8_adds_quantisations():
 
 
 def test_fp8_padding_copies_the_routed_rows_where_the_experts_rows_are_unaligned():
-    """TEGroupedMLP pads each expert's rows to a multiple of 32 under fp8 (TE's Fp8Padding,
-    a no-op when already aligned): dropless, 8 bytes per routed row and hidden element each
-    way at the fused kernels' rate; capacity-bound with aligned capacity x ep, nothing."""
+    """TEGroupedMLP pads each expert's rows to a multiple of 16 under fp8 current scaling,
+    32 under MXFP8 (TE's Fp8Padding, a no-op when already aligned): dropless, 8 bytes per
+    routed row and hidden element each way at the fused kernels' rate; capacity-bound with
+    aligned capacity x ep, nothing."""
     plan = qwen()
     c = plan.cluster
     rows = 4096 * 8  # micro-batch 1 x 4,096 tokens, top-8
@@ -61,8 +62,14 @@ def test_fp8_padding_copies_the_routed_rows_where_the_experts_rows_are_unaligned
     assert fwd == pytest.approx(want) and bwd == pytest.approx(want)
     # capacity 1.0: ceil(4096 x 8 / 128) = 256 rows per source rank, x ep 8 = 2048 = 64 x 32
     assert megatron.fp8_padding_s(qwen(ffn=EPFFN(capacity_factor=1.0))) == (0.0, 0.0)
-    # capacity 1.01: ceil(258.56) = 259, x 8 = 2072, not a multiple of 32: padded
+    # capacity 1.01: ceil(258.56) = 259, x 8 = 2072, not a multiple of 16: padded
     assert megatron.fp8_padded(qwen(ffn=EPFFN(capacity_factor=1.01)))
+    # capacity 258 / 256: 258 x 8 = 2064 = 129 x 16, not a multiple of 32: MXFP8 alone pads
+    cf = EPFFN(capacity_factor=258 / 256)
+    assert not megatron.fp8_padded(qwen(ffn=cf))
+    mx = TrainingSpec(global_batch=512, seq_len=4096, precision=Precision.fp8,
+                      fp8_recipe="mxfp8")
+    assert megatron.fp8_padded(qwen(ffn=cf, training=mx))
     bf16 = qwen(training=TrainingSpec(global_batch=512, seq_len=4096))
     assert megatron.fp8_padding_s(bf16) == (0.0, 0.0)
     assert megatron.fp8_padding_s(plan, dense=True) == (0.0, 0.0)
@@ -72,6 +79,21 @@ def test_fp8_padding_copies_the_routed_rows_where_the_experts_rows_are_unaligned
     timing = megatron.layer_timing(plan)
     assert timing.fwd_s == pytest.approx(raw.fwd_s + casts[0] + fwd)
     assert timing.bwd_s == pytest.approx(raw.bwd_s + casts[1] + bwd)
+
+
+def test_current_scaling_reads_each_operand_once_more_for_its_amax():
+    """fp8 casts: 4 bytes per element under MXFP8 (the block scales in the cast's pass), 6
+    under per-tensor current scaling (TE's amax pass over the bf16 operand first)."""
+    from plans import Fp8Recipe
+
+    def casts(recipe):
+        return megatron.fp8_cast_s(qwen(training=TrainingSpec(
+            global_batch=512, seq_len=4096, precision=Precision.fp8, fp8_recipe=recipe)))
+
+    mx, cs = casts(Fp8Recipe.mxfp8), casts(Fp8Recipe.tensorwise)
+    assert cs[0] == pytest.approx(1.5 * mx[0]) and cs[1] == pytest.approx(1.5 * mx[1])
+    with pytest.raises(ValueError, match="fp8_recipe mxfp8 needs precision fp8"):
+        TrainingSpec(precision=Precision.bf16, fp8_recipe=Fp8Recipe.mxfp8)
 
 
 def test_the_dropless_wait_includes_the_count_all_gather_over_the_ep_group():
