@@ -11,27 +11,40 @@ RoPE, fused attention, fused permutation and router, TE's GroupedLinear), not me
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
+from cost_models import comm
 from cost_models.layer import LayerTiming, layer_key, layer_timing_for
 from cost_models.volumes import CommKind
-from plans.enums import CudaGraphs, Overlap, Precision, Recompute, RecomputeModule, Target
+from plans.enums import (
+    CudaGraphs,
+    Dispatch,
+    Fp8Recipe,
+    Overlap,
+    Precision,
+    Recompute,
+    RecomputeModule,
+    Target,
+)
 from plans.layout import moe_chunks as layout_moe_chunks
+from plans.layout import tokens_per_rank
 from plans.operators import DEFAULT_MODULES
 from plans.plan import EPFFN, Degrees, Plan
 from plans.specs import ModelSpec
 
-HOST_US_PER_LAUNCH = 41.0
+HOST_US_PER_LAUNCH = 40.0
 """Host time of one kernel Megatron-Core launches from Python: PyTorch's dispatch of the
 operation, autograd's record of it, TransformerEngine's module logic around it and the
 launch. Fitted (one number) to the two published runs where the host binds alone, Qwen3-30B-A3B
 and Qwen3-235B-A22B on DGX-B200 at micro-batch 1 (Megatron-Bridge 25.11,
 bench/data/megatron_bridge_25_11.yaml; the value that gives them errors of equal size and
-opposite sign, -5% and +5%); held out: DeepSeek-V3 on DGX-B200 at micro-batch 1 and every
-other row (docs/fidelity_at_scale.md). Its floor, 17.6 us, is measured here: moeplan's own
-eager layer operators, one PyTorch op each, on H200 (``elementwise_launch_us``,
-bench/results/calibration_h200.json). Taken for every host (x86 DGX, Grace) alike."""
+opposite sign, -5% and +5%, with the experts' fp8 padding priced); held out: DeepSeek-V3
+on DGX-B200 at micro-batch 1 and every other row (docs/fidelity_at_scale.md). Its floor,
+17.6 us, is measured here: moeplan's own eager layer operators, one PyTorch op each, on H200
+(``elementwise_launch_us``, bench/results/calibration_h200.json). Taken for every host (x86
+DGX, Grace) alike."""
 D2H_SYNC_US = 10.0
 """A device-to-host wait: the copy of the split sizes and the host's wake-up before it
 launches again, the GPU idle meanwhile. A prior (the order of one launch and one small copy)."""
@@ -71,6 +84,10 @@ DENSE_FFN = Launches(6, 12)
 """A dense layer's MLP: fused norm + fc1, SwiGLU, fc2, the residual."""
 TP_COLLECTIVES = Launches(2, 2)
 """Under TP > 1, the sequence-parallel all-gather and reduce-scatter of the attention."""
+FP8_PADDING = Launches(3, 3)
+"""TEGroupedMLP's fp8 padding (``fp8_padded``): the routed rows and their routing weights
+padded (TE's Fp8Padding, once each) and the output unpadded (Fp8Unpadding); in backward the
+mirror copies of their gradients."""
 
 
 RERUN_LAUNCHES = {
@@ -108,8 +125,11 @@ class LayerLaunches:
 
 def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
     """Kernels one layer launches from the host per micro-batch, less what CUDA graphs
-    replay; full recomputation reruns the forward's in backward."""
+    replay; full recomputation reruns the forward's in backward. A layerwise graph
+    (``CudaGraphs.layer``) replays the whole layer as one launch each way."""
     g = plan.cuda_graphs
+    if g == CudaGraphs.layer:
+        return LayerLaunches(Launches(1, 1), NONE)
     before = (_graphed(ATTENTION, g == CudaGraphs.attn_moe_router)
               + (TP_COLLECTIVES if plan.degrees.tp > 1 else NONE) + _quantized(2, plan))
     after = NONE
@@ -123,7 +143,8 @@ def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
         if plan.model.shared_experts:
             before = before + DENSE_FFN + _quantized(2, plan)
         after = (DISPATCH_COMBINE + EXPERTS_FIXED + _quantized(2 * local, plan)
-                 + Launches(local * PER_EXPERT_GEMMS.fwd, local * PER_EXPERT_GEMMS.bwd))
+                 + Launches(local * PER_EXPERT_GEMMS.fwd, local * PER_EXPERT_GEMMS.bwd)
+                 + (FP8_PADDING if fp8_padded(plan) else NONE))
     if plan.recompute == Recompute.full:
         before = before + Launches(0, before.fwd)
         after = after + Launches(0, after.fwd)
@@ -177,7 +198,8 @@ def host_wait_s(plan: Plan, timing: LayerTiming, dense: bool = False) -> tuple[f
     if waits:
         d1 = min(timing.fwd_s, sum(timing.region_s[k] for k in AFTER_WAIT))
         d2 = timing.fwd_s - d1
-        fwd = max(max(h1, d1) + d2, h1 + h2) + waits * D2H_SYNC_US * 1e-6
+        fwd = (max(max(h1, d1) + d2, h1 + h2)
+               + waits * (D2H_SYNC_US * 1e-6 + count_gather_s(plan)))
     else:
         fwd = max(h1 + h2, timing.fwd_s)
     return fwd - timing.fwd_s, max(0.0, host_bwd - timing.bwd_s)
@@ -194,10 +216,13 @@ def moe_chunks(plan: Plan) -> int:
 EP_KINDS = (CommKind.ep_dispatch.value, CommKind.ep_combine.value)
 
 
-FP8_CAST_BYTES = 4
-"""Bytes per element of TransformerEngine's quantisation of a GEMM operand under fp8: read the
-bf16 tensor, write its fp8 copy row-wise and column-wise (the data and weight gradients read
-one each); weights are quantised once per step (``is_first_microbatch``), not counted."""
+FP8_CAST_BYTES = MappingProxyType({Fp8Recipe.mxfp8: 4, Fp8Recipe.tensorwise: 6})
+"""Bytes per element of TransformerEngine's quantisation of a GEMM operand under fp8, by
+recipe: read the bf16 tensor, write its fp8 copy row-wise and column-wise (the data and weight
+gradients read one each), 4; MXFP8 computes its block scales in that pass; per-tensor current
+scaling (tensorwise) first reads the bf16 tensor once more for its amax (TE's
+Float8CurrentScalingQuantizer: the amax, the scale from it, then the cast), 2 more. Weights
+are quantised once per step (``is_first_microbatch``), not counted."""
 
 
 def fp8_cast_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
@@ -209,7 +234,6 @@ def fp8_cast_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
     if plan.training.precision != Precision.fp8:
         return 0.0, 0.0
     from cost_models.compute import fused_elementwise_s
-    from plans.layout import tokens_per_rank
 
     m, d = plan.model, plan.degrees
     fwd = m.hidden + m.q_dim / d.tp
@@ -222,23 +246,90 @@ def fp8_cast_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
         k, f = m.top_k, m.expert_ffn_hidden
         fwd, bwd = fwd + k * (m.hidden + f), bwd + k * (2 * f + m.hidden)
     tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
-    return tuple(fused_elementwise_s(tokens * e * FP8_CAST_BYTES, plan.cluster)
+    per = FP8_CAST_BYTES[plan.training.fp8_recipe]
+    return tuple(fused_elementwise_s(tokens * e * per, plan.cluster)
                  for e in (fwd, bwd))
 
 
+FP8_ALIGN_ROWS = MappingProxyType({Fp8Recipe.mxfp8: 32, Fp8Recipe.tensorwise: 16})
+"""Rows each expert's fp8 grouped GEMM input must be a multiple of, by recipe:
+TransformerEngine's Fp8Padding aligns to 32 under MXFP8 and 16 under the other recipes
+(module/fp8_padding.py)."""
+FP8_PADDING_BYTES = 8
+"""Bytes per routed row and hidden element of TEGroupedMLP's fp8 padding, each way: forward
+the rows padded and the experts' output unpadded, each a bf16 read and write (2 x 2 x 2);
+backward the same two copies of their gradients."""
+
+
+def fp8_padded(plan: Plan, dense: bool = False) -> bool:
+    """Whether TEGroupedMLP pads its experts' rows: under fp8 it passes them through TE's
+    Fp8Padding and its output through Fp8Unpadding (moe/experts.py, Megatron-Core 0.15.3;
+    the recipes leave ``moe_router_padding_for_fp8`` off), which copy nothing when every
+    expert's rows are already a multiple of ``FP8_ALIGN_ROWS`` ("no padding needed",
+    TransformerEngine's fp8_padding.py). Dropless, the rows per expert change every
+    micro-batch: taken as unaligned (all local experts aligned at once is chance).
+    Capacity-bound and padded, each local expert gets capacity x ep rows, the capacity
+    ceil(tokens x top_k / experts x capacity factor) per source rank (moe_utils.get_capacity)."""
+    if dense or plan.training.precision != Precision.fp8 or not isinstance(plan.ffn, EPFFN):
+        return False
+    cf = plan.ffn.capacity_factor
+    if cf is None:
+        return True
+    m, d = plan.model, plan.degrees
+    tokens = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len, d.attention_group)
+    capacity = math.ceil(tokens * m.top_k / m.experts * cf)
+    return capacity * d.ep % FP8_ALIGN_ROWS[plan.training.fp8_recipe] != 0
+
+
+def fp8_padding_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
+    """Device seconds of TEGroupedMLP's fp8 padding copies per micro-batch, forward and
+    backward (``fp8_padded``; 0 where it copies nothing): ``FP8_PADDING_BYTES`` per routed
+    row (tokens x top_k of this rank) and hidden element each way, at the fused kernels'
+    rate."""
+    if not fp8_padded(plan, dense):
+        return 0.0, 0.0
+    from cost_models.compute import fused_elementwise_s
+
+    m, d = plan.model, plan.degrees
+    rows = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len,
+                           d.attention_group) * m.top_k
+    s = fused_elementwise_s(rows * m.hidden * FP8_PADDING_BYTES, plan.cluster)
+    return s, s
+
+
+COUNT_BYTES = 8
+"""Bytes of one expert's token count as the dispatcher gathers it (int64)."""
+
+
+def count_gather_s(plan: Plan) -> float:
+    """The alltoall dispatcher's all-gather of every rank's tokens per expert over the EP
+    (x expert-TP) group, before its host reads the split sizes (``preprocess``:
+    ``gather_from_sequence_parallel_region``, Megatron-Core 0.15.3
+    moe/token_dispatcher.py): experts x COUNT_BYTES a rank, a latency-bound collective
+    every dropless MoE layer's forward waits for. The flex dispatchers exchange their
+    counts inside their own kernels (not priced here)."""
+    if not isinstance(plan.ffn, EPFFN) or plan.ffn.dispatch != Dispatch.all_to_all:
+        return 0.0
+    d = plan.degrees
+    group = d.ep * d.etp
+    layout = comm.group_layout(group, 1, plan.cluster.node.gpus_per_node)
+    return comm.all_gather_s(group * plan.model.experts * COUNT_BYTES, layout, plan.cluster)
+
+
 def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
-    """One layer's device time as Megatron-Core schedules it, its fp8 quantisations
-    included (``fp8_cast_s``): its communication blocks
+    """One layer's device time as Megatron-Core schedules it, its fp8 quantisations and
+    padding included (``fp8_cast_s``, ``fp8_padding_s``): its communication blocks
     (overlap none), except under its EP overlap (overlap inter_op:
     ``--overlap-moe-expert-parallel-comm``), which runs one micro-batch's forward beside
     another's backward so that each one's dispatch and combine all-to-alls run beside the
     other's compute: a share ``efficiency.overlap`` of them is hidden, at most the layer's
     compute."""
     timing = layer_timing_for(layer_key(plan, dense), Overlap.none)
-    cast_fwd, cast_bwd = fp8_cast_s(plan, dense)
-    if cast_fwd or cast_bwd:
-        timing = replace(timing, fwd_s=timing.fwd_s + cast_fwd, bwd_s=timing.bwd_s + cast_bwd,
-                         compute_s=timing.compute_s + cast_fwd + cast_bwd)
+    casts, pads = fp8_cast_s(plan, dense), fp8_padding_s(plan, dense)
+    fp8_fwd, fp8_bwd = casts[0] + pads[0], casts[1] + pads[1]
+    if fp8_fwd or fp8_bwd:
+        timing = replace(timing, fwd_s=timing.fwd_s + fp8_fwd, bwd_s=timing.bwd_s + fp8_bwd,
+                         compute_s=timing.compute_s + fp8_fwd + fp8_bwd)
     if plan.overlap != Overlap.inter_op:
         return timing
     exposed = dict(timing.exposed_comm_s)

@@ -269,7 +269,7 @@ def megatron_step_args(plan: Plan) -> list[str]:
         args += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
                  "--exp-avg-sq-dtype", "bf16"]
     if t.precision == Precision.fp8:
-        args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", t.fp8_recipe.value]
     # the gradient reduce only: the plan's ZeRO-1 parameter all-gather follows the optimizer
     # step, exposed (cost_models.grad_sync.exposed_grad_sync_s), so --overlap-param-gather,
     # which hides it behind the next forward, is not the plan

@@ -18,6 +18,17 @@ class Precision(StrEnum):
         return {"fp32": 4, "bf16": 2, "fp8": 1}[self.value]
 
 
+class Fp8Recipe(StrEnum):
+    """How fp8 GEMM operands are scaled (TransformerEngine's recipes, Megatron's
+    ``--fp8-recipe``); read only under precision fp8."""
+
+    tensorwise = "tensorwise"
+    """Per-tensor current scaling (TE's Float8CurrentScaling): each operand's amax is taken
+    before its cast, a pass of its own over the bf16 tensor."""
+    mxfp8 = "mxfp8"
+    """MXFP8 (Blackwell): a scale per 32 elements, computed in the cast's own pass."""
+
+
 class Overlap(StrEnum):
     """Communication-computation overlap inside a layer (paper Sec. 4), from the weakest to
     the strongest."""
@@ -159,6 +170,10 @@ class CudaGraphs(StrEnum):
     """The MoE router and the dispatcher's preprocessing (scopes moe_router, moe_preprocess)."""
     attn_moe_router = "attn_moe_router"
     """Those and the attention block (scopes attn, moe_router, moe_preprocess)."""
+    layer = "layer"
+    """Each whole TransformerLayer, its MoE block included (``--cuda-graph-impl local``, its
+    default layerwise scope; Megatron-Bridge's ``enable_cuda_graph``): a graph needs static
+    shapes, so a MoE layer must be capacity-bound (``ffn.capacity_factor``)."""
 
 
 class Target(StrEnum):

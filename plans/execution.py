@@ -154,7 +154,7 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("target", "moeplan", Support.executed),
     Capability("cuda_graphs", "none", Support.executed),
     *(Capability("cuda_graphs", v, Support.refused, "moeplan's runtime captures no CUDA graphs")
-      for v in ("moe_router", "attn_moe_router")),
+      for v in ("moe_router", "attn_moe_router", "layer")),
     Capability("target", "megatron", Support.refused,
                "the plan is for Megatron-Core: launch it with `moeplan export --to megatron`"),
     # the job: the model and batch are built as written; the cluster is the launch's
@@ -228,6 +228,8 @@ MOEPLAN: tuple[Capability, ...] = (
                (Backend.cpu_gloo,)),
     Capability("training.precision", "fp32", Support.refused,
                "training is mixed precision (bf16 or fp8)"),
+    *_executed("training.fp8_recipe", ANY, reason="read only under fp8, whose GEMMs run in bf16 "
+               "here (training.precision)"),
     # the layout
     *_executed("degrees", ANY, reason="pp, vpp, dp, sp, tp, ep, etp; cp only with cp attention"),
     *_executed("stage_layers", ANY),
@@ -413,10 +415,14 @@ MEGATRON: tuple[Capability, ...] = (
               "decay) on fp32 masters"),
     _megatron("training.optimizer", "sgd", reason="--optimizer sgd --sgd-momentum 0"),
     _megatron("training.precision", "bf16", reason="--bf16"),
-    _megatron("training.precision", "fp8", reason="--bf16 --fp8-format hybrid --fp8-recipe "
-              "tensorwise: TransformerEngine's fp8 GEMMs"),
+    _megatron("training.precision", "fp8", reason="--bf16 --fp8-format hybrid: "
+              "TransformerEngine's fp8 GEMMs, scaled as training.fp8_recipe says"),
     _megatron("training.precision", "fp32", Support.refused,
               "training is mixed precision (bf16 or fp8)"),
+    _megatron("training.fp8_recipe", "tensorwise", reason="--fp8-recipe tensorwise: "
+              "TransformerEngine's per-tensor current scaling"),
+    _megatron("training.fp8_recipe", "mxfp8", reason="--fp8-recipe mxfp8: TransformerEngine's "
+              "MXFP8 block scaling (Blackwell GPUs)"),
     _megatron("degrees", ANY, reason="--tensor-model-parallel-size, "
               "--pipeline-model-parallel-size, --context-parallel-size (cp, or sp as a2a CP), "
               "--expert-model-parallel-size, --expert-tensor-parallel-size; vpp by the layout"),
@@ -601,6 +607,8 @@ TORCHTITAN: tuple[Capability, ...] = (
                 "(e.g. deepseek_v3_671b_float8), not an argument of this job"),
     _torchtitan("training.precision", "fp32", Support.refused,
                 "training is mixed precision (bf16 or fp8)"),
+    _torchtitan("training.fp8_recipe", ANY, reason="read only under fp8, which this export "
+                "refuses (training.precision)"),
     _torchtitan("degrees", ANY, reason="--parallelism.data_parallel_shard_degree (zero1) or "
                 "data_parallel_replicate_degree (none), tensor_parallel_degree, "
                 "context_parallel_degree, pipeline_parallel_degree, expert_parallel_degree",

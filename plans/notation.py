@@ -7,7 +7,7 @@ Grammar: tokens separated by spaces, in any order, each at most once.
     layout   ppN  vppN  dpN  (spN | tpN | cpN)  (epN [a2a | ag+rs] [cfX] | etpN)  mbsN
     options  (1f1b | i1f1b)  ov:(none | inter | inter+intra)  rc:(none | sel | full)
              sync:(fp32 | bf16 | fp8)  sync-after-bwd  no-gaf  ce:(chunked | materialized)
-             k:(eager | fused)  os:(none | zero1)  cg:(none | moe_router | attn_moe_router)
+             k:(eager | fused)  os:(none | zero1)  cg:(none | moe_router | attn_moe_router | layer)
              t:(moeplan | megatron)
 
 A part left out takes the Plan's default (pp, vpp, sp, ep, mbs 1; EP with all-to-all;

@@ -299,6 +299,11 @@ class Plan(Frozen):
             )
         problems += _attention_problems(self.attention, d, m, t)
         problems += _ffn_problems(self.ffn, d, m)
+        if (self.cuda_graphs == CudaGraphs.layer and isinstance(self.ffn, EPFFN)
+                and self.ffn.capacity_factor is None):
+            problems.append("cuda_graphs: layer graphs whole layers, whose shapes must be "
+                            "static; a dropless MoE layer's change every micro-batch (set "
+                            "ffn.capacity_factor)")
         if len(self.stage_layers) != d.stages:
             problems.append(
                 f"stage_layers: {len(self.stage_layers)} entries, need pp x vpp = "

@@ -19,7 +19,15 @@ from pydantic import (
     model_validator,
 )
 
-from plans.enums import Dispatch, Kernels, LinearBias, Precision, RouterScore, WindowKind
+from plans.enums import (
+    Dispatch,
+    Fp8Recipe,
+    Kernels,
+    LinearBias,
+    Precision,
+    RouterScore,
+    WindowKind,
+)
 
 
 class Frozen(BaseModel):
@@ -741,6 +749,8 @@ class TrainingSpec(Frozen):
     """Tokens per sequence."""
     precision: Precision = Precision.bf16
     """Compute precision of GEMMs (bf16, or fp8 with bf16 elsewhere)."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise
+    """How fp8 GEMM operands are scaled; a recipe other than the default needs precision fp8."""
     optimizer: Optimizer = Optimizer.adam
     routing_skew: float = Field(1.0, ge=1, le=MAX_EXPERTS)
     """Expert load imbalance of the trained router beyond sampling: max / mean routed tokens
@@ -753,6 +763,9 @@ class TrainingSpec(Frozen):
     def _check(self) -> TrainingSpec:
         if self.precision == Precision.fp32:
             raise ValueError("precision must be bf16 or fp8 (mixed precision); got fp32")
+        if self.fp8_recipe != Fp8Recipe.tensorwise and self.precision != Precision.fp8:
+            raise ValueError(f"fp8_recipe {self.fp8_recipe.value} needs precision fp8; got "
+                             f"{self.precision.value}")
         return self
 
     @property

@@ -35,6 +35,7 @@ from plans import (
     CudaGraphs,
     Degrees,
     Dispatch,
+    Fp8Recipe,
     Kernels,
     Overlap,
     PipelineSchedule,
@@ -165,11 +166,22 @@ def layout_layers(layout: str, model, chunks: int) -> tuple[int, ...]:
 def cuda_graphs(scopes: list[str]) -> CudaGraphs:
     if not scopes:
         return CudaGraphs.none
+    if "layer" in scopes:
+        return CudaGraphs.layer
     return CudaGraphs.attn_moe_router if "attn" in scopes else CudaGraphs.moe_router
 
 
-def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
-    """The row's published layout with its recipe's settings (bench/data/...yaml)."""
+PRECISION = {"BF16": {"precision": Precision.bf16},
+             "FP8-CS": {"precision": Precision.fp8, "fp8_recipe": Fp8Recipe.tensorwise},
+             "FP8-MX": {"precision": Precision.fp8, "fp8_recipe": Fp8Recipe.mxfp8}}
+"""The performance summary's precisions: FP8-CS is TransformerEngine's per-tensor current
+scaling, FP8-MX its MXFP8 block scaling."""
+
+
+def row_plan(row: dict, target: Target = Target.megatron,
+             capacity_factor: float | None = None) -> Plan:
+    """The row's published layout with its recipe's settings (bench/data/...yaml), dropless
+    unless a ``capacity_factor`` is given."""
     model = catalog.load_model(row["model"])
     if not row.get("mtp", True):  # the row's "w/o MTP"
         model = model.model_copy(update={"mtp_layers": 0})
@@ -183,13 +195,13 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
     return Plan(
         target=target, model=model, cluster=cluster_of(row),
         training=TrainingSpec(global_batch=row["gbs"], seq_len=row["seq_len"],
-                              precision=Precision.bf16 if row["precision"] == "BF16"
-                              else Precision.fp8),
+                              **PRECISION[row["precision"]]),
         degrees=Degrees(pp=row["pp"], vpp=vpp, dp=dp, tp=row["tp"], ep=row["ep"],
                         etp=row["etp"]),
-        attention=TPAttention(), ffn=EPFFN(dispatch=DISPATCH[recipe["dispatcher"]]),
+        attention=TPAttention(),
+        ffn=EPFFN(dispatch=DISPATCH[recipe["dispatcher"]], capacity_factor=capacity_factor),
         stage_layers=stages,
-        micro_batch_size=row["mbs"],
+        micro_batch_size=recipe.get("priced_mbs", row["mbs"]),
         schedule=(PipelineSchedule.interleaved_1f1b if vpp > 1
                   else PipelineSchedule.one_f_one_b),
         overlap=Overlap.inter_op if recipe["moe_a2a_overlap"] else Overlap.none,
@@ -202,15 +214,62 @@ def row_plan(row: dict, target: Target = Target.megatron) -> Plan:
         else CudaGraphs.none)
 
 
+TOKENDROP_CAPACITY = 1.0
+"""Megatron-Bridge v0.1.0rc4's apply_moe_token_drop (the 25.09 runs): capacity factor 1.0,
+every expert's input padded to its capacity (moe_pad_expert_input_to_capacity), the alltoall
+dispatcher (the function asserts it)."""
+
+
+def tokendrop_plan(row: dict) -> Plan:
+    """The row's layout as its 25.09 token-dropping run ran it: capacity-bound experts (static
+    shapes: no split-size wait) behind the alltoall dispatcher, with that run's own CUDA
+    graphs, virtual stages and EP overlap (``tokendrop_25_09`` in the data file), the 25.11
+    recipe otherwise."""
+    twin = row["tokendrop_25_09"]
+    recipe = {**row["recipe"], "dispatcher": "alltoall",
+              "cuda_graph_scope": twin["cuda_graph_scope"],
+              "moe_a2a_overlap": twin["moe_a2a_overlap"]}
+    return row_plan({**row, "vp": twin["vp"], "recipe": recipe},
+                    capacity_factor=TOKENDROP_CAPACITY)
+
+
+def tokendrop_pairs(rows: list[dict]) -> list[dict]:
+    """Rows whose layout also ran token-dropping in 25.09 (``tokendrop_25_09``): each run's
+    error, the same without the host's term (the device alone: what a host that keeps ahead
+    would leave), and the dropless / token-dropping throughput ratio published against
+    predicted. Held out: nothing is fitted to them."""
+    out = []
+    for row in rows:
+        if "tokendrop_25_09" not in row:
+            continue
+        published = row["tokendrop_25_09"]["tokens_s_gpu"]
+        drop = _priced(tokendrop_plan(row), published)
+        dropless = _priced(row_plan(row), row["tokens_s_gpu"])
+        device = drop["tokens_s_gpu"] * drop["step_s"] / (drop["step_s"]
+                                                          - drop["terms_s"]["host"])
+        out.append({"id": row["id"], "published_tokendrop": published,
+                    "predicted_tokendrop": drop["tokens_s_gpu"], "error": drop["error"],
+                    "predicted_tokendrop_device": device,
+                    "device_error": device / published - 1,
+                    "published_dropless": row["tokens_s_gpu"],
+                    "predicted_dropless": dropless["tokens_s_gpu"],
+                    "published_ratio": row["tokens_s_gpu"] / published,
+                    "predicted_ratio": dropless["tokens_s_gpu"] / drop["tokens_s_gpu"]})
+    return out
+
+
 def _terms_s(plan: Plan, e: cost_models.Evaluation) -> dict[str, float]:
     """What each Megatron-Core term adds to the step (busiest stage, seconds): the host's
-    launches and waits, the fp8 quantisations, and what its EP overlap hides (negative)."""
+    launches and waits, the fp8 quantisations, the experts' fp8 padding, and what its EP
+    overlap hides (negative)."""
     layers = max(sum(plan.stage_layers[i::plan.degrees.pp]) for i in range(plan.degrees.pp))
     casts = sum(megatron.fp8_cast_s(plan)) * layers * plan.num_micro_batches
+    padding = sum(megatron.fp8_padding_s(plan)) * layers * plan.num_micro_batches
     blocking = plan.model_copy(update={"overlap": Overlap.none})
     overlap = (e.step_time_s - cost_models.evaluate(blocking).step_time_s
                if plan.overlap == Overlap.inter_op else 0.0)
-    return {"host": e.breakdown_s["host"], "fp8_casts": casts, "ep_overlap": overlap}
+    return {"host": e.breakdown_s["host"], "fp8_casts": casts, "fp8_padding": padding,
+            "ep_overlap": overlap}
 
 
 def _priced(plan: Plan, published: float) -> dict:
@@ -326,6 +385,7 @@ def results() -> dict:
             "summary": {"megatron": summary(rows, "megatron"),
                         "moeplan": summary(rows, "moeplan"),
                         "megatron_held_out": summary(rows, "megatron", held_out=True)},
+            "tokendrop_25_09": tokendrop_pairs(yaml.safe_load(DATA.read_text())["rows"]),
             "megascale_table_3": megascale(at_scale)}
 
 
@@ -335,7 +395,8 @@ def _pct(x: float) -> str:
 
 def _shares(priced: dict) -> str:
     t, step = priced["terms_s"], priced["step_s"]
-    return ", ".join(f"{t[k] / step:+.0%}" for k in ("host", "fp8_casts", "ep_overlap"))
+    return ", ".join(f"{t[k] / step:+.0%}" for k in ("host", "fp8_casts", "fp8_padding",
+                                                          "ep_overlap"))
 
 
 def document(doc: dict) -> str:
@@ -345,12 +406,13 @@ def document(doc: dict) -> str:
              "sources: "
              "`bench/data/megatron_bridge_25_11.yaml`). Tokens/s per GPU; `before` prices the "
              "same plan as moeplan's runtime would run it (target moeplan), `megatron` as "
-             "Megatron-Core runs it (target megatron: cost_models.megatron); then what three of "
+             "Megatron-Core runs it (target megatron: cost_models.megatron); then what four of "
              "its terms add to the step, as shares of it: the GPU's wait on its host's "
-             "launches, TransformerEngine's fp8 quantisations, and what its EP overlap hides; "
+             "launches, TransformerEngine's fp8 quantisations, the experts' fp8 padding "
+             "(TEGroupedMLP's Fp8Padding), and what its EP overlap hides; "
              "HBM: the predicted peak against the GPU's memory ('over' where above it).", "",
-             "| run | GPUs | layout | published | before | megatron | host, fp8 casts, EP "
-             "overlap | peak GiB / HBM |",
+             "| run | GPUs | layout | published | before | megatron | host, fp8 casts, fp8 "
+             "padding, EP overlap | peak GiB / HBM |",
              "|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         name = f"{r['model']} {r['system']} {r['precision']}"
@@ -389,6 +451,18 @@ def document(doc: dict) -> str:
         before = b["rank_correlation_by_model"][model]
         if rho is not None:
             lines.append(f"| rank correlation, {model} | {before:+.2f} | {rho:+.2f} | | +1 |")
+    lines += ["", "Held out: the same layouts' token-dropping runs of the 25.09 container "
+              "(`tokendrop_25_09` in the data file: capacity factor 1.0, padded, alltoall), and "
+              "what dropless routing costs, published against predicted (dropless / "
+              "token-dropping tokens/s); `device alone` prices the twin without the host's "
+              "term.", "",
+              "| run | 25.09 token-dropping | predicted | device alone | dropless / dropping, "
+              "published | predicted |", "|---|---|---|---|---|---|"]
+    for r in doc["tokendrop_25_09"]:
+        lines.append(f"| {r['id']} | {r['published_tokendrop']:,.0f} | "
+                     f"{r['predicted_tokendrop']:,.0f} ({_pct(r['error'])}) | "
+                     f"{r['predicted_tokendrop_device']:,.0f} ({_pct(r['device_error'])}) | "
+                     f"{r['published_ratio']:.2f} | {r['predicted_ratio']:.2f} |")
     lines += ["", "MegaScale-MoE Table 3 (target moeplan, bench/search/at_scale.py's plans): "
               "iteration time and the speedup over Megatron-LM's TP-in-node layout.", "",
               "| GPUs | published s | predicted s | error | speedup published | predicted |",

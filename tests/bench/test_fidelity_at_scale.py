@@ -95,3 +95,84 @@ def test_the_host_launch_time_is_the_fit_to_the_host_bound_rows(fresh):
     assert min(errors) < 0 < max(errors)
     assert max(map(abs, errors)) < 0.10
     assert rows["qwen3-30b-b200-fp8mx"]["mbs"] == rows["qwen3-235b-b200-fp8mx"]["mbs"] == 1
+
+
+def _rows(bench) -> dict:
+    import yaml
+
+    return {r["id"]: r for r in yaml.safe_load(bench.DATA.read_text())["rows"]}
+
+
+def test_a_row_whose_published_batch_contradicts_its_layout_is_priced_at_its_recipes(bench):
+    """GPT-OSS-120B on DGX-H100: the published MBS 4 and GA 2 cannot both hold at pp4 dp16
+    (512 / (4 x 16) = 8 micro-batches); the recipe's micro_batch_size 1 is priced, the global
+    batch kept: 512 / (1 x 16) = 32 micro-batches."""
+    row = _rows(bench)["gpt-oss-120b-h100-bf16"]
+    dp = row["gpus"] // (row["pp"] * row["tp"] * row["cp"])
+    assert row["gbs"] / (row["mbs"] * dp) != row["ga"]
+    plan = bench.row_plan(row)
+    assert plan.micro_batch_size == row["recipe"]["priced_mbs"] == 1
+    assert plan.training.global_batch == 512 and plan.num_micro_batches == 32
+
+
+def test_every_other_row_prices_its_published_micro_batch(bench):
+    for key, row in _rows(bench).items():
+        if "priced_mbs" not in row["recipe"]:
+            assert bench.row_plan(row).micro_batch_size == row["mbs"], key
+
+
+def test_a_token_dropping_twin_is_capacity_bound_and_waits_for_no_split_sizes(bench):
+    """apply_moe_token_drop (Megatron-Bridge v0.1.0rc4): capacity factor 1.0, padded, alltoall;
+    so Megatron-Core's dispatcher never reads the split sizes on the host, where the dropless
+    row waits once per MoE layer and micro-batch."""
+    from cost_models import megatron
+    from plans import Dispatch
+
+    row = _rows(bench)["qwen3-30b-gb200-fp8mx"]  # flex (HybridEP) when dropless
+    drop, dropless = bench.tokendrop_plan(row), bench.row_plan(row)
+    assert drop.ffn.capacity_factor == 1.0 and drop.ffn.dispatch == Dispatch.all_to_all
+    assert megatron.syncs(drop) == 0 and megatron.syncs(dropless) == 1
+    assert drop.degrees == dropless.degrees and drop.micro_batch_size == dropless.micro_batch_size
+
+
+def test_a_token_dropping_twin_runs_its_own_releases_settings(bench):
+    """Megatron-Bridge v0.1.0rc4's perf matrix: whole-layer CUDA graphs (enable_cuda_graph) on
+    B200 / GB200 for Qwen3-30B-A3B, vp 12 on H100, no EP overlap for any Qwen3 run."""
+    from cost_models import megatron
+    from plans import CudaGraphs, Overlap
+
+    rows = _rows(bench)
+    b200 = bench.tokendrop_plan(rows["qwen3-30b-b200-fp8mx"])
+    assert b200.cuda_graphs == CudaGraphs.layer
+    assert megatron.launches(b200).before_wait == megatron.Launches(1, 1)
+    assert megatron.launches(b200).after_wait == megatron.NONE
+    h100 = bench.tokendrop_plan(rows["qwen3-30b-h100-fp8cs"])
+    assert h100.degrees.vpp == 12 and bench.row_plan(rows["qwen3-30b-h100-fp8cs"]).degrees.vpp == 24
+    assert h100.cuda_graphs == CudaGraphs.none
+    for row in rows.values():
+        if "tokendrop_25_09" in row:
+            assert bench.tokendrop_plan(row).overlap == Overlap.none
+
+
+def test_a_dropless_moe_layer_cannot_be_graphed_whole(bench):
+    import pydantic
+    import pytest
+
+    from plans import CudaGraphs
+
+    plan = bench.row_plan(_rows(bench)["qwen3-30b-b200-fp8mx"])
+    with pytest.raises(pydantic.ValidationError, match="cuda_graphs: layer"):
+        plan.model_validate({**plan.model_dump(), "cuda_graphs": CudaGraphs.layer})
+
+
+def test_the_token_dropping_pairs_compare_like_with_like(fresh):
+    pairs = fresh["tokendrop_25_09"]
+    assert len(pairs) == 5
+    rows = {r["id"]: r for r in fresh["rows"]}
+    for p in pairs:
+        assert p["published_dropless"] == rows[p["id"]]["tokens_s_gpu"]
+        assert p["predicted_dropless"] == rows[p["id"]]["megatron"]["tokens_s_gpu"]
+        assert p["published_ratio"] == p["published_dropless"] / p["published_tokendrop"]
+        assert abs(p["error"] - (p["predicted_tokendrop"] / p["published_tokendrop"] - 1)) < 1e-12
+        # without the host's term the step can only shorten
+        assert p["predicted_tokendrop_device"] >= p["predicted_tokendrop"]

@@ -44,7 +44,83 @@ def test_graphs_replay_their_scope_in_one_launch_and_fp8_adds_quantisations():
     assert plain.before_wait.fwd - graphed.before_wait.fwd == saved
     bf16 = megatron.launches(qwen(training=TrainingSpec(global_batch=512, seq_len=4096)))
     local = 128 // 8
-    assert graphed.after_wait.fwd - bf16.after_wait.fwd == 2 * local  # fc1 and fc2 per expert
+    # fc1 and fc2 quantised per expert, and the experts' fp8 padding (dropless)
+    assert (graphed.after_wait.fwd - bf16.after_wait.fwd
+            == 2 * local + megatron.FP8_PADDING.fwd)
+
+
+def test_fp8_padding_copies_the_routed_rows_where_the_experts_rows_are_unaligned():
+    """TEGroupedMLP pads each expert's rows to a multiple of 16 under fp8 current scaling,
+    32 under MXFP8 (TE's Fp8Padding, a no-op when already aligned): dropless, 8 bytes per
+    routed row and hidden element each way at the fused kernels' rate; capacity-bound with
+    aligned capacity x ep, nothing."""
+    plan = qwen()
+    c = plan.cluster
+    rows = 4096 * 8  # micro-batch 1 x 4,096 tokens, top-8
+    want = rows * 2048 * 8 / (c.gpu.hbm_tb_s * 1e12 * c.efficiency.fused_elementwise)
+    fwd, bwd = megatron.fp8_padding_s(plan)
+    assert fwd == pytest.approx(want) and bwd == pytest.approx(want)
+    # capacity 1.0: ceil(4096 x 8 / 128) = 256 rows per source rank, x ep 8 = 2048 = 64 x 32
+    assert megatron.fp8_padding_s(qwen(ffn=EPFFN(capacity_factor=1.0))) == (0.0, 0.0)
+    # capacity 1.01: ceil(258.56) = 259, x 8 = 2072, not a multiple of 16: padded
+    assert megatron.fp8_padded(qwen(ffn=EPFFN(capacity_factor=1.01)))
+    # capacity 258 / 256: 258 x 8 = 2064 = 129 x 16, not a multiple of 32: MXFP8 alone pads
+    cf = EPFFN(capacity_factor=258 / 256)
+    assert not megatron.fp8_padded(qwen(ffn=cf))
+    mx = TrainingSpec(global_batch=512, seq_len=4096, precision=Precision.fp8,
+                      fp8_recipe="mxfp8")
+    assert megatron.fp8_padded(qwen(ffn=cf, training=mx))
+    bf16 = qwen(training=TrainingSpec(global_batch=512, seq_len=4096))
+    assert megatron.fp8_padding_s(bf16) == (0.0, 0.0)
+    assert megatron.fp8_padding_s(plan, dense=True) == (0.0, 0.0)
+    from cost_models.layer import layer_key, layer_timing_for
+
+    raw, casts = layer_timing_for(layer_key(plan), Overlap.none), megatron.fp8_cast_s(plan)
+    timing = megatron.layer_timing(plan)
+    assert timing.fwd_s == pytest.approx(raw.fwd_s + casts[0] + fwd)
+    assert timing.bwd_s == pytest.approx(raw.bwd_s + casts[1] + bwd)
+
+
+def test_current_scaling_reads_each_operand_once_more_for_its_amax():
+    """fp8 casts: 4 bytes per element under MXFP8 (the block scales in the cast's pass), 6
+    under per-tensor current scaling (TE's amax pass over the bf16 operand first)."""
+    from plans import Fp8Recipe
+
+    def casts(recipe):
+        return megatron.fp8_cast_s(qwen(training=TrainingSpec(
+            global_batch=512, seq_len=4096, precision=Precision.fp8, fp8_recipe=recipe)))
+
+    mx, cs = casts(Fp8Recipe.mxfp8), casts(Fp8Recipe.tensorwise)
+    assert cs[0] == pytest.approx(1.5 * mx[0]) and cs[1] == pytest.approx(1.5 * mx[1])
+    with pytest.raises(ValueError, match="fp8_recipe mxfp8 needs precision fp8"):
+        TrainingSpec(precision=Precision.bf16, fp8_recipe=Fp8Recipe.mxfp8)
+
+
+def test_the_dropless_wait_includes_the_count_all_gather_over_the_ep_group():
+    """The alltoall dispatcher gathers every rank's tokens per expert (int64, 128 experts)
+    over EP 8 inside one node before its host reads them: one NVLink ring all-gather of
+    8 x 128 x 8 bytes, latency-bound; the flex dispatchers' own kernels exchange theirs."""
+    from cost_models import comm
+    from plans import Dispatch
+
+    plan = qwen()
+    c = plan.cluster
+    full = 8 * 128 * 8
+    want = (c.node.nvlink_latency_us * 1e-6
+            + 7 / 8 * full / (c.node.nvlink_gb_s * 1e9 * c.efficiency.nvlink))
+    assert megatron.count_gather_s(plan) == pytest.approx(want)
+    assert megatron.count_gather_s(plan) == pytest.approx(
+        comm.all_gather_s(full, comm.GroupLayout(8, 8, 1), c))
+    assert megatron.count_gather_s(qwen(ffn=EPFFN(dispatch=Dispatch.deepep))) == 0.0
+    fwd, _ = megatron.host_wait_s(plan, megatron.layer_timing(plan))
+    assert fwd >= megatron.count_gather_s(plan) + megatron.D2H_SYNC_US * 1e-6
+
+
+def test_a_layerwise_graph_replays_the_whole_layer_in_one_launch():
+    plan = qwen(ffn=EPFFN(capacity_factor=1.0), cuda_graphs=CudaGraphs.layer)
+    n = megatron.launches(plan)
+    assert n.before_wait == megatron.Launches(1, 1) and n.after_wait == megatron.NONE
+    assert megatron.syncs(plan) == 0
 
 
 def test_the_host_binds_at_small_micro_batches_and_stops_binding_at_large_ones():

@@ -197,7 +197,10 @@ def test_the_checker_catches_a_wrong_layout():
 def test_megatron_uneven_and_precision():
     parsed = parse_megatron(megatron_args(PLANS["uneven"])[0])
     assert parsed["--pipeline-model-parallel-layout"] == "Et*9|t*8|t*8|t*7L"
-    assert parsed["--fp8-format"] == "hybrid"
+    assert parsed["--fp8-format"] == "hybrid" and parsed["--fp8-recipe"] == "tensorwise"
+    mx = PLANS["uneven"].model_copy(update={"training": TrainingSpec(
+        global_batch=256, seq_len=4096, precision="fp8", fp8_recipe="mxfp8")})
+    assert parse_megatron(megatron_args(mx)[0])["--fp8-recipe"] == "mxfp8"
     interleaved = PLANS["interleaved"].model_copy(update={"stage_layers": (5, 4, 4, 4, 4, 4, 4, 3)})
     layout = parse_megatron(megatron_args(interleaved)[0])["--pipeline-model-parallel-layout"]
     assert layout == "Et*5|t*4|t*4|t*4|t*4|t*4|t*4|t*3L"
