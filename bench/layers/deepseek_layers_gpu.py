@@ -19,6 +19,12 @@ default the fitted ``h200-runtime``): the layer graph's operators up to the atte
 plan's overlap runs them (bench/attention_block_gpu.predict's rule); ``ratio`` is measured over
 predicted. Timing: CUDA events (wall clock on CPU), median after warm-up. bf16 on CUDA, fp32 on
 CPU. ``--tiny`` shrinks every width (and the sequence) so the script runs on a CPU in seconds.
+
+Each row also carries where the time goes, both sides: ``predicted_operators_s`` (the cost
+model's forward + backward seconds of each layer operator of the block, unscheduled) and, from
+one more run under torch.profiler, ``measured_classes_s`` (device seconds per kernel class,
+runtime.profile.classify; top-level CPU operators on CPU) and ``measured_kernels`` (the
+slowest kernels: which SDPA backend ran shows in their names).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench._dist_bench import init, timed
 from bench._meta import metadata
@@ -47,6 +54,7 @@ from plans import (
 )
 from plans.io import write_atomic
 from plans.specs import ModelSpec
+from runtime.profile import classify, kernel_times
 
 ONE_LAYER = {"layers": 1, "dense_layers": 0, "dense_ffn_hidden": 0, "mtp_layers": 0}
 TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 256,
@@ -56,6 +64,8 @@ TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 
         "expert_groups": 4, "groups_per_token": 2, "top_k": 4}
 """--tiny: DeepSeek-V3's structure at CPU size."""
 BLOCKS = ("attention", "moe")
+TOP_KERNELS = 12
+"""Kernels listed per block in ``measured_kernels``."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,10 +102,11 @@ def layer_plan(model: ModelSpec, args, kernels: Kernels) -> Plan:
     )
 
 
-def predict(plan: Plan) -> dict[str, float]:
+def predict(plan: Plan) -> dict[str, float | dict[str, float]]:
     """Seconds of each block, forward + backward: the forward graph's operators up to the
     attention residual (attention) and after it (moe), and the backward graph's nodes of those
-    operators, each pass scheduled as ``plan.overlap`` runs them."""
+    operators, each pass scheduled as ``plan.overlap`` runs them (``{block}_s``); beside it
+    each operator's forward + backward seconds, unscheduled (``{block}_operators_s``)."""
     fwd, bwd = layer_graphs(layer_key(plan), plan.overlap)
     order = sorted(fwd.nodes, key=lambda name: fwd.nodes[name]["order"])
     cut = order.index("attn_residual") + 1
@@ -106,10 +117,19 @@ def predict(plan: Plan) -> dict[str, float]:
         back = [name for name, node in bwd.nodes.items() if node["op"].operator in operators]
         out[f"{block}_s"] = (schedule_s(fwd.subgraph(names), plan.overlap, hidden)
                              + schedule_s(bwd.subgraph(back), plan.overlap, hidden))
+        per_op: dict[str, float] = {}
+        for graph, nodes in ((fwd, names), (bwd, back)):
+            for name in nodes:
+                op = graph.nodes[name]["op"]
+                per_op[op.operator.value] = per_op.get(op.operator.value, 0.0) + op.duration_s
+        out[f"{block}_operators_s"] = per_op
     return out
 
 
-def measure(layer, block: str, x: torch.Tensor, grad: torch.Tensor, device, args) -> float:
+def measure(layer, block: str, x: torch.Tensor, grad: torch.Tensor, device, args
+            ) -> tuple[float, dict[str, float], list[dict]]:
+    """The block's median seconds (bench._dist_bench.timed), then one more run under
+    torch.profiler: seconds per kernel class and the slowest kernels."""
     params = list(layer.parameters())
 
     def run() -> None:
@@ -123,9 +143,22 @@ def measure(layer, block: str, x: torch.Tensor, grad: torch.Tensor, device, args
         y.backward(grad)
 
     seconds = timed(run, device, args.warmup, args.repeats)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize(device)
+    kernels = kernel_times(prof, cuda)
+    classes: dict[str, float] = {}
+    for name, (_, s) in kernels.items():
+        classes[classify(name)] = classes.get(classify(name), 0.0) + s
+    slowest = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     for p in params:
         p.grad = None
-    return seconds
+    return (seconds, dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+            [{"name": n[:160], "class": classify(n), "calls": c, "s": s}
+             for n, (c, s) in slowest])
 
 
 def main(argv=None) -> int:
@@ -142,11 +175,14 @@ def main(argv=None) -> int:
         grad = torch.randn(shape, generator=gen, device=device, dtype=dtype)
         predicted = predict(plan)
         for block in BLOCKS:
-            measured = measure(layer, block, x, grad, device, args)
+            measured, classes, slowest = measure(layer, block, x, grad, device, args)
             rows.append({"block": block, "kernels": kernels.value,
                          "measured_fwd_bwd_s": measured,
                          "predicted_fwd_bwd_s": predicted[f"{block}_s"],
-                         "ratio": measured / predicted[f"{block}_s"]})
+                         "ratio": measured / predicted[f"{block}_s"],
+                         "predicted_operators_s": predicted[f"{block}_operators_s"],
+                         "measured_classes_s": classes,
+                         "measured_kernels": slowest})
             print(f"{block:9s} {kernels.value:5s} measured {measured * 1e3:9.3f} ms  "
                   f"predicted {predicted[f'{block}_s'] * 1e3:9.3f} ms  "
                   f"ratio {rows[-1]['ratio']:.3f}")

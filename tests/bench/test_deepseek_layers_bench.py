@@ -26,3 +26,7 @@ def test_deepseek_layers_script_runs_tiny_and_writes_the_prediction_beside(tmp_p
     for row in res["rows"]:
         assert row["measured_fwd_bwd_s"] > 0 and row["predicted_fwd_bwd_s"] > 0
         assert row["ratio"] == row["measured_fwd_bwd_s"] / row["predicted_fwd_bwd_s"]
+        assert row["measured_classes_s"] and row["measured_kernels"]
+    attention, moe = (row["predicted_operators_s"] for row in res["rows"])
+    assert attention["flash_attn"] > 0 and "expert_fc13" not in attention
+    assert moe["expert_fc13"] > 0 and "flash_attn" not in moe
