@@ -600,6 +600,10 @@ class Efficiency(Frozen):
     experts' row offsets, and the kernel schedules every group's tiles."""
     attention: Fraction = 0.60
     """FlashAttention throughput / peak."""
+    attention_wide_bwd: Fraction = 1.0
+    """The attention backward's rate for query / key heads wider than
+    cost_models.compute.WIDE_HEAD_DIM (MLA's 192), as a share of ``attention``'s; the
+    forward keeps ``attention``. 1: no difference (the uncalibrated default)."""
     hbm: Fraction = 0.85
     """Achieved HBM bandwidth / peak for memory-bound kernels streaming large buffers
     (optimizer step, gradient accumulation, casts, copies)."""
