@@ -37,6 +37,10 @@ fused_loss_qwen3.json)."""
 ATTENTION_BWD_FLOP_RATIO = 2.5
 """FlashAttention backward FLOPs / forward FLOPs: dQ, dK, dV, dP plus the recomputed S = QK^T
 (FlashAttention-2 paper, Sec. 3.1.2: 5 matmuls in backward against 2 in forward)."""
+WIDE_HEAD_DIM = 128
+"""The widest query / key head the H200 sweep's SDPA backward ran at the forward's rate
+(bench/results/h200/fidelity/calibration_h200.json, flash_attn rows): heads of 64 and 128
+took 2.5-3.3x their forward's time, the 192-wide row 4.0x (efficiency.attention_wide_bwd)."""
 
 
 def tensor_tflops(cluster: ClusterSpec, precision: Precision) -> float:
@@ -161,5 +165,12 @@ def flash_attention_fwd_s(flops: float, cluster: ClusterSpec) -> float:
     return flops / (cluster.gpu.bf16_dense_tflops * 1e12 * cluster.efficiency.attention)
 
 
-def flash_attention_bwd_s(fwd_flops: float, cluster: ClusterSpec) -> float:
-    return flash_attention_fwd_s(ATTENTION_BWD_FLOP_RATIO * fwd_flops, cluster)
+def flash_attention_bwd_s(fwd_flops: float, cluster: ClusterSpec, qk_head_dim: float
+                          ) -> float:
+    """The backward of a forward of ``fwd_flops`` whose query / key heads are ``qk_head_dim``
+    wide: ATTENTION_BWD_FLOP_RATIO times its FLOPs at ``efficiency.attention``, slowed by
+    ``efficiency.attention_wide_bwd`` for heads wider than WIDE_HEAD_DIM."""
+    seconds = flash_attention_fwd_s(ATTENTION_BWD_FLOP_RATIO * fwd_flops, cluster)
+    if qk_head_dim > WIDE_HEAD_DIM:
+        return seconds / cluster.efficiency.attention_wide_bwd
+    return seconds

@@ -270,7 +270,7 @@ class _Builder:
         """FlashAttention (the core's prologue, RoPE and the GQA expansion, is LO.rope)."""
         c, name = self.key.cluster, LayerOperator.flash_attn
         op = Op(name.value + at, name, OpKind.attention, cc.flash_attention_fwd_s(flops, c),
-                (cc.flash_attention_bwd_s(flops, c),))
+                (cc.flash_attention_bwd_s(flops, c, self.key.model.head_dim),))
         return self.add(op, *after)
 
     def comm(self, name: LayerOperator, t: Transfer, *after: str | None,
@@ -428,7 +428,7 @@ def attention_core_s(model: ModelSpec, batch: int, seq: int, heads: float, kv_he
     if not backward:
         return fwd
     return fwd + cc.elementwise_s(bwd_bytes, cluster, bwd_launches) + \
-        cc.flash_attention_bwd_s(flops, cluster)
+        cc.flash_attention_bwd_s(flops, cluster, d)
 
 
 def _swiglu(g: _Builder, name: LayerOperator, rows: float, width: float, fc13: str,

@@ -233,7 +233,8 @@ def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
             flops = cc.attention_fwd_flops(sh["batch"], sh["seq"], sh["seq"], sh["heads"],
                                            sh["head_dim"], cc.CAUSAL_FRACTION)
             fwd = cc.flash_attention_fwd_s(flops, cluster)
-            return fwd + (cc.flash_attention_bwd_s(flops, cluster) if row.backward else 0.0)
+            return fwd + (cc.flash_attention_bwd_s(flops, cluster, sh["head_dim"])
+                          if row.backward else 0.0)
         case SweepOp.attention_core if sh:
             return attention_core_s(catalog.load_model(str(sh["model"])), int(sh["batch"]),
                                     int(sh["seq"]), int(sh["heads"]), int(sh["kv_heads"]),

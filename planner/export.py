@@ -146,12 +146,13 @@ def megatron_attention(m: ModelSpec) -> list[str]:
 
 
 def megatron_routing(m: ModelSpec) -> list[str]:
-    """The router's flags beyond top-k: the score function, the aux-loss-free expert bias,
-    the routed scaling factor and group-limited routing."""
+    """The router's flags beyond top-k: the score function, the aux-loss-free expert bias and
+    its update rate, the routed scaling factor and group-limited routing."""
     args = (["--moe-router-score-function", m.router_score.value]
             if m.router_score != RouterScore.softmax else [])  # Megatron's default: softmax
     if m.router_expert_bias:
-        args.append("--moe-router-enable-expert-bias")
+        args += ["--moe-router-enable-expert-bias",
+                 "--moe-router-bias-update-rate", f"{m.expert_bias_update_rate:g}"]
     if m.routed_scaling_factor != 1:
         args += ["--moe-router-topk-scaling-factor", f"{m.routed_scaling_factor:g}"]
     if m.expert_groups > 1:

@@ -173,8 +173,9 @@ MOEPLAN: tuple[Capability, ...] = (
                "runtime.router: the kept sigmoid scores renormalised"),
     Capability("model.router_expert_bias", False, Support.executed),
     Capability("model.router_expert_bias", True, Support.executed,
-               "runtime.router: a per-expert bias buffer added to the scores for the top-k "
-               "choice only; the spec names no update rate, so it stays at zero"),
+               "runtime.router: a per-expert fp32 bias added to the scores for the top-k "
+               "choice only, moved by expert_bias_update_rate after every step from the "
+               "step's routed slots summed over the stage (runtime.moe.update_expert_biases)"),
     Capability("model.routed_scaling_factor", False, Support.executed),
     Capability("model.routed_scaling_factor", True, Support.executed,
                "runtime.router: the gate weights multiplied by it"),
@@ -392,7 +393,8 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("model.mla", True, reason="--multi-latent-attention --q-lora-rank --kv-lora-rank "
               "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim"),
     _megatron("model.router_score", ANY, reason="--moe-router-score-function"),
-    _megatron("model.router_expert_bias", True, reason="--moe-router-enable-expert-bias"),
+    _megatron("model.router_expert_bias", True, reason="--moe-router-enable-expert-bias "
+              "--moe-router-bias-update-rate"),
     _megatron("model.routed_scaling_factor", True, reason="--moe-router-topk-scaling-factor"),
     _megatron("model.expert_groups", True, reason="--moe-router-num-groups "
               "--moe-router-group-topk"),

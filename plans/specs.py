@@ -231,6 +231,12 @@ class ModelSpec(Frozen):
     """Aux-loss-free load balancing (DeepSeek-V3, arXiv 2412.19437 Sec. 2.1.2): a per-expert
     bias, updated from the experts' loads outside the gradient, is added to the scores for the
     top-k choice only."""
+    expert_bias_update_rate: float = Field(1e-3, ge=0, le=1)
+    """With router_expert_bias, the bias's step after every training step (DeepSeek-V3's
+    gamma, 0.001; Megatron-Core's --moe-router-bias-update-rate): an expert that took fewer
+    routed slots than the mean over the step's tokens (every micro-batch, every rank) gains it,
+    one that took more loses it (runtime.router.updated_expert_bias); 0 keeps the bias at
+    zero. Unused without router_expert_bias."""
     routed_scaling_factor: float = Field(1.0, gt=0, le=1000)
     """The routed experts' summed output is multiplied by this (DeepSeek-V3: 2.5)."""
     expert_groups: Experts = 1
@@ -602,6 +608,10 @@ class Efficiency(Frozen):
     experts' row offsets, and the kernel schedules every group's tiles."""
     attention: Fraction = 0.60
     """FlashAttention throughput / peak."""
+    attention_wide_bwd: Fraction = 1.0
+    """The attention backward's rate for query / key heads wider than
+    cost_models.compute.WIDE_HEAD_DIM (MLA's 192), as a share of ``attention``'s; the
+    forward keeps ``attention``. 1: no difference (the uncalibrated default)."""
     hbm: Fraction = 0.85
     """Achieved HBM bandwidth / peak for memory-bound kernels streaming large buffers
     (optimizer step, gradient accumulation, casts, copies)."""

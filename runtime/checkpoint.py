@@ -230,6 +230,9 @@ def state_dict(trainer: Trainer) -> dict[str, torch.Tensor]:
         f"model.{trainer.checkpoint_key(name)}": p.data
         for name, p in trainer.model.named_parameters()
     }
+    # the routers' expert biases: state of the run outside the gradient (runtime.moe)
+    out.update({f"model.{name}": b for name, b in trainer.model.named_buffers()
+                if name.endswith("router.expert_bias")})
     out.update(trainer.optimizer.checkpoint_state(trainer.checkpoint_key))
     out["trainer.step"] = torch.zeros((), dtype=torch.int64)
     return out

@@ -237,15 +237,16 @@ def init_weights(
     dtype: torch.dtype = torch.float32,
 ) -> None:
     """Materialise a (meta or real) model on ``device`` with its deterministic weights, held in
-    ``dtype`` (drawn in fp32, then rounded), the routers' expert biases at zero."""
+    ``dtype`` (drawn in fp32, then rounded), the routers' expert biases at zero in fp32 (their
+    steps of 0.001 would round away in bf16)."""
     model.to_empty(device=device)
     model.to(dtype=dtype)
     model.tie_weights()
     std = model.cfg.options.init_std
     with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("router.expert_bias"):
-                buf.zero_()
+        for moe in model.moe_layers():
+            if moe.router.expert_bias is not None:
+                moe.router.expert_bias = torch.zeros(moe.router.experts, device=device)
         for name, p in model.named_parameters():
             shard = shards.get(name)
             shape = shard.full_shape(p.shape) if shard else tuple(p.shape)

@@ -17,7 +17,7 @@ from torch import nn
 
 from plans.enums import ExpertGemm
 from runtime.kernels import EAGER, KernelOps, count_per_expert
-from runtime.router import Scoring, route_scored
+from runtime.router import Scoring, route_scored, updated_expert_bias
 
 
 @dataclass
@@ -130,7 +130,9 @@ class Router(nn.Module):
     Qwen3), or with ``pre_softmax`` kept as the softmax over all experts (DeepSeekMoE, top-1:
     Megatron-LM's --moe-router-pre-softmax). A ``scoring`` scores and chooses as
     runtime.router says (sigmoid, expert bias, group-limited routing, scaling); with an expert
-    bias the router holds it in the buffer ``expert_bias`` (not trained, zero at the start)."""
+    bias the router holds it in the fp32 buffer ``expert_bias`` (not trained, zero at the
+    start, moved after every step by ``update_expert_biases``) and counts the routed slots per
+    expert of its forwards since the last update (``step_slots``)."""
 
     def __init__(
         self,
@@ -158,6 +160,10 @@ class Router(nn.Module):
         self.load: torch.Tensor | None = None
         """Since ``take_load``: (sum, max, count) over forwards of max / mean routed slots per
         expert; on the device, read once per step (``routing_skew``)."""
+        self.step_slots: torch.Tensor | None = None
+        """With an expert bias: this rank's routed slots per expert over the forwards since
+        the last ``update_expert_biases`` (a forward rerun by recomputation counts again: every
+        expert's slots twice, which the update's sign does not see)."""
 
     def _record_load(self, counts: torch.Tensor) -> None:
         ratio = counts.max() / counts.mean().clamp_min(1e-9)
@@ -178,6 +184,9 @@ class Router(nn.Module):
         else:
             weights, indices, counts, prob_sum = route_scored(
                 self.gate(x), self.top_k, not self.pre_softmax, self.scoring, self.expert_bias)
+            if self.expert_bias is not None and torch.is_grad_enabled():
+                slots = counts.detach()
+                self.step_slots = slots if self.step_slots is None else self.step_slots + slots
         aux = balance_from_stats(counts, prob_sum, x.shape[0], self.top_k, self.balance_groups,
                                  self.reduce_stats, self._record_load)
         if self.capacity_factor is not None:
@@ -463,6 +472,24 @@ class MoE(nn.Module):
         if self.shared is not None and not self.dispatcher.runs_shared:
             y = y + self.shared(tokens)
         return y
+
+
+def update_expert_biases(layers: list[MoE], rate: float,
+                         reduce: Callable[[torch.Tensor], torch.Tensor] = identity) -> None:
+    """After a step: every expert bias of ``layers`` moved by runtime.router.
+    updated_expert_bias from its router's ``step_slots``, summed by ``reduce`` (in one
+    collective for all of them) over the ranks that route the other tokens of the step, then
+    the counts restarted. Every rank of the group calls it with the same layers."""
+    routers = [m.router for m in layers if m.router.expert_bias is not None]
+    if not routers:
+        return
+    slots = torch.stack([r.expert_bias.new_zeros(r.experts) if r.step_slots is None
+                         else r.step_slots.to(r.expert_bias.dtype) for r in routers])
+    slots = reduce(slots)
+    with torch.no_grad():
+        for r, row in zip(routers, slots, strict=True):
+            r.expert_bias.copy_(updated_expert_bias(r.expert_bias, row, rate))
+            r.step_slots = None
 
 
 def routing_skew(layers: list[MoE]) -> tuple[float, float] | None:

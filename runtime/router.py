@@ -13,6 +13,9 @@ Per token, over the fp32 router logits:
   (router_pre_softmax), then multiplied by the routed scaling factor.
 The balance statistics use the scores normalised over the experts (a softmax's already are;
 sigmoid scores divided by their sum, as Megatron-Core's aux loss for sigmoid routers).
+
+The expert bias is updated after every training step (``updated_expert_bias``), outside the
+gradient, from the routed slots per expert over the step.
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ def group_mask(choice: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
     mask = torch.zeros(tokens, groups, dtype=torch.bool, device=choice.device)
     mask.scatter_(1, best, True)
     return mask.repeat_interleave(per_group, dim=1)
+
+
+def updated_expert_bias(bias: torch.Tensor, slots: torch.Tensor, rate: float) -> torch.Tensor:
+    """The aux-loss-free update (DeepSeek-V3 Sec. 2.1.2; Megatron-Core's
+    get_updated_expert_bias): ``bias + rate x sign(mean - slots)``, ``slots`` the routed slots
+    per expert (last dimension) over one step's tokens, ``mean`` their mean over the experts.
+    The sign ignores a common factor of the slots, so any set of ranks that each count the
+    same tokens the same number of times gives the same update."""
+    mean = slots.mean(-1, keepdim=True)
+    return bias + rate * torch.sign(mean - slots).to(bias.dtype)
 
 
 def route_scored(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: Scoring,

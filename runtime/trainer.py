@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from plans import EPFFN, CrossEntropy, Degrees, Plan, UlyssesAttention
+from plans import EPFFN, CrossEntropy, Degrees, MeshAxis, Plan, UlyssesAttention
 from plans.layout import tokens_per_rank
 from plans.specs import mfu
 from runtime.config import ModelConfig, ModelOptions
@@ -21,7 +22,7 @@ from runtime.loss import (
 )
 from runtime.metrics import Component, Timers, peak_memory_gib
 from runtime.model import Shard, Transformer, init_weights
-from runtime.moe import routing_skew
+from runtime.moe import identity, routing_skew, update_expert_biases
 from runtime.parallel.grad_accumulation import mark_parameters
 from runtime.parallel.mesh import Mesh, build_mesh
 from runtime.parallel.optimizer import OptimizerConfig, build_optimizer
@@ -180,8 +181,13 @@ class Trainer:
             group["lr"] = lr
 
     def optimizer_step(self) -> None:
+        """The optimizer's step, then the routers' expert biases (runtime.moe.
+        update_expert_biases), their slots summed over the stage's ranks."""
         with self.timers.region(Component.optimizer):
             self.optimizer.step()
+            group = self.mesh.groups[MeshAxis.stage]
+            update_expert_biases(self.model.moe_layers(), self.plan.model.expert_bias_update_rate,
+                                 identity if group is None else partial(_summed, group=group))
 
     def train_step(self, step: int) -> StepMetrics:
         t0 = time.perf_counter()
@@ -241,6 +247,11 @@ class Trainer:
         calls it after its last step; the trainer cannot step afterwards."""
         self.optimizer.close()
         self.mesh.close()
+
+
+def _summed(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    dist.all_reduce(t, group=group)
+    return t
 
 
 def build_trainer(

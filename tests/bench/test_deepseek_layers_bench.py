@@ -26,3 +26,19 @@ def test_deepseek_layers_script_runs_tiny_and_writes_the_prediction_beside(tmp_p
     for row in res["rows"]:
         assert row["measured_fwd_bwd_s"] > 0 and row["predicted_fwd_bwd_s"] > 0
         assert row["ratio"] == row["measured_fwd_bwd_s"] / row["predicted_fwd_bwd_s"]
+        assert row["measured_classes_s"] and row["measured_kernels"]
+    attention, moe = (row["predicted_operators_s"] for row in res["rows"])
+    assert attention["flash_attn"] > 0 and "expert_fc13" not in attention
+    assert moe["expert_fc13"] > 0 and "flash_attn" not in moe
+
+
+def test_the_committed_report_is_what_the_cost_model_predicts_now():
+    """bench/results/h200/deepseek_v3/deepseek_v3_report.json is current: its rows are the
+    committed H200 measurement priced by this cost model (regenerate: --report)."""
+    from bench.layers.deepseek_layers_gpu import MEASURED, REPORT, report
+
+    committed = json.loads(REPORT.read_text())
+    fresh = json.loads(json.dumps(report(json.loads(MEASURED.read_text()))))
+    assert {k: committed[k] for k in fresh} == fresh
+    assert [(r["block"], r["kernels"]) for r in fresh["rows"]] == [
+        ("attention", "eager"), ("moe", "eager"), ("attention", "fused"), ("moe", "fused")]

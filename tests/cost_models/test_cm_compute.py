@@ -63,7 +63,11 @@ def test_flash_attention_causal_forward_and_backward(h800):
     assert flops == 4 * 8192 * 8192 * 4 * 128 * 0.5
     fwd = cc.flash_attention_fwd_s(flops, h800)
     assert fwd == pytest.approx(flops / (989e12 * h800.efficiency.attention))
-    assert cc.flash_attention_bwd_s(flops, h800) == pytest.approx(2.5 * fwd)
+    assert cc.flash_attention_bwd_s(flops, h800, 128) == pytest.approx(2.5 * fwd)
+    # heads wider than 128 (MLA's 192): the backward at attention_wide_bwd of that rate
+    wide = h800.efficiency.attention_wide_bwd
+    assert wide < 1
+    assert cc.flash_attention_bwd_s(flops, h800, 192) == pytest.approx(2.5 * fwd / wide)
 
 
 def test_memory_bound_op(h800):

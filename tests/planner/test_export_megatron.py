@@ -264,6 +264,14 @@ def test_new_model_features_export_as_megatron_cores_own_flags(name, pp, stages,
     check_is_mla_plan(plan, parsed, config)
 
 
+def test_the_expert_bias_update_rate_exports_as_megatrons_flag(monkeypatch, tmp_path):
+    m = catalog.load_model("deepseek-v3").model_copy(update={"expert_bias_update_rate": 5e-4})
+    plan = _feature_plan(m, 4, (16, 15, 15, 15))
+    _, config = run_megatron(plan, 9, _megatron(), monkeypatch, tmp_path)
+    assert config.moe_router_enable_expert_bias
+    assert config.moe_router_bias_update_rate == 5e-4
+
+
 def check_is_mla_plan(plan: Plan, parsed, config) -> None:
     m = plan.model
     assert config.multi_latent_attention == (m.mla is not None)
@@ -276,6 +284,8 @@ def check_is_mla_plan(plan: Plan, parsed, config) -> None:
         assert config.num_query_groups == m.kv_heads and config.kv_channels == m.head_dim
     assert config.moe_router_score_function == m.router_score.value
     assert config.moe_router_enable_expert_bias == m.router_expert_bias
+    if m.router_expert_bias:
+        assert config.moe_router_bias_update_rate == m.expert_bias_update_rate
     assert (config.moe_router_topk_scaling_factor or 1.0) == m.routed_scaling_factor
     assert (config.moe_router_num_groups or 1) == m.expert_groups
     assert (config.moe_router_group_topk or 1) == m.groups_per_token

@@ -448,3 +448,18 @@ def clipped_run(trainer):
     trainer.optimizer_step()
     after = trainer.train_step(1)
     return norm, grads, after.loss, after.grad_norm
+
+
+def expert_biases(trainer) -> dict[str, torch.Tensor]:
+    """Every router's expert bias on this rank, by its global buffer name."""
+    return {name: b.detach().clone() for name, b in trainer.model.named_buffers()
+            if name.endswith("router.expert_bias")}
+
+
+def losses_and_expert_biases(plan_json: str, steps: int
+                             ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The losses of ``steps`` training steps and the expert biases after them."""
+    plan = Plan.model_validate_json(plan_json)
+    trainer = trainer_for(plan, dist.get_rank(), dist.get_world_size())
+    losses = [trainer.train_step(s).loss for s in range(steps)]
+    return losses, expert_biases(trainer)
