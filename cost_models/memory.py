@@ -6,6 +6,7 @@ The peak is taken over pipeline stages; the components reported are those of the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -381,7 +382,8 @@ def grad_bytes_per_param(grad_precision: Precision) -> int:
 
 @dataclass(frozen=True)
 class _LayerBytes:
-    """The per-layer terms of ``_memory``, which the stage split and the sync leave alone."""
+    """The per-layer terms of ``_memory``, which the stage split, the sync and the pipeline and
+    data-parallel degrees leave alone (_layer_degrees)."""
 
     stored: tuple[float, float]
     """Bytes one (MoE, dense) layer keeps for backward per micro-batch under the policy."""
@@ -391,7 +393,17 @@ class _LayerBytes:
     logits: float
 
 
-@lru_cache(maxsize=16384)
+@lru_cache(maxsize=4096)
+def _layer_degrees(d: Degrees) -> Degrees:
+    """The degrees one layer's memory terms read (tp, sp, cp, ep, etp), with one pipeline stage
+    and the fewest data replicas the invariant allows: one _layer_bytes key for the layouts
+    that differ in pp, vpp and dp only."""
+    inner = d.cp * d.sp * d.tp
+    return Degrees(sp=d.sp, tp=d.tp, cp=d.cp, ep=d.ep, etp=d.etp,
+                   dp=d.ep * d.etp // math.gcd(d.ep * d.etp, inner))
+
+
+@lru_cache(maxsize=65536)
 def _layer_bytes(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, seq_len: int, batch: int,
                  policy: Recompute, cross_entropy: CrossEntropy, kernels: Kernels, chunks: int,
                  experts_accumulate_in_gemm: bool, linears_accumulate: bool, target: Target,
@@ -424,22 +436,24 @@ def _layer_bytes(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, seq_len: 
                        loss_bytes(model, tokens, cross_entropy, kernels, target))
 
 
-@lru_cache(maxsize=16384)
+@lru_cache(maxsize=65536)
 def _resident(model: ModelSpec, degrees: Degrees, stage_layers: tuple[int, ...],
               grad_precision: Precision, opt: Optimizer, moments: Precision,
               sharding: OptimizerSharding, fused_step: bool, step_in_buckets: bool
-              ) -> tuple[tuple[tuple[float, float, float], float], ...]:
-    """Per stage, the resident states (weights, main gradients, optimizer states) and the
-    optimizer step's workspace: what the stage's parameters hold whatever the activations."""
+              ) -> tuple[tuple[tuple[float, float, float], float, float], ...]:
+    """Per stage, the resident states (weights, main gradients, optimizer states), their sum
+    and the optimizer step's workspace: what the stage's parameters hold whatever the
+    activations."""
     d = degrees
     grad_bytes = grad_bytes_per_param(grad_precision)
     opt_bytes = opt.state_bytes(moments)
     # stages holding the same parameters hold the same states and step workspace
-    resident: dict[StageParams, tuple[tuple[float, float, float], float]] = {}
+    resident: dict[StageParams, tuple[tuple[float, float, float], float, float]] = {}
     for p in stage_params(model, d, stage_layers):
         if p not in resident:
             shard = p.optimizer_shard(d, sharding)  # the states (and update) this GPU holds
-            resident[p] = ((WEIGHT_BYTES * p.total, grad_bytes * p.total, opt_bytes * shard),
+            states = (WEIGHT_BYTES * p.total, grad_bytes * p.total, opt_bytes * shard)
+            resident[p] = (states, sum(states),
                            optimizer_step_workspace(model, d, p, sharding, grad_bytes,
                                                     fused_step, step_in_buckets))
     return tuple(resident[p] for p in stage_params(model, d, stage_layers))
@@ -458,9 +472,9 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             moments: Precision = Precision.fp32) -> MemoryBreakdown:
     d = degrees
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
-    per = _layer_bytes(model, d, ffn, seq_len, batch, policy, cross_entropy, kernels, chunks,
-                       experts_accumulate_in_gemm, linears_accumulate, target, precision,
-                       modules)
+    per = _layer_bytes(model, _layer_degrees(d), ffn, seq_len, batch, policy, cross_entropy,
+                       kernels, chunks, experts_accumulate_in_gemm, linears_accumulate, target,
+                       precision, modules)
     (stored_moe, stored_dense), (working_moe, working_dense) = per.stored, per.working
     buffers, logits = per.buffers, per.logits
     layers = stage_layer_counts(model, stage_layers, d.pp)
@@ -473,14 +487,15 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     # allocator's reserve on that. In training, the loss (last stage) and the recomputed or
     # back-propagated layer's working set come one after the other, so the larger counts.
     peak_stage, peak, parts = 0, -1.0, ()
-    for i, ((moe, dense), (states, step)) in enumerate(zip(layers, resident, strict=True)):
+    for i, ((moe, dense), (states, held, step)) in enumerate(zip(layers, resident,
+                                                                 strict=True)):
         stored = moe * stored_moe + dense * stored_dense
         activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
         working = (working_dense if moe == 0 else working_moe) if moe + dense else 0.0
         loss = logits if i == last else 0.0
         transient = max(activations + buffers + max(working, loss), step)
         reserve = ALLOCATOR_RESERVE * transient + LOSS_RESERVE * loss
-        total = sum(states) + transient + reserve
+        total = held + transient + reserve
         if total > peak:  # the first on a tie
             peak_stage, peak = i, total
             parts = (*states, activations, working, buffers, loss, step, reserve)

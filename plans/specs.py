@@ -7,7 +7,7 @@ Units are in field names: ``_tflops`` (10^12 FLOP/s), ``_gb_s`` (10^9 bytes/s), 
 from __future__ import annotations
 
 from enum import StrEnum
-from functools import cache, cached_property
+from functools import cache, cached_property, lru_cache
 from typing import Annotated
 
 from pydantic import (
@@ -765,5 +765,12 @@ def mfu(model: ModelSpec, seq_len: int, tokens: float, seconds: float, gpus: int
     """Model FLOPs utilization: ``tokens`` of ``seq_len``-token sequences trained in ``seconds``
     (ModelSpec.flops_per_token) over ``gpus`` GPUs' peak dense bf16 throughput, what the
     predictions, the runtime's steps and the paper's MFU all report."""
-    return model.flops_per_token(seq_len) * tokens / (gpus * gpu.bf16_dense_tflops * 1e12
-                                                      * seconds)
+    return _flops_per_token(model, seq_len) * tokens / (gpus * gpu.bf16_dense_tflops * 1e12
+                                                        * seconds)
+
+
+@lru_cache(maxsize=1024)
+def _flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """ModelSpec.flops_per_token of a training step, once per model and length (a search
+    prices thousands of plans of one model)."""
+    return model.flops_per_token(seq_len)
