@@ -6,6 +6,7 @@ The peak is taken over pipeline stages; the components reported are those of the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -379,6 +380,85 @@ def grad_bytes_per_param(grad_precision: Precision) -> int:
     return FP32_BYTES if grad_precision == Precision.fp32 else Precision.bf16.bytes
 
 
+@dataclass(frozen=True)
+class _LayerBytes:
+    """The per-layer terms of ``_memory``, which the stage split, the sync and the pipeline and
+    data-parallel degrees leave alone (_layer_degrees)."""
+
+    stored: tuple[float, float]
+    """Bytes one (MoE, dense) layer keeps for backward per micro-batch under the policy."""
+    working: tuple[float, float]
+    """The (MoE, dense) layer's working set while recomputed or back-propagated."""
+    buffers: float
+    logits: float
+
+
+@lru_cache(maxsize=4096)
+def _layer_degrees(d: Degrees) -> Degrees:
+    """The degrees one layer's memory terms read (tp, sp, cp, ep, etp), with one pipeline stage
+    and the fewest data replicas the invariant allows: one _layer_bytes key for the layouts
+    that differ in pp, vpp and dp only."""
+    inner = d.cp * d.sp * d.tp
+    return Degrees(sp=d.sp, tp=d.tp, cp=d.cp, ep=d.ep, etp=d.etp,
+                   dp=d.ep * d.etp // math.gcd(d.ep * d.etp, inner))
+
+
+@lru_cache(maxsize=65536)
+def _layer_bytes(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, seq_len: int, batch: int,
+                 policy: Recompute, cross_entropy: CrossEntropy, kernels: Kernels, chunks: int,
+                 experts_accumulate_in_gemm: bool, linears_accumulate: bool, target: Target,
+                 precision: Precision, modules: tuple[RecomputeModule, ...]) -> _LayerBytes:
+    d = degrees
+    tokens = tokens_per_rank(batch, seq_len, d.attention_group)
+    if target == Target.megatron:
+        per_layer = {(dense, pol): tokens * megatron.kept_bytes_per_token(
+            model, d, precision, pol, dense, modules) for dense in (False, True)
+            for pol in (policy, Recompute.none)}
+    else:
+        per_layer = {
+            (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch,
+                                                 kernels, linears_accumulate, modules)
+            for dense in (False, True) for pol in (policy, Recompute.none)
+        }
+    working_of = {dense: (1 + BACKWARD_WORKING) * per_layer[dense, Recompute.none]
+                  - per_layer[dense, policy] for dense in (False, True)}
+    # A chunked MoE layer (inter-operator overlap) uses each expert weight once per chunk:
+    # autograd holds one chunk's weight gradient in the node's input buffer until the next
+    # chunk's arrives and sums them, so the layer's backward holds one more expert weight
+    # gradient (bf16, the parameters' dtype) than the serial layer's; none when the experts'
+    # GEMMs add into the main gradients (no weight gradient is made).
+    if chunks > 1 and not experts_accumulate_in_gemm:
+        working_of[False] += WEIGHT_BYTES * part_params(model, d).moe_layer.expert
+    # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
+    return _LayerBytes((per_layer[False, policy], per_layer[True, policy]),
+                       (working_of[False], working_of[True]),
+                       _buffer_bytes(model, tokens, d, ffn),
+                       loss_bytes(model, tokens, cross_entropy, kernels, target))
+
+
+@lru_cache(maxsize=65536)
+def _resident(model: ModelSpec, degrees: Degrees, stage_layers: tuple[int, ...],
+              grad_precision: Precision, opt: Optimizer, moments: Precision,
+              sharding: OptimizerSharding, fused_step: bool, step_in_buckets: bool
+              ) -> tuple[tuple[tuple[float, float, float], float, float], ...]:
+    """Per stage, the resident states (weights, main gradients, optimizer states), their sum
+    and the optimizer step's workspace: what the stage's parameters hold whatever the
+    activations."""
+    d = degrees
+    grad_bytes = grad_bytes_per_param(grad_precision)
+    opt_bytes = opt.state_bytes(moments)
+    # stages holding the same parameters hold the same states and step workspace
+    resident: dict[StageParams, tuple[tuple[float, float, float], float, float]] = {}
+    for p in stage_params(model, d, stage_layers):
+        if p not in resident:
+            shard = p.optimizer_shard(d, sharding)  # the states (and update) this GPU holds
+            states = (WEIGHT_BYTES * p.total, grad_bytes * p.total, opt_bytes * shard)
+            resident[p] = (states, sum(states),
+                           optimizer_step_workspace(model, d, p, sharding, grad_bytes,
+                                                    fused_step, step_in_buckets))
+    return tuple(resident[p] for p in stage_params(model, d, stage_layers))
+
+
 @lru_cache(maxsize=65536)
 def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: tuple[int, ...],
             seq_len: int, batch: int, micro_batches: int, schedule: PipelineSchedule,
@@ -391,67 +471,35 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
             moments: Precision = Precision.fp32) -> MemoryBreakdown:
     d = degrees
-    tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
-    if target == Target.megatron:
-        per_layer = {(dense, pol): tokens * megatron.kept_bytes_per_token(
-            model, d, precision, pol, dense, modules) for dense in (False, True)
-            for pol in (policy, Recompute.none)}
-    else:
-        per_layer = {
-            (dense, pol): layer_activation_bytes(model, tokens, d, ffn, pol, dense, batch,
-                                                 kernels, linears_accumulate, modules)
-            for dense in (False, True) for pol in (policy, Recompute.none)
-        }
+    per = _layer_bytes(model, _layer_degrees(d), ffn, seq_len, batch, policy, cross_entropy,
+                       kernels, chunks, experts_accumulate_in_gemm, linears_accumulate, target,
+                       precision, modules)
+    (stored_moe, stored_dense), (working_moe, working_dense) = per.stored, per.working
+    buffers, logits = per.buffers, per.logits
     layers = stage_layer_counts(model, stage_layers, d.pp)
-    params = stage_params(model, d, stage_layers)
-    buffers = _buffer_bytes(model, tokens, d, ffn)
-    # the last stage's loss of one micro-batch (b s / (sp cp tp) rows x vocab) and final norm
-    logits = loss_bytes(model, tokens, cross_entropy, kernels, target)
+    resident = _resident(model, d, stage_layers, grad_precision, opt, moments, sharding,
+                         opt.runs_fused(kernels), step_in_buckets)
+    last = d.pp - 1
 
-    grad_bytes = grad_bytes_per_param(grad_precision)
-    opt_bytes = opt.state_bytes(moments)
-    working_of = {dense: (1 + BACKWARD_WORKING) * per_layer[dense, Recompute.none]
-                  - per_layer[dense, policy] for dense in (False, True)}
-    # A chunked MoE layer (inter-operator overlap) uses each expert weight once per chunk:
-    # autograd holds one chunk's weight gradient in the node's input buffer until the next
-    # chunk's arrives and sums them, so the layer's backward holds one more expert weight
-    # gradient (bf16, the parameters' dtype) than the serial layer's; none when the experts'
-    # GEMMs add into the main gradients (no weight gradient is made).
-    if chunks > 1 and not experts_accumulate_in_gemm:
-        working_of[False] += WEIGHT_BYTES * part_params(model, d).moe_layer.expert
-    names = tuple(MEMORY_TERMS)
-    fused_step = opt.runs_fused(kernels)
-    # stages holding the same parameters hold the same states and step workspace
-    resident: dict[StageParams, tuple[tuple[float, float, float], float]] = {}
-
-    def stage(i: int) -> tuple[float, tuple[float, ...]]:
-        """Peak of stage i and its components (``names``): the resident states plus the larger
-        of the training transients and the optimizer-step workspace (never alive at once),
-        plus the allocator's reserve on that. In training, the loss (last stage) and the
-        recomputed or back-propagated layer's working set come one after the other, so the
-        larger counts."""
-        moe, dense = layers[i]
-        p = params[i]
-        if p not in resident:
-            shard = p.optimizer_shard(d, sharding)  # the states (and update) this GPU holds
-            resident[p] = ((WEIGHT_BYTES * p.total, grad_bytes * p.total, opt_bytes * shard),
-                           optimizer_step_workspace(model, d, p, sharding, grad_bytes,
-                                                    fused_step, step_in_buckets))
-        states, step = resident[p]
-        stored = moe * per_layer[False, policy] + dense * per_layer[True, policy]
+    # Peak of stage i and its components (MEMORY_TERMS): the resident states plus the larger of
+    # the training transients and the optimizer-step workspace (never alive at once), plus the
+    # allocator's reserve on that. In training, the loss (last stage) and the recomputed or
+    # back-propagated layer's working set come one after the other, so the larger counts.
+    peak_stage, peak, parts = 0, -1.0, ()
+    for i, ((moe, dense), (states, held, step)) in enumerate(zip(layers, resident,
+                                                                 strict=True)):
+        stored = moe * stored_moe + dense * stored_dense
         activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
-        working = working_of[moe == 0] if moe + dense else 0.0
-        loss = logits if i == d.pp - 1 else 0.0
+        working = (working_dense if moe == 0 else working_moe) if moe + dense else 0.0
+        loss = logits if i == last else 0.0
         transient = max(activations + buffers + max(working, loss), step)
         reserve = ALLOCATOR_RESERVE * transient + LOSS_RESERVE * loss
-        return (sum(states) + transient + reserve,
-                (*states, activations, working, buffers, loss, step, reserve))
-
-    stages = [stage(i) for i in range(d.pp)]
-    peak_stage = max(range(d.pp), key=lambda i: stages[i][0])  # the first on a tie
-    peak, parts = stages[peak_stage]
-    return MemoryBreakdown(MappingProxyType(dict(zip(names, parts, strict=True))), peak,
+        total = held + transient + reserve
+        if total > peak:  # the first on a tie
+            peak_stage, peak = i, total
+            parts = (*states, activations, working, buffers, loss, step, reserve)
+    return MemoryBreakdown(MappingProxyType(dict(zip(MEMORY_TERMS, parts, strict=True))), peak,
                            capacity, peak_stage)
 
 

@@ -12,7 +12,7 @@ from cost_models import comm
 from cost_models import compute as cc
 from plans.enums import CrossEntropy, Kernels
 from plans.layout import loss_chunks, stride, tokens_per_rank
-from plans.plan import MeshAxis, Plan
+from plans.plan import Degrees, MeshAxis, Plan
 from plans.specs import ClusterSpec, ModelSpec, Precision
 
 AB = cc.ACT_BYTES
@@ -168,8 +168,15 @@ def p2p_transfer_s(plan: Plan) -> float:
     d, c = plan.degrees, plan.cluster
     if d.pp == 1:
         return 0.0
-    layout = comm.group_layout(d.pp, stride(d, MeshAxis.pp), c.node.gpus_per_node)
-    return comm.send_recv_s(micro_batch_tokens(plan) * plan.model.hidden * AB, c, layout.nodes > 1)
+    return comm.send_recv_s(micro_batch_tokens(plan) * plan.model.hidden * AB, c,
+                            _pp_crosses_nodes(d, c.node.gpus_per_node))
+
+
+@lru_cache(maxsize=4096)
+def _pp_crosses_nodes(d: Degrees, gpus_per_node: int) -> bool:
+    """Whether neighbouring pipeline stages sit on different nodes (the pp stride reaches a
+    node)."""
+    return comm.group_layout(d.pp, stride(d, MeshAxis.pp), gpus_per_node).nodes > 1
 
 
 def exposed_p2p_s(plan: Plan, transfer_s: float) -> float:

@@ -11,6 +11,7 @@ Exposed communication is the time a communication task runs while no compute tas
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -45,12 +46,13 @@ class Schedule:
     critical_path: tuple[str, ...]
 
 
-def _uncovered(start: float, end: float, busy: Sequence[tuple[float, float]]) -> float:
-    """Length of [start, end) not covered by the disjoint sorted intervals ``busy``."""
+def _uncovered(start: float, end: float, busy: Sequence[tuple[float, float]],
+               ends: Sequence[float]) -> float:
+    """Length of [start, end) not covered by the disjoint sorted intervals ``busy`` (``ends``:
+    their ends, sorted with them)."""
     covered = 0.0
-    for b0, b1 in busy:
-        if b1 <= start:
-            continue
+    for i in range(bisect_right(ends, start), len(busy)):
+        b0, b1 = busy[i]
         if b0 >= end:
             break
         covered += min(end, b1) - max(start, b0)
@@ -99,8 +101,10 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
     compute_busy = sorted(
         (start[i], finish[i]) for i, t in enumerate(tasks) if t.streams == {Stream.compute}
     )
+    busy_ends = [b1 for _, b1 in compute_busy]
     exposed = tuple(
-        _uncovered(start[i], finish[i], compute_busy) if t.comm_kind is not None else 0.0
+        _uncovered(start[i], finish[i], compute_busy, busy_ends) if t.comm_kind is not None
+        else 0.0
         for i, t in enumerate(tasks)
     )
     makespan = max(finish, default=0.0)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from pydantic import ValidationError
 
@@ -43,6 +44,7 @@ from planner.staging import SplitCosts, split_layers
 from plans import (
     ClusterSpec,
     CrossEntropy,
+    FFNStrategy,
     ModelSpec,
     Overlap,
     Plan,
@@ -51,7 +53,7 @@ from plans import (
     SpecError,
     TrainingSpec,
 )
-from plans.enums import Target
+from plans.enums import Dispatch, Target
 from plans.execution import ANY, RULES, as_target, executed_plan, refusals, rule_refusals
 from plans.layout import moe_chunks
 
@@ -233,7 +235,10 @@ def _as_run_by(ranked: list[Ranked], target: Target) -> list[Ranked]:
 
 def evaluate_plan(plan: Plan) -> Ranked:
     """Evaluate one plan and attach its prediction."""
-    evaluation = cost_models.evaluate(plan)
+    return _predicted(plan, cost_models.evaluate(plan))
+
+
+def _predicted(plan: Plan, evaluation: Evaluation) -> Ranked:
     return Ranked(plan.model_copy(update={"prediction": evaluation.prediction()}), evaluation)
 
 
@@ -351,7 +356,8 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             elif item[0] > kept[0][0] or (item[0] == kept[0][0] and _seeded(kept[0])):
                 heapq.heapreplace(kept, item)
     ordered = sorted(kept, key=lambda t: (-t[0], -t[1], -t[2]))
-    return [r for *_, r in ordered]
+    return [r if r.plan.prediction is not None else _predicted(r.plan, r.evaluation)
+            for *_, r in ordered]
 
 
 def _seeded(item: tuple) -> bool:
@@ -449,10 +455,17 @@ def _with_option(plan: Plan, option, **more) -> Plan:
     dispatch, overlap, recompute, sync = option
     update = {"overlap": overlap, "recompute": recompute, "grad_sync_precision": sync, **more}
     if dispatch is not None:
-        update["ffn"] = plan.ffn.model_copy(update={"dispatch": dispatch})
+        update["ffn"] = _ffn_with(plan.ffn, dispatch)
     # model_copy skips validation: these fields are enums the option enumeration already
     # restricted to valid values (fp8 sync only with fp8 training).
     return plan.model_copy(update=update)
+
+
+@lru_cache(maxsize=1024)
+def _ffn_with(ffn: FFNStrategy, dispatch: Dispatch) -> FFNStrategy:
+    """``ffn`` under ``dispatch``: one object per pair, so the cost models' caches find it by
+    identity."""
+    return ffn.model_copy(update={"dispatch": dispatch})
 
 
 def _fits_leanest(plan: Plan, options, losses: tuple[CrossEntropy, ...]) -> bool:
@@ -549,7 +562,8 @@ def _evaluate_option(plan: Plan, option, losses: tuple[CrossEntropy, ...] = tupl
     for loss in _loss_order(plan, losses):
         candidate = split_stages(_with_option(plan, option, cross_entropy=loss))
         if cost_models.memory_breakdown(candidate).fits:
-            ranked = evaluate_plan(candidate)
-            return ranked if ranked.evaluation.feasible else None
+            evaluation = cost_models.evaluate(candidate)
+            # the prediction is attached to the plans the search returns (_search)
+            return Ranked(candidate, evaluation) if evaluation.feasible else None
     return None
 

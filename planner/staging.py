@@ -28,6 +28,12 @@ from plans.layout import stage_of_chunk
 # Costs are rounded to this fraction of a layer before solving, so that near-identical
 # candidates share one solve (the result is cached on the rounded key).
 _COST_GRAIN = 0.25
+_TIE_WEIGHT = _COST_GRAIN / 5
+"""The ILP's tie-break weight per end-stage layer, times the model's layers: its whole term
+stays below a grain, so it never trades away slowest-stage time."""
+_ILP_REL_GAP = 1e-4
+"""HiGHS stops once its incumbent is within this share of the optimum (its default
+mip_rel_gap; CBC's default gap is tighter)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,71 @@ def _solve(layers: int, pp: int, vpp: int, dense_layers: int, first_extra: int, 
                          f"{least}")
     if pp == 1:
         return _deal(layers, vpp, dense_layers)
+    ends = _unique_optimum(layers, pp, vpp, dense_layers, first_extra, last_extra)
+    if ends is None:
+        ends = _solve_ilp(layers, pp, vpp, dense_layers, first_extra, last_extra)
+    n_first, n_last = ends
+    middle = pp - 2
+    n, k = divmod(layers - n_first - n_last, middle) if middle else (0, 0)
+    per_stage = [n_first, *(n + (1 if i < k else 0) for i in range(middle)), n_last]
+    stage_chunks = [_deal(count, vpp, dense_layers if s == 0 else 0)
+                    for s, count in enumerate(per_stage)]
+    # chunk c lives on stage c mod pp, as its (c // pp)-th chunk
+    return tuple(stage_chunks[stage_of_chunk(c, pp)][c // pp] for c in range(pp * vpp))
+
+
+def _unique_optimum(layers: int, pp: int, vpp: int, dense_layers: int, first_extra: int,
+                    last_extra: int) -> tuple[int, int] | None:
+    """The ILP's optimum (n_first, n_last) where it is unique, else None. In units of the cost
+    grain every bound is an integer, so the ILP is lexicographic: the slowest stage first (a
+    grain or more apart), then the most layers on the end stages (the tie-break weighs at most
+    a fifth of a grain). A slowest time S is reachable iff the stages' caps under it hold the
+    layers: the first at most floor(S - extra_first), the last floor(S - extra_last), each
+    middle stage floor(S) (n + 1 <= S when k > 0), and the middle stages can hold any total
+    from (pp - 2) vpp to (pp - 2) floor(S). Reachability grows with S: bisect for the least.
+    The end stages then take min(their caps, layers - (pp - 2) vpp); that pair is unique when
+    both sit at their caps (or, without middle stages, when one count fits), and the solver
+    answers with it where a split one tie-break step worse is further from the optimum than
+    its stopping gap (_ILP_REL_GAP) allows. Otherwise the ILP decides, as it always did."""
+    grain = round(1 / _COST_GRAIN)
+    middle = pp - 2
+    least_first = max(vpp, dense_layers + vpp - 1)
+
+    def caps(s: int) -> tuple[int, int, int]:  # s: the slowest time in grains
+        return (min((s - first_extra) // grain, layers), min((s - last_extra) // grain, layers),
+                min(s // grain, layers))
+
+    def reachable(s: int) -> bool:
+        first, last, each = caps(s)
+        return (first >= least_first and last >= vpp and (not middle or each >= vpp)
+                and first + last + middle * each >= layers)
+
+    low, high = 0, grain * layers + max(first_extra, last_extra, 0)
+    while low < high:
+        mid = (low + high) // 2
+        if reachable(mid):
+            high = mid
+        else:
+            low = mid + 1
+    first, last, _ = caps(low)
+    if middle:
+        ends = min(first + last, layers - middle * vpp)
+        if ends != first + last:
+            return None
+        objective = low / grain - _TIE_WEIGHT / layers * (first + last)
+        if _TIE_WEIGHT / layers <= 2 * _ILP_REL_GAP * (abs(objective) + 1):
+            return None  # the solver may stop at a split one tie-break step worse
+    else:
+        lo_first, hi_first = max(least_first, layers - last), min(first, layers - vpp)
+        if lo_first != hi_first:
+            return None
+        first, last = lo_first, layers - lo_first
+    return first, last
+
+
+def _solve_ilp(layers: int, pp: int, vpp: int, dense_layers: int, first_extra: int,
+               last_extra: int) -> tuple[int, int]:
+    """The ILP of the module doc; its optimum's (n_first, n_last)."""
     extra_first, extra_last = first_extra * _COST_GRAIN, last_extra * _COST_GRAIN
     middle = pp - 2
     least_first = max(vpp, dense_layers + vpp - 1)
@@ -80,7 +151,7 @@ def _solve(layers: int, pp: int, vpp: int, dense_layers: int, first_extra: int, 
     slowest = _variable(prob, "slowest", 0, None, "Continuous")
     # tie-break: fill the end stages (their extras are counted); the weight keeps the term
     # below the cost grain, so it never trades away slowest-stage time
-    prob += slowest - (_COST_GRAIN / 5 / layers) * (n_first + n_last)
+    prob += slowest - (_TIE_WEIGHT / layers) * (n_first + n_last)
     prob += n_first + n_last + middle * n + k == layers
     prob += k <= middle * z
     prob += slowest >= n_first + extra_first
@@ -94,21 +165,14 @@ def _solve(layers: int, pp: int, vpp: int, dense_layers: int, first_extra: int, 
     if pulp.LpStatus[status] != "Optimal":
         raise RuntimeError(f"stage split ILP ended {pulp.LpStatus[status]} for {layers} layers "
                            f"on {pp} stages")
-    value = {v.name: int(round(v.value() or 0)) for v in (n_first, n_last, n, k)}
-    per_stage = ([value["n_first"]]
-                 + [value["n_middle"] + (1 if i < value["k"] else 0) for i in range(middle)]
-                 + [value["n_last"]])
-    stage_chunks = [_deal(count, vpp, dense_layers if s == 0 else 0)
-                    for s, count in enumerate(per_stage)]
-    # chunk c lives on stage c mod pp, as its (c // pp)-th chunk
-    return tuple(stage_chunks[stage_of_chunk(c, pp)][c // pp] for c in range(pp * vpp))
+    return int(round(n_first.value() or 0)), int(round(n_last.value() or 0))
 
 
 def _solver() -> pulp.LpSolver:
     """HiGHS in-process (about 0.2 ms a solve) when highspy is installed; else PuLP's bundled
     CBC (a subprocess, about 5 ms a solve)."""
     if pulp.HiGHS(msg=False).available():
-        return pulp.HiGHS(msg=False)
+        return pulp.HiGHS(msg=False, gapRel=_ILP_REL_GAP)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=10)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
+from functools import lru_cache
 from types import MappingProxyType
 
 from plans.enums import Recompute, RecomputeModule
@@ -174,6 +175,7 @@ DEFAULT_MODULES: tuple[RecomputeModule, ...] = (RecomputeModule.core_attn,)
 default ``--recompute-modules``)."""
 
 
+@lru_cache(maxsize=256)
 def recomputed_operators(policy: Recompute,
                          modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
                          ) -> frozenset[LayerOperator]:

@@ -14,7 +14,6 @@ tick's batched isend/irecv on the peer (no send/send deadlock on NCCL or gloo).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from plans.layout import stage_of_chunk
 
@@ -102,12 +101,16 @@ def timeline(pp: int, vpp: int, m: int) -> list[tuple[dict[int, Action], list[Me
     return ticks
 
 
-@lru_cache(maxsize=65536)
 def peak_in_flight_chunks(pp: int, vpp: int, m: int, stage: int) -> int:
     """The most model-chunk forwards ``stage`` holds whose backward has not run yet, over its
-    action list: the activations it keeps at its peak, in chunks (each 1 / vpp of the stage)."""
-    held = peak = 0
-    for a in stage_actions(pp, vpp, m, stage):
-        held += 1 if a.forward else -1
-        peak = max(peak, held)
-    return peak
+    action list (stage_actions): the activations it keeps at its peak, in chunks (each 1 / vpp
+    of the stage). The warm-up forwards, and one more if a forward-backward pair follows
+    them; every chunk forward when the warm-up takes them all."""
+    total = m * vpp
+    if vpp == 1:
+        warmup = pp - stage - 1
+    elif m == pp:
+        return total
+    else:
+        warmup = (pp - stage - 1) * 2 + (vpp - 1) * pp
+    return min(warmup + 1, total)

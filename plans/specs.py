@@ -6,9 +6,10 @@ Units are in field names: ``_tflops`` (10^12 FLOP/s), ``_gb_s`` (10^9 bytes/s), 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from functools import cache, cached_property
-from typing import Annotated
+from functools import cache, cached_property, lru_cache
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -29,14 +30,42 @@ from plans.enums import (
     WindowKind,
 )
 
+_HASH = "_hash"
+"""Where a Frozen instance keeps its hash, in its __dict__ beside the fields (pydantic's equality
+and serialisation read the fields only)."""
+
 
 class Frozen(BaseModel):
-    """Base of every contract type: immutable, unknown fields rejected, docstrings as docs."""
+    """Base of every contract type: immutable, unknown fields rejected, docstrings as docs.
+
+    Hashed as pydantic hashes a frozen model (its fields' values), once per instance: the cost
+    models' caches are keyed on specs and plans, and rehashing a cluster's nested specs on every
+    lookup was a tenth of a search (bench/results/search_speed.json). A copy with new values
+    (model_copy's update) and a pickled instance (another process hashes strings otherwise) drop
+    the kept hash."""
 
     model_config = ConfigDict(
         frozen=True, extra="forbid", use_attribute_docstrings=True,
         ignored_types=(cached_property,), allow_inf_nan=False,
     )
+
+    def __hash__(self) -> int:
+        kept = self.__dict__.get(_HASH)
+        if kept is None:
+            kept = hash(tuple(self.__dict__[f] for f in type(self).__pydantic_fields__))
+            self.__dict__[_HASH] = kept
+        return kept
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False):
+        copied = super().model_copy(update=update, deep=deep)
+        if update:
+            copied.__dict__.pop(_HASH, None)
+        return copied
+
+    def __getstate__(self) -> dict[Any, Any]:
+        state = super().__getstate__()
+        state["__dict__"] = {k: v for k, v in state["__dict__"].items() if k != _HASH}
+        return state
 
 
 # Hardware quantities outside this range (in each field's unit) are typing mistakes, and they make
@@ -788,5 +817,12 @@ def mfu(model: ModelSpec, seq_len: int, tokens: float, seconds: float, gpus: int
     """Model FLOPs utilization: ``tokens`` of ``seq_len``-token sequences trained in ``seconds``
     (ModelSpec.flops_per_token) over ``gpus`` GPUs' peak dense bf16 throughput, what the
     predictions, the runtime's steps and the paper's MFU all report."""
-    return model.flops_per_token(seq_len) * tokens / (gpus * gpu.bf16_dense_tflops * 1e12
-                                                      * seconds)
+    return _flops_per_token(model, seq_len) * tokens / (gpus * gpu.bf16_dense_tflops * 1e12
+                                                        * seconds)
+
+
+@lru_cache(maxsize=1024)
+def _flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """ModelSpec.flops_per_token of a training step, once per model and length (a search
+    prices thousands of plans of one model)."""
+    return model.flops_per_token(seq_len)

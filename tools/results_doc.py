@@ -132,7 +132,10 @@ def facts(search: dict) -> dict[str, str]:
     f |= {"search_s": f"{job['search_s_min']:.1f}", "search_cores": str(sp["cores"]),
           "search_ratio": f"{job['ratio_to_loop']:.1f}",
           "search_candidates": f"{job['result']['candidates']:,}",
-          "search_commit": sp["commit"]}
+          "search_commit": sp["commit"],
+          "whatif_points": str(sp["whatif"]["result"]["points"]),
+          "whatif_s": f"{sp['whatif']['search_s_min']:.0f}",
+          "whatif_ratio": f"{sp['whatif']['ratio_to_loop']:.0f}"}
     fz, adv = _load(FUZZ), _load(ADVERSARIAL)
     f |= {"fuzz_cases": f"{fz['cases']:,}", "fuzz_tracebacks": str(fz["outcomes"]["traceback"]),
           "fuzz_hangs": str(fz["outcomes"]["hang"]), "fuzz_wrote": str(fz["outcomes"]["wrote"]),

@@ -5,11 +5,12 @@ Internal-352B on 1,440 H800 (global batch 720 x 8,192), DeepSeek-V3 on 2,048 H80
 Machines differ about 3x, so each search is also reported as a ratio to a 10-million-iteration
 Python loop (``s += i``) timed in the same process right after it, with its CPU time and the
 machine's load averages (a shared machine's wall time is not the search's). Targets (issue 32): the
-352B job under 1 s on one core, a ratio under 1.8; the other two under 2 s. Each repeat runs
+352B job under 1 s on one core, a ratio under 1.8; the other two under 2 s; the 352B job's 5 x 5
+what-if grid (``whatif``, WHATIF_VARY) under 10 s, timed the same way. Each repeat runs
 in a fresh process (cold caches, the stage-split ILP cache included), pinned to one core where
 the OS allows it; the fastest repeat counts.
 
-    python -m tools.search_speed [--repeats 2] [--jobs internal-352b ...]
+    python -m tools.search_speed [--repeats 2] [--jobs internal-352b ...] [--no-whatif]
 """
 
 from __future__ import annotations
@@ -58,16 +59,68 @@ print(json.dumps({"import_s": t1 - t0, "search_s": t2 - t1, "search_cpu_s": c2 -
 """
 
 
-def run_job(name: str, repeats: int, root: Path, env: dict) -> dict:
-    model, cluster, gpus, batch, seq, target = JOBS[name]
+WHATIF_JOB = "internal-352b"
+WHATIF_VARY = ("network_gb_s=0.5x,0.75x,1x,1.5x,2x", "nvlink_gb_s=0.5x,0.75x,1x,1.5x,2x")
+"""The what-if grid timed: the 352B job re-planned at 5 x 5 bandwidth points (issue 32)."""
+WHATIF_TARGET_S = 10.0
+
+WHATIF_RUN = """
+import json, sys, time
+t0 = time.perf_counter()
+from plans import TrainingSpec, catalog
+from planner.whatif import parse_vary, whatif
+t1 = time.perf_counter()
+c1 = time.process_time()
+model, cluster, gpus, batch, seq = json.loads(sys.argv[1])
+points = whatif(catalog.load_model(model), catalog.load_cluster(cluster, gpus=gpus),
+                TrainingSpec(global_batch=batch, seq_len=seq),
+                [parse_vary(v) for v in json.loads(sys.argv[3])])
+t2 = time.perf_counter()
+c2 = time.process_time()
+s = 0
+for i in range(int(sys.argv[2])):
+    s += i
+t3 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "search_s": t2 - t1, "search_cpu_s": c2 - c1,
+                  "loop_s": t3 - t2, "ratio": (t2 - t1) / (t3 - t2), "points": len(points),
+                  "best": {p.label: p.result.best.plan.summary() if p.result.best else None
+                           for p in points}}))
+"""
+
+
+def _runs(script: str, args: list[str], repeats: int, root: Path, env: dict) -> list[dict]:
     runs = []
     for _ in range(repeats):
-        cmd = [sys.executable, "-c", ONE_RUN, json.dumps([model, cluster, gpus, batch, seq]),
-               str(LOOP_ITERATIONS)]
+        cmd = [sys.executable, "-c", script, *args]
         if hasattr(os, "sched_setaffinity"):
             cmd = ["taskset", "-c", "0", *cmd]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=root, env=env)
         runs.append(json.loads(out.stdout))
+    return runs
+
+
+def run_whatif(repeats: int, root: Path, env: dict) -> dict:
+    model, cluster, gpus, batch, seq, _ = JOBS[WHATIF_JOB]
+    runs = _runs(WHATIF_RUN, [json.dumps([model, cluster, gpus, batch, seq]),
+                              str(LOOP_ITERATIONS), json.dumps(WHATIF_VARY)], repeats, root, env)
+    fastest = min(runs, key=lambda r: r["search_s"])
+    return {
+        "job": f"whatif {model} on {gpus} x {cluster.upper()}, global batch {batch}, seq {seq}, "
+               + " ".join(f"--vary {v}" for v in WHATIF_VARY),
+        "target_s": WHATIF_TARGET_S,
+        "search_s_min": fastest["search_s"],
+        "search_s_all": [r["search_s"] for r in runs],
+        "search_cpu_s_all": [r["search_cpu_s"] for r in runs],
+        "loop_s": fastest["loop_s"],
+        "ratio_to_loop": fastest["ratio"],
+        "result": fastest,
+    }
+
+
+def run_job(name: str, repeats: int, root: Path, env: dict) -> dict:
+    model, cluster, gpus, batch, seq, target = JOBS[name]
+    runs = _runs(ONE_RUN, [json.dumps([model, cluster, gpus, batch, seq]),
+                           str(LOOP_ITERATIONS)], repeats, root, env)
     fastest = min(runs, key=lambda r: r["search_s"])
     return {
         "job": f"search {model} on {gpus} x {cluster.upper()}, global batch {batch}, seq {seq}",
@@ -86,11 +139,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--jobs", nargs="+", choices=tuple(JOBS), default=list(JOBS))
+    ap.add_argument("--no-whatif", action="store_true", help="skip the 5 x 5 what-if grid")
     args = ap.parse_args()
     root = Path(__file__).parent.parent
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     load_before = os.getloadavg()
     jobs = {name: run_job(name, args.repeats, root, env) for name in args.jobs}
+    grid = {} if args.no_whatif else {"whatif": run_whatif(args.repeats, root, env)}
     path = write("search_speed", {
         "benchmark": "search time of three jobs, and its ratio to a Python loop of "
                      f"{LOOP_ITERATIONS:,} iterations (s += i) timed in the same process",
@@ -98,6 +153,7 @@ def main() -> None:
         "cores": 1,
         "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "jobs": jobs,
+        **grid,
     })
     print(json.dumps(json.loads(path.read_text()), indent=2))
 

@@ -74,3 +74,25 @@ def test_search_skips_splits_the_dense_layers_cannot_fill(tmp_path):
     assert result.top
     for r in result.top:
         assert r.plan.stage_layers[0] >= 3 and min(r.plan.stage_layers) >= 1
+
+
+def test_closed_form_answers_as_the_ilp_does():
+    # where the closed form answers (a unique optimum the solver's stopping gap cannot miss),
+    # it is the ILP's split; elsewhere the ILP decides
+    import random
+
+    from planner.staging import _solve_ilp, _unique_optimum, least_layers
+
+    rng = random.Random(7)
+    answered = 0
+    for _ in range(400):
+        layers = rng.choice([8, 12, 27, 32, 48, 60, 61, 64, 94, 95, 126, 128])
+        pp, vpp, dense = rng.randint(2, 20), rng.randint(1, 4), rng.choice([0, 1, 3])
+        if pp * vpp > layers or least_layers(pp, vpp, dense) > layers:
+            continue
+        case = (layers, pp, vpp, dense, rng.randint(-12, 40), rng.randint(-12, 40))
+        ends = _unique_optimum(*case)
+        if ends is not None:
+            answered += 1
+            assert ends == _solve_ilp(*case), case
+    assert answered > 30

@@ -308,3 +308,23 @@ def test_new_fields_refuse_inconsistent_values_naming_the_field(update, field):
     with pytest.raises(ValidationError) as e:
         ModelSpec.model_validate(data)
     assert describe(e.value).startswith(f"{field} ")
+
+
+def test_a_kept_hash_is_the_fields_hash_and_never_outlives_them():
+    import pickle
+
+    from pydantic._internal._model_construction import make_hash_func
+
+    cluster = catalog.load_cluster("h800", gpus=16)
+    first = hash(cluster)
+    assert first == make_hash_func(ClusterSpec)(cluster)  # pydantic's own value
+    assert hash(cluster) == first
+    resized = cluster.model_copy(update={"gpus": 8})
+    assert hash(resized) == make_hash_func(ClusterSpec)(resized) != first
+    assert cluster.model_copy() == cluster and hash(cluster.model_copy()) == first
+    data = pickle.dumps(cluster)
+    assert b"_hash" not in data  # another process hashes strings with another seed
+    again = pickle.loads(data)
+    assert again == cluster and hash(again) == first
+    assert catalog.load_cluster("h800", gpus=16) == cluster  # one hashed, one not
+    assert "_hash" not in cluster.model_dump_json() and "_hash" not in repr(cluster)
