@@ -56,6 +56,7 @@ from plans.catalog import load_plan
 from plans.execution import UnsupportedFeature
 from plans.io import write_atomic
 from plans.specs import mfu
+from runtime.compile_cache import use_cache_dir
 from runtime.config import ModelConfig
 from runtime.data import SyntheticTokens
 from runtime.memory import GIB
@@ -115,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plans", choices=list(PLAN_SETS), default="searched",
                    help="our plans: searched (bench/gpu_plans/searched/) or capped, searched "
                    "under --memory-cap torchtitan's measured peak (bench/gpu_plans/peer_capped/)")
+    p.add_argument("--compile-cache", type=Path,
+                   help="folder of torch.compile's caches (runtime.compile_cache; default: "
+                   "TORCHINDUCTOR_CACHE_DIR, else the user's cache folder): a later launch of "
+                   "the same plan over it is a relaunch")
     p.add_argument("--no-ours", action="store_true", help="time torchtitan's step only")
     p.add_argument("--no-peer", action="store_true", help="time our step only")
     p.add_argument("--tiny", action="store_true",
@@ -476,6 +481,7 @@ def summary_line(name: str, row: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cache = use_cache_dir(args.compile_cache)  # before anything compiles
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
@@ -486,6 +492,7 @@ def main(argv=None) -> int:
         "benchmark": "whole training step on one GPU: our searched plan against torchtitan's "
                      "model and step (same shape, tokens, batch)",
         "device": str(device), "tiny": args.tiny, "warmup": args.warmup, "steps": args.steps,
+        "plans": args.plans, "compile_cache": str(cache),
         "wheels": {p: _version(p) for p in ("torchtitan", "spmd_types", "tyro",
                                             "typeguard", "docstring-parser",
                                             "torch_checkpointing", "megatron-core")},
