@@ -82,7 +82,8 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     assert "step 2 loss" in r.stdout
     # eager kernels compile nothing; the line before the run's summary puts the first step
     # apart from the rest
-    assert rows[0]["compiled_graphs"] == {"hits": 0, "misses": 0, "aot_hits": 0, "aot_misses": 0, "aot_bypasses": 0}
+    assert rows[0]["compiled_graphs"] == {"hits": 0, "misses": 0, "aot_hits": 0, "aot_misses": 0,
+                                          "aot_bypasses": 0}
     last = r.stdout.strip().splitlines()[-2]
     assert last.startswith("first step ") and "(median of 1 step)" in last, last
     assert str(cache.resolve()) in last and cache.is_dir()
