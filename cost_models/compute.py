@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from plans.enums import ExpertGemm
+from plans.layout import expert_rows
 from plans.specs import CAUSAL_FRACTION, ClusterSpec, Precision  # noqa: F401 (re-exported)
 
 TILE = 128
@@ -145,10 +147,24 @@ def grouped_gemm_s(
     return _gemm_s(m_per_group, n, k, groups, peak, launch, cluster, precision)
 
 
+def expert_gemm_s(
+    gemm: ExpertGemm, groups: int, m_per_group: float, n: float, k: float,
+    cluster: ClusterSpec, precision: Precision,
+) -> float:
+    """A rank's ``groups`` experts' GEMM of one shape as ``gemm`` runs it
+    (plans.layout.expert_gemm): one grouped kernel at the grouped GEMM's efficiency
+    (``grouped_gemm_s``), or one cuBLAS GEMM per expert at the dense GEMM's (``gemm_s`` each,
+    its launch included: per-expert cuBLAS measured at the dense rate on one H200 at
+    Mixtral-8x7B's shape, 695 against 696 TFLOP/s, bench/results/h200/expert_paths/)."""
+    if gemm == ExpertGemm.per_expert:
+        return groups * gemm_s(m_per_group, n, k, cluster, precision)
+    return grouped_gemm_s(groups, m_per_group, n, k, cluster, precision)
+
+
 def expert_tokens(tokens: float, top_k: int, experts: int, capacity_factor: float | None) -> float:
-    """Tokens per expert under balanced routing: tokens x k / experts, padded to capacity when
-    a capacity factor is set (fixed-capacity buffers are computed in full)."""
-    balanced = tokens * top_k / experts
+    """Tokens per expert under balanced routing (plans.layout.expert_rows), padded to capacity
+    when a capacity factor is set (fixed-capacity buffers are computed in full)."""
+    balanced = expert_rows(tokens, top_k, experts)
     return balanced if capacity_factor is None else balanced * capacity_factor
 
 

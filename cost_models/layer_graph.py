@@ -31,7 +31,8 @@ from cost_models import volumes as vol
 from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation, fused_every_slot
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
-from plans.layout import kv_heads_sent, tokens_per_rank
+from plans.enums import ExpertGemm, Target
+from plans.layout import expert_gemm, kv_heads_sent, tokens_per_rank
 from plans.operators import (
     DEFAULT_MODULES,
     TIMER_OF,
@@ -140,6 +141,10 @@ class LayerKey:
     """TrainingSpec.routing_skew (cost_models.skew)."""
     recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
     """Plan.recompute_modules: what selective recomputation reruns."""
+    target: Target = Target.moeplan
+    """The runtime that executes the layer (plan.target): moeplan's runs its experts' GEMMs as
+    plans.layout.expert_gemm picks; Megatron-Core's GroupedLinear is priced grouped (its
+    per-GEMM host launches by cost_models.megatron)."""
 
     @property
     def tokens(self) -> float:
@@ -229,12 +234,13 @@ class _Builder:
         bwd = tuple(sum(g[i] for g in grads) for i in range(2))
         return self.add(Op(name.value, name, OpKind.gemm, fwd, bwd), *after)
 
-    def grouped(self, name: LayerOperator, groups: int, m: float, n: float, k: float,
-                *after: str | None, at: str = "") -> str:
-        """``at``: the chunk suffix of a chunked MoE layer's operators (``@0``, ``@1``)."""
+    def grouped(self, name: LayerOperator, gemm: ExpertGemm, groups: int, m: float, n: float,
+                k: float, *after: str | None, at: str = "") -> str:
+        """The experts' GEMM as ``gemm`` runs it. ``at``: the chunk suffix of a chunked MoE
+        layer's operators (``@0``, ``@1``)."""
         c, p = self.key.cluster, self.key.precision
-        fwd = cc.grouped_gemm_s(groups, m, n, k, c, p)
-        bwd = tuple(cc.grouped_gemm_s(groups, *g, c, p) for g in cc.backward_gemms(m, n, k))
+        fwd = cc.expert_gemm_s(gemm, groups, m, n, k, c, p)
+        bwd = tuple(cc.expert_gemm_s(gemm, groups, *g, c, p) for g in cc.backward_gemms(m, n, k))
         return self.add(Op(name.value + at, name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
@@ -604,6 +610,8 @@ def _moe_experts_and_combine(g: _Builder, x: _MoEChunks,
     t, n, rows = x.t, x.n, x.rows
     e_fwd = x.eager.combine_fwd if x.eager else None
     e_bwd = x.eager.combine_bwd if x.eager else None
+    gemm = (expert_gemm(k.model, k.tokens, x.n, x.chunks) if k.target == Target.moeplan
+            else ExpertGemm.grouped)
     outs = []
     for c, (ready, back, _) in enumerate(dispatched):
         at = x.at(c)
@@ -612,10 +620,10 @@ def _moe_experts_and_combine(g: _Builder, x: _MoEChunks,
         # and after the next chunk's permutation, so that chunk's dispatch runs beside them.
         previous = f"{LO.expert_fc2.value}@{c - 1}" if c else None
         following = dispatched[c + 1][2] if c + 1 < x.chunks else None
-        fc13 = g.grouped(LO.expert_fc13, x.local, x.per_expert, 2 * x.width, h, ready,
+        fc13 = g.grouped(LO.expert_fc13, gemm, x.local, x.per_expert, 2 * x.width, h, ready,
                          previous, following, at=at)
         act = _swiglu(g, LO.expert_swiglu, rows, x.width, fc13, at)
-        fc2 = g.grouped(LO.expert_fc2, x.local, x.per_expert, h, x.width, act, at=at)
+        fc2 = g.grouped(LO.expert_fc2, gemm, x.local, x.per_expert, h, x.width, act, at=at)
         if x.a2a:
             returned = g.comm(LO.ep_combine, back, fc2, fuse_with=LO.expert_fc2, rows=rows,
                               at=at, side_stream=x.side)

@@ -36,7 +36,7 @@ from plans.plan import (
     Recompute,
     RecomputeModule,
 )
-from plans.specs import ModelSpec, Optimizer, Precision
+from plans.specs import ClusterSpec, ModelSpec, Optimizer, Precision, TrainingSpec
 
 LO = LayerOperator
 GIB = 2**30
@@ -92,7 +92,8 @@ class MemoryBreakdown:
     phases plus the reserve, so these do not add up to it."""
     peak_bytes: float
     capacity_bytes: float
-    """gpu.hbm_gib x 2^30 x efficiency.memory_usable."""
+    """What the plan must fit in (``memory_capacity_bytes``): the GPU's usable memory, or
+    the job's memory cap."""
     stage: int
     """Pipeline stage of the peak."""
 
@@ -503,12 +504,26 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
                            capacity, peak_stage)
 
 
+def gpu_usable_bytes(cluster: ClusterSpec) -> float:
+    """What one GPU offers a job: gpu.hbm_gib x 2^30 x efficiency.memory_usable (the rest
+    stays free for the CUDA context, NCCL's buffers and the prediction's error)."""
+    return cluster.gpu.hbm_gib * GIB * cluster.efficiency.memory_usable
+
+
+def memory_capacity_bytes(cluster: ClusterSpec, training: TrainingSpec) -> float:
+    """The bytes per GPU a plan must fit in: the GPU's usable memory, or the job's
+    training.memory_cap_gib where that is lower."""
+    usable = gpu_usable_bytes(cluster)
+    cap = training.memory_cap_gib
+    return usable if cap is None else min(usable, cap * GIB)
+
+
 def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdown:
     """Peak bytes per GPU of ``plan`` and the capacity it must fit in; ``step_in_buckets``
     False prices a run whose eager optimizer cast every gradient at once (a result's
     ``eager_step_in_buckets``, plans.results.MEASURED_UNDER)."""
     c, t = plan.cluster, plan.training
-    capacity = c.gpu.hbm_gib * GIB * c.efficiency.memory_usable
+    capacity = memory_capacity_bytes(c, t)
     return _memory(
         plan.model, plan.degrees, plan.ffn, plan.stage_layers, t.seq_len, plan.micro_batch_size,
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.layout import accumulates_experts_in_gemm, stage_of_chunk
+from plans.enums import ExpertGemm, Target
+from plans.layout import accumulates_experts_in_gemm, moe_chunks, plan_expert_gemm, stage_of_chunk
 from plans.plan import Degrees, OptimizerSharding, Plan
 from plans.specs import ModelSpec
 
@@ -130,10 +131,21 @@ def stage_params_of(plan: Plan) -> tuple[StageParams, ...]:
     return stage_params(plan.model, plan.degrees, plan.stage_layers)
 
 
+def expert_gemm_of(plan: Plan) -> ExpertGemm:
+    """How the plan's routed experts run their GEMMs: on moeplan's runtime as
+    plans.layout.expert_gemm picks for the plan's layout (the runtime builds them with the
+    same rule, runtime.trainer.model_options); Megatron-Core's GroupedLinear: grouped."""
+    if plan.target != Target.moeplan:
+        return ExpertGemm.grouped
+    d = plan.degrees
+    return plan_expert_gemm(plan.model, d, plan.micro_batch_size, plan.training.seq_len,
+                            moe_chunks(plan.overlap, plan.ffn, d.ep))
+
+
 def experts_in_gemm(plan: Plan) -> bool:
     """Whether the plan's routed experts add their weight gradients into the main gradients
     inside their GEMMs (plans.layout.accumulates_experts_in_gemm on the experts per rank: E / ep
-    of width F / etp), as the runtime decides it from the same rule."""
+    of width F / etp, run as ``expert_gemm_of``), as the runtime decides it from the same rule."""
     m, d = plan.model, plan.degrees
     return accumulates_experts_in_gemm(plan.grad_accumulation_fusion, m.experts // d.ep,
-                                       m.expert_ffn_hidden // d.etp)
+                                       m.expert_ffn_hidden // d.etp, expert_gemm_of(plan))

@@ -216,7 +216,7 @@ def default_global_batch(gpus: int) -> int:
 
 
 def _training(global_batch: int | None, seq_len: int, precision: TrainingPrecision,
-              gpus: int) -> tuple[plans.TrainingSpec, str]:
+              gpus: int, memory_cap_gib: float | None = None) -> tuple[plans.TrainingSpec, str]:
     """The job's TrainingSpec, and a note for the job header when the batch was defaulted."""
     from pydantic import ValidationError
 
@@ -227,12 +227,13 @@ def _training(global_batch: int | None, seq_len: int, precision: TrainingPrecisi
         global_batch, note = default_global_batch(gpus), " (default: GPUs / 2)"
     try:
         spec = plans.TrainingSpec(global_batch=global_batch, seq_len=seq_len,
-                                  precision=Precision(precision.value))
+                                  precision=Precision(precision.value),
+                                  memory_cap_gib=memory_cap_gib)
     except ValidationError as e:
         # the option the user gave (or, for a defaulted batch, the --gpus it came from)
         field = str(e.errors()[0]["loc"][0]) if e.errors()[0]["loc"] else ""
         option = {"global_batch": "--global-batch", "seq_len": "--seq-len",
-                  "precision": "--precision"}.get(field)
+                  "precision": "--precision", "memory_cap_gib": "--memory-cap"}.get(field)
         if field == "global_batch" and defaulted:
             raise plans.SpecError(f"--gpus: the default global batch ({global_batch:,}, half "
                                   f"the GPUs) is out of range: {describe(e)}") from None
@@ -477,6 +478,10 @@ def search_cmd(
         "(default) or eager PyTorch.")] = Kernels.fused,
     runnable: RunnableOpt = False,
     target: TargetOpt = Target.moeplan,
+    memory_cap: Annotated[float | None, typer.Option(
+        "--memory-cap", metavar="GIB", help="Hold each GPU's predicted peak memory to this "
+        "many GiB (below the GPU's usable memory), e.g. another trainer's measured peak; "
+        "the plans record it (training.memory_cap_gib).")] = None,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write the best plan here (YAML for a .yaml or .yml name, else JSON).")
     ] = None,
@@ -499,6 +504,7 @@ def search_cmd(
       moeplan search internal-352b h800 --gpus 1440 --global-batch 720 --json
       moeplan search qwen3-30b-a3b h200 --gpus 8 --recompute full --out plan.yaml
       moeplan search qwen3-30b-a3b h200 --gpus 8 --tp 1 --ep 4,8 --mbs 1,2
+      moeplan search qwen3-30b-a3b h200 --gpus 8 --runnable --memory-cap 60
     """
     from planner.pins import parse_pins
     from planner.report import job_document, job_text, print_search, search_document
@@ -507,7 +513,7 @@ def search_cmd(
     _check_plot(plot, force)
     spec_model = plans.catalog.load_model(model)
     spec_cluster = plans.catalog.load_cluster(cluster, gpus=gpus)
-    training, batch_note = _training(global_batch, seq_len, precision, gpus)
+    training, batch_note = _training(global_batch, seq_len, precision, gpus, memory_cap)
     pinned = parse_pins(pins or {}, Precision(precision.value))
     result = _pinned_search(spec_model, spec_cluster, training, pinned, kernels, runnable,
                             top, json_out, target=target)

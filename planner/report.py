@@ -192,7 +192,7 @@ def params_text(model: ModelSpec) -> str:
 def job_text(model: ModelSpec, cluster: ClusterSpec | Sequence[ClusterSpec],
              training: TrainingSpec, batch_note: str = "") -> str:
     """The job in one line: model, GPUs (of each machine compared), batch, sequence,
-    precision."""
+    precision, and the memory cap where the job sets one."""
     if not isinstance(cluster, ClusterSpec):
         gpus = (f"{cluster[0].gpus:,} GPUs of each of "
                 f"{', '.join(f'{c.name} ({c.gpu.name})' for c in cluster)}")
@@ -202,15 +202,20 @@ def job_text(model: ModelSpec, cluster: ClusterSpec | Sequence[ClusterSpec],
             gpus += f" ({cluster.nodes} nodes of {cluster.node.gpus_per_node})"
     return (f"{model.name} ({params_text(model)}) on {gpus}: global batch "
             f"{training.global_batch:,}{batch_note} x {training.seq_len:,} tokens = "
-            f"{training.tokens_per_step:,} tokens/step, {training.precision.value}")
+            f"{training.tokens_per_step:,} tokens/step, {training.precision.value}"
+            + ("" if training.memory_cap_gib is None
+               else f", at most {training.memory_cap_gib:g} GiB per GPU"))
 
 
 def job_document(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                  gpus: int | list[int] | None = None) -> dict:
-    return {"model": model.name, "cluster": cluster.name,
-            "gpus": cluster.gpus if gpus is None else gpus,
-            "global_batch": training.global_batch, "seq_len": training.seq_len,
-            "precision": training.precision.value}
+    job = {"model": model.name, "cluster": cluster.name,
+           "gpus": cluster.gpus if gpus is None else gpus,
+           "global_batch": training.global_batch, "seq_len": training.seq_len,
+           "precision": training.precision.value}
+    if training.memory_cap_gib is not None:
+        job["memory_cap_gib"] = training.memory_cap_gib
+    return job
 
 
 def envelope(command: str, job: dict | None, **payload) -> dict:
@@ -472,8 +477,12 @@ def print_explain(plan: Plan, e: Evaluation) -> None:
     gpu, usable = plan.cluster.gpu, plan.cluster.efficiency.memory_usable
     # the safety margin (1 - memory_usable) stays free for the CUDA context, NCCL's buffers
     # and the prediction's error
+    cap = plan.training.memory_cap_gib
+    capped = cap is not None and e.memory.capacity_bytes == cap * GIB
     names = [*e.memory.components_bytes, "peak (states + transients + reserve)",
-             f"usable ({gpu.hbm_gib:g} GiB x {usable:g}, {1 - usable:.0%} margin)", "headroom"]
+             "usable (the job's cap, training.memory_cap_gib)" if capped
+             else f"usable ({gpu.hbm_gib:g} GiB x {usable:g}, {1 - usable:.0%} margin)",
+             "headroom"]
     sizes = [*e.memory.components_bytes.values(), e.memory.peak_bytes,
              e.memory.capacity_bytes, e.memory.capacity_bytes - e.memory.peak_bytes]
     rows = [[n, f"{g / GIB:.3g}"] for n, g in zip(names, sizes, strict=True)]

@@ -217,6 +217,8 @@ MOEPLAN: tuple[Capability, ...] = (
     *_executed("training.seq_len", ANY),
     *_executed("training.routing_skew", ANY, reason="the router routes as it learns; the cost "
                "model prices the skew and the runtime logs the measured one (routing_skew)"),
+    *_executed("training.memory_cap_gib", ANY, reason="a planning bound: the plan was chosen "
+               "to fit under it; the runtime logs its measured peak"),
     *_executed("training.optimizer", "adam", reason="AdamW (decoupled weight decay) on fp32 "
                "masters"),
     *_executed("training.optimizer", "sgd", reason="plain SGD (no momentum) on fp32 masters"),
@@ -413,6 +415,7 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("training.global_batch", ANY, reason="--global-batch-size"),
     _megatron("training.seq_len", ANY, reason="--seq-length"),
     _megatron("training.routing_skew", ANY, reason="the router routes as it learns"),
+    _megatron("training.memory_cap_gib", ANY, reason="a planning bound the plan fits under"),
     _megatron("training.optimizer", "adam", reason="--optimizer adam: AdamW (decoupled weight "
               "decay) on fp32 masters"),
     _megatron("training.optimizer", "sgd", reason="--optimizer sgd --sgd-momentum 0"),
@@ -597,6 +600,7 @@ TORCHTITAN: tuple[Capability, ...] = (
     _torchtitan("training.global_batch", ANY, reason="--training.global_batch_size"),
     _torchtitan("training.seq_len", ANY, reason="--training.seq_len"),
     _torchtitan("training.routing_skew", ANY, reason="the router routes as it learns"),
+    _torchtitan("training.memory_cap_gib", ANY, reason="a planning bound the plan fits under"),
     _torchtitan("training.optimizer", "adam", reason="AdamW, the config function's optimizer "
                 "param group"),
     _torchtitan("training.optimizer", "sgd", Support.refused,

@@ -162,6 +162,50 @@ def ulysses_chunks(overlap: Overlap, attention: AttentionStrategy, model: ModelS
     return INTER_OP_CHUNKS if (kv_heads_sent(model, sp) // sp) % INTER_OP_CHUNKS == 0 else 1
 
 
+def expert_rows(tokens: float, top_k: int, experts: int) -> float:
+    """Rows each expert computes from ``tokens`` under balanced routing: tokens x k / experts
+    (the cost model pads them to capacity, cost_models.compute.expert_tokens)."""
+    return tokens * top_k / experts
+
+
+PER_EXPERT_MIN_ROWS = 4096
+"""From this many rows per local expert in one call of the experts, one cuBLAS matmul per
+expert beats the grouped GEMM (plans.enums.ExpertGemm): with enough rows each expert's GEMMs
+run at cuBLAS's dense rate while the grouped kernel stays below it; with fewer, the per-expert
+launches and the narrow GEMMs cost more than the grouped kernel loses. Measured on one H200
+(torch 2.11), per-expert against grouped. The three expert GEMMs with SwiGLU forward +
+backward at 16,384 tokens (python -m bench.kernels.expert_paths_gpu,
+bench/results/h200/expert_paths/expert_paths.json), faster from 2,048 rows: Mixtral-8x7B at
+4,096 rows per expert 49.8 against 53.2 ms, Phi-3.5-MoE at 2,048 22.4 against 23.6; slower
+below: DeepSeekMoE at 1,536 21.2 against 8.8, Qwen3-235B-A22B at 1,024 40.6 against 25.0,
+Qwen3-30B-A3B at 1,024 40.7 against 6.9, DeepSeek-V3 at 512 69.4 against 67.7. Whole steps of
+Mixtral-8x7B, 2 layers (bench/results/h200/expert_paths/rule/, bench/results/h200/peer_steps/):
+micro-batch 8, 8,192 rows per expert, 328.9 against 344.0 ms; micro-batch 1, 1,024 rows,
+476.7 against 446.1 ms. The bound sits above the counts of the narrow experts that measured
+far slower per expert, as the peer plans run them (DeepSeekMoE's 3,072 rows of 1,408,
+Qwen3-30B-A3B's 2,048 of 768), at the smallest count measured faster in a whole layer;
+Phi-3.5-MoE's 2,048 rows stay grouped (5% slower than per expert, isolated)."""
+
+
+def expert_gemm(model: ModelSpec, tokens: float, group: int, chunks: int) -> ExpertGemm:
+    """How a rank's routed experts run their GEMMs: per_expert where each local expert gets
+    at least PER_EXPERT_MIN_ROWS rows per call under balanced routing, grouped otherwise.
+    ``tokens``: this rank's tokens of one micro-batch (``tokens_per_rank``); ``group``: the
+    ranks whose tokens reach its experts (ep under expert parallelism, the all-gathering etp
+    under expert TP); ``chunks``: the calls one micro-batch's experts make (``moe_chunks``).
+    The one rule: the runtime builds its experts with it (runtime.trainer.model_options) and
+    the cost model prices its path (cost_models.compute.expert_gemm_s)."""
+    rows = expert_rows(tokens * group / chunks, model.top_k, model.experts)
+    return ExpertGemm.per_expert if rows >= PER_EXPERT_MIN_ROWS else ExpertGemm.grouped
+
+
+def plan_expert_gemm(model: ModelSpec, degrees: Degrees, micro_batch_size: int, seq_len: int,
+                     chunks: int) -> ExpertGemm:
+    """``expert_gemm`` of a plan's layout: a micro-batch's tokens per rank, the FFN group."""
+    tokens = tokens_per_rank(micro_batch_size, seq_len, degrees.attention_group)
+    return expert_gemm(model, tokens, degrees.ep * degrees.etp, chunks)
+
+
 PER_EXPERT_MAX_LOCAL_EXPERTS = 16
 PER_EXPERT_MIN_FFN = 4096
 """When each rank's experts are this few and this wide, their weight gradients as one cuBLAS

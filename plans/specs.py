@@ -797,6 +797,12 @@ class TrainingSpec(Frozen):
     (``routing_skew`` of a step). 1: a balanced router, whose loads still differ by sampling
     (cost_models.skew prices that floor). The busiest EP rank paces the grouped GEMMs and
     receives the most dispatched rows."""
+    memory_cap_gib: float | None = Field(None, gt=0)
+    """The most memory per GPU the job may take, in GiB (2^30 bytes), below what the GPU
+    offers (cluster.gpu.hbm_gib x efficiency.memory_usable): as a user holds a job to the
+    memory another trainer used, or leaves room for other work. A plan fits where its
+    predicted peak is at most the smaller of the two (cost_models.memory.
+    memory_capacity_bytes); None: the GPU's usable memory."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSpec:

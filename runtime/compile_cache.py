@@ -19,7 +19,7 @@ C++ / Triton compiler), most of a first step's time.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -50,24 +50,31 @@ def use_cache_dir(folder: Path | None = None) -> Path:
 class CacheCounts:
     """Compiled graphs this process loaded from the cache (``hits``) and compiled (``misses``)
     so far: inductor's FX graph cache counters (torch._dynamo.utils.counters["inductor"]), one
-    per forward or backward graph of a region."""
+    per forward or backward graph of a region; and AOTAutograd's cache of whole regions
+    (counters["aot_autograd"]: one per region, its forward and backward graphs together;
+    ``aot_bypasses``: regions the cache cannot store, compiled every launch)."""
 
     hits: int = 0
     misses: int = 0
+    aot_hits: int = 0
+    aot_misses: int = 0
+    aot_bypasses: int = 0
 
     def __sub__(self, other: CacheCounts) -> CacheCounts:
-        return CacheCounts(self.hits - other.hits, self.misses - other.misses)
+        return CacheCounts(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def as_dict(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses}
+        return asdict(self)
 
 
 def cache_counts() -> CacheCounts:
-    """The process's FX graph cache hits and misses so far."""
+    """The process's FX graph and AOTAutograd cache counts so far."""
     from torch._dynamo.utils import counters
 
-    inductor = counters["inductor"]
-    return CacheCounts(int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"]))
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return CacheCounts(int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"]),
+                       int(aot["autograd_cache_hit"]), int(aot["autograd_cache_miss"]),
+                       int(aot["autograd_cache_bypass"]))
 
 
 COMPILE_PHASES = ("_compile.compile_inner", "bytecode_tracing", "build_guards",

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from plans import EPFFN, CrossEntropy, Degrees, MeshAxis, Plan, UlyssesAttention
-from plans.layout import tokens_per_rank
+from plans.execution import executed_value
+from plans.layout import moe_chunks, plan_expert_gemm, tokens_per_rank
 from plans.specs import mfu
 from runtime.config import ModelConfig, ModelOptions
 from runtime.data import TokenSource, rank_micro_batches
@@ -57,7 +58,11 @@ def model_options(
     plan: Plan, aux_loss_coeff: float | None = None, per_expert_balance: bool = False
 ) -> ModelOptions:
     """The runtime's model options for ``plan``: device-level balance over the EP ranks, the
-    balance-loss weight of the model (``aux_loss_coeff`` overrides it), the plan's kernels."""
+    balance-loss weight of the model (``aux_loss_coeff`` overrides it), the plan's kernels, the
+    experts' GEMM path as plans.layout.expert_gemm picks it for the plan's layout (the calls
+    per micro-batch as the overlap the runtime executes chunks them)."""
+    d = plan.degrees
+    chunks = moe_chunks(executed_value("overlap", plan.overlap), plan.ffn, d.ep)
     return ModelOptions(
         aux_loss_coeff=plan.model.aux_loss_coeff if aux_loss_coeff is None else aux_loss_coeff,
         # device-level balance needs more than one EP rank; with one (or TP experts) every
@@ -65,6 +70,8 @@ def model_options(
         balance_groups=None if per_expert_balance or plan.degrees.ep == 1 else plan.degrees.ep,
         capacity_factor=plan.ffn.capacity_factor if isinstance(plan.ffn, EPFFN) else None,
         kernels=plan.kernels,
+        expert_gemm=plan_expert_gemm(plan.model, d, plan.micro_batch_size,
+                                     plan.training.seq_len, chunks),
     )
 
 

@@ -5,10 +5,11 @@ The first launch compiles every region; the second loads them from the cache.
     python -m bench.steps.compile_relaunch --plan PLAN --out RESULT.json [--steps S] [--warmup W]
         [--cache-dir DIR]
 
-Writes JSON (bench/_meta.py's metadata): per launch, the first step's time, the median of the
-measured steps, the graphs the first step loaded from the cache and compiled, and the launch's
-wall time (process start, model build and every step); ``target_met``: the relaunch's first
-step under ``TARGET_FIRST_STEP_S`` (issue 34's target).
+Writes JSON (bench/_meta.py's metadata): per launch, the trainer's build time, the first
+step's time, the median of the measured steps, the graphs the first step loaded from the
+cache and compiled, and the launch's wall time (process start, model build and every step);
+``target_met``: the relaunch's first step under ``TARGET_FIRST_STEP_S`` (issue 34's
+target).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def launch(plan: Path, world: int, out: Path, cache: Path, steps: int, warmup: i
     if r.returncode != 0 or not out.exists():
         return {"status": "failed", "exit": r.returncode, "wall_s": wall}
     doc = json.loads(out.read_text())
-    return {"status": "ok", "wall_s": wall, "first_step_s": doc["first_step_s"],
+    return {"status": "ok", "wall_s": wall, "build_s": doc["build_s"],
+            "first_step_s": doc["first_step_s"],
             "step_median_s": doc["step_median_s"], "step_times_s": doc["step_times_s"],
             "warmup_step_times_s": doc["warmup_step_times_s"],
             "compiled_graphs": doc["compiled_graphs"], "mfu": doc["mfu"]}

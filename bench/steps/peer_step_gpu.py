@@ -5,7 +5,10 @@ model and step (and Megatron-Core's where it is installed), same shape, tokens a
     python -m bench.steps.peer_step_gpu --tiny --out /tmp/peer_tiny.json       (CPU, tiny shapes)
 
 Per model (``MODELS``: the reduced-depth 1-GPU plans ``moeplan search --runnable`` picked,
-bench/gpu_plans/searched/; global batch 8 x 4,096, micro-batch 8):
+bench/gpu_plans/searched/; global batch 8 x 4,096, micro-batch 8; with ``--plans capped``
+ours are the plans it picks under ``--memory-cap`` torchtitan's measured peak,
+bench/gpu_plans/peer_capped/ by bench.steps.peer_plans, while torchtitan keeps the searched
+plan's micro-batches):
 
 - ours: bench/train_step.measure on the plan (the runtime's trainer: the plan's kernels,
   recompute, cross-entropy and ZeRO-1 AdamW; bf16 parameters with fp32 masters);
@@ -53,6 +56,7 @@ from plans.catalog import load_plan
 from plans.execution import UnsupportedFeature
 from plans.io import write_atomic
 from plans.specs import mfu
+from runtime.compile_cache import use_cache_dir
 from runtime.config import ModelConfig
 from runtime.data import SyntheticTokens
 from runtime.memory import GIB
@@ -67,6 +71,15 @@ MODELS = {
     "deepseekmoe": PLANS / "deepseek4l_1gpu.json",
     "deepseek-v3": None,  # reduced depth of the catalog's DeepSeek-V3 (MLA), built here
 }
+CAPPED = Path(__file__).resolve().parents[1] / "gpu_plans" / "peer_capped"
+PLAN_SETS = {
+    "searched": MODELS,
+    # the same jobs searched under --memory-cap torchtitan's measured peak (bench.steps.peer_plans)
+    "capped": {**MODELS, "qwen3-30b-a3b": CAPPED / "qwen4l_1gpu.json",
+               "mixtral-8x7b": CAPPED / "mixtral2l_1gpu.json",
+               "deepseekmoe": CAPPED / "deepseek4l_1gpu.json"},
+}
+"""Our plans per ``--plans``: the searched plans, or those held to torchtitan's memory."""
 DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b", "deepseekmoe", "deepseek-v3"]
 DEEPSEEK_V3_LAYERS = 4
 
@@ -100,6 +113,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default="recipe", help="torchtitan's activation checkpointing")
     p.add_argument("--peer-compile", choices=["recipe", "off", "model"], default="recipe",
                    help="torchtitan's compile (model: each transformer block, fullgraph)")
+    p.add_argument("--plans", choices=list(PLAN_SETS), default="searched",
+                   help="our plans: searched (bench/gpu_plans/searched/) or capped, searched "
+                   "under --memory-cap torchtitan's measured peak (bench/gpu_plans/peer_capped/)")
+    p.add_argument("--compile-cache", type=Path,
+                   help="folder of torch.compile's caches (runtime.compile_cache; default: "
+                   "TORCHINDUCTOR_CACHE_DIR, else the user's cache folder): a later launch of "
+                   "the same plan over it is a relaunch")
     p.add_argument("--no-ours", action="store_true", help="time torchtitan's step only")
     p.add_argument("--no-peer", action="store_true", help="time our step only")
     p.add_argument("--tiny", action="store_true",
@@ -142,10 +162,11 @@ def deepseek_v3_plan(template: Plan) -> Plan:
     return Plan.model_validate(data)
 
 
-def plan_of(name: str, args) -> Plan:
-    """The model's plan, refused first at full size where our runtime cannot run it (so a
-    model our runtime refuses is refused for that reason in --tiny runs too)."""
-    path = MODELS[name]
+def plan_of(name: str, args, plans: str | None = None) -> Plan:
+    """The model's plan of set ``plans`` (default ``--plans``), refused first at full size
+    where our runtime cannot run it (so a model our runtime refuses is refused for that reason
+    in --tiny runs too)."""
+    path = PLAN_SETS[plans or args.plans][name]
     plan = (deepseek_v3_plan(load_plan(MODELS["qwen3-30b-a3b"])) if path is None
             else load_plan(path))
     check_supported(plan, launch_backend())
@@ -375,20 +396,25 @@ def _release(device: torch.device) -> None:
 def run_model(name: str, args, device: torch.device) -> dict:
     try:
         plan = plan_of(name, args)
+        # torchtitan runs the job as measured: the searched plan's micro-batches, whichever
+        # plan of ours runs it
+        peer_plan = plan_of(name, args, "searched")
     except (SpecError, UnsupportedFeature, ValueError) as e:
         reason = " ".join(str(e).split())[:300]
         return {"status": "skipped", "reason": f"our runtime refuses the model: {reason}"}
     t = plan.training
-    row: dict = {"plan": str(MODELS[name]) if MODELS[name] else "built: deepseek_v3_plan",
+    path = PLAN_SETS[args.plans][name]
+    row: dict = {"plan": str(path) if path else "built: deepseek_v3_plan", "plans": args.plans,
                  "plan_summary": plan.summary(), "model_spec": plan.model.model_dump(),
                  "global_batch": t.global_batch, "seq_len": t.seq_len,
-                 "micro_batch_size": plan.micro_batch_size, "seed": args.seed,
+                 "micro_batch_size": plan.micro_batch_size,
+                 "peer_micro_batch_size": peer_plan.micro_batch_size, "seed": args.seed,
                  "tokens": "runtime.data.SyntheticTokens(global_batch, seq_len, vocab, seed)"}
     ours_n = our_params(plan)
     row["params"] = {"ours": ours_n}
     if not args.no_peer:
         try:
-            peer_n = peer_params(plan)
+            peer_n = peer_params(peer_plan)
         except Exception as e:  # noqa: BLE001  (a third-party model that cannot be built)
             row["peer"] = _failure(e)
         else:
@@ -417,7 +443,7 @@ def run_model(name: str, args, device: torch.device) -> dict:
         row["peer"] = {"status": "skipped", "reason": "--no-peer"}
     elif "peer" not in row:
         try:
-            row["peer"] = measure_peer(plan, peer_settings(name, args), device, args)
+            row["peer"] = measure_peer(peer_plan, peer_settings(name, args), device, args)
         except Exception as e:  # noqa: BLE001
             row["peer"] = _failure(e)
         _release(device)
@@ -455,6 +481,7 @@ def summary_line(name: str, row: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    cache = use_cache_dir(args.compile_cache)  # before anything compiles
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
@@ -465,6 +492,7 @@ def main(argv=None) -> int:
         "benchmark": "whole training step on one GPU: our searched plan against torchtitan's "
                      "model and step (same shape, tokens, batch)",
         "device": str(device), "tiny": args.tiny, "warmup": args.warmup, "steps": args.steps,
+        "plans": args.plans, "compile_cache": str(cache),
         "wheels": {p: _version(p) for p in ("torchtitan", "spmd_types", "tyro",
                                             "typeguard", "docstring-parser",
                                             "torch_checkpointing", "megatron-core")},

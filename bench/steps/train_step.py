@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import sys
+import time
 import warnings
 from collections import Counter
 from datetime import timedelta
@@ -153,7 +154,9 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     """``warmup`` then ``steps`` measured steps of ``plan``; the result document on rank 0."""
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, seed)
+    built = time.perf_counter()
     trainer = build_trainer(plan, rank, world, device, seed, data)
+    build_s = time.perf_counter() - built
     groups = head_groups(trainer.model)
 
     def slowest(seconds: float) -> float:
@@ -226,6 +229,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "step_time_s": step_time,
         "step_times_s": times,
         "warmup_step_times_s": warm_times,
+        "build_s": build_s,
         "first_step_s": (warm_times or times)[0],
         "step_median_s": sorted(times)[len(times) // 2],
         "compiled_graphs": compiled,

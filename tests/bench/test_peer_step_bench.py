@@ -47,3 +47,34 @@ def test_peer_step_tiny(tmp_path):
     # DeepSeek-V3 needs MLA, which our runtime refuses (plans.execution): recorded, not run
     v3 = res["models"]["deepseek-v3"]
     assert v3["status"] == "skipped" and "model.mla" in v3["reason"]
+
+
+def test_the_capped_plans_hold_our_predicted_peak_to_torchtitans_measured_one():
+    """bench/gpu_plans/peer_capped/ (bench.steps.peer_plans): each job's plan was searched
+    under --memory-cap torchtitan's measured peak on it, and is predicted to fit under it."""
+    from bench.steps.peer_plans import JOBS, path_of, peer_peak_gib
+    from cost_models.memory import GIB, memory_breakdown
+    from plans.catalog import load_plan
+
+    for shape in JOBS:
+        plan = load_plan(path_of(shape, 1))
+        cap = plan.training.memory_cap_gib
+        assert cap is not None and cap <= peer_peak_gib(shape)
+        memory = memory_breakdown(plan)
+        assert memory.capacity_bytes == cap * GIB and memory.fits
+        assert plan.prediction.peak_memory_gib <= cap
+
+
+def test_peer_step_runs_our_capped_plan(tmp_path):
+    """--plans capped: ours runs the plan of bench/gpu_plans/peer_capped/ (here at tiny widths,
+    without torchtitan), the row names the set and the plan."""
+    out = tmp_path / "peer.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.steps.peer_step_gpu", "--tiny", "--models", "mixtral-8x7b",
+         "--plans", "capped", "--no-peer", "--warmup", "1", "--steps", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(out.read_text())["models"]["mixtral-8x7b"]
+    assert row["plans"] == "capped" and "peer_capped" in row["plan"]
+    assert row["ours"]["status"] == "ok" and row["peer"]["status"] == "skipped"

@@ -96,3 +96,37 @@ def test_grouped_gemm_efficiency_curve_over_rows_per_expert(h800):
     flat = cc.grouped_gemm_s(8, 4096, 14336, 4096, h800, Precision.bf16)
     slow = cc.grouped_gemm_s(8, 4096, 14336, 4096, curved, Precision.bf16)
     assert slow == pytest.approx(flat * (4096 + 128) / 4096)
+
+
+@pytest.mark.parametrize(("mbs", "gemm"), [(8, "per_expert"), (1, "grouped")])
+def test_the_layer_prices_the_expert_path_the_runtime_builds(mbs, gemm):
+    """The experts' GEMMs are priced on the path plans.layout.expert_gemm picks (the one the
+    runtime builds, tests/runtime/test_units.py): per-expert GEMMs at the dense GEMM's efficiency,
+    grouped ones at the grouped GEMM's; a Megatron-Core plan stays grouped."""
+    from cost_models import compute as cc
+    from cost_models.layer import layer_key
+    from cost_models.layer_graph import forward_graph
+    from cost_models.params import expert_gemm_of
+    from plans import Plan
+    from plans.catalog import load_cluster, load_model
+    from plans.enums import ExpertGemm, Target
+    from plans.plan import Degrees
+    from plans.specs import TrainingSpec
+
+    model = load_model("mixtral-8x7b").model_copy(update={"layers": 2})
+    plan = Plan(model=model, cluster=load_cluster("h200").with_gpus(1),
+                training=TrainingSpec(global_batch=8, seq_len=4096), degrees=Degrees(),
+                stage_layers=(2,), micro_batch_size=mbs)
+    path = ExpertGemm(gemm)
+    assert expert_gemm_of(plan) == path
+    rows = plan.micro_batch_size * 4096 * model.top_k / model.experts
+    shape = (rows, 2 * model.expert_ffn_hidden, model.hidden)
+    fc13 = forward_graph(layer_key(plan)).nodes["expert_fc13"]["op"]
+    c, p = plan.cluster, plan.training.precision
+    assert fc13.duration_s == pytest.approx(cc.expert_gemm_s(path, model.experts, *shape, c, p))
+    other = next(g for g in ExpertGemm if g != path)
+    assert fc13.duration_s != pytest.approx(cc.expert_gemm_s(other, model.experts, *shape, c, p))
+    per_expert = cc.expert_gemm_s(ExpertGemm.per_expert, model.experts, *shape, c, p)
+    assert per_expert == pytest.approx(model.experts * cc.gemm_s(*shape, c, p))
+    megatron = plan.model_copy(update={"target": Target.megatron})
+    assert expert_gemm_of(megatron) == ExpertGemm.grouped

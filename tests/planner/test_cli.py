@@ -279,3 +279,13 @@ def test_a_moeplan_plan_exported_to_megatron_is_priced_anew(tmp_path):
 
 def test_an_unknown_target_is_one_line():
     one_line_error(run("search", *SMALL, "--target", "deepspeed"), "--target", "deepspeed")
+
+
+def test_search_under_a_memory_cap_says_so_and_refuses_a_bad_one():
+    """--memory-cap GIB: the job line names the cap, every plan's peak stays under it; a cap
+    that is not positive is one line naming the option, exit 2."""
+    ok = run("search", *SMALL, "--memory-cap", "60", "--top", "1")
+    assert ok.exit_code == 0, ok.output
+    assert "at most 60 GiB per GPU" in ok.output.splitlines()[0]
+    assert "/60.0" in ok.output
+    one_line_error(run("search", *SMALL, "--memory-cap", "0"), "--memory-cap")

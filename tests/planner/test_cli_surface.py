@@ -22,6 +22,7 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                   '--kernels <eager|fused>',
                   '--runnable <bool>',
                   '--target <moeplan|megatron>',
+                  '--memory-cap <float>',
                   '--out <path>',
                   '--force <bool>',
                   '--plot <path>',

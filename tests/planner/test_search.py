@@ -293,3 +293,25 @@ def test_tile_fused_overlap_only_when_asked_for():
     asked = search(model, cluster, training, SearchSpace(overlap=(Overlap.inter_intra_op,)),
                    top=1, with_baseline=False)
     assert asked.best.plan.overlap == Overlap.inter_intra_op
+
+
+def test_a_memory_cap_holds_the_search_under_it():
+    """TrainingSpec.memory_cap_gib: the search keeps only plans whose predicted peak fits the
+    cap (cost_models.memory.memory_capacity_bytes), each recording it; the uncapped best
+    does not fit under it, so the capped best is a leaner plan, never faster."""
+    from cost_models.memory import GIB, memory_breakdown
+
+    model, cluster, training = small_job()
+    free = search(model, cluster, training, SearchSpace(), top=1, with_baseline=False)
+    peak = free.best.evaluation.memory.peak_bytes / GIB
+    cap = round(peak * 0.8, 1)
+    capped_job = training.model_copy(update={"memory_cap_gib": cap})
+    capped = search(model, cluster, capped_job, SearchSpace(), top=3, with_baseline=False)
+    assert capped.top
+    for r in capped.top:
+        assert r.plan.training.memory_cap_gib == cap
+        memory = memory_breakdown(r.plan)
+        assert memory.capacity_bytes == cap * GIB and memory.peak_bytes <= cap * GIB
+    assert capped.best.evaluation.step_time_s >= free.best.evaluation.step_time_s
+    assert not memory_breakdown(free.best.plan.model_copy(
+        update={"training": capped_job})).fits

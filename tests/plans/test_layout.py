@@ -94,3 +94,42 @@ def test_an_ep_group_larger_than_a_node_is_whole_contiguous_nodes(d):
     # the replicas of an expert (edp) are one rank of each EP group: every one on its own node
     for group in groups(d, A.edp):
         assert len({r // per_node for r in group}) == len(group)
+
+
+def test_the_expert_gemm_rule_runs_per_expert_from_the_bound_rows_per_local_expert():
+    """plans.layout.expert_gemm: per_expert from PER_EXPERT_MIN_ROWS balanced rows per local
+    expert and call, grouped below; the rows count the FFN group's tokens and the chunks."""
+    from plans.catalog import load_model
+    from plans.enums import ExpertGemm
+    from plans.layout import PER_EXPERT_MIN_ROWS, expert_gemm, expert_rows
+
+    m = load_model("mixtral-8x7b")  # 8 experts, top-2: rows = tokens / 4
+    at = PER_EXPERT_MIN_ROWS * m.experts / m.top_k
+    assert expert_rows(at, m.top_k, m.experts) == PER_EXPERT_MIN_ROWS
+    assert expert_gemm(m, at, 1, 1) == ExpertGemm.per_expert
+    assert expert_gemm(m, at - 1, 1, 1) == ExpertGemm.grouped
+    assert expert_gemm(m, at / 2, 2, 1) == ExpertGemm.per_expert  # two EP ranks' tokens
+    assert expert_gemm(m, at, 1, 2) == ExpertGemm.grouped  # two chunks: half the rows each
+
+
+@pytest.mark.parametrize(("name", "mbs", "gemm"), [
+    ("mixtral2l_1gpu.json", 8, "per_expert"),  # 8,192 rows per expert: measured faster
+    ("mixtral2l_1gpu.json", 1, "grouped"),  # 1,024: measured slower per expert
+    ("qwen4l_1gpu.json", 8, "grouped"),  # 2,048 rows of 768
+    ("deepseek4l_1gpu.json", 8, "grouped"),  # 3,072 rows of 1,408
+])
+def test_the_peer_plans_take_the_measured_faster_expert_path(name, mbs, gemm):
+    """The rule on the 1-GPU peer plans (bench/gpu_plans/searched/) at the micro-batches whose
+    steps were measured both ways or whose shapes measured per expert far slower."""
+    from pathlib import Path
+
+    from plans import Plan
+    from plans.catalog import load_plan
+    from plans.layout import plan_expert_gemm
+
+    root = Path(__file__).resolve().parents[2] / "bench" / "gpu_plans" / "searched"
+    plan = load_plan(root / name)
+    plan = Plan.model_validate({**plan.model_dump(), "micro_batch_size": mbs,
+                                "prediction": None})
+    got = plan_expert_gemm(plan.model, plan.degrees, mbs, plan.training.seq_len, 1)
+    assert got.value == gemm

@@ -201,3 +201,19 @@ def test_the_fused_permutations_match_indexing_and_their_gradients(every_slot):
     x = torch.randn(7, 3, dtype=torch.float64, generator=g, requires_grad=True)
     assert torch.autograd.gradcheck(lambda v: permute_rows(v, perm), (x,))
     assert torch.equal(permute_rows(x, perm), index_rows(x, perm))
+
+
+def test_a_fused_set_loads_the_compiler_before_the_first_step():
+    """runtime.kernels.load_compiler: building the fused set imports inductor's compiler, so
+    the first compiled region of a launch (cache hit or not) does not import it inside the
+    first step; the eager set loads nothing."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom plans.enums import Kernels\nfrom runtime.kernels import kernel_ops\n"
+             "kernel_ops(Kernels.eager)\nprint('torch._inductor.compile_fx' in sys.modules)\n"
+             "kernel_ops(Kernels.fused)\nprint('torch._inductor.compile_fx' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "True"]

@@ -82,7 +82,8 @@ def test_single_process_on_byte_corpus_logs_json(tmp_path):
     assert "step 2 loss" in r.stdout
     # eager kernels compile nothing; the line before the run's summary puts the first step
     # apart from the rest
-    assert rows[0]["compiled_graphs"] == {"hits": 0, "misses": 0}
+    assert rows[0]["compiled_graphs"] == {"hits": 0, "misses": 0, "aot_hits": 0, "aot_misses": 0,
+                                          "aot_bypasses": 0}
     last = r.stdout.strip().splitlines()[-2]
     assert last.startswith("first step ") and "(median of 1 step)" in last, last
     assert str(cache.resolve()) in last and cache.is_dir()
@@ -101,7 +102,7 @@ print(cache_counts().as_dict())
 
 def test_a_second_process_loads_the_compiled_graph_from_the_cache_folder(tmp_path):
     """runtime.compile_cache: a relaunch over the same folder compiles nothing again
-    (inductor's FX graph cache hits, read from torch's counters)."""
+    (inductor's FX graph cache and AOTAutograd's cache hit, read from torch's counters)."""
     cache = tmp_path / "cache"
 
     def launch() -> dict:
@@ -111,9 +112,12 @@ def test_a_second_process_loads_the_compiled_graph_from_the_cache_folder(tmp_pat
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout.strip().splitlines()[-1].replace("'", '"'))
 
-    assert launch() == {"hits": 0, "misses": 1}
+    # one region: its graph in the FX graph cache, the region in AOTAutograd's
+    assert launch() == {"hits": 0, "misses": 1, "aot_hits": 0, "aot_misses": 1,
+                        "aot_bypasses": 0}
     assert (cache / "fxgraph").is_dir()
-    assert launch() == {"hits": 1, "misses": 0}
+    assert launch() == {"hits": 1, "misses": 0, "aot_hits": 1, "aot_misses": 0,
+                        "aot_bypasses": 0}
 
 
 @pytest.mark.parametrize(

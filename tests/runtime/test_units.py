@@ -422,3 +422,26 @@ def test_routing_skew_is_max_over_mean_slots_per_expert_read_once():
     moe.router(hot)
     assert routing_skew([moe]) == pytest.approx((2.5, 4.0))
     assert routing_skew([moe]) is None
+
+
+@pytest.mark.parametrize(("mbs", "gemm"), [(8, ExpertGemm.per_expert), (1, ExpertGemm.grouped)])
+def test_the_trainer_builds_the_experts_on_the_path_the_rule_picks(mbs, gemm):
+    """runtime.trainer.model_options: the experts' path is plans.layout.expert_gemm's for the
+    plan's layout (Mixtral-8x7B's 8,192 rows per expert at micro-batch 8, 1,024 at 1), the
+    path the cost model prices (cost_models.params.expert_gemm_of); every MoE layer has it."""
+    from cost_models.params import expert_gemm_of
+    from plans import Degrees, Plan, TrainingSpec
+    from plans.catalog import load_cluster, load_model
+    from runtime.config import ModelConfig
+    from runtime.model import Transformer
+    from runtime.trainer import model_options
+
+    model = load_model("mixtral-8x7b").model_copy(update={"layers": 2})
+    plan = Plan(model=model, cluster=load_cluster("h200").with_gpus(1),
+                training=TrainingSpec(global_batch=8, seq_len=4096), degrees=Degrees(),
+                stage_layers=(2,), micro_batch_size=mbs)
+    options = model_options(plan)
+    assert options.expert_gemm == gemm == expert_gemm_of(plan)
+    with torch.device("meta"):
+        built = Transformer(ModelConfig(model, options))
+    assert {m.experts.gemm for m in built.moe_layers()} == {gemm}
