@@ -218,3 +218,17 @@ def test_the_results_index_is_current():
     for name, c in campaign.load_manifest().campaigns.items():
         assert f"- `{name}` (" in text
         assert f"## `{c.results.rstrip('/')}` (" in text
+
+
+def test_the_peer_steps_doc_is_current():
+    """docs/peer_steps.md is what bench/steps/peer_report.py makes of the committed peer-step
+    results, and each of its speedups is torchtitan compiled's time over ours."""
+    from bench.steps import peer_report as report
+
+    text, _ = report.render()
+    assert report.DOC.read_text() == text
+    for model in report.MODELS:
+        runs = report.runs(model)
+        peer = runs["torchtitan, compiled"][1]["step_time_s"]
+        ours = runs["ours, capped"][1]["step_time_s"]
+        assert f"| {peer / ours:.2f}x |" in text
