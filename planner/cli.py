@@ -297,8 +297,10 @@ def _no_plan(model, cluster, training, result, pinned) -> plans.SpecError:
             f"{cluster.nvlink_domain}; pp x the attention degree divides the GPUs; dp x mbs "
             "divides the global batch)")
     where = f" with {pinned.text}" if pinned.text else ""
+    cap = training.memory_cap_gib
+    option, under = ("--memory-cap", f" under {cap:g} GiB") if cap is not None else ("--gpus", "")
     return plans.SpecError(
-        f"--gpus: no plan of {model.name}{where} fits {job}; "
+        f"{option}: no plan of {model.name}{where} fits {job}{under}; "
         f"{result.stats.pruned_memory} candidates out of memory, "
         f"{result.stats.invalid} invalid")
 

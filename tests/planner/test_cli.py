@@ -289,3 +289,6 @@ def test_search_under_a_memory_cap_says_so_and_refuses_a_bad_one():
     assert "at most 60 GiB per GPU" in ok.output.splitlines()[0]
     assert "/60.0" in ok.output
     one_line_error(run("search", *SMALL, "--memory-cap", "0"), "--memory-cap")
+    # a cap no plan fits under is named as the reason, not the GPU count
+    one_line_error(run("search", *SMALL, "--memory-cap", "0.5"), "--memory-cap",
+                   "under 0.5 GiB")
