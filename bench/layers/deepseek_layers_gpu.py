@@ -26,7 +26,9 @@ Each row also carries where the time goes, both sides: ``predicted_operators_s``
 model's forward + backward seconds of each layer operator of the block, unscheduled) and, from
 one more run under torch.profiler, ``measured_classes_s`` (device seconds per kernel class,
 runtime.profile.classify; top-level CPU operators on CPU) and ``measured_kernels`` (the
-slowest kernels: which SDPA backend ran shows in their names).
+slowest kernels: which SDPA backend ran shows in their names). The MoE row also carries
+``rows_per_expert``: the router's slots per expert for the bench's input (what the grouped
+GEMMs ran on; the cost model prices the balanced mean).
 
 ``--report`` prices the committed measurement's blocks (MEASURED: its model, cluster, batch,
 sequence and kernel sets) with the cost model as it is now and writes each row's measured
@@ -177,6 +179,17 @@ def measure(layer, block: str, x: torch.Tensor, grad: torch.Tensor, device, args
              for n, (c, s) in slowest])
 
 
+def rows_per_expert(layer, x: torch.Tensor) -> list[int]:
+    """The slots the MoE block's router gives each expert for ``x`` (one forward of the norm
+    and the router, no gradient)."""
+    with torch.no_grad():
+        tokens = layer.ffn_norm(x).reshape(-1, x.shape[-1])
+        routing = layer.moe.router(tokens)
+        layer.moe.router.take_load()  # this forward is no step's: its load is not kept
+    kept = routing.indices[routing.indices >= 0]
+    return torch.bincount(kept, minlength=layer.moe.router.experts).tolist()
+
+
 def report(measured: dict) -> dict:
     """The measured rows of ``measured`` (a result of this script) beside the cost model's
     prediction now for the same plans."""
@@ -235,6 +248,8 @@ def main(argv=None) -> int:
                          "predicted_operators_s": predicted[f"{block}_operators_s"],
                          "measured_classes_s": classes,
                          "measured_kernels": slowest})
+            if block == "moe":
+                rows[-1]["rows_per_expert"] = rows_per_expert(layer, x)
             print(f"{block:9s} {kernels.value:5s} measured {measured * 1e3:9.3f} ms  "
                   f"predicted {predicted[f'{block}_s'] * 1e3:9.3f} ms  "
                   f"ratio {rows[-1]['ratio']:.3f}")

@@ -30,6 +30,9 @@ def test_deepseek_layers_script_runs_tiny_and_writes_the_prediction_beside(tmp_p
     attention, moe = (row["predicted_operators_s"] for row in res["rows"])
     assert attention["flash_attn"] > 0 and "expert_fc13" not in attention
     assert moe["expert_fc13"] > 0 and "flash_attn" not in moe
+    counts = res["rows"][1]["rows_per_expert"]
+    assert len(counts) == res["model"]["experts"]
+    assert sum(counts) == res["batch"] * res["seq"] * res["model"]["top_k"]
 
 
 def test_the_committed_report_is_what_the_cost_model_predicts_now():
