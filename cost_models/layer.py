@@ -83,7 +83,7 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
         plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
         plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
         plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
-        plan.target,
+        plan.target, plan.expert_gemm,
     )
 
 

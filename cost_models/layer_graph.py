@@ -145,6 +145,8 @@ class LayerKey:
     """The runtime that executes the layer (plan.target): moeplan's runs its experts' GEMMs as
     plans.layout.expert_gemm picks; Megatron-Core's GroupedLinear is priced grouped (its
     per-GEMM host launches by cost_models.megatron)."""
+    expert_gemm: ExpertGemm | None = None
+    """Plan.expert_gemm: the path the plan names for moeplan's runtime (null: the rule)."""
 
     @property
     def tokens(self) -> float:
@@ -610,8 +612,12 @@ def _moe_experts_and_combine(g: _Builder, x: _MoEChunks,
     t, n, rows = x.t, x.n, x.rows
     e_fwd = x.eager.combine_fwd if x.eager else None
     e_bwd = x.eager.combine_bwd if x.eager else None
-    gemm = (expert_gemm(k.model, k.tokens, x.n, x.chunks) if k.target == Target.moeplan
-            else ExpertGemm.grouped)
+    if k.target != Target.moeplan:
+        gemm = ExpertGemm.grouped
+    elif k.expert_gemm is not None:
+        gemm = k.expert_gemm
+    else:
+        gemm = expert_gemm(k.model, k.tokens, x.n, x.chunks)
     outs = []
     for c, (ready, back, _) in enumerate(dispatched):
         at = x.at(c)

@@ -139,7 +139,7 @@ def expert_gemm_of(plan: Plan) -> ExpertGemm:
         return ExpertGemm.grouped
     d = plan.degrees
     return plan_expert_gemm(plan.model, d, plan.micro_batch_size, plan.training.seq_len,
-                            moe_chunks(plan.overlap, plan.ffn, d.ep))
+                            moe_chunks(plan.overlap, plan.ffn, d.ep), plan.expert_gemm)
 
 
 def experts_in_gemm(plan: Plan) -> bool:

@@ -279,6 +279,9 @@ MOEPLAN: tuple[Capability, ...] = (
                "weight gradient summed in fp32 inside the GEMMs on CUDA; the router and the "
                "materialized loss stay eager"),
     *_executed("optimizer_sharding", "none", "zero1"),
+    *_executed("expert_gemm", ANY, reason="null: plans.layout.expert_gemm's rule by rows per "
+               "local expert (runtime.trainer.model_options); grouped: one grouped GEMM "
+               "(torch._grouped_mm); per_expert: one cuBLAS GEMM per local expert"),
     *_executed("grad_sync_precision", "fp32", "bf16", "fp8",
                reason="fp8: E4M3 payloads in 1 x 128 blocks, fp32 sums"),
     *_executed("grad_sync_overlap", False, True,
@@ -501,6 +504,10 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("grad_accumulation_fusion", True, reason="Megatron's default (TransformerEngine's "
               "wgrad GEMMs add into the main gradients)"),
     _megatron("grad_accumulation_fusion", False, reason="--no-gradient-accumulation-fusion"),
+    _megatron("expert_gemm", "per_expert", Support.refused,
+              reason="Megatron-Core's experts (TEGroupedMLP / GroupedMLP) choose their own GEMMs, "
+              "priced as grouped"),
+    _megatron("expert_gemm", ANY, reason="null or grouped: TEGroupedMLP, priced as grouped"),
 )
 """Megatron-Core's column: what pretrain_gpt.py runs of a plan, each row naming its flag."""
 
@@ -688,6 +695,9 @@ TORCHTITAN: tuple[Capability, ...] = (
     _torchtitan("grad_accumulation_fusion", False, reason="autograd accumulates .grad"),
     _torchtitan("grad_accumulation_fusion", True, Support.runs_as,
                 "torchtitan accumulates gradients in autograd", False),
+    _torchtitan("expert_gemm", "per_expert", Support.refused,
+                reason="torchtitan's GroupedExperts run one grouped GEMM"),
+    _torchtitan("expert_gemm", ANY, reason="null or grouped: GroupedExperts' grouped GEMM"),
 )
 """torchtitan 0.3.0's column: what the exported job runs of a plan (export-only: plans are
 not searched or priced for it)."""

@@ -200,8 +200,11 @@ def expert_gemm(model: ModelSpec, tokens: float, group: int, chunks: int) -> Exp
 
 
 def plan_expert_gemm(model: ModelSpec, degrees: Degrees, micro_batch_size: int, seq_len: int,
-                     chunks: int) -> ExpertGemm:
-    """``expert_gemm`` of a plan's layout: a micro-batch's tokens per rank, the FFN group."""
+                     chunks: int, pinned: ExpertGemm | None = None) -> ExpertGemm:
+    """``expert_gemm`` of a plan's layout: a micro-batch's tokens per rank, the FFN group;
+    ``pinned`` (the plan's ``expert_gemm``) when the plan names a path."""
+    if pinned is not None:
+        return pinned
     tokens = tokens_per_rank(micro_batch_size, seq_len, degrees.attention_group)
     return expert_gemm(model, tokens, degrees.ep * degrees.etp, chunks)
 

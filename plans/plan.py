@@ -17,6 +17,7 @@ from plans.enums import (
     CrossEntropy,
     CudaGraphs,
     Dispatch,
+    ExpertGemm,
     Kernels,
     OptimizerSharding,
     Overlap,
@@ -268,6 +269,10 @@ class Plan(Frozen):
     """Weight-gradient GEMMs add into the main gradients in their epilogue (Megatron-LM's
     gradient-accumulation fusion); false: each micro-batch's gradients are added by a separate
     memory-bound pass."""
+    expert_gemm: ExpertGemm | None = None
+    """How the routed experts run their GEMMs: null, as plans.layout.expert_gemm's rule picks
+    by rows per local expert; grouped or per_expert, as written (a plan measured on one path
+    names it)."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
     optimizer_moments: Literal[Precision.fp32, Precision.bf16] = Precision.fp32
     """Precision of Adam's moments (exp_avg, exp_avg_sq): fp32, or bf16 as Megatron-Core's

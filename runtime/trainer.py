@@ -71,7 +71,7 @@ def model_options(
         capacity_factor=plan.ffn.capacity_factor if isinstance(plan.ffn, EPFFN) else None,
         kernels=plan.kernels,
         expert_gemm=plan_expert_gemm(plan.model, d, plan.micro_batch_size,
-                                     plan.training.seq_len, chunks),
+                                     plan.training.seq_len, chunks, plan.expert_gemm),
     )
 
 

@@ -130,3 +130,36 @@ def test_the_layer_prices_the_expert_path_the_runtime_builds(mbs, gemm):
     assert per_expert == pytest.approx(model.experts * cc.gemm_s(*shape, c, p))
     megatron = plan.model_copy(update={"target": Target.megatron})
     assert expert_gemm_of(megatron) == ExpertGemm.grouped
+
+
+def test_a_plan_that_names_its_expert_path_is_priced_on_it():
+    """Plan.expert_gemm pins the path (a plan measured on one path names it): a micro-batch-8
+    Mixtral plan the rule would run per expert, pinned grouped, prices its expert GEMMs
+    grouped; Megatron-Core and torchtitan refuse a pinned per-expert path."""
+    from cost_models import compute as cc
+    from cost_models.layer import layer_key
+    from cost_models.layer_graph import forward_graph
+    from cost_models.params import expert_gemm_of
+    from plans import Plan
+    from plans.catalog import load_cluster, load_model
+    from plans.enums import ExpertGemm, Target
+    from plans.execution import ExportOnly, refusals
+    from plans.plan import Degrees
+    from plans.specs import TrainingSpec
+
+    model = load_model("mixtral-8x7b").model_copy(update={"layers": 2})
+    rule = Plan(model=model, cluster=load_cluster("h200").with_gpus(1),
+                training=TrainingSpec(global_batch=8, seq_len=4096), degrees=Degrees(),
+                stage_layers=(2,), micro_batch_size=8)
+    pinned = rule.model_copy(update={"expert_gemm": ExpertGemm.grouped})
+    assert expert_gemm_of(rule) == ExpertGemm.per_expert
+    assert expert_gemm_of(pinned) == ExpertGemm.grouped
+    shape = (8 * 4096 * model.top_k / model.experts, 2 * model.expert_ffn_hidden, model.hidden)
+    fc13 = forward_graph(layer_key(pinned)).nodes["expert_fc13"]["op"]
+    c, p = pinned.cluster, pinned.training.precision
+    assert fc13.duration_s == pytest.approx(
+        cc.expert_gemm_s(ExpertGemm.grouped, model.experts, *shape, c, p))
+    per_expert = rule.model_copy(update={"expert_gemm": ExpertGemm.per_expert})
+    for target in (Target.megatron, ExportOnly.torchtitan):
+        assert any("expert_gemm" in r for r in refusals(per_expert, target=target))
+        assert not any("expert_gemm" in r for r in refusals(pinned, target=target))

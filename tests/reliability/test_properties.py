@@ -87,6 +87,9 @@ training_dicts = st.fixed_dictionaries({
     "precision": st.sampled_from(["bf16", "fp8"]),
     "optimizer": st.sampled_from(["adam", "sgd"]),
     "routing_skew": st.floats(1.0, 64.0, allow_nan=False),
+    "memory_cap_gib": st.one_of(st.none(), st.floats(1.0, 1024.0, allow_nan=False)),
+    # mxfp8 needs fp8 (plans.specs.TrainingSpec): the default recipe for every precision
+    "fp8_recipe": st.just("tensorwise"),
 })
 
 

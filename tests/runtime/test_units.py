@@ -445,3 +445,18 @@ def test_the_trainer_builds_the_experts_on_the_path_the_rule_picks(mbs, gemm):
     with torch.device("meta"):
         built = Transformer(ModelConfig(model, options))
     assert {m.experts.gemm for m in built.moe_layers()} == {gemm}
+
+
+def test_the_trainer_builds_the_experts_on_the_path_a_plan_names():
+    """Plan.expert_gemm, when set, is the path the trainer builds (and the cost model prices):
+    the micro-batch-8 Mixtral plan pinned grouped builds grouped experts."""
+    from cost_models.params import expert_gemm_of
+    from plans import Degrees, Plan, TrainingSpec
+    from plans.catalog import load_cluster, load_model
+    from runtime.trainer import model_options
+
+    model = load_model("mixtral-8x7b").model_copy(update={"layers": 2})
+    plan = Plan(model=model, cluster=load_cluster("h200").with_gpus(1),
+                training=TrainingSpec(global_batch=8, seq_len=4096), degrees=Degrees(),
+                stage_layers=(2,), micro_batch_size=8, expert_gemm=ExpertGemm.grouped)
+    assert model_options(plan).expert_gemm == ExpertGemm.grouped == expert_gemm_of(plan)
