@@ -139,6 +139,14 @@ class Kept:
             self.producer not in recomputed and bool(self.readers & recomputed))
 
 
+def norm_kept_bytes(width: float, rows: float, fused: bool) -> float:
+    """Bytes per token an RMSNorm keeps for backward over ``rows`` rows of ``width`` each:
+    eager, an fp32 copy of its input and the fp32 normalised value (8 per element) beside the
+    bf16 output the next operator reads (2); fused (runtime.kernels.rms_norm compiled), one
+    bf16 tensor (2 per element) and the fp32 inverse norm of each row (4)."""
+    return 2.0 * width + 4.0 * rows if fused else 10.0 * width
+
+
 def _kept_tensors(model: ModelSpec, tp: int, sp: int, ep: int, etp: int, ffn: FFNStrategy,
                   dense: bool, micro_batch: int, kernels: Kernels = Kernels.eager,
                   linears_accumulate: bool = False) -> list[Kept]:
@@ -154,7 +162,7 @@ def _kept_tensors(model: ModelSpec, tp: int, sp: int, ep: int, etp: int, ffn: FF
         out.append(Kept("dense_ffn", swiglu * model.dense_ffn_hidden,
                         frozenset({LO.dense_fc13, LO.dense_swiglu, LO.dense_fc2})))
     else:
-        out += _moe_kept(model, ep, etp, ffn, swiglu)
+        out += _moe_kept(model, ep, etp, ffn, swiglu, fused)
     # the residual stream handed to the next layer (that layer's input)
     out.append(Kept("layer_output", 2.0 * model.hidden, frozenset({LO.ffn_residual}),
                     LO.ffn_residual))
@@ -166,7 +174,7 @@ def _attention_kept(model: ModelSpec, tp: int, sp: int, micro_batch: int, fused:
     """The layer's input, its norms and the attention block's kept tensors (_kept_tensors)."""
     h = model.hidden
     q, kv, v, o = model.q_dim, model.kv_dim, model.v_dim, model.attn_out_dim
-    norm = 2.0 * h + 4.0 if fused else 10.0 * h
+    norm = norm_kept_bytes(h, 1, fused)
     out: list[Kept] = [
         Kept("layer_input", 2.0 * h, frozenset(), None,
              frozenset({LO.attn_norm, LO.attn_residual})),
@@ -182,12 +190,16 @@ def _attention_kept(model: ModelSpec, tp: int, sp: int, micro_batch: int, fused:
         out.append(Kept("attention_input", copies * 2.0 * tp * h,
                         frozenset({LO.qkv_gemm}), LO.tp_all_gather, frozenset({LO.qkv_gemm})))
     if model.qk_norm:
-        out.append(Kept("qk_norm", 8.0 * (q + kv), frozenset({LO.qk_norm})))
+        # per-head norms of q and k; eager keeps the fp32 copies (the bf16 output is RoPE's
+        # input, which keeps nothing), fused one bf16 tensor and each head's inverse norm
+        heads = model.query_heads + model.kv_heads
+        qk = norm_kept_bytes(q + kv, heads, True) if fused else 8.0 * (q + kv)
+        out.append(Kept("qk_norm", qk, frozenset({LO.qk_norm})))
     if model.mla is not None:
         # the latents the up-projections keep and their RMSNorms (MLA's q and kv latents)
         a = model.mla
         latents = a.q_lora_rank + a.kv_lora_rank
-        latent_norm = 2.0 * latents + 8.0 if fused else 10.0 * latents
+        latent_norm = norm_kept_bytes(latents, 2, fused)
         out.append(Kept("mla_latents", 2.0 * latents + latent_norm,
                         frozenset({LO.qkv_up_gemm})))
     ulysses = sp > 1
@@ -209,11 +221,15 @@ def _attention_kept(model: ModelSpec, tp: int, sp: int, micro_batch: int, fused:
     return out
 
 
-def _moe_kept(model: ModelSpec, ep: int, etp: int, ffn: FFNStrategy, swiglu: float
-              ) -> list[Kept]:
+def _moe_kept(model: ModelSpec, ep: int, etp: int, ffn: FFNStrategy, swiglu: float,
+              fused: bool) -> list[Kept]:
     """An MoE FFN's kept tensors (_kept_tensors): the router's, the expert rows, the shared
-    experts'."""
+    experts'. The combine keeps the rows it weights (2 k h), and eagerly the weighted rows
+    too, which the index-add's autograd node saves as its source (2 k h); the fused combine
+    weights and sums in one compiled region whose backward reads the rows only
+    (runtime.kernels._fused_weighted_scatter)."""
     h = model.hidden
+    combine = 2.0 * h if fused else 4.0 * h
     k = model.top_k * (ffn.capacity_factor if isinstance(ffn, EPFFN)
                        and ffn.capacity_factor else 1.0)
     out = [Kept("router", 4.0 * model.experts + 12.0 * model.top_k,
@@ -224,13 +240,13 @@ def _moe_kept(model: ModelSpec, ep: int, etp: int, ffn: FFNStrategy, swiglu: flo
         load = EP_LOAD if ep > 1 else 1.0
         per_row = 2.0 * h + swiglu * f
         if ffn.dispatch.moves_routed_copies:
-            rows = Kept("expert_rows", k * per_row * load + 4.0 * k * h,
+            rows = Kept("expert_rows", k * per_row * load + k * combine,
                         experts | {LO.combine_unpermute}, LO.ep_dispatch)
         else:
-            rows = Kept("expert_rows", k * (per_row + 4.0 * h) * load,
+            rows = Kept("expert_rows", k * (per_row + combine) * load,
                         experts | {LO.combine_gather}, LO.dispatch_scatter)
     else:
-        rows = Kept("expert_rows", 6.0 * k * h * etp + swiglu * k * f,
+        rows = Kept("expert_rows", k * (2.0 * h + combine) * etp + swiglu * k * f,
                     experts | {LO.combine_gather}, LO.dispatch_scatter)
     out.append(rows)
     if model.shared_experts:
@@ -274,7 +290,7 @@ def layer_activation_terms(
       Q/K/V projection when the micro-batch has more than one sequence, one in all when the
       Linear layers accumulate in their GEMMs (``linears_accumulate``): 2 tp h each;
     - qk_norm (Qwen3): the per-head RMSNorms of q and k keep their fp32 input and normalised
-      copies, 8 (q_dim + kv_dim);
+      copies, 8 (q_dim + kv_dim); fused, one bf16 copy and each head's inverse norm;
     - mla_latents (MLA): the q and kv latents the up-projections keep (2 per element) and their
       RMSNorms (as the layer norms: 10 per element eager);
     - attention_core: RoPE'd q, k and v expanded to the query heads (GQA repeat) and the SDPA
@@ -284,7 +300,8 @@ def layer_activation_terms(
     - router: fp32 probabilities (4 E) and the top-k indices and weights (12 k);
     - expert rows: the dispatched rows the grouped GEMMs keep (2 k h) and the SwiGLU
       intermediates (fc1, silu, fc3, product: 8 k F), times the EP rank's load; combine keeps
-      the returned rows (2 k h) and the weighted rows its scatter-add keeps (2 k h); the
+      the returned rows (2 k h) and, eagerly, the weighted rows its scatter-add keeps (2 k h);
+      the
       all-gather dispatcher keeps both at the rank's load; expert TP at etp;
     - dense_ffn: dense layers and shared experts, 8 F (the input is the norm's output);
     - layer_output: the residual stream handed to the next layer (2 h);
@@ -317,8 +334,8 @@ CHUNK_BYTES_PER_LOGIT = {Kernels.eager: 10, Kernels.fused: 4}
 eager, its logits in the parameter dtype and in fp32, the fp32 gradient computed in place,
 cast back (2); fused, the logits and the gradient the compiled region writes, both in the
 parameter dtype (runtime.kernels.cross_entropy_grad_fusable)."""
-HEAD_BYTES_PER_TOKEN_H = 10 + 2
-"""The final RMSNorm's kept tensors (10 h) and the embedding's output (2 h)."""
+EMBEDDING_BYTES_PER_TOKEN_H = 2
+"""The embedding's output, which the first layer keeps (2 h per token)."""
 
 
 def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
@@ -341,7 +358,9 @@ def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
     else:
         head = (2 * tokens * h + 10 * v * h
                 + CHUNK_BYTES_PER_LOGIT[kernels] * min(tokens * v, CHUNK_LOGITS))
-    return head + HEAD_BYTES_PER_TOKEN_H * tokens * h
+    # the final RMSNorm: the runtime's (Megatron-Core's as eager: cost_models.megatron)
+    final_norm = norm_kept_bytes(h, 1, kernels == Kernels.fused and target == Target.moeplan)
+    return head + (final_norm + EMBEDDING_BYTES_PER_TOKEN_H * h) * tokens
 
 
 ALLOCATOR_RESERVE = 0.03

@@ -54,17 +54,24 @@ def reduced_model(shape: str) -> ModelSpec:
     return reduced(*SHAPES[shape])
 
 
-def searched_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan:
+def best_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan | None:
     """The plan `moeplan search --runnable` picks for ``shape`` on ``gpus`` GPUs of the
-    calibrated cluster (CLUSTER); imports the planner, so it runs on the CPU machine."""
+    calibrated cluster (CLUSTER), None where none fits; imports the planner, so it runs on the
+    CPU machine."""
     from planner.search import search
     from planner.space import SearchSpace
 
     result = search(reduced_model(shape), catalog.load_cluster(CLUSTER, gpus=gpus), training,
                     SearchSpace().runnable(), top=1)
-    if result.best is None:
+    return None if result.best is None else result.best.plan
+
+
+def searched_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan:
+    """best_plan, which must exist."""
+    plan = best_plan(shape, gpus, training)
+    if plan is None:
         raise SystemExit(f"error: no plan fits for {shape} on {gpus} GPUs")
-    return result.best.plan
+    return plan
 
 
 def write_searched(jobs: list[tuple[str, int]], training: TrainingSpec,

@@ -6,9 +6,9 @@ model and step (and Megatron-Core's where it is installed), same shape, tokens a
 
 Per model (``MODELS``: the reduced-depth 1-GPU plans ``moeplan search --runnable`` picked,
 bench/gpu_plans/searched/; global batch 8 x 4,096, micro-batch 8; with ``--plans capped``
-ours are the plans it picks under ``--memory-cap`` torchtitan's measured peak,
-bench/gpu_plans/peer_capped/ by bench.steps.peer_plans, while torchtitan keeps the searched
-plan's micro-batches):
+ours are the plans it picks under ``--memory-cap`` torchtitan's measured peak with its blocks
+compiled, bench/gpu_plans/peer_capped/ by bench.steps.peer_plans (a model with none there is
+recorded as skipped), while torchtitan keeps the searched plan's micro-batches):
 
 - ours: bench/train_step.measure on the plan (the runtime's trainer: the plan's kernels,
   recompute, cross-entropy and ZeRO-1 AdamW; bf16 parameters with fp32 masters);
@@ -74,7 +74,8 @@ MODELS = {
 CAPPED = Path(__file__).resolve().parents[1] / "gpu_plans" / "peer_capped"
 PLAN_SETS = {
     "searched": MODELS,
-    # the same jobs searched under --memory-cap torchtitan's measured peak (bench.steps.peer_plans)
+    # the same jobs searched under --memory-cap torchtitan's measured peak, its blocks compiled
+    # (bench.steps.peer_plans; a job with no plan under it has no file)
     "capped": {**MODELS, "qwen3-30b-a3b": CAPPED / "qwen4l_1gpu.json",
                "mixtral-8x7b": CAPPED / "mixtral2l_1gpu.json",
                "deepseekmoe": CAPPED / "deepseek4l_1gpu.json"},
@@ -115,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torchtitan's compile (model: each transformer block, fullgraph)")
     p.add_argument("--plans", choices=list(PLAN_SETS), default="searched",
                    help="our plans: searched (bench/gpu_plans/searched/) or capped, searched "
-                   "under --memory-cap torchtitan's measured peak (bench/gpu_plans/peer_capped/)")
+                   "under --memory-cap torchtitan's compiled peak (bench/gpu_plans/peer_capped/)")
     p.add_argument("--compile-cache", type=Path,
                    help="folder of torch.compile's caches (runtime.compile_cache; default: "
                    "TORCHINDUCTOR_CACHE_DIR, else the user's cache folder): a later launch of "
@@ -394,6 +395,11 @@ def _release(device: torch.device) -> None:
 
 
 def run_model(name: str, args, device: torch.device) -> dict:
+    path = PLAN_SETS[args.plans][name]
+    if path is not None and not path.exists():  # bench.steps.peer_plans: none fit the cap
+        return {"status": "skipped", "plans": args.plans,
+                "reason": f"no plan of set {args.plans}: {path.name} absent (no plan fits "
+                          "under the cap, bench.steps.peer_plans)"}
     try:
         plan = plan_of(name, args)
         # torchtitan runs the job as measured: the searched plan's micro-batches, whichever
@@ -403,7 +409,6 @@ def run_model(name: str, args, device: torch.device) -> dict:
         reason = " ".join(str(e).split())[:300]
         return {"status": "skipped", "reason": f"our runtime refuses the model: {reason}"}
     t = plan.training
-    path = PLAN_SETS[args.plans][name]
     row: dict = {"plan": str(path) if path else "built: deepseek_v3_plan", "plans": args.plans,
                  "plan_summary": plan.summary(), "model_spec": plan.model.model_dump(),
                  "global_batch": t.global_batch, "seq_len": t.seq_len,

@@ -5,6 +5,7 @@ and step at tiny widths on the same tokens (skipped where torchtitan cannot be i
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -51,18 +52,38 @@ def test_peer_step_tiny(tmp_path):
 
 def test_the_capped_plans_hold_our_predicted_peak_to_torchtitans_measured_one():
     """bench/gpu_plans/peer_capped/ (bench.steps.peer_plans): each job's plan was searched
-    under --memory-cap torchtitan's measured peak on it, and is predicted to fit under it."""
+    under --memory-cap torchtitan's measured peak on it (its blocks compiled), and is predicted
+    to fit under it; a job without a plan there has none under that cap."""
+    from bench.fidelity.fidelity_cases import TRAINING
+    from bench.memory.memory_cases import best_plan
     from bench.steps.peer_plans import JOBS, path_of, peer_peak_gib
     from cost_models.memory import GIB, memory_breakdown
     from plans.catalog import load_plan
 
     for shape in JOBS:
+        if not path_of(shape, 1).exists():
+            cap = math.floor(peer_peak_gib(shape) * 10) / 10
+            assert best_plan(shape, 1, TRAINING.model_copy(update={"memory_cap_gib": cap})
+                             ) is None
+            continue
         plan = load_plan(path_of(shape, 1))
         cap = plan.training.memory_cap_gib
         assert cap is not None and cap <= peer_peak_gib(shape)
         memory = memory_breakdown(plan)
         assert memory.capacity_bytes == cap * GIB and memory.fits
         assert plan.prediction.peak_memory_gib <= cap
+
+
+def test_a_model_without_a_capped_plan_is_recorded_as_skipped(tmp_path, monkeypatch):
+    """--plans capped for a job bench.steps.peer_plans found no plan for: skipped, naming it."""
+    from types import SimpleNamespace
+
+    from bench.steps import peer_step_gpu
+
+    absent = tmp_path / "qwen4l_1gpu.json"
+    monkeypatch.setitem(peer_step_gpu.PLAN_SETS["capped"], "qwen3-30b-a3b", absent)
+    row = peer_step_gpu.run_model("qwen3-30b-a3b", SimpleNamespace(plans="capped"), None)
+    assert row["status"] == "skipped" and "qwen4l_1gpu.json absent" in row["reason"]
 
 
 def test_peer_step_runs_our_capped_plan(tmp_path):

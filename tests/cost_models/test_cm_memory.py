@@ -83,6 +83,39 @@ def test_the_loss_peak_per_cross_entropy_kind():
         12 * tokens * v + 12 * tokens * h)
 
 
+def test_fused_layer_and_loss_terms_by_hand():
+    # Qwen3-30B-A3B (h 2048, 32 + 4 heads of 128, 128 experts of ffn 768, top-8), fused
+    # kernels, one GPU, mbs 8: the compiled norms keep one bf16 copy and each row's fp32
+    # inverse norm, the compiled combine only the rows it weights (2 k h, not eager's 4 k h)
+    from cost_models.memory import layer_activation_terms
+    from plans import Kernels
+
+    plan, _ = _measured("searched_qwen4l_1gpu")
+    fused = plan.model_copy(update={"kernels": Kernels.fused})
+    tokens, h, f, k = 32768, 2048, 768, 8
+    terms = layer_activation_terms(fused.model, tokens, fused.degrees, fused.ffn,
+                                   Recompute.none, False, 8, Kernels.fused)
+    per_token = {name: b / tokens for name, b in terms.items()}
+    assert per_token == pytest.approx({
+        "norms": 2 * (2 * h + 4),
+        "qk_norm": 2 * (4096 + 512) + 4 * (32 + 4),
+        "attention_core": 4 * 4096 + 2 * 4096 + 4 * 32 + 2 * 4096,
+        "router": 4 * 128 + 12 * k,
+        "expert_rows": k * (2 * h + 6 * f) + k * 2 * h,
+        "layer_output": 2 * h,
+    })
+    eager = layer_activation_terms(plan.model, tokens, plan.degrees, plan.ffn,
+                                   Recompute.none, False, 8, Kernels.eager)
+    assert eager["expert_rows"] / tokens == pytest.approx(k * (2 * h + 8 * f) + k * 4 * h)
+    assert eager["qk_norm"] / tokens == pytest.approx(8 * (4096 + 512))
+    # the chunked loss with the fused final norm (2 h + 4) and the embedding's output (2 h)
+    from plans.enums import CHUNK_LOGITS
+
+    v = 151936
+    assert memory_breakdown(fused).components_bytes["logits"] == pytest.approx(
+        2 * tokens * h + 10 * v * h + 4 * CHUNK_LOGITS + (2 * h + 4 + 2 * h) * tokens)
+
+
 def test_in_flight_micro_batches():
     assert in_flight_micro_batches(0, 15, 1, 60) == 15
     assert in_flight_micro_batches(14, 15, 1, 60) == 1

@@ -217,3 +217,53 @@ def test_a_fused_set_loads_the_compiler_before_the_first_step():
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "True"]
+
+
+def _saved_bytes(fn) -> dict[torch.dtype, int]:
+    """Bytes of the distinct tensors autograd saves for backward while ``fn`` runs, by dtype."""
+    seen: dict[tuple, tuple[torch.dtype, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = (t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))
+        seen[key] = (t.dtype, t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    out: dict[torch.dtype, int] = {}
+    for dtype, n in seen.values():
+        out[dtype] = out.get(dtype, 0) + n
+    return out
+
+
+@pytest.mark.parametrize("kind", [Kernels.eager, Kernels.fused])
+def test_combine_and_per_head_norm_keep_what_the_memory_model_counts(kind):
+    """cost_models.memory: the combine keeps 4 k h bytes per token eagerly (the weighted rows'
+    product and the index-add's source), 2 k h fused (the rows its compiled region weights);
+    a per-head RMSNorm keeps 8 bytes per element eagerly (fp32 copies), fused 2 (one bf16
+    copy) and 4 per head (the fp32 inverse norm)."""
+    from cost_models.memory import norm_kept_bytes
+    from runtime.moe import sort_by_expert
+
+    ops = kernel_ops(kind)
+    g = torch.Generator().manual_seed(0)
+    tokens, k, h, experts = 64, 4, 32, 8
+    indices = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    slots, _ = sort_by_expert(indices, experts, dropless=True)
+    weights = torch.rand(tokens, k, generator=g, requires_grad=True)
+    rows = torch.randn(tokens * k, h, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    expert_out = rows * 1  # the experts' output, not a leaf
+    saved = _saved_bytes(lambda: ops.weighted_scatter(expert_out, slots, weights, tokens, k))
+    combine = 2 * k * h if kind == Kernels.fused else 4 * k * h
+    # beside the rows, at most the slots' weights in the rows' dtype (2 bytes each)
+    assert combine * tokens <= saved[torch.bfloat16] <= (combine + 2 * k) * tokens
+    heads, head_dim = 4, 16
+    x = torch.randn(tokens, heads, head_dim, generator=g, dtype=torch.bfloat16,
+                    requires_grad=True) * 1
+    w = torch.ones(head_dim, requires_grad=True)
+    saved = _saved_bytes(lambda: ops.rms_norm(x, w, 1e-6))
+    kept = sum(saved.values()) - w.numel() * w.element_size()  # the norm's weight aside
+    if kind == Kernels.fused:
+        assert kept == norm_kept_bytes(heads * head_dim, heads, True) * tokens
+    else:  # the model's 8 per element, beside which eager keeps each row's fp32 statistic
+        assert 8 * heads * head_dim * tokens <= kept <= (8 * head_dim + 4) * heads * tokens
