@@ -223,11 +223,10 @@ def start_host_copy(t: torch.Tensor) -> Callable[[], list]:
 class HostCounts:
     """Rows per expert on the device, and copied to the host without waiting
     (``start_host_copy``), read once when first needed. Read in the backward (the per-expert
-    weight gradients of gradient-accumulation fusion), the GPU has long passed the copy;
-    reading them in the forward made the host wait for the GPU at every MoE layer: the
-    eight-micro-batch Mixtral step then took 487.1 ms against its unfused twin's 481.7
-    (f851b03; git keeps bench/results/h200/speed17/counts_in_forward); read in the backward,
-    440.0 against 467.0 (bench/results/h200/train_step_mixtral2l_1gpu_gaf.json, 835712a)."""
+    weight gradients of gradient-accumulation fusion), the GPU has long passed the copy; read
+    in the forward, the host would wait for the GPU at every MoE layer. The eight-micro-batch
+    Mixtral step reading them in the backward: 440.0 ms against its unfused twin's 467.0
+    (bench/results/h200/train_step_mixtral2l_1gpu_gaf.json)."""
 
     def __init__(self, counts: torch.Tensor):
         self.device = counts

@@ -472,7 +472,7 @@ def sections() -> dict[str, str]:
         ("searched_table", searched_table), ("copy_engine_table", copy_engine_table),
         ("expert_gemm_table", expert_gemm_table))}
     x2_note = "" if ATTENTION_X2.exists() else (
-        " (not run: no two-GPU machine was lent since the bench was written)")
+        " (not run: it needs a two-GPU machine)")
     return {**tables, **head_groups(), **clocks(), **ceiling(), **fusion(),
             "attention_x2_note": x2_note, "head_group_parity": head_group_parity(),
             "searched_parity": searched_parity(), "searched_x2": searched_x2(),
