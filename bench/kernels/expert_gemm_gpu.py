@@ -195,6 +195,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--balanced", action="store_true",
                     help="every expert the same row count instead of a router's")
+    ap.add_argument("--variants", nargs="+", metavar="NAME",
+                    help="time only these variants (default: all; names as the output prints)")
     ap.add_argument("--out", required=True, help="result JSON path")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -212,7 +214,11 @@ def main() -> None:
     gemm_flops = 3 * 2 * rows * hidden * ffn  # three GEMMs forward
     results = {}
     params, fns = variants(experts, hidden, ffn, device, dtype)
+    if unknown := sorted(set(a.variants or ()) - set(fns)):
+        sys.exit(f"error: --variants: no variant {unknown[0]!r} (all: {', '.join(fns)})")
     for name, fn in fns.items():
+        if a.variants and name not in a.variants:
+            continue
         def fwd(fn=fn):
             with torch.no_grad():
                 fn(x, offs, counts)
