@@ -316,14 +316,30 @@ def count_gather_s(plan: Plan) -> float:
     return comm.all_gather_s(group * plan.model.experts * COUNT_BYTES, layout, plan.cluster)
 
 
+def paired_share(plan: Plan) -> float:
+    """Share of a rank's micro-batch passes (per model chunk) that Megatron-Core's EP overlap
+    runs paired, one micro-batch's forward beside another's backward: only the steady state.
+    Its warmup forwards and their cooldown backwards run alone, their all-to-alls exposed
+    (Megatron-Core 0.15.3 pipeline_parallel/schedules.py get_pp_rank_microbatches: (pp - rank
+    - 1) x 2 + (chunks - 1) x microbatch_group_size_per_vp_stage, which defaults to pp, plus
+    the one extra forward the overlap schedules; without pipelining combined_1f1b.py runs the
+    first forward and the last backward alone). The mean over the pipeline's ranks."""
+    d = plan.degrees
+    total = plan.num_micro_batches * d.vpp
+    if d.pp == 1:
+        return 1 - min(1, total) / total
+    warmup = [min(total, (d.pp - r - 1) * 2 + (d.vpp - 1) * d.pp + 1) for r in range(d.pp)]
+    return 1 - sum(warmup) / (d.pp * total)
+
+
 def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
     """One layer's device time as Megatron-Core schedules it, its fp8 quantisations and
     padding included (``fp8_cast_s``, ``fp8_padding_s``): its communication blocks
     (overlap none), except under its EP overlap (overlap inter_op:
     ``--overlap-moe-expert-parallel-comm``), which runs one micro-batch's forward beside
     another's backward so that each one's dispatch and combine all-to-alls run beside the
-    other's compute: a share ``efficiency.overlap`` of them is hidden, at most the layer's
-    compute."""
+    other's compute: in the passes it pairs (``paired_share``) a share ``efficiency.overlap``
+    of them is hidden, at most the layer's compute; in the others none."""
     timing = layer_timing_for(layer_key(plan, dense), Overlap.none)
     casts, pads = fp8_cast_s(plan, dense), fp8_padding_s(plan, dense)
     fp8_fwd, fp8_bwd = casts[0] + pads[0], casts[1] + pads[1]
@@ -336,7 +352,7 @@ def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
     ep = sum(exposed.get(k, 0.0) for k in EP_KINDS)
     if not ep:
         return timing
-    hidden = min(plan.cluster.efficiency.overlap * ep, timing.compute_s)
+    hidden = paired_share(plan) * min(plan.cluster.efficiency.overlap * ep, timing.compute_s)
     for k in EP_KINDS:
         if k in exposed:
             exposed[k] -= hidden * exposed[k] / ep

@@ -40,3 +40,29 @@ def test_megatron_flop_count_matches_its_formula(at_scale):
     m = catalog.load_model("mixtral-8x7b")
     by_hand = 12 * 32 * 4096**2 * ((1 + 0.25 + 1) + 3.5 * 2 * 1.5 + 32000 / (2 * 32 * 4096))
     assert at_scale.megatron_flops_per_token(m, 4096) == pytest.approx(by_hand)
+
+
+def test_megatron_lm_runs_one_recomputation_over_table_3_the_least_that_fits_at_all(at_scale):
+    import cost_models
+    from plans import Recompute
+
+    policy = at_scale.sweep_recompute()
+    plans = [at_scale.megatron_352b(g) for g in at_scale.TABLE_3_GPUS]
+    assert {p.recompute for p in plans} == {policy}
+    assert all(cost_models.evaluate(p).feasible for p in plans)
+    for weaker in list(Recompute)[:list(Recompute).index(policy)]:
+        assert not all(cost_models.evaluate(p.model_copy(update={"recompute": weaker})).feasible
+                       for p in plans), weaker
+
+
+def test_the_kernel_scale_what_if_is_fitted_to_megascale_and_leaves_the_catalog(at_scale):
+    import math
+
+    from plans import catalog
+
+    res = at_scale.table_3_residual()["kernel_scale"]
+    logs = [math.log1p(e) for e in res["megascale_error"]]
+    assert abs(sum(logs) / len(logs)) < 0.01
+    assert 0 < res["scale"] < 1
+    assert catalog.load_cluster("h800", gpus=8).efficiency.gemm == pytest.approx(
+        at_scale.megascale_352b().cluster.efficiency.gemm)
