@@ -137,14 +137,18 @@ def facts(search: dict) -> dict[str, str]:
           "whatif_s": f"{sp['whatif']['search_s_min']:.0f}",
           "whatif_ratio": f"{sp['whatif']['ratio_to_loop']:.0f}"}
     peer = _report("bench.steps.peer_report")
-    speedups, more_memory = [], 0
+    speedups, more_memory, no_plan = [], 0, []
     for model in peer.MODELS:
         runs = peer.runs(model)
         ours, theirs = runs["ours, capped"][1], runs["torchtitan, compiled"][1]
+        if ours.get("status") == "skipped":  # no plan under torchtitan's peak
+            no_plan.append(model)
+            continue
         speedups.append(theirs["step_time_s"] / ours["step_time_s"])
         more_memory += ours["peak_memory_gib"] > theirs["peak_memory_gib"]
     f |= {"peer_low": f"{min(speedups):.2f}x", "peer_high": f"{max(speedups):.2f}x",
-          "peer_models": str(len(speedups)), "peer_more_memory": str(more_memory)}
+          "peer_models": str(len(speedups)), "peer_more_memory": str(more_memory),
+          "peer_no_plan": ", ".join(no_plan) or "none"}
     fz, adv = _load(FUZZ), _load(ADVERSARIAL)
     f |= {"fuzz_cases": f"{fz['cases']:,}", "fuzz_tracebacks": str(fz["outcomes"]["traceback"]),
           "fuzz_hangs": str(fz["outcomes"]["hang"]), "fuzz_wrote": str(fz["outcomes"]["wrote"]),
