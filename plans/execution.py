@@ -802,7 +802,10 @@ class UnsupportedFeature(SpecError):
 def _refusal(row: Capability, value: object, backend: Backend, reason: str) -> str:
     who = (f"its runtime on {backend}" if row.target == Target.moeplan
            else TARGET_NAMES[row.target])
-    return f"{row.field}: {_text(value)} is not run by target {row.target} ({who}): {reason}"
+    # a spec is named, not printed whole: the line stays one line
+    shown = getattr(value, "name", type(value).__name__) if isinstance(value, BaseModel) \
+        else _text(value)
+    return f"{row.field}: {shown} is not run by target {row.target} ({who}): {reason}"
 
 
 def refusals(plan: Plan, backend: Backend = Backend.cuda_nccl,

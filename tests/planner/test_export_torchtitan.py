@@ -225,6 +225,11 @@ def test_a_model_without_a_torchtitan_config_function_is_refused(tmp_path):
     plan = qwen_plan(model=load_model("qwen3-30b-a3b").model_copy(update={"layers": 40}),
                      stage_layers=(20, 20))
     _refused(plan, tmp_path, "model", "config function")
+    with pytest.raises(SpecError) as e:
+        torchtitan_job(plan)
+    # the spec named, not printed field by field
+    assert str(e.value).startswith(f"--to torchtitan: model: {plan.model.name} is not run "), e
+    assert "hidden=" not in str(e.value)
 
 
 def test_the_script_states_what_runs_differently():
