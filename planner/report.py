@@ -1,8 +1,8 @@
 """Human tables and JSON documents for search, scale, what-if, catalog and explain.
 
-Tables never cut a value: rows are plain text, aligned, as wide as their values (piped output,
-CI logs); where the output width is known (COLUMNS, or a terminal) and a row does not fit, each
-row becomes a record whose values wrap between values, never inside one. JSON documents share
+Tables never cut a value: rows are plain text, aligned; where a row does not fit the output
+width (COLUMNS, a terminal's width, or 80 columns piped and in CI logs), each row becomes a
+record whose values wrap between values, never inside one. JSON documents share
 one envelope (schema version, moeplan version, command, job) and one ranked-plan object.
 """
 
@@ -112,13 +112,16 @@ class Column:
     shown in a record on their own line, without their name."""
 
 
-def output_width() -> int | None:
+def output_width() -> int:
     """Width to fit tables in: $COLUMNS when set, the terminal's width on a terminal, else
-    none (piped: rows as wide as their values)."""
+    PIPED_COLUMNS (piped output and CI logs are read at 80 columns)."""
     env = os.environ.get("COLUMNS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else PIPED_COLUMNS
+
+
+PIPED_COLUMNS = 80
 
 
 def render_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]],
