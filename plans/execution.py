@@ -802,10 +802,12 @@ class UnsupportedFeature(SpecError):
 def _refusal(row: Capability, value: object, backend: Backend, reason: str) -> str:
     who = (f"its runtime on {backend}" if row.target == Target.moeplan
            else TARGET_NAMES[row.target])
-    # a spec is named, not printed whole: the line stays one line
-    shown = getattr(value, "name", type(value).__name__) if isinstance(value, BaseModel) \
-        else _text(value)
-    return f"{row.field}: {shown} is not run by target {row.target} ({who}): {reason}"
+    # a spec is named, not printed whole (its reason names the part): the line stays one line
+    if isinstance(value, BaseModel):
+        shown = f"{row.field}: {value.name}" if hasattr(value, "name") else row.field
+    else:
+        shown = f"{row.field}: {_text(value)}"
+    return f"{shown} is not run by target {row.target} ({who}): {reason}"
 
 
 def refusals(plan: Plan, backend: Backend = Backend.cuda_nccl,
