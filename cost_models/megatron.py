@@ -327,7 +327,7 @@ def paired_share(plan: Plan) -> float:
     d = plan.degrees
     total = plan.num_micro_batches * d.vpp
     if d.pp == 1:
-        return 1 - min(1, total) / total
+        return 1 - 1 / total
     warmup = [min(total, (d.pp - r - 1) * 2 + (d.vpp - 1) * d.pp + 1) for r in range(d.pp)]
     return 1 - sum(warmup) / (d.pp * total)
 

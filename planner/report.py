@@ -112,6 +112,9 @@ class Column:
     shown in a record on their own line, without their name."""
 
 
+PIPED_COLUMNS = 80
+
+
 def output_width() -> int:
     """Width to fit tables in: $COLUMNS when set, the terminal's width on a terminal, else
     PIPED_COLUMNS (piped output and CI logs are read at 80 columns)."""
@@ -119,9 +122,6 @@ def output_width() -> int:
     if env.isdigit() and int(env) > 0:
         return int(env)
     return shutil.get_terminal_size().columns if sys.stdout.isatty() else PIPED_COLUMNS
-
-
-PIPED_COLUMNS = 80
 
 
 def render_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]],

@@ -29,6 +29,11 @@ def _model(name: str, model: str) -> dict:
     return json.loads((RESULTS / name).read_text())["models"][model]
 
 
+def skipped(run: dict) -> bool:
+    """A capped run with no plan under the cap (bench.steps.peer_plans wrote none)."""
+    return run.get("status") == "skipped"
+
+
 def runs(model: str) -> dict[str, tuple[str, dict]]:
     """Run label -> (its plan's notation, its measurement) for ``model``; a capped run that
     has no plan under the cap is (its reason, the skipped record)."""
@@ -37,7 +42,7 @@ def runs(model: str) -> dict[str, tuple[str, dict]]:
     capped = _model(CAPPED[model], model)
     compiled = _model(f"peer_step_{shape}_compiled.json", model)
     peer_plan = f"torchtitan mbs{searched['micro_batch_size']}"
-    capped_run = ((capped["reason"], capped) if capped.get("status") == "skipped"
+    capped_run = ((capped["reason"], capped) if skipped(capped)
                   else (capped["plan_summary"], capped["ours"]))
     return {"ours, searched": (searched["plan_summary"], searched["ours"]),
             "ours, capped": capped_run,
@@ -45,19 +50,15 @@ def runs(model: str) -> dict[str, tuple[str, dict]]:
             "torchtitan, compiled": (peer_plan, compiled["peer"])}
 
 
-def _skipped(run: dict) -> bool:
-    return run.get("status") == "skipped"
-
-
 def _row(model: str, label: str, plan: str, run: dict) -> str:
-    if _skipped(run):
+    if skipped(run):
         return f"| {model} | {label} | skipped: no plan fits under the cap | | | | |"
     return (f"| {model} | {label} | `{plan}` | {run['step_time_s'] * 1e3:.1f} | "
             f"{run['mfu']:.1%} | {run['peak_memory_gib']:.1f} | {run['first_step_s']:.1f} |")
 
 
 def _target(model: str, label: str, ours: dict, peer: dict) -> tuple[str, list[str]]:
-    if _skipped(ours):
+    if skipped(ours):
         return (f"| {model} | {label.removeprefix('ours, ')} | no plan under "
                 f"{peer['peak_memory_gib']:.1f} GiB | | | |",
                 [f"{model} {label}: no plan under torchtitan compiled's peak"])

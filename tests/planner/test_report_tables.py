@@ -65,3 +65,13 @@ def test_low_headroom_is_warned():
     assert headroom_warnings([("#1", E(100 * (1 - HEADROOM_WARNING) + 1)), ("#2", E(50))])[0] \
         .startswith("warning: #1 (")
     assert headroom_warnings([("#2", E(50))]) == []
+
+
+def test_piped_output_without_a_width_is_read_at_80_columns():
+    from planner.report import PIPED_COLUMNS
+
+    args = ["search", "mixtral-8x7b", "h100", "--gpus", "16", "--global-batch", "32",
+            "--seq-len", "4096", "--top", "3"]
+    text = CliRunner(env={"COLUMNS": ""}).invoke(app, args).output  # not a terminal, no COLUMNS
+    assert PIPED_COLUMNS == 80
+    assert max(len(line) for line in text.splitlines()) <= PIPED_COLUMNS
