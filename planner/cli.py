@@ -1214,13 +1214,22 @@ def _write_calibrated(out: Path, cluster, base_cluster, sources: list[str],
              "or Slurm.")
 @user_errors
 def export_cmd(
-    plan: PlanArg,
+    plan: PlanRefArg,
     to: Annotated[ExportTarget, typer.Option("--to", help="What to launch with.")],
     steps: Annotated[int | None, typer.Option(
         "--steps", min=1, help="Optimizer steps (megatron: --train-iters; torchtitan: "
         "--training.steps; else the runtime's --steps); default: megatron's script asks for "
         "TRAIN_ITERS, torchtitan's config function sets them, the runtime runs 10.")
     ] = None,
+    model: ModelOpt = None,
+    cluster: Annotated[str | None, typer.Option(
+        "--cluster", help="The cluster a plan in notation is built for.")] = None,
+    gpus: OptGpusOpt = None,
+    global_batch: Annotated[int | None, typer.Option(
+        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
+        "half the GPU count.")] = None,
+    seq_len: OptSeqOpt = None,
+    precision: OptPrecisionOpt = None,
 ) -> None:
     """Print a launch script for the plan: Megatron-LM's pretrain_gpt.py, torchtitan 0.3.0's
     trainer, or moeplan's runtime under torchrun or Slurm. A plan the launcher cannot express
@@ -1229,6 +1238,8 @@ def export_cmd(
     \b
     Examples:
       moeplan export plan.json --to megatron --steps 1000 > megatron.sh
+      moeplan export "pp4 vpp8 dp16 ep8 a2a mbs1" --model mixtral-8x7b --cluster h100 \\
+          --gpus 64 --global-batch 256 --to megatron > megatron.sh
       moeplan export plan.json --to torchtitan --steps 1000 > titan.sh
       moeplan export plan.json --to slurm --steps 1000 > job.sbatch
       moeplan export plan.json --to torchrun > run.sh
@@ -1242,13 +1253,22 @@ def export_cmd(
     )
     from plans.execution import as_target, executed_plan
 
-    loaded = plans.catalog.load_plan(plan)
+    _job_options_for_notation([plan], model, gpus, global_batch, seq_len, precision)
+    if cluster is not None and _is_plan_file(plan):
+        raise plans.SpecError("--cluster: a plan file holds its cluster; --cluster goes with "
+                              "a plan in notation")
+    loaded = _load_plan_ref(plan, model, cluster, gpus, global_batch, seq_len, precision)
+    if to in (ExportTarget.torchrun, ExportTarget.slurm) and not _is_plan_file(plan):
+        raise plans.SpecError(f"--to {to.value}: the script runs a plan file on every node; "
+                              "write one with `moeplan search ... --out plan.json` and the "
+                              "pin options (--pp, --ep, ...), then export it")
     # the scripts run on other nodes and from other folders: the plan by its absolute path
-    where = str(plan.resolve())
+    where = str(Path(plan).resolve())
     priced = loaded
     if to == ExportTarget.megatron:
-        script = megatron_script(loaded, steps)  # refuses what Megatron cannot express
+        megatron_script(loaded, steps)  # refuses what Megatron cannot express
         priced = executed_plan(as_target(loaded, Target.megatron), target=Target.megatron)
+        script = megatron_script(priced, steps)  # its header: the prediction as Megatron runs
         if loaded.target != Target.megatron:
             step = cost_models.evaluate(priced).step_time_s
             typer.echo(f"note: {plan}: a plan for target {loaded.target}, priced anew as a "

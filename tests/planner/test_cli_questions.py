@@ -112,6 +112,23 @@ def test_explain_takes_notation_and_a_plan_file_takes_no_job(tmp_path):
     assert checked.exit_code == 0 and checked.output.startswith("ok: pp2 dp1 sp2 ep2")
 
 
+def test_export_takes_notation_for_megatron_and_refuses_it_for_a_node_script(tmp_path):
+    result = run("export", "pp2 sp2 ep2 a2a mbs1 ov:none", *JOB, "--to", "megatron")
+    assert result.exit_code == 0, result.output
+    header = next(ln for ln in result.output.splitlines() if ln.startswith("# moeplan export"))
+    assert header.startswith("# moeplan export: pp2 dp1 sp2 ep2 a2a mbs1")
+    assert "t:megatron" in header  # the header's prediction: the plan as Megatron runs it
+    one_line_error(run("export", "pp2 sp2 ep2 mbs1", *JOB, "--to", "torchrun"),
+                   "--to torchrun", "plan file")
+    one_line_error(run("export", "pp2 sp2 ep2 mbs1", "--to", "megatron"), "--model")
+    doc = json.loads(run("explain", "pp2 sp2 ep2 mbs1", *JOB, "--json").output)
+    out = tmp_path / "p.json"
+    out.write_text(Plan.model_validate(doc["plan"]["plan"]).model_dump_json())
+    one_line_error(run("export", str(out), "--cluster", "h200", "--to", "torchrun"),
+                   "--cluster", "a plan file holds its cluster")
+    assert run("export", str(out), "--to", "torchrun").exit_code == 0
+
+
 # ---- pins -----------------------------------------------------------------------------------
 
 
