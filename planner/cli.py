@@ -1238,8 +1238,8 @@ def export_cmd(
     \b
     Examples:
       moeplan export plan.json --to megatron --steps 1000 > megatron.sh
-      moeplan export "pp4 vpp8 dp16 ep8 a2a mbs1" --model mixtral-8x7b --cluster h100 \\
-          --gpus 64 --global-batch 256 --to megatron > megatron.sh
+      moeplan export "pp4 vpp8 dp16 ep8 a2a mbs1 ov:inter" --model mixtral-8x7b \\
+          --cluster h100 --gpus 64 --global-batch 256 --to megatron > megatron.sh
       moeplan export plan.json --to torchtitan --steps 1000 > titan.sh
       moeplan export plan.json --to slurm --steps 1000 > job.sbatch
       moeplan export plan.json --to torchrun > run.sh
