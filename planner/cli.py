@@ -330,6 +330,9 @@ ModelOpt = Annotated[str | None, typer.Option(
     "--model", help="Catalog model or spec file a plan in notation is for.")]
 OptGpusOpt = Annotated[int | None, typer.Option(
     "--gpus", min=1, help="GPUs of the job a plan in notation is for.")]
+OptBatchOpt = Annotated[int | None, typer.Option(
+    "--global-batch", min=1, help="Sequences per step of a plan in notation; default half the "
+    "GPU count.")]
 OptSeqOpt = Annotated[int | None, typer.Option(
     "--seq-len", min=1, help="Tokens per sequence of a plan in notation; default 8192.")]
 OptPrecisionOpt = Annotated[TrainingPrecision | None, typer.Option(
@@ -561,9 +564,7 @@ def explain(
         "run was measured on); for notation or pins, the cluster it is built for.")] = None,
     model: ModelOpt = None,
     gpus: OptGpusOpt = None,
-    global_batch: Annotated[int | None, typer.Option(
-        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
-        "half the GPU count.")] = None,
+    global_batch: OptBatchOpt = None,
     seq_len: OptSeqOpt = None,
     precision: OptPrecisionOpt = None,
     plot: Annotated[Path | None, typer.Option(
@@ -720,9 +721,7 @@ def validate(
         "--cluster", help="For a plan file, price it on this cluster; for notation, the "
         "cluster it is built for.")] = None,
     gpus: OptGpusOpt = None,
-    global_batch: Annotated[int | None, typer.Option(
-        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
-        "half the GPU count.")] = None,
+    global_batch: OptBatchOpt = None,
     seq_len: OptSeqOpt = None,
     precision: OptPrecisionOpt = None,
 ) -> None:
@@ -1225,9 +1224,7 @@ def export_cmd(
     cluster: Annotated[str | None, typer.Option(
         "--cluster", help="The cluster a plan in notation is built for.")] = None,
     gpus: OptGpusOpt = None,
-    global_batch: Annotated[int | None, typer.Option(
-        "--global-batch", min=1, help="Sequences per step of a plan in notation; default "
-        "half the GPU count.")] = None,
+    global_batch: OptBatchOpt = None,
     seq_len: OptSeqOpt = None,
     precision: OptPrecisionOpt = None,
 ) -> None:
@@ -1246,6 +1243,7 @@ def export_cmd(
     """
     import cost_models
     from planner.export import (
+        check_megatron,
         megatron_script,
         slurm_script,
         torchrun_script,
@@ -1266,7 +1264,7 @@ def export_cmd(
     where = str(Path(plan).resolve())
     priced = loaded
     if to == ExportTarget.megatron:
-        megatron_script(loaded, steps)  # refuses what Megatron cannot express
+        check_megatron(loaded)  # before executed_plan drops what Megatron does not run
         priced = executed_plan(as_target(loaded, Target.megatron), target=Target.megatron)
         script = megatron_script(priced, steps)  # its header: the prediction as Megatron runs
         if loaded.target != Target.megatron:

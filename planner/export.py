@@ -285,13 +285,18 @@ def megatron_step_args(plan: Plan) -> list[str]:
     return args
 
 
+def check_megatron(plan: Plan) -> None:
+    """Raise SpecError, naming the field, when Megatron cannot express ``plan``."""
+    why = megatron_refusal(plan)
+    if why is not None:
+        raise SpecError(f"--to megatron: {why}")
+
+
 def megatron_args(plan: Plan, steps: int | None = None) -> tuple[list[str], list[str]]:
     """`pretrain_gpt.py` arguments that run the plan (training iterations when ``steps``; the
     learning rate and data are the user's), and notes on what Megatron runs differently.
     Raises SpecError when Megatron cannot express the plan."""
-    why = megatron_refusal(plan)
-    if why is not None:
-        raise SpecError(f"--to megatron: {why}")
+    check_megatron(plan)
     parallel, notes = megatron_parallel_args(plan)
     args = (megatron_model_args(plan.model, plan.training.seq_len) + parallel
             + megatron_step_args(plan))
