@@ -36,11 +36,12 @@ from cost_models.layer_graph import (
     OpKind,
     backward_entries,
     entries_of,
+    experts_path,
     forward_entries,
     graph_of,
 )
 from cost_models.schedule import Stream, Task, list_schedule
-from plans.enums import Target
+from plans.enums import ExpertGemm, Target
 from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
 from plans.plan import Overlap, Plan, Recompute
@@ -78,13 +79,21 @@ class LayerTiming:
 
 
 def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
+    """The key of the plan's layer. Its experts' path is resolved where the target fixes it
+    (Megatron-Core's GroupedLinear: grouped) or the rule gives grouped at every chunk count
+    (grouped unchunked: chunks only cut the rows per call), so layers that run alike share
+    their graphs and schedules whichever target runs them."""
     d = plan.degrees
-    return LayerKey(
+    key = LayerKey(
         plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
         plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
         plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
-        plan.target, plan.expert_gemm,
+        None if dense else ExpertGemm.grouped if plan.target != Target.moeplan
+        else plan.expert_gemm,
     )
+    if key.expert_gemm is None and not dense and experts_path(key, 1) == ExpertGemm.grouped:
+        return replace(key, expert_gemm=ExpertGemm.grouped)
+    return key
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from cost_models import volumes as vol
 from cost_models.dispatch import ALL_GATHER, Passes, eager_permutation, fused_every_slot
 from cost_models.schedule import Stream
 from cost_models.volumes import CommKind, Transfer
-from plans.enums import ExpertGemm, Target
+from plans.enums import ExpertGemm
 from plans.layout import expert_gemm, kv_heads_sent, tokens_per_rank
 from plans.operators import (
     DEFAULT_MODULES,
@@ -141,12 +141,9 @@ class LayerKey:
     """TrainingSpec.routing_skew (cost_models.skew)."""
     recompute_modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
     """Plan.recompute_modules: what selective recomputation reruns."""
-    target: Target = Target.moeplan
-    """The runtime that executes the layer (plan.target): moeplan's runs its experts' GEMMs as
-    plans.layout.expert_gemm picks; Megatron-Core's GroupedLinear is priced grouped (its
-    per-GEMM host launches by cost_models.megatron)."""
     expert_gemm: ExpertGemm | None = None
-    """Plan.expert_gemm: the path the plan names for moeplan's runtime (null: the rule)."""
+    """The path the routed experts' GEMMs run (null: plans.layout.expert_gemm's rule at each
+    graph's chunk count; cost_models.layer.layer_key resolves it by the plan's target)."""
 
     @property
     def tokens(self) -> float:
@@ -512,6 +509,13 @@ class _MoEChunks:
         return f"@{c}" if self.side else ""
 
 
+def experts_path(k: LayerKey, chunks: int) -> ExpertGemm:
+    """The path of the routed experts' GEMMs when a micro-batch's experts make ``chunks``
+    calls: ``k.expert_gemm``, else the rule over the FFN's group (ep, or etp under expert TP)."""
+    group = k.ep if isinstance(k.ffn, EPFFN) else k.etp
+    return k.expert_gemm or expert_gemm(k.model, k.tokens, group, chunks)
+
+
 def _moe_chunks(k: LayerKey, chunks: int) -> _MoEChunks:
     m = k.model
     t, e = k.tokens, m.experts
@@ -612,12 +616,7 @@ def _moe_experts_and_combine(g: _Builder, x: _MoEChunks,
     t, n, rows = x.t, x.n, x.rows
     e_fwd = x.eager.combine_fwd if x.eager else None
     e_bwd = x.eager.combine_bwd if x.eager else None
-    if k.target != Target.moeplan:
-        gemm = ExpertGemm.grouped
-    elif k.expert_gemm is not None:
-        gemm = k.expert_gemm
-    else:
-        gemm = expert_gemm(k.model, k.tokens, x.n, x.chunks)
+    gemm = experts_path(k, x.chunks)
     outs = []
     for c, (ready, back, _) in enumerate(dispatched):
         at = x.at(c)

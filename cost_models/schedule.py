@@ -15,6 +15,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class Stream(StrEnum):
@@ -22,8 +23,7 @@ class Stream(StrEnum):
     comm = "comm"
 
 
-@dataclass(frozen=True)
-class Task:
+class Task(NamedTuple):
     name: str
     """The operator this task belongs to (several tasks may share one)."""
     duration_s: float
@@ -65,7 +65,7 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
     finish = [0.0] * n
     cause: list[int | None] = [None] * n
     free = {s: 0.0 for s in Stream}
-    last_on = {s: None for s in Stream}
+    last_on: dict[Stream, int | None] = {s: None for s in Stream}
     waiting = [len(t.preds) for t in tasks]
     successors: list[list[int]] = [[] for _ in range(n)]
     for i, t in enumerate(tasks):
@@ -73,8 +73,12 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             successors[p].append(i)
     ready = [i for i in range(n) if not waiting[i]]
     level = _bottom_levels(tasks)
+    # among tasks that can start at the same time: first, then the longest remaining path,
+    # then program order
+    rank = [(t.first, level[i], -i) for i, t in enumerate(tasks)]
     while ready:
-        best = best_start = best_cause = None
+        best = best_cause = None
+        best_start = 0.0
         for i in ready:
             t = tasks[i]
             at, why = 0.0, None
@@ -84,11 +88,10 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             for s in t.streams:
                 if free[s] > at:
                     at, why = free[s], last_on[s]
-            if best is None or at < best_start or (at == best_start and (
-                    (t.first, level[i], -i) > (tasks[best].first, level[best], -best))):
+            if best is None or at < best_start or (at == best_start and rank[i] > rank[best]):
                 best, best_start, best_cause = i, at, why
         start[best] = best_start
-        finish[best] = best_start + tasks[best].duration_s
+        finish[best] = end = best_start + tasks[best].duration_s
         cause[best] = best_cause
         ready.remove(best)
         for j in successors[best]:
@@ -96,10 +99,10 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             if not waiting[j]:
                 ready.append(j)
         for s in tasks[best].streams:
-            free[s] = finish[best]
+            free[s] = end
             last_on[s] = best
     compute_busy = sorted(
-        (start[i], finish[i]) for i, t in enumerate(tasks) if t.streams == {Stream.compute}
+        (start[i], finish[i]) for i, t in enumerate(tasks) if t.streams == _COMPUTE_ONLY
     )
     busy_ends = [b1 for _, b1 in compute_busy]
     exposed = tuple(
@@ -109,6 +112,9 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
     )
     makespan = max(finish, default=0.0)
     return Schedule(makespan, tuple(start), exposed, _critical_path(tasks, finish, cause))
+
+
+_COMPUTE_ONLY = frozenset({Stream.compute})
 
 
 def _bottom_levels(tasks: Sequence[Task]) -> list[float]:

@@ -5,9 +5,11 @@ Exact branch and bound, deterministic:
    even stage split (the Plan invariants reject impossible layouts).
 2. Lower-bound each layout's step time from the fastest layer time over its options and the
    pipeline formula (see _lower_bound).
-3. Visit layouts in bound order until the bound passes the K-th best step time found. Check a
-   layout's memory with its leanest options first (if that does not fit, nothing does), then
-   evaluate its options (ILP stage split, memory, cost model), skipping dominated ones.
+3. Visit layouts in bound order until the bound passes the K-th best step time found. A
+   layout first visited gets a tighter bound (_refined): the recomputation its memory forces
+   (at a level whose leanest options do not fit, none do) and the gradient sync no backward
+   hides; it goes back in line under that bound. Visited again, its options are evaluated (ILP
+   stage split, memory, cost model), skipping dominated ones.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from functools import lru_cache
 
 from pydantic import ValidationError
 
 import cost_models
 from cost_models import Evaluation, StageCosts
+from cost_models.grad_sync import grad_sync
+from cost_models.params import StageParams, part_params
 from cost_models.pipeline import (
     exposed_p2p_s,
     head_cost,
@@ -46,6 +50,7 @@ from plans import (
     CrossEntropy,
     FFNStrategy,
     ModelSpec,
+    OptimizerSharding,
     Overlap,
     Plan,
     Precision,
@@ -249,9 +254,13 @@ def _predicted(plan: Plan, evaluation: Evaluation) -> Ranked:
 class _Entry:
     bound_s: float
     order: int
-    layout: Layout
     plan: Plan
     options: list
+    shape: tuple
+    """The layout's layer shape: what its layer costs depend on (not pp, vpp or dp)."""
+    fitting: frozenset[Recompute] | None = None
+    """Once _refined: the recomputation levels that may fit (``bound_s`` is then _refined's
+    and ``options`` the runnable ones)."""
 
 
 _OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_precision"})
@@ -286,10 +295,37 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
     """The search proper; ``seeds``: plans of ``space`` already priced, whose step times
     bound the best from above from the start (a searched plan of the same time replaces
     one)."""
+    line = _entries(model, cluster, training, space, stats, progress)
+    costs: dict[tuple, StageCosts] = {}
+    kept: list[tuple[float, int, Ranked]] = []  # heap of the K best, slowest on top
+    for i, seed in enumerate(sorted(seeds, key=lambda r: r.evaluation.step_time_s)[:top]):
+        heapq.heappush(kept, (-seed.evaluation.step_time_s, -(2**62 + i), 0, seed))
+    idx = 0  # layouts evaluated so far
+    while line:
+        _, _, entry = heapq.heappop(line)
+        if len(kept) == top and (entry.bound_s > -kept[0][0] or (
+                entry.bound_s == -kept[0][0] and not _seeded(kept[0]))):
+            stats.pruned_bound += len(entry.options) + sum(len(e.options) for *_, e in line)
+            break
+        if entry.fitting is None:
+            refined = _refined(entry, space, costs, stats)
+            if refined is not None:
+                heapq.heappush(line, (refined.bound_s, refined.order, refined))
+            continue
+        _visit(entry, idx, space, top, stats, kept, exhaustive)
+        idx += 1
+    ordered = sorted(kept, key=lambda t: (-t[0], -t[1], -t[2]))
+    return [r if r.plan.prediction is not None else _predicted(r.plan, r.evaluation)
+            for *_, r in ordered]
+
+
+def _entries(model, cluster, training, space, stats, progress) -> list[tuple]:
+    """Every valid layout of ``space`` with its even plan and its options, in a heap by lower
+    bound (_lower_bound at the layer shape's fastest options), then enumeration order."""
     layouts = list(space.layouts(model, cluster, training))
     stats.layouts += len(layouts)
-    entries: list[_Entry] = []
-    costs_by_shape: dict[tuple, StageCosts] = {}
+    line = []
+    fastest: dict[tuple, StageCosts] = {}
     for i, layout in enumerate(layouts):
         if progress is not None and (i % 64 == 0 or i + 1 == len(layouts)):
             progress(i + 1, len(layouts))
@@ -302,62 +338,73 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
         if RULES[space.target] and _layout_refused(plan, space.target):
             stats.invalid += len(options)
             continue
-        # the layer costs depend on the layout's layer shape only, not on pp, vpp or dp
         shape = (layout.attention, layout.ffn, layout.micro_batch_size, layout.degrees.sp,
                  layout.degrees.tp, layout.degrees.cp, layout.degrees.ep, layout.degrees.etp)
-        if shape not in costs_by_shape:
-            costs_by_shape[shape] = _fastest_costs(plan, options, space.cross_entropy)
-        bound = _lower_bound(plan, costs_by_shape[shape])
-        entries.append(_Entry(bound, i, layout, plan, options))
+        if shape not in fastest:
+            fastest[shape] = _fastest_costs(plan, options, space.cross_entropy)
+        bound = _lower_bound(plan, fastest[shape])
+        line.append((bound, i, _Entry(bound, i, plan, options, shape)))
+    heapq.heapify(line)
+    return line
 
-    entries.sort(key=lambda e: (e.bound_s, e.order))
-    kept: list[tuple[float, int, Ranked]] = []  # heap of the K best, slowest on top
-    for i, seed in enumerate(sorted(seeds, key=lambda r: r.evaluation.step_time_s)[:top]):
-        heapq.heappush(kept, (-seed.evaluation.step_time_s, -(2**62 + i), 0, seed))
-    for idx, entry in enumerate(entries):
-        if len(kept) == top and (entry.bound_s > -kept[0][0] or (
-                entry.bound_s == -kept[0][0] and not _seeded(kept[0]))):
-            stats.pruned_bound += sum(len(e.options) for e in entries[idx:])
-            break
-        options = _runnable_options(entry.plan, entry.options, space.target)
-        stats.invalid += len(entry.options) - len(options)
-        if not options:
+
+def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats
+             ) -> _Entry | None:
+    """``entry`` with its runnable options and a tighter bound: the least of _lower_bound over
+    the recomputation levels whose leanest options fit (_fitting_recomputes), each at the
+    fastest of its options (_fastest_costs), plus the gradient sync no backward hides
+    (_exposed_sync_floor); None when no option runs or fits."""
+    options = _runnable_options(entry.plan, entry.options, space.target)
+    stats.invalid += len(entry.options) - len(options)
+    fitting = _fitting_recomputes(entry.plan, options, _leanest_loss(space.cross_entropy))
+    if not fitting:
+        stats.pruned_memory += len(options)
+        return None
+    floors = []
+    for recompute in fitting:
+        key = (entry.shape, recompute, frozenset(options))
+        if key not in costs:
+            costs[key] = _fastest_costs(entry.plan, options, space.cross_entropy, recompute)
+        floors.append(_lower_bound(entry.plan, costs[key]))
+    bound = max(entry.bound_s, min(floors) + _exposed_sync_floor(entry.plan, options))
+    return _Entry(bound, entry.order, entry.plan, options, entry.shape, fitting)
+
+
+def _visit(entry: _Entry, idx: int, space: SearchSpace, top: int, stats: SearchStats,
+           kept: list, exhaustive: bool) -> None:
+    """Evaluate a refined entry's options group by group, keeping the K best in ``kept``."""
+    groups = _option_groups(entry.plan, entry.options, exhaustive)
+    stats.dominated += len(entry.options) - sum(map(len, groups))
+    fit = [[o for o in g if o[2] in entry.fitting] for g in groups]
+    stats.pruned_memory += sum(map(len, groups)) - sum(map(len, fit))
+    groups = [g for g in fit if g]
+    # per dispatcher and overlap level, the lowest-precision sync's best bounds the others:
+    # a higher precision needs at least as much recomputation and sync traffic, and saves
+    # at most the optimizer step's cast (bounded here by the whole optimizer step)
+    floor: dict = {}
+    for group in groups:
+        pair = group[0][:2]
+        if not exhaustive and pair in floor and (
+                floor[pair] is None
+                or (len(kept) == top and floor[pair] >= -kept[0][0])):
+            stats.dominated += len(group)
             continue
-        if not _fits_leanest(entry.plan, options, _leanest_loss(space.cross_entropy)):
-            stats.pruned_memory += len(options)
+        ranked, tried = _best_of_group(entry.plan, group, space.cross_entropy)
+        if not exhaustive and pair not in floor:
+            floor[pair] = None if ranked is None else (
+                ranked.evaluation.step_time_s - ranked.evaluation.breakdown_s["optimizer"])
+        stats.evaluated += tried
+        stats.dominated += len(group) - tried
+        if ranked is None:
             continue
-        groups = _option_groups(entry.plan, options, exhaustive)
-        stats.dominated += len(options) - sum(map(len, groups))
-        # per dispatcher and overlap level, the lowest-precision sync's best bounds the others:
-        # a higher precision needs at least as much recomputation and sync traffic, and saves
-        # at most the optimizer step's cast (bounded here by the whole optimizer step)
-        floor: dict = {}
-        for group in groups:
-            pair = group[0][:2]
-            if not exhaustive and pair in floor and (
-                    floor[pair] is None
-                    or (len(kept) == top and floor[pair] >= -kept[0][0])):
-                stats.dominated += len(group)
-                continue
-            ranked, tried = _best_of_group(entry.plan, group, space.cross_entropy)
-            if not exhaustive and pair not in floor:
-                floor[pair] = None if ranked is None else (
-                    ranked.evaluation.step_time_s - ranked.evaluation.breakdown_s["optimizer"])
-            stats.evaluated += tried
-            stats.dominated += len(group) - tried
-            if ranked is None:
-                continue
-            stats.feasible += 1
-            # ties go to the earlier layout, then the earlier option (feasible counts them)
-            item = (-ranked.evaluation.step_time_s, -(idx * 1000 + len(kept)),
-                    -stats.feasible, ranked)
-            if len(kept) < top:
-                heapq.heappush(kept, item)
-            elif item[0] > kept[0][0] or (item[0] == kept[0][0] and _seeded(kept[0])):
-                heapq.heapreplace(kept, item)
-    ordered = sorted(kept, key=lambda t: (-t[0], -t[1], -t[2]))
-    return [r if r.plan.prediction is not None else _predicted(r.plan, r.evaluation)
-            for *_, r in ordered]
+        stats.feasible += 1
+        # ties go to the earlier layout, then the earlier option (feasible counts them)
+        item = (-ranked.evaluation.step_time_s, -(idx * 1000 + len(kept)),
+                -stats.feasible, ranked)
+        if len(kept) < top:
+            heapq.heappush(kept, item)
+        elif item[0] > kept[0][0] or (item[0] == kept[0][0] and _seeded(kept[0])):
+            heapq.heapreplace(kept, item)
 
 
 def _seeded(item: tuple) -> bool:
@@ -468,48 +515,78 @@ def _ffn_with(ffn: FFNStrategy, dispatch: Dispatch) -> FFNStrategy:
     return ffn.model_copy(update={"dispatch": dispatch})
 
 
-def _fits_leanest(plan: Plan, options, losses: tuple[CrossEntropy, ...]) -> bool:
-    recomputes = sorted({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
+def _fitting_recomputes(plan: Plan, options, losses: tuple[CrossEntropy, ...]
+                        ) -> frozenset[Recompute]:
+    """The recomputation levels of ``options`` whose leanest options fit (the leanest sync
+    precision and loss, any dispatcher, the first overlap level, the even stage split): at any
+    other level no option does. No level is leanest everywhere: full recomputation
+    back-propagates a whole recomputed layer, which can exceed what selective keeps when a
+    stage holds one layer of one micro-batch (cost_models.memory)."""
     syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)
-    dispatches = {o[0] for o in options}
-    # no recomputation policy is leanest everywhere: full recomputation back-propagates a
-    # whole recomputed layer, which can exceed what selective keeps when a stage holds one
-    # layer of one micro-batch (cost_models.memory)
-    for dispatch in dispatches:
-        for recompute in recomputes:
+    dispatches = dict.fromkeys(o[0] for o in options)
+    fitting = set()
+    for recompute in {o[2] for o in options}:
+        for dispatch in dispatches:
             lean = _with_option(plan, (dispatch, options[0][1], recompute, syncs[0]),
                                 cross_entropy=losses[0])
             if cost_models.memory_breakdown(lean).fits:
-                return True
-    return False
+                fitting.add(recompute)
+                break
+    return frozenset(fitting)
 
 
-def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
-                   ) -> StageCosts:
-    """Stage costs under the fastest options of a layout: the least recomputation, of the
-    dispatchers and their overlap levels (_overlap_levels) the one with the fastest layer,
-    and the faster loss (_loss_order)."""
-    recompute = max({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
-    overlaps = {o[1] for o in options}
-    fastest = {(d, overlap, recompute, options[0][3])
-               for d in dict.fromkeys(o[0] for o in options)
-               for overlap in _overlap_levels(plan, d, overlaps, recompute)}
+def _least_recompute(options) -> Recompute:
+    return max({o[2] for o in options}, key=_LEAN_RECOMPUTE.index)
+
+
+def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy),
+                   recompute: Recompute | None = None) -> StageCosts:
+    """Stage costs no option of a layout beats at ``recompute`` (by default the least
+    recomputation of ``options``): each the least over the dispatchers, their overlap levels
+    (_overlap_levels, judged as _option_groups judges them) and the sync precisions (the
+    gradients accumulate in theirs), under the faster loss (_loss_order)."""
+    fastest = set()
+    for d in dict.fromkeys(o[0] for o in options):
+        mine = [o for o in options if o[0] == d]
+        least = _least_recompute(mine)
+        fastest |= {(d, overlap, recompute or least, sync)
+                    for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)
+                    for sync in dict.fromkeys(o[3] for o in mine)}
     loss = {"cross_entropy": _loss_order(plan, losses)[0]}
-    return min((cost_models.stage_costs(_with_option(plan, o, **loss))
-                for o in fastest), key=lambda c: c.layer_s)
+    costs = [cost_models.stage_costs(_with_option(plan, o, **loss)) for o in fastest]
+    return StageCosts(*(min(field) for field in zip(*map(astuple, costs), strict=True)))
+
+
+def _exposed_sync_floor(plan: Plan, options) -> float:
+    """Gradient-sync time no option of the layout can hide (cost_models.grad_sync.
+    exposed_grad_sync_s): all of it without overlap, the ZeRO-1 parameter all-gather after the
+    optimizer step with it; at the lowest sync precision, for the parameters of a stage with
+    the fewest MoE layers the busiest must hold (the sync times grow with the bytes)."""
+    sharded = plan.optimizer_sharding == OptimizerSharding.zero1
+    if plan.grad_sync_overlap and not sharded:
+        return 0.0
+    d, m = plan.degrees, plan.model
+    layers = math.ceil((m.layers - m.dense_ffn_layers) / d.pp)
+    layer = part_params(m, d).moe_layer
+    stage = StageParams(layers * layer.dense, layers * layer.expert)
+    lowest = min({o[3] for o in options}, key=lambda p: p.bytes)
+    sync = grad_sync(stage, d, plan.cluster, lowest)
+    return sync.all_gather_s if plan.grad_sync_overlap else sync.total_s
 
 
 def _lower_bound(plan: Plan, costs: StageCosts) -> float:
     """A step time no option of this layout can beat, from its fastest stage costs.
 
     Every stage time t_i sums its layers (plus embedding / head), so
-    sum t >= W = L x layer + embedding + head and max t >= W / pp. The pipeline step is
+    sum t >= W = MoE layers x layer + dense-FFN layers x dense layer + embedding + head and
+    max t >= W / pp. The pipeline step is
     m max t + (sum t - max t) / vpp (cost_models.pipeline.step_s), at least
     m W / pp + W (1 - 1/pp) / vpp, plus the waits for stragglers (linear in that time,
     cost_models.pipeline.straggler_s) and the fill/drain transfers every split pays."""
     d, m = plan.degrees, plan.num_micro_batches
-    work = plan.model.layers * min(costs.layer_s, costs.dense_layer_s) + costs.embedding_s \
-        + costs.head_s
+    dense = plan.model.dense_ffn_layers
+    work = (plan.model.layers - dense) * costs.layer_s + dense * costs.dense_layer_s \
+        + costs.embedding_s + costs.head_s
     p2p = exposed_p2p_s(plan, p2p_transfer_s(plan))
     pipelined = m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp
     return pipelined + straggler_s(pipelined, plan) + p2p

@@ -315,3 +315,40 @@ def test_a_memory_cap_holds_the_search_under_it():
     assert capped.best.evaluation.step_time_s >= free.best.evaluation.step_time_s
     assert not memory_breakdown(free.best.plan.model_copy(
         update={"training": capped_job})).fits
+
+
+def _dense_first_job():
+    """DeepSeek-V3 at 9 layers (3 dense-FFN first, MTP) on 64 H800s: ZeRO-1 plans."""
+    model = catalog.load_model("deepseek-v3").model_copy(update={"layers": 9})
+    return (model, catalog.load_cluster("h800", gpus=64),
+            TrainingSpec(global_batch=128, seq_len=4096))
+
+
+def _recomputing_job():
+    """Qwen3-30B-A3B at 8,192 tokens on 8 H100s: only full recomputation fits."""
+    return (catalog.load_model("qwen3-30b-a3b"), catalog.load_cluster("h100", gpus=8),
+            TrainingSpec(global_batch=64, seq_len=8192))
+
+
+@pytest.mark.parametrize("job", [small_job, _dense_first_job, _recomputing_job])
+def test_refined_bound_never_exceeds_the_evaluated_step_time(job):
+    # the bound a visited layout gets (the recomputation its memory forces, the sync no
+    # backward hides, dense and MoE layers counted apart) stays below every plan it ranks
+    from planner.search import SearchStats, _Entry, _exposed_sync_floor, _refined
+
+    model, cluster, training = job()
+    result = search(model, cluster, training, top=10)
+    ranked_plans = [*result.top, result.baseline]
+    for ranked in ranked_plans:
+        plan = ranked.plan
+        option = (plan.ffn.dispatch if plan.ffn.kind == "ep" and plan.degrees.ep > 1 else None,
+                  plan.overlap, plan.recompute, plan.grad_sync_precision)
+        entry = _Entry(0.0, 0, plan, [option], shape=("one plan",))
+        refined = _refined(entry, SearchSpace().for_target(plan.target), {}, SearchStats())
+        assert refined is not None and refined.fitting == {plan.recompute}
+        assert 0 < refined.bound_s <= ranked.evaluation.step_time_s * (1 + 1e-9)
+    if job is _dense_first_job:
+        assert any(_exposed_sync_floor(r.plan, [(None, None, None, r.plan.grad_sync_precision)])
+                   > 0 for r in ranked_plans)
+    if job is _recomputing_job:
+        assert {r.plan.recompute for r in ranked_plans} == {Recompute.full}
