@@ -18,7 +18,11 @@ them (issue 11: the Mixtral-shape layer is 85% grouped GEMMs, level with torchti
 - ``dense``: every row through expert 0's weights as plain cuBLAS matmuls, the same FLOPs as
   one GEMM per weight: the ceiling a grouped GEMM could reach at this shape;
 - ``swiglu``: the SwiGLU between the GEMMs alone (its inputs made by no GEMM), which every
-  variant above runs alike: a variant's GEMM time is its time less this one's.
+  variant above runs alike: a variant's GEMM time is its time less this one's;
+- ``fc1_dgrad``, ``fc1_wgrad``, ``fc2_dgrad``, ``fc2_wgrad``: one grouped GEMM alone (w1's, or
+  w2's over the FFN-wide rows), its backward computing one gradient: the rows' (dgrad, grouped
+  over M as the forward) or the weight's (wgrad, grouped over K): which of the two the
+  backward's time goes to.
 
 ``--balanced`` gives every expert the same row count (a multiple of the tile sizes where the
 token count allows) instead of a router's mildly uneven one: how much uneven, unaligned row
@@ -54,6 +58,10 @@ SHAPES = {
     "deepseekmoe-16b": (64, 2048, 1408, 6),
     "deepseek-v3": (256, 7168, 2048, 8),
 }
+
+
+PARTS = ("fc1_dgrad", "fc1_wgrad", "fc2_dgrad", "fc2_wgrad")
+"""The variants that time one GEMM, and one of its gradients."""
 
 
 def _counts(tokens: int, experts: int, top_k: int, device: torch.device) -> torch.Tensor:
@@ -178,8 +186,23 @@ def variants(experts, hidden, ffn, device, dtype):
 
     swiglu.inputs = lambda: tuple(gates)
 
+    # one grouped GEMM of each kind alone; backward with one operand's gradient: the rows'
+    # (dgrad, grouped over M as the forward) or the weight's (wgrad, grouped over K)
+    hin = torch.randn(1, ffn, device=device, dtype=dtype)  # resized to the rows on first use
+    parts = {}
+    for gemm, w in (("fc1", w1), ("fc2", w2)):
+        for grad in ("dgrad", "wgrad"):  # PARTS
+            def part(x, offs, counts, gemm=gemm, w=w, grad=grad):
+                if gemm == "fc2" and hin.shape[0] != x.shape[0]:
+                    hin.resize_(x.shape[0], ffn).normal_()
+                rows = x if gemm == "fc1" else hin
+                if grad == "dgrad":
+                    return _grouped(rows.detach().requires_grad_(), w.detach(), offs, False)
+                return _grouped(rows.detach(), w, offs, False)
+            parts[f"{gemm}_{grad}"] = part
+
     params = (w1, w3, w2, w1t, w3t, w2t, w13)
-    return params, {
+    return params, {**parts,
         "dense": dense, "swiglu": swiglu,
         "grouped": grouped, "grouped_in_out": grouped_in_out, "grouped_w13": grouped_w13,
         "per_expert": per_expert, "per_expert_w13": per_expert_w13,
@@ -233,12 +256,15 @@ def main() -> None:
 
         f = device_timed(fwd, device, 3, a.repeats)
         fb = device_timed(fwd_bwd, device, 3, a.repeats)
+        # a part is one of the three GEMMs, its backward one gradient (as many FLOPs again)
+        flops, bwd_flops = (gemm_flops / 3, gemm_flops / 3) if name in PARTS else (
+            gemm_flops, 2 * gemm_flops)
         results[name] = {"fwd_s": f, "fwd_bwd_s": fb, "bwd_s": fb - f,
-                         "fwd_tflops": gemm_flops / f / 1e12,
-                         "fwd_bwd_tflops": 3 * gemm_flops / fb / 1e12}
+                         "fwd_tflops": flops / f / 1e12,
+                         "fwd_bwd_tflops": (flops + bwd_flops) / fb / 1e12}
         print(f"{a.shape:14s} {name:16s} fwd {f * 1e3:7.2f} ms "
-              f"({gemm_flops / f / 1e12:5.0f} TF/s)  fwd+bwd {fb * 1e3:7.2f} ms "
-              f"({3 * gemm_flops / fb / 1e12:5.0f} TF/s)", flush=True)
+              f"({flops / f / 1e12:5.0f} TF/s)  fwd+bwd {fb * 1e3:7.2f} ms "
+              f"({(flops + bwd_flops) / fb / 1e12:5.0f} TF/s)", flush=True)
     doc = {**metadata(), "shape": a.shape, "tokens": a.tokens, "balanced": a.balanced,
         "experts": experts, "hidden": hidden, "ffn_hidden": ffn, "top_k": top_k,
         "rows": rows, "rows_per_expert": counts.tolist(), "gemm_flops_fwd": gemm_flops,
