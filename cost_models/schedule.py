@@ -61,31 +61,31 @@ def _uncovered(start: float, end: float, busy: Sequence[tuple[float, float]],
 
 def list_schedule(tasks: Sequence[Task]) -> Schedule:
     n = len(tasks)
+    lanes = [_LANES[t.streams] for t in tasks]
     start = [0.0] * n
     finish = [0.0] * n
     cause: list[int | None] = [None] * n
-    free = {s: 0.0 for s in Stream}
-    last_on: dict[Stream, int | None] = {s: None for s in Stream}
+    free = [0.0] * len(Stream)
+    last_on: list[int | None] = [None] * len(Stream)
     waiting = [len(t.preds) for t in tasks]
     successors: list[list[int]] = [[] for _ in range(n)]
     for i, t in enumerate(tasks):
         for p in t.preds:
             successors[p].append(i)
-    ready = [i for i in range(n) if not waiting[i]]
     level = _bottom_levels(tasks)
     # among tasks that can start at the same time: first, then the longest remaining path,
     # then program order
     rank = [(t.first, level[i], -i) for i, t in enumerate(tasks)]
+    # once a task is ready its predecessors are done: when the last of them finished, and which
+    after = [0.0] * n
+    after_cause: list[int | None] = [None] * n
+    ready = [i for i in range(n) if not waiting[i]]
     while ready:
         best = best_cause = None
         best_start = 0.0
         for i in ready:
-            t = tasks[i]
-            at, why = 0.0, None
-            for p in t.preds:
-                if finish[p] > at:
-                    at, why = finish[p], p
-            for s in t.streams:
+            at, why = after[i], after_cause[i]
+            for s in lanes[i]:
                 if free[s] > at:
                     at, why = free[s], last_on[s]
             if best is None or at < best_start or (at == best_start and rank[i] > rank[best]):
@@ -97,12 +97,17 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
         for j in successors[best]:
             waiting[j] -= 1
             if not waiting[j]:
+                at, why = 0.0, None
+                for p in tasks[j].preds:
+                    if finish[p] > at:
+                        at, why = finish[p], p
+                after[j], after_cause[j] = at, why
                 ready.append(j)
-        for s in tasks[best].streams:
+        for s in lanes[best]:
             free[s] = end
             last_on[s] = best
     compute_busy = sorted(
-        (start[i], finish[i]) for i, t in enumerate(tasks) if t.streams == _COMPUTE_ONLY
+        (start[i], finish[i]) for i in range(n) if lanes[i] == _COMPUTE_LANE
     )
     busy_ends = [b1 for _, b1 in compute_busy]
     exposed = tuple(
@@ -114,7 +119,10 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
     return Schedule(makespan, tuple(start), exposed, _critical_path(tasks, finish, cause))
 
 
-_COMPUTE_ONLY = frozenset({Stream.compute})
+_COMPUTE_LANE = (0,)
+_LANES = {frozenset({Stream.compute}): _COMPUTE_LANE, frozenset({Stream.comm}): (1,),
+          frozenset(Stream): (0, 1)}
+"""A task's streams as the indices of the scheduler's lanes, the compute stream first."""
 
 
 def _bottom_levels(tasks: Sequence[Task]) -> list[float]:
