@@ -11,6 +11,7 @@ Exposed communication is the time a communication task runs while no compute tas
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +81,34 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
     after = [0.0] * n
     after_cause: list[int | None] = [None] * n
     ready = [i for i in range(n) if not waiting[i]]
+
+    def done(i: int) -> None:  # task i finished: the successors it was the last wait of
+        for j in successors[i]:
+            waiting[j] -= 1
+            if not waiting[j]:
+                at, why = 0.0, None
+                for p in tasks[j].preds:
+                    if finish[p] > at:
+                        at, why = finish[p], p
+                after[j], after_cause[j] = at, why
+                ready.append(j)
+
+    if all(lane[0] == 0 for lane in lanes):
+        # every task holds the compute stream: they run back to back, each ready task could
+        # start when the last one ends, so the rank alone picks the next
+        heap = [(not tasks[i].first, -level[i], i) for i in ready]
+        heapq.heapify(heap)
+        ready.clear()
+        now, last = 0.0, None
+        while heap:
+            i = heapq.heappop(heap)[2]
+            start[i], cause[i] = now, last if now > after[i] else after_cause[i]
+            finish[i] = now = now + tasks[i].duration_s
+            last = i
+            done(i)
+            for j in ready:
+                heapq.heappush(heap, (not tasks[j].first, -level[j], j))
+            ready.clear()
     while ready:
         best = best_cause = None
         best_start = 0.0
@@ -94,15 +123,7 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
         finish[best] = end = best_start + tasks[best].duration_s
         cause[best] = best_cause
         ready.remove(best)
-        for j in successors[best]:
-            waiting[j] -= 1
-            if not waiting[j]:
-                at, why = 0.0, None
-                for p in tasks[j].preds:
-                    if finish[p] > at:
-                        at, why = finish[p], p
-                after[j], after_cause[j] = at, why
-                ready.append(j)
+        done(best)
         for s in lanes[best]:
             free[s] = end
             last_on[s] = best
