@@ -77,10 +77,25 @@ def fused_elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.fused_elementwise)
 
 
-def tile_efficiency(m: float, n: float, sms: int, groups: int = 1) -> float:
+def row_tiles(rows: float, sd: float = 0.0) -> float:
+    """Expected TILE-row tiles down a group of ``rows`` rows on average, spread ``sd`` over the
+    groups (routed rows): E[ceil(r / TILE)] = sum_j P(r > j TILE), r normal with a continuity
+    correction; ceil(rows / TILE) when sd is 0."""
+    if sd <= 0.0:
+        return math.ceil(rows / TILE)
+    j = max(0, math.ceil((rows - 8.0 * sd - 0.5) / TILE))  # below it P(r > j TILE) = 1
+    tiles = float(j)
+    while j * TILE < rows + 8.0 * sd:
+        tiles += 0.5 * math.erfc((j * TILE + 0.5 - rows) / (sd * math.sqrt(2.0)))
+        j += 1
+    return tiles
+
+
+def tile_efficiency(m: float, n: float, sms: int, groups: int = 1, m_sd: float = 0.0) -> float:
     """Useful share of the launched 128x128 output tiles, times the share of the last wave of
-    tiles over ``sms`` that is filled (tile and wave quantisation)."""
-    tiles = groups * math.ceil(m / TILE) * math.ceil(n / TILE)
+    tiles over ``sms`` that is filled (tile and wave quantisation); ``m_sd``: the spread of m
+    over the groups (row_tiles)."""
+    tiles = groups * row_tiles(m, m_sd) * math.ceil(n / TILE)
     if tiles == 0:
         return 1.0
     tile_eff = groups * m * n / (tiles * TILE * TILE)
@@ -95,13 +110,13 @@ def depth_efficiency(k: float) -> float:
 
 def _gemm_s(
     m: float, n: float, k: float, groups: int, peak_eff: float, launch_us: float,
-    cluster: ClusterSpec, precision: Precision,
+    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0,
 ) -> float:
     """One GEMM call: its fixed ``launch_us``, then its tiles at the tensor-core rate or its
     operands at the HBM rate, whichever is longer."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    shape_eff = tile_efficiency(m, n, cluster.gpu.sms, groups) * depth_efficiency(k)
+    shape_eff = tile_efficiency(m, n, cluster.gpu.sms, groups, m_sd) * depth_efficiency(k)
     flops = 2.0 * groups * m * n * k
     compute_s = flops / (tensor_tflops(cluster, precision) * 1e12 * peak_eff * shape_eff)
     in_bytes = precision.bytes if precision == Precision.fp8 else ACT_BYTES
@@ -136,20 +151,21 @@ def grouped_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> fl
 
 def grouped_gemm_s(
     groups: int, m_per_group: float, n: float, k: float,
-    cluster: ClusterSpec, precision: Precision,
+    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0,
 ) -> float:
     """``groups`` GEMMs of one shape in one persistent kernel (local experts), at
-    ``grouped_efficiency`` of peak; their tiles share the waves."""
+    ``grouped_efficiency`` of peak; their tiles share the waves. ``m_sd``: the spread of the
+    groups' rows (routed rows: each group's last row tile is partly empty)."""
     if m_per_group <= 0 or n <= 0 or k <= 0:
         return 0.0
     peak = grouped_efficiency(m_per_group, n, k, cluster)
     launch = cluster.efficiency.grouped_gemm_launch_us
-    return _gemm_s(m_per_group, n, k, groups, peak, launch, cluster, precision)
+    return _gemm_s(m_per_group, n, k, groups, peak, launch, cluster, precision, m_sd)
 
 
 def expert_gemm_s(
     gemm: ExpertGemm, groups: int, m_per_group: float, n: float, k: float,
-    cluster: ClusterSpec, precision: Precision,
+    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0,
 ) -> float:
     """A rank's ``groups`` experts' GEMM of one shape as ``gemm`` runs it
     (plans.layout.expert_gemm): one grouped kernel at the grouped GEMM's efficiency
@@ -158,7 +174,13 @@ def expert_gemm_s(
     Mixtral-8x7B's shape, 695 against 696 TFLOP/s, bench/results/h200/expert_paths/)."""
     if gemm == ExpertGemm.per_expert:
         return groups * gemm_s(m_per_group, n, k, cluster, precision)
-    return grouped_gemm_s(groups, m_per_group, n, k, cluster, precision)
+    return grouped_gemm_s(groups, m_per_group, n, k, cluster, precision, m_sd)
+
+
+def routed_rows_sd(rows: float, top_k: int, experts: int) -> float:
+    """Spread of an expert's routed rows around their mean ``rows`` when each token picks its
+    top_k of ``experts`` (a sum of Bernoulli(top_k / experts) draws)."""
+    return math.sqrt(max(0.0, rows * (1.0 - top_k / experts)))
 
 
 def expert_tokens(tokens: float, top_k: int, experts: int, capacity_factor: float | None) -> float:

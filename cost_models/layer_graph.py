@@ -234,12 +234,17 @@ class _Builder:
         return self.add(Op(name.value, name, OpKind.gemm, fwd, bwd), *after)
 
     def grouped(self, name: LayerOperator, gemm: ExpertGemm, groups: int, m: float, n: float,
-                k: float, *after: str | None, at: str = "") -> str:
+                k: float, *after: str | None, at: str = "", m_sd: float = 0.0) -> str:
         """The experts' GEMM as ``gemm`` runs it. ``at``: the chunk suffix of a chunked MoE
-        layer's operators (``@0``, ``@1``)."""
+        layer's operators (``@0``, ``@1``). ``m_sd``: the spread of the experts' rows, which
+        pads the row tiles of the forward and the data gradient (grouped over the rows); the
+        weight gradient reduces over them, its tiles fixed (measured on one H200: uneven rows
+        slow the first two, not the third, bench/results/h200/*/expert_gemm_parts_*)."""
         c, p = self.key.cluster, self.key.precision
-        fwd = cc.expert_gemm_s(gemm, groups, m, n, k, c, p)
-        bwd = tuple(cc.expert_gemm_s(gemm, groups, *g, c, p) for g in cc.backward_gemms(m, n, k))
+        data, weight = cc.backward_gemms(m, n, k)
+        fwd = cc.expert_gemm_s(gemm, groups, m, n, k, c, p, m_sd)
+        bwd = (cc.expert_gemm_s(gemm, groups, *data, c, p, m_sd),
+               cc.expert_gemm_s(gemm, groups, *weight, c, p))
         return self.add(Op(name.value + at, name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,
@@ -617,6 +622,9 @@ def _moe_experts_and_combine(g: _Builder, x: _MoEChunks,
     e_fwd = x.eager.combine_fwd if x.eager else None
     e_bwd = x.eager.combine_bwd if x.eager else None
     gemm = experts_path(k, x.chunks)
+    # routed rows vary from expert to expert; fixed-capacity buffers are computed in full
+    capacity = k.ffn.capacity_factor if isinstance(k.ffn, EPFFN) else None
+    sd = 0.0 if capacity else cc.routed_rows_sd(x.per_expert, k.model.top_k, k.model.experts)
     outs = []
     for c, (ready, back, _) in enumerate(dispatched):
         at = x.at(c)
@@ -626,9 +634,10 @@ def _moe_experts_and_combine(g: _Builder, x: _MoEChunks,
         previous = f"{LO.expert_fc2.value}@{c - 1}" if c else None
         following = dispatched[c + 1][2] if c + 1 < x.chunks else None
         fc13 = g.grouped(LO.expert_fc13, gemm, x.local, x.per_expert, 2 * x.width, h, ready,
-                         previous, following, at=at)
+                         previous, following, at=at, m_sd=sd)
         act = _swiglu(g, LO.expert_swiglu, rows, x.width, fc13, at)
-        fc2 = g.grouped(LO.expert_fc2, gemm, x.local, x.per_expert, h, x.width, act, at=at)
+        fc2 = g.grouped(LO.expert_fc2, gemm, x.local, x.per_expert, h, x.width, act, at=at,
+                        m_sd=sd)
         if x.a2a:
             returned = g.comm(LO.ep_combine, back, fc2, fuse_with=LO.expert_fc2, rows=rows,
                               at=at, side_stream=x.side)

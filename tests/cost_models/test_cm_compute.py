@@ -123,9 +123,12 @@ def test_the_layer_prices_the_expert_path_the_runtime_builds(mbs, gemm):
     shape = (rows, 2 * model.expert_ffn_hidden, model.hidden)
     fc13 = forward_graph(layer_key(plan)).nodes["expert_fc13"]["op"]
     c, p = plan.cluster, plan.training.precision
-    assert fc13.duration_s == pytest.approx(cc.expert_gemm_s(path, model.experts, *shape, c, p))
+    sd = cc.routed_rows_sd(rows, model.top_k, model.experts)  # routed rows, uneven
+    assert fc13.duration_s == pytest.approx(
+        cc.expert_gemm_s(path, model.experts, *shape, c, p, sd))
     other = next(g for g in ExpertGemm if g != path)
-    assert fc13.duration_s != pytest.approx(cc.expert_gemm_s(other, model.experts, *shape, c, p))
+    assert fc13.duration_s != pytest.approx(
+        cc.expert_gemm_s(other, model.experts, *shape, c, p, sd))
     per_expert = cc.expert_gemm_s(ExpertGemm.per_expert, model.experts, *shape, c, p)
     assert per_expert == pytest.approx(model.experts * cc.gemm_s(*shape, c, p))
     megatron = plan.model_copy(update={"target": Target.megatron})
@@ -157,9 +160,39 @@ def test_a_plan_that_names_its_expert_path_is_priced_on_it():
     shape = (8 * 4096 * model.top_k / model.experts, 2 * model.expert_ffn_hidden, model.hidden)
     fc13 = forward_graph(layer_key(pinned)).nodes["expert_fc13"]["op"]
     c, p = pinned.cluster, pinned.training.precision
+    sd = cc.routed_rows_sd(shape[0], model.top_k, model.experts)
     assert fc13.duration_s == pytest.approx(
-        cc.expert_gemm_s(ExpertGemm.grouped, model.experts, *shape, c, p))
+        cc.expert_gemm_s(ExpertGemm.grouped, model.experts, *shape, c, p, sd))
     per_expert = rule.model_copy(update={"expert_gemm": ExpertGemm.per_expert})
     for target in (Target.megatron, ExportOnly.torchtitan):
         assert any("expert_gemm" in r for r in refusals(per_expert, target=target))
         assert not any("expert_gemm" in r for r in refusals(pinned, target=target))
+
+
+def test_routed_rows_pad_each_groups_last_row_tile():
+    # E[ceil(r / 128)] with r ~ normal(mean, sd): a Monte-Carlo estimate of the same
+    import random
+
+    rng = random.Random(0)
+    for mean, sd in ((128, 11.3), (512, 22.6), (1000, 30.0)):
+        draws = [math.ceil(max(1, round(rng.gauss(mean, sd))) / cc.TILE) for _ in range(40000)]
+        assert cc.row_tiles(mean, sd) == pytest.approx(sum(draws) / len(draws), rel=0.01)
+    assert cc.row_tiles(128, 0.0) == 1 and cc.row_tiles(129, 0.0) == 2
+    assert cc.routed_rows_sd(128, 8, 256) == pytest.approx(math.sqrt(128 * (1 - 8 / 256)))
+
+
+def test_uneven_rows_slow_a_grouped_gemm_of_few_rows_per_expert():
+    # on H200, DeepSeek-V3's 256 experts at 128 rows each: half of them spill into a second
+    # row tile; Mixtral's 8 at 4,096 rows: one partly empty tile in 32 (measured on one H200,
+    # bench/results/h200/*/expert_gemm_parts_*: +48% and about 0)
+    from plans.catalog import load_cluster
+
+    h200 = load_cluster("h200")
+
+    def ratio(experts, rows, n, k, top_k):
+        sd = cc.routed_rows_sd(rows, top_k, experts)
+        return (cc.grouped_gemm_s(experts, rows, n, k, h200, Precision.bf16, sd)
+                / cc.grouped_gemm_s(experts, rows, n, k, h200, Precision.bf16))
+
+    assert ratio(256, 128, 2048, 7168, 8) > 1.1
+    assert 1.0 < ratio(8, 4096, 14336, 4096, 2) < 1.03
