@@ -40,6 +40,7 @@ from cost_models.layer_graph import (
     forward_entries,
     graph_of,
 )
+from cost_models.params import pinned_expert_gemm
 from cost_models.schedule import Stream, Task, list_schedule
 from plans.enums import ExpertGemm, Target
 from plans.layout import moe_chunks, ulysses_chunks
@@ -88,8 +89,7 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
         plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
         plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
         plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
-        None if dense else ExpertGemm.grouped if plan.target != Target.moeplan
-        else plan.expert_gemm,
+        None if dense else pinned_expert_gemm(plan),
     )
     if key.expert_gemm is None and not dense and experts_path(key, 1) == ExpertGemm.grouped:
         return replace(key, expert_gemm=ExpertGemm.grouped)

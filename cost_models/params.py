@@ -131,15 +131,19 @@ def stage_params_of(plan: Plan) -> tuple[StageParams, ...]:
     return stage_params(plan.model, plan.degrees, plan.stage_layers)
 
 
+def pinned_expert_gemm(plan: Plan) -> ExpertGemm | None:
+    """The experts' GEMM path the plan fixes whatever its layout: Megatron-Core's
+    GroupedLinear runs grouped; on moeplan's runtime the path the plan names (None: the rule)."""
+    return ExpertGemm.grouped if plan.target != Target.moeplan else plan.expert_gemm
+
+
 def expert_gemm_of(plan: Plan) -> ExpertGemm:
-    """How the plan's routed experts run their GEMMs: on moeplan's runtime as
+    """How the plan's routed experts run their GEMMs: ``pinned_expert_gemm``, else as
     plans.layout.expert_gemm picks for the plan's layout (the runtime builds them with the
-    same rule, runtime.trainer.model_options); Megatron-Core's GroupedLinear: grouped."""
-    if plan.target != Target.moeplan:
-        return ExpertGemm.grouped
+    same rule, runtime.trainer.model_options)."""
     d = plan.degrees
     return plan_expert_gemm(plan.model, d, plan.micro_batch_size, plan.training.seq_len,
-                            moe_chunks(plan.overlap, plan.ffn, d.ep), plan.expert_gemm)
+                            moe_chunks(plan.overlap, plan.ffn, d.ep), pinned_expert_gemm(plan))
 
 
 def experts_in_gemm(plan: Plan) -> bool:

@@ -75,8 +75,8 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             successors[p].append(i)
     level = _bottom_levels(tasks)
     # among tasks that can start at the same time: first, then the longest remaining path,
-    # then program order
-    rank = [(t.first, level[i], -i) for i, t in enumerate(tasks)]
+    # then program order (the least key)
+    rank = [(not t.first, -level[i], i) for i, t in enumerate(tasks)]
     # once a task is ready its predecessors are done: when the last of them finished, and which
     after = [0.0] * n
     after_cause: list[int | None] = [None] * n
@@ -96,7 +96,7 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
     if all(lane[0] == 0 for lane in lanes):
         # every task holds the compute stream: they run back to back, each ready task could
         # start when the last one ends, so the rank alone picks the next
-        heap = [(not tasks[i].first, -level[i], i) for i in ready]
+        heap = [rank[i] for i in ready]
         heapq.heapify(heap)
         ready.clear()
         now, last = 0.0, None
@@ -107,7 +107,7 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             last = i
             done(i)
             for j in ready:
-                heapq.heappush(heap, (not tasks[j].first, -level[j], j))
+                heapq.heappush(heap, rank[j])
             ready.clear()
     while ready:
         best = best_cause = None
@@ -117,7 +117,7 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             for s in lanes[i]:
                 if free[s] > at:
                     at, why = free[s], last_on[s]
-            if best is None or at < best_start or (at == best_start and rank[i] > rank[best]):
+            if best is None or at < best_start or (at == best_start and rank[i] < rank[best]):
                 best, best_start, best_cause = i, at, why
         start[best] = best_start
         finish[best] = end = best_start + tasks[best].duration_s

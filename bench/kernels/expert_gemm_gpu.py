@@ -190,16 +190,18 @@ def variants(experts, hidden, ffn, device, dtype):
     # (dgrad, grouped over M as the forward) or the weight's (wgrad, grouped over K)
     hin = torch.randn(1, ffn, device=device, dtype=dtype)  # resized to the rows on first use
     parts = {}
-    for gemm, w in (("fc1", w1), ("fc2", w2)):
-        for grad in ("dgrad", "wgrad"):  # PARTS
-            def part(x, offs, counts, gemm=gemm, w=w, grad=grad):
-                if gemm == "fc2" and hin.shape[0] != x.shape[0]:
-                    hin.resize_(x.shape[0], ffn).normal_()
-                rows = x if gemm == "fc1" else hin
-                if grad == "dgrad":
-                    return _grouped(rows.detach().requires_grad_(), w.detach(), offs, False)
-                return _grouped(rows.detach(), w, offs, False)
-            parts[f"{gemm}_{grad}"] = part
+    for name in PARTS:
+        gemm, grad = name.split("_")
+
+        def part(x, offs, counts, gemm=gemm, grad=grad):
+            w = w1 if gemm == "fc1" else w2
+            if gemm == "fc2" and hin.shape[0] != x.shape[0]:
+                hin.resize_(x.shape[0], ffn).normal_()
+            rows = x if gemm == "fc1" else hin
+            if grad == "dgrad":
+                return _grouped(rows.detach().requires_grad_(), w.detach(), offs, False)
+            return _grouped(rows.detach(), w, offs, False)
+        parts[name] = part
 
     params = (w1, w3, w2, w1t, w3t, w2t, w13)
     return params, {**parts,

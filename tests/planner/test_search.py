@@ -4,7 +4,7 @@ import pytest
 
 from bench.memory.memory_cases import reduced
 from planner.search import _fastest_costs, _lower_bound, megatron_space, search
-from planner.space import AttentionKind, FFNKind, SearchSpace
+from planner.space import AttentionKind, FFNKind, Layout, SearchSpace
 from plans import Overlap, Precision, Recompute, Target, TrainingSpec, catalog
 
 
@@ -341,12 +341,21 @@ def test_refined_bound_never_exceeds_the_evaluated_step_time(job):
     ranked_plans = [*result.top, result.baseline]
     for ranked in ranked_plans:
         plan = ranked.plan
-        option = (plan.ffn.dispatch if plan.ffn.kind == "ep" and plan.degrees.ep > 1 else None,
-                  plan.overlap, plan.recompute, plan.grad_sync_precision)
-        entry = _Entry(0.0, 0, plan, [option], shape=("one plan",))
-        refined = _refined(entry, SearchSpace().for_target(plan.target), {}, SearchStats())
-        assert refined is not None and refined.fitting == {plan.recompute}
+        # the bound of the plan's layout over every option the search gives it
+        space = SearchSpace().for_target(plan.target)
+        layout = Layout(plan.degrees, AttentionKind(plan.attention.kind), FFNKind(plan.ffn.kind),
+                        plan.micro_batch_size, plan.schedule, plan.optimizer_sharding)
+        options = list(space.options(layout, training))
+        own = (plan.ffn.dispatch if plan.ffn.kind == "ep" and plan.degrees.ep > 1 else None,
+               plan.overlap, plan.recompute, plan.grad_sync_precision)
+        assert own in options
+        refined = _refined(_Entry(0.0, 0, plan, options, shape=("one layout",)), space, {},
+                           SearchStats())
+        assert refined is not None and plan.recompute in refined.fitting
         assert 0 < refined.bound_s <= ranked.evaluation.step_time_s * (1 + 1e-9)
+        # the sync it counts is no more than the plan's exposed sync
+        assert _exposed_sync_floor(plan, [own]) <= ranked.evaluation.breakdown_s["grad_sync"] * (
+            1 + 1e-9)
     if job is _dense_first_job:
         assert any(_exposed_sync_floor(r.plan, [(None, None, None, r.plan.grad_sync_precision)])
                    > 0 for r in ranked_plans)
