@@ -77,18 +77,27 @@ def fused_elementwise_s(nbytes: float, cluster: ClusterSpec) -> float:
     return nbytes / (cluster.gpu.hbm_tb_s * 1e12 * cluster.efficiency.fused_elementwise)
 
 
-def row_tiles(rows: float, sd: float = 0.0) -> float:
-    """Expected TILE-row tiles down a group of ``rows`` rows on average, spread ``sd`` over the
-    groups (routed rows): E[ceil(r / TILE)] = sum_j P(r > j TILE), r normal with a continuity
-    correction; ceil(rows / TILE) when sd is 0."""
+def row_tiles(rows: float, sd: float = 0.0, block: int = TILE) -> float:
+    """Expected ``block``-row blocks down a group of ``rows`` rows on average, spread ``sd``
+    over the groups (routed rows): E[ceil(r / block)] = sum_j P(r > j block), r normal with a
+    continuity correction; ceil(rows / block) when sd is 0."""
     if sd <= 0.0:
-        return math.ceil(rows / TILE)
-    j = max(0, math.ceil((rows - 8.0 * sd - 0.5) / TILE))  # below it P(r > j TILE) = 1
-    tiles = float(j)
-    while j * TILE < rows + 8.0 * sd:
-        tiles += 0.5 * math.erfc((j * TILE + 0.5 - rows) / (sd * math.sqrt(2.0)))
+        return math.ceil(rows / block)
+    j = max(0, math.ceil((rows - 8.0 * sd - 0.5) / block))  # below it P(r > j block) = 1
+    blocks = float(j)
+    while j * block < rows + 8.0 * sd:
+        blocks += 0.5 * math.erfc((j * block + 0.5 - rows) / (sd * math.sqrt(2.0)))
         j += 1
-    return tiles
+    return blocks
+
+
+def grouped_block_rows(rows: float) -> int:
+    """The rows one CTA cluster of torch._grouped_mm's sm90 kernel computes down a group: 2 x 1
+    clusters of 64-row tiles where the mean rows per group are at most 128, of 128-row tiles
+    above (aten/src/ATen/native/cuda/GroupMM.cu). Measured on one H200 at DeepSeek-V3's
+    experts (bench/results/h200/deepseek_v3/expert_gemm_rows_*): 96 and 128 rows each take
+    2.10 ms, 160 to 256 2.5-2.7, 320 to 512 4.7-5.3."""
+    return 128 if rows <= 128 else 256
 
 
 def tile_efficiency(m: float, n: float, sms: int, groups: int = 1, m_sd: float = 0.0) -> float:
@@ -110,18 +119,34 @@ def depth_efficiency(k: float) -> float:
 
 def _gemm_s(
     m: float, n: float, k: float, groups: int, peak_eff: float, launch_us: float,
-    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0,
+    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0, grouped_rows: bool = False,
 ) -> float:
     """One GEMM call: its fixed ``launch_us``, then its tiles at the tensor-core rate or its
-    operands at the HBM rate, whichever is longer."""
+    operands at the HBM rate, whichever is longer. ``grouped_rows``: a grouped GEMM grouped
+    over its rows, whose clusters each compute a block of a group's rows (grouped_block_rows,
+    padded) and stream the group's B operand (its weights) once per block, at
+    ``grouped_gemm_stream_tb_s``: the kernel measured and fitted (torch._grouped_mm on sm90). A
+    cluster without that fit prices any GEMM's rows in TILE-row tiles, its weights read once."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    shape_eff = tile_efficiency(m, n, cluster.gpu.sms, groups, m_sd) * depth_efficiency(k)
+    stream_tb_s = cluster.efficiency.grouped_gemm_stream_tb_s if grouped_rows else None
+    if stream_tb_s is not None:
+        block = grouped_block_rows(m)
+        blocks = row_tiles(m, m_sd, block)
+        tiles = groups * blocks * (block / TILE) * math.ceil(n / TILE)
+        waves = math.ceil(tiles / cluster.gpu.sms)
+        shape_eff = groups * m * n / (waves * cluster.gpu.sms * TILE * TILE)
+    else:
+        blocks = 1.0
+        shape_eff = tile_efficiency(m, n, cluster.gpu.sms, groups, m_sd)
+    shape_eff *= depth_efficiency(k)
     flops = 2.0 * groups * m * n * k
     compute_s = flops / (tensor_tflops(cluster, precision) * 1e12 * peak_eff * shape_eff)
     in_bytes = precision.bytes if precision == Precision.fp8 else ACT_BYTES
-    traffic = groups * ((m * k + k * n) * in_bytes + m * n * ACT_BYTES)
-    return launch_us * 1e-6 + max(compute_s, memory_s(traffic, cluster))
+    traffic = groups * ((m * k + blocks * k * n) * in_bytes + m * n * ACT_BYTES)
+    stream_s = (traffic / (stream_tb_s * 1e12) if stream_tb_s is not None
+                else memory_s(traffic, cluster))
+    return launch_us * 1e-6 + max(compute_s, stream_s)
 
 
 def backward_gemms(m: float, n: float, k: float
@@ -151,21 +176,24 @@ def grouped_efficiency(m: float, n: float, k: float, cluster: ClusterSpec) -> fl
 
 def grouped_gemm_s(
     groups: int, m_per_group: float, n: float, k: float,
-    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0,
+    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0, over_rows: bool = True,
 ) -> float:
     """``groups`` GEMMs of one shape in one persistent kernel (local experts), at
-    ``grouped_efficiency`` of peak; their tiles share the waves. ``m_sd``: the spread of the
-    groups' rows (routed rows: each group's last row tile is partly empty)."""
+    ``grouped_efficiency`` of peak; their tiles share the waves. ``over_rows``: grouped over
+    the rows (forward, data gradient: blocks of rows, _gemm_s), else over the reduction (the
+    weight gradient: each group's output tiles fixed); ``m_sd``: the spread of the groups'
+    rows (routed rows)."""
     if m_per_group <= 0 or n <= 0 or k <= 0:
         return 0.0
     peak = grouped_efficiency(m_per_group, n, k, cluster)
     launch = cluster.efficiency.grouped_gemm_launch_us
-    return _gemm_s(m_per_group, n, k, groups, peak, launch, cluster, precision, m_sd)
+    return _gemm_s(m_per_group, n, k, groups, peak, launch, cluster, precision,
+                   m_sd if over_rows else 0.0, grouped_rows=over_rows)
 
 
 def expert_gemm_s(
     gemm: ExpertGemm, groups: int, m_per_group: float, n: float, k: float,
-    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0,
+    cluster: ClusterSpec, precision: Precision, m_sd: float = 0.0, over_rows: bool = True,
 ) -> float:
     """A rank's ``groups`` experts' GEMM of one shape as ``gemm`` runs it
     (plans.layout.expert_gemm): one grouped kernel at the grouped GEMM's efficiency
@@ -174,7 +202,7 @@ def expert_gemm_s(
     Mixtral-8x7B's shape, 695 against 696 TFLOP/s, bench/results/h200/expert_paths/)."""
     if gemm == ExpertGemm.per_expert:
         return groups * gemm_s(m_per_group, n, k, cluster, precision)
-    return grouped_gemm_s(groups, m_per_group, n, k, cluster, precision, m_sd)
+    return grouped_gemm_s(groups, m_per_group, n, k, cluster, precision, m_sd, over_rows)
 
 
 def routed_rows_sd(rows: float, top_k: int, experts: int) -> float:

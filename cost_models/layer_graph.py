@@ -244,7 +244,7 @@ class _Builder:
         data, weight = cc.backward_gemms(m, n, k)
         fwd = cc.expert_gemm_s(gemm, groups, m, n, k, c, p, m_sd)
         bwd = (cc.expert_gemm_s(gemm, groups, *data, c, p, m_sd),
-               cc.expert_gemm_s(gemm, groups, *weight, c, p))
+               cc.expert_gemm_s(gemm, groups, *weight, c, p, over_rows=False))
         return self.add(Op(name.value + at, name, OpKind.grouped_gemm, fwd, bwd), *after)
 
     def memory(self, name: LayerOperator, fwd_bytes: float, bwd_bytes: float,

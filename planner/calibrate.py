@@ -12,8 +12,11 @@ cost model's prediction for the same shape):
 
 - gemm, attention: one peak fraction each over the dense GEMMs, and over the runtime's
   attention core (RoPE, GQA expansion, SDPA) at catalog models' head shapes;
-- grouped_gemm and grouped_gemm_half_rows: the curve of cost_models.compute.grouped_efficiency
-  over the grouped GEMMs (8..128 experts, 32..4096 rows per expert);
+- grouped_gemm, grouped_gemm_half_rows and grouped_gemm_stream_tb_s: the curve of
+  cost_models.compute.grouped_efficiency and the bandwidth of the operand stream that bounds
+  small row blocks, over the grouped GEMMs (8..128 experts, 32..4096 rows per expert);
+- the GEMM, grouped GEMM and attention rows at their device time where the sweep recorded it
+  (DEVICE_TIMED), the layer operators at their one-call time;
 - elementwise and elementwise_launch_us: the runtime's memory-bound layer operators priced at
   them (norms, residual adds, routing, SwiGLU; the eager token permutation has its own rate,
   gather_scatter, fitted by planner.dispatch_fit): each call is its eager kernels
@@ -227,8 +230,11 @@ def row_seconds(row: SweepRow, cluster: ClusterSpec) -> float | None:
             return sum(cc.gemm_s(*g, cluster, bf16)
                        for g in _gemms(sh["m"], sh["n"], sh["k"], row.backward))
         case SweepOp.grouped_mm if sh:
-            return sum(cc.grouped_gemm_s(sh["experts"], *g, cluster, bf16)
-                       for g in _gemms(sh["rows"], sh["n"], sh["k"], row.backward))
+            # the forward and the data gradient are grouped over the rows, the weight
+            # gradient over its reduction
+            return sum(cc.grouped_gemm_s(sh["experts"], *g, cluster, bf16, over_rows=i < 2)
+                       for i, g in enumerate(_gemms(sh["rows"], sh["n"], sh["k"],
+                                                    row.backward)))
         case SweepOp.flash_attn if sh:
             flops = cc.attention_fwd_flops(sh["batch"], sh["seq"], sh["seq"], sh["heads"],
                                            sh["head_dim"], cc.CAUSAL_FRACTION)
@@ -285,6 +291,11 @@ MIN_FACTOR = 0.02
 """The lowest efficiency a fit may return (the search interval's lower end)."""
 HALF_ROWS_GRID = (0, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
 """Half-points of the grouped GEMM curve tried before the golden-section refinement."""
+GROUPED_HBM_GRID = (0.4, 0.5, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+"""Operand-stream rates of the grouped GEMM tried the same way, as fractions of the GPU's HBM
+peak."""
+GROUPED_ROUNDS = 4
+"""The most rounds of fit_grouped's coordinate descent."""
 
 
 def fit_peak(rows: Sequence[SweepRow], base: ClusterSpec, factor: str, **fixed: float) -> float:
@@ -321,21 +332,38 @@ def fit_gemm(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
     return fit_launch(rows, base, "gemm", "gemm_launch_us")
 
 
-def fit_grouped(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
-    """grouped_gemm, grouped_gemm_launch_us and grouped_gemm_half_rows: the half-point on a
-    grid, then refined between its neighbours, each with its best launch time and peak."""
-    def best(half: float) -> tuple[float, dict[str, float]]:
-        fit = fit_launch(rows, base, "grouped_gemm", "grouped_gemm_launch_us",
-                         grouped_gemm_half_rows=half)
-        fitted = with_efficiency(base, **fit, grouped_gemm_half_rows=half)
-        return log_error(rows, fitted), {**fit, "grouped_gemm_half_rows": half}
-
-    errors = [best(h)[0] for h in HALF_ROWS_GRID]
+def _grid_golden(f: Callable[[float], float], grid: Sequence[float], tol: float) -> float:
+    """The ``x`` minimising ``f``: the best point of ``grid``, then a golden-section refinement
+    between its neighbours (kept only where it is better)."""
+    errors = [f(x) for x in grid]
     i = min(range(len(errors)), key=errors.__getitem__)
-    lo, hi = HALF_ROWS_GRID[max(0, i - 1)], HALF_ROWS_GRID[min(len(errors) - 1, i + 1)]
-    half = _golden(lambda h: best(h)[0], lo, hi, tol=max(0.5, (hi - lo) / 200)) if hi > lo else lo
-    half = HALF_ROWS_GRID[i] if errors[i] <= best(half)[0] else half
-    return best(half)[1]
+    lo, hi = grid[max(0, i - 1)], grid[min(len(errors) - 1, i + 1)]
+    if hi <= lo:
+        return grid[i]
+    x = _golden(f, lo, hi, tol=max(tol, (hi - lo) / 200))
+    return grid[i] if errors[i] <= f(x) else x
+
+
+def fit_grouped(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
+    """grouped_gemm, grouped_gemm_launch_us, grouped_gemm_half_rows and
+    grouped_gemm_stream_tb_s: the operand stream's rate and the size curve's half-point each on
+    a grid, refined between its neighbours; at each, the best launch time and peak."""
+    def best(stream_tb_s: float, half: float) -> tuple[float, dict[str, float]]:
+        at = {"grouped_gemm_half_rows": half, "grouped_gemm_stream_tb_s": stream_tb_s}
+        fit = fit_launch(rows, base, "grouped_gemm", "grouped_gemm_launch_us", **at)
+        return log_error(rows, with_efficiency(base, **fit, **at)), {**fit, **at}
+
+    # coordinate descent from a copy's share of HBM peak: the half-point at the stream's share,
+    # then the share at that half-point, until the half-point stays
+    peak_tb_s = base.gpu.hbm_tb_s
+    share, half = base.efficiency.hbm, None
+    for _ in range(GROUPED_ROUNDS):
+        was = half
+        half = _grid_golden(lambda h, b=share: best(b * peak_tb_s, h)[0], HALF_ROWS_GRID, 0.5)
+        share = _grid_golden(lambda b, h=half: best(b * peak_tb_s, h)[0], GROUPED_HBM_GRID, 0.002)
+        if was is not None and abs(half - was) <= 0.5:
+            break
+    return best(float(f"{share * peak_tb_s:.3g}"), half)[1]
 
 
 def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, float]:
@@ -352,8 +380,18 @@ def fit_elementwise(rows: Sequence[SweepRow], base: ClusterSpec) -> dict[str, fl
     return fit_launch(priced, base, "elementwise", "elementwise_launch_us")
 
 
+DEVICE_TIMED = (SweepOp.gemm, SweepOp.grouped_mm, SweepOp.flash_attn)
+"""Kernels fitted to their device time where the sweep recorded it (SweepRow.device_s): a step
+issues them with the host ahead, so the one-call time's PyTorch dispatch (tens of us for a
+grouped GEMM) is not the step's. The memory-bound layer operators keep their one-call time:
+the eager runtime's step waits on their dispatch."""
+
+
 def kernel_rows(sweep: Sweep, op: SweepOp) -> list[SweepRow]:
-    return [r for r in sweep.rows if r.op == op and r.shape]
+    """The sweep's shaped rows of ``op``, timed as a step runs them (DEVICE_TIMED)."""
+    return [r.model_copy(update={"measured_s": r.device_s})
+            if op in DEVICE_TIMED and r.device_s else r
+            for r in sweep.rows if r.op == op and r.shape]
 
 
 def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:

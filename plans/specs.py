@@ -635,6 +635,14 @@ class Efficiency(Frozen):
     grouped_gemm_launch_us: Annotated[float, Field(ge=0, le=1e6)] = 0.0
     """The same for one grouped (expert) GEMM call: the runtime's call also computes the
     experts' row offsets, and the kernel schedules every group's tiles."""
+    grouped_gemm_stream_tb_s: Rate | None = None
+    """The rate (TB/s) at which a grouped GEMM grouped over its rows (forward, data gradient)
+    feeds its tiles where their operands bound it: each block of a group's rows streams the
+    group's weights (cost_models.compute._gemm_s). A property of the die and its kernel, not
+    of the HBM beside it (H100, H800 and H200 carry one value). Fitted by `moeplan calibrate`
+    with the other grouped factors. None (the uncalibrated default): the kernel's row blocks
+    are not known either, so its rows are priced in 128-row tiles, each group's weights read
+    once, at ``hbm``."""
     attention: Fraction = 0.60
     """FlashAttention throughput / peak."""
     attention_wide_bwd: Fraction = 1.0

@@ -30,9 +30,10 @@ slowest kernels: which SDPA backend ran shows in their names). The MoE row also 
 ``rows_per_expert``: the router's slots per expert for the bench's input (what the grouped
 GEMMs ran on; the cost model prices the balanced mean).
 
-``--report`` prices the committed measurement's blocks (MEASURED: its model, cluster, batch,
-sequence and kernel sets) with the cost model as it is now and writes each row's measured
-time, the prediction it was measured beside and today's (REPORT).
+``--report`` prices the committed measurements' blocks (MEASURED: 1, 2 and 4 sequences, each
+with its model, cluster, sequence and kernel sets) with the cost model as it is now and writes
+each row's measured time, the prediction it was measured beside and today's (REPORT). None of
+them is read by the calibration (planner/calibrate.py), which fits kernel sweeps only.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 
 """--tiny: DeepSeek-V3's structure at CPU size."""
 BLOCKS = ("attention", "moe")
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200" / "deepseek_v3"
-MEASURED = RESULTS / "deepseek_v3_layers.json"
-"""The committed H200 measurement (campaign h200_deepseek_v3_layers)."""
+MEASURED = tuple(RESULTS / f"deepseek_v3_layers{tail}.json" for tail in ("", "_b2", "_b4"))
+"""The committed H200 measurements (campaign h200_deepseek_v3_layers): 1, 2 and 4 sequences."""
 REPORT = RESULTS / "deepseek_v3_report.json"
 TARGET = 0.10
 """Issue 30's target: each block predicted within 10% of its 1-GPU measurement."""
@@ -86,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="JSON result (required unless --report)")
     p.add_argument("--report", action="store_true",
-                   help="no GPU: price the committed measurement with this cost model")
+                   help="no GPU: price the committed measurements with this cost model")
     p.add_argument("--cluster", default="h200-runtime",
                    help="catalog cluster of the plan (the cost model's prediction)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
@@ -190,35 +191,40 @@ def rows_per_expert(layer, x: torch.Tensor) -> list[int]:
     return torch.bincount(kept, minlength=layer.moe.router.experts).tolist()
 
 
-def report(measured: dict) -> dict:
-    """The measured rows of ``measured`` (a result of this script) beside the cost model's
+def report(measurements: list[dict]) -> dict:
+    """The measured rows of ``measurements`` (results of this script) beside the cost model's
     prediction now for the same plans."""
-    model = ModelSpec.model_validate(measured["model"])
-    args = argparse.Namespace(cluster=measured["cluster"], seq=measured["seq"],
-                              batch=measured["batch"])
     rows = []
-    for row in measured["rows"]:
-        plan = layer_plan(model, args, Kernels(row["kernels"]))
-        now = predict(plan)[f"{row['block']}_s"]
-        ratio = row["measured_fwd_bwd_s"] / now
-        rows.append({"block": row["block"], "kernels": row["kernels"],
-                     "measured_fwd_bwd_s": row["measured_fwd_bwd_s"],
-                     "predicted_when_measured_s": row["predicted_fwd_bwd_s"],
-                     "predicted_fwd_bwd_s": now, "ratio": ratio,
-                     "within_target": abs(ratio - 1) <= TARGET})
+    for measured in measurements:
+        model = ModelSpec.model_validate(measured["model"])
+        args = argparse.Namespace(cluster=measured["cluster"], seq=measured["seq"],
+                                  batch=measured["batch"])
+        for row in measured["rows"]:
+            plan = layer_plan(model, args, Kernels(row["kernels"]))
+            now = predict(plan)[f"{row['block']}_s"]
+            ratio = row["measured_fwd_bwd_s"] / now
+            rows.append({"batch": measured["batch"], "block": row["block"],
+                         "kernels": row["kernels"],
+                         "measured_fwd_bwd_s": row["measured_fwd_bwd_s"],
+                         "predicted_when_measured_s": row["predicted_fwd_bwd_s"],
+                         "predicted_fwd_bwd_s": now, "ratio": ratio,
+                         "within_target": abs(ratio - 1) <= TARGET,
+                         "measured_commit": measured["commit"],
+                         "measured_gpu": measured["gpu"], "cluster": measured["cluster"]})
+    root = MEASURED[0].parents[4]
     return {"bench": "deepseek_layers_gpu --report",
-            "measurement": str(MEASURED.relative_to(MEASURED.parents[4])),
-            "measured_commit": measured["commit"], "measured_gpu": measured["gpu"],
-            "cluster": measured["cluster"], "target": TARGET, "rows": rows}
+            "measurements": [str(path.relative_to(root)) for path in MEASURED],
+            "target": TARGET, "rows": rows}
 
 
 def write_report() -> int:
-    doc = report(json.loads(MEASURED.read_text()))
+    doc = report([json.loads(path.read_text()) for path in MEASURED])
     write_atomic(REPORT, json.dumps({**metadata(), **doc}, indent=2) + "\n", "--report",
                  force=True)
     for r in doc["rows"]:
-        print(f"{r['block']:9s} {r['kernels']:5s} measured {r['measured_fwd_bwd_s'] * 1e3:8.3f} "
-              f"ms  predicted {r['predicted_fwd_bwd_s'] * 1e3:8.3f} ms (when measured "
+        print(f"batch {r['batch']} {r['block']:9s} {r['kernels']:5s} measured "
+              f"{r['measured_fwd_bwd_s'] * 1e3:8.3f} ms  predicted "
+              f"{r['predicted_fwd_bwd_s'] * 1e3:8.3f} ms (when measured "
               f"{r['predicted_when_measured_s'] * 1e3:8.3f})  ratio {r['ratio']:.3f}")
     print(f"wrote {REPORT}")
     return 0

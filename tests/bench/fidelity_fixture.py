@@ -17,6 +17,7 @@ from plans.results import Sweep, SweepOp, SweepRow
 
 TRUTH = {"gemm": 0.72, "gemm_launch_us": 20.0, "grouped_gemm": 0.66,
          "grouped_gemm_half_rows": 120.0, "grouped_gemm_launch_us": 50.0,
+         "grouped_gemm_stream_tb_s": 3.4,
          "attention": 0.47, "elementwise": 0.09, "elementwise_launch_us": 20.0, "hbm": 0.88,
          "nvlink": 0.6, "nvlink_all_to_all": 0.7}
 TRUE_LATENCY_US = 40.0

@@ -196,3 +196,31 @@ def test_uneven_rows_slow_a_grouped_gemm_of_few_rows_per_expert():
 
     assert ratio(256, 128, 2048, 7168, 8) > 1.1
     assert 1.0 < ratio(8, 4096, 14336, 4096, 2) < 1.03
+
+
+def test_grouped_rows_come_in_blocks_each_streaming_its_experts_weights():
+    # torch._grouped_mm on sm90, measured on one H200 (bench/results/h200/deepseek_v3/
+    # expert_gemm_rows_*): 128-row blocks up to 128 mean rows, 256-row blocks above, each
+    # block re-reading its expert's weights; the weight gradient is grouped over its rows'
+    # reduction and keeps its output tiles
+    from plans.catalog import load_cluster
+
+    h200 = load_cluster("h200")
+    bf16 = Precision.bf16
+    assert h200.efficiency.grouped_gemm_stream_tb_s is not None
+    assert cc.grouped_block_rows(128) == 128 and cc.grouped_block_rows(129) == 256
+
+    def fwd(rows, sd=0.0, cluster=h200):
+        return cc.grouped_gemm_s(256, rows, 2048, 7168, cluster, bf16, sd)
+
+    # 160 and 256 rows both fill one 256-row block per expert
+    assert fwd(160) == pytest.approx(fwd(256), rel=0.02)
+    # at 128 mean rows half the experts spill into a second block, whose weights stream again
+    sd = cc.routed_rows_sd(128, 8, 256)
+    assert fwd(128, sd) / fwd(128) == pytest.approx(cc.row_tiles(128, sd), rel=0.05)
+    wgrad = cc.grouped_gemm_s(256, 2048, 7168, 128, h200, bf16, sd, over_rows=False)
+    assert wgrad == cc.grouped_gemm_s(256, 2048, 7168, 128, h200, bf16, over_rows=False)
+    # a cluster whose grouped kernel is not fitted keeps 128-row tiles, weights read once
+    prior = h200.model_copy(update={"efficiency": h200.efficiency.model_copy(
+        update={"grouped_gemm_stream_tb_s": None})})
+    assert fwd(128, sd, prior) / fwd(128, cluster=prior) < 0.9 * cc.row_tiles(128, sd)

@@ -104,7 +104,8 @@ from fidelity_fixture import TRUTH as FIXTURE_TRUTH  # noqa: E402
 from fidelity_fixture import synthetic_sweep  # noqa: E402
 
 KERNEL_FACTORS = ("gemm", "gemm_launch_us", "grouped_gemm", "grouped_gemm_half_rows",
-                  "grouped_gemm_launch_us", "attention", "elementwise", "elementwise_launch_us")
+                  "grouped_gemm_launch_us", "grouped_gemm_stream_tb_s", "attention",
+                  "elementwise", "elementwise_launch_us")
 TRUTH = {k: FIXTURE_TRUTH[k] for k in KERNEL_FACTORS}
 
 
@@ -116,6 +117,18 @@ def test_kernel_fits_recover_the_factors_and_the_grouped_gemm_curve():
         assert fit[name] == pytest.approx(TRUTH[name], rel=0.01), name
     assert fit["grouped_gemm_half_rows"] == pytest.approx(TRUTH["grouped_gemm_half_rows"],
                                                           rel=0.05)
+
+
+def test_the_grouped_gemm_stream_is_fitted_where_it_bounds_the_small_rows():
+    """With a flat size curve the small-row grouped GEMMs are bound by their operand stream
+    (each row block re-reads its expert's weights): the fit recovers its rate and the curve
+    stays flat."""
+    base = catalog.load_cluster("h200")
+    truth = {**TRUTH, "grouped_gemm_half_rows": 4.0, "grouped_gemm_stream_tb_s": 2.9}
+    fit = fit_kernels(synthetic_sweep(with_efficiency(base, **truth)), base)
+    assert fit["grouped_gemm_stream_tb_s"] == pytest.approx(2.9, rel=0.01)
+    assert fit["grouped_gemm"] == pytest.approx(truth["grouped_gemm"], rel=0.01)
+    assert fit["grouped_gemm_half_rows"] < 16
     for name in ("gemm_launch_us", "grouped_gemm_launch_us", "elementwise_launch_us"):
         assert fit[name] == pytest.approx(TRUTH[name], abs=1.0), name
 
@@ -129,6 +142,22 @@ def test_kernel_fits_under_noise_stay_near_the_truth():
     assert fit["grouped_gemm_half_rows"] == pytest.approx(120, rel=0.3)
     for name in ("gemm_launch_us", "grouped_gemm_launch_us", "elementwise_launch_us"):
         assert fit[name] == pytest.approx(TRUTH[name], abs=5.0), name
+
+
+def test_compute_kernels_are_fitted_to_their_device_time_layer_operators_to_one_call():
+    """A row's device time (the host ahead) is what a step pays for a GEMM, grouped GEMM or
+    attention kernel; the eager layer operators' one-call time holds the dispatch the eager
+    step waits on. One-call times 30% above the device's leave the compute factors as the
+    device times give them and move elementwise."""
+    base = catalog.load_cluster("h200")
+    sweep = synthetic_sweep(with_efficiency(base, **TRUTH))
+    slow = Sweep(world=sweep.world, rows=[
+        r.model_copy(update={"device_s": r.measured_s, "measured_s": 1.3 * r.measured_s})
+        for r in sweep.rows])
+    fit = fit_kernels(slow, base)
+    for name in ("gemm", "grouped_gemm", "attention"):
+        assert fit[name] == pytest.approx(TRUTH[name], rel=0.01), name
+    assert fit["elementwise"] < 0.9 * TRUTH["elementwise"]
 
 
 def test_a_curve_without_size_dependence_is_fitted_as_none():

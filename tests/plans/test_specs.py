@@ -146,15 +146,18 @@ def test_spec_files_by_path(tmp_path):
 def test_clusters_of_one_die_share_one_efficiency_profile(tmp_path):
     """The Hopper factors are defined once (plans/catalog/efficiency/hopper.yaml): the GH100
     clusters and the Blackwell ones, whose prior they are, name the profile; factors beside
-    the name override it; an unknown profile is one line naming the field."""
+    the name override it (Blackwell's: no sm90 grouped-kernel operand stream); an unknown
+    profile is one line naming the field."""
     from plans.io import read_document
 
     profile = read_document(catalog.CATALOG_DIR / "efficiency" / "hopper.yaml")
+    blackwell = {"grouped_gemm_stream_tb_s": None}
     for name in ("h100", "h200", "h800", "b200", "gb200-nvl72", "gb300-nvl72"):
         raw = read_document(catalog.CATALOG_DIR / "clusters" / f"{name}.yaml")
-        assert raw["efficiency"] == {"profile": "hopper"}, name
+        own = blackwell if name[0] in "bg" else {}
+        assert raw["efficiency"] == {"profile": "hopper", **own}, name
         eff = catalog.load_cluster(name).efficiency
-        assert {k: getattr(eff, k) for k in profile} == profile, name
+        assert {k: getattr(eff, k) for k in profile} == {**profile, **own}, name
     assert catalog.names("efficiency") == ["hopper"]
     base = {**catalog.load_cluster("b200").model_dump(mode="json"), "name": "mine"}
     path = tmp_path / "mine.json"
