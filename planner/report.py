@@ -97,8 +97,9 @@ def peak_note(cluster: ClusterSpec, precision: Precision) -> str:
 
 
 def is_tie(best: Evaluation, other: Evaluation) -> bool:
-    """Within TIE_TOLERANCE of the best plan's step time."""
-    return other.step_time_s <= best.step_time_s * (1 + TIE_TOLERANCE)
+    """Within TIE_TOLERANCE of the best plan's step time, either way (a baseline row can be
+    the faster: Megatron-Core's best beside the best plan of the moeplan target)."""
+    return abs(other.step_time_s - best.step_time_s) <= best.step_time_s * TIE_TOLERANCE
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -236,12 +237,13 @@ def headroom(e: Evaluation) -> float:
 
 def ranked_document(label: str, plan: Plan, e: Evaluation) -> dict:
     """One ranked plan, the same object in search, scale, whatif and explain; ``unexecuted``:
-    its mechanisms no runtime executes."""
+    its mechanisms no runtime executes; ``refused``: why its own target would not run it."""
     return {
         "label": label,
         "notation": plan.summary(),
         "target": plan.target.value,
         "unexecuted": unexecuted(plan),
+        "refused": refused(plan),
         "step_time_s": e.step_time_s,
         "tokens_per_s": e.tokens_per_s,
         "tokens_per_s_per_gpu": e.tokens_per_s / plan.cluster.gpus,
@@ -319,6 +321,18 @@ def unexecuted(plan: Plan) -> list[str]:
             if not executed_anywhere(f, v)]
 
 
+REFUSED_MARK = "!"
+"""Marks a row its own target would refuse to run (plans.execution.refusals): a field of the
+model or job that no layout changes, such as multi-token prediction on target moeplan."""
+
+
+def refused(plan: Plan) -> list[str]:
+    """Why the plan's own target would not run it (plans.execution.refusals), if it would not."""
+    from plans.execution import refusals
+
+    return refusals(plan, target=plan.target)
+
+
 def print_search(result: SearchResult, job: str) -> None:
     rows = [(f"#{i + 1}", r) for i, r in enumerate(result.top)]
     if result.baseline is not None:
@@ -326,14 +340,20 @@ def print_search(result: SearchResult, job: str) -> None:
     if result.reference is not None:
         rows.append(("paper", result.reference))
     marked = [label for label, r in rows if unexecuted(r.plan)]
+    why = {label: reasons[0] for label, r in rows if (reasons := refused(r.plan))}
     echo(job)
-    table = [(label + (UNEXECUTED_MARK if label in marked else ""), r.plan, r.evaluation)
+    table = [(label + (UNEXECUTED_MARK if label in marked else "")
+              + (REFUSED_MARK if label in why else ""), r.plan, r.evaluation)
              for label, r in rows]
     echo_table("Best plans (fastest first)", PLAN_COLUMNS, plan_rows(table))
     echo(f"megatron: {BASELINE_LABEL}; paper: {REFERENCE_LABEL}")
     if marked:
         echo(f"{UNEXECUTED_MARK} no runtime executes tile-fused overlap (ov:inter+intra, "
              "plans.execution): predictions for comparison only")
+    for reason in dict.fromkeys(why.values()):
+        labels = ", ".join(label for label, r in why.items() if r == reason)
+        echo(f"{REFUSED_MARK} {labels}: refused by the plan's target ({reason}): predictions "
+             "for comparison only")
     if result.best is not None:
         if any(is_tie(result.best.evaluation, r.evaluation) for _, r in rows[1:]):
             echo(tie_note())

@@ -344,3 +344,21 @@ def test_docs_legend_is_explains():
     assert "comma-separated or the option repeated" in help_text
     assert "One value or a list: comma-separated" in " ".join(run("search", "--help")
                                                               .output.split())
+
+
+def test_rows_their_target_refuses_are_marked_with_the_reason(tmp_path):
+    """A model with multi-token prediction: the moeplan target's rows are priced but its
+    runtime refuses them, which the table marks (`!`, the reason once) and the JSON carries
+    (`refused`); Megatron-Core, which runs MTP, is not marked."""
+    model = plans.catalog.load_model("deepseek-v3")
+    assert model.mtp_layers > 0
+    path = tmp_path / "dsv3-4l.json"
+    path.write_text(model.model_copy(update={"name": "dsv3-4L", "layers": 4, "dense_layers": 1})
+                    .model_dump_json())
+    job = [str(path), "h800", "--gpus", "16", "--global-batch", "32", "--seq-len", "1024"]
+    doc = json.loads(run("search", *job, "--json", "--top", "2").output)
+    assert all(any("mtp_layers" in r for r in row["refused"]) for row in doc["top"])
+    assert doc["baseline"]["refused"] == []
+    text = run("search", *job, "--top", "2").output
+    assert "#1!" in text and "megatron!" not in text
+    assert sum("mtp_layers" in line for line in text.splitlines()) == 1, text

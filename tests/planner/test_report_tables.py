@@ -75,3 +75,16 @@ def test_piped_output_without_a_width_is_read_at_80_columns():
     text = CliRunner(env={"COLUMNS": ""}).invoke(app, args).output  # not a terminal, no COLUMNS
     assert PIPED_COLUMNS == 80
     assert max(len(line) for line in text.splitlines()) <= PIPED_COLUMNS
+
+
+def test_a_tie_is_within_the_tolerance_either_way():
+    """A row faster than #1 (a baseline of another target can be) is a tie only within the
+    cost model's error, as a slower one is."""
+    from types import SimpleNamespace
+
+    from planner.report import TIE_TOLERANCE, is_tie
+
+    best = SimpleNamespace(step_time_s=10.0)
+    for ratio, tie in ((1.0, True), (1 + TIE_TOLERANCE / 2, True), (1 - TIE_TOLERANCE / 2, True),
+                       (1 + 2 * TIE_TOLERANCE, False), (0.77, False)):
+        assert is_tie(best, SimpleNamespace(step_time_s=10.0 * ratio)) is tie, ratio
