@@ -45,7 +45,8 @@ from cost_models.schedule import Stream, Task, list_schedule
 from plans.enums import ExpertGemm, Target
 from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
-from plans.plan import Overlap, Plan, Recompute
+from plans.plan import Degrees, Overlap, Plan, Recompute
+from plans.specs import ClusterSpec, NetworkSpec
 
 BOTH = frozenset(Stream)
 COMPUTE = frozenset({Stream.compute})
@@ -79,14 +80,41 @@ class LayerTiming:
         return self.fwd_s + self.bwd_s
 
 
+def layer_cluster(cluster: ClusterSpec, degrees: Degrees) -> ClusterSpec:
+    """The part of ``cluster`` a layer's operators read: never the job's GPU count (set to one
+    NVLink domain), and the scale-out network only where one of the layer's groups spans
+    NVLink domains (its attention axes sp x tp x cp or its expert axes ep x etp, innermost in
+    the rank order: comm.group_layout); inside one, every collective moves over NVLink alone.
+    Layers that differ only there share their graphs and schedules (a what-if over the
+    network, a scaling study over GPU counts)."""
+    d = degrees
+    return _projected(cluster, max(d.sp * d.tp * d.cp, d.ep * d.etp)
+                      <= cluster.node.gpus_per_node)
+
+
+@lru_cache(maxsize=256)
+def _projected(cluster: ClusterSpec, in_one_domain: bool) -> ClusterSpec:
+    """layer_cluster's projection: one object per cluster and case, so the layer caches find
+    their keys' hashes kept."""
+    update: dict = {"gpus": cluster.node.gpus_per_node}
+    if in_one_domain:
+        update["network"] = _NO_NETWORK
+    return cluster.model_copy(update=update)
+
+
+_NO_NETWORK = NetworkSpec(name="read by no layer inside one NVLink domain", nics_per_node=1,
+                          nic_gb_s=1.0)
+
+
 def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
-    """The key of the plan's layer. Its experts' path is resolved where the target fixes it
-    (Megatron-Core's GroupedLinear: grouped) or the rule gives grouped at every chunk count
-    (grouped unchunked: chunks only cut the rows per call), so layers that run alike share
-    their graphs and schedules whichever target runs them."""
+    """The key of the plan's layer, on the part of the cluster it reads (layer_cluster). Its
+    experts' path is resolved where the target fixes it (Megatron-Core's GroupedLinear:
+    grouped) or the rule gives grouped at every chunk count (grouped unchunked: chunks only
+    cut the rows per call), so layers that run alike share their graphs and schedules
+    whichever target runs them."""
     d = plan.degrees
     key = LayerKey(
-        plan.model, plan.cluster, plan.training.seq_len, plan.training.precision,
+        plan.model, layer_cluster(plan.cluster, d), plan.training.seq_len, plan.training.precision,
         plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
         plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
         None if dense else pinned_expert_gemm(plan),

@@ -8,8 +8,8 @@ Exact branch and bound, deterministic:
 3. Visit layouts in bound order until the bound passes the K-th best step time found. A
    layout first visited gets a tighter bound (_refined): the recomputation its memory forces
    (at a level whose leanest options do not fit, none do) and the gradient sync no backward
-   hides; it goes back in line under that bound. Visited again, its options are evaluated (ILP
-   stage split, memory, cost model), skipping dominated ones.
+   hides; it goes back in line under that bound. Visited again, its options are evaluated (stage
+   split, memory, cost model), skipping dominated ones.
 """
 
 from __future__ import annotations
@@ -617,7 +617,7 @@ def _loss_order(plan: Plan, losses: tuple[CrossEntropy, ...] = tuple(CrossEntrop
 
 def split_stages(plan: Plan) -> Plan:
     """``plan`` with its layers split over the pipeline's chunks as the search splits them
-    (planner.staging's ILP over the plan's stage costs)."""
+    (planner.staging's optimum over the plan's stage costs)."""
     costs = cost_models.stage_costs(plan)
     m = plan.model
     # the leading dense layers sit in the first chunk; the layers after them, MoE and

@@ -7,7 +7,7 @@ Python loop (``s += i``) timed in the same process right after it, with its CPU 
 machine's load averages (a shared machine's wall time is not the search's). Targets (issue 32): the
 352B job under 1 s on one core, a ratio under 1.8; the other two under 2 s; the 352B job's 5 x 5
 what-if grid (``whatif``, WHATIF_VARY) under 10 s, timed the same way. Each repeat runs
-in a fresh process (cold caches, the stage-split ILP cache included), pinned to one core where
+in a fresh process (cold caches, the stage-split cache included), pinned to one core where
 the OS allows it; the fastest repeat counts.
 
     python -m tools.search_speed [--repeats 2] [--jobs internal-352b ...] [--no-whatif]

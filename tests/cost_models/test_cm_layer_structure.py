@@ -58,3 +58,28 @@ def test_another_cluster_reuses_the_structure_and_not_the_numbers(
     assert lg._backward_steps.cache_info().misses == steps.misses
     assert reused == fresh
     assert reused != layer_timing_for(layer_key(plan), overlap)
+
+
+@pytest.mark.parametrize(("ep", "spans"), [(8, False), (32, True)])
+def test_a_layer_is_keyed_on_the_part_of_the_cluster_it_reads(plan_352b, ep, spans):
+    """The job's GPU count never reaches a layer, the scale-out network only where a group
+    of the layer spans nodes (EP 32 on 8-GPU nodes): priced on the key's projected cluster,
+    the layer is what the whole cluster gives, and plans that differ only in what it does not
+    read share one key."""
+    from dataclasses import replace
+
+    from plans import Degrees
+
+    plan = plan_352b.model_copy(update={"degrees": Degrees(pp=15, dp=12, sp=8, ep=ep)})
+    net = plan.cluster.network
+    slower = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={
+        "network": net.model_copy(update={"nic_gb_s": net.nic_gb_s / 4})})})
+    smaller = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"gpus": 720})})
+    for p in (plan, slower, smaller):
+        for overlap in (Overlap.none, Overlap.inter_op):
+            key = layer_key(p)
+            whole = replace(key, cluster=p.cluster)
+            _clear()
+            assert layer_timing_for(key, overlap) == layer_timing_for(whole, overlap)
+    assert layer_key(smaller) == layer_key(plan)
+    assert (layer_key(slower) == layer_key(plan)) is not spans

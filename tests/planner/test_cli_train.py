@@ -44,7 +44,7 @@ def test_train_refuses_a_launch_that_does_not_match_the_plan(tmp_path):
 
 
 def test_json_stdout_is_pure_json_in_a_real_process():
-    """The ILP solver's native banner must not reach stdout (it writes to fd 1 from C++)."""
+    """Nothing but the JSON document reaches stdout in a real process."""
     result = subprocess.run([sys.executable, "-m", "planner.cli", "search", "mixtral-8x7b", "h100",
                              "--gpus", "16", "--global-batch", "32", "--seq-len", "4096",
                              "--top", "2", "--json"], capture_output=True, text=True, timeout=120)
