@@ -192,13 +192,16 @@ def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused, then restored as it was. A search allocates
     millions of small objects, many kept in the cost models' caches, and each full collection
     rescans them all: a quarter of the Internal-352B search's CPU time
-    (bench/search_speed.py). Its values make no reference cycles worth collecting early."""
+    (tools/search_speed.py). Its values make no reference cycles worth collecting, so the
+    objects alive at its end are frozen (gc.freeze) before the collector resumes: else its
+    first collection, due at once, scans them all (70 ms after that search)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_enabled:
+            gc.freeze()
             gc.enable()
 
 

@@ -362,3 +362,26 @@ def test_refined_bound_never_exceeds_the_evaluated_step_time(job):
                    > 0 for r in ranked_plans)
     if job is _recomputing_job:
         assert {r.plan.recompute for r in ranked_plans} == {Recompute.full}
+
+
+def test_the_collector_resumes_as_it_was_with_the_search_objects_frozen():
+    """The search pauses the cyclic collector and restores its state; the objects alive at
+    its end are frozen, so its first collection after the search scans none of them."""
+    import gc
+
+    from planner.search import _collector_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with _collector_paused():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= len(kept)
+        gc.disable()
+        with _collector_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
