@@ -135,7 +135,9 @@ def facts(search: dict) -> dict[str, str]:
           "search_commit": sp["commit"],
           "whatif_points": str(sp["whatif"]["result"]["points"]),
           "whatif_s": f"{sp['whatif']['search_s_min']:.0f}",
-          "whatif_ratio": f"{sp['whatif']['ratio_to_loop']:.0f}"}
+          "whatif_ratio": f"{sp['whatif']['ratio_to_loop']:.0f}",
+          "scale_points": str(sp["scale"]["result"]["points"]),
+          "scale_s": f"{sp['scale']['search_s_min']:.1f}"}
     peer = _report("bench.steps.peer_report")
     speedups, more_memory, no_plan = [], 0, []
     for model in peer.MODELS:

@@ -6,11 +6,12 @@ Machines differ about 3x, so each search is also reported as a ratio to a 10-mil
 Python loop (``s += i``) timed in the same process right after it, with its CPU time and the
 machine's load averages (a shared machine's wall time is not the search's). Targets (issue 32): the
 352B job under 1 s on one core, a ratio under 1.8; the other two under 2 s; the 352B job's 5 x 5
-what-if grid (``whatif``, WHATIF_VARY) under 10 s, timed the same way. Each repeat runs
+what-if grid (``whatif``, WHATIF_VARY) under 10 s, timed the same way, and its strong-scaling
+study over SCALE_GPUS (``scale``, the README's example; no target). Each repeat runs
 in a fresh process (cold caches, the stage-split cache included), pinned to one core where
 the OS allows it; the fastest repeat counts.
 
-    python -m tools.search_speed [--repeats 2] [--jobs internal-352b ...] [--no-whatif]
+    python -m tools.search_speed [--repeats 2] [--jobs internal-352b ...] [--no-studies]
 """
 
 from __future__ import annotations
@@ -64,17 +65,27 @@ WHATIF_VARY = ("network_gb_s=0.5x,0.75x,1x,1.5x,2x", "nvlink_gb_s=0.5x,0.75x,1x,
 """The what-if grid timed: the 352B job re-planned at 5 x 5 bandwidth points (issue 32)."""
 WHATIF_TARGET_S = 10.0
 
-WHATIF_RUN = """
+SCALE_GPUS = (240, 480, 720, 960, 1440)
+"""The scaling study timed: the 352B job at its global batch over five GPU counts."""
+
+STUDY_RUN = """
 import json, sys, time
 t0 = time.perf_counter()
 from plans import TrainingSpec, catalog
+from planner.scale import scale
 from planner.whatif import parse_vary, whatif
 t1 = time.perf_counter()
 c1 = time.process_time()
 model, cluster, gpus, batch, seq = json.loads(sys.argv[1])
-points = whatif(catalog.load_model(model), catalog.load_cluster(cluster, gpus=gpus),
-                TrainingSpec(global_batch=batch, seq_len=seq),
-                [parse_vary(v) for v in json.loads(sys.argv[3])])
+study, values = json.loads(sys.argv[3])
+model, training = catalog.load_model(model), TrainingSpec(global_batch=batch, seq_len=seq)
+if study == "whatif":
+    points = whatif(model, catalog.load_cluster(cluster, gpus=gpus), training,
+                    [parse_vary(v) for v in values])
+    best = {p.label: p.result.best for p in points}
+else:
+    points = scale(model, catalog.load_cluster(cluster), training, values)
+    best = {str(p.gpus): p.result.best for p in points}
 t2 = time.perf_counter()
 c2 = time.process_time()
 s = 0
@@ -83,8 +94,7 @@ for i in range(int(sys.argv[2])):
 t3 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "search_s": t2 - t1, "search_cpu_s": c2 - c1,
                   "loop_s": t3 - t2, "ratio": (t2 - t1) / (t3 - t2), "points": len(points),
-                  "best": {p.label: p.result.best.plan.summary() if p.result.best else None
-                           for p in points}}))
+                  "best": {k: b.plan.summary() if b else None for k, b in best.items()}}))
 """
 
 
@@ -99,15 +109,20 @@ def _runs(script: str, args: list[str], repeats: int, root: Path, env: dict) -> 
     return runs
 
 
-def run_whatif(repeats: int, root: Path, env: dict) -> dict:
+def run_study(study: str, repeats: int, root: Path, env: dict) -> dict:
+    """The 352B job's what-if grid (``whatif``) or scaling study (``scale``), timed."""
     model, cluster, gpus, batch, seq, _ = JOBS[WHATIF_JOB]
-    runs = _runs(WHATIF_RUN, [json.dumps([model, cluster, gpus, batch, seq]),
-                              str(LOOP_ITERATIONS), json.dumps(WHATIF_VARY)], repeats, root, env)
+    values = list(WHATIF_VARY) if study == "whatif" else list(SCALE_GPUS)
+    runs = _runs(STUDY_RUN, [json.dumps([model, cluster, gpus, batch, seq]),
+                             str(LOOP_ITERATIONS), json.dumps([study, values])], repeats, root,
+                 env)
     fastest = min(runs, key=lambda r: r["search_s"])
+    asked = (" ".join(f"--vary {v}" for v in WHATIF_VARY) if study == "whatif"
+             else "--gpus " + ",".join(map(str, SCALE_GPUS)))
     return {
-        "job": f"whatif {model} on {gpus} x {cluster.upper()}, global batch {batch}, seq {seq}, "
-               + " ".join(f"--vary {v}" for v in WHATIF_VARY),
-        "target_s": WHATIF_TARGET_S,
+        "job": f"{study} {model} on {gpus if study == 'whatif' else 'N'} x {cluster.upper()}, "
+               f"global batch {batch}, seq {seq}, {asked}",
+        "target_s": WHATIF_TARGET_S if study == "whatif" else None,
         "search_s_min": fastest["search_s"],
         "search_s_all": [r["search_s"] for r in runs],
         "search_cpu_s_all": [r["search_cpu_s"] for r in runs],
@@ -139,13 +154,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--jobs", nargs="+", choices=tuple(JOBS), default=list(JOBS))
-    ap.add_argument("--no-whatif", action="store_true", help="skip the 5 x 5 what-if grid")
+    ap.add_argument("--no-studies", action="store_true",
+                    help="skip the 5 x 5 what-if grid and the scaling study")
     args = ap.parse_args()
     root = Path(__file__).parent.parent
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     load_before = os.getloadavg()
     jobs = {name: run_job(name, args.repeats, root, env) for name in args.jobs}
-    grid = {} if args.no_whatif else {"whatif": run_whatif(args.repeats, root, env)}
+    studies = {} if args.no_studies else {
+        study: run_study(study, args.repeats, root, env) for study in ("whatif", "scale")}
     path = write("search_speed", {
         "benchmark": "search time of three jobs, and its ratio to a Python loop of "
                      f"{LOOP_ITERATIONS:,} iterations (s += i) timed in the same process",
@@ -153,7 +170,7 @@ def main() -> None:
         "cores": 1,
         "load_average_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "jobs": jobs,
-        **grid,
+        **studies,
     })
     print(json.dumps(json.loads(path.read_text()), indent=2))
 
