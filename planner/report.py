@@ -333,6 +333,15 @@ def refused(plan: Plan) -> list[str]:
     return refusals(plan, target=plan.target)
 
 
+def echo_refused(why: dict[str, str]) -> None:
+    """One line per reason of ``why`` (row label -> the first reason its plan's target gives
+    for refusing it), naming its rows."""
+    for reason in dict.fromkeys(why.values()):
+        labels = ", ".join(label for label, r in why.items() if r == reason)
+        echo(f"{REFUSED_MARK} {labels}: refused by the plan's target ({reason}): predictions "
+             "for comparison only")
+
+
 def print_search(result: SearchResult, job: str) -> None:
     rows = [(f"#{i + 1}", r) for i, r in enumerate(result.top)]
     if result.baseline is not None:
@@ -350,10 +359,7 @@ def print_search(result: SearchResult, job: str) -> None:
     if marked:
         echo(f"{UNEXECUTED_MARK} no runtime executes tile-fused overlap (ov:inter+intra, "
              "plans.execution): predictions for comparison only")
-    for reason in dict.fromkeys(why.values()):
-        labels = ", ".join(label for label, r in why.items() if r == reason)
-        echo(f"{REFUSED_MARK} {labels}: refused by the plan's target ({reason}): predictions "
-             "for comparison only")
+    echo_refused(why)
     if result.best is not None:
         if any(is_tie(result.best.evaluation, r.evaluation) for _, r in rows[1:]):
             echo(tie_note())
@@ -706,11 +712,14 @@ def whatif_document(points, job: dict) -> dict:
 def print_whatif(points, job: str) -> None:
     doc = whatif_document(points, {})["points"]
     echo(job)
-    rows, evaluations = [], []
+    rows, evaluations, why = [], [], {}
     for p, d in zip(points, doc, strict=True):
         best = p.result.best
+        if best and (reasons := refused(best.plan)):
+            why[p.label] = reasons[0]
         rows.append([
-            p.label, best.plan.summary() if best else "-", _tokens(best),
+            p.label, best.plan.summary() + (REFUSED_MARK if p.label in why else "")
+            if best else "-", _tokens(best),
             tflops_text(tflops_per_gpu(best.plan, best.evaluation)) if best else "-",
             f"{best.evaluation.mfu:.1%}" if best else "-",
             memory_text(best.evaluation) if best else "-", _tokens(p.result.baseline),
@@ -723,6 +732,7 @@ def print_whatif(points, job: str) -> None:
                 Column("TFLOP/s/GPU"), Column("MFU"), Column("peak/usable GiB"),
                 Column("megatron tokens/s"),
                 Column("speedup"), Column("changed vs first", False)), rows)
+    echo_refused(why)
     for w in headroom_warnings(evaluations):
         echo(w)
 
@@ -746,11 +756,14 @@ def scale_document(points, job: dict) -> dict:
 
 def print_scale(points, job: str) -> None:
     echo(job)
-    rows, evaluations = [], []
+    rows, evaluations, why = [], [], {}
     for d, p in zip(scale_document(points, {})["points"], points, strict=True):
         b, m = d["best"], d["baseline"]
+        if b and b["refused"]:
+            why[f"{d['gpus']:,} GPUs"] = b["refused"][0]
         rows.append([
-            f"{d['gpus']:,}", f"{d['global_batch']:,}", b["notation"] if b else "-",
+            f"{d['gpus']:,}", f"{d['global_batch']:,}",
+            b["notation"] + (REFUSED_MARK if b["refused"] else "") if b else "-",
             f"{b['tokens_per_s']:,.0f}" if b else "-",
             f"{b['tokens_per_s_per_gpu']:,.0f}" if b else "-",
             tflops_text(b["tflops_per_gpu"]) if b else "-",
@@ -767,6 +780,7 @@ def print_scale(points, job: str) -> None:
                 Column("/GPU"), Column("TFLOP/s/GPU"), Column("MFU"), Column("days/1T"),
                 Column("peak/usable GiB"),
                 Column("megatron tokens/s"), Column("megatron MFU"), Column("speedup")), rows)
+    echo_refused(why)
     for w in headroom_warnings(evaluations):
         echo(w)
 

@@ -3,6 +3,7 @@ rule, plans in notation (parsed back from Plan.summary()), compare, whatif over 
 answers' formats (ms, TFLOP/s/GPU, ties, counts, the legend, YAML) and the plots."""
 
 import json
+import re
 
 import pytest
 import yaml
@@ -362,3 +363,10 @@ def test_rows_their_target_refuses_are_marked_with_the_reason(tmp_path):
     text = run("search", *job, "--top", "2").output
     assert "#1!" in text and "megatron!" not in text
     assert sum("mtp_layers" in line for line in text.splitlines()) == 1, text
+    # the what-if and scaling tables mark their best plans alike, the reason once
+    for args in (("whatif", *job, "--vary", "network_gb_s=1x,2x"),
+                 ("scale", str(path), "h800", "--gpus", "16,32", "--global-batch", "32",
+                  "--seq-len", "1024")):
+        text = run(*args).output
+        assert re.search(r"k:\w+!", text), text
+        assert sum("mtp_layers" in line for line in text.splitlines()) == 1, text
