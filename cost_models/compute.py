@@ -100,11 +100,13 @@ def grouped_block_rows(rows: float) -> int:
     return 128 if rows <= 128 else 256
 
 
-def tile_efficiency(m: float, n: float, sms: int, groups: int = 1, m_sd: float = 0.0) -> float:
+def tile_efficiency(m: float, n: float, sms: int, groups: int = 1, m_sd: float = 0.0,
+                    block: int = TILE) -> float:
     """Useful share of the launched 128x128 output tiles, times the share of the last wave of
     tiles over ``sms`` that is filled (tile and wave quantisation); ``m_sd``: the spread of m
-    over the groups (row_tiles)."""
-    tiles = groups * row_tiles(m, m_sd) * math.ceil(n / TILE)
+    over the groups (row_tiles); ``block``: the rows a group's tiles come in (a multiple of
+    TILE: grouped_block_rows)."""
+    tiles = groups * row_tiles(m, m_sd, block) * (block // TILE) * math.ceil(n / TILE)
     if tiles == 0:
         return 1.0
     tile_eff = groups * m * n / (tiles * TILE * TILE)
@@ -130,16 +132,10 @@ def _gemm_s(
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     stream_tb_s = cluster.efficiency.grouped_gemm_stream_tb_s if grouped_rows else None
-    if stream_tb_s is not None:
-        block = grouped_block_rows(m)
-        blocks = row_tiles(m, m_sd, block)
-        tiles = groups * blocks * (block / TILE) * math.ceil(n / TILE)
-        waves = math.ceil(tiles / cluster.gpu.sms)
-        shape_eff = groups * m * n / (waves * cluster.gpu.sms * TILE * TILE)
-    else:
-        blocks = 1.0
-        shape_eff = tile_efficiency(m, n, cluster.gpu.sms, groups, m_sd)
-    shape_eff *= depth_efficiency(k)
+    block = grouped_block_rows(m) if stream_tb_s is not None else TILE
+    blocks = row_tiles(m, m_sd, block) if stream_tb_s is not None else 1.0
+    shape_eff = (tile_efficiency(m, n, cluster.gpu.sms, groups, m_sd, block)
+                 * depth_efficiency(k))
     flops = 2.0 * groups * m * n * k
     compute_s = flops / (tensor_tflops(cluster, precision) * 1e12 * peak_eff * shape_eff)
     in_bytes = precision.bytes if precision == Precision.fp8 else ACT_BYTES

@@ -387,11 +387,20 @@ grouped GEMM) is not the step's. The memory-bound layer operators keep their one
 the eager runtime's step waits on their dispatch."""
 
 
+def shaped_rows(sweep: Sweep, op: SweepOp) -> list[SweepRow]:
+    """The sweep's shaped rows of ``op`` at their one-call time (the host's dispatch in)."""
+    return [r for r in sweep.rows if r.op == op and r.shape]
+
+
+def on_device(row: SweepRow) -> SweepRow:
+    """``row`` with its device time (SweepRow.device_s, recorded) as its time."""
+    return row.model_copy(update={"measured_s": row.device_s})
+
+
 def kernel_rows(sweep: Sweep, op: SweepOp) -> list[SweepRow]:
     """The sweep's shaped rows of ``op``, timed as a step runs them (DEVICE_TIMED)."""
-    return [r.model_copy(update={"measured_s": r.device_s})
-            if op in DEVICE_TIMED and r.device_s else r
-            for r in sweep.rows if r.op == op and r.shape]
+    return [on_device(r) if op in DEVICE_TIMED and r.device_s else r
+            for r in shaped_rows(sweep, op)]
 
 
 def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:

@@ -715,8 +715,8 @@ def print_whatif(points, job: str) -> None:
     rows, evaluations, why = [], [], {}
     for p, d in zip(points, doc, strict=True):
         best = p.result.best
-        if best and (reasons := refused(best.plan)):
-            why[p.label] = reasons[0]
+        if best and d["best"]["refused"]:
+            why[p.label] = d["best"]["refused"][0]
         rows.append([
             p.label, best.plan.summary() + (REFUSED_MARK if p.label in why else "")
             if best else "-", _tokens(best),

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from enum import StrEnum
 from pathlib import Path
 
 from bench._meta import write
@@ -68,6 +69,13 @@ WHATIF_TARGET_S = 10.0
 SCALE_GPUS = (240, 480, 720, 960, 1440)
 """The scaling study timed: the 352B job at its global batch over five GPU counts."""
 
+
+class Study(StrEnum):
+    """The studies of the 352B job timed beside its search."""
+
+    whatif = "whatif"
+    scale = "scale"
+
 STUDY_RUN = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -109,20 +117,21 @@ def _runs(script: str, args: list[str], repeats: int, root: Path, env: dict) -> 
     return runs
 
 
-def run_study(study: str, repeats: int, root: Path, env: dict) -> dict:
-    """The 352B job's what-if grid (``whatif``) or scaling study (``scale``), timed."""
+def run_study(study: Study, repeats: int, root: Path, env: dict) -> dict:
+    """The 352B job's what-if grid or scaling study, timed."""
     model, cluster, gpus, batch, seq, _ = JOBS[WHATIF_JOB]
-    values = list(WHATIF_VARY) if study == "whatif" else list(SCALE_GPUS)
+    grid = study == Study.whatif
+    values = list(WHATIF_VARY) if grid else list(SCALE_GPUS)
     runs = _runs(STUDY_RUN, [json.dumps([model, cluster, gpus, batch, seq]),
                              str(LOOP_ITERATIONS), json.dumps([study, values])], repeats, root,
                  env)
     fastest = min(runs, key=lambda r: r["search_s"])
-    asked = (" ".join(f"--vary {v}" for v in WHATIF_VARY) if study == "whatif"
+    asked = (" ".join(f"--vary {v}" for v in WHATIF_VARY) if grid
              else "--gpus " + ",".join(map(str, SCALE_GPUS)))
     return {
-        "job": f"{study} {model} on {gpus if study == 'whatif' else 'N'} x {cluster.upper()}, "
+        "job": f"{study} {model} on {gpus if grid else 'N'} x {cluster.upper()}, "
                f"global batch {batch}, seq {seq}, {asked}",
-        "target_s": WHATIF_TARGET_S if study == "whatif" else None,
+        "target_s": WHATIF_TARGET_S if grid else None,
         "search_s_min": fastest["search_s"],
         "search_s_all": [r["search_s"] for r in runs],
         "search_cpu_s_all": [r["search_cpu_s"] for r in runs],
@@ -162,7 +171,7 @@ def main() -> None:
     load_before = os.getloadavg()
     jobs = {name: run_job(name, args.repeats, root, env) for name in args.jobs}
     studies = {} if args.no_studies else {
-        study: run_study(study, args.repeats, root, env) for study in ("whatif", "scale")}
+        study.value: run_study(study, args.repeats, root, env) for study in Study}
     path = write("search_speed", {
         "benchmark": "search time of three jobs, and its ratio to a Python loop of "
                      f"{LOOP_ITERATIONS:,} iterations (s += i) timed in the same process",

@@ -46,8 +46,9 @@ from planner.calibrate import (
     fit_grouped,
     fit_kernels,
     fit_peak,
-    kernel_rows,
+    on_device,
     row_seconds,
+    shaped_rows,
     with_efficiency,
 )
 from plans import Efficiency, catalog
@@ -81,23 +82,17 @@ def base() -> object:
     return catalog.load_cluster("h200").model_copy(update={"efficiency": Efficiency()})
 
 
-def on_device(sweep: Sweep, op: SweepOp) -> list:
-    """The sweep's rows of ``op`` with their device time as the time (rows with one)."""
-    return [r.model_copy(update={"measured_s": r.device_s})
-            for r in kernel_rows(sweep, op) if r.device_s]
-
-
-def one_call(sweep: Sweep, op: SweepOp) -> list:
-    """The sweep's shaped rows of ``op`` timed one call at a time (the host's dispatch in)."""
-    return [r for r in sweep.rows if r.op == op and r.shape]
+def device_rows(sweep: Sweep, op: SweepOp) -> list:
+    """The sweep's rows of ``op`` that recorded a device time, at that time."""
+    return [on_device(r) for r in shaped_rows(sweep, op) if r.device_s]
 
 
 def carried(sweep: Sweep) -> dict[str, float]:
     """The die-and-kernel factors, fitted to the sweep's device times."""
     h200 = base()
-    gemm = fit_gemm(on_device(sweep, SweepOp.gemm), h200)
-    grouped = fit_grouped(on_device(sweep, SweepOp.grouped_mm), h200)
-    sdpa = on_device(sweep, SweepOp.flash_attn)
+    gemm = fit_gemm(device_rows(sweep, SweepOp.gemm), h200)
+    grouped = fit_grouped(device_rows(sweep, SweepOp.grouped_mm), h200)
+    sdpa = device_rows(sweep, SweepOp.flash_attn)
     attention = sig3(fit_peak(sdpa, h200, "attention"))
     wide = [r for r in sdpa if r.shape["head_dim"] > WIDE_HEAD_DIM]
     wide_bwd = fit_peak(wide, h200, "attention_wide_bwd", attention=attention)
@@ -148,7 +143,7 @@ def job_rows(sweep: Sweep, factors: dict[str, float]) -> list[dict]:
 def host_share(sweep: Sweep, factors: dict[str, float]) -> dict[str, float]:
     """The smallest GEMM row (one forward call): measured against its FLOPs at the fitted peak
     with no fixed time, i.e. how much of one timed call is not the kernel's work."""
-    row = min(one_call(sweep, SweepOp.gemm),
+    row = min(shaped_rows(sweep, SweepOp.gemm),
               key=lambda r: (r.backward, r.shape["m"] * r.shape["n"] * r.shape["k"]))
     work = row_seconds(row, with_efficiency(base(), gemm=factors["gemm"]))
     return {"row": row.name, "measured_us": row.measured_s * 1e6, "work_us": work * 1e6}
@@ -158,8 +153,8 @@ def results() -> dict:
     sweep = read(Sweep, SWEEP, "sweep")
     factors = carried(sweep)
     kernels = fit_kernels(sweep, base())
-    launches = [fit_gemm(one_call(sweep, SweepOp.gemm), base())["gemm_launch_us"],
-                fit_grouped(one_call(sweep, SweepOp.grouped_mm),
+    launches = [fit_gemm(shaped_rows(sweep, SweepOp.gemm), base())["gemm_launch_us"],
+                fit_grouped(shaped_rows(sweep, SweepOp.grouped_mm),
                             base())["grouped_gemm_launch_us"]]
     runtime_cluster = catalog.load_cluster("h200-runtime").efficiency
     not_carried = {
