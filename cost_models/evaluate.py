@@ -60,6 +60,9 @@ BREAKDOWN_TERMS = {
                          "the weight-gradient GEMMs)",
     "exposed_comm.<kind>": "a layer's communication of that kind that no compute hid "
                            "(kinds: cost_models.volumes.COMM_KINDS)",
+    "host": "the GPU waiting on its host (target megatron): kernels launched one by one from "
+            "Python and the dropless dispatcher's wait for its split sizes "
+            "(cost_models.megatron.host_wait_s)",
     "pipeline_bubble": "the busiest stage idle while the pipeline fills and drains",
     "stragglers": "waiting for the slowest pipeline stage and data-parallel replica "
                   "(stage times vary by cluster.stage_time_cv; cost_models.pipeline."

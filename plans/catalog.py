@@ -17,7 +17,7 @@ from plans import hf
 from plans.errors import SpecError, describe
 from plans.io import read_document
 from plans.plan import Plan
-from plans.specs import ClusterSpec, ModelSpec
+from plans.specs import KERNEL_FACTORS, ClusterSpec, ModelSpec
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 T = TypeVar("T", bound=BaseModel)
@@ -74,16 +74,37 @@ def efficiency_profile(name: str, where: str) -> dict:
     return data
 
 
+KERNEL_SCALE = "kernel_scale"
+"""A key beside ``profile``: one factor on the profile's kernel rates (plans.specs.KERNEL_FACTORS),
+for a system whose kernels run at another rate than the profile measured (its
+``efficiency_source`` says what it is fitted to)."""
+
+
+def _scaled(factors: dict, scale: object, where: str) -> dict:
+    """A profile's factors with its kernel rates times ``scale`` (0 < scale <= 2)."""
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale <= 2:
+        raise SpecError(f"{where}.efficiency.{KERNEL_SCALE}: {scale!r} is not a number in "
+                        "(0, 2]")
+    return {k: v * scale if k in KERNEL_FACTORS and isinstance(v, int | float) else v
+            for k, v in factors.items()}
+
+
 def _with_profile(data: object, where: str) -> object:
     """A cluster document with its ``efficiency: {profile: NAME, ...}`` replaced by that
-    profile's factors, the factors beside ``profile`` overriding them."""
+    profile's factors, times ``kernel_scale`` where given, the factors beside ``profile``
+    overriding them."""
     if not isinstance(data, dict) or not isinstance(data.get("efficiency"), dict):
         return data
     eff = dict(data["efficiency"])
     if PROFILE not in eff:
+        if KERNEL_SCALE in eff:
+            raise SpecError(f"{where}.efficiency.{KERNEL_SCALE}: scales a profile's kernel "
+                            f"rates; name the profile beside it ({PROFILE}: ...)")
         return data
-    name = eff.pop(PROFILE)
-    return {**data, "efficiency": {**efficiency_profile(name, where), **eff}}
+    factors = efficiency_profile(eff.pop(PROFILE), where)
+    if KERNEL_SCALE in eff:
+        factors = _scaled(factors, eff.pop(KERNEL_SCALE), where)
+    return {**data, "efficiency": {**factors, **eff}}
 
 
 def _read_spec(spec: type[T], path: Path) -> T:

@@ -704,6 +704,14 @@ class FactorSource(StrEnum):
     """Fitted to measurements (on this GPU or one of the same die)."""
     prior = "prior"
     """No measurement on this GPU: the Efficiency defaults or a figure carried from another."""
+    published = "published"
+    """Fitted to a system's published measurements (the note names them)."""
+
+
+KERNEL_FACTORS = ("gemm", "grouped_gemm", "attention", "fused_elementwise")
+"""The Efficiency factors that rate a GPU's compute kernels (GEMMs, grouped GEMMs,
+FlashAttention, fused memory-bound regions): what a catalog cluster's ``kernel_scale``
+multiplies (plans.catalog)."""
 
 
 class EfficiencySource(Frozen):
