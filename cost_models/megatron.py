@@ -22,6 +22,7 @@ from plans.enums import (
     CudaGraphs,
     Dispatch,
     Fp8Recipe,
+    LinearBias,
     Overlap,
     Precision,
     Recompute,
@@ -84,6 +85,14 @@ DENSE_FFN = Launches(6, 12)
 """A dense layer's MLP: fused norm + fc1, SwiGLU, fc2, the residual."""
 TP_COLLECTIVES = Launches(2, 2)
 """Under TP > 1, the sequence-parallel all-gather and reduce-scatter of the attention."""
+EXPERT_BIAS = Launches(2, 4)
+"""TEGroupedMLP's fc2 bias (``_apply_bias``; its fc1 bias is TE's GEMM epilogue), per local
+expert: the bias times the expert's routing weights and its sum with the expert's output;
+backward the two products with the output gradient and their sums (the bias's and the
+routing weights' gradients). Once per layer beside them (``EXPERT_BIAS_CONCAT``): the
+experts' outputs concatenated; backward the split's gradients (fc2's output and the routing
+weights) concatenated."""
+EXPERT_BIAS_CONCAT = Launches(1, 2)
 FP8_PADDING = Launches(3, 3)
 """TEGroupedMLP's fp8 padding (``fp8_padded``): the routed rows and their routing weights
 padded (TE's Fp8Padding, once each) and the output unpadded (Fp8Unpadding); in backward the
@@ -145,6 +154,9 @@ def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
         after = (DISPATCH_COMBINE + EXPERTS_FIXED + _quantized(2 * local, plan)
                  + Launches(local * PER_EXPERT_GEMMS.fwd, local * PER_EXPERT_GEMMS.bwd)
                  + (FP8_PADDING if fp8_padded(plan) else NONE))
+        if expert_bias(plan):
+            after = (after + EXPERT_BIAS_CONCAT
+                     + Launches(local * EXPERT_BIAS.fwd, local * EXPERT_BIAS.bwd))
     if plan.recompute == Recompute.full:
         before = before + Launches(0, before.fwd)
         after = after + Launches(0, after.fwd)
@@ -297,6 +309,38 @@ def fp8_padding_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
     return s, s
 
 
+EXPERT_BIAS_BYTES = (12, 16)
+"""Bytes per routed row and hidden element of TEGroupedMLP's fc2 bias (``EXPERT_BIAS``),
+forward and backward, all bf16 (the routing weights in the router's dtype, the model's under
+Megatron-Bridge's GPT-OSS provider): forward the bias's product with the routing weights
+written (2), its sum with the expert's output (read 2 + 2, write 2) and the concatenation
+(read 2, write 2); backward the two products with the output gradient (read 2, write 2,
+each), their sums (read 2, each) and the concatenation of fc2's output's gradient (read 2,
+write 2)."""
+
+
+def expert_bias(plan: Plan, dense: bool = False) -> bool:
+    """Whether a MoE layer's experts carry biases (``linear_bias`` all, GPT-OSS), which
+    Megatron-Core 0.15.3's TEGroupedMLP adds to fc2's output expert by expert from Python
+    (moe/experts.py ``_apply_bias``): eager PyTorch operations over the routed rows."""
+    return not dense and plan.model.linear_bias == LinearBias.all
+
+
+def expert_bias_s(plan: Plan, dense: bool = False) -> tuple[float, float]:
+    """Device seconds of the experts' fc2 bias per micro-batch, forward and backward
+    (``EXPERT_BIAS_BYTES`` per routed row of this rank and hidden element, plain memory-bound
+    PyTorch kernels at ``efficiency.hbm``); 0 without expert biases."""
+    if not expert_bias(plan, dense):
+        return 0.0, 0.0
+    from cost_models.compute import memory_s
+
+    m, d = plan.model, plan.degrees
+    rows = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len,
+                           d.attention_group) * m.top_k
+    fwd, bwd = (memory_s(rows * m.hidden * b, plan.cluster) for b in EXPERT_BIAS_BYTES)
+    return fwd, bwd
+
+
 COUNT_BYTES = 8
 """Bytes of one expert's token count as the dispatcher gathers it (int64)."""
 
@@ -342,10 +386,11 @@ def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
     of them is hidden, at most the layer's compute; in the others none."""
     timing = layer_timing_for(layer_key(plan, dense), Overlap.none)
     casts, pads = fp8_cast_s(plan, dense), fp8_padding_s(plan, dense)
-    fp8_fwd, fp8_bwd = casts[0] + pads[0], casts[1] + pads[1]
-    if fp8_fwd or fp8_bwd:
-        timing = replace(timing, fwd_s=timing.fwd_s + fp8_fwd, bwd_s=timing.bwd_s + fp8_bwd,
-                         compute_s=timing.compute_s + fp8_fwd + fp8_bwd)
+    bias = expert_bias_s(plan, dense)
+    fwd, bwd = casts[0] + pads[0] + bias[0], casts[1] + pads[1] + bias[1]
+    if fwd or bwd:
+        timing = replace(timing, fwd_s=timing.fwd_s + fwd, bwd_s=timing.bwd_s + bwd,
+                         compute_s=timing.compute_s + fwd + bwd)
     if plan.overlap != Overlap.inter_op:
         return timing
     exposed = dict(timing.exposed_comm_s)

@@ -81,6 +81,33 @@ def test_fp8_padding_copies_the_routed_rows_where_the_experts_rows_are_unaligned
     assert timing.bwd_s == pytest.approx(raw.bwd_s + casts[1] + bwd)
 
 
+def test_expert_biases_are_added_expert_by_expert_from_python():
+    """GPT-OSS's experts carry biases: TEGroupedMLP adds fc2's per local expert in eager
+    PyTorch (moe/experts.py _apply_bias): per expert 2 launches forward and 4 backward, the
+    concatenations once (1, 2), and 12 / 16 bytes per routed row and hidden element at the
+    plain memory rate; a model without them, or a dense layer, has none."""
+    from plans.enums import LinearBias
+
+    plain = qwen(training=TrainingSpec(global_batch=512, seq_len=4096))
+    biased = plain.model_copy(update={"model": plain.model.model_copy(
+        update={"linear_bias": LinearBias.all})})
+    local = 128 // 8
+    a, b = megatron.launches(plain).after_wait, megatron.launches(biased).after_wait
+    assert (b.fwd - a.fwd, b.bwd - a.bwd) == (2 * local + 1, 4 * local + 2)
+    c = plain.cluster
+    rows = 4096 * 8
+    fwd, bwd = megatron.expert_bias_s(biased)
+    assert fwd == pytest.approx(rows * 2048 * 12 / (c.gpu.hbm_tb_s * 1e12 * c.efficiency.hbm))
+    assert bwd == pytest.approx(fwd * 16 / 12)
+    assert megatron.expert_bias_s(plain) == (0.0, 0.0)
+    assert megatron.expert_bias_s(biased, dense=True) == (0.0, 0.0)
+    qkv = biased.model_copy(update={"model": plain.model.model_copy(
+        update={"linear_bias": LinearBias.qkv})})
+    assert megatron.expert_bias_s(qkv) == (0.0, 0.0)
+    assert megatron.layer_timing(biased).fwd_s == pytest.approx(
+        megatron.layer_timing(plain).fwd_s + fwd)
+
+
 def test_current_scaling_reads_each_operand_once_more_for_its_amax():
     """fp8 casts: 4 bytes per element under MXFP8 (the block scales in the cast's pass), 6
     under per-tensor current scaling (TE's amax pass over the bf16 operand first)."""
