@@ -116,6 +116,12 @@ def facts(search: dict) -> dict[str, str]:
           "paper_error": _signed(paper["error"]),
           "ratio_published": f"{ratio['published']:.2f}x",
           "ratio_predicted": f"{ratio['predicted']:.2f}x"}
+    held = _load(AT_SCALE)["table_3_residual"]["megatron_error"]
+    ds = _load(AT_SCALE)["deepseek_v3_h800"]
+    f |= {"t3_held_low": _signed(min(held)), "t3_held_high": _signed(max(held)),
+          "ds_published": f"{ds['published_tokens_s_gpu_at_least']:,.0f}",
+          "ds_predicted": f"{ds['h800']['predicted_tokens_s_gpu']:,.0f}",
+          "ds_error": _signed(ds["h800"]["error"])}
     at_scale = _load(FIDELITY_AT_SCALE)
     scale = at_scale["summary"]["megatron"]
     gpus = [r["gpus"] for r in at_scale["rows"] if r["status"] == "priced"]

@@ -373,7 +373,8 @@ def megascale(at_scale) -> dict:
                      "published_speedup": theirs["published_s"][i] / ours["published_s"][i],
                      "predicted_speedup": theirs["predicted_s"][i] / ours["predicted_s"][i]})
     return {"source": sweep["source"], "rows": rows, "megatron_recompute": theirs["recompute"],
-            "residual": at_scale.table_3_residual()}
+            "residual": at_scale.table_3_residual(),
+            "deepseek_v3_h800": at_scale.deepseek_v3_h800()}
 
 
 def results() -> dict:
@@ -477,19 +478,28 @@ def document(doc: dict) -> str:
     policy = ", ".join(sorted(set(t3["megatron_recompute"])))
     lines += ["", f"Megatron-LM's recomputation, unpublished, is a prior: one setting for the "
               f"sweep, the least that fits at every scale ({policy}; bench/search/at_scale.py "
-              f"sweep_recompute). The H800 cluster's kernel rates ({', '.join(res['factors'])}: "
-              f"the Hopper profile's times its `kernel_scale`) are fitted to MegaScale-MoE's "
-              f"five times and judged on Megatron-LM's five (held out); fitted again now, the "
-              f"scale would move by x{res['refit']:.3f}. `comm exposed`: MegaScale-MoE with "
-              f"none of its communication hidden (overlap none), what the in-node all-to-alls "
-              f"could add at most.", "",
+              f"sweep_recompute). The paper's cluster (`h800-megascale`) has its kernel rates "
+              f"({', '.join(res['factors'])}: the Hopper profile's times its `kernel_scale`) "
+              f"fitted to MegaScale-MoE's five times and judged on Megatron-LM's five (held "
+              f"out); fitted again now, the scale would move by x{res['refit']:.3f}. `comm "
+              f"exposed`: MegaScale-MoE with none of its communication hidden (overlap none), "
+              f"what the in-node all-to-alls could add at most.", "",
               "| GPUs | MegaScale-MoE (fitted) | Megatron-LM (held out) | comm exposed |",
               "|---|---|---|---|"]
     for i, gpus in enumerate(res["gpus"]):
         lines.append(f"| {gpus:,} | {_pct(res['megascale_error'][i])} | "
                      f"{_pct(res['megatron_error'][i])} | "
                      f"{_pct(res['in_node_comm_exposed']['megascale_error'][i])} |")
-    lines += ["", END]
+    ds = doc["megascale_table_3"]["deepseek_v3_h800"]
+    lines += ["", f"Held out, the scale's reach: DeepSeek-V3's pre-training on 2,048 H800 "
+              f"averaged {ds['published_tokens_s_gpu_at_least']:,.0f} tokens/s a GPU "
+              f"(arXiv 2412.19437: 14.8T tokens in 2,664K GPU hours; its steady step is "
+              f"faster), priced at the closest layout moeplan expresses (`{ds['h800']['plan']}`"
+              f"): {ds['h800']['predicted_tokens_s_gpu']:,.0f} "
+              f"({_pct(ds['h800']['error'])}) on the catalog's `h800` (the measured kernel "
+              f"rates), {ds['h800-megascale']['predicted_tokens_s_gpu']:,.0f} "
+              f"({_pct(ds['h800-megascale']['error'])}) on `h800-megascale`: the scale is the "
+              f"paper's system's, not the H800's.", "", END]
     return "\n".join(lines)
 
 

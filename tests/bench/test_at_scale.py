@@ -55,10 +55,12 @@ def test_megatron_lm_runs_one_recomputation_over_table_3_the_least_that_fits_at_
                        for p in plans), weaker
 
 
-def test_the_h800_kernel_scale_is_the_fit_to_megascale_and_held_out_megatron_lm_is_close(
+def test_the_papers_kernel_scale_is_the_fit_to_megascale_and_held_out_megatron_lm_is_close(
         at_scale):
-    """The catalog's H800 kernel_scale is the one that centres MegaScale-MoE's five Table 3
-    errors (a refit would not move it); Megatron-LM's five, not fitted, stay within 15%."""
+    """The paper's cluster's kernel_scale is the one that centres MegaScale-MoE's five Table 3
+    errors (a refit would not move it); Megatron-LM's five, not fitted, stay within 15%; the
+    plain H800 keeps the measured rates, which DeepSeek-V3's run (held out, a lower bound)
+    meets better than the scaled ones."""
     import math
 
     res = at_scale.table_3_residual()
@@ -66,6 +68,9 @@ def test_the_h800_kernel_scale_is_the_fit_to_megascale_and_held_out_megatron_lm_
     assert abs(sum(logs) / len(logs)) < 0.01
     assert res["refit"] == pytest.approx(1.0, abs=0.01)
     assert all(abs(e) <= 0.15 for e in res["megatron_error"])
+    ds = at_scale.deepseek_v3_h800()
+    assert ds["h800"]["error"] > ds[at_scale.PAPER_CLUSTER]["error"]
+    assert abs(ds["h800"]["error"]) < abs(ds[at_scale.PAPER_CLUSTER]["error"])
 
 
 def test_a_kernel_scale_multiplies_the_profiles_kernel_rates_only(tmp_path):
@@ -74,7 +79,7 @@ def test_a_kernel_scale_multiplies_the_profiles_kernel_rates_only(tmp_path):
     from plans.specs import KERNEL_FACTORS
 
     hopper = catalog.efficiency_profile("hopper", "test")
-    base = (ROOT / "plans/catalog/clusters/h800.yaml").read_text()
+    base = (ROOT / "plans/catalog/clusters/h800-megascale.yaml").read_text()
     spec = tmp_path / "half.yaml"
     spec.write_text(base.replace("kernel_scale: 0.767", "kernel_scale: 0.5"))
     eff = catalog.load_cluster(str(spec), gpus=8).efficiency

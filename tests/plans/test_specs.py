@@ -146,20 +146,20 @@ def test_spec_files_by_path(tmp_path):
 def test_clusters_of_one_die_share_one_efficiency_profile(tmp_path):
     """The Hopper factors are defined once (plans/catalog/efficiency/hopper.yaml): the GH100
     clusters and the Blackwell ones, whose prior they are, name the profile; factors beside
-    the name override it (Blackwell's: no sm90 grouped-kernel operand stream), the H800's
-    kernel_scale multiplies its kernel rates; an unknown profile is one line naming the
-    field."""
+    the name override it (Blackwell's: no sm90 grouped-kernel operand stream), the paper's
+    cluster's kernel_scale multiplies its kernel rates; an unknown profile is one line naming
+    the field."""
     from plans.io import read_document
     from plans.specs import KERNEL_FACTORS
 
     profile = read_document(catalog.CATALOG_DIR / "efficiency" / "hopper.yaml")
     blackwell = {"grouped_gemm_stream_tb_s": None}
-    for name in ("h100", "h200", "h800", "b200", "gb200-nvl72", "gb300-nvl72"):
+    for name in ("h100", "h200", "h800", "h800-megascale", "b200", "gb200-nvl72", "gb300-nvl72"):
         raw = read_document(catalog.CATALOG_DIR / "clusters" / f"{name}.yaml")
         own = blackwell if name[0] in "bg" else {}
         scale = raw["efficiency"].get("kernel_scale", 1.0)
         assert raw["efficiency"] == {"profile": "hopper", **own, **(
-            {"kernel_scale": scale} if name == "h800" else {})}, name
+            {"kernel_scale": scale} if name == "h800-megascale" else {})}, name
         eff = catalog.load_cluster(name).efficiency
         assert {k: getattr(eff, k) for k in profile} == {
             **{k: v * scale if k in KERNEL_FACTORS else v for k, v in profile.items()},
