@@ -10,7 +10,7 @@ blocking and in overlapped head groups.
 
 The block is x + attention(attention_norm(x)) of a one-layer model built and parallelised by the
 runtime from a plan (runtime.parallel.parallelize: Ulysses SP = N and EP = N, ``kernels`` and
-``recompute`` as the variant says; bench/layers_gpu.build_block), at the attention shapes of the
+``recompute`` as the variant says; bench/layers/one_layer.py), at the attention shapes of the
 catalog models (``--models``; Mixtral-8x7B: hidden 4096, 32 query and 8 KV heads of 128;
 Qwen3-30B-A3B: hidden 2048, 32 and 4 heads of 128 with QK norm), ``--batch`` sequences of
 ``--seq`` tokens (default 4 x 4,096: 16k tokens, the MoE layer bench's), each rank holding
@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from bench._dist_bench import finish, init, slowest, spun, timed
 from bench._meta import metadata
-from bench.layers.layers_gpu import OVERRIDES, build_block, model_spec
+from bench.layers.one_layer import OVERRIDES, build_block, model_spec
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from cost_models.layer_graph import OpKind
 from plans import (

@@ -12,7 +12,7 @@ query / key head dims, value head dim 128; 256 routed experts of 2048 with top-8
 over 8 groups (4 per token), the expert bias and the routed scaling factor 2.5, 1 shared
 expert of 2048; ``--batch`` sequences of ``--seq`` tokens (default 1 x 4,096), one GPU (no
 parallelism), overlap none, no recomputation, for each kernel set (``--kernels``). The
-runtime builds and parallelises the one-layer model from the plan (bench/layers_gpu.
+runtime builds and parallelises the one-layer model from the plan (bench/layers/one_layer.
 build_block); the blocks are x + attention(attention_norm(x)) and x + moe(ffn_norm(x)).
 
 ``predicted`` is the cost model's time of the same blocks for the same plan (``--cluster``,
@@ -48,7 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench._dist_bench import init, timed
 from bench._meta import metadata
-from bench.layers.layers_gpu import build_block
+from bench.layers.one_layer import build_block
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from plans import (
     EPFFN,
