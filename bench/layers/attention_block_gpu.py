@@ -53,7 +53,6 @@ bf16 on CUDA, fp32 over gloo on CPU (smoke tests shrink the model with the overr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -61,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from bench._dist_bench import finish, init, slowest, spun, timed
-from bench._meta import metadata
+from bench._meta import write_result
 from bench.layers.one_layer import OVERRIDES, build_block, model_spec
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from cost_models.layer_graph import OpKind
@@ -77,7 +76,6 @@ from plans import (
     UlyssesAttention,
     catalog,
 )
-from plans.io import write_atomic
 from plans.layout import kv_heads_sent, ulysses_chunks
 from plans.specs import ModelSpec
 from runtime.parallel.attention import ChunkedUlyssesCore, UlyssesCore
@@ -335,7 +333,6 @@ def measure(args) -> int:
         rows[name] = row
     if rank == 0:
         result = {
-            **metadata(),
             "benchmark": "one attention block forward + backward as the runtime runs it: per "
                          "kernel set and recomputation; under Ulysses SP its compute alone, its "
                          "all-to-alls alone and their exposed time, blocking and in overlapped "
@@ -350,7 +347,7 @@ def measure(args) -> int:
             "warmup": args.warmup, "repeats": args.repeats,
             "models": rows,
         }
-        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     finish(n)
     return 0

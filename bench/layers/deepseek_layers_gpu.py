@@ -47,7 +47,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench._dist_bench import init, timed
-from bench._meta import metadata
+from bench._meta import write_result
 from bench.layers.one_layer import build_block
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from plans import (
@@ -61,7 +61,6 @@ from plans import (
     UlyssesAttention,
     catalog,
 )
-from plans.io import write_atomic
 from plans.specs import ModelSpec
 from runtime.profile import classify, kernel_times
 
@@ -219,8 +218,7 @@ def report(measurements: list[dict]) -> dict:
 
 def write_report() -> int:
     doc = report([json.loads(path.read_text()) for path in MEASURED])
-    write_atomic(REPORT, json.dumps({**metadata(), **doc}, indent=2) + "\n", "--report",
-                 force=True)
+    write_result(REPORT, doc, "--report")
     for r in doc["rows"]:
         print(f"batch {r['batch']} {r['block']:9s} {r['kernels']:5s} measured "
               f"{r['measured_fwd_bwd_s'] * 1e3:8.3f} ms  predicted "
@@ -263,7 +261,6 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result = {
-        **metadata(),
         "bench": "deepseek_layers_gpu",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
@@ -276,7 +273,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "rows": rows,
     }
-    write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+    write_result(args.out, result)
     return 0
 
 

@@ -38,7 +38,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench._meta import metadata
+from bench._meta import write_result
 from cost_models import volumes as vol
 from cost_models.layer import layer_key, layer_timing
 from cost_models.layer_graph import forward_graph
@@ -267,7 +267,6 @@ def measure(args) -> int:
         picks = json.loads(args.picks.read_text()) if args.picks and args.picks.exists() else None
         first = configs[0]
         result = {
-            **metadata(),
             "benchmark": "EP dispatch + combine vs top-k: runtime dispatchers vs cost model",
             "world": n,
             "backend": dist.get_backend(),
@@ -290,8 +289,7 @@ def measure(args) -> int:
             "configs": configs,
             "planner_picks": picks,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         print(f"{len(configs)} shapes -> {args.out}")
     finish(n)
     return 0
@@ -358,7 +356,6 @@ def planner_picks(args) -> int:
               f"({any_best and any_best['summary']}); with sp{args.gpus}: "
               f"{row[f'pick_sp{args.gpus}']}", flush=True)
     result = {
-        **metadata(),
         "benchmark": "moeplan search's EP dispatcher per top-k",
         "model": args.model, "cluster_spec": args.cluster, "gpus": args.gpus,
         "global_batch": args.global_batch, "seq_len": args.seq,
@@ -373,8 +370,7 @@ def planner_picks(args) -> int:
         "picks": {str(r["top_k"]): r["pick"] for r in rows},
         f"picks_sp{args.gpus}": {str(r["top_k"]): r[f"pick_sp{args.gpus}"] for r in rows},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"-> {args.out}")
     return 0
 
