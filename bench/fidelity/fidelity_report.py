@@ -410,8 +410,8 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                           "measured"))
         parts.append(overlap_text(results, cal, data))
         parts.append(head_groups_text(data))
-        parts.append(shared_text(results.parent / "speed17" / "memory_shared"))
-        parts.append(cap_text([results.parent / "speed17" / d
+        parts.append(shared_text(results.parent / "memory_shared"))
+        parts.append(cap_text([results.parent / d
                                for d in ("memory_cap", "memory_shared")]))
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         parts.append(rank_load_text(data))
