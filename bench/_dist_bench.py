@@ -1,7 +1,7 @@
-"""Shared pieces of the torchrun micro-benchmarks (dispatch_gpu.py, layers_gpu.py): process
-group set-up, median timing after warm-up (CUDA events on GPU, wall clock on CPU), the slowest
-rank's value, and raw collectives of the sizes the cost model's Transfers name. Imports torch
-and cost_models only (never planner)."""
+"""Shared pieces of the GPU benchmarks (bench/kernels, bench/layers): process group set-up,
+median timing after warm-up (CUDA events on GPU, wall clock on CPU), the slowest rank's value,
+and raw collectives of the sizes the cost model's Transfers name. Imports torch and
+cost_models only (never planner)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,13 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def write(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    write_atomic(path, json.dumps({**metadata(), **payload}, indent=2) + "\n", name, force=True)
+    write_result(path, payload, name)
     return path
+
+
+def write_result(out: Path, doc: dict, what: str = "--out", indent: int = 2) -> None:
+    """``doc`` after the metadata every result carries, written to ``out`` (a benchmark's
+    ``--out``: the one output convention) in one step, its folder made."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, json.dumps({**metadata(), **doc}, indent=indent) + "\n", what, force=True)

@@ -130,7 +130,7 @@ class Profile(_PlanStep):
 
 class Script(_Step):
     script: str
-    """The benchmark's module (``bench.layers.layers_gpu``, run as ``python -m``), or a Python
+    """The benchmark's module (``bench.layers.dispatch_gpu``, run as ``python -m``), or a Python
     file (a path ending in ``.py``, run as itself with the repository on ``PYTHONPATH``)."""
     name: str
     args: list[str] = []

@@ -14,11 +14,18 @@ from plans.io import write_atomic
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "bench" / "templates"
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+PIECE = re.compile(r"^<!-- (\w+) -->\n", re.MULTILINE)
 
 
-def fill(template: str, parts: Mapping[str, object]) -> str:
-    """bench/templates/``template`` with each ``{{name}}`` replaced by ``parts[name]``."""
-    return PLACEHOLDER.sub(lambda m: str(parts[m.group(1)]), (TEMPLATES / template).read_text())
+def fill(template: str, parts: Mapping[str, object], piece: str | None = None) -> str:
+    """bench/templates/``template`` with each ``{{name}}`` replaced by ``parts[name]``; with
+    ``piece``, only the template's lines after the line ``<!-- piece -->`` up to the next such
+    line (a report whose parts come and go keeps each part's prose as a piece)."""
+    text = (TEMPLATES / template).read_text()
+    if piece is not None:
+        cut = PIECE.split(text)
+        text = dict(zip(cut[1::2], cut[2::2], strict=True))[piece]
+    return PLACEHOLDER.sub(lambda m: str(parts[m.group(1)]), text)
 
 
 def write_or_check(doc: Path, text: str, command: str, check: bool,

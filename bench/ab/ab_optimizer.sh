@@ -2,7 +2,7 @@
 # against every gradient cast at once (runtime/parallel/optimizer.py of 8bc713e); one device call:
 #   MOEPLAN_COMMIT=<sha> bash bench/ab/ab_optimizer.sh   (after bench/run_campaign.sh installed /tmp/site)
 set -u
-R=bench/results/h200/speed18/ab_optimizer; mkdir -p $R
+R=bench/results/h200/ab_optimizer; mkdir -p $R
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 cp runtime/parallel/optimizer.py /tmp/optimizer_now.py
 run() { python -m bench.steps.train_step --plan bench/gpu_plans/fidelity/mixtral2l_1gpu_mbs1.json --steps 10 --warmup 2 --out $R/train_step_mixtral2l_1gpu_mbs1_$1.json 2>&1 | tail -1; }

@@ -24,7 +24,6 @@ is what the smoke test checks; the numbers are for H200s.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +32,7 @@ import torch
 import torch.distributed as dist
 
 from bench._dist_bench import finish, init, slowest, timed
-from bench._meta import metadata
-from plans.io import write_atomic
+from bench._meta import write_result
 from runtime.moe import grouped_mm
 
 
@@ -198,10 +196,10 @@ def main(argv=None) -> int:
     rows = [measure(s.scaled(args.scale), device, dtype, args.warmup, args.repeats)
             for s in SHAPES]
     if rank == 0:
-        doc = {**metadata(), "benchmark": "copy-engine peer copy vs NCCL beside expert GEMMs",
+        doc = {"benchmark": "copy-engine peer copy vs NCCL beside expert GEMMs",
                "world": world, "backend": dist.get_backend(), "dtype": str(dtype),
                "peer_access": peer_access(device), "rows": rows}
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
+        write_result(args.out, doc)
         for r in rows:
             ce = r["copy_engine"]
             ce_text = (f"copy {ce['copy_s'] * 1e3:.2f} ms, beside "

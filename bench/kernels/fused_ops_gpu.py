@@ -22,17 +22,15 @@ of the loss and its two gradients).
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench._dist_bench import device_timed, timed
-from bench._meta import metadata
+from bench._meta import write_result
 from cost_models.compute import CE_FUSED_BYTES_PER_LOGIT
 from plans.enums import Kernels
-from plans.io import write_atomic
 from runtime.kernels import KernelOps, kernel_ops, rope_tables
 from runtime.loss import chunk_tokens, chunked_cross_entropy
 
@@ -193,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                  for kind in ("eager", "fused")}
     moved = sum(r["fwd_bytes"] + r["bwd_bytes"] for r in layer)
     doc = {
-        **metadata(), "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "shapes": {k: getattr(a, k) for k in ("tokens", "seq", "hidden", "heads", "kv_heads",
                                               "head_dim", "ffn", "experts", "top_k", "vocab")},
         "hbm_tb_s": a.hbm_tb_s, "warmup": a.warmup, "repeats": a.repeats, "ops": out,
@@ -206,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             kind: moved / total / (a.hbm_tb_s * 1e12) if total else None
             for kind, total in on_device.items()},
     }
-    write_atomic(a.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
+    write_result(a.out, doc)
     print(f"wrote {a.out}")
 
 

@@ -10,7 +10,7 @@ blocking and in overlapped head groups.
 
 The block is x + attention(attention_norm(x)) of a one-layer model built and parallelised by the
 runtime from a plan (runtime.parallel.parallelize: Ulysses SP = N and EP = N, ``kernels`` and
-``recompute`` as the variant says; bench/layers_gpu.build_block), at the attention shapes of the
+``recompute`` as the variant says; bench/layers/one_layer.py), at the attention shapes of the
 catalog models (``--models``; Mixtral-8x7B: hidden 4096, 32 query and 8 KV heads of 128;
 Qwen3-30B-A3B: hidden 2048, 32 and 4 heads of 128 with QK norm), ``--batch`` sequences of
 ``--seq`` tokens (default 4 x 4,096: 16k tokens, the MoE layer bench's), each rank holding
@@ -53,7 +53,6 @@ bf16 on CUDA, fp32 over gloo on CPU (smoke tests shrink the model with the overr
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -61,8 +60,8 @@ import torch
 import torch.distributed as dist
 
 from bench._dist_bench import finish, init, slowest, spun, timed
-from bench._meta import metadata
-from bench.layers.layers_gpu import OVERRIDES, build_block, model_spec
+from bench._meta import write_result
+from bench.layers.one_layer import OVERRIDES, build_block, model_spec
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from cost_models.layer_graph import OpKind
 from plans import (
@@ -77,7 +76,6 @@ from plans import (
     UlyssesAttention,
     catalog,
 )
-from plans.io import write_atomic
 from plans.layout import kv_heads_sent, ulysses_chunks
 from plans.specs import ModelSpec
 from runtime.parallel.attention import ChunkedUlyssesCore, UlyssesCore
@@ -335,7 +333,6 @@ def measure(args) -> int:
         rows[name] = row
     if rank == 0:
         result = {
-            **metadata(),
             "benchmark": "one attention block forward + backward as the runtime runs it: per "
                          "kernel set and recomputation; under Ulysses SP its compute alone, its "
                          "all-to-alls alone and their exposed time, blocking and in overlapped "
@@ -350,7 +347,7 @@ def measure(args) -> int:
             "warmup": args.warmup, "repeats": args.repeats,
             "models": rows,
         }
-        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     finish(n)
     return 0

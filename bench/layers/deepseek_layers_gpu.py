@@ -12,7 +12,7 @@ query / key head dims, value head dim 128; 256 routed experts of 2048 with top-8
 over 8 groups (4 per token), the expert bias and the routed scaling factor 2.5, 1 shared
 expert of 2048; ``--batch`` sequences of ``--seq`` tokens (default 1 x 4,096), one GPU (no
 parallelism), overlap none, no recomputation, for each kernel set (``--kernels``). The
-runtime builds and parallelises the one-layer model from the plan (bench/layers_gpu.
+runtime builds and parallelises the one-layer model from the plan (bench/layers/one_layer.
 build_block); the blocks are x + attention(attention_norm(x)) and x + moe(ffn_norm(x)).
 
 ``predicted`` is the cost model's time of the same blocks for the same plan (``--cluster``,
@@ -47,8 +47,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench._dist_bench import init, timed
-from bench._meta import metadata
-from bench.layers.layers_gpu import build_block
+from bench._meta import write_result
+from bench.layers.one_layer import build_block
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from plans import (
     EPFFN,
@@ -61,7 +61,6 @@ from plans import (
     UlyssesAttention,
     catalog,
 )
-from plans.io import write_atomic
 from plans.specs import ModelSpec
 from runtime.profile import classify, kernel_times
 
@@ -219,8 +218,7 @@ def report(measurements: list[dict]) -> dict:
 
 def write_report() -> int:
     doc = report([json.loads(path.read_text()) for path in MEASURED])
-    write_atomic(REPORT, json.dumps({**metadata(), **doc}, indent=2) + "\n", "--report",
-                 force=True)
+    write_result(REPORT, doc, "--report")
     for r in doc["rows"]:
         print(f"batch {r['batch']} {r['block']:9s} {r['kernels']:5s} measured "
               f"{r['measured_fwd_bwd_s'] * 1e3:8.3f} ms  predicted "
@@ -263,7 +261,6 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result = {
-        **metadata(),
         "bench": "deepseek_layers_gpu",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
@@ -276,7 +273,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "rows": rows,
     }
-    write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+    write_result(args.out, result)
     return 0
 
 

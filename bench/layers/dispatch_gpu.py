@@ -1,10 +1,7 @@
 """EP dispatch + combine of the runtime's two dispatchers against top-k, measured next to the
-cost model, with the dispatcher `moeplan search` picks.
+cost model (the dispatcher the planner picks at each point: bench/layers/dispatch_report.py).
 
-    torchrun --nproc-per-node N -m bench.layers.dispatch_gpu --out $OUT/dispatch_xN.json \
-        [--picks bench/results/dispatch_planner_xN.json]
-    python -m bench.layers.dispatch_gpu --planner-only --gpus N --cluster h200-runtime --runnable \
-        --out bench/results/dispatch_planner_xN.json
+    torchrun --nproc-per-node N -m bench.layers.dispatch_gpu --out $OUT/dispatch_xN.json
 
 Measured (N ranks = the EP group): for each top-k, tokens per rank = seq / N (micro-batch 1,
 sequence-sharded as under Ulysses SP = EP = N), random routing (k distinct experts per token,
@@ -23,22 +20,16 @@ Predicted, two ways (both from cost_models, no planner):
   ep_dispatch + ep_combine time (forward + backward, which under overlap none is the collectives').
 
 The crossover top-k is the first k at which all-gather + reduce-scatter is faster than
-all-to-all. ``--planner-only`` (imports planner, so pulp / highspy; run on the CPU machine)
-searches one node of N H200s for Mixtral-8x7B with each top-k, narrowed to Ulysses SP attention
-and EP FFN layouts, global batch 64, seq 8192, and records the dispatch of the best plan and the
-best predicted step time with each dispatch. Where no plan fits the node's memory (the full
-32-layer Mixtral-8x7B does not fit 8 H200s with AdamW states) the depth is halved until one
-does; the depth used is recorded. ``--picks`` merges that file into the GPU result.
+all-to-all.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from bench._meta import metadata
+from bench._meta import write_result
 from cost_models import volumes as vol
 from cost_models.layer import layer_key, layer_timing
 from cost_models.layer_graph import forward_graph
@@ -47,7 +38,6 @@ from plans import (
     TIMER_OF,
     Component,
     Dispatch,
-    TrainingSpec,
     catalog,
 )
 from plans.layout import tokens_per_rank
@@ -78,14 +68,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--picks", type=Path, help="a --planner-only result to merge in")
-    p.add_argument("--planner-only", action="store_true",
-                   help="no measurement: record moeplan search's dispatcher per top-k")
-    p.add_argument("--gpus", type=int, default=8, help="node size for --planner-only")
-    p.add_argument("--global-batch", type=int, default=64, help="for --planner-only")
-    p.add_argument("--runnable", action="store_true",
-                   help="for --planner-only: search only what the runtime executes (as "
-                        "`moeplan search --runnable`)")
     return p.parse_args(argv)
 
 
@@ -264,10 +246,8 @@ def measure(args) -> int:
                         "tokens_per_rank": rows[0]["tokens_per_rank"], "rows": rows,
                         "crossover_top_k": crossovers(rows)})
     if rank == 0:
-        picks = json.loads(args.picks.read_text()) if args.picks and args.picks.exists() else None
         first = configs[0]
         result = {
-            **metadata(),
             "benchmark": "EP dispatch + combine vs top-k: runtime dispatchers vs cost model",
             "world": n,
             "backend": dist.get_backend(),
@@ -288,10 +268,8 @@ def measure(args) -> int:
             "rows": first["rows"],
             "crossover_top_k": first["crossover_top_k"],
             "configs": configs,
-            "planner_picks": picks,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         print(f"{len(configs)} shapes -> {args.out}")
     finish(n)
     return 0
@@ -307,81 +285,9 @@ def crossovers(rows: list[dict]) -> dict:
     }
 
 
-# ---- planner (CPU machine) ------------------------------------------------------------------
-
-
-def planner_picks(args) -> int:
-    from planner.search import search
-    from planner.space import AttentionKind, FFNKind, SearchSpace
-
-    cluster = catalog.load_cluster(args.cluster, gpus=args.gpus)
-    training = TrainingSpec(global_batch=args.global_batch, seq_len=args.seq)
-
-    def best(model: ModelSpec, dispatches: tuple[Dispatch, ...],
-             degrees: tuple[int, ...] | None = None) -> dict | None:
-        space = SearchSpace(attention=(AttentionKind.ulysses_sp,), ffn=(FFNKind.ep,),
-                            dispatch=dispatches, attention_degrees=degrees)
-        if args.runnable:
-            space = space.runnable()
-        found = search(model, cluster, training, space, top=1, with_baseline=False).best
-        return None if found is None else {
-            "summary": found.plan.summary(),
-            "dispatch": found.plan.ffn.dispatch.value,
-            "degrees": found.plan.degrees.model_dump(),
-            "micro_batch_size": found.plan.micro_batch_size,
-            "step_time_s": found.evaluation.step_time_s,
-            "mfu": found.plan.prediction.mfu,
-        }
-
-    rows = []
-    for k in top_ks(args):
-        # the full depth may not fit one node (Mixtral-8x7B's AdamW states do not fit 8 H200s):
-        # halve the layers until a plan fits; the layer shape, which sets the dispatch, stays
-        model = model_spec(args, k)
-        infeasible = []
-        while (any_best := best(model, DISPATCHES)) is None and model.layers > 1:
-            infeasible.append(model.layers)
-            model = model.model_copy(update={"layers": model.layers // 2})
-        row: dict = {"top_k": k, "layers": model.layers, "layers_without_a_plan": infeasible,
-                     "any": any_best}
-        for d in DISPATCHES:
-            row[SHORT[d]] = best(model, (d,))
-        # the benchmark's layout family: Ulysses SP over the whole node
-        row[f"sp{args.gpus}"] = best(model, DISPATCHES, (args.gpus,))
-        for d in DISPATCHES:
-            row[f"sp{args.gpus}_{SHORT[d]}"] = best(model, (d,), (args.gpus,))
-        row["pick"] = any_best["dispatch"] if any_best else None
-        row["pick_ep"] = any_best["degrees"]["ep"] if any_best else None
-        row[f"pick_sp{args.gpus}"] = (row[f"sp{args.gpus}"] or {}).get("dispatch")
-        rows.append(row)
-        print(f"top-{k}: {model.layers} layers: search picks {row['pick']} "
-              f"({any_best and any_best['summary']}); with sp{args.gpus}: "
-              f"{row[f'pick_sp{args.gpus}']}", flush=True)
-    result = {
-        **metadata(),
-        "benchmark": "moeplan search's EP dispatcher per top-k",
-        "model": args.model, "cluster_spec": args.cluster, "gpus": args.gpus,
-        "global_batch": args.global_batch, "seq_len": args.seq,
-        "runnable": args.runnable,
-        "space": "SearchSpace(attention=(ulysses_sp,), ffn=(ep,)) (.runnable() when runnable: "
-                 "what the runtime executes); 'any' searches both "
-                 "dispatchers, 'a2a' / 'ag_rs' one each, 'spN*' the same with "
-                 "attention_degrees=(N,) (the benchmark's layout family); pick_ep 1 makes the "
-                 "dispatch moot; 'layers' is the depth searched (the "
-                 "model's, halved while no plan fits the node's memory)",
-        "rows": rows,
-        "picks": {str(r["top_k"]): r["pick"] for r in rows},
-        f"picks_sp{args.gpus}": {str(r["top_k"]): r[f"pick_sp{args.gpus}"] for r in rows},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"-> {args.out}")
-    return 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return planner_picks(args) if args.planner_only else measure(args)
+    return measure(args)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ timeout)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench._meta import metadata
+from bench._meta import write_result
 from bench.steps.train_step import ranks_per_gpu, setup
 from cost_models.memory import memory_breakdown
 from plans.execution import executed_plan, record
@@ -75,12 +74,12 @@ def main(argv=None) -> int:
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:
-        oom = {**metadata(), "plan": str(a.plan), "rank": rank, "world": world,
+        oom = {"plan": str(a.plan), "rank": rank, "world": world,
                "ranks_per_gpu": ranks_per_gpu(world, device), "cap_gib": cap / GIB,
                "predicted_peak_gib": predicted / GIB, "scale": a.scale,
                "fits": False, "error": str(e).splitlines()[0][:300],
                "deviations": record(plan, backend_of(device))}
-        a.out.with_suffix(f".rank{rank}.oom.json").write_text(json.dumps(oom, indent=2) + "\n")
+        write_result(a.out.with_suffix(f".rank{rank}.oom.json"), oom)
         print(f"rank {rank}: out of memory under a cap of {cap / GIB:.2f} GiB", file=sys.stderr,
               flush=True)
         return 1
@@ -96,14 +95,13 @@ def main(argv=None) -> int:
         dist.all_gather_object(per_rank, mine)
         end_process_groups()
     if rank == 0:
-        doc = {**metadata(), "plan": str(a.plan), "plan_summary": plan.summary(),
+        doc = {"plan": str(a.plan), "plan_summary": plan.summary(),
                "world": world, "backend": backend,
                "ranks_per_gpu": ranks_per_gpu(world, device),
                "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB,
                "scale": a.scale, "fits": True,
                "deviations": record(plan, backend_of(device)), "per_rank": per_rank}
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(doc, indent=2) + "\n")
+        write_result(a.out, doc)
         worst = max(r["reserved_peak_gib"] for r in per_rank)
         retries = max(r["alloc_retries"] for r in per_rank)
         print(f"{plan.summary()}\n  fits under {cap / GIB:.2f} GiB: reserved peak "

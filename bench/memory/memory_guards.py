@@ -13,7 +13,6 @@ Each case records the command's exit code and its stderr lines (a traceback woul
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 ROOT = HERE.parent
 
-from bench._meta import metadata  # noqa: E402
+from bench._meta import write_result  # noqa: E402
 
 PLANS = HERE / "gpu_plans" / "memory"
 TRAIN = [sys.executable, "-m", "runtime.train", "--steps"]
@@ -63,8 +62,7 @@ def main(argv=None) -> int:
         c["ok"] = c["exit"] == expect[name] and not c["traceback"]
         print(f"{name}: exit {c['exit']} ({'ok' if c['ok'] else 'UNEXPECTED'}): "
               f"{(c['stderr'] or c['stdout'] or [''])[-1][:200]}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**metadata(), "cases": cases}, indent=1) + "\n")
+    write_result(args.out, {"cases": cases}, indent=1)
     return 0 if all(c["ok"] for c in cases.values()) else 1
 
 

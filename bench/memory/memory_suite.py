@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ configure_allocator()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench._meta import metadata  # noqa: E402
+from bench._meta import write_result  # noqa: E402
 from bench.memory.memory_cases import CASES  # noqa: E402
 from plans import Plan  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
@@ -177,13 +176,13 @@ def main(argv=None) -> int:
             ranks = [None] * world
             dist.all_gather_object(ranks, result)
         if rank == 0:
-            doc = {**metadata(), "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            doc = {"allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
                    "world": world, "case": name, "plan_summary": result["plan_summary"],
                    "plan": result["plan"],
                    "deviations": record(plan, backend_of(device)),
                    "ranks": [{k: v for k, v in r.items() if k not in ("plan", "plan_summary")}
                              for r in ranks]}
-            (args.out_dir / f"memory_{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+            write_result(args.out_dir / f"memory_{name}.json", doc, indent=1)
             peak = max(r["peak_reserved_bytes"] for r in ranks) / GIB
             alloc = max(r["peak_allocated_bytes"] for r in ranks) / GIB
             print(f"{name}: {ranks[0]['status']} peak {alloc:.2f} GiB allocated, "

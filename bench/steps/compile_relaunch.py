@@ -24,11 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._meta import metadata
+from bench._meta import write_result
 from bench.campaign import ROOT, launcher
 from plans import SpecError
 from plans.catalog import load_plan
-from plans.io import write_atomic
 
 TARGET_FIRST_STEP_S = 5.0
 """A relaunch's first step under 5 s (issue 34's targets)."""
@@ -66,13 +65,13 @@ def launch(plan: Path, world: int, out: Path, cache: Path, steps: int, warmup: i
 
 def write(args: argparse.Namespace, world: int, runs: dict[str, dict]) -> None:
     relaunch = runs.get("relaunch", {"status": "not run"})
-    doc = {**metadata(), "benchmark": "first step of a launch and of its relaunch over one "
+    doc = {"benchmark": "first step of a launch and of its relaunch over one "
            "torch.compile cache", "plan": str(args.plan), "world": world,
            "steps": args.steps, "warmup": args.warmup, "launches": runs,
            "target_first_step_s": TARGET_FIRST_STEP_S,
            "target_met": (relaunch["status"] == "ok"
                           and relaunch["first_step_s"] < TARGET_FIRST_STEP_S)}
-    write_atomic(args.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
+    write_result(args.out, doc)
 
 
 def main(argv=None) -> int:

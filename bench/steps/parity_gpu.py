@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench._meta import metadata
+from bench._meta import write_result
 from bench.steps.train_step import setup
 from plans import OptimizerSharding
 from runtime.data import SyntheticTokens
@@ -170,7 +169,6 @@ def main(argv=None) -> int:
     status = 0
     if rank == 0:
         result = {
-            **metadata(),
             "plan": str(args.plan),
             "plan_summary": plan.summary(),
             "world": world,
@@ -179,8 +177,7 @@ def main(argv=None) -> int:
             "precision": "bf16" if bf16 else "fp32",
             **_verdict(parts, bf16),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         extra = (f", vs fp32: layout {result['grad_max_layout_vs_fp32']:.2e}, bf16 reference "
                  f"{result['grad_max_bf16_reference_vs_fp32']:.2e}" if bf16 else "")
         print(f"{plan.summary()}: loss rel err {result['loss_rel_err']:.2e}, max grad rel err "

@@ -11,11 +11,10 @@ measured step times, the predicted ones, both speedups (baseline / best) and the
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from bench._meta import metadata
+from bench._meta import write_result
 from plans import SpecError
 from plans.results import TrainStepResult, read
 
@@ -44,11 +43,10 @@ def main(argv=None) -> int:
     have_pred = all(rows[k]["predicted_step_s"] for k in rows)
     predicted = (rows["baseline"]["predicted_step_s"] / rows["best"]["predicted_step_s"]
                  if have_pred else None)
-    result = {**metadata(), "benchmark": "search's plan vs Megatron baseline: speedup",
+    result = {"benchmark": "search's plan vs Megatron baseline: speedup",
               "runs": rows, "measured_speedup": measured, "predicted_speedup": predicted,
               "measured_over_predicted": measured / predicted if predicted else None}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(f"speedup measured {measured:.3f}, predicted "
           f"{'n/a' if predicted is None else f'{predicted:.3f}'} -> {args.out}")
     return 0

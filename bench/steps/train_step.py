@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ configure_allocator()  # as the runtime's launch does (runtime.train), before CU
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench._meta import metadata  # noqa: E402
+from bench._meta import write_result  # noqa: E402
 from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, record  # noqa: E402
@@ -217,7 +216,6 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     all_skews = [s for _, _, _, rank_skews, _ in per_rank for s in rank_skews]
     rows_per_rank = [r for *_, r in per_rank]
     return {
-        **metadata(),
         "world": world,
         "backend": dist.get_backend() if world > 1 else "none",
         "ranks_per_gpu": ranks_per_gpu(world, device),
@@ -301,8 +299,7 @@ def ep_rank_load(plan, rows_per_rank: list[list[int] | None]) -> float | None:
 
 
 def report(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(f"{result['plan_summary']}: step {result['step_time_s'] * 1e3:.1f} ms, "
           f"{result['tokens_per_s']:,.0f} tok/s, MFU {result['mfu']:.2%}, first step "
           f"{result['first_step_s']:.2f} s -> {out}", flush=True)

@@ -1,5 +1,5 @@
-"""bench/layers/dispatch_gpu.py, bench/layers/layers_gpu.py and bench/steps/speedup_report.py on
-CPU: gloo, 2 processes, tiny shapes via flags (smoke tests of the scripts the GPU campaign runs)."""
+"""bench/layers/dispatch_gpu.py and bench/steps/speedup_report.py on CPU: gloo, 2 processes,
+tiny shapes via flags (smoke tests of the scripts the GPU campaign runs)."""
 
 from __future__ import annotations
 
@@ -21,27 +21,15 @@ def _run(*cmd: str, procs: int = 2) -> subprocess.CompletedProcess:
 
 
 def test_dispatch_script(tmp_path):
-    picks = tmp_path / "picks.json"
-    r = _run("-m", "bench.layers.dispatch_gpu", "--planner-only", "--gpus", "2", "--max-top-k", "2",
-             "--out", str(picks), procs=1)
-    assert r.returncode == 0, r.stdout + r.stderr
-    p = json.loads(picks.read_text())
-    assert set(p["picks"]) == {"1", "2"} and len(p["rows"]) == 2
-    for row in p["rows"]:
-        assert row["pick"] in ("all_to_all", "allgather_reduce_scatter")
-        # a search narrowed to one dispatcher keeps it, unless its best plan has no EP (ep 1)
-        for label, d in (("a2a", "all_to_all"), ("ag_rs", "allgather_reduce_scatter")):
-            assert row[label]["dispatch"] == d or row[label]["degrees"]["ep"] == 1
     out = tmp_path / "d.json"
-    r = _run("-m", "bench.layers.dispatch_gpu", *TINY, "--out", str(out), "--picks", str(picks))
+    r = _run("-m", "bench.layers.dispatch_gpu", *TINY, "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     for key in ("commit", "date", "torch", "gpu", "world", "backend", "dtype", "rows",
-                "crossover_top_k", "planner_picks", "prediction_sources", "tokens_per_rank"):
+                "crossover_top_k", "prediction_sources", "tokens_per_rank"):
         assert key in res, key
     assert res["world"] == 2 and res["dtype"] == "float32" and res["tokens_per_rank"] == 64
     assert [row["top_k"] for row in res["rows"]] == [1, 2, 3, 4]
-    assert res["planner_picks"]["picks"] == p["picks"]
     for key in ("measured_fwd", "measured_fwd_bwd", "predicted_collectives",
                 "predicted_layer_ops_fwd_bwd"):
         assert key in res["crossover_top_k"], key
@@ -72,35 +60,6 @@ def test_dispatch_sweep(tmp_path):
         for row in c["rows"]:
             assert row["a2a"]["measured"]["fwd_bwd_s"] > 0
             assert row["ag_rs"]["measured"]["fwd_bwd_s"] > 0
-
-
-def test_layers_script(tmp_path):
-    out = tmp_path / "l.json"
-    r = _run("-m", "bench.layers.layers_gpu", "--hidden", "64", "--ffn-hidden", "128",
-             "--experts", "4", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-             "--vocab", "128", "--seq", "64", "--warmup", "1", "--repeats", "2", "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
-    res = json.loads(out.read_text())
-    for key in ("commit", "date", "torch", "gpu", "world", "backend", "blocks", "layers",
-                "time_ratio_tp_over_ulysses", "time_ratio_etp_over_ep_a2a",
-                "time_ratio_ep_ag_rs_over_ep_a2a"):
-        assert key in res, key
-    assert set(res["blocks"]) == {"ulysses_sp", "tp", "ep_a2a", "ep_ag_rs", "etp"}
-    for b in res["blocks"].values():
-        assert b["measured"]["fwd_s"] > 0 and b["measured"]["fwd_bwd_s"] > 0
-        assert b["measured"]["collectives_fwd_s"] > 0
-        pred = b["predicted"]
-        assert pred["comm_bytes_per_rank_fwd"] > 0 and pred["fwd_bwd_s"] > pred["fwd_s"] > 0
-    assert set(res["layers"]) == {"sp_ep_a2a", "sp_ep_ag", "tp_etp"}
-    # under overlap none the layer's forward is the sum of its two blocks' operators
-    a, f = res["blocks"]["ulysses_sp"]["predicted"], res["blocks"]["ep_a2a"]["predicted"]
-    layer = res["layers"]["sp_ep_a2a"]["predicted"]
-    assert abs(a["fwd_s"] + f["fwd_s"] - layer["fwd_s"]) < 1e-9 * max(1.0, layer["fwd_s"])
-    # Ulysses moves (q + 2 kv heads sent) + q per token shard; TP all-gathers / reduce-scatters
-    # the full b s h twice, (n-1)/n of it leaving a rank
-    assert res["blocks"]["ulysses_sp"]["predicted"]["comm_bytes_per_rank_fwd"] == \
-        32 * ((64 + 2 * 32) + 64) * 2 / 2
-    assert res["blocks"]["tp"]["predicted"]["comm_bytes_per_rank_fwd"] == 2 * 64 * 64 * 2 / 2
 
 
 def test_speedup_report(tmp_path):

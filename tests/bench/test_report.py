@@ -23,3 +23,12 @@ def test_fill_replaces_every_part_and_a_missing_one_is_an_error():
     assert text.endswith("| the table |\n") and "{{" not in text
     with pytest.raises(KeyError, match="table"):
         report.fill("memory.md.tmpl", {})
+
+
+def test_a_piece_is_its_lines_up_to_the_next_marker(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "TEMPLATES", tmp_path)
+    (tmp_path / "t.tmpl").write_text("<!-- a -->\nfirst {{x}}\n\n<!-- b -->\nsecond\n")
+    assert report.fill("t.tmpl", {"x": 1}, "a") == "first 1\n\n"
+    assert report.fill("t.tmpl", {}, "b") == "second\n"
+    with pytest.raises(KeyError, match="c"):
+        report.fill("t.tmpl", {}, "c")
