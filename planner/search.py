@@ -28,6 +28,7 @@ from pydantic import ValidationError
 import cost_models
 from cost_models import Evaluation, StageCosts
 from cost_models.grad_sync import grad_sync
+from cost_models.memory import memory_capacity_bytes
 from cost_models.params import StageParams, part_params
 from cost_models.pipeline import (
     exposed_p2p_s,
@@ -180,11 +181,14 @@ def search(
     top: int = 5,
     with_baseline: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    session: Session | None = None,
 ) -> SearchResult:
     """Best `top` plans for the job, fastest first; with the baseline, Megatron-Core's best
-    plan (searched over its column) and the paper's Megatron-LM layout (the reference)."""
+    plan (searched over its column) and the paper's Megatron-LM layout (the reference).
+    ``session``: what searches of one command share (Session), else the search's own."""
     with _collector_paused():
-        return _search_all(model, cluster, training, space, top, with_baseline, progress)
+        return _search_all(model, cluster, training, space, top, with_baseline, progress,
+                           session or Session())
 
 
 @contextmanager
@@ -207,20 +211,22 @@ def _collector_paused() -> Iterator[None]:
 
 def _search_all(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                 space: SearchSpace | None, top: int, with_baseline: bool,
-                progress: Callable[[int, int], None] | None) -> SearchResult:
+                progress: Callable[[int, int], None] | None, session: Session
+                ) -> SearchResult:
     start = time.perf_counter()
     space = space or SearchSpace()
     stats = SearchStats()
-    best = _search(model, cluster, training, space, top, stats, progress)
+    best = _search(model, cluster, training, space, top, stats, progress, session=session)
     baseline = reference = None
     if with_baseline:
         core = megatron_core_space(space.attention)
         found = best if space == core else _search(model, cluster, training, core, 1,
                                                    SearchStats(), None,
-                                                   seeds=_as_run_by(best, Target.megatron))
+                                                   seeds=_as_run_by(best, Target.megatron),
+                                                   session=session)
         baseline = found[0] if found else None
         paper = _search(model, cluster, training, megatron_space(model, cluster), 1,
-                        SearchStats(), None)
+                        SearchStats(), None, session=session)
         reference = paper[0] if paper else None
     stats.seconds = time.perf_counter() - start
     return SearchResult(best, baseline, stats, reference)
@@ -264,6 +270,55 @@ class _Entry:
     fitting: frozenset[Recompute] | None = None
     """Once _refined: the recomputation levels that may fit (``bound_s`` is then _refined's
     and ``options`` the runnable ones)."""
+    candidate: _Candidate | None = None
+    """Where the entry comes from (None: a layout priced alone, as tests do)."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Candidate:
+    """A layout of a space with its options, its layer shape and its even plan (None where
+    the Plan invariants or the target's rules on the layout's own fields reject it)."""
+
+    layout: Layout
+    options: list
+    shape: tuple
+    plan: Plan | None
+
+
+class Session:
+    """What the searches of one command share where their jobs differ in the cluster's
+    speeds alone (a what-if grid's points), for as long as it lives:
+
+    - each space's layouts on a GPU count and NVLink domain, with their options and even
+      plans: the Plan invariants read the cluster's GPU count alone, and no rule of
+      plans.execution reads the cluster;
+    - each layout's runnable options (the target's rules) and the recomputation levels whose
+      leanest options fit (_fitting_recomputes): the memory model reads the cluster's capacity
+      alone (cost_models.memory.memory_capacity_bytes)."""
+
+    def __init__(self) -> None:
+        self._candidates: dict[tuple, list[_Candidate]] = {}
+        self._refinements: dict[tuple, tuple[list, frozenset[Recompute]]] = {}
+
+    def candidates(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                   space: SearchSpace) -> list[_Candidate]:
+        key = (model, training, space, cluster.gpus, cluster.nvlink_domain)
+        if key not in self._candidates:
+            self._candidates[key] = _candidates(model, cluster, training, space)
+        return self._candidates[key]
+
+    def refinement(self, entry: _Entry, space: SearchSpace
+                   ) -> tuple[list, frozenset[Recompute]]:
+        """The entry's runnable options and the recomputation levels that may fit them."""
+        plan = entry.plan
+        key = (entry.candidate, memory_capacity_bytes(plan.cluster, plan.training))
+        if entry.candidate is None or key not in self._refinements:
+            options = _runnable_options(plan, entry.options, space.target)
+            fitting = _fitting_recomputes(plan, options, _leanest_loss(space.cross_entropy))
+            if entry.candidate is None:
+                return options, fitting
+            self._refinements[key] = options, fitting
+        return self._refinements[key]
 
 
 _OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_precision"})
@@ -294,11 +349,12 @@ def _runnable_options(plan: Plan, options: list, target: Target) -> list:
 
 
 def _search(model, cluster, training, space, top, stats, progress, exhaustive=False,
-            seeds: list[Ranked] = ()) -> list[Ranked]:
+            seeds: list[Ranked] = (), session: Session | None = None) -> list[Ranked]:
     """The search proper; ``seeds``: plans of ``space`` already priced, whose step times
     bound the best from above from the start (a searched plan of the same time replaces
     one)."""
-    line = _entries(model, cluster, training, space, stats, progress)
+    session = session or Session()
+    line = _entries(model, cluster, training, space, stats, progress, session)
     costs: dict[tuple, StageCosts] = {}
     kept: list[tuple[float, int, Ranked]] = []  # heap of the K best, slowest on top
     for i, seed in enumerate(sorted(seeds, key=lambda r: r.evaluation.step_time_s)[:top]):
@@ -311,7 +367,7 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             stats.pruned_bound += len(entry.options) + sum(len(e.options) for *_, e in line)
             break
         if entry.fitting is None:
-            refined = _refined(entry, space, costs, stats)
+            refined = _refined(entry, space, costs, stats, session)
             if refined is not None:
                 heapq.heappush(line, (refined.bound_s, refined.order, refined))
             continue
@@ -322,44 +378,53 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             for *_, r in ordered]
 
 
-def _entries(model, cluster, training, space, stats, progress) -> list[tuple]:
+def _entries(model, cluster, training, space, stats, progress, session: Session) -> list[tuple]:
     """Every valid layout of ``space`` with its even plan and its options, in a heap by lower
     bound (_lower_bound at the layer shape's fastest options), then enumeration order."""
-    layouts = list(space.layouts(model, cluster, training))
-    stats.layouts += len(layouts)
+    candidates = session.candidates(model, cluster, training, space)
+    stats.layouts += len(candidates)
     line = []
     fastest: dict[tuple, StageCosts] = {}
-    for i, layout in enumerate(layouts):
-        if progress is not None and (i % 64 == 0 or i + 1 == len(layouts)):
-            progress(i + 1, len(layouts))
-        options = list(space.options(layout, training))
-        stats.candidates += len(options)
-        plan = _even_plan(model, cluster, training, layout, options[0], space)
-        if plan is None:
-            stats.invalid += len(options)
+    for i, c in enumerate(candidates):
+        if progress is not None and (i % 64 == 0 or i + 1 == len(candidates)):
+            progress(i + 1, len(candidates))
+        stats.candidates += len(c.options)
+        if c.plan is None:
+            stats.invalid += len(c.options)
             continue
-        if RULES[space.target] and _layout_refused(plan, space.target):
-            stats.invalid += len(options)
-            continue
-        shape = (layout.attention, layout.ffn, layout.micro_batch_size, layout.degrees.sp,
-                 layout.degrees.tp, layout.degrees.cp, layout.degrees.ep, layout.degrees.etp)
-        if shape not in fastest:
-            fastest[shape] = _fastest_costs(plan, options, space.cross_entropy)
-        bound = _lower_bound(plan, fastest[shape])
-        line.append((bound, i, _Entry(bound, i, plan, options, shape)))
+        plan = c.plan if c.plan.cluster is cluster else c.plan.model_copy(
+            update={"cluster": cluster})
+        if c.shape not in fastest:
+            fastest[c.shape] = _fastest_costs(plan, c.options, space.cross_entropy)
+        bound = _lower_bound(plan, fastest[c.shape])
+        line.append((bound, i, _Entry(bound, i, plan, c.options, c.shape, candidate=c)))
     heapq.heapify(line)
     return line
 
 
-def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats
-             ) -> _Entry | None:
+def _candidates(model, cluster, training, space: SearchSpace) -> list[_Candidate]:
+    """Every layout of ``space`` with its options and even plan (Session.candidates)."""
+    out = []
+    for layout in space.layouts(model, cluster, training):
+        options = list(space.options(layout, training))
+        plan = _even_plan(model, cluster, training, layout, options[0], space)
+        if plan is not None and RULES[space.target] and _layout_refused(plan, space.target):
+            plan = None
+        d = layout.degrees
+        shape = (layout.attention, layout.ffn, layout.micro_batch_size, d.sp, d.tp, d.cp,
+                 d.ep, d.etp)
+        out.append(_Candidate(layout, options, shape, plan))
+    return out
+
+
+def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats,
+             session: Session | None = None) -> _Entry | None:
     """``entry`` with its runnable options and a tighter bound: the least of _lower_bound over
     the recomputation levels whose leanest options fit (_fitting_recomputes), each at the
     fastest of its options (_fastest_costs), plus the gradient sync no backward hides
     (_exposed_sync_floor); None when no option runs or fits."""
-    options = _runnable_options(entry.plan, entry.options, space.target)
+    options, fitting = (session or Session()).refinement(entry, space)
     stats.invalid += len(entry.options) - len(options)
-    fitting = _fitting_recomputes(entry.plan, options, _leanest_loss(space.cross_entropy))
     if not fitting:
         stats.pruned_memory += len(options)
         return None
@@ -370,7 +435,8 @@ def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats
             costs[key] = _fastest_costs(entry.plan, options, space.cross_entropy, recompute)
         floors.append(_lower_bound(entry.plan, costs[key]))
     bound = max(entry.bound_s, min(floors) + _exposed_sync_floor(entry.plan, options))
-    return _Entry(bound, entry.order, entry.plan, options, entry.shape, fitting)
+    return _Entry(bound, entry.order, entry.plan, options, entry.shape, fitting,
+                  entry.candidate)
 
 
 def _visit(entry: _Entry, idx: int, space: SearchSpace, top: int, stats: SearchStats,
