@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 
 from pydantic import ValidationError
@@ -618,12 +618,16 @@ def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple
     for d in dict.fromkeys(o[0] for o in options):
         mine = [o for o in options if o[0] == d]
         least = _least_recompute(mine)
+        syncs = dict.fromkeys(o[3] for o in mine)
         fastest |= {(d, overlap, recompute or least, sync)
                     for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)
-                    for sync in dict.fromkeys(o[3] for o in mine)}
+                    for sync in syncs}
     loss = {"cross_entropy": _loss_order(plan, losses)[0]}
     costs = [cost_models.stage_costs(_with_option(plan, o, **loss)) for o in fastest]
-    return StageCosts(*(min(field) for field in zip(*map(astuple, costs), strict=True)))
+    return StageCosts(*(min(getattr(c, f) for c in costs) for f in _STAGE_COST_FIELDS))
+
+
+_STAGE_COST_FIELDS = tuple(f.name for f in fields(StageCosts))
 
 
 def _exposed_sync_floor(plan: Plan, options) -> float:
