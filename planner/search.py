@@ -292,20 +292,53 @@ class Session:
     - each space's layouts on a GPU count and NVLink domain, with their options and even
       plans: the Plan invariants read the cluster's GPU count alone, and no rule of
       plans.execution reads the cluster;
+    - a layout's even plan at an option, validated once for every space (the baseline's
+      too): the Plan invariants read none of the fields a space sets on all its plans
+      (``_SPACE_FIELDS``);
     - each layout's runnable options (the target's rules) and the recomputation levels whose
       leanest options fit (_fitting_recomputes): the memory model reads the cluster's capacity
       alone (cost_models.memory.memory_capacity_bytes)."""
 
     def __init__(self) -> None:
         self._candidates: dict[tuple, list[_Candidate]] = {}
+        self._even: dict[tuple, Plan | None] = {}
         self._refinements: dict[tuple, tuple[list, frozenset[Recompute]]] = {}
 
     def candidates(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                    space: SearchSpace) -> list[_Candidate]:
         key = (model, training, space, cluster.gpus, cluster.nvlink_domain)
         if key not in self._candidates:
-            self._candidates[key] = _candidates(model, cluster, training, space)
+            self._candidates[key] = self._candidates_of(model, cluster, training, space)
         return self._candidates[key]
+
+    def _candidates_of(self, model, cluster, training, space: SearchSpace
+                       ) -> list[_Candidate]:
+        out = []
+        for layout in space.layouts(model, cluster, training):
+            options = list(space.options(layout, training))
+            plan = self._even_plan(model, cluster, training, layout, options[0], space)
+            if plan is not None and RULES[space.target] and _layout_refused(plan,
+                                                                            space.target):
+                plan = None
+            d = layout.degrees
+            shape = (layout.attention, layout.ffn, layout.micro_batch_size, d.sp, d.tp, d.cp,
+                     d.ep, d.etp)
+            out.append(_Candidate(layout, options, shape, plan))
+        return out
+
+    def _even_plan(self, model, cluster, training, layout: Layout, option,
+                   space: SearchSpace) -> Plan | None:
+        key = (model, training, cluster.gpus, layout, option)
+        if key not in self._even:
+            self._even[key] = _even_plan(model, cluster, training, layout, option, space)
+        plan = self._even[key]
+        if plan is None:
+            return None
+        update = {f: getattr(space, f) for f in _SPACE_FIELDS
+                  if getattr(plan, f) != getattr(space, f)}
+        if plan.cluster is not cluster:
+            update["cluster"] = cluster
+        return plan.model_copy(update=update) if update else plan
 
     def refinement(self, entry: _Entry, space: SearchSpace
                    ) -> tuple[list, frozenset[Recompute]]:
@@ -400,21 +433,6 @@ def _entries(model, cluster, training, space, stats, progress, session: Session)
         line.append((bound, i, _Entry(bound, i, plan, c.options, c.shape, candidate=c)))
     heapq.heapify(line)
     return line
-
-
-def _candidates(model, cluster, training, space: SearchSpace) -> list[_Candidate]:
-    """Every layout of ``space`` with its options and even plan (Session.candidates)."""
-    out = []
-    for layout in space.layouts(model, cluster, training):
-        options = list(space.options(layout, training))
-        plan = _even_plan(model, cluster, training, layout, options[0], space)
-        if plan is not None and RULES[space.target] and _layout_refused(plan, space.target):
-            plan = None
-        d = layout.degrees
-        shape = (layout.attention, layout.ffn, layout.micro_batch_size, d.sp, d.tp, d.cp,
-                 d.ep, d.etp)
-        out.append(_Candidate(layout, options, shape, plan))
-    return out
 
 
 def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats,
@@ -542,6 +560,10 @@ def _best_of_group(plan: Plan, group: list, losses: tuple[CrossEntropy, ...]
         if ranked is not None:
             return ranked, tried
     return None, len(group)
+
+
+_SPACE_FIELDS = ("target", "kernels", "grad_sync_overlap", "grad_accumulation_fusion")
+"""The plan fields a search space sets on all its plans (_even_plan)."""
 
 
 def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSpace

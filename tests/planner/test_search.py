@@ -3,7 +3,13 @@
 import pytest
 
 from bench.memory.memory_cases import reduced
-from planner.search import _fastest_costs, _lower_bound, megatron_space, search
+from planner.search import (
+    _fastest_costs,
+    _lower_bound,
+    megatron_core_space,
+    megatron_space,
+    search,
+)
 from planner.space import AttentionKind, FFNKind, Layout, SearchSpace
 from plans import Overlap, Precision, Recompute, Target, TrainingSpec, catalog
 
@@ -412,3 +418,10 @@ def test_a_shared_session_finds_what_fresh_searches_find():
     session = Session()
     first = session.candidates(model, cluster, training, space)
     assert session.candidates(model, points[0].cluster, training, space) is first
+    # the baseline's space reuses the even plans validated for the first, as its own
+    core = megatron_core_space()
+    shared = session.candidates(model, cluster, training, core)
+    alone = Session().candidates(model, cluster, training, core)
+    assert [c.plan for c in shared] == [c.plan for c in alone]
+    assert sum(c.plan is not None for c in alone) > 0
+    assert all(c.plan is None or c.plan.target == Target.megatron for c in shared)
