@@ -241,6 +241,14 @@ def _run(p: _Compiled, overlap: Overlap, hidden_share: float) -> _Pass:
     return _Pass(sched.makespan_s, compute, recompute, dict(exposed), sched.critical_path)
 
 
+LAYER_TIMINGS_KEPT = 32768
+"""Layer timings and forward schedules kept (a few kilobytes each; the passes' operators,
+tens of kilobytes, are kept for 4096 keys): a what-if grid's 25 points of the Internal-352B
+job price about 1,000 layer keys each, and the points of one NVLink bandwidth share those
+inside one NVLink domain (layer_cluster), which a smaller cache would have dropped before the
+next such point."""
+
+
 def _forward_key(key: LayerKey) -> LayerKey:
     """The key of the layer's forward pass: its operators do not depend on the recomputation
     policy or its modules (backward_entries adds the reruns), so every policy shares one."""
@@ -308,13 +316,13 @@ def _region_s(fwd: _Compiled, bwd: _Compiled) -> dict[str, float]:
     return out
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=LAYER_TIMINGS_KEPT)
 def _forward_pass(key: LayerKey, overlap: Overlap) -> _Pass:
     """The forward schedule of ``layer_timing_for`` (``key`` from _forward_key)."""
     return _best(key, overlap, backward=False)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=LAYER_TIMINGS_KEPT)
 def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
     """Schedule the layer's passes (built once per key and policy; the forward pass once for
     every recomputation policy)."""
