@@ -272,6 +272,10 @@ class _Entry:
     and ``options`` the runnable ones)."""
     candidate: _Candidate | None = None
     """Where the entry comes from (None: a layout priced alone, as tests do)."""
+    exact: bool = True
+    """False while ``bound_s`` is only the pipeline floor of its bound (_pipeline_floor_s,
+    which the cluster's speeds leave alone) and ``plan`` the candidate's even plan, maybe on
+    another cluster of the session: it is bounded (_lower_bound) when it comes first."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -387,7 +391,7 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
     bound the best from above from the start (a searched plan of the same time replaces
     one)."""
     session = session or Session()
-    line = _entries(model, cluster, training, space, stats, progress, session)
+    line, fastest = _entries(model, cluster, training, space, stats, progress, session)
     costs: dict[tuple, StageCosts] = {}
     kept: list[tuple[float, int, Ranked]] = []  # heap of the K best, slowest on top
     for i, seed in enumerate(sorted(seeds, key=lambda r: r.evaluation.step_time_s)[:top]):
@@ -396,9 +400,15 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
     while line:
         _, _, entry = heapq.heappop(line)
         if len(kept) == top and (entry.bound_s > -kept[0][0] or (
-                entry.bound_s == -kept[0][0] and not _seeded(kept[0]))):
+                entry.bound_s == -kept[0][0] and entry.exact and not _seeded(kept[0]))):
             stats.pruned_bound += len(entry.options) + sum(len(e.options) for *_, e in line)
             break
+        if not entry.exact:
+            # its floor came first: its bound, no less, takes its place in line (the line's
+            # order of bounds and ties is the one every entry bounded at once would give)
+            bounded = _bounded(entry, cluster, fastest[entry.shape])
+            heapq.heappush(line, (bounded.bound_s, bounded.order, bounded))
+            continue
         if entry.fitting is None:
             refined = _refined(entry, space, costs, stats, session)
             if refined is not None:
@@ -411,9 +421,11 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             for *_, r in ordered]
 
 
-def _entries(model, cluster, training, space, stats, progress, session: Session) -> list[tuple]:
-    """Every valid layout of ``space`` with its even plan and its options, in a heap by lower
-    bound (_lower_bound at the layer shape's fastest options), then enumeration order."""
+def _entries(model, cluster, training, space, stats, progress, session: Session
+             ) -> tuple[list[tuple], dict[tuple, StageCosts]]:
+    """Every valid layout of ``space`` with its even plan and its options, in a heap by the
+    pipeline floor of its lower bound (_lower_bound at the layer shape's fastest options,
+    which come with it), then enumeration order."""
     candidates = session.candidates(model, cluster, training, space)
     stats.layouts += len(candidates)
     line = []
@@ -425,14 +437,26 @@ def _entries(model, cluster, training, space, stats, progress, session: Session)
         if c.plan is None:
             stats.invalid += len(c.options)
             continue
-        plan = c.plan if c.plan.cluster is cluster else c.plan.model_copy(
-            update={"cluster": cluster})
         if c.shape not in fastest:
-            fastest[c.shape] = _fastest_costs(plan, c.options, space.cross_entropy)
-        bound = _lower_bound(plan, fastest[c.shape])
-        line.append((bound, i, _Entry(bound, i, plan, c.options, c.shape, candidate=c)))
+            fastest[c.shape] = _fastest_costs(_on(c.plan, cluster), c.options,
+                                              space.cross_entropy)
+        floor = _pipeline_floor_s(c.plan, fastest[c.shape])
+        line.append((floor, i, _Entry(floor, i, c.plan, c.options, c.shape, candidate=c,
+                                      exact=False)))
     heapq.heapify(line)
-    return line
+    return line, fastest
+
+
+def _on(plan: Plan, cluster: ClusterSpec) -> Plan:
+    return plan if plan.cluster is cluster else plan.model_copy(update={"cluster": cluster})
+
+
+def _bounded(entry: _Entry, cluster: ClusterSpec, costs: StageCosts) -> _Entry:
+    """An entry of _entries with its plan on ``cluster`` and its lower bound."""
+    plan = _on(entry.plan, cluster)
+    bound = _lower_bound(plan, costs)
+    return _Entry(bound, entry.order, plan, entry.options, entry.shape,
+                  candidate=entry.candidate)
 
 
 def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats,
@@ -678,13 +702,20 @@ def _lower_bound(plan: Plan, costs: StageCosts) -> float:
     m max t + (sum t - max t) / vpp (cost_models.pipeline.step_s), at least
     m W / pp + W (1 - 1/pp) / vpp, plus the waits for stragglers (linear in that time,
     cost_models.pipeline.straggler_s) and the fill/drain transfers every split pays."""
+    p2p = exposed_p2p_s(plan, p2p_transfer_s(plan))
+    pipelined = _pipeline_floor_s(plan, costs)
+    return pipelined + straggler_s(pipelined, plan) + p2p
+
+
+def _pipeline_floor_s(plan: Plan, costs: StageCosts) -> float:
+    """_lower_bound's pipeline term, m W / pp + W (1 - 1/pp) / vpp: the plan's degrees,
+    micro-batches and model, whatever its cluster. The bound adds non-negative terms to it,
+    so it is never more than the bound, rounding included."""
     d, m = plan.degrees, plan.num_micro_batches
     dense = plan.model.dense_ffn_layers
     work = (plan.model.layers - dense) * costs.layer_s + dense * costs.dense_layer_s \
         + costs.embedding_s + costs.head_s
-    p2p = exposed_p2p_s(plan, p2p_transfer_s(plan))
-    pipelined = m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp
-    return pipelined + straggler_s(pipelined, plan) + p2p
+    return m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp
 
 
 def _leanest_loss(losses: tuple[CrossEntropy, ...]) -> tuple[CrossEntropy, ...]:
