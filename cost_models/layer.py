@@ -45,7 +45,7 @@ from cost_models.schedule import Stream, Task, list_schedule
 from plans.enums import ExpertGemm, Target
 from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
-from plans.plan import Degrees, Overlap, Plan, Recompute
+from plans.plan import EPFFN, Degrees, Overlap, Plan, Recompute
 from plans.specs import ClusterSpec, NetworkSpec
 
 BOTH = frozenset(Stream)
@@ -80,16 +80,16 @@ class LayerTiming:
         return self.fwd_s + self.bwd_s
 
 
-def layer_cluster(cluster: ClusterSpec, degrees: Degrees) -> ClusterSpec:
+def layer_cluster(cluster: ClusterSpec, degrees: Degrees, dense: bool = False) -> ClusterSpec:
     """The part of ``cluster`` a layer's operators read: never the job's GPU count (set to one
     NVLink domain), and the scale-out network only where one of the layer's groups spans
-    NVLink domains (its attention axes sp x tp x cp or its expert axes ep x etp, innermost in
-    the rank order: comm.group_layout); inside one, every collective moves over NVLink alone.
-    Layers that differ only there share their graphs and schedules (a what-if over the
-    network, a scaling study over GPU counts)."""
+    NVLink domains (its attention axes sp x tp x cp or, in an MoE layer, its expert axes
+    ep x etp, innermost in the rank order: comm.group_layout); inside one, every collective
+    moves over NVLink alone. Layers that differ only there share their graphs and schedules
+    (a what-if over the network, a scaling study over GPU counts)."""
     d = degrees
-    return _projected(cluster, max(d.sp * d.tp * d.cp, d.ep * d.etp)
-                      <= cluster.node.gpus_per_node)
+    experts = 1 if dense else d.ep * d.etp
+    return _projected(cluster, max(d.sp * d.tp * d.cp, experts) <= cluster.node.gpus_per_node)
 
 
 @lru_cache(maxsize=256)
@@ -106,18 +106,25 @@ _NO_NETWORK = NetworkSpec(name="read by no layer inside one NVLink domain", nics
                           nic_gb_s=1.0)
 
 
+_DENSE_FFN = EPFFN()
+"""The FFN strategy in every dense-FFN layer's key (layer_key)."""
+
+
 def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     """The key of the plan's layer, on the part of the cluster it reads (layer_cluster). Its
     experts' path is resolved where the target fixes it (Megatron-Core's GroupedLinear:
     grouped) or the rule gives grouped at every chunk count (grouped unchunked: chunks only
     cut the rows per call), so layers that run alike share their graphs and schedules
-    whichever target runs them."""
+    whichever target runs them. A dense-FFN layer reads neither the expert axes nor the FFN
+    strategy (its FFN is split as attention is): its key holds none of them, so the layouts
+    that differ there share it."""
     d = plan.degrees
+    ep, etp, ffn = (1, 1, _DENSE_FFN) if dense else (d.ep, d.etp, plan.ffn)
     key = LayerKey(
-        plan.model, layer_cluster(plan.cluster, d), plan.training.seq_len, plan.training.precision,
-        plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
-        plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
-        None if dense else pinned_expert_gemm(plan),
+        plan.model, layer_cluster(plan.cluster, d, dense), plan.training.seq_len,
+        plan.training.precision, plan.micro_batch_size, d.sp, d.tp, d.cp, ep, etp,
+        plan.attention, ffn, plan.recompute, dense, plan.kernels, plan.training.routing_skew,
+        plan.recompute_modules, None if dense else pinned_expert_gemm(plan),
     )
     if key.expert_gemm is None and not dense and experts_path(key, 1) == ExpertGemm.grouped:
         return replace(key, expert_gemm=ExpertGemm.grouped)
