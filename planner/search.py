@@ -362,10 +362,15 @@ _OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_p
 """The plan fields a layout's options choose (SearchSpace.options)."""
 
 
+_LAYOUT_RULE_FIELDS = {target: frozenset(r.field for r in rows) - _OPTION_FIELDS
+                       for target, rows in RULES.items()}
+"""Per target, the fields of its rules across fields that a layout's options leave alone."""
+
+
 def _layout_refused(plan: Plan, target: Target) -> bool:
     """Whether the layout breaks one of the target's rules on a field its options leave
     alone (plans.execution.RULES): then every option does."""
-    fields = frozenset(r.field for r in RULES[target]) - _OPTION_FIELDS
+    fields = _LAYOUT_RULE_FIELDS[target]
     return bool(fields) and bool(rule_refusals(plan, target, fields))
 
 
