@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
@@ -259,8 +260,10 @@ def _predicted(plan: Plan, evaluation: Evaluation) -> Ranked:
 # ---- the search proper ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
+    """A layout in the search's line (a named tuple: a search makes one per layout and
+    space)."""
+
     bound_s: float
     order: int
     plan: Plan
@@ -435,6 +438,7 @@ def _entries(model, cluster, training, space, stats, progress, session: Session
     stats.layouts += len(candidates)
     line = []
     fastest: dict[tuple, StageCosts] = {}
+    work: dict[tuple, float] = {}  # _work_s at the shape's fastest costs
     for i, c in enumerate(candidates):
         if progress is not None and (i % 64 == 0 or i + 1 == len(candidates)):
             progress(i + 1, len(candidates))
@@ -445,7 +449,8 @@ def _entries(model, cluster, training, space, stats, progress, session: Session
         if c.shape not in fastest:
             fastest[c.shape] = _fastest_costs(_on(c.plan, cluster), c.options,
                                               space.cross_entropy)
-        floor = _pipeline_floor_s(c.plan, fastest[c.shape])
+            work[c.shape] = _work_s(model, fastest[c.shape])
+        floor = _pipeline_floor_s(c.plan, work[c.shape])
         line.append((floor, i, _Entry(floor, i, c.plan, c.options, c.shape, candidate=c,
                                       exact=False)))
     heapq.heapify(line)
@@ -708,19 +713,23 @@ def _lower_bound(plan: Plan, costs: StageCosts) -> float:
     m W / pp + W (1 - 1/pp) / vpp, plus the waits for stragglers (linear in that time,
     cost_models.pipeline.straggler_s) and the fill/drain transfers every split pays."""
     p2p = exposed_p2p_s(plan, p2p_transfer_s(plan))
-    pipelined = _pipeline_floor_s(plan, costs)
+    pipelined = _pipeline_floor_s(plan, _work_s(plan.model, costs))
     return pipelined + straggler_s(pipelined, plan) + p2p
 
 
-def _pipeline_floor_s(plan: Plan, costs: StageCosts) -> float:
-    """_lower_bound's pipeline term, m W / pp + W (1 - 1/pp) / vpp: the plan's degrees,
-    micro-batches and model, whatever its cluster. The bound adds non-negative terms to it,
-    so it is never more than the bound, rounding included."""
-    d, m = plan.degrees, plan.num_micro_batches
-    dense = plan.model.dense_ffn_layers
-    work = (plan.model.layers - dense) * costs.layer_s + dense * costs.dense_layer_s \
+def _work_s(model: ModelSpec, costs: StageCosts) -> float:
+    """_lower_bound's W: every layer, the embedding and the head, at ``costs``."""
+    dense = model.dense_ffn_layers
+    return (model.layers - dense) * costs.layer_s + dense * costs.dense_layer_s \
         + costs.embedding_s + costs.head_s
-    return m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp
+
+
+def _pipeline_floor_s(plan: Plan, work_s: float) -> float:
+    """_lower_bound's pipeline term, m W / pp + W (1 - 1/pp) / vpp: the plan's degrees and
+    micro-batches, whatever its cluster. The bound adds non-negative terms to it, so it is
+    never more than the bound, rounding included."""
+    d, m = plan.degrees, plan.num_micro_batches
+    return m * work_s / d.pp + work_s * (1 - 1 / d.pp) / d.vpp
 
 
 def _leanest_loss(losses: tuple[CrossEntropy, ...]) -> tuple[CrossEntropy, ...]:
