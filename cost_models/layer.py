@@ -95,11 +95,19 @@ def layer_cluster(cluster: ClusterSpec, degrees: Degrees, dense: bool = False) -
 @lru_cache(maxsize=256)
 def _projected(cluster: ClusterSpec, in_one_domain: bool) -> ClusterSpec:
     """layer_cluster's projection: one object per cluster and case, so the layer caches find
-    their keys' hashes kept."""
+    their keys' hashes kept, and one object for equal projections of different clusters (a
+    what-if grid's points of one NVLink bandwidth), so their keys match by identity, not by
+    comparing every nested spec."""
     update: dict = {"gpus": cluster.node.gpus_per_node}
     if in_one_domain:
         update["network"] = _NO_NETWORK
-    return cluster.model_copy(update=update)
+    return _one_of(cluster.model_copy(update=update))
+
+
+@lru_cache(maxsize=256)
+def _one_of(cluster: ClusterSpec) -> ClusterSpec:
+    """The first of the equal clusters asked for."""
+    return cluster
 
 
 _NO_NETWORK = NetworkSpec(name="read by no layer inside one NVLink domain", nics_per_node=1,
