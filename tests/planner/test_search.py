@@ -276,7 +276,7 @@ def test_the_price_decides_whether_ep_spans_nodes():
 def test_a_megatron_search_plans_only_what_megatron_core_runs():
     """The baseline's space: Megatron-Core's column as written, its rules across fields kept;
     the seeded search (the searched plans as Megatron-Core runs them) finds the same best."""
-    from planner.search import SearchStats, _as_run_by, _search, megatron_core_space
+    from planner.search import SearchStats, _as_run_by, _search
     from plans.execution import deviations, refusals
 
     model, cluster, training = small_job()
