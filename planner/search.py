@@ -351,14 +351,18 @@ class Session:
                    ) -> tuple[list, frozenset[Recompute]]:
         """The entry's runnable options and the recomputation levels that may fit them."""
         plan = entry.plan
+        if entry.candidate is None:  # a layout priced alone
+            return _refinement(plan, entry.options, space)
         key = (entry.candidate, memory_capacity_bytes(plan.cluster, plan.training))
-        if entry.candidate is None or key not in self._refinements:
-            options = _runnable_options(plan, entry.options, space.target)
-            fitting = _fitting_recomputes(plan, options, _leanest_loss(space.cross_entropy))
-            if entry.candidate is None:
-                return options, fitting
-            self._refinements[key] = options, fitting
+        if key not in self._refinements:
+            self._refinements[key] = _refinement(plan, entry.options, space)
         return self._refinements[key]
+
+
+def _refinement(plan: Plan, options: list, space: SearchSpace
+                ) -> tuple[list, frozenset[Recompute]]:
+    runnable = _runnable_options(plan, options, space.target)
+    return runnable, _fitting_recomputes(plan, runnable, _leanest_loss(space.cross_entropy))
 
 
 _OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_precision"})
