@@ -45,7 +45,7 @@ from cost_models.schedule import Stream, Task, list_schedule
 from plans.enums import ExpertGemm, Target
 from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
-from plans.plan import Degrees, Overlap, Plan, Recompute
+from plans.plan import EPFFN, Degrees, Overlap, Plan, Recompute
 from plans.specs import ClusterSpec, NetworkSpec
 
 BOTH = frozenset(Stream)
@@ -80,30 +80,42 @@ class LayerTiming:
         return self.fwd_s + self.bwd_s
 
 
-def layer_cluster(cluster: ClusterSpec, degrees: Degrees) -> ClusterSpec:
+def layer_cluster(cluster: ClusterSpec, degrees: Degrees, dense: bool = False) -> ClusterSpec:
     """The part of ``cluster`` a layer's operators read: never the job's GPU count (set to one
     NVLink domain), and the scale-out network only where one of the layer's groups spans
-    NVLink domains (its attention axes sp x tp x cp or its expert axes ep x etp, innermost in
-    the rank order: comm.group_layout); inside one, every collective moves over NVLink alone.
-    Layers that differ only there share their graphs and schedules (a what-if over the
-    network, a scaling study over GPU counts)."""
+    NVLink domains (its attention axes sp x tp x cp or, in an MoE layer, its expert axes
+    ep x etp, innermost in the rank order: comm.group_layout); inside one, every collective
+    moves over NVLink alone. Layers that differ only there share their graphs and schedules
+    (a what-if over the network, a scaling study over GPU counts)."""
     d = degrees
-    return _projected(cluster, max(d.sp * d.tp * d.cp, d.ep * d.etp)
-                      <= cluster.node.gpus_per_node)
+    experts = 1 if dense else d.ep * d.etp
+    return _projected(cluster, max(d.sp * d.tp * d.cp, experts) <= cluster.node.gpus_per_node)
 
 
 @lru_cache(maxsize=256)
 def _projected(cluster: ClusterSpec, in_one_domain: bool) -> ClusterSpec:
     """layer_cluster's projection: one object per cluster and case, so the layer caches find
-    their keys' hashes kept."""
+    their keys' hashes kept, and one object for equal projections of different clusters (a
+    what-if grid's points of one NVLink bandwidth), so their keys match by identity, not by
+    comparing every nested spec."""
     update: dict = {"gpus": cluster.node.gpus_per_node}
     if in_one_domain:
         update["network"] = _NO_NETWORK
-    return cluster.model_copy(update=update)
+    return _one_of(cluster.model_copy(update=update))
+
+
+@lru_cache(maxsize=256)
+def _one_of(cluster: ClusterSpec) -> ClusterSpec:
+    """The first of the equal clusters asked for."""
+    return cluster
 
 
 _NO_NETWORK = NetworkSpec(name="read by no layer inside one NVLink domain", nics_per_node=1,
                           nic_gb_s=1.0)
+
+
+_DENSE_FFN = EPFFN()
+"""The FFN strategy in every dense-FFN layer's key (layer_key)."""
 
 
 def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
@@ -111,13 +123,16 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     experts' path is resolved where the target fixes it (Megatron-Core's GroupedLinear:
     grouped) or the rule gives grouped at every chunk count (grouped unchunked: chunks only
     cut the rows per call), so layers that run alike share their graphs and schedules
-    whichever target runs them."""
+    whichever target runs them. A dense-FFN layer reads neither the expert axes nor the FFN
+    strategy (its FFN is split as attention is): its key holds none of them, so the layouts
+    that differ there share it."""
     d = plan.degrees
+    ep, etp, ffn = (1, 1, _DENSE_FFN) if dense else (d.ep, d.etp, plan.ffn)
     key = LayerKey(
-        plan.model, layer_cluster(plan.cluster, d), plan.training.seq_len, plan.training.precision,
-        plan.micro_batch_size, d.sp, d.tp, d.cp, d.ep, d.etp, plan.attention, plan.ffn,
-        plan.recompute, dense, plan.kernels, plan.training.routing_skew, plan.recompute_modules,
-        None if dense else pinned_expert_gemm(plan),
+        plan.model, layer_cluster(plan.cluster, d, dense), plan.training.seq_len,
+        plan.training.precision, plan.micro_batch_size, d.sp, d.tp, d.cp, ep, etp,
+        plan.attention, ffn, plan.recompute, dense, plan.kernels, plan.training.routing_skew,
+        plan.recompute_modules, None if dense else pinned_expert_gemm(plan),
     )
     if key.expert_gemm is None and not dense and experts_path(key, 1) == ExpertGemm.grouped:
         return replace(key, expert_gemm=ExpertGemm.grouped)
@@ -241,6 +256,14 @@ def _run(p: _Compiled, overlap: Overlap, hidden_share: float) -> _Pass:
     return _Pass(sched.makespan_s, compute, recompute, dict(exposed), sched.critical_path)
 
 
+LAYER_TIMINGS_KEPT = 32768
+"""Layer timings and forward schedules kept (a few kilobytes each; the passes' operators,
+tens of kilobytes, are kept for 4096 keys): a what-if grid's 25 points of the Internal-352B
+job price about 1,000 layer keys each, and the points of one NVLink bandwidth share those
+inside one NVLink domain (layer_cluster), which a smaller cache would have dropped before the
+next such point."""
+
+
 def _forward_key(key: LayerKey) -> LayerKey:
     """The key of the layer's forward pass: its operators do not depend on the recomputation
     policy or its modules (backward_entries adds the reruns), so every policy shares one."""
@@ -308,13 +331,13 @@ def _region_s(fwd: _Compiled, bwd: _Compiled) -> dict[str, float]:
     return out
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=LAYER_TIMINGS_KEPT)
 def _forward_pass(key: LayerKey, overlap: Overlap) -> _Pass:
     """The forward schedule of ``layer_timing_for`` (``key`` from _forward_key)."""
     return _best(key, overlap, backward=False)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=LAYER_TIMINGS_KEPT)
 def layer_timing_for(key: LayerKey, overlap: Overlap) -> LayerTiming:
     """Schedule the layer's passes (built once per key and policy; the forward pass once for
     every recomputation policy)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import lru_cache
 from types import MappingProxyType
+from typing import NamedTuple
 
 import networkx as nx
 
@@ -151,8 +152,10 @@ class LayerKey:
         return tokens_per_rank(self.batch, self.seq_len, self.sp * self.cp * self.tp)
 
 
-@dataclass(frozen=True)
-class Op:
+class Op(NamedTuple):
+    """One operator of a layer's pass (a named tuple: a layer's graphs make tens of
+    thousands per search)."""
+
     name: str
     """The node: the operator's value in the forward graph; with a suffix (``.dgrad``,
     ``.wgrad``, ``.bwd``) or the prefix ``recompute.`` in the backward graph."""

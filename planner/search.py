@@ -20,14 +20,16 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
+from typing import NamedTuple
 
 from pydantic import ValidationError
 
 import cost_models
 from cost_models import Evaluation, StageCosts
 from cost_models.grad_sync import grad_sync
+from cost_models.memory import memory_capacity_bytes
 from cost_models.params import StageParams, part_params
 from cost_models.pipeline import (
     exposed_p2p_s,
@@ -180,11 +182,14 @@ def search(
     top: int = 5,
     with_baseline: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    session: Session | None = None,
 ) -> SearchResult:
     """Best `top` plans for the job, fastest first; with the baseline, Megatron-Core's best
-    plan (searched over its column) and the paper's Megatron-LM layout (the reference)."""
+    plan (searched over its column) and the paper's Megatron-LM layout (the reference).
+    ``session``: what searches of one command share (Session), else the search's own."""
     with _collector_paused():
-        return _search_all(model, cluster, training, space, top, with_baseline, progress)
+        return _search_all(model, cluster, training, space, top, with_baseline, progress,
+                           session or Session())
 
 
 @contextmanager
@@ -207,20 +212,22 @@ def _collector_paused() -> Iterator[None]:
 
 def _search_all(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                 space: SearchSpace | None, top: int, with_baseline: bool,
-                progress: Callable[[int, int], None] | None) -> SearchResult:
+                progress: Callable[[int, int], None] | None, session: Session
+                ) -> SearchResult:
     start = time.perf_counter()
     space = space or SearchSpace()
     stats = SearchStats()
-    best = _search(model, cluster, training, space, top, stats, progress)
+    best = _search(model, cluster, training, space, top, stats, progress, session=session)
     baseline = reference = None
     if with_baseline:
         core = megatron_core_space(space.attention)
         found = best if space == core else _search(model, cluster, training, core, 1,
                                                    SearchStats(), None,
-                                                   seeds=_as_run_by(best, Target.megatron))
+                                                   seeds=_as_run_by(best, Target.megatron),
+                                                   session=session)
         baseline = found[0] if found else None
         paper = _search(model, cluster, training, megatron_space(model, cluster), 1,
-                        SearchStats(), None)
+                        SearchStats(), None, session=session)
         reference = paper[0] if paper else None
     stats.seconds = time.perf_counter() - start
     return SearchResult(best, baseline, stats, reference)
@@ -253,8 +260,10 @@ def _predicted(plan: Plan, evaluation: Evaluation) -> Ranked:
 # ---- the search proper ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
+    """A layout in the search's line (a named tuple: a search makes one per layout and
+    space)."""
+
     bound_s: float
     order: int
     plan: Plan
@@ -264,16 +273,111 @@ class _Entry:
     fitting: frozenset[Recompute] | None = None
     """Once _refined: the recomputation levels that may fit (``bound_s`` is then _refined's
     and ``options`` the runnable ones)."""
+    candidate: _Candidate | None = None
+    """Where the entry comes from (None: a layout priced alone, as tests do)."""
+    exact: bool = True
+    """False while ``bound_s`` is only the pipeline floor of its bound (_pipeline_floor_s,
+    which the cluster's speeds leave alone) and ``plan`` the candidate's even plan, maybe on
+    another cluster of the session: it is bounded (_lower_bound) when it comes first."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Candidate:
+    """A layout of a space with its options, its layer shape and its even plan (None where
+    the Plan invariants or the target's rules on the layout's own fields reject it)."""
+
+    layout: Layout
+    options: list
+    shape: tuple
+    plan: Plan | None
+
+
+class Session:
+    """What the searches of one command share where their jobs differ in the cluster's
+    speeds alone (a what-if grid's points), for as long as it lives:
+
+    - each space's layouts on a GPU count and NVLink domain, with their options and even
+      plans: the Plan invariants read the cluster's GPU count alone, and no rule of
+      plans.execution reads the cluster;
+    - a layout's even plan at an option, validated once for every space (the baseline's
+      too): the Plan invariants read none of the fields a space sets on all its plans
+      (``_SPACE_FIELDS``);
+    - each layout's runnable options (the target's rules) and the recomputation levels whose
+      leanest options fit (_fitting_recomputes): the memory model reads the cluster's capacity
+      alone (cost_models.memory.memory_capacity_bytes)."""
+
+    def __init__(self) -> None:
+        self._candidates: dict[tuple, list[_Candidate]] = {}
+        self._even: dict[tuple, Plan | None] = {}
+        self._refinements: dict[tuple, tuple[list, frozenset[Recompute]]] = {}
+
+    def candidates(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                   space: SearchSpace) -> list[_Candidate]:
+        key = (model, training, space, cluster.gpus, cluster.nvlink_domain)
+        if key not in self._candidates:
+            self._candidates[key] = self._candidates_of(model, cluster, training, space)
+        return self._candidates[key]
+
+    def _candidates_of(self, model, cluster, training, space: SearchSpace
+                       ) -> list[_Candidate]:
+        out = []
+        for layout in space.layouts(model, cluster, training):
+            options = list(space.options(layout, training))
+            plan = self._even_plan(model, cluster, training, layout, options[0], space)
+            if plan is not None and RULES[space.target] and _layout_refused(plan,
+                                                                            space.target):
+                plan = None
+            d = layout.degrees
+            shape = (layout.attention, layout.ffn, layout.micro_batch_size, d.sp, d.tp, d.cp,
+                     d.ep, d.etp)
+            out.append(_Candidate(layout, options, shape, plan))
+        return out
+
+    def _even_plan(self, model, cluster, training, layout: Layout, option,
+                   space: SearchSpace) -> Plan | None:
+        key = (model, training, cluster.gpus, layout, option)
+        if key not in self._even:
+            self._even[key] = _even_plan(model, cluster, training, layout, option, space)
+        plan = self._even[key]
+        if plan is None:
+            return None
+        update = {f: getattr(space, f) for f in _SPACE_FIELDS
+                  if getattr(plan, f) != getattr(space, f)}
+        if plan.cluster is not cluster:
+            update["cluster"] = cluster
+        return plan.model_copy(update=update) if update else plan
+
+    def refinement(self, entry: _Entry, space: SearchSpace
+                   ) -> tuple[list, frozenset[Recompute]]:
+        """The entry's runnable options and the recomputation levels that may fit them."""
+        plan = entry.plan
+        if entry.candidate is None:  # a layout priced alone
+            return _refinement(plan, entry.options, space)
+        key = (entry.candidate, memory_capacity_bytes(plan.cluster, plan.training))
+        if key not in self._refinements:
+            self._refinements[key] = _refinement(plan, entry.options, space)
+        return self._refinements[key]
+
+
+def _refinement(plan: Plan, options: list, space: SearchSpace
+                ) -> tuple[list, frozenset[Recompute]]:
+    runnable = _runnable_options(plan, options, space.target)
+    return runnable, _fitting_recomputes(plan, runnable, _leanest_loss(space.cross_entropy))
 
 
 _OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_precision"})
 """The plan fields a layout's options choose (SearchSpace.options)."""
 
 
+_LAYOUT_RULE_FIELDS = {target: frozenset(r.field for r in rows) - _OPTION_FIELDS
+                       for target, rows in RULES.items()}
+"""Per target, the fields of its rules across fields that a layout's options leave alone."""
+
+
 def _layout_refused(plan: Plan, target: Target) -> bool:
     """Whether the layout breaks one of the target's rules on a field its options leave
     alone (plans.execution.RULES): then every option does."""
-    fields = frozenset(r.field for r in RULES[target]) - _OPTION_FIELDS
+    fields = _LAYOUT_RULE_FIELDS[target]
     return bool(fields) and bool(rule_refusals(plan, target, fields))
 
 
@@ -294,11 +398,12 @@ def _runnable_options(plan: Plan, options: list, target: Target) -> list:
 
 
 def _search(model, cluster, training, space, top, stats, progress, exhaustive=False,
-            seeds: list[Ranked] = ()) -> list[Ranked]:
+            seeds: list[Ranked] = (), session: Session | None = None) -> list[Ranked]:
     """The search proper; ``seeds``: plans of ``space`` already priced, whose step times
     bound the best from above from the start (a searched plan of the same time replaces
     one)."""
-    line = _entries(model, cluster, training, space, stats, progress)
+    session = session or Session()
+    line, fastest = _entries(model, cluster, training, space, stats, progress, session)
     costs: dict[tuple, StageCosts] = {}
     kept: list[tuple[float, int, Ranked]] = []  # heap of the K best, slowest on top
     for i, seed in enumerate(sorted(seeds, key=lambda r: r.evaluation.step_time_s)[:top]):
@@ -307,11 +412,17 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
     while line:
         _, _, entry = heapq.heappop(line)
         if len(kept) == top and (entry.bound_s > -kept[0][0] or (
-                entry.bound_s == -kept[0][0] and not _seeded(kept[0]))):
+                entry.bound_s == -kept[0][0] and entry.exact and not _seeded(kept[0]))):
             stats.pruned_bound += len(entry.options) + sum(len(e.options) for *_, e in line)
             break
+        if not entry.exact:
+            # its floor came first: its bound, no less, takes its place in line (the line's
+            # order of bounds and ties is the one every entry bounded at once would give)
+            bounded = _bounded(entry, cluster, fastest[entry.shape])
+            heapq.heappush(line, (bounded.bound_s, bounded.order, bounded))
+            continue
         if entry.fitting is None:
-            refined = _refined(entry, space, costs, stats)
+            refined = _refined(entry, space, costs, stats, session)
             if refined is not None:
                 heapq.heappush(line, (refined.bound_s, refined.order, refined))
             continue
@@ -322,44 +433,54 @@ def _search(model, cluster, training, space, top, stats, progress, exhaustive=Fa
             for *_, r in ordered]
 
 
-def _entries(model, cluster, training, space, stats, progress) -> list[tuple]:
-    """Every valid layout of ``space`` with its even plan and its options, in a heap by lower
-    bound (_lower_bound at the layer shape's fastest options), then enumeration order."""
-    layouts = list(space.layouts(model, cluster, training))
-    stats.layouts += len(layouts)
+def _entries(model, cluster, training, space, stats, progress, session: Session
+             ) -> tuple[list[tuple], dict[tuple, StageCosts]]:
+    """Every valid layout of ``space`` with its even plan and its options, in a heap by the
+    pipeline floor of its lower bound (_lower_bound at the layer shape's fastest options,
+    which come with it), then enumeration order."""
+    candidates = session.candidates(model, cluster, training, space)
+    stats.layouts += len(candidates)
     line = []
     fastest: dict[tuple, StageCosts] = {}
-    for i, layout in enumerate(layouts):
-        if progress is not None and (i % 64 == 0 or i + 1 == len(layouts)):
-            progress(i + 1, len(layouts))
-        options = list(space.options(layout, training))
-        stats.candidates += len(options)
-        plan = _even_plan(model, cluster, training, layout, options[0], space)
-        if plan is None:
-            stats.invalid += len(options)
+    work: dict[tuple, float] = {}  # _work_s at the shape's fastest costs
+    for i, c in enumerate(candidates):
+        if progress is not None and (i % 64 == 0 or i + 1 == len(candidates)):
+            progress(i + 1, len(candidates))
+        stats.candidates += len(c.options)
+        if c.plan is None:
+            stats.invalid += len(c.options)
             continue
-        if RULES[space.target] and _layout_refused(plan, space.target):
-            stats.invalid += len(options)
-            continue
-        shape = (layout.attention, layout.ffn, layout.micro_batch_size, layout.degrees.sp,
-                 layout.degrees.tp, layout.degrees.cp, layout.degrees.ep, layout.degrees.etp)
-        if shape not in fastest:
-            fastest[shape] = _fastest_costs(plan, options, space.cross_entropy)
-        bound = _lower_bound(plan, fastest[shape])
-        line.append((bound, i, _Entry(bound, i, plan, options, shape)))
+        if c.shape not in fastest:
+            fastest[c.shape] = _fastest_costs(_on(c.plan, cluster), c.options,
+                                              space.cross_entropy)
+            work[c.shape] = _work_s(model, fastest[c.shape])
+        floor = _pipeline_floor_s(c.plan, work[c.shape])
+        line.append((floor, i, _Entry(floor, i, c.plan, c.options, c.shape, candidate=c,
+                                      exact=False)))
     heapq.heapify(line)
-    return line
+    return line, fastest
 
 
-def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats
-             ) -> _Entry | None:
+def _on(plan: Plan, cluster: ClusterSpec) -> Plan:
+    return plan if plan.cluster is cluster else plan.model_copy(update={"cluster": cluster})
+
+
+def _bounded(entry: _Entry, cluster: ClusterSpec, costs: StageCosts) -> _Entry:
+    """An entry of _entries with its plan on ``cluster`` and its lower bound."""
+    plan = _on(entry.plan, cluster)
+    bound = _lower_bound(plan, costs)
+    return _Entry(bound, entry.order, plan, entry.options, entry.shape,
+                  candidate=entry.candidate)
+
+
+def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats,
+             session: Session | None = None) -> _Entry | None:
     """``entry`` with its runnable options and a tighter bound: the least of _lower_bound over
     the recomputation levels whose leanest options fit (_fitting_recomputes), each at the
     fastest of its options (_fastest_costs), plus the gradient sync no backward hides
     (_exposed_sync_floor); None when no option runs or fits."""
-    options = _runnable_options(entry.plan, entry.options, space.target)
+    options, fitting = (session or Session()).refinement(entry, space)
     stats.invalid += len(entry.options) - len(options)
-    fitting = _fitting_recomputes(entry.plan, options, _leanest_loss(space.cross_entropy))
     if not fitting:
         stats.pruned_memory += len(options)
         return None
@@ -370,7 +491,8 @@ def _refined(entry: _Entry, space: SearchSpace, costs: dict, stats: SearchStats
             costs[key] = _fastest_costs(entry.plan, options, space.cross_entropy, recompute)
         floors.append(_lower_bound(entry.plan, costs[key]))
     bound = max(entry.bound_s, min(floors) + _exposed_sync_floor(entry.plan, options))
-    return _Entry(bound, entry.order, entry.plan, options, entry.shape, fitting)
+    return _Entry(bound, entry.order, entry.plan, options, entry.shape, fitting,
+                  entry.candidate)
 
 
 def _visit(entry: _Entry, idx: int, space: SearchSpace, top: int, stats: SearchStats,
@@ -478,6 +600,10 @@ def _best_of_group(plan: Plan, group: list, losses: tuple[CrossEntropy, ...]
     return None, len(group)
 
 
+_SPACE_FIELDS = ("target", "kernels", "grad_sync_overlap", "grad_accumulation_fusion")
+"""The plan fields a search space sets on all its plans (_even_plan)."""
+
+
 def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSpace
                ) -> Plan | None:
     chunks = layout.degrees.stages
@@ -552,12 +678,16 @@ def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple
     for d in dict.fromkeys(o[0] for o in options):
         mine = [o for o in options if o[0] == d]
         least = _least_recompute(mine)
+        syncs = dict.fromkeys(o[3] for o in mine)
         fastest |= {(d, overlap, recompute or least, sync)
                     for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)
-                    for sync in dict.fromkeys(o[3] for o in mine)}
+                    for sync in syncs}
     loss = {"cross_entropy": _loss_order(plan, losses)[0]}
     costs = [cost_models.stage_costs(_with_option(plan, o, **loss)) for o in fastest]
-    return StageCosts(*(min(field) for field in zip(*map(astuple, costs), strict=True)))
+    return StageCosts(*(min(getattr(c, f) for c in costs) for f in _STAGE_COST_FIELDS))
+
+
+_STAGE_COST_FIELDS = tuple(f.name for f in fields(StageCosts))
 
 
 def _exposed_sync_floor(plan: Plan, options) -> float:
@@ -586,13 +716,24 @@ def _lower_bound(plan: Plan, costs: StageCosts) -> float:
     m max t + (sum t - max t) / vpp (cost_models.pipeline.step_s), at least
     m W / pp + W (1 - 1/pp) / vpp, plus the waits for stragglers (linear in that time,
     cost_models.pipeline.straggler_s) and the fill/drain transfers every split pays."""
-    d, m = plan.degrees, plan.num_micro_batches
-    dense = plan.model.dense_ffn_layers
-    work = (plan.model.layers - dense) * costs.layer_s + dense * costs.dense_layer_s \
-        + costs.embedding_s + costs.head_s
     p2p = exposed_p2p_s(plan, p2p_transfer_s(plan))
-    pipelined = m * work / d.pp + work * (1 - 1 / d.pp) / d.vpp
+    pipelined = _pipeline_floor_s(plan, _work_s(plan.model, costs))
     return pipelined + straggler_s(pipelined, plan) + p2p
+
+
+def _work_s(model: ModelSpec, costs: StageCosts) -> float:
+    """_lower_bound's W: every layer, the embedding and the head, at ``costs``."""
+    dense = model.dense_ffn_layers
+    return (model.layers - dense) * costs.layer_s + dense * costs.dense_layer_s \
+        + costs.embedding_s + costs.head_s
+
+
+def _pipeline_floor_s(plan: Plan, work_s: float) -> float:
+    """_lower_bound's pipeline term, m W / pp + W (1 - 1/pp) / vpp: the plan's degrees and
+    micro-batches, whatever its cluster. The bound adds non-negative terms to it, so it is
+    never more than the bound, rounding included."""
+    d, m = plan.degrees, plan.num_micro_batches
+    return m * work_s / d.pp + work_s * (1 - 1 / d.pp) / d.vpp
 
 
 def _leanest_loss(losses: tuple[CrossEntropy, ...]) -> tuple[CrossEntropy, ...]:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from planner.search import SearchResult, check_searches, search
+from planner.search import SearchResult, Session, check_searches, search
 from planner.space import SearchSpace
 from plans import ClusterSpec, ModelSpec, Plan, SpecError, TrainingSpec
 
@@ -143,16 +143,19 @@ class Point:
 def whatif(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
            varies: list[list[Setting]], space: SearchSpace | None = None,
            progress=None) -> list[Point]:
-    """Re-plan at every point of the grid of knob values (the cartesian product)."""
+    """Re-plan at every point of the grid of knob values (the cartesian product); the points
+    share what their clusters' speeds leave alone (planner.search.Session)."""
     check_knobs_once(varies)
     check_searches(math.prod(len(v) for v in varies), "--vary")
     grid = list(itertools.product(*varies)) if varies else [()]
     points = []
+    session = Session()
     for i, combo in enumerate(grid):
         changed = cluster
         for setting in combo:
             changed = setting.apply(changed)
-        points.append(Point(combo, changed, search(model, changed, training, space, top=1)))
+        points.append(Point(combo, changed, search(model, changed, training, space, top=1,
+                                                   session=session)))
         if progress is not None:
             progress(i + 1, len(grid))
     return points

@@ -3,7 +3,13 @@
 import pytest
 
 from bench.memory.memory_cases import reduced
-from planner.search import _fastest_costs, _lower_bound, megatron_space, search
+from planner.search import (
+    _fastest_costs,
+    _lower_bound,
+    megatron_core_space,
+    megatron_space,
+    search,
+)
 from planner.space import AttentionKind, FFNKind, Layout, SearchSpace
 from plans import Overlap, Precision, Recompute, Target, TrainingSpec, catalog
 
@@ -270,7 +276,7 @@ def test_the_price_decides_whether_ep_spans_nodes():
 def test_a_megatron_search_plans_only_what_megatron_core_runs():
     """The baseline's space: Megatron-Core's column as written, its rules across fields kept;
     the seeded search (the searched plans as Megatron-Core runs them) finds the same best."""
-    from planner.search import SearchStats, _as_run_by, _search, megatron_core_space
+    from planner.search import SearchStats, _as_run_by, _search
     from plans.execution import deviations, refusals
 
     model, cluster, training = small_job()
@@ -385,3 +391,37 @@ def test_the_collector_resumes_as_it_was_with_the_search_objects_frozen():
     finally:
         gc.unfreeze()
         (gc.enable if was else gc.disable)()
+
+
+def test_a_shared_session_finds_what_fresh_searches_find():
+    """A what-if grid's points share a Session (layouts, even plans, runnable options, the
+    recomputation that fits): each point's result is the one a search of its own gives,
+    counts included, the memory knob (capacity) among the knobs."""
+    from dataclasses import replace as dc_replace
+
+    from planner.search import Session
+    from planner.whatif import parse_vary, whatif
+
+    model, cluster, training = _cross_node_job()
+    varies = [parse_vary("network_gb_s=0.25x,1x"), parse_vary("hbm_gib=0.5x,1x")]
+    space = SearchSpace(micro_batch_sizes=(1, 2), max_vpp=2)
+    points = whatif(model, cluster, training, varies, space)
+    assert len({p.cluster for p in points}) == 4
+    for p in points:
+        alone = search(model, p.cluster, training, space, top=1)
+        shared = p.result
+        assert [r.plan for r in shared.top] == [r.plan for r in alone.top]
+        assert [repr(r.evaluation) for r in (*shared.top, shared.baseline, shared.reference)] \
+            == [repr(r.evaluation) for r in (*alone.top, alone.baseline, alone.reference)]
+        assert dc_replace(shared.stats, seconds=0) == dc_replace(alone.stats, seconds=0)
+    # a session's layouts are one list per space, GPU count and NVLink domain
+    session = Session()
+    first = session.candidates(model, cluster, training, space)
+    assert session.candidates(model, points[0].cluster, training, space) is first
+    # the baseline's space reuses the even plans validated for the first, as its own
+    core = megatron_core_space()
+    shared = session.candidates(model, cluster, training, core)
+    alone = Session().candidates(model, cluster, training, core)
+    assert [c.plan for c in shared] == [c.plan for c in alone]
+    assert sum(c.plan is not None for c in alone) > 0
+    assert all(c.plan is None or c.plan.target == Target.megatron for c in shared)
