@@ -255,8 +255,8 @@ def repeat_text(data: list[dict]) -> str:
 
 
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
-"""One-GPU measurements of the current runtime (campaigns h200_device_sweep,
-h200_profile_1gpu): the suite's 1-GPU plans re-measured, their profiled steps, host syncs."""
+"""One-GPU measurements of the current runtime (campaign h200_device_sweep): the suite's 1-GPU
+plans re-measured, their profiled steps, host syncs."""
 
 
 def overlap_text(results: Path, cal: Calibration, data: list[dict]) -> str:
