@@ -11,19 +11,10 @@ import torch
 
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from cost_models.layer_graph import Op
-from plans import (
-    EPFFN,
-    Degrees,
-    Dispatch,
-    Kernels,
-    Overlap,
-    Plan,
-    Recompute,
-    TrainingSpec,
-    UlyssesAttention,
-    catalog,
-)
-from plans.specs import ModelSpec
+from plans import Plan, catalog
+from plans.enums import Dispatch, Kernels, Overlap, Recompute
+from plans.plan import EPFFN, Degrees, UlyssesAttention
+from plans.specs import ModelSpec, TrainingSpec
 from runtime.config import ModelConfig
 from runtime.model import Transformer
 from runtime.parallel.mesh import build_mesh
