@@ -20,8 +20,10 @@ from runtime.parallel.comm import all_gather_into, reduce_scatter_into
 from runtime.parallel.mesh import end_process_groups, start_process_group
 
 
-def init() -> tuple[int, int, torch.device, torch.dtype]:
-    """(rank, world, device, dtype): NCCL and bf16 on CUDA, gloo and fp32 on CPU."""
+def init(timeout: timedelta = timedelta(minutes=5)
+         ) -> tuple[int, int, torch.device, torch.dtype]:
+    """(rank, world, device, dtype): NCCL and bf16 on CUDA, gloo and fp32 on CPU; the process
+    group's collectives wait ``timeout`` for a late peer."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
@@ -31,7 +33,7 @@ def init() -> tuple[int, int, torch.device, torch.dtype]:
     else:
         device, dtype = torch.device("cpu"), torch.float32
     if world > 1:
-        start_process_group(rank, world, device, timedelta(minutes=5))
+        start_process_group(rank, world, device, timeout)
     return rank, world, device, dtype
 
 

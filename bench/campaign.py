@@ -58,6 +58,10 @@ class _Step(BaseModel, ABC):
     def gpus_needed(self) -> int:
         return self.ranks()
 
+    def output(self) -> str:
+        """The result's file under the campaign's results folder."""
+        return f"{self.name}.json"
+
 
 class _PlanStep(_Step):
     def plan_path(self) -> Path:
@@ -78,15 +82,22 @@ class TrainStep(_PlanStep):
     train_step: str
     steps: PositiveInt = 5
     warmup: int = Field(2, ge=0)
+    launch: str | None = Field(None, pattern=r"^[a-z]$")
+    """A further launch of the plan (step ``train_step_<plan>_<launch>``), its result in the
+    folder ``launch_<launch>/``: a launch varies the step time, a report takes the median."""
 
     @property
     def name(self) -> str:
-        return f"train_step_{self.stem}"
+        return f"train_step_{self.stem}" + (f"_{self.launch}" if self.launch else "")
+
+    def output(self) -> str:
+        folder = f"launch_{self.launch}/" if self.launch else ""
+        return f"{folder}train_step_{self.stem}.json"
 
     def command(self, results: Path) -> list[str]:
         return [*launcher(self.ranks()), "-m", "bench.steps.train_step", "--plan", self.train_step,
                 "--steps", str(self.steps), "--warmup", str(self.warmup),
-                "--out", str(results / f"{self.name}.json")]
+                "--out", str(results / self.output())]
 
 
 class Parity(_PlanStep):
@@ -108,7 +119,7 @@ class Parity(_PlanStep):
     def command(self, results: Path) -> list[str]:
         return [*launcher(self.ranks(), force_torchrun=True), "-m", "bench.steps.parity_gpu",
                 "--plan", self.parity, *(["--share-gpu"] if self.share_gpu else []),
-                "--out", str(results / f"{self.name}.json")]
+                "--out", str(results / self.output())]
 
 
 class Profile(_PlanStep):
@@ -125,7 +136,7 @@ class Profile(_PlanStep):
     def command(self, results: Path) -> list[str]:
         # --force: a campaign re-measures its committed results in place
         return [sys.executable, "-m", "runtime.profile", "--plan", self.profile,
-                "--out", str(results / f"{self.name}.json"), "--force"]
+                "--out", str(results / self.output()), "--force"]
 
 
 class Script(_Step):
@@ -151,6 +162,9 @@ class Script(_Step):
 
     def gpus_needed(self) -> int:
         return 1 if self.share_gpu else self.ranks_
+
+    def output(self) -> str:
+        return self.result
 
     @property
     def is_file(self) -> bool:
@@ -329,7 +343,7 @@ def run(name: str, campaign: Campaign, out: Path) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 rc = 124
-        result = results / (step.result if isinstance(step, Script) else f"{step.name}.json")
+        result = results / step.output()
         failed += rc != 0
         print(f"exit {rc}: {_report(step, result)}", flush=True)
         _pack(results, out)

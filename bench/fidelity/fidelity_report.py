@@ -85,7 +85,7 @@ def fit(results: Path, with_profile: bool = True) -> tuple[Calibration, list[str
 def launches(results: Path, name: str) -> list[tuple[float, Path]]:
     """(step seconds, file) of each launch of plan ``name`` at the commit of its result in
     ``results``: that file and the same plan's in the campaign's further launch folders
-    (``launch_*/``, campaigns h200_fidelity_launch_b and _c), fastest first; a launch of
+    (``launch_*/``, campaign h200_fidelity), fastest first; a launch of
     another commit is another runtime and is left out."""
     main = results / f"train_step_{name}.json"
     if not main.exists():
@@ -255,8 +255,8 @@ def repeat_text(data: list[dict]) -> str:
 
 
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
-"""One-GPU measurements of the current runtime (campaigns h200_device_sweep,
-h200_profile_1gpu): the suite's 1-GPU plans re-measured, their profiled steps, host syncs."""
+"""One-GPU measurements of the current runtime (campaign h200_device_sweep): the suite's 1-GPU
+plans re-measured, their profiled steps, host syncs."""
 
 
 def overlap_text(results: Path, cal: Calibration, data: list[dict]) -> str:

@@ -34,8 +34,6 @@ shapes (a CPU check of the script: gloo, fp32).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -46,17 +44,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench import _dist_bench
-from bench._meta import metadata, write
+from bench._meta import RESULTS, write_result
 from planner.calibrate import row_seconds
 from plans import catalog
-from plans.io import write_atomic
 from plans.results import SweepOp, SweepRow
 from runtime.kernels import weighted_scatter
 from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
 from runtime.model import AttentionCore, RMSNorm
 from runtime.moe import Router, grouped_mm, sort_by_expert
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
-from runtime.parallel.mesh import end_process_groups, start_process_group
 
 
 class Grid:
@@ -346,17 +342,8 @@ def main() -> None:
     ap.add_argument("--kernel-budget-s", type=float, default=150.0,
                     help="start no kernel task after this many seconds (the rest are skipped)")
     args = ap.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("RANK", 0))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    if world > 1:
-        start_process_group(rank, world, device, timedelta(minutes=10))
+    rank, world, device, dtype = _dist_bench.init(timedelta(minutes=10))
+    cuda = device.type == "cuda"
     cluster = catalog.load_cluster(args.cluster, gpus=max(world, 1))
     torch.manual_seed(rank)
     sweep = Sweep(cluster, device, dtype, Grid(args.smoke))
@@ -393,7 +380,7 @@ def main() -> None:
         sweep.rows = []
         collective_rows(sweep, world)
         rows += sweep.rows
-        end_process_groups()
+    _dist_bench.finish(world)
     if rank != 0:
         return
     payload = {
@@ -402,23 +389,16 @@ def main() -> None:
         "kernel_wall_s": kernel_s, "kernel_tasks_failed": failed,
         "kernel_tasks_skipped": skipped, "rows": rows,
     }
-    out = Path(args.out)
-    if out.suffix == ".json":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, json_text({**metadata(), **payload}), "--out", force=True)
-        path = out
-    else:
-        path = write(out.stem, payload)
+    # a name is written to bench/results/NAME.json (indent 2), a .json path as given (indent 1)
+    named = Path(args.out).suffix != ".json"
+    path = RESULTS / f"{Path(args.out).stem}.json" if named else Path(args.out)
+    write_result(path, payload, indent=2 if named else 1)
     for r in rows:
         pred = r.get("predicted_s")
         ratio = f"{r['predicted_over_measured']:5.2f}" if pred else "  -  "
         print(f"{r['name']:52s} measured {r['measured_s'] * 1e3:9.3f} ms  pred/meas {ratio}")
     print(f"{len(rows)} rows, kernels {kernel_s:.0f} s ({len(failed)} tasks failed, {skipped} "
           f"skipped); wrote {path}")
-
-
-def json_text(doc: dict) -> str:
-    return json.dumps(doc, indent=1) + "\n"
 
 
 if __name__ == "__main__":

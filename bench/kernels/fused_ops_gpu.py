@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench._dist_bench import device_timed, timed
+from bench._dist_bench import device_timed, init, timed
 from bench._meta import write_result
 from cost_models.compute import CE_FUSED_BYTES_PER_LOGIT
 from plans.enums import Kernels
@@ -149,9 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.tokens % a.seq:
         p.error(f"--tokens ({a.tokens}) must be a multiple of --seq ({a.seq})")
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    _, _, device, dtype = init()
     sets = {kind: kernel_ops(kind) for kind in Kernels}
     out: dict[str, dict] = {}
     every = cases(a, device, dtype)
@@ -191,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                  for kind in ("eager", "fused")}
     moved = sum(r["fwd_bytes"] + r["bwd_bytes"] for r in layer)
     doc = {
-        "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type, "dtype": str(dtype).removeprefix("torch."),
         "shapes": {k: getattr(a, k) for k in ("tokens", "seq", "hidden", "heads", "kv_heads",
                                               "head_dim", "ffn", "experts", "top_k", "vocab")},
         "hbm_tb_s": a.hbm_tb_s, "warmup": a.warmup, "repeats": a.repeats, "ops": out,

@@ -61,21 +61,16 @@ import torch.distributed as dist
 
 from bench._dist_bench import finish, init, slowest, spun, timed
 from bench._meta import write_result
-from bench.layers.one_layer import OVERRIDES, build_block, model_spec
-from cost_models.layer import layer_graphs, layer_key, schedule_s
-from cost_models.layer_graph import OpKind
-from plans import (
-    EPFFN,
-    Degrees,
-    Dispatch,
-    Kernels,
-    Overlap,
-    Plan,
-    Recompute,
-    TrainingSpec,
-    UlyssesAttention,
-    catalog,
+from bench.layers.one_layer import (
+    OVERRIDES,
+    block_step,
+    build_block,
+    layer_plan,
+    model_spec,
+    predicted_blocks,
 )
+from cost_models.layer_graph import OpKind
+from plans import Kernels, Overlap, Plan, Recompute, UlyssesAttention
 from plans.layout import kv_heads_sent, ulysses_chunks
 from plans.specs import ModelSpec
 from runtime.parallel.attention import ChunkedUlyssesCore, UlyssesCore
@@ -109,31 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def block_plan(model: ModelSpec, args, n: int, kernels: Kernels, recompute: Recompute,
-               overlap: Overlap = Overlap.none) -> Plan:
-    return Plan(
-        model=model, cluster=catalog.load_cluster(args.cluster, gpus=n),
-        training=TrainingSpec(global_batch=args.batch, seq_len=args.seq), stage_layers=(1,),
-        micro_batch_size=args.batch, degrees=Degrees(sp=n, ep=n),
-        attention=UlyssesAttention(), ffn=EPFFN(dispatch=Dispatch.all_to_all),
-        overlap=overlap, recompute=recompute, kernels=kernels,
-    )
-
-
 def predict(plan: Plan) -> dict:
-    """The cost model's block: its attention operators (the forward graph up to the attention
-    residual) forward, and their nodes of the backward graph (recomputed ones included), each
-    pass scheduled on two streams as ``plan.overlap`` runs them (under none every operator
-    blocks: the sum)."""
-    fwd, bwd = layer_graphs(layer_key(plan), plan.overlap)
-    order = sorted(fwd.nodes, key=lambda name: fwd.nodes[name]["order"])
-    block = order[:order.index("attn_residual") + 1]
-    operators = {fwd.nodes[name]["op"].operator for name in block}
-    back = [name for name, node in bwd.nodes.items() if node["op"].operator in operators]
-    hidden = plan.cluster.efficiency.overlap
-    ops = [fwd.nodes[name]["op"] for name in block] + [bwd.nodes[name]["op"] for name in back]
-    return {"block_s": schedule_s(fwd.subgraph(block), plan.overlap, hidden)
-            + schedule_s(bwd.subgraph(back), plan.overlap, hidden),
+    """The cost model's attention block (bench/layers/one_layer.predicted_blocks): its seconds,
+    and of its operators those of communication and those recomputed."""
+    seconds, ops = predicted_blocks(plan)["attention"]
+    return {"block_s": seconds,
             "comm_s": sum(op.duration_s for op in ops if op.kind == OpKind.comm),
             "recompute_s": sum(op.duration_s for op in ops if op.recompute)}
 
@@ -176,19 +151,6 @@ class LocalChunkedUlyssesCore(ChunkedUlyssesCore):
 
 
 # ---- measurement ----------------------------------------------------------------------------
-
-
-def step_fn(layer, x: torch.Tensor, grad: torch.Tensor):
-    params = list(layer.parameters())
-
-    def run() -> None:
-        for p in params:
-            p.grad = None
-        xs = x.detach().requires_grad_(True)
-        y = xs + layer.attention(layer.attention_norm(xs))
-        y.backward(grad)
-
-    return run
 
 
 def comm_fn(model: ModelSpec, args, n: int, device, dtype, group, groups: int = 1):
@@ -247,7 +209,7 @@ def measure(args) -> int:
     for name in args.models:
         try:
             model = model_spec(args, name)
-            block_plan(model, args, sp, Kernels.eager, Recompute.none)
+            layer_plan(model, args, sp, Kernels.eager, Recompute.none)
             if args.seq % sp:
                 raise ValueError(f"--seq: {args.seq} tokens do not split over SP = {sp}")
         except ValueError as e:
@@ -274,13 +236,13 @@ def measure(args) -> int:
             alone: idle GPU, host ahead, the host's own time; and the exposed all-to-alls."""
             out: dict = {}
             if n > 1 or sp == 1:
-                out["block_s"] = time_of(step_fn(layer, x, grad))
+                out["block_s"] = time_of(block_step(layer, "attention", x, grad))
             if local is None:
                 return out
             layer.attention.core = local
-            out["compute_alone_s"] = time_of(step_fn(layer, x, grad))
+            out["compute_alone_s"] = time_of(block_step(layer, "attention", x, grad))
             out["compute_alone_device_s"], out["compute_alone_host_s"] = \
-                spun_of(step_fn(layer, x, grad))
+                spun_of(block_step(layer, "attention", x, grad))
             if "block_s" in out:
                 out["exposed_comm_s"] = out["block_s"] - out["compute_alone_s"]
             return out
@@ -296,9 +258,9 @@ def measure(args) -> int:
                     comm_fn(model, args, n, device, dtype, group, groups))
         for kernels in map(Kernels, args.kernels):
             for recompute in map(Recompute, args.recompute):
-                plan = block_plan(model, args, sp, kernels, recompute)
+                plan = layer_plan(model, args, sp, kernels, recompute)
                 # one process: the block as built (sp 1) or one simulated SP rank's compute
-                layer = build_block(plan if n > 1 else block_plan(model, args, 1, kernels,
+                layer = build_block(plan if n > 1 else layer_plan(model, args, 1, kernels,
                                                                   recompute),
                                     rank, n, device, dtype, args.seed)
                 inner = layer.attention.core if n == 1 else layer.attention.core.inner
@@ -307,7 +269,7 @@ def measure(args) -> int:
                                         if sp > 1 else None, x, grad),
                            "predicted": predict(plan)}
                 if groups > 1:
-                    overlapped = block_plan(model, args, sp, kernels, recompute,
+                    overlapped = layer_plan(model, args, sp, kernels, recompute,
                                             Overlap.inter_op)
                     if n > 1:
                         layer = build_block(overlapped, rank, n, device, dtype, args.seed)

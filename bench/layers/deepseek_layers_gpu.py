@@ -18,7 +18,7 @@ build_block); the blocks are x + attention(attention_norm(x)) and x + moe(ffn_no
 ``predicted`` is the cost model's time of the same blocks for the same plan (``--cluster``,
 default the fitted ``h200-runtime``): the layer graph's operators up to the attention residual
 (the attention block) and after it (the FFN block), forward and backward, scheduled as the
-plan's overlap runs them (bench/attention_block_gpu.predict's rule); ``ratio`` is measured over
+plan's overlap runs them (bench/layers/one_layer.predicted_blocks); ``ratio`` is measured over
 predicted. Timing: CUDA events (wall clock on CPU), median after warm-up. bf16 on CUDA, fp32 on
 CPU. ``--tiny`` shrinks every width (and the sequence) so the script runs on a CPU in seconds.
 
@@ -48,19 +48,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench._dist_bench import init, timed
 from bench._meta import write_result
-from bench.layers.one_layer import build_block
-from cost_models.layer import layer_graphs, layer_key, schedule_s
-from plans import (
-    EPFFN,
-    Degrees,
-    Kernels,
-    Overlap,
-    Plan,
-    Recompute,
-    TrainingSpec,
-    UlyssesAttention,
-    catalog,
-)
+from bench.layers.one_layer import BLOCKS, block_step, build_block, layer_plan, predicted_blocks
+from plans import Kernels, Plan, catalog
 from plans.specs import ModelSpec
 from runtime.profile import classify, kernel_times
 
@@ -71,7 +60,6 @@ TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 
         "experts": 16, "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 32,
         "expert_groups": 4, "groups_per_token": 2, "top_k": 4}
 """--tiny: DeepSeek-V3's structure at CPU size."""
-BLOCKS = ("attention", "moe")
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200" / "deepseek_v3"
 MEASURED = tuple(RESULTS / f"deepseek_v3_layers{tail}.json" for tail in ("", "_b2", "_b4"))
 """The committed H200 measurements (campaign h200_deepseek_v3_layers): 1, 2 and 4 sequences."""
@@ -111,35 +99,16 @@ def model_spec(tiny: bool) -> ModelSpec:
     return ModelSpec.model_validate({**v3.model_dump(), **update})
 
 
-def layer_plan(model: ModelSpec, args, kernels: Kernels) -> Plan:
-    return Plan(
-        model=model, cluster=catalog.load_cluster(args.cluster, gpus=1),
-        training=TrainingSpec(global_batch=args.batch, seq_len=args.seq), stage_layers=(1,),
-        micro_batch_size=args.batch, degrees=Degrees(), attention=UlyssesAttention(),
-        ffn=EPFFN(), overlap=Overlap.none, recompute=Recompute.none, kernels=kernels,
-    )
-
-
 def predict(plan: Plan) -> dict[str, float | dict[str, float]]:
-    """Seconds of each block, forward + backward: the forward graph's operators up to the
-    attention residual (attention) and after it (moe), and the backward graph's nodes of those
-    operators, each pass scheduled as ``plan.overlap`` runs them (``{block}_s``); beside it
-    each operator's forward + backward seconds, unscheduled (``{block}_operators_s``)."""
-    fwd, bwd = layer_graphs(layer_key(plan), plan.overlap)
-    order = sorted(fwd.nodes, key=lambda name: fwd.nodes[name]["order"])
-    cut = order.index("attn_residual") + 1
-    hidden = plan.cluster.efficiency.overlap
+    """Seconds of each block, forward + backward, each pass scheduled as ``plan.overlap`` runs
+    it (``{block}_s``; bench/layers/one_layer.predicted_blocks); beside it each operator's
+    forward + backward seconds, unscheduled (``{block}_operators_s``)."""
     out = {}
-    for block, names in zip(BLOCKS, (order[:cut], order[cut:]), strict=True):
-        operators = {fwd.nodes[name]["op"].operator for name in names}
-        back = [name for name, node in bwd.nodes.items() if node["op"].operator in operators]
-        out[f"{block}_s"] = (schedule_s(fwd.subgraph(names), plan.overlap, hidden)
-                             + schedule_s(bwd.subgraph(back), plan.overlap, hidden))
+    for block, (seconds, ops) in predicted_blocks(plan).items():
+        out[f"{block}_s"] = seconds
         per_op: dict[str, float] = {}
-        for graph, nodes in ((fwd, names), (bwd, back)):
-            for name in nodes:
-                op = graph.nodes[name]["op"]
-                per_op[op.operator.value] = per_op.get(op.operator.value, 0.0) + op.duration_s
+        for op in ops:
+            per_op[op.operator.value] = per_op.get(op.operator.value, 0.0) + op.duration_s
         out[f"{block}_operators_s"] = per_op
     return out
 
@@ -148,18 +117,7 @@ def measure(layer, block: str, x: torch.Tensor, grad: torch.Tensor, device, args
             ) -> tuple[float, dict[str, float], list[dict]]:
     """The block's median seconds (bench._dist_bench.timed), then one more run under
     torch.profiler: seconds per kernel class and the slowest kernels."""
-    params = list(layer.parameters())
-
-    def run() -> None:
-        for p in params:
-            p.grad = None
-        xs = x.detach().requires_grad_(True)
-        if block == "attention":
-            y = xs + layer.attention(layer.attention_norm(xs))
-        else:
-            y = xs + layer.moe(layer.ffn_norm(xs))
-        y.backward(grad)
-
+    run = block_step(layer, block, x, grad)
     seconds = timed(run, device, args.warmup, args.repeats)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -172,7 +130,7 @@ def measure(layer, block: str, x: torch.Tensor, grad: torch.Tensor, device, args
     for name, (_, s) in kernels.items():
         classes[classify(name)] = classes.get(classify(name), 0.0) + s
     slowest = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
-    for p in params:
+    for p in layer.parameters():
         p.grad = None
     return (seconds, dict(sorted(classes.items(), key=lambda kv: -kv[1])),
             [{"name": n[:160], "class": classify(n), "calls": c, "s": s}
@@ -199,7 +157,7 @@ def report(measurements: list[dict]) -> dict:
         args = argparse.Namespace(cluster=measured["cluster"], seq=measured["seq"],
                                   batch=measured["batch"])
         for row in measured["rows"]:
-            plan = layer_plan(model, args, Kernels(row["kernels"]))
+            plan = layer_plan(model, args, 1, Kernels(row["kernels"]))
             now = predict(plan)[f"{row['block']}_s"]
             ratio = row["measured_fwd_bwd_s"] / now
             rows.append({"batch": measured["batch"], "block": row["block"],
@@ -236,7 +194,7 @@ def main(argv=None) -> int:
     model = model_spec(args.tiny)
     rows = []
     for kernels in map(Kernels, args.kernels):
-        plan = layer_plan(model, args, kernels)
+        plan = layer_plan(model, args, 1, kernels)
         layer = build_block(plan, 0, 1, device, dtype, args.seed)
         gen = torch.Generator(device=device).manual_seed(args.seed)
         shape = (args.batch, args.seq, model.hidden)

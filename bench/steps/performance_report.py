@@ -66,7 +66,8 @@ EXPERT_GEMMS = (("mixtral-8x7b, 16k tokens", "expert_gemm_mixtral"),
                 ("qwen3-30b-a3b, 16k tokens", "expert_gemm_qwen3"),
                 ("deepseekmoe-16b, 16k tokens", "expert_gemm_deepseekmoe"))
 ATTENTION_X2 = ATTENTION / "attention_block_x2.json"
-"""The two-GPU block (its head-group rows too), written by h200_attention_block_x2."""
+"""The two-GPU block (its head-group rows too), written by h200_attention_block's step
+attention_block_x2."""
 
 
 def _load(path: Path) -> dict | None:
@@ -271,8 +272,8 @@ def searched_x2() -> str:
     return ("measured over NCCL: " + ", ".join(
         f"`{r['plan_summary']}` {r['step_time_s'] * 1e3:.1f} ms (predicted "
         f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps) if steps else
-        "their steps over NCCL are `h200_searched_x2`'s, which has not run: no "
-        "two-GPU machine was lent")
+        "their steps over NCCL are `h200_searched`'s two-GPU steps, which have not "
+        "run: no two-GPU machine was lent")
 
 
 def tp_memory() -> str:

@@ -1,9 +1,9 @@
 """The plans `moeplan search --runnable` picks for the fidelity suite's job (global batch
 8 x 4096, bench/fidelity/fidelity_cases.py) on one and two H200s of the calibrated cluster
 h200-runtime, for the three reduced-depth shapes: what a user of the planner trains. Written to
-bench/gpu_plans/searched/ for campaigns h200_searched and h200_searched_x2,
-which measure their steps (held out: chosen by the cost model before they were measured). A
-rerun after the cost model changes may write other plans, to be measured again.
+bench/gpu_plans/searched/ for campaign h200_searched, which measures their steps (held out:
+chosen by the cost model before they were measured). A rerun after the cost model changes may
+write other plans, to be measured again.
 
     python -m bench.steps.steps_searched        # imports the planner: run on the CPU machine
 """

@@ -79,6 +79,17 @@ def test_only_cuts_a_campaign_to_named_steps_and_names_an_unknown_one(capsys):
     assert "closest: calibration" in err and len(err.splitlines()) == 1 and len(err) < 160
 
 
+def test_a_further_launch_of_a_plan_is_a_step_of_its_own_writing_in_its_launch_folder(capsys):
+    assert campaign.main(["h200_fidelity", "--only", "train_step_qwen4l_pp2_mbs2",
+                          "train_step_qwen4l_pp2_mbs2_b", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["train_step_qwen4l_pp2_mbs2",
+                                                    "train_step_qwen4l_pp2_mbs2_b"]
+    fidelity = "bench/results/h200/fidelity"
+    assert out[0].endswith(f"--out {fidelity}/train_step_qwen4l_pp2_mbs2.json")
+    assert out[1].endswith(f"--out {fidelity}/launch_b/train_step_qwen4l_pp2_mbs2.json")
+
+
 def test_a_step_of_its_own_environment_shows_it_and_results_record_nccl_switches(
         capsys, monkeypatch):
     assert campaign.main(["h200_memory_x2", "--dry-run"]) == 0
