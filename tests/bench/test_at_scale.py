@@ -95,3 +95,18 @@ def test_a_kernel_scale_multiplies_the_profiles_kernel_rates_only(tmp_path):
         spec.write_text(base.replace("profile: hopper, kernel_scale: 0.767", bad))
         with pytest.raises(SpecError, match="efficiency.kernel_scale"):
             catalog.load_cluster(str(spec), gpus=8)
+
+
+def test_the_papers_cluster_is_the_catalogs_h800_but_for_its_kernel_rates():
+    """h800-megascale restates h800's hardware (the catalog has no base clusters): the two
+    differ only in the kernel rates the scale multiplies and the source that says so."""
+    from plans import catalog
+    from plans.specs import KERNEL_FACTORS
+
+    plain, paper = catalog.load_cluster("h800"), catalog.load_cluster("h800-megascale")
+    for field in ("gpu", "node", "network", "gpus", "stage_time_cv"):
+        assert getattr(plain, field) == getattr(paper, field), field
+    scaled = {k: getattr(plain.efficiency, k) * 0.767 for k in KERNEL_FACTORS}
+    assert {k: getattr(paper.efficiency, k) for k in KERNEL_FACTORS} == pytest.approx(scaled)
+    assert plain.efficiency.model_copy(update=scaled) == paper.efficiency.model_copy(
+        update=scaled)
