@@ -343,21 +343,23 @@ def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
     """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
 
     materialized: 12 bytes per logit; Megatron-Core's fused loss 2 (target megatron,
-    cost_models.megatron.LOSS_BYTES_PER_LOGIT). chunked (runtime.loss), an upper bound over
-    its phases:
-    the gradients it computes in forward and keeps to backward, of the hidden states (2 T h)
-    and of the head's weight (at most 4 V h: fp32 over several chunks), one chunk's
-    weight-gradient GEMM output or, in backward, the scaled weight gradient and its cast
-    (at most 6 V h), and one chunk's logits (CHUNK_BYTES_PER_LOGIT[kernels] x
-    min(T V, CHUNK_LOGITS))."""
+    cost_models.megatron.LOSS_BYTES_PER_LOGIT). chunked (runtime.loss): the hidden states'
+    gradient it computes in forward and keeps to backward (2 T h) beside the larger of its
+    two phases. Over the chunks, the head's weight gradient summed in fp32 (at most 4 V h),
+    one chunk's logits (CHUNK_BYTES_PER_LOGIT[kernels] x min(T V, CHUNK_LOGITS)) and, eagerly,
+    the chunk's weight-gradient GEMM output before its add (2 V h); at the end of the
+    forward, the sum and its scaled cast to the weight's dtype (6 V h), which alone the
+    backward keeps."""
     v, h = model.vocab, model.hidden
     if target == Target.megatron:
         head = megatron.LOSS_BYTES_PER_LOGIT * tokens * v
     elif kind == CrossEntropy.materialized:
         head = LOSS_BYTES_PER_LOGIT * tokens * v
     else:
-        head = (2 * tokens * h + 10 * v * h
-                + CHUNK_BYTES_PER_LOGIT[kernels] * min(tokens * v, CHUNK_LOGITS))
+        product = 2 * v * h if kernels == Kernels.eager else 0
+        chunks = 4 * v * h + product + CHUNK_BYTES_PER_LOGIT[kernels] * min(tokens * v,
+                                                                               CHUNK_LOGITS)
+        head = 2 * tokens * h + max(chunks, 6 * v * h)
     # the final RMSNorm: the runtime's (Megatron-Core's as eager: cost_models.megatron)
     final_norm = norm_kept_bytes(h, 1, kernels == Kernels.fused and target == Target.moeplan)
     return head + (final_norm + EMBEDDING_BYTES_PER_TOKEN_H * h) * tokens

@@ -8,8 +8,8 @@ and the logits' fp32 gradient): 55 GiB for 32k tokens of a 152k vocabulary.
 gradients computed in the forward (the loss is the end of the graph: its backward only scales
 them), so one chunk's logits exist at a time and nothing of them is kept for backward. Kept
 instead: the gradient of the hidden states (tokens x hidden, the parameter dtype) and of the
-head's weight (vocab x hidden: summed in fp32 over several chunks; eager kernels keep one
-chunk's as the GEMM writes it). Same FLOPs as the materialized
+head's weight (vocab x hidden: summed in fp32 over several chunks, then scaled and cast to the
+weight's dtype at the end of the forward). Same FLOPs as the materialized
 loss (Liger-Kernel's fused linear cross-entropy computes it the same way). Each chunk's
 memory-bound work is the plan's kernels' (runtime.kernels): eager, a pass per operation over
 an fp32 copy of the chunk's logits and each chunk's weight gradient added in a pass of its own;
@@ -114,15 +114,21 @@ class _LinearCrossEntropy(Function):
                 continue
             torch.mm(grad, weight, out=grad_in[part])
             grad_w = ops.accumulate_matmul(grad_w, grad.t(), h[part])
+            del logits, grad  # the chunk's: freed before the next chunk's are made
+        if grad_w is not None:
+            # the head's weight gradient scaled and cast to the weight's dtype here, its sum
+            # freed: backward only multiplies it by the loss's gradient (1 in training), in
+            # place, so the sum's bytes are gone from the end of the forward on
+            grad_w = grad_w.mul_(scale).to(weight.dtype)
         ctx.save_for_backward(grad_in, *([] if grad_w is None else [grad_w]))
-        ctx.scale, ctx.weight_dtype = scale, None if weight is None else weight.dtype
+        ctx.scale = scale
         return total * scale
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_in, *grad_w = ctx.saved_tensors
         g = grad_out * ctx.scale
-        w = (grad_w[0] * g.to(grad_w[0].dtype)).to(ctx.weight_dtype) if grad_w else None
+        w = grad_w[0].mul_(grad_out.to(grad_w[0].dtype)) if grad_w else None
         return grad_in * g.to(grad_in.dtype), w, None, None, None, None, None, None
 
 
