@@ -42,9 +42,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from bench._meta import metadata
+from bench._meta import write_result
 from plans.enums import ExpertGemm
-from plans.io import write_atomic
 from plans.layout import INTER_OP_CHUNKS
 
 SHAPES = {
@@ -460,7 +459,6 @@ def measure(args) -> int:
             torch.cuda.empty_cache()
     if rank == 0:
         result = {
-            **metadata(),
             "benchmark": "one MoE layer forward + backward: serial, inter-operator overlapped, "
                          "compute and communication alone, torchtitan's layer",
             "world": n, "backend": dist.get_backend() if n > 1 else "none",
@@ -472,7 +470,7 @@ def measure(args) -> int:
             "overlap_target": f"inter_op <= {OVERLAP_TARGET} x max(compute_alone, comm_alone)",
             "shapes": shapes,
         }
-        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     finish(n)
     return 0
