@@ -20,7 +20,6 @@ alone. The fit itself is not run here.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import yaml
 import cost_models
 from bench._meta import write
 from bench.report import fill
+from bench.search import at_scale
 from cost_models import megatron
 from planner.export import megatron_layout_layers
 from plans import (
@@ -73,13 +73,6 @@ DGX-B200, micro-batch 1, no graphs of the experts); every other row is held out.
 TARGETS = {"median_abs_error": 0.10, "worst_abs_error": 0.25, "megascale_abs_error": 0.15,
            "megascale_speedup": (1.6, 2.0)}
 """Issue 29's targets (reported, not tuned to)."""
-
-
-def _at_scale():
-    spec = importlib.util.spec_from_file_location("at_scale", ROOT / "bench/search/at_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _segment(gpus: int, per_node: int = 4) -> int:
@@ -260,7 +253,7 @@ def megatron_bridge_rows() -> list[dict]:
     return out
 
 
-def mixtral_row(at_scale) -> dict:
+def mixtral_row() -> dict:
     """Megatron-LM's MoE README run (bench/search/at_scale.py's layout) as target megatron."""
     plan = at_scale.mixtral_megatron().model_copy(update={"target": Target.megatron})
     m = plan.model
@@ -307,7 +300,7 @@ def summary(rows: list[dict], key: str, held_out: bool = False) -> dict:
             "rank_correlation_by_model": jobs}
 
 
-def megascale(at_scale) -> dict:
+def megascale() -> dict:
     """Table 3 (target moeplan): per scale, the predicted iteration time against the paper's,
     and MegaScale-MoE's speedup over Megatron-LM."""
     sweep = at_scale.strong_scaling()
@@ -325,8 +318,7 @@ def megascale(at_scale) -> dict:
 
 
 def results() -> dict:
-    at_scale = _at_scale()
-    rows = megatron_bridge_rows() + [mixtral_row(at_scale)]
+    rows = megatron_bridge_rows() + [mixtral_row()]
     return {"benchmark": "published Megatron-Core MoE runs, each priced with its published "
                          "layout (issue 29 item 4)",
             "source": yaml.safe_load(DATA.read_text())["source"], "targets": TARGETS,
@@ -335,7 +327,7 @@ def results() -> dict:
                         "moeplan": summary(rows, "moeplan"),
                         "megatron_held_out": summary(rows, "megatron", held_out=True)},
             "tokendrop_25_09": tokendrop_pairs(yaml.safe_load(DATA.read_text())["rows"]),
-            "megascale_table_3": megascale(at_scale)}
+            "megascale_table_3": megascale()}
 
 
 def _pct(x: float) -> str:

@@ -4,7 +4,7 @@ current."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -15,11 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "fidelity_at_scale", ROOT / "bench/fidelity/fidelity_at_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.fidelity.fidelity_at_scale")
 
 
 @pytest.fixture(scope="module")
