@@ -5,16 +5,15 @@
         # docs/fidelity_at_scale.md
 
 Rows (bench/data/megatron_bridge_25_11.yaml, each with its source): the MoE rows of
-Megatron-Bridge's 25.11 performance summary (Qwen3-30B-A3B and Qwen3-235B-A22B on DGX-H100,
-DGX-B200, GB200 and GB300; GPT-OSS-120B and DeepSeek-V3 recorded, priced once the model
-catalog holds them), Megatron-LM's MoE README Mixtral-8x7B run (bench/search/at_scale.py), and
-MegaScale-MoE's Table 3 (target moeplan, bench/search/at_scale.py). Each Megatron-Core row is priced
-as the target megatron plan of its published layout and its recipe's settings (dispatcher,
-CUDA graphs, EP overlap, recomputation, bf16 gradient reduction), and, for the change's
-record, as the same plan of target moeplan. Published tokens/s/GPU are compared as
-published (Megatron counts its own FLOPs). One factor is fitted to two of these rows
-(FIT_ROWS: cost_models.megatron.HOST_US_PER_LAUNCH); the summary also judges the held-out rows
-alone. The fit itself is not run here.
+Megatron-Bridge's 25.11 performance summary (Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-120B and
+DeepSeek-V3 on DGX-H100, DGX-B200, GB200 and GB300), Megatron-LM's MoE README Mixtral-8x7B run
+(bench/fidelity/at_scale.py), and MegaScale-MoE's Table 3 (target moeplan, the same script's).
+Each Megatron-Core row is priced as the target megatron plan of its published layout and its
+recipe's settings (dispatcher, CUDA graphs, EP overlap, recomputation, bf16 gradient
+reduction), and, for the change's record, as the same plan of target moeplan. Published
+tokens/s/GPU are compared as published (Megatron counts its own FLOPs). One factor is fitted
+to two of these rows (FIT_ROWS: cost_models.megatron.HOST_US_PER_LAUNCH); the summary also
+judges the held-out rows alone. The fit itself is not run here.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ import yaml
 
 import cost_models
 from bench._meta import write
+from bench.fidelity import at_scale
 from bench.report import fill
-from bench.search import at_scale
 from cost_models import megatron
 from planner.export import megatron_layout_layers
 from plans import (
@@ -254,7 +253,7 @@ def megatron_bridge_rows() -> list[dict]:
 
 
 def mixtral_row() -> dict:
-    """Megatron-LM's MoE README run (bench/search/at_scale.py's layout) as target megatron."""
+    """Megatron-LM's MoE README run (bench/fidelity/at_scale.py's layout) as target megatron."""
     plan = at_scale.mixtral_megatron().model_copy(update={"target": Target.megatron})
     m = plan.model
     published = (at_scale.MEGATRON_TFLOPS * 1e12
