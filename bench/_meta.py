@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from plans.io import write_atomic
@@ -15,6 +16,14 @@ def write(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     write_result(path, payload, name)
     return path
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of ``package`` (a peer's, beside ours), None where it is absent."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def write_result(out: Path, doc: dict, what: str = "--out", indent: int = 2) -> None:

@@ -2,7 +2,7 @@
 choice of dispatcher held against what measured faster.
 
 The sweep (bench/layers/dispatch_gpu.py --sweep-*, committed as
-bench/results/h200/dispatch_sweep_x2.json)
+bench/results/h200/moe_layer/dispatch_sweep_x2.json)
 times moeplan's two EP dispatchers as the runtime runs them: dispatch and combine, forward and
 backward, over top-k, token counts, hidden sizes and expert counts. The cost model prices one
 MoE layer's dispatch + combine (cost_models.layer_graph with ``kernels: eager``) as

@@ -3,6 +3,7 @@ torchrun, Slurm."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import textwrap
 from dataclasses import dataclass
@@ -46,6 +47,59 @@ def megatron_layout(plan: Plan) -> str:
         tail = "m" * plan.model.mtp_layers + "L" if c == last else ""
         chunks.append(("E" if c == 0 else "") + body + tail)
     return "|".join(chunks)
+
+
+def _expand_layout(layout: str) -> str:
+    """A Megatron layout string with its repetitions written out: `X*n` repeats the one
+    symbol or parenthesised group before it n times."""
+    out: list[str] = []
+    stack: list[list[str]] = []
+    i = 0
+    while i < len(layout):
+        ch = layout[i]
+        if ch == "(":
+            stack.append(out)
+            out = []
+        elif ch == ")":
+            group, out = "".join(out), stack.pop()
+            out.append(group)
+        elif ch == "*":
+            digits = re.match(r"\d+", layout[i + 1:])
+            if digits is None or not out:
+                raise SpecError(f"pipeline layout {layout!r}: '*' needs a symbol and a count")
+            out[-1] *= int(digits.group())
+            i += len(digits.group())
+        elif ch in "EtmL|":
+            out.append(ch)
+        else:
+            raise SpecError(f"pipeline layout {layout!r}: unknown symbol {ch!r}")
+        i += 1
+    if stack:
+        raise SpecError(f"pipeline layout {layout!r}: unclosed '('")
+    return "".join(out)
+
+
+def megatron_layout_layers(layout: str, model: ModelSpec, chunks: int) -> tuple[int, ...]:
+    """Decoder layers per model chunk of a --pipeline-model-parallel-layout, megatron_layout's
+    inverse (a published recipe's layout read as a Plan's stage_layers); one error line where
+    the layout is not ``model``'s over ``chunks`` (pp x vp) chunks."""
+    parts = _expand_layout(layout).split("|")
+    if len(parts) != chunks:
+        raise SpecError(f"pipeline layout {layout!r}: {len(parts)} chunks, the layout has "
+                        f"{chunks} (pp x vp)")
+    text = "".join(parts)
+    if (not parts[0].startswith("E") or not parts[-1].endswith("L")
+            or text.count("E") != 1 or text.count("L") != 1):
+        raise SpecError(f"pipeline layout {layout!r}: the embedding must open the first chunk "
+                        "and the loss close the last")
+    if text.count("m") != model.mtp_layers or "m" in "".join(parts[:-1]):
+        raise SpecError(f"pipeline layout {layout!r}: the model's {model.mtp_layers} MTP "
+                        "modules go in the last chunk")
+    out = tuple(p.count("t") for p in parts)
+    if sum(out) != model.layers:
+        raise SpecError(f"pipeline layout {layout!r}: {sum(out)} decoder layers, the model "
+                        f"has {model.layers}")
+    return out
 
 
 def megatron_recompute(plan: Plan) -> list[str]:

@@ -5,23 +5,20 @@
         # docs/fidelity_at_scale.md
 
 Rows (bench/data/megatron_bridge_25_11.yaml, each with its source): the MoE rows of
-Megatron-Bridge's 25.11 performance summary (Qwen3-30B-A3B and Qwen3-235B-A22B on DGX-H100,
-DGX-B200, GB200 and GB300; GPT-OSS-120B and DeepSeek-V3 recorded, priced once the model
-catalog holds them), Megatron-LM's MoE README Mixtral-8x7B run (bench/search/at_scale.py), and
-MegaScale-MoE's Table 3 (target moeplan, bench/search/at_scale.py). Each Megatron-Core row is priced
-as the target megatron plan of its published layout and its recipe's settings (dispatcher,
-CUDA graphs, EP overlap, recomputation, bf16 gradient reduction), and, for the change's
-record, as the same plan of target moeplan. Published tokens/s/GPU are compared as
-published (Megatron counts its own FLOPs). One factor is fitted to two of these rows
-(FIT_ROWS: cost_models.megatron.HOST_US_PER_LAUNCH); the summary also judges the held-out rows
-alone. The fit itself is not run here.
+Megatron-Bridge's 25.11 performance summary (Qwen3-30B-A3B, Qwen3-235B-A22B, GPT-OSS-120B and
+DeepSeek-V3 on DGX-H100, DGX-B200, GB200 and GB300), Megatron-LM's MoE README Mixtral-8x7B run
+(bench/fidelity/at_scale.py), and MegaScale-MoE's Table 3 (target moeplan, the same script's).
+Each Megatron-Core row is priced as the target megatron plan of its published layout and its
+recipe's settings (dispatcher, CUDA graphs, EP overlap, recomputation, bf16 gradient
+reduction), and, for the change's record, as the same plan of target moeplan. Published
+tokens/s/GPU are compared as published (Megatron counts its own FLOPs). One factor is fitted
+to two of these rows (FIT_ROWS: cost_models.megatron.HOST_US_PER_LAUNCH); the summary also
+judges the held-out rows alone. The fit itself is not run here.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import re
 import statistics
 from pathlib import Path
 
@@ -29,7 +26,10 @@ import yaml
 
 import cost_models
 from bench._meta import write
+from bench.fidelity import at_scale
+from bench.report import fill
 from cost_models import megatron
+from planner.export import megatron_layout_layers
 from plans import (
     EPFFN,
     CudaGraphs,
@@ -74,13 +74,6 @@ TARGETS = {"median_abs_error": 0.10, "worst_abs_error": 0.25, "megascale_abs_err
 """Issue 29's targets (reported, not tuned to)."""
 
 
-def _at_scale():
-    spec = importlib.util.spec_from_file_location("at_scale", ROOT / "bench/search/at_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _segment(gpus: int, per_node: int = 4) -> int:
     nodes = gpus // per_node
     if nodes <= 18:
@@ -109,60 +102,6 @@ def chunk_layers(layers: int, chunks: int, edges_count: bool) -> tuple[int, ...]
     return (per - 1,) + (per,) * (chunks - 2) + (per - 1,)
 
 
-def _expand(layout: str) -> str:
-    """A Megatron layout string with its repetitions written out: `X*n` repeats the one
-    symbol or parenthesised group before it n times."""
-    out: list[str] = []
-    stack: list[list[str]] = []
-    i = 0
-    while i < len(layout):
-        ch = layout[i]
-        if ch == "(":
-            stack.append(out)
-            out = []
-        elif ch == ")":
-            group, out = "".join(out), stack.pop()
-            out.append(group)
-        elif ch == "*":
-            digits = re.match(r"\d+", layout[i + 1:])
-            if digits is None or not out:
-                raise SpecError(f"pipeline layout {layout!r}: '*' needs a symbol and a count")
-            out[-1] *= int(digits.group())
-            i += len(digits.group())
-        elif ch in "EtmL|":
-            out.append(ch)
-        else:
-            raise SpecError(f"pipeline layout {layout!r}: unknown symbol {ch!r}")
-        i += 1
-    if stack:
-        raise SpecError(f"pipeline layout {layout!r}: unclosed '('")
-    return "".join(out)
-
-
-def layout_layers(layout: str, model, chunks: int) -> tuple[int, ...]:
-    """Decoder layers per model chunk of Megatron's --pipeline-model-parallel-layout (chunks in
-    pipeline order, chunk c on stage c mod pp: megatron/core/transformer/
-    pipeline_parallel_layer_layout.py): "E" the embedding (first chunk), "t" a decoder layer,
-    "m" an MTP module and "L" the loss (last chunk), where the Plan places them too."""
-    parts = _expand(layout).split("|")
-    if len(parts) != chunks:
-        raise SpecError(f"pipeline layout {layout!r}: {len(parts)} chunks, the layout has "
-                        f"{chunks} (pp x vp)")
-    text = "".join(parts)
-    if (not parts[0].startswith("E") or not parts[-1].endswith("L")
-            or text.count("E") != 1 or text.count("L") != 1):
-        raise SpecError(f"pipeline layout {layout!r}: the embedding must open the first chunk "
-                        "and the loss close the last")
-    if text.count("m") != model.mtp_layers or "m" in "".join(parts[:-1]):
-        raise SpecError(f"pipeline layout {layout!r}: the model's {model.mtp_layers} MTP "
-                        "modules go in the last chunk")
-    out = tuple(p.count("t") for p in parts)
-    if sum(out) != model.layers:
-        raise SpecError(f"pipeline layout {layout!r}: {sum(out)} decoder layers, the model "
-                        f"has {model.layers}")
-    return out
-
-
 def cuda_graphs(scopes: list[str]) -> CudaGraphs:
     if not scopes:
         return CudaGraphs.none
@@ -189,7 +128,7 @@ def row_plan(row: dict, target: Target = Target.megatron,
     dp = row["gpus"] // (row["pp"] * row["tp"] * row["cp"])
     vpp = row["vp"]
     chunks = row["pp"] * vpp
-    stages = (layout_layers(recipe["pipeline_layout"], model, chunks)
+    stages = (megatron_layout_layers(recipe["pipeline_layout"], model, chunks)
               if recipe.get("pipeline_layout")
               else chunk_layers(model.layers, chunks, "235b" in row["model"]))
     return Plan(
@@ -313,8 +252,8 @@ def megatron_bridge_rows() -> list[dict]:
     return out
 
 
-def mixtral_row(at_scale) -> dict:
-    """Megatron-LM's MoE README run (bench/search/at_scale.py's layout) as target megatron."""
+def mixtral_row() -> dict:
+    """Megatron-LM's MoE README run (bench/fidelity/at_scale.py's layout) as target megatron."""
     plan = at_scale.mixtral_megatron().model_copy(update={"target": Target.megatron})
     m = plan.model
     published = (at_scale.MEGATRON_TFLOPS * 1e12
@@ -360,7 +299,7 @@ def summary(rows: list[dict], key: str, held_out: bool = False) -> dict:
             "rank_correlation_by_model": jobs}
 
 
-def megascale(at_scale) -> dict:
+def megascale() -> dict:
     """Table 3 (target moeplan): per scale, the predicted iteration time against the paper's,
     and MegaScale-MoE's speedup over Megatron-LM."""
     sweep = at_scale.strong_scaling()
@@ -378,8 +317,7 @@ def megascale(at_scale) -> dict:
 
 
 def results() -> dict:
-    at_scale = _at_scale()
-    rows = megatron_bridge_rows() + [mixtral_row(at_scale)]
+    rows = megatron_bridge_rows() + [mixtral_row()]
     return {"benchmark": "published Megatron-Core MoE runs, each priced with its published "
                          "layout (issue 29 item 4)",
             "source": yaml.safe_load(DATA.read_text())["source"], "targets": TARGETS,
@@ -388,7 +326,7 @@ def results() -> dict:
                         "moeplan": summary(rows, "moeplan"),
                         "megatron_held_out": summary(rows, "megatron", held_out=True)},
             "tokendrop_25_09": tokendrop_pairs(yaml.safe_load(DATA.read_text())["rows"]),
-            "megascale_table_3": megascale(at_scale)}
+            "megascale_table_3": megascale()}
 
 
 def _pct(x: float) -> str:
@@ -401,22 +339,10 @@ def _shares(priced: dict) -> str:
                                                           "ep_overlap"))
 
 
-def document(doc: dict) -> str:
-    """The generated section of docs/fidelity_at_scale.md."""
-    lines = [BEGIN, "", "## Published Megatron-Core runs, priced as Megatron-Core runs them",
-             "", "Regenerate: `python -m bench.fidelity.fidelity_at_scale` (rows and their "
-             "sources: "
-             "`bench/data/megatron_bridge_25_11.yaml`). Tokens/s per GPU; `before` prices the "
-             "same plan as moeplan's runtime would run it (target moeplan), `megatron` as "
-             "Megatron-Core runs it (target megatron: cost_models.megatron); then what four of "
-             "its terms add to the step, as shares of it: the GPU's wait on its host's "
-             "launches, TransformerEngine's fp8 quantisations, the experts' fp8 padding "
-             "(TEGroupedMLP's Fp8Padding), and what its EP overlap hides; "
-             "HBM: the predicted peak against the GPU's memory ('over' where above it).", "",
-             "| run | GPUs | layout | published | before | megatron | host, fp8 casts, fp8 "
-             "padding, EP overlap | peak GiB / HBM |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in doc["rows"]:
+def _rows_table(rows: list[dict]) -> list[str]:
+    lines = ["| run | GPUs | layout | published | before | megatron | host, fp8 casts, fp8 "
+             "padding, EP overlap | peak GiB / HBM |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
         name = f"{r['model']} {r['system']} {r['precision']}"
         if r["status"] != "priced":
             lines.append(f"| {name} | {r['gpus']} | tp{r['tp']} pp{r['pp']} vp{r['vp']} "
@@ -431,15 +357,15 @@ def document(doc: dict) -> str:
             f"{mg['tokens_s_gpu']:,.0f} ({_pct(mg['error'])}) | "
             f"{_shares(mg)} | {mg['peak_gib']:.0f} / "
             f"{r['hbm_gib']:g}{fit} |")
-    lines += ["", f"Fitted to {' and '.join(doc['fit_rows'])} (the Megatron-Core host's time "
-              "per launch, cost_models.megatron.HOST_US_PER_LAUNCH); `held out` judges the "
-              "other priced rows alone.", "",
-              "| summary (priced rows) | before | megatron | held out | target |",
-              "|---|---|---|---|---|"]
+    return lines
+
+
+def _summary_table(doc: dict) -> list[str]:
     b, a = doc["summary"]["moeplan"], doc["summary"]["megatron"]
-    h = doc["summary"]["megatron_held_out"]
-    t = doc["targets"]
-    lines += [
+    h, t = doc["summary"]["megatron_held_out"], doc["targets"]
+    lines = [
+        "| summary (priced rows) | before | megatron | held out | target |",
+        "|---|---|---|---|---|",
         f"| median abs error | {b['median_abs_error']:.0%} | {a['median_abs_error']:.0%} | "
         f"{h['median_abs_error']:.0%} | <= {t['median_abs_error']:.0%} |",
         f"| worst error | {_pct(b['worst_error'])} | {_pct(a['worst_error'])} | "
@@ -453,54 +379,61 @@ def document(doc: dict) -> str:
         before = b["rank_correlation_by_model"][model]
         if rho is not None:
             lines.append(f"| rank correlation, {model} | {before:+.2f} | {rho:+.2f} | | +1 |")
-    lines += ["", "Held out: the same layouts' token-dropping runs of the 25.09 container "
-              "(`tokendrop_25_09` in the data file: capacity factor 1.0, padded, alltoall), and "
-              "what dropless routing costs, published against predicted (dropless / "
-              "token-dropping tokens/s); `device alone` prices the twin without the host's "
-              "term.", "",
-              "| run | 25.09 token-dropping | predicted | device alone | dropless / dropping, "
-              "published | predicted |", "|---|---|---|---|---|---|"]
-    for r in doc["tokendrop_25_09"]:
+    return lines
+
+
+def _tokendrop_table(pairs: list[dict]) -> list[str]:
+    lines = ["| run | 25.09 token-dropping | predicted | device alone | dropless / dropping, "
+             "published | predicted |", "|---|---|---|---|---|---|"]
+    for r in pairs:
         lines.append(f"| {r['id']} | {r['published_tokendrop']:,.0f} | "
                      f"{r['predicted_tokendrop']:,.0f} ({_pct(r['error'])}) | "
                      f"{r['predicted_tokendrop_device']:,.0f} ({_pct(r['device_error'])}) | "
                      f"{r['published_ratio']:.2f} | {r['predicted_ratio']:.2f} |")
-    lines += ["", "MegaScale-MoE Table 3 (target moeplan, bench/search/at_scale.py's plans): "
-              "iteration time and the speedup over Megatron-LM's TP-in-node layout.", "",
-              "| GPUs | published s | predicted s | error | speedup published | predicted |",
-              "|---|---|---|---|---|---|"]
-    for r in doc["megascale_table_3"]["rows"]:
+    return lines
+
+
+def _table_3(t3: dict) -> list[str]:
+    lines = ["| GPUs | published s | predicted s | error | speedup published | predicted |",
+             "|---|---|---|---|---|---|"]
+    for r in t3["rows"]:
         lines.append(f"| {r['gpus']:,} | {r['published_s']:.2f} | {r['predicted_s']:.2f} | "
                      f"{_pct(r['error'])} | {r['published_speedup']:.2f}x | "
                      f"{r['predicted_speedup']:.2f}x |")
-    t3 = doc["megascale_table_3"]
-    res = t3["residual"]
-    policy = ", ".join(sorted(set(t3["megatron_recompute"])))
-    lines += ["", f"Megatron-LM's recomputation, unpublished, is a prior: one setting for the "
-              f"sweep, the least that fits at every scale ({policy}; bench/search/at_scale.py "
-              f"sweep_recompute). The paper's cluster (`h800-megascale`) has its kernel rates "
-              f"({', '.join(res['factors'])}: the Hopper profile's times its `kernel_scale`) "
-              f"fitted to MegaScale-MoE's five times and judged on Megatron-LM's five (held "
-              f"out); fitted again now, the scale would move by x{res['refit']:.3f}. `comm "
-              f"exposed`: MegaScale-MoE with none of its communication hidden (overlap none), "
-              f"what the in-node all-to-alls could add at most.", "",
-              "| GPUs | MegaScale-MoE (fitted) | Megatron-LM (held out) | comm exposed |",
-              "|---|---|---|---|"]
+    return lines
+
+
+def _residual_table(res: dict) -> list[str]:
+    lines = ["| GPUs | MegaScale-MoE (fitted) | Megatron-LM (held out) | comm exposed |",
+             "|---|---|---|---|"]
     for i, gpus in enumerate(res["gpus"]):
         lines.append(f"| {gpus:,} | {_pct(res['megascale_error'][i])} | "
                      f"{_pct(res['megatron_error'][i])} | "
                      f"{_pct(res['in_node_comm_exposed']['megascale_error'][i])} |")
-    ds = doc["megascale_table_3"]["deepseek_v3_h800"]
-    lines += ["", f"Held out, the scale's reach: DeepSeek-V3's pre-training on 2,048 H800 "
-              f"averaged {ds['published_tokens_s_gpu_at_least']:,.0f} tokens/s a GPU "
-              f"(arXiv 2412.19437: 14.8T tokens in 2,664K GPU hours; its steady step is "
-              f"faster), priced at the closest layout moeplan expresses (`{ds['h800']['plan']}`"
-              f"): {ds['h800']['predicted_tokens_s_gpu']:,.0f} "
-              f"({_pct(ds['h800']['error'])}) on the catalog's `h800` (the measured kernel "
-              f"rates), {ds['h800-megascale']['predicted_tokens_s_gpu']:,.0f} "
-              f"({_pct(ds['h800-megascale']['error'])}) on `h800-megascale`: the scale is the "
-              f"paper's system's, not the H800's.", "", END]
-    return "\n".join(lines)
+    return lines
+
+
+def document(doc: dict) -> str:
+    """The generated section of docs/fidelity_at_scale.md: bench/templates/
+    fidelity_at_scale.md.tmpl with its tables and numbers filled in."""
+    t3 = doc["megascale_table_3"]
+    res, ds = t3["residual"], t3["deepseek_v3_h800"]
+
+    def priced(cluster: str) -> str:
+        return (f"{ds[cluster]['predicted_tokens_s_gpu']:,.0f} "
+                f"({_pct(ds[cluster]['error'])})")
+
+    tables = {"rows_table": _rows_table(doc["rows"]), "summary_table": _summary_table(doc),
+              "tokendrop_table": _tokendrop_table(doc["tokendrop_25_09"]),
+              "table_3": _table_3(t3), "residual_table": _residual_table(res)}
+    return fill("fidelity_at_scale.md.tmpl", {
+        **{k: "\n".join(v) for k, v in tables.items()},
+        "fit_rows": " and ".join(doc["fit_rows"]),
+        "policy": ", ".join(sorted(set(t3["megatron_recompute"]))),
+        "factors": ", ".join(res["factors"]), "refit": f"{res['refit']:.3f}",
+        "ds_published": f"{ds['published_tokens_s_gpu_at_least']:,.0f}",
+        "ds_plan": ds["h800"]["plan"], "ds_h800": priced("h800"),
+        "ds_megascale": priced("h800-megascale")}).removesuffix("\n")
 
 
 def write_doc(section: str) -> None:

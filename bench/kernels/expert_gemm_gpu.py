@@ -39,7 +39,6 @@ eagerly in every variant alike; it is not what is compared.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -47,8 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._dist_bench import device_timed
-from bench._meta import metadata
-from plans.io import write_atomic
+from bench._meta import write_result
 from runtime.parallel.grad_accumulation import per_expert_accumulating
 
 SHAPES = {
@@ -267,11 +265,11 @@ def main() -> None:
         print(f"{a.shape:14s} {name:16s} fwd {f * 1e3:7.2f} ms "
               f"({flops / f / 1e12:5.0f} TF/s)  fwd+bwd {fb * 1e3:7.2f} ms "
               f"({(flops + bwd_flops) / fb / 1e12:5.0f} TF/s)", flush=True)
-    doc = {**metadata(), "shape": a.shape, "tokens": a.tokens, "balanced": a.balanced,
+    doc = {"shape": a.shape, "tokens": a.tokens, "balanced": a.balanced,
         "experts": experts, "hidden": hidden, "ffn_hidden": ffn, "top_k": top_k,
         "rows": rows, "rows_per_expert": counts.tolist(), "gemm_flops_fwd": gemm_flops,
         "variants": results}
-    write_atomic(Path(a.out), json.dumps(doc, indent=2) + "\n", "--out", force=True)
+    write_result(Path(a.out), doc)
     print(f"wrote {a.out}")
 
 

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench._meta import metadata
+from bench._meta import write_result
 from plans.catalog import load_model
 from plans.enums import ExpertGemm, Kernels
-from plans.io import write_atomic
 
 
 def _catalog(name: str) -> tuple[int, int, int, int]:
@@ -184,12 +182,12 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     ops = kernel_ops(Kernels(args.kernels))
     shapes = {name: measure_shape(args, name, device, dtype, ops) for name in args.shapes}
-    doc = {**metadata(), "benchmark": "routed experts' GEMM paths (plans.enums.ExpertGemm) "
+    doc = {"benchmark": "routed experts' GEMM paths (plans.enums.ExpertGemm) "
            "forward + backward, beside the dense ceiling", "tokens": args.tokens,
            "kernels": args.kernels, "dtype": str(dtype).removeprefix("torch."),
            "scale": args.scale, "warmup": args.warmup, "repeats": args.repeats,
            "shapes": shapes}
-    write_atomic(args.out, json.dumps(doc, indent=2) + "\n", "--out", force=True)
+    write_result(args.out, doc)
     print("\n".join(table(shapes)))
     print(f"wrote {args.out}")
     return 0

@@ -1,6 +1,6 @@
 """The dispatcher table: the committed sweep of moeplan's two EP dispatchers on 2 H200s
-(bench/results/h200/dispatch_sweep_x2.json) against the cost model of this tree, and the
-dispatcher the planner prefers at every measured point.
+(bench/results/h200/moe_layer/dispatch_sweep_x2.json) against the cost model of this tree,
+and the dispatcher the planner prefers at every measured point.
 
     python -m bench.layers.dispatch_report [--check] [--refit]
 
@@ -22,7 +22,7 @@ from bench.report import fill, write_or_check  # noqa: E402
 from planner import dispatch_fit as df  # noqa: E402
 from plans import catalog  # noqa: E402
 
-SWEEP = ROOT / "bench" / "results" / "h200" / "dispatch_sweep_x2.json"
+SWEEP = ROOT / "bench" / "results" / "h200" / "moe_layer" / "dispatch_sweep_x2.json"
 DOC = ROOT / "docs" / "dispatch.md"
 CLUSTER, MODEL = "h200-runtime", "mixtral-8x7b"
 """The cluster whose factors price the runs; the model whose other fields (heads, vocabulary)

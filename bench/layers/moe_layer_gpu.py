@@ -42,9 +42,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from bench._meta import metadata
+from bench._meta import package_version, write_result
 from plans.enums import ExpertGemm
-from plans.io import write_atomic
 from plans.layout import INTER_OP_CHUNKS
 
 SHAPES = {
@@ -348,23 +347,7 @@ def peer_result(args, shape, n, device, dtype, x, grad_out, timed, slowest) -> d
         return {"status": "unavailable", "reason": error or "failed on another rank"}
     s = slowest(timed(run, device, args.warmup, args.repeats), device)
     return {"status": "ok", "module": "torchtitan.models.common.moe.MoE",
-            "version": _version("torchtitan"), "fwd_bwd_s": s}
-
-
-def nccl_env() -> dict[str, str]:
-    """The NCCL_* settings the run had (the communicator's channel and CTA limits live there)."""
-    import os
-
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
+            "version": package_version("torchtitan"), "fwd_bwd_s": s}
 
 
 # ---- measurement ----------------------------------------------------------------------------
@@ -460,19 +443,18 @@ def measure(args) -> int:
             torch.cuda.empty_cache()
     if rank == 0:
         result = {
-            **metadata(),
             "benchmark": "one MoE layer forward + backward: serial, inter-operator overlapped, "
                          "compute and communication alone, torchtitan's layer",
             "world": n, "backend": dist.get_backend() if n > 1 else "none",
             "dtype": str(dtype).removeprefix("torch."), "inter_op_chunks": args.chunks,
-            "kernels": args.kernels, "expert_gemm": args.expert_gemm, "nccl_env": nccl_env(),
+            "kernels": args.kernels, "expert_gemm": args.expert_gemm,
             "grad_accumulation_fusion": args.grad_accumulation_fusion,
             "sm_carveout": args.sm_carveout,
             "warmup": args.warmup, "repeats": args.repeats, "scale": args.scale,
             "overlap_target": f"inter_op <= {OVERLAP_TARGET} x max(compute_alone, comm_alone)",
             "shapes": shapes,
         }
-        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+        write_result(args.out, result)
         print(f"wrote {args.out}")
     finish(n)
     return 0

@@ -44,12 +44,11 @@ import json
 import sys
 import time
 import traceback
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
-from bench._meta import metadata
+from bench._meta import metadata, package_version
 from bench.steps import train_step  # configures the allocator before CUDA allocates
 from plans import Plan, SpecError
 from plans.catalog import load_plan
@@ -356,7 +355,7 @@ def measure_peer(plan: Plan, settings: dict, device: torch.device, args) -> dict
     times = [s for _, s in timed]
     step_time = sum(times) / len(times)
     return {
-        "status": "ok", "version": _version("torchtitan"), "settings": settings,
+        "status": "ok", "version": package_version("torchtitan"), "settings": settings,
         "first_step_s": warm[0][1], "warmup_step_times_s": [s for _, s in warm],
         "step_time_s": step_time, "step_times_s": times,
         "step_median_s": sorted(times)[len(times) // 2],
@@ -373,7 +372,7 @@ def measure_peer(plan: Plan, settings: dict, device: torch.device, args) -> dict
 def megatron_status() -> dict:
     """Megatron-Core's step: whether it can be imported here (its whole-step run is not built
     by this script)."""
-    v = _version("megatron-core")
+    v = package_version("megatron-core")
     if v is None:
         return {"status": "not installed"}
     return {"status": "not run", "version": v,
@@ -461,13 +460,6 @@ def run_model(name: str, args, device: torch.device) -> dict:
     return row
 
 
-def _version(package: str) -> str | None:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def summary_line(name: str, row: dict) -> str:
     parts = [name]
     for side in ("ours", "peer"):
@@ -498,7 +490,7 @@ def main(argv=None) -> int:
                      "model and step (same shape, tokens, batch)",
         "device": str(device), "tiny": args.tiny, "warmup": args.warmup, "steps": args.steps,
         "plans": args.plans, "compile_cache": str(cache),
-        "wheels": {p: _version(p) for p in ("torchtitan", "spmd_types", "tyro",
+        "wheels": {p: package_version(p) for p in ("torchtitan", "spmd_types", "tyro",
                                             "typeguard", "docstring-parser",
                                             "torch_checkpointing", "megatron-core")},
         "models": {},

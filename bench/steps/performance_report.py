@@ -199,7 +199,7 @@ def trace_table() -> list[str]:
 
 
 def probe_table() -> list[str]:
-    """The overlap probes (campaign h200_overlap_probes): inter-op / max(alone) per setting."""
+    """The overlap probes (h200_moe_layer's steps x2_*): inter-op / max(alone) per setting."""
     cols = [(shape, disp) for shape in ("mixtral-8x7b", "qwen3-30b-a3b")
             for disp in ("a2a", "ag_rs")]
     lines = ["| setting | " + " | ".join(f"{s} {d}" for s, d in cols) + " |",

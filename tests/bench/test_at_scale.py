@@ -1,4 +1,4 @@
-"""bench/search/at_scale.py: the committed comparison with published large runs is what the script
+"""bench/fidelity/at_scale.py: the committed comparison with published large runs is what the script
 computes from this cost model, and the checks that meet issue 12's 25% still do."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def at_scale():
-    return importlib.import_module("bench.search.at_scale")
+    return importlib.import_module("bench.fidelity.at_scale")
 
 
 def test_committed_results_are_what_the_script_computes(at_scale):

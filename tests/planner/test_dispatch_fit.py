@@ -12,7 +12,7 @@ from planner import dispatch_fit as df
 from plans import Dispatch, catalog
 
 ROOT = Path(__file__).resolve().parents[2]
-SWEEP = ROOT / "bench" / "results" / "h200" / "dispatch_sweep_x2.json"
+SWEEP = ROOT / "bench" / "results" / "h200" / "moe_layer" / "dispatch_sweep_x2.json"
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import pytest
 from planner.export import (
     megatron_args,
     megatron_env,
+    megatron_layout,
+    megatron_layout_layers,
     megatron_script,
     slurm_script,
     torchrun_command,
@@ -210,6 +212,29 @@ def test_megatron_uneven_and_precision():
     assert "--no-gradient-accumulation-fusion" not in parsed  # Megatron fuses by default
     unfused = PLANS["megatron"].model_copy(update={"grad_accumulation_fusion": False})
     assert parse_megatron(megatron_args(unfused)[0])["--no-gradient-accumulation-fusion"] is True
+
+
+def test_a_recipe_pipeline_layout_reads_back_as_the_plans_stage_split():
+    model = catalog.load_model("deepseek-v3")  # 61 layers, one MTP module
+    assert megatron_layout_layers("Et*4|(t*4|)*14tmL", model, 16) == (4,) * 15 + (1,)
+    no_mtp = model.model_copy(update={"mtp_layers": 0})
+    assert megatron_layout_layers("Et|(tt|)*30L", no_mtp, 32) == (1,) + (2,) * 30 + (0,)
+    for plan in (PLANS["uneven"], PLANS["interleaved"]):
+        chunks = len(plan.stage_layers)
+        assert megatron_layout_layers(megatron_layout(plan), plan.model,
+                                      chunks) == plan.stage_layers
+
+
+@pytest.mark.parametrize(("layout", "why"), [
+    ("Et*4|(t*4|)*14tL", "MTP"),          # the model's MTP module is missing
+    ("Et*4|(t*4|)*13tmL", "chunks"),      # 15 chunks for pp x vp = 16
+    ("Et*4|(t*4|)*14t*2mL", "decoder"),   # 62 decoder layers
+    ("t*4|E(t*4|)*14tmL", "embedding"),   # the embedding is not first
+    ("Et*4|(t*4|*14tmL", "unclosed"),
+])
+def test_a_layout_that_is_not_the_models_is_refused(layout, why):
+    with pytest.raises(SpecError, match=why):
+        megatron_layout_layers(layout, catalog.load_model("deepseek-v3"), 16)
 
 
 def test_torchrun_single_and_multi_node():

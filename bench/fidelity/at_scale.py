@@ -1,6 +1,6 @@
 """Hold the cost model against published large runs, each evaluated as its published plan.
 
-    python -m bench.search.at_scale          # writes bench/results/at_scale.json
+    python -m bench.fidelity.at_scale          # writes bench/results/at_scale.json
 
 Runs (the configurations as published; what a source leaves open is named in ``assumed``):
 
