@@ -24,15 +24,16 @@ import heapq
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from enum import IntEnum
 from functools import lru_cache
 from types import MappingProxyType
+from typing import NamedTuple
 
 import networkx as nx
 
 from cost_models.layer_graph import (
     Entries,
     LayerKey,
-    Op,
     OpKind,
     backward_entries,
     entries_of,
@@ -41,7 +42,7 @@ from cost_models.layer_graph import (
     graph_of,
 )
 from cost_models.params import pinned_expert_gemm
-from cost_models.schedule import Stream, Task, list_schedule
+from cost_models.schedule import Stream, Task, TaskGraph, schedule, task_graph
 from plans.enums import ExpertGemm, Target
 from plans.layout import moe_chunks, ulysses_chunks
 from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
@@ -139,30 +140,70 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     return key
 
 
+class _Source(IntEnum):
+    """Where a scheduler task's duration comes from (_Tasks)."""
+
+    whole = 0
+    """Its operator's duration."""
+    blocking = 1
+    """The share of an overlappable collective no compute hides, ``1 - hidden_share``."""
+    hidden = 2
+    """The rest of it, on the communication stream."""
+    fused = 3
+    """A collective fused with its GEMM at tile level: what the GEMM does not cover."""
+
+
+class _Tasks(NamedTuple):
+    """A pass's scheduler tasks under one overlap policy, without their durations (_tasks)."""
+
+    graph: TaskGraph
+    sources: tuple[tuple[int, _Source, int], ...]
+    """Per task: its entry, where its duration comes from, the fused GEMM's entry (or -1)."""
+    kinds: tuple[str | None, ...]
+    """Per task: the CommKind value of a communication task."""
+    recompute: tuple[bool, ...]
+    """Per task: whether its operator is a rerun."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Structure:
+    """A pass's structure: what scheduling it reads besides its operators' durations, the
+    same for every layer of one layout shape, cluster and batch size alike (_structure)."""
+
+    order: tuple[int, ...]
+    """The entries in topological order, ties in program order."""
+    preds: tuple[tuple[int, ...], ...]
+    """Each entry's predecessors, by index."""
+    graph_order: tuple[int, ...]
+    """The entries in the node order of their networkx graph (layer_graph.graph_of): a node
+    first named as a predecessor comes at that point."""
+    tasks: Mapping[Overlap, _Tasks]
+    """Its scheduler tasks under each overlap policy."""
+
+
 @dataclass(frozen=True)
 class _Compiled:
     """A pass's entries (cost_models.layer_graph) with its structure as indices."""
 
     entries: Entries
-    order: tuple[int, ...]
-    """The entries in topological order, ties in program order."""
-    preds: tuple[tuple[int, ...], ...]
-    """Each entry's predecessors, by index."""
-    index: Mapping[str, int]
-    """Each operator's entry by name."""
-    graph_order: tuple[int, ...]
-    """The entries in the node order of their networkx graph (layer_graph.graph_of): a node
-    first named as a predecessor comes at that point."""
+    structure: _Structure
+    durations: tuple[float, ...]
+    """Each entry's operator's duration."""
+
+
+_OpShape = tuple[str, tuple[str, ...], bool, bool, bool, str | None, str | None]
+"""What scheduling reads of an entry besides its duration: its name, its predecessors'
+names, whether it is a collective, a side-stream one, a rerun, its CommKind value and its
+fused GEMM."""
 
 
 @lru_cache(maxsize=4096)
-def _structure(names: tuple[tuple[str, tuple[str, ...]], ...]
-               ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """The order, predecessors and graph order of _Compiled, from each entry's name and
-    predecessors' names (Kahn's algorithm with a heap on the program index)."""
-    index = {n: i for i, (n, _) in enumerate(names)}
-    preds = tuple(tuple(index[a] for a in after) for _, after in names)
-    succs: list[list[int]] = [[] for _ in names]
+def _structure(shape: tuple[_OpShape, ...]) -> _Structure:
+    """The order, predecessors, graph order and tasks of _Compiled, from each entry's shape
+    (Kahn's algorithm with a heap on the program index)."""
+    index = {n: i for i, (n, *_) in enumerate(shape)}
+    preds = tuple(tuple(index[a] for a in after) for _, after, *_ in shape)
+    succs: list[list[int]] = [[] for _ in shape]
     for i, p in enumerate(preds):
         for j in p:
             succs[j].append(i)
@@ -182,45 +223,50 @@ def _structure(names: tuple[tuple[str, tuple[str, ...]], ...]
         seen.setdefault(i)
         for j in p:
             seen.setdefault(j)
-    return tuple(order), preds, tuple(seen)
+    order = tuple(order)
+    tasks = {o: _tasks(shape, index, order, preds, o) for o in Overlap}
+    return _Structure(order, preds, tuple(seen), MappingProxyType(tasks))
 
 
-def _compile(entries: Entries) -> _Compiled:
-    names = tuple((op.name, after) for op, after in entries)
-    order, preds, graph_order = _structure(names)
-    return _Compiled(entries, order, preds, {n: i for i, (n, _) in enumerate(names)},
-                     graph_order)
-
-
-def _tasks(p: _Compiled, overlap: Overlap, hidden_share: float) -> list[tuple[Task, Op]]:
+def _tasks(shape: tuple[_OpShape, ...], index: Mapping[str, int], order: tuple[int, ...],
+           preds: tuple[tuple[int, ...], ...], overlap: Overlap) -> _Tasks:
     """Scheduler tasks in topological, then program, order; a collective may become a blocking
     task followed by a communication-stream task."""
     last_task: dict[int, int] = {}
-    out: list[tuple[Task, Op]] = []
-    entries = p.entries
+    out: list[Task] = []
+    sources: list[tuple[int, _Source, int]] = []
+    recompute: list[bool] = []
 
-    def emit(op: Op, duration: float, streams: frozenset, preds: tuple[int, ...]) -> int:
-        kind = op.comm.value if op.comm is not None else None
-        first = op.side_stream and overlap == Overlap.inter_op
-        out.append((Task(op.name, duration, streams, preds, kind, first), op))
+    def emit(i: int, source: _Source, streams: frozenset, after: tuple[int, ...],
+             partner: int = -1) -> int:
+        name, _, _, side, rerun, kind, _ = shape[i]
+        first = side and overlap == Overlap.inter_op
+        out.append(Task(name, 0.0, streams, after, kind, first))
+        sources.append((i, source, partner))
+        recompute.append(rerun)
         return len(out) - 1
 
-    for i in p.order:
-        op = entries[i][0]
-        preds = tuple(last_task[j] for j in p.preds[i])
-        if op.kind != OpKind.comm:
-            last_task[i] = emit(op, op.duration_s, COMPUTE, preds)
-        elif overlap == Overlap.none or (overlap == Overlap.inter_op and not op.side_stream):
-            last_task[i] = emit(op, op.duration_s, BOTH, preds)
-        elif overlap == Overlap.inter_intra_op and op.fuse_with in p.index:
-            partner = entries[p.index[op.fuse_with]][0].duration_s
-            exposed = min(op.duration_s,
-                          max(0.0, op.duration_s - partner) + op.duration_s * op.fill_fraction)
-            last_task[i] = emit(op, exposed, BOTH, preds)
+    for i in order:
+        _, _, comm, side, _, _, fuse_with = shape[i]
+        after = tuple(last_task[j] for j in preds[i])
+        if not comm:
+            last_task[i] = emit(i, _Source.whole, COMPUTE, after)
+        elif overlap == Overlap.none or (overlap == Overlap.inter_op and not side):
+            last_task[i] = emit(i, _Source.whole, BOTH, after)
+        elif overlap == Overlap.inter_intra_op and fuse_with in index:
+            last_task[i] = emit(i, _Source.fused, BOTH, after, index[fuse_with])
         else:
-            blocking = emit(op, (1 - hidden_share) * op.duration_s, BOTH, preds)
-            last_task[i] = emit(op, hidden_share * op.duration_s, COMM, (blocking,))
-    return out
+            blocking = emit(i, _Source.blocking, BOTH, after)
+            last_task[i] = emit(i, _Source.hidden, COMM, (blocking,))
+    return _Tasks(task_graph(out), tuple(sources), tuple(t.comm_kind for t in out),
+                  tuple(recompute))
+
+
+def _compile(entries: Entries) -> _Compiled:
+    shape = tuple((op.name, after, op.kind == OpKind.comm, op.side_stream, op.recompute,
+                   op.comm.value if op.comm is not None else None, op.fuse_with)
+                  for op, after in entries)
+    return _Compiled(entries, _structure(shape), tuple(op.duration_s for op, _ in entries))
 
 
 @dataclass(frozen=True)
@@ -239,20 +285,34 @@ def schedule_s(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> floa
 
 
 def _run(p: _Compiled, overlap: Overlap, hidden_share: float) -> _Pass:
-    pairs = _tasks(p, overlap, hidden_share)
-    sched = list_schedule([t for t, _ in pairs])
+    tasks = p.structure.tasks[overlap]
+    d, blocking = p.durations, 1 - hidden_share
+    durations = []
+    for i, source, partner in tasks.sources:
+        match source:
+            case _Source.whole:
+                durations.append(d[i])
+            case _Source.blocking:
+                durations.append(blocking * d[i])
+            case _Source.hidden:
+                durations.append(hidden_share * d[i])
+            case _:
+                durations.append(min(d[i], max(0.0, d[i] - d[partner])
+                                     + d[i] * p.entries[i][0].fill_fraction))
+    sched = schedule(tasks.graph, durations)
     compute = recompute = 0.0
     exposed: dict[str, float] = defaultdict(float)
-    for (task, op), hidden_not in zip(pairs, sched.exposed_s, strict=True):
-        if task.comm_kind is None:
-            if op.recompute:
-                recompute += task.duration_s
+    for duration, kind, rerun, hidden_not in zip(durations, tasks.kinds, tasks.recompute,
+                                                 sched.exposed_s, strict=True):
+        if kind is None:
+            if rerun:
+                recompute += duration
             else:
-                compute += task.duration_s
-        elif op.recompute:
+                compute += duration
+        elif rerun:
             recompute += hidden_not
         else:
-            exposed[task.comm_kind] += hidden_not
+            exposed[kind] += hidden_not
     return _Pass(sched.makespan_s, compute, recompute, dict(exposed), sched.critical_path)
 
 
@@ -311,7 +371,7 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
         # with no overlap everything runs back to back: its makespan is the sum of the
         # durations, known without scheduling; schedule it only if it could win
         if best is not None and policy == Overlap.none and sum(
-                p.entries[i][0].duration_s for i in p.order) >= best.time_s:
+                p.durations[i] for i in p.structure.order) >= best.time_s:
             continue
         candidate = _run(p, policy, hidden_share)
         if best is None or candidate.time_s < best.time_s:
@@ -322,7 +382,7 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
 def _region_s(fwd: _Compiled, bwd: _Compiled) -> dict[str, float]:
     out = dict.fromkeys((k for c in LAYER_REGIONS for k in (c.value, f"{c.value}_bwd")), 0.0)
     for p, backward in ((fwd, False), (bwd, True)):
-        for i in p.graph_order:
+        for i in p.structure.graph_order:
             op = p.entries[i][0]
             region = TIMER_OF[op.operator]
             if region in LAYER_REGIONS:
