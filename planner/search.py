@@ -29,7 +29,7 @@ from pydantic import ValidationError
 import cost_models
 from cost_models import Evaluation, StageCosts
 from cost_models.grad_sync import grad_sync
-from cost_models.memory import memory_capacity_bytes
+from cost_models.memory import grad_bytes_per_param, memory_capacity_bytes
 from cost_models.params import StageParams, part_params
 from cost_models.pipeline import (
     exposed_p2p_s,
@@ -671,23 +671,31 @@ def _least_recompute(options) -> Recompute:
 def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy),
                    recompute: Recompute | None = None) -> StageCosts:
     """Stage costs no option of a layout beats at ``recompute`` (by default the least
-    recomputation of ``options``): each the least over the dispatchers, their overlap levels
-    (_overlap_levels, judged as _option_groups judges them) and the sync precisions (the
-    gradients accumulate in theirs), under the faster loss (_loss_order)."""
+    recomputation of ``options``): each the least over the dispatchers and their overlap
+    levels (_overlap_levels, judged as _option_groups judges them), at the sync precision
+    whose gradients accumulate in the fewest bytes (_leanest_accumulation), under the faster
+    loss (_loss_order)."""
     fastest = set()
     for d in dict.fromkeys(o[0] for o in options):
         mine = [o for o in options if o[0] == d]
         least = _least_recompute(mine)
-        syncs = dict.fromkeys(o[3] for o in mine)
+        sync = _leanest_accumulation(o[3] for o in mine)
         fastest |= {(d, overlap, recompute or least, sync)
-                    for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)
-                    for sync in syncs}
+                    for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)}
     loss = {"cross_entropy": _loss_order(plan, losses)[0]}
     costs = [cost_models.stage_costs(_with_option(plan, o, **loss)) for o in fastest]
     return StageCosts(*(min(getattr(c, f) for c in costs) for f in _STAGE_COST_FIELDS))
 
 
 _STAGE_COST_FIELDS = tuple(f.name for f in fields(StageCosts))
+
+
+def _leanest_accumulation(syncs) -> Precision:
+    """Of the sync precisions ``syncs``, the first whose gradients accumulate in the fewest
+    bytes: the sync precision changes a plan's stage costs only through the bytes its
+    gradient accumulation moves (cost_models.evaluate.stage_costs), which grow with
+    grad_bytes_per_param, so its stage costs are the least in every field."""
+    return min(syncs, key=grad_bytes_per_param)
 
 
 def _exposed_sync_floor(plan: Plan, options) -> float:
