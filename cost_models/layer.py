@@ -40,6 +40,8 @@ from cost_models.layer_graph import (
     experts_path,
     forward_entries,
     graph_of,
+    priced_on,
+    waits_on_host,
 )
 from cost_models.params import pinned_expert_gemm
 from cost_models.schedule import Stream, Task, TaskGraph, schedule, task_graph
@@ -334,9 +336,30 @@ def _forward_key(key: LayerKey) -> LayerKey:
 
 @lru_cache(maxsize=4096)
 def _forward(key: LayerKey, overlap: Overlap) -> _Compiled:
-    """The forward pass of ``layer_graphs`` (``key`` from _forward_key)."""
+    """The forward pass of ``layer_graphs`` (``key`` from _forward_key): built once on the
+    part of the cluster its compute operators read (_compute_part) and its collectives priced
+    on the key's cluster (layer_graph.priced_on), unless its host wait reads them."""
+    if waits_on_host(key):
+        return _built(key, overlap)
+    built = _built(replace(key, cluster=_compute_part(key.cluster)), overlap)
+    entries = priced_on(built.entries, key.cluster)
+    return _Compiled(entries, built.structure, tuple(op.duration_s for op, _ in entries))
+
+
+@lru_cache(maxsize=4096)
+def _built(key: LayerKey, overlap: Overlap) -> _Compiled:
+    """The forward pass of ``key`` built on its cluster."""
     return _compile(forward_entries(key, moe_chunks(overlap, key.ffn, key.ep),
                                     ulysses_chunks(overlap, key.attention, key.model, key.sp)))
+
+
+@lru_cache(maxsize=256)
+def _compute_part(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` without its bandwidths (NVLink and network), which only the collectives
+    read: the clusters that differ there share one object, so layers that differ only there
+    share their forward passes' compute operators (_forward)."""
+    node = cluster.node.model_copy(update={"nvlink_gb_s": 1.0, "nvlink_latency_us": 1.0})
+    return _one_of(cluster.model_copy(update={"node": node, "network": _NO_NETWORK}))
 
 
 @lru_cache(maxsize=4096)

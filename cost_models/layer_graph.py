@@ -175,6 +175,9 @@ class Op(NamedTuple):
     """A collective of the chunked MoE layer or of Ulysses in head groups, issued on the
     communication stream beside the other chunk's expert GEMMs or attention core (what
     Overlap.inter_op overlaps)."""
+    transfer: Transfer | None = None
+    """A forward collective's transfer, which its durations price on the key's cluster
+    (priced_on prices it on another)."""
 
     @property
     def stream(self) -> Stream:
@@ -292,7 +295,7 @@ class _Builder:
         d = vol.transfer_s(t, self.key.cluster)
         fused = fuse_with.value + at if fuse_with is not None else None
         op = Op(name.value + at, name, OpKind.comm, d, (d,), t.kind, fused, rows,
-                side_stream=side_stream)
+                side_stream=side_stream, transfer=t)
         return self.add(op, *after)
 
 
@@ -544,6 +547,30 @@ def _moe_chunks(k: LayerKey, chunks: int) -> _MoEChunks:
                   and k.ffn.capacity_factor is None else None)
     return _MoEChunks(chunks, n, local, width, gathered_tokens, t, per_expert, a2a, eager,
                       n * t if eager is ALL_GATHER else t, every_slot)
+
+
+def waits_on_host(key: LayerKey) -> bool:
+    """Whether the layer's forward holds its eager dispatch's host wait against its
+    collectives' times (_dispatch_host_wait): then whether it has the wait, and how long,
+    depends on the network."""
+    if key.dense or key.kernels != Kernels.eager:
+        return False
+    eager = _moe_chunks(key, 1).eager
+    return eager is not None and eager.host_sync
+
+
+def priced_on(entries: Entries, cluster: ClusterSpec) -> Entries:
+    """``entries`` (a forward pass's, of no host wait: waits_on_host) with their collectives
+    timed on ``cluster``, their other operators as they are: those read the cluster's GPU and
+    efficiencies alone, the collectives its NVLink and network too, so a layer built on a
+    cluster of other bandwidths is priced on this one (a what-if grid's points)."""
+    out = []
+    for op, after in entries:
+        if op.transfer is not None:
+            d = vol.transfer_s(op.transfer, cluster)
+            op = op._replace(duration_s=d, bwd=(d,))
+        out.append((op, after))
+    return tuple(out)
 
 
 def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
