@@ -707,6 +707,25 @@ DISPATCH_COMBINE_OPS = frozenset(
 dispatch and combine (plans.operators), less the host wait they are held against."""
 
 
+_ATTENTION_FFN = EPFFN()
+"""The FFN strategy in every attention block's key (_attention_key)."""
+
+
+def _attention_key(key: LayerKey) -> LayerKey:
+    """``key`` without what the attention block does not read (the FFN's axes, strategy and
+    kind, the recomputation): the layers that differ only there share it."""
+    return replace(key, ep=1, etp=1, ffn=_ATTENTION_FFN, recompute=Recompute.none, dense=False,
+                   routing_skew=1.0, recompute_modules=DEFAULT_MODULES, expert_gemm=None)
+
+
+@lru_cache(maxsize=4096)
+def _attention_entries(key: LayerKey, head_chunks: int) -> tuple[Entries, str]:
+    """The attention block's entries, the first of a forward pass, and its output."""
+    g = _Builder(key)
+    out = _attention(g, None, head_chunks)
+    return tuple(g.entries), out
+
+
 def forward_graph(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> nx.DiGraph:
     """The layer's operators; the MoE part in ``chunks`` token chunks (plans.layout.moe_chunks),
     Ulysses attention in ``head_chunks`` head groups (plans.layout.ulysses_chunks)."""
@@ -717,7 +736,8 @@ def forward_entries(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> Ent
     """The entries of ``forward_graph``."""
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
-    attn = _attention(g, None, head_chunks)
+    attention, attn = _attention_entries(_attention_key(key), head_chunks)
+    g.entries.extend(attention)
     norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
     outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
     g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs, fusable=False)
