@@ -308,6 +308,7 @@ class Session:
 
     def __init__(self) -> None:
         self._candidates: dict[tuple, list[_Candidate]] = {}
+        self._layouts: dict[tuple, list[Layout]] = {}
         self._even: dict[tuple, Plan | None] = {}
         self._refinements: dict[tuple, tuple[list, frozenset[Recompute]]] = {}
 
@@ -321,8 +322,8 @@ class Session:
     def _candidates_of(self, model, cluster, training, space: SearchSpace
                        ) -> list[_Candidate]:
         out = []
-        for layout in space.layouts(model, cluster, training):
-            options = list(space.options(layout, training))
+        for layout in self._layouts_of(model, cluster, training, space):
+            options = space.options(layout, training)
             plan = self._even_plan(model, cluster, training, layout, options[0], space)
             if plan is not None and RULES[space.target] and _layout_refused(plan,
                                                                             space.target):
@@ -332,6 +333,14 @@ class Session:
                      d.ep, d.etp)
             out.append(_Candidate(layout, options, shape, plan))
         return out
+
+    def _layouts_of(self, model, cluster, training, space: SearchSpace) -> list[Layout]:
+        """The space's layouts, listed once for the spaces that list the same ones (the
+        baseline's and the search's: SearchSpace.layout_part)."""
+        key = (model, training, cluster.gpus, cluster.nvlink_domain, space.layout_part())
+        if key not in self._layouts:
+            self._layouts[key] = list(space.layouts(model, cluster, training))
+        return self._layouts[key]
 
     def _even_plan(self, model, cluster, training, layout: Layout, option,
                    space: SearchSpace) -> Plan | None:
