@@ -37,7 +37,7 @@ from cost_models.layer_graph import (
     OpKind,
     backward_entries,
     entries_of,
-    experts_path,
+    experts_rule,
     forward_entries,
     graph_of,
     priced_on,
@@ -46,7 +46,7 @@ from cost_models.layer_graph import (
 from cost_models.params import pinned_expert_gemm
 from cost_models.schedule import Stream, Task, TaskGraph, schedule, task_graph
 from plans.enums import ExpertGemm, Target
-from plans.layout import moe_chunks, ulysses_chunks
+from plans.layout import moe_chunks, tokens_per_rank, ulysses_chunks
 from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
 from plans.plan import EPFFN, Degrees, Overlap, Plan, Recompute
 from plans.specs import ClusterSpec, NetworkSpec
@@ -129,17 +129,18 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     whichever target runs them. A dense-FFN layer reads neither the expert axes nor the FFN
     strategy (its FFN is split as attention is): its key holds none of them, so the layouts
     that differ there share it."""
-    d = plan.degrees
+    d, t = plan.degrees, plan.training
     ep, etp, ffn = (1, 1, _DENSE_FFN) if dense else (d.ep, d.etp, plan.ffn)
-    key = LayerKey(
-        plan.model, layer_cluster(plan.cluster, d, dense), plan.training.seq_len,
-        plan.training.precision, plan.micro_batch_size, d.sp, d.tp, d.cp, ep, etp,
-        plan.attention, ffn, plan.recompute, dense, plan.kernels, plan.training.routing_skew,
-        plan.recompute_modules, None if dense else pinned_expert_gemm(plan),
+    gemm = None if dense else pinned_expert_gemm(plan)
+    if gemm is None and not dense and experts_rule(
+            plan.model, tokens_per_rank(plan.micro_batch_size, t.seq_len, d.sp * d.cp * d.tp),
+            ffn, ep, etp, 1) == ExpertGemm.grouped:
+        gemm = ExpertGemm.grouped
+    return LayerKey(
+        plan.model, layer_cluster(plan.cluster, d, dense), t.seq_len, t.precision,
+        plan.micro_batch_size, d.sp, d.tp, d.cp, ep, etp, plan.attention, ffn, plan.recompute,
+        dense, plan.kernels, t.routing_skew, plan.recompute_modules, gemm,
     )
-    if key.expert_gemm is None and not dense and experts_path(key, 1) == ExpertGemm.grouped:
-        return replace(key, expert_gemm=ExpertGemm.grouped)
-    return key
 
 
 class _Source(IntEnum):

@@ -523,8 +523,14 @@ class _MoEChunks:
 def experts_path(k: LayerKey, chunks: int) -> ExpertGemm:
     """The path of the routed experts' GEMMs when a micro-batch's experts make ``chunks``
     calls: ``k.expert_gemm``, else the rule over the FFN's group (ep, or etp under expert TP)."""
-    group = k.ep if isinstance(k.ffn, EPFFN) else k.etp
-    return k.expert_gemm or expert_gemm(k.model, k.tokens, group, chunks)
+    return k.expert_gemm or experts_rule(k.model, k.tokens, k.ffn, k.ep, k.etp, chunks)
+
+
+def experts_rule(model: ModelSpec, tokens: float, ffn: FFNStrategy, ep: int, etp: int,
+                 chunks: int) -> ExpertGemm:
+    """plans.layout.expert_gemm's path for a layer of ``tokens`` tokens per rank, over the
+    FFN's group: ep, or etp under expert TP."""
+    return expert_gemm(model, tokens, ep if isinstance(ffn, EPFFN) else etp, chunks)
 
 
 def _moe_chunks(k: LayerKey, chunks: int) -> _MoEChunks:
