@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from functools import lru_cache
+from functools import cached_property, lru_cache, partial
 from types import MappingProxyType
 from typing import NamedTuple
 
@@ -36,6 +36,7 @@ from cost_models.layer_graph import (
     LayerKey,
     OpKind,
     backward_entries,
+    backward_steps,
     entries_of,
     experts_rule,
     forward_entries,
@@ -47,8 +48,8 @@ from cost_models.params import pinned_expert_gemm
 from cost_models.schedule import Stream, Task, TaskGraph, schedule, task_graph
 from plans.enums import ExpertGemm, Target
 from plans.layout import moe_chunks, tokens_per_rank, ulysses_chunks
-from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
-from plans.plan import EPFFN, Degrees, Overlap, Plan, Recompute
+from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF, LayerOperator
+from plans.plan import EPFFN, Degrees, Overlap, Plan, Recompute, RecomputeModule
 from plans.specs import ClusterSpec, NetworkSpec
 
 BOTH = frozenset(Stream)
@@ -168,42 +169,59 @@ class _Tasks(NamedTuple):
     """Per task: whether its operator is a rerun."""
 
 
+_OpShape = tuple[str, tuple[str, ...], LayerOperator, OpKind, bool, bool, str | None,
+                 str | None]
+"""What a pass's scheduling and report read of an entry besides its durations: its name,
+its predecessors' names, its operator and kind, whether it is a side-stream collective, a
+rerun, its CommKind value and its fused GEMM."""
+
+
 @dataclass(frozen=True, eq=False)
 class _Structure:
     """A pass's structure: what scheduling it reads besides its operators' durations, the
-    same for every layer of one layout shape, cluster and batch size alike (_structure)."""
+    same for every layer of one layout shape, cluster and batch size alike (_structure). A
+    value: equal to another of the same shape, hashed once."""
 
+    shape: tuple[_OpShape, ...]
+    digest: int
+    """hash(shape)."""
     order: tuple[int, ...]
     """The entries in topological order, ties in program order."""
     preds: tuple[tuple[int, ...], ...]
     """Each entry's predecessors, by index."""
-    graph_order: tuple[int, ...]
-    """The entries in the node order of their networkx graph (layer_graph.graph_of): a node
-    first named as a predecessor comes at that point."""
     tasks: Mapping[Overlap, _Tasks]
     """Its scheduler tasks under each overlap policy."""
+    regions: tuple[tuple[int, str, str], ...]
+    """The entries the runtime times (plans.TIMER_OF, plans.LAYER_REGIONS), in the node order
+    of their networkx graph (layer_graph.graph_of: a node first named as a predecessor comes
+    at that point): each with its region's name in a forward pass and in a backward one."""
+
+    def __hash__(self) -> int:
+        return self.digest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Structure) and self.shape == other.shape
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Compiled:
-    """A pass's entries (cost_models.layer_graph) with its structure as indices."""
+    """A pass: its structure, its operators' durations and its entries
+    (cost_models.layer_graph), built when first read (a report's graphs)."""
 
-    entries: Entries
     structure: _Structure
     durations: tuple[float, ...]
     """Each entry's operator's duration."""
+    build: Callable[[], Entries]
 
-
-_OpShape = tuple[str, tuple[str, ...], bool, bool, bool, str | None, str | None]
-"""What scheduling reads of an entry besides its duration: its name, its predecessors'
-names, whether it is a collective, a side-stream one, a rerun, its CommKind value and its
-fused GEMM."""
+    @cached_property
+    def entries(self) -> Entries:
+        return self.build()
 
 
 @lru_cache(maxsize=4096)
 def _structure(shape: tuple[_OpShape, ...]) -> _Structure:
-    """The order, predecessors, graph order and tasks of _Compiled, from each entry's shape
-    (Kahn's algorithm with a heap on the program index)."""
+    """The order, predecessors, tasks and regions of a pass, from each entry's shape (Kahn's
+    algorithm with a heap on the program index)."""
     index = {n: i for i, (n, *_) in enumerate(shape)}
     preds = tuple(tuple(index[a] for a in after) for _, after, *_ in shape)
     succs: list[list[int]] = [[] for _ in shape]
@@ -226,9 +244,15 @@ def _structure(shape: tuple[_OpShape, ...]) -> _Structure:
         seen.setdefault(i)
         for j in p:
             seen.setdefault(j)
+    regions = []
+    for i in seen:
+        _, _, operator, _, _, rerun, _, _ = shape[i]
+        region = TIMER_OF[operator]
+        if region in LAYER_REGIONS:
+            regions.append((i, region.value, region.value if rerun else f"{region.value}_bwd"))
     order = tuple(order)
     tasks = {o: _tasks(shape, index, order, preds, o) for o in Overlap}
-    return _Structure(order, preds, tuple(seen), MappingProxyType(tasks))
+    return _Structure(shape, hash(shape), order, preds, MappingProxyType(tasks), tuple(regions))
 
 
 def _tasks(shape: tuple[_OpShape, ...], index: Mapping[str, int], order: tuple[int, ...],
@@ -242,7 +266,7 @@ def _tasks(shape: tuple[_OpShape, ...], index: Mapping[str, int], order: tuple[i
 
     def emit(i: int, source: _Source, streams: frozenset, after: tuple[int, ...],
              partner: int = -1) -> int:
-        name, _, _, side, rerun, kind, _ = shape[i]
+        name, _, _, _, side, rerun, kind, _ = shape[i]
         first = side and overlap == Overlap.inter_op
         out.append(Task(name, 0.0, streams, after, kind, first))
         sources.append((i, source, partner))
@@ -250,9 +274,9 @@ def _tasks(shape: tuple[_OpShape, ...], index: Mapping[str, int], order: tuple[i
         return len(out) - 1
 
     for i in order:
-        _, _, comm, side, _, _, fuse_with = shape[i]
+        _, _, _, kind, side, _, _, fuse_with = shape[i]
         after = tuple(last_task[j] for j in preds[i])
-        if not comm:
+        if kind != OpKind.comm:
             last_task[i] = emit(i, _Source.whole, COMPUTE, after)
         elif overlap == Overlap.none or (overlap == Overlap.inter_op and not side):
             last_task[i] = emit(i, _Source.whole, BOTH, after)
@@ -266,10 +290,36 @@ def _tasks(shape: tuple[_OpShape, ...], index: Mapping[str, int], order: tuple[i
 
 
 def _compile(entries: Entries) -> _Compiled:
-    shape = tuple((op.name, after, op.kind == OpKind.comm, op.side_stream, op.recompute,
+    shape = tuple((op.name, after, op.operator, op.kind, op.side_stream, op.recompute,
                    op.comm.value if op.comm is not None else None, op.fuse_with)
                   for op, after in entries)
-    return _Compiled(entries, _structure(shape), tuple(op.duration_s for op, _ in entries))
+    return _Compiled(_structure(shape), tuple(op.duration_s for op, _ in entries),
+                     lambda: entries)
+
+
+class _Backward(NamedTuple):
+    """A backward pass derived from its forward pass's structure (_backward_of)."""
+
+    structure: _Structure
+    sources: tuple[tuple[int, int], ...]
+    """Per entry: its forward operator's index, which of its durations it takes
+    (layer_graph.BackwardStep.duration)."""
+
+
+@lru_cache(maxsize=4096)
+def _backward_of(fwd: _Structure, policy: Recompute, autograd_nodes: bool,
+                 modules: tuple[RecomputeModule, ...]) -> _Backward:
+    """The structure of layer_graph.backward_entries of a forward pass of structure ``fwd``."""
+    steps = backward_steps(tuple((name, operator, kind, fuse_with, after)
+                                 for name, after, operator, kind, *_, fuse_with in fwd.shape),
+                           policy, autograd_nodes, modules)
+    shape = []
+    for step in steps:
+        _, _, operator, kind, side, _, comm, _ = fwd.shape[step.forward]
+        shape.append((step.name, step.after, operator, kind, side, step.rerun, comm,
+                      step.fuse_with))
+    return _Backward(_structure(tuple(shape)),
+                     tuple((step.forward, step.duration) for step in steps))
 
 
 @dataclass(frozen=True)
@@ -344,7 +394,8 @@ def _forward(key: LayerKey, overlap: Overlap) -> _Compiled:
         return _built(key, overlap)
     built = _built(replace(key, cluster=_compute_part(key.cluster)), overlap)
     entries = priced_on(built.entries, key.cluster)
-    return _Compiled(entries, built.structure, tuple(op.duration_s for op, _ in entries))
+    return _Compiled(built.structure, tuple(op.duration_s for op, _ in entries),
+                     lambda: entries)
 
 
 @lru_cache(maxsize=4096)
@@ -365,11 +416,17 @@ def _compute_part(cluster: ClusterSpec) -> ClusterSpec:
 
 @lru_cache(maxsize=4096)
 def _backward(key: LayerKey, overlap: Overlap) -> _Compiled:
-    """The backward pass of ``layer_graphs``."""
-    fwd = _forward(_forward_key(key), overlap).entries
-    return _compile(backward_entries(fwd, key.recompute,
-                                     autograd_nodes=overlap == Overlap.inter_op,
-                                     modules=key.recompute_modules))
+    """The backward pass of ``layer_graphs``: its structure derived once per forward pass's
+    (_backward_of), its durations the forward operators'."""
+    fwd = _forward(_forward_key(key), overlap)
+    autograd_nodes = overlap == Overlap.inter_op
+    derived = _backward_of(fwd.structure, key.recompute, autograd_nodes, key.recompute_modules)
+    ops = fwd.entries
+    durations = tuple(ops[i][0].duration_s if which == 0 else ops[i][0].bwd[which - 1]
+                      for i, which in derived.sources)
+    return _Compiled(derived.structure, durations,
+                     partial(backward_entries, ops, key.recompute, autograd_nodes,
+                             key.recompute_modules))
 
 
 def layer_graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGraph]:
@@ -405,13 +462,10 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
 
 def _region_s(fwd: _Compiled, bwd: _Compiled) -> dict[str, float]:
     out = dict.fromkeys((k for c in LAYER_REGIONS for k in (c.value, f"{c.value}_bwd")), 0.0)
-    for p, backward in ((fwd, False), (bwd, True)):
-        for i in p.structure.graph_order:
-            op = p.entries[i][0]
-            region = TIMER_OF[op.operator]
-            if region in LAYER_REGIONS:
-                key = f"{region.value}_bwd" if backward and not op.recompute else region.value
-                out[key] += op.duration_s
+    for i, region, _ in fwd.structure.regions:
+        out[region] += fwd.durations[i]
+    for i, _, region in bwd.structure.regions:
+        out[region] += bwd.durations[i]
     return out
 
 

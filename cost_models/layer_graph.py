@@ -826,6 +826,31 @@ def shape_of(entries: Entries) -> Shape:
     return tuple((op.name, op.operator, op.kind, op.fuse_with, after) for op, after in entries)
 
 
+class BackwardStep(NamedTuple):
+    """One operator of backward_entries, without its durations."""
+
+    forward: int
+    """The index of its forward operator."""
+    duration: int
+    """Which of that operator's durations it takes: 0 its own (a collective reversed, a
+    rerun), 1 and 2 its ``bwd`` ones (a data and a weight gradient, or a gradient)."""
+    name: str
+    fuse_with: str | None
+    after: tuple[str, ...]
+    rerun: bool
+
+
+@lru_cache(maxsize=2048)
+def backward_steps(shape: Shape, policy: Recompute, autograd_nodes: bool,
+                   modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
+                   ) -> tuple[BackwardStep, ...]:
+    """backward_entries' operators, from the forward pass's shape (shape_of)."""
+    source = {_Grad.comm: 0, _Grad.rerun: 0, _Grad.dgrad: 1, _Grad.wgrad: 2, _Grad.bwd: 1}
+    return tuple(BackwardStep(i, source[grad], name, fuse, after, grad == _Grad.rerun)
+                 for i, grad, name, fuse, after in _backward_steps(shape, policy,
+                                                                   autograd_nodes, modules))
+
+
 def backward_entries(fwd: Entries, policy: Recompute, autograd_nodes: bool = False,
                      modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> Entries:
     """Gradients in reverse program order, plus reruns of recomputed forward operators.
@@ -835,18 +860,11 @@ def backward_entries(fwd: Entries, policy: Recompute, autograd_nodes: bool = Fal
     data gradient, on either stream, also waits for its weight gradient; without, the weight
     gradient waits for nothing downstream (a hand-scheduled layer, paper Sec. 4.1)."""
     out = []
-    for i, grad, name, fuse, after in _backward_steps(shape_of(fwd), policy, autograd_nodes,
-                                                      modules):
-        op = fwd[i][0]
-        match grad:
-            case _Grad.comm | _Grad.rerun:
-                seconds = op.duration_s
-            case _Grad.wgrad:
-                seconds = op.bwd[1]
-            case _:
-                seconds = op.bwd[0]
-        out.append((Op(name, op.operator, op.kind, seconds, op.bwd, op.comm, fuse, op.fuse_rows,
-                       grad == _Grad.rerun, op.side_stream), after))
+    for step in backward_steps(shape_of(fwd), policy, autograd_nodes, modules):
+        op = fwd[step.forward][0]
+        seconds = op.duration_s if step.duration == 0 else op.bwd[step.duration - 1]
+        out.append((Op(step.name, op.operator, op.kind, seconds, op.bwd, op.comm, step.fuse_with,
+                       op.fuse_rows, step.rerun, op.side_stream), step.after))
     return tuple(out)
 
 

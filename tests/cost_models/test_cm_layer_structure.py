@@ -18,8 +18,9 @@ CASES = [
 
 
 def _clear():
-    for cache in (layer._forward, layer._built, layer._backward, layer._forward_pass,
-                  layer_timing_for, layer._structure, lg._backward_steps):
+    for cache in (layer._forward, layer._built, layer._backward, layer._backward_of,
+                  layer._forward_pass, layer_timing_for, layer._structure, lg.backward_steps,
+                  lg._backward_steps):
         cache.cache_clear()
 
 
