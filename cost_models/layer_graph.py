@@ -744,10 +744,38 @@ def forward_entries(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> Ent
     h, t = key.model.hidden, key.tokens
     attention, attn = _attention_entries(_attention_key(key), head_chunks)
     g.entries.extend(attention)
-    norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
-    outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
+    if key.dense:
+        outs = (_dense_ffn(g, _ffn_norm(g, attn)),)
+    else:
+        ffn, outs = _moe_entries(_moe_key(key), attn, chunks)
+        g.entries.extend(ffn)
     g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs, fusable=False)
     return tuple(g.entries)
+
+
+def _ffn_norm(g: _Builder, attn: str) -> str:
+    h, t = g.key.model.hidden, g.key.tokens
+    return g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
+
+
+_MOE_ATTENTION = UlyssesAttention()
+"""The attention strategy in every MoE block's key (_moe_key)."""
+
+
+def _moe_key(key: LayerKey) -> LayerKey:
+    """``key`` without what an MoE layer's FFN block does not read: the attention strategy and
+    how its group splits the tokens (the block reads the tokens per rank, sp x cp x tp's
+    product), so the layers that differ only there share it."""
+    return replace(key, sp=key.sp * key.cp * key.tp, tp=1, cp=1, attention=_MOE_ATTENTION)
+
+
+@lru_cache(maxsize=4096)
+def _moe_entries(key: LayerKey, attn: str, chunks: int) -> tuple[Entries, tuple[str, ...]]:
+    """An MoE layer's FFN block after the attention block's output ``attn``: its norm, router,
+    dispatch, experts and combine; and its outputs."""
+    g = _Builder(key)
+    outs = _moe_ffn(g, _ffn_norm(g, attn), chunks)
+    return tuple(g.entries), outs
 
 
 # ---- backward -----------------------------------------------------------------------------------
