@@ -76,6 +76,10 @@ class TaskGraph(NamedTuple):
     """``not first``: the first part of a task's rank."""
     compute_only: bool
     """Every task holds the compute stream."""
+    edges: tuple[tuple[int, int], ...]
+    """(task, predecessor) from the last task to the first: the bottom levels' order."""
+    computing: tuple[int, ...]
+    """The tasks on the compute stream alone."""
 
 
 def task_graph(tasks: Sequence[Task]) -> TaskGraph:
@@ -88,7 +92,9 @@ def task_graph(tasks: Sequence[Task]) -> TaskGraph:
                      tuple(map(tuple, successors)),
                      tuple(t.comm_kind is not None for t in tasks),
                      tuple(not t.first for t in tasks),
-                     all(lane[0] == 0 for lane in lanes))
+                     all(lane[0] == 0 for lane in lanes),
+                     tuple((i, p) for i in reversed(range(len(tasks))) for p in tasks[i].preds),
+                     tuple(i for i, lane in enumerate(lanes) if lane == _COMPUTE_LANE))
 
 
 def list_schedule(tasks: Sequence[Task]) -> Schedule:
@@ -105,7 +111,10 @@ def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
     free = [0.0] * len(Stream)
     last_on: list[int | None] = [None] * len(Stream)
     waiting = [len(p) for p in preds]
-    level = _bottom_levels(preds, durations)
+    level = list(durations)  # the longest path from each task's start to the graph's end
+    for i, p in graph.edges:
+        if durations[p] + level[i] > level[p]:
+            level[p] = durations[p] + level[i]
     # among tasks that can start at the same time: first, then the longest remaining path,
     # then program order (the least key)
     rank = [(later, -lv, i) for i, (later, lv) in enumerate(zip(graph.later, level, strict=True))]
@@ -113,17 +122,6 @@ def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
     after = [0.0] * n
     after_cause: list[int | None] = [None] * n
     ready = [i for i in range(n) if not waiting[i]]
-
-    def done(i: int) -> None:  # task i finished: the successors it was the last wait of
-        for j in successors[i]:
-            waiting[j] -= 1
-            if not waiting[j]:
-                at, why = 0.0, None
-                for p in preds[j]:
-                    if finish[p] > at:
-                        at, why = finish[p], p
-                after[j], after_cause[j] = at, why
-                ready.append(j)
 
     if graph.compute_only:
         # every task holds the compute stream: they run back to back, each ready task could
@@ -137,10 +135,15 @@ def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
             start[i], cause[i] = now, last if now > after[i] else after_cause[i]
             finish[i] = now = now + durations[i]
             last = i
-            done(i)
-            for j in ready:
-                heapq.heappush(heap, rank[j])
-            ready.clear()
+            for j in successors[i]:  # the successors i was the last wait of
+                waiting[j] -= 1
+                if not waiting[j]:
+                    at, why = 0.0, None
+                    for p in preds[j]:
+                        if finish[p] > at:
+                            at, why = finish[p], p
+                    after[j], after_cause[j] = at, why
+                    heapq.heappush(heap, rank[j])
     while ready:
         best = best_cause = None
         best_start = 0.0
@@ -155,13 +158,19 @@ def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
         finish[best] = end = best_start + durations[best]
         cause[best] = best_cause
         ready.remove(best)
-        done(best)
+        for j in successors[best]:  # the successors best was the last wait of
+            waiting[j] -= 1
+            if not waiting[j]:
+                at, why = 0.0, None
+                for p in preds[j]:
+                    if finish[p] > at:
+                        at, why = finish[p], p
+                after[j], after_cause[j] = at, why
+                ready.append(j)
         for s in lanes[best]:
             free[s] = end
             last_on[s] = best
-    compute_busy = sorted(
-        (start[i], finish[i]) for i in range(n) if lanes[i] == _COMPUTE_LANE
-    )
+    compute_busy = sorted((start[i], finish[i]) for i in graph.computing)
     busy_ends = [b1 for _, b1 in compute_busy]
     exposed = tuple(
         _uncovered(start[i], finish[i], compute_busy, busy_ends) if comm else 0.0
@@ -176,16 +185,6 @@ _COMPUTE_LANE = (0,)
 _LANES = {frozenset({Stream.compute}): _COMPUTE_LANE, frozenset({Stream.comm}): (1,),
           frozenset(Stream): (0, 1)}
 """A task's streams as the indices of the scheduler's lanes, the compute stream first."""
-
-
-def _bottom_levels(preds: Sequence[tuple[int, ...]], durations: Sequence[float]
-                   ) -> list[float]:
-    """Longest path from each task's start to the end of the graph."""
-    level = list(durations)
-    for i in range(len(preds) - 1, -1, -1):
-        for p in preds[i]:
-            level[p] = max(level[p], durations[p] + level[i])
-    return level
 
 
 def _critical_path(
