@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
 from types import MappingProxyType
+from typing import NamedTuple
 
 from cost_models import megatron
 from cost_models import pipeline as pl
@@ -141,11 +142,10 @@ def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
     return pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp), head
 
 
-def _accumulate_s(params: float, plan: Plan) -> float:
+def _accumulate_s(params: float, per_param: float, plan: Plan) -> float:
     """Adding one micro-batch's gradients of ``params`` weights into the main-gradient buffers
-    in a separate pass: read the bf16 gradient, read and write the main gradient (on the
-    compute stream)."""
-    per_param = WEIGHT_BYTES + 2 * grad_bytes_per_param(plan.grad_sync_precision)
+    in a separate pass, ``per_param`` bytes each (_accumulations_s): read the bf16 gradient,
+    read and write the main gradient (on the compute stream)."""
     return memory_s(params * per_param, plan.cluster)
 
 
@@ -155,34 +155,47 @@ def _chunk_accumulate_s(params: float, plan: Plan) -> float:
     return memory_s(params * 3 * WEIGHT_BYTES, plan.cluster)
 
 
-def _grad_accumulation_s(params: StageParams, plan: Plan, edge: bool = False) -> float:
-    """One micro-batch's gradient accumulation over ``params`` in separate passes. With
+class _Accumulations(NamedTuple):
+    """One micro-batch's gradient accumulation of one MoE layer, one dense-FFN layer, the
+    embedding and the LM head (_accumulations_s)."""
+
+    moe_layer: float
+    dense_layer: float
+    embedding: float
+    head: float
+
+
+def _accumulations_s(plan: Plan) -> _Accumulations:
+    """One micro-batch's gradient accumulation in separate passes, part by part. With
     gradient-accumulation fusion (runtime.parallel.grad_accumulation) the blocks' dense weights
     accumulate inside their GEMMs (their norms' few weights aside), and so do the routed
-    experts where ``experts_in_gemm``; the embedding and LM head (``edge``) never do. A chunked
-    MoE layer (inter-operator overlap) computes its experts' weight gradients once per chunk:
-    chunks - 1 more passes over them (plans.layout.moe_chunks) unless they accumulate in the
-    GEMM."""
+    experts where ``experts_in_gemm``; the embedding and LM head never do. A chunked MoE layer
+    (inter-operator overlap) computes its experts' weight gradients once per chunk: chunks - 1
+    more passes over them (plans.layout.moe_chunks) unless they accumulate in the GEMM."""
+    parts = part_params(plan.model, plan.degrees)
     fused = plan.grad_accumulation_fusion
-    dense = params.dense if edge or not fused else 0.0
-    if experts_in_gemm(plan):
-        return _accumulate_s(dense, plan)
-    chunks = megatron.moe_chunks(plan)
-    return (_accumulate_s(dense + params.expert, plan)
-            + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
+    in_gemm = experts_in_gemm(plan)
+    chunks = 1 if in_gemm else megatron.moe_chunks(plan)
+    per_param = WEIGHT_BYTES + 2 * grad_bytes_per_param(plan.grad_sync_precision)
+
+    def of(params: StageParams, edge: bool) -> float:
+        dense = params.dense if edge or not fused else 0.0
+        if in_gemm:
+            return _accumulate_s(dense, per_param, plan)
+        return (_accumulate_s(dense + params.expert, per_param, plan)
+                + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
+
+    return _Accumulations(of(parts.moe_layer, False), of(parts.dense_layer, False),
+                          of(parts.embedding, True), of(parts.head, True))
 
 
 def _stage_accumulations_s(plan: Plan) -> list[float]:
     """One micro-batch's gradient accumulation per stage: its layers', the embedding's on
     the first stage, the LM head's on the last."""
-    parts = part_params(plan.model, plan.degrees)
-    moe_s = _grad_accumulation_s(parts.moe_layer, plan)
-    dense_s = _grad_accumulation_s(parts.dense_layer, plan)
-    embedding_s = _grad_accumulation_s(parts.embedding, plan, edge=True)
-    head_s = _grad_accumulation_s(parts.head, plan, edge=True)
+    acc = _accumulations_s(plan)
     last = plan.degrees.pp - 1
-    return [n_moe * moe_s + n_dense * dense_s + (embedding_s if stage == 0 else 0.0)
-            + (head_s if stage == last else 0.0)
+    return [n_moe * acc.moe_layer + n_dense * acc.dense_layer
+            + (acc.embedding if stage == 0 else 0.0) + (acc.head if stage == last else 0.0)
             for stage, (n_moe, n_dense) in enumerate(
                 stage_layer_counts(plan.model, plan.stage_layers, plan.degrees.pp))]
 
@@ -190,15 +203,15 @@ def _stage_accumulations_s(plan: Plan) -> list[float]:
 def stage_costs(plan: Plan) -> StageCosts:
     moe, dense = _timings(plan)
     emb, head = _edges(plan)
-    parts = part_params(plan.model, plan.degrees)
+    acc = _accumulations_s(plan)
     host_moe, host_dense = _host_waits(plan, moe, dense)
-    moe_s = moe.total_s + sum(host_moe) + _grad_accumulation_s(parts.moe_layer, plan)
-    dense_s = dense.total_s + sum(host_dense) + _grad_accumulation_s(parts.dense_layer, plan)
+    moe_s = moe.total_s + sum(host_moe) + acc.moe_layer
+    dense_s = dense.total_s + sum(host_dense) + acc.dense_layer
     mtp_s = plan.model.mtp_layers * (moe_s if plan.model.mtp_layer_is_moe else dense_s)
     return StageCosts(
         moe_s, dense_s,
-        emb.total_s + _grad_accumulation_s(parts.embedding, plan, edge=True),
-        head.total_s + _grad_accumulation_s(parts.head, plan, edge=True) + mtp_s,
+        emb.total_s + acc.embedding,
+        head.total_s + acc.head + mtp_s,
         pl.p2p_transfer_s(plan),
     )
 

@@ -22,30 +22,34 @@ from __future__ import annotations
 
 import heapq
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from enum import IntEnum
+from functools import cached_property, lru_cache, partial
 from types import MappingProxyType
+from typing import NamedTuple
 
 import networkx as nx
 
 from cost_models.layer_graph import (
     Entries,
     LayerKey,
-    Op,
     OpKind,
     backward_entries,
+    backward_steps,
     entries_of,
-    experts_path,
+    experts_rule,
     forward_entries,
     graph_of,
+    priced_on,
+    waits_on_host,
 )
 from cost_models.params import pinned_expert_gemm
-from cost_models.schedule import Stream, Task, list_schedule
+from cost_models.schedule import Stream, Task, TaskGraph, schedule, task_graph
 from plans.enums import ExpertGemm, Target
-from plans.layout import moe_chunks, ulysses_chunks
-from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF
-from plans.plan import EPFFN, Degrees, Overlap, Plan, Recompute
+from plans.layout import moe_chunks, tokens_per_rank, ulysses_chunks
+from plans.operators import DEFAULT_MODULES, LAYER_REGIONS, TIMER_OF, LayerOperator
+from plans.plan import EPFFN, Degrees, Overlap, Plan, Recompute, RecomputeModule
 from plans.specs import ClusterSpec, NetworkSpec
 
 BOTH = frozenset(Stream)
@@ -126,43 +130,101 @@ def layer_key(plan: Plan, dense: bool = False) -> LayerKey:
     whichever target runs them. A dense-FFN layer reads neither the expert axes nor the FFN
     strategy (its FFN is split as attention is): its key holds none of them, so the layouts
     that differ there share it."""
-    d = plan.degrees
+    d, t = plan.degrees, plan.training
     ep, etp, ffn = (1, 1, _DENSE_FFN) if dense else (d.ep, d.etp, plan.ffn)
-    key = LayerKey(
-        plan.model, layer_cluster(plan.cluster, d, dense), plan.training.seq_len,
-        plan.training.precision, plan.micro_batch_size, d.sp, d.tp, d.cp, ep, etp,
-        plan.attention, ffn, plan.recompute, dense, plan.kernels, plan.training.routing_skew,
-        plan.recompute_modules, None if dense else pinned_expert_gemm(plan),
+    gemm = None if dense else pinned_expert_gemm(plan)
+    if gemm is None and not dense and experts_rule(
+            plan.model, tokens_per_rank(plan.micro_batch_size, t.seq_len, d.sp * d.cp * d.tp),
+            ffn, ep, etp, 1) == ExpertGemm.grouped:
+        gemm = ExpertGemm.grouped
+    return LayerKey(
+        plan.model, layer_cluster(plan.cluster, d, dense), t.seq_len, t.precision,
+        plan.micro_batch_size, d.sp, d.tp, d.cp, ep, etp, plan.attention, ffn, plan.recompute,
+        dense, plan.kernels, t.routing_skew, plan.recompute_modules, gemm,
     )
-    if key.expert_gemm is None and not dense and experts_path(key, 1) == ExpertGemm.grouped:
-        return replace(key, expert_gemm=ExpertGemm.grouped)
-    return key
 
 
-@dataclass(frozen=True)
-class _Compiled:
-    """A pass's entries (cost_models.layer_graph) with its structure as indices."""
+class _Source(IntEnum):
+    """Where a scheduler task's duration comes from (_Tasks)."""
 
-    entries: Entries
+    whole = 0
+    """Its operator's duration."""
+    blocking = 1
+    """The share of an overlappable collective no compute hides, ``1 - hidden_share``."""
+    hidden = 2
+    """The rest of it, on the communication stream."""
+    fused = 3
+    """A collective fused with its GEMM at tile level: what the GEMM does not cover."""
+
+
+class _Tasks(NamedTuple):
+    """A pass's scheduler tasks under one overlap policy, without their durations (_tasks)."""
+
+    graph: TaskGraph
+    sources: tuple[tuple[int, _Source, int], ...]
+    """Per task: its entry, where its duration comes from, the fused GEMM's entry (or -1)."""
+    kinds: tuple[str | None, ...]
+    """Per task: the CommKind value of a communication task."""
+    recompute: tuple[bool, ...]
+    """Per task: whether its operator is a rerun."""
+
+
+_OpShape = tuple[str, tuple[str, ...], LayerOperator, OpKind, bool, bool, str | None,
+                 str | None]
+"""What a pass's scheduling and report read of an entry besides its durations: its name,
+its predecessors' names, its operator and kind, whether it is a side-stream collective, a
+rerun, its CommKind value and its fused GEMM."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Structure:
+    """A pass's structure: what scheduling it reads besides its operators' durations, the
+    same for every layer of one layout shape, cluster and batch size alike (_structure). A
+    value: equal to another of the same shape, hashed once."""
+
+    shape: tuple[_OpShape, ...]
+    digest: int
+    """hash(shape)."""
     order: tuple[int, ...]
     """The entries in topological order, ties in program order."""
     preds: tuple[tuple[int, ...], ...]
     """Each entry's predecessors, by index."""
-    index: Mapping[str, int]
-    """Each operator's entry by name."""
-    graph_order: tuple[int, ...]
-    """The entries in the node order of their networkx graph (layer_graph.graph_of): a node
-    first named as a predecessor comes at that point."""
+    tasks: Mapping[Overlap, _Tasks]
+    """Its scheduler tasks under each overlap policy."""
+    regions: tuple[tuple[int, str, str], ...]
+    """The entries the runtime times (plans.TIMER_OF, plans.LAYER_REGIONS), in the node order
+    of their networkx graph (layer_graph.graph_of: a node first named as a predecessor comes
+    at that point): each with its region's name in a forward pass and in a backward one."""
+
+    def __hash__(self) -> int:
+        return self.digest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Structure) and self.shape == other.shape
+
+
+@dataclass(frozen=True, eq=False)
+class _Compiled:
+    """A pass: its structure, its operators' durations and its entries
+    (cost_models.layer_graph), built when first read (a report's graphs)."""
+
+    structure: _Structure
+    durations: tuple[float, ...]
+    """Each entry's operator's duration."""
+    build: Callable[[], Entries]
+
+    @cached_property
+    def entries(self) -> Entries:
+        return self.build()
 
 
 @lru_cache(maxsize=4096)
-def _structure(names: tuple[tuple[str, tuple[str, ...]], ...]
-               ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """The order, predecessors and graph order of _Compiled, from each entry's name and
-    predecessors' names (Kahn's algorithm with a heap on the program index)."""
-    index = {n: i for i, (n, _) in enumerate(names)}
-    preds = tuple(tuple(index[a] for a in after) for _, after in names)
-    succs: list[list[int]] = [[] for _ in names]
+def _structure(shape: tuple[_OpShape, ...]) -> _Structure:
+    """The order, predecessors, tasks and regions of a pass, from each entry's shape (Kahn's
+    algorithm with a heap on the program index)."""
+    index = {n: i for i, (n, *_) in enumerate(shape)}
+    preds = tuple(tuple(index[a] for a in after) for _, after, *_ in shape)
+    succs: list[list[int]] = [[] for _ in shape]
     for i, p in enumerate(preds):
         for j in p:
             succs[j].append(i)
@@ -182,45 +244,82 @@ def _structure(names: tuple[tuple[str, tuple[str, ...]], ...]
         seen.setdefault(i)
         for j in p:
             seen.setdefault(j)
-    return tuple(order), preds, tuple(seen)
+    regions = []
+    for i in seen:
+        _, _, operator, _, _, rerun, _, _ = shape[i]
+        region = TIMER_OF[operator]
+        if region in LAYER_REGIONS:
+            regions.append((i, region.value, region.value if rerun else f"{region.value}_bwd"))
+    order = tuple(order)
+    tasks = {o: _tasks(shape, index, order, preds, o) for o in Overlap}
+    return _Structure(shape, hash(shape), order, preds, MappingProxyType(tasks), tuple(regions))
 
 
-def _compile(entries: Entries) -> _Compiled:
-    names = tuple((op.name, after) for op, after in entries)
-    order, preds, graph_order = _structure(names)
-    return _Compiled(entries, order, preds, {n: i for i, (n, _) in enumerate(names)},
-                     graph_order)
-
-
-def _tasks(p: _Compiled, overlap: Overlap, hidden_share: float) -> list[tuple[Task, Op]]:
+def _tasks(shape: tuple[_OpShape, ...], index: Mapping[str, int], order: tuple[int, ...],
+           preds: tuple[tuple[int, ...], ...], overlap: Overlap) -> _Tasks:
     """Scheduler tasks in topological, then program, order; a collective may become a blocking
     task followed by a communication-stream task."""
     last_task: dict[int, int] = {}
-    out: list[tuple[Task, Op]] = []
-    entries = p.entries
+    out: list[Task] = []
+    sources: list[tuple[int, _Source, int]] = []
+    recompute: list[bool] = []
 
-    def emit(op: Op, duration: float, streams: frozenset, preds: tuple[int, ...]) -> int:
-        kind = op.comm.value if op.comm is not None else None
-        first = op.side_stream and overlap == Overlap.inter_op
-        out.append((Task(op.name, duration, streams, preds, kind, first), op))
+    def emit(i: int, source: _Source, streams: frozenset, after: tuple[int, ...],
+             partner: int = -1) -> int:
+        name, _, _, _, side, rerun, kind, _ = shape[i]
+        first = side and overlap == Overlap.inter_op
+        out.append(Task(name, 0.0, streams, after, kind, first))
+        sources.append((i, source, partner))
+        recompute.append(rerun)
         return len(out) - 1
 
-    for i in p.order:
-        op = entries[i][0]
-        preds = tuple(last_task[j] for j in p.preds[i])
-        if op.kind != OpKind.comm:
-            last_task[i] = emit(op, op.duration_s, COMPUTE, preds)
-        elif overlap == Overlap.none or (overlap == Overlap.inter_op and not op.side_stream):
-            last_task[i] = emit(op, op.duration_s, BOTH, preds)
-        elif overlap == Overlap.inter_intra_op and op.fuse_with in p.index:
-            partner = entries[p.index[op.fuse_with]][0].duration_s
-            exposed = min(op.duration_s,
-                          max(0.0, op.duration_s - partner) + op.duration_s * op.fill_fraction)
-            last_task[i] = emit(op, exposed, BOTH, preds)
+    for i in order:
+        _, _, _, kind, side, _, _, fuse_with = shape[i]
+        after = tuple(last_task[j] for j in preds[i])
+        if kind != OpKind.comm:
+            last_task[i] = emit(i, _Source.whole, COMPUTE, after)
+        elif overlap == Overlap.none or (overlap == Overlap.inter_op and not side):
+            last_task[i] = emit(i, _Source.whole, BOTH, after)
+        elif overlap == Overlap.inter_intra_op and fuse_with in index:
+            last_task[i] = emit(i, _Source.fused, BOTH, after, index[fuse_with])
         else:
-            blocking = emit(op, (1 - hidden_share) * op.duration_s, BOTH, preds)
-            last_task[i] = emit(op, hidden_share * op.duration_s, COMM, (blocking,))
-    return out
+            blocking = emit(i, _Source.blocking, BOTH, after)
+            last_task[i] = emit(i, _Source.hidden, COMM, (blocking,))
+    return _Tasks(task_graph(out), tuple(sources), tuple(t.comm_kind for t in out),
+                  tuple(recompute))
+
+
+def _compile(entries: Entries) -> _Compiled:
+    shape = tuple((op.name, after, op.operator, op.kind, op.side_stream, op.recompute,
+                   op.comm.value if op.comm is not None else None, op.fuse_with)
+                  for op, after in entries)
+    return _Compiled(_structure(shape), tuple(op.duration_s for op, _ in entries),
+                     lambda: entries)
+
+
+class _Backward(NamedTuple):
+    """A backward pass derived from its forward pass's structure (_backward_of)."""
+
+    structure: _Structure
+    sources: tuple[tuple[int, int], ...]
+    """Per entry: its forward operator's index, which of its durations it takes
+    (layer_graph.BackwardStep.duration)."""
+
+
+@lru_cache(maxsize=4096)
+def _backward_of(fwd: _Structure, policy: Recompute, autograd_nodes: bool,
+                 modules: tuple[RecomputeModule, ...]) -> _Backward:
+    """The structure of layer_graph.backward_entries of a forward pass of structure ``fwd``."""
+    steps = backward_steps(tuple((name, operator, kind, fuse_with, after)
+                                 for name, after, operator, kind, *_, fuse_with in fwd.shape),
+                           policy, autograd_nodes, modules)
+    shape = []
+    for step in steps:
+        _, _, operator, kind, side, _, comm, _ = fwd.shape[step.forward]
+        shape.append((step.name, step.after, operator, kind, side, step.rerun, comm,
+                      step.fuse_with))
+    return _Backward(_structure(tuple(shape)),
+                     tuple((step.forward, step.duration) for step in steps))
 
 
 @dataclass(frozen=True)
@@ -239,20 +338,34 @@ def schedule_s(graph: nx.DiGraph, overlap: Overlap, hidden_share: float) -> floa
 
 
 def _run(p: _Compiled, overlap: Overlap, hidden_share: float) -> _Pass:
-    pairs = _tasks(p, overlap, hidden_share)
-    sched = list_schedule([t for t, _ in pairs])
+    tasks = p.structure.tasks[overlap]
+    d, blocking = p.durations, 1 - hidden_share
+    durations = []
+    for i, source, partner in tasks.sources:
+        match source:
+            case _Source.whole:
+                durations.append(d[i])
+            case _Source.blocking:
+                durations.append(blocking * d[i])
+            case _Source.hidden:
+                durations.append(hidden_share * d[i])
+            case _:
+                durations.append(min(d[i], max(0.0, d[i] - d[partner])
+                                     + d[i] * p.entries[i][0].fill_fraction))
+    sched = schedule(tasks.graph, durations)
     compute = recompute = 0.0
     exposed: dict[str, float] = defaultdict(float)
-    for (task, op), hidden_not in zip(pairs, sched.exposed_s, strict=True):
-        if task.comm_kind is None:
-            if op.recompute:
-                recompute += task.duration_s
+    for duration, kind, rerun, hidden_not in zip(durations, tasks.kinds, tasks.recompute,
+                                                 sched.exposed_s, strict=True):
+        if kind is None:
+            if rerun:
+                recompute += duration
             else:
-                compute += task.duration_s
-        elif op.recompute:
+                compute += duration
+        elif rerun:
             recompute += hidden_not
         else:
-            exposed[task.comm_kind] += hidden_not
+            exposed[kind] += hidden_not
     return _Pass(sched.makespan_s, compute, recompute, dict(exposed), sched.critical_path)
 
 
@@ -274,18 +387,46 @@ def _forward_key(key: LayerKey) -> LayerKey:
 
 @lru_cache(maxsize=4096)
 def _forward(key: LayerKey, overlap: Overlap) -> _Compiled:
-    """The forward pass of ``layer_graphs`` (``key`` from _forward_key)."""
+    """The forward pass of ``layer_graphs`` (``key`` from _forward_key): built once on the
+    part of the cluster its compute operators read (_compute_part) and its collectives priced
+    on the key's cluster (layer_graph.priced_on), unless its host wait reads them."""
+    if waits_on_host(key):
+        return _built(key, overlap)
+    built = _built(replace(key, cluster=_compute_part(key.cluster)), overlap)
+    entries = priced_on(built.entries, key.cluster)
+    return _Compiled(built.structure, tuple(op.duration_s for op, _ in entries),
+                     lambda: entries)
+
+
+@lru_cache(maxsize=4096)
+def _built(key: LayerKey, overlap: Overlap) -> _Compiled:
+    """The forward pass of ``key`` built on its cluster."""
     return _compile(forward_entries(key, moe_chunks(overlap, key.ffn, key.ep),
                                     ulysses_chunks(overlap, key.attention, key.model, key.sp)))
 
 
+@lru_cache(maxsize=256)
+def _compute_part(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` without its bandwidths (NVLink and network), which only the collectives
+    read: the clusters that differ there share one object, so layers that differ only there
+    share their forward passes' compute operators (_forward)."""
+    node = cluster.node.model_copy(update={"nvlink_gb_s": 1.0, "nvlink_latency_us": 1.0})
+    return _one_of(cluster.model_copy(update={"node": node, "network": _NO_NETWORK}))
+
+
 @lru_cache(maxsize=4096)
 def _backward(key: LayerKey, overlap: Overlap) -> _Compiled:
-    """The backward pass of ``layer_graphs``."""
-    fwd = _forward(_forward_key(key), overlap).entries
-    return _compile(backward_entries(fwd, key.recompute,
-                                     autograd_nodes=overlap == Overlap.inter_op,
-                                     modules=key.recompute_modules))
+    """The backward pass of ``layer_graphs``: its structure derived once per forward pass's
+    (_backward_of), its durations the forward operators'."""
+    fwd = _forward(_forward_key(key), overlap)
+    autograd_nodes = overlap == Overlap.inter_op
+    derived = _backward_of(fwd.structure, key.recompute, autograd_nodes, key.recompute_modules)
+    ops = fwd.entries
+    durations = tuple(ops[i][0].duration_s if which == 0 else ops[i][0].bwd[which - 1]
+                      for i, which in derived.sources)
+    return _Compiled(derived.structure, durations,
+                     partial(backward_entries, ops, key.recompute, autograd_nodes,
+                             key.recompute_modules))
 
 
 def layer_graphs(key: LayerKey, overlap: Overlap) -> tuple[nx.DiGraph, nx.DiGraph]:
@@ -311,7 +452,7 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
         # with no overlap everything runs back to back: its makespan is the sum of the
         # durations, known without scheduling; schedule it only if it could win
         if best is not None and policy == Overlap.none and sum(
-                p.entries[i][0].duration_s for i in p.order) >= best.time_s:
+                p.durations[i] for i in p.structure.order) >= best.time_s:
             continue
         candidate = _run(p, policy, hidden_share)
         if best is None or candidate.time_s < best.time_s:
@@ -321,13 +462,10 @@ def _best(key: LayerKey, overlap: Overlap, backward: bool) -> _Pass:
 
 def _region_s(fwd: _Compiled, bwd: _Compiled) -> dict[str, float]:
     out = dict.fromkeys((k for c in LAYER_REGIONS for k in (c.value, f"{c.value}_bwd")), 0.0)
-    for p, backward in ((fwd, False), (bwd, True)):
-        for i in p.graph_order:
-            op = p.entries[i][0]
-            region = TIMER_OF[op.operator]
-            if region in LAYER_REGIONS:
-                key = f"{region.value}_bwd" if backward and not op.recompute else region.value
-                out[key] += op.duration_s
+    for i, region, _ in fwd.structure.regions:
+        out[region] += fwd.durations[i]
+    for i, _, region in bwd.structure.regions:
+        out[region] += bwd.durations[i]
     return out
 
 

@@ -175,6 +175,9 @@ class Op(NamedTuple):
     """A collective of the chunked MoE layer or of Ulysses in head groups, issued on the
     communication stream beside the other chunk's expert GEMMs or attention core (what
     Overlap.inter_op overlaps)."""
+    transfer: Transfer | None = None
+    """A forward collective's transfer, which its durations price on the key's cluster
+    (priced_on prices it on another)."""
 
     @property
     def stream(self) -> Stream:
@@ -292,7 +295,7 @@ class _Builder:
         d = vol.transfer_s(t, self.key.cluster)
         fused = fuse_with.value + at if fuse_with is not None else None
         op = Op(name.value + at, name, OpKind.comm, d, (d,), t.kind, fused, rows,
-                side_stream=side_stream)
+                side_stream=side_stream, transfer=t)
         return self.add(op, *after)
 
 
@@ -520,8 +523,14 @@ class _MoEChunks:
 def experts_path(k: LayerKey, chunks: int) -> ExpertGemm:
     """The path of the routed experts' GEMMs when a micro-batch's experts make ``chunks``
     calls: ``k.expert_gemm``, else the rule over the FFN's group (ep, or etp under expert TP)."""
-    group = k.ep if isinstance(k.ffn, EPFFN) else k.etp
-    return k.expert_gemm or expert_gemm(k.model, k.tokens, group, chunks)
+    return k.expert_gemm or experts_rule(k.model, k.tokens, k.ffn, k.ep, k.etp, chunks)
+
+
+def experts_rule(model: ModelSpec, tokens: float, ffn: FFNStrategy, ep: int, etp: int,
+                 chunks: int) -> ExpertGemm:
+    """plans.layout.expert_gemm's path for a layer of ``tokens`` tokens per rank, over the
+    FFN's group: ep, or etp under expert TP."""
+    return expert_gemm(model, tokens, ep if isinstance(ffn, EPFFN) else etp, chunks)
 
 
 def _moe_chunks(k: LayerKey, chunks: int) -> _MoEChunks:
@@ -544,6 +553,30 @@ def _moe_chunks(k: LayerKey, chunks: int) -> _MoEChunks:
                   and k.ffn.capacity_factor is None else None)
     return _MoEChunks(chunks, n, local, width, gathered_tokens, t, per_expert, a2a, eager,
                       n * t if eager is ALL_GATHER else t, every_slot)
+
+
+def waits_on_host(key: LayerKey) -> bool:
+    """Whether the layer's forward holds its eager dispatch's host wait against its
+    collectives' times (_dispatch_host_wait): then whether it has the wait, and how long,
+    depends on the network."""
+    if key.dense or key.kernels != Kernels.eager:
+        return False
+    eager = _moe_chunks(key, 1).eager
+    return eager is not None and eager.host_sync
+
+
+def priced_on(entries: Entries, cluster: ClusterSpec) -> Entries:
+    """``entries`` (a forward pass's, of no host wait: waits_on_host) with their collectives
+    timed on ``cluster``, their other operators as they are: those read the cluster's GPU and
+    efficiencies alone, the collectives its NVLink and network too, so a layer built on a
+    cluster of other bandwidths is priced on this one (a what-if grid's points)."""
+    out = []
+    for op, after in entries:
+        if op.transfer is not None:
+            d = vol.transfer_s(op.transfer, cluster)
+            op = op._replace(duration_s=d, bwd=(d,))
+        out.append((op, after))
+    return tuple(out)
 
 
 def _moe_ffn(g: _Builder, norm: str, chunks: int) -> tuple[str, ...]:
@@ -680,6 +713,25 @@ DISPATCH_COMBINE_OPS = frozenset(
 dispatch and combine (plans.operators), less the host wait they are held against."""
 
 
+_ATTENTION_FFN = EPFFN()
+"""The FFN strategy in every attention block's key (_attention_key)."""
+
+
+def _attention_key(key: LayerKey) -> LayerKey:
+    """``key`` without what the attention block does not read (the FFN's axes, strategy and
+    kind, the recomputation): the layers that differ only there share it."""
+    return replace(key, ep=1, etp=1, ffn=_ATTENTION_FFN, recompute=Recompute.none, dense=False,
+                   routing_skew=1.0, recompute_modules=DEFAULT_MODULES, expert_gemm=None)
+
+
+@lru_cache(maxsize=4096)
+def _attention_entries(key: LayerKey, head_chunks: int) -> tuple[Entries, str]:
+    """The attention block's entries, the first of a forward pass, and its output."""
+    g = _Builder(key)
+    out = _attention(g, None, head_chunks)
+    return tuple(g.entries), out
+
+
 def forward_graph(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> nx.DiGraph:
     """The layer's operators; the MoE part in ``chunks`` token chunks (plans.layout.moe_chunks),
     Ulysses attention in ``head_chunks`` head groups (plans.layout.ulysses_chunks)."""
@@ -690,11 +742,40 @@ def forward_entries(key: LayerKey, chunks: int = 1, head_chunks: int = 1) -> Ent
     """The entries of ``forward_graph``."""
     g = _Builder(key)
     h, t = key.model.hidden, key.tokens
-    attn = _attention(g, None, head_chunks)
-    norm = g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
-    outs = (_dense_ffn(g, norm),) if key.dense else _moe_ffn(g, norm, chunks)
+    attention, attn = _attention_entries(_attention_key(key), head_chunks)
+    g.entries.extend(attention)
+    if key.dense:
+        outs = (_dense_ffn(g, _ffn_norm(g, attn)),)
+    else:
+        ffn, outs = _moe_entries(_moe_key(key), attn, chunks)
+        g.entries.extend(ffn)
     g.memory(LO.ffn_residual, 3 * t * h * AB, 0.0, attn, *outs, fusable=False)
     return tuple(g.entries)
+
+
+def _ffn_norm(g: _Builder, attn: str) -> str:
+    h, t = g.key.model.hidden, g.key.tokens
+    return g.memory(LO.ffn_norm, 2 * t * h * AB, 3 * t * h * AB, attn)
+
+
+_MOE_ATTENTION = UlyssesAttention()
+"""The attention strategy in every MoE block's key (_moe_key)."""
+
+
+def _moe_key(key: LayerKey) -> LayerKey:
+    """``key`` without what an MoE layer's FFN block does not read: the attention strategy and
+    how its group splits the tokens (the block reads the tokens per rank, sp x cp x tp's
+    product), so the layers that differ only there share it."""
+    return replace(key, sp=key.sp * key.cp * key.tp, tp=1, cp=1, attention=_MOE_ATTENTION)
+
+
+@lru_cache(maxsize=4096)
+def _moe_entries(key: LayerKey, attn: str, chunks: int) -> tuple[Entries, tuple[str, ...]]:
+    """An MoE layer's FFN block after the attention block's output ``attn``: its norm, router,
+    dispatch, experts and combine; and its outputs."""
+    g = _Builder(key)
+    outs = _moe_ffn(g, _ffn_norm(g, attn), chunks)
+    return tuple(g.entries), outs
 
 
 # ---- backward -----------------------------------------------------------------------------------
@@ -773,6 +854,31 @@ def shape_of(entries: Entries) -> Shape:
     return tuple((op.name, op.operator, op.kind, op.fuse_with, after) for op, after in entries)
 
 
+class BackwardStep(NamedTuple):
+    """One operator of backward_entries, without its durations."""
+
+    forward: int
+    """The index of its forward operator."""
+    duration: int
+    """Which of that operator's durations it takes: 0 its own (a collective reversed, a
+    rerun), 1 and 2 its ``bwd`` ones (a data and a weight gradient, or a gradient)."""
+    name: str
+    fuse_with: str | None
+    after: tuple[str, ...]
+    rerun: bool
+
+
+@lru_cache(maxsize=2048)
+def backward_steps(shape: Shape, policy: Recompute, autograd_nodes: bool,
+                   modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES
+                   ) -> tuple[BackwardStep, ...]:
+    """backward_entries' operators, from the forward pass's shape (shape_of)."""
+    source = {_Grad.comm: 0, _Grad.rerun: 0, _Grad.dgrad: 1, _Grad.wgrad: 2, _Grad.bwd: 1}
+    return tuple(BackwardStep(i, source[grad], name, fuse, after, grad == _Grad.rerun)
+                 for i, grad, name, fuse, after in _backward_steps(shape, policy,
+                                                                   autograd_nodes, modules))
+
+
 def backward_entries(fwd: Entries, policy: Recompute, autograd_nodes: bool = False,
                      modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> Entries:
     """Gradients in reverse program order, plus reruns of recomputed forward operators.
@@ -782,18 +888,11 @@ def backward_entries(fwd: Entries, policy: Recompute, autograd_nodes: bool = Fal
     data gradient, on either stream, also waits for its weight gradient; without, the weight
     gradient waits for nothing downstream (a hand-scheduled layer, paper Sec. 4.1)."""
     out = []
-    for i, grad, name, fuse, after in _backward_steps(shape_of(fwd), policy, autograd_nodes,
-                                                      modules):
-        op = fwd[i][0]
-        match grad:
-            case _Grad.comm | _Grad.rerun:
-                seconds = op.duration_s
-            case _Grad.wgrad:
-                seconds = op.bwd[1]
-            case _:
-                seconds = op.bwd[0]
-        out.append((Op(name, op.operator, op.kind, seconds, op.bwd, op.comm, fuse, op.fuse_rows,
-                       grad == _Grad.rerun, op.side_stream), after))
+    for step in backward_steps(shape_of(fwd), policy, autograd_nodes, modules):
+        op = fwd[step.forward][0]
+        seconds = op.duration_s if step.duration == 0 else op.bwd[step.duration - 1]
+        out.append((Op(step.name, op.operator, op.kind, seconds, op.bwd, op.comm, step.fuse_with,
+                       op.fuse_rows, step.rerun, op.side_stream), step.after))
     return tuple(out)
 
 

@@ -511,6 +511,10 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     peak_stage, peak, parts = 0, -1.0, ()
     for i, ((moe, dense), (states, held, step)) in enumerate(zip(layers, resident,
                                                                  strict=True)):
+        if 0 < i < last and layers[i] == layers[i - 1] and resident[i] is resident[i - 1]:
+            # the stage before it holds the same and at least as many micro-batches in
+            # flight (in_flight_micro_batches falls stage by stage): this one never peaks first
+            continue
         stored = moe * stored_moe + dense * stored_dense
         activations = stored * in_flight_micro_batches(i, d.pp, vpp, micro_batches)
         working = (working_dense if moe == 0 else working_moe) if moe + dense else 0.0

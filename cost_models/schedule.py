@@ -60,40 +60,70 @@ def _uncovered(start: float, end: float, busy: Sequence[tuple[float, float]],
     return (end - start) - covered
 
 
+class TaskGraph(NamedTuple):
+    """The structure of a list of tasks, without their durations: what list_schedule reads
+    of them besides the durations, so that one structure is scheduled at many durations
+    (cost_models.layer builds it once per layer pass's structure and overlap policy)."""
+
+    names: tuple[str, ...]
+    lanes: tuple[tuple[int, ...], ...]
+    """Each task's streams as the scheduler's lanes (_LANES)."""
+    preds: tuple[tuple[int, ...], ...]
+    successors: tuple[tuple[int, ...], ...]
+    comm: tuple[bool, ...]
+    """Whether the task is communication (has a comm_kind)."""
+    later: tuple[bool, ...]
+    """``not first``: the first part of a task's rank."""
+    compute_only: bool
+    """Every task holds the compute stream."""
+    edges: tuple[tuple[int, int], ...]
+    """(task, predecessor) from the last task to the first: the bottom levels' order."""
+    computing: tuple[int, ...]
+    """The tasks on the compute stream alone."""
+
+
+def task_graph(tasks: Sequence[Task]) -> TaskGraph:
+    successors: list[list[int]] = [[] for _ in tasks]
+    for i, t in enumerate(tasks):
+        for p in t.preds:
+            successors[p].append(i)
+    lanes = tuple(_LANES[t.streams] for t in tasks)
+    return TaskGraph(tuple(t.name for t in tasks), lanes, tuple(t.preds for t in tasks),
+                     tuple(map(tuple, successors)),
+                     tuple(t.comm_kind is not None for t in tasks),
+                     tuple(not t.first for t in tasks),
+                     all(lane[0] == 0 for lane in lanes),
+                     tuple((i, p) for i in reversed(range(len(tasks))) for p in tasks[i].preds),
+                     tuple(i for i, lane in enumerate(lanes) if lane == _COMPUTE_LANE))
+
+
 def list_schedule(tasks: Sequence[Task]) -> Schedule:
-    n = len(tasks)
-    lanes = [_LANES[t.streams] for t in tasks]
+    return schedule(task_graph(tasks), [t.duration_s for t in tasks])
+
+
+def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
+    """The list schedule of ``graph``'s tasks at ``durations`` (the module's rule)."""
+    n = len(durations)
+    lanes, preds, successors = graph.lanes, graph.preds, graph.successors
     start = [0.0] * n
     finish = [0.0] * n
     cause: list[int | None] = [None] * n
     free = [0.0] * len(Stream)
     last_on: list[int | None] = [None] * len(Stream)
-    waiting = [len(t.preds) for t in tasks]
-    successors: list[list[int]] = [[] for _ in range(n)]
-    for i, t in enumerate(tasks):
-        for p in t.preds:
-            successors[p].append(i)
-    level = _bottom_levels(tasks)
+    waiting = [len(p) for p in preds]
+    level = list(durations)  # the longest path from each task's start to the graph's end
+    for i, p in graph.edges:
+        if durations[p] + level[i] > level[p]:
+            level[p] = durations[p] + level[i]
     # among tasks that can start at the same time: first, then the longest remaining path,
     # then program order (the least key)
-    rank = [(not t.first, -level[i], i) for i, t in enumerate(tasks)]
+    rank = [(later, -lv, i) for i, (later, lv) in enumerate(zip(graph.later, level, strict=True))]
     # once a task is ready its predecessors are done: when the last of them finished, and which
     after = [0.0] * n
     after_cause: list[int | None] = [None] * n
     ready = [i for i in range(n) if not waiting[i]]
 
-    def done(i: int) -> None:  # task i finished: the successors it was the last wait of
-        for j in successors[i]:
-            waiting[j] -= 1
-            if not waiting[j]:
-                at, why = 0.0, None
-                for p in tasks[j].preds:
-                    if finish[p] > at:
-                        at, why = finish[p], p
-                after[j], after_cause[j] = at, why
-                ready.append(j)
-
-    if all(lane[0] == 0 for lane in lanes):
+    if graph.compute_only:
         # every task holds the compute stream: they run back to back, each ready task could
         # start when the last one ends, so the rank alone picks the next
         heap = [rank[i] for i in ready]
@@ -103,12 +133,17 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
         while heap:
             i = heapq.heappop(heap)[2]
             start[i], cause[i] = now, last if now > after[i] else after_cause[i]
-            finish[i] = now = now + tasks[i].duration_s
+            finish[i] = now = now + durations[i]
             last = i
-            done(i)
-            for j in ready:
-                heapq.heappush(heap, rank[j])
-            ready.clear()
+            for j in successors[i]:  # the successors i was the last wait of
+                waiting[j] -= 1
+                if not waiting[j]:
+                    at, why = 0.0, None
+                    for p in preds[j]:
+                        if finish[p] > at:
+                            at, why = finish[p], p
+                    after[j], after_cause[j] = at, why
+                    heapq.heappush(heap, rank[j])
     while ready:
         best = best_cause = None
         best_start = 0.0
@@ -120,24 +155,30 @@ def list_schedule(tasks: Sequence[Task]) -> Schedule:
             if best is None or at < best_start or (at == best_start and rank[i] < rank[best]):
                 best, best_start, best_cause = i, at, why
         start[best] = best_start
-        finish[best] = end = best_start + tasks[best].duration_s
+        finish[best] = end = best_start + durations[best]
         cause[best] = best_cause
         ready.remove(best)
-        done(best)
+        for j in successors[best]:  # the successors best was the last wait of
+            waiting[j] -= 1
+            if not waiting[j]:
+                at, why = 0.0, None
+                for p in preds[j]:
+                    if finish[p] > at:
+                        at, why = finish[p], p
+                after[j], after_cause[j] = at, why
+                ready.append(j)
         for s in lanes[best]:
             free[s] = end
             last_on[s] = best
-    compute_busy = sorted(
-        (start[i], finish[i]) for i in range(n) if lanes[i] == _COMPUTE_LANE
-    )
+    compute_busy = sorted((start[i], finish[i]) for i in graph.computing)
     busy_ends = [b1 for _, b1 in compute_busy]
     exposed = tuple(
-        _uncovered(start[i], finish[i], compute_busy, busy_ends) if t.comm_kind is not None
-        else 0.0
-        for i, t in enumerate(tasks)
+        _uncovered(start[i], finish[i], compute_busy, busy_ends) if comm else 0.0
+        for i, comm in enumerate(graph.comm)
     )
     makespan = max(finish, default=0.0)
-    return Schedule(makespan, tuple(start), exposed, _critical_path(tasks, finish, cause))
+    return Schedule(makespan, tuple(start), exposed,
+                    _critical_path(graph.names, finish, cause))
 
 
 _COMPUTE_LANE = (0,)
@@ -146,25 +187,16 @@ _LANES = {frozenset({Stream.compute}): _COMPUTE_LANE, frozenset({Stream.comm}): 
 """A task's streams as the indices of the scheduler's lanes, the compute stream first."""
 
 
-def _bottom_levels(tasks: Sequence[Task]) -> list[float]:
-    """Longest path from each task's start to the end of the graph."""
-    level = [t.duration_s for t in tasks]
-    for i in range(len(tasks) - 1, -1, -1):
-        for p in tasks[i].preds:
-            level[p] = max(level[p], tasks[p].duration_s + level[i])
-    return level
-
-
 def _critical_path(
-    tasks: Sequence[Task], finish: Sequence[float], cause: Sequence[int | None]
+    names: Sequence[str], finish: Sequence[float], cause: Sequence[int | None]
 ) -> tuple[str, ...]:
     """Operators on the chain of start-determining tasks ending at the last one to finish."""
-    if not tasks:
+    if not names:
         return ()
-    i: int | None = max(range(len(tasks)), key=lambda j: (finish[j], j))
-    names: list[str] = []
+    i: int | None = max(range(len(names)), key=lambda j: (finish[j], j))
+    out: list[str] = []
     while i is not None:
-        if not names or names[-1] != tasks[i].name:
-            names.append(tasks[i].name)
+        if not out or out[-1] != names[i]:
+            out.append(names[i])
         i = cause[i]
-    return tuple(reversed(names))
+    return tuple(reversed(out))

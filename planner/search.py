@@ -29,7 +29,7 @@ from pydantic import ValidationError
 import cost_models
 from cost_models import Evaluation, StageCosts
 from cost_models.grad_sync import grad_sync
-from cost_models.memory import memory_capacity_bytes
+from cost_models.memory import grad_bytes_per_param, memory_capacity_bytes
 from cost_models.params import StageParams, part_params
 from cost_models.pipeline import (
     exposed_p2p_s,
@@ -308,6 +308,7 @@ class Session:
 
     def __init__(self) -> None:
         self._candidates: dict[tuple, list[_Candidate]] = {}
+        self._layouts: dict[tuple, list[Layout]] = {}
         self._even: dict[tuple, Plan | None] = {}
         self._refinements: dict[tuple, tuple[list, frozenset[Recompute]]] = {}
 
@@ -321,8 +322,8 @@ class Session:
     def _candidates_of(self, model, cluster, training, space: SearchSpace
                        ) -> list[_Candidate]:
         out = []
-        for layout in space.layouts(model, cluster, training):
-            options = list(space.options(layout, training))
+        for layout in self._layouts_of(model, cluster, training, space):
+            options = space.options(layout, training)
             plan = self._even_plan(model, cluster, training, layout, options[0], space)
             if plan is not None and RULES[space.target] and _layout_refused(plan,
                                                                             space.target):
@@ -332,6 +333,14 @@ class Session:
                      d.ep, d.etp)
             out.append(_Candidate(layout, options, shape, plan))
         return out
+
+    def _layouts_of(self, model, cluster, training, space: SearchSpace) -> list[Layout]:
+        """The space's layouts, listed once for the spaces that list the same ones (the
+        baseline's and the search's: SearchSpace.layout_part)."""
+        key = (model, training, cluster.gpus, cluster.nvlink_domain, space.layout_part())
+        if key not in self._layouts:
+            self._layouts[key] = list(space.layouts(model, cluster, training))
+        return self._layouts[key]
 
     def _even_plan(self, model, cluster, training, layout: Layout, option,
                    space: SearchSpace) -> Plan | None:
@@ -671,23 +680,31 @@ def _least_recompute(options) -> Recompute:
 def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy),
                    recompute: Recompute | None = None) -> StageCosts:
     """Stage costs no option of a layout beats at ``recompute`` (by default the least
-    recomputation of ``options``): each the least over the dispatchers, their overlap levels
-    (_overlap_levels, judged as _option_groups judges them) and the sync precisions (the
-    gradients accumulate in theirs), under the faster loss (_loss_order)."""
+    recomputation of ``options``): each the least over the dispatchers and their overlap
+    levels (_overlap_levels, judged as _option_groups judges them), at the sync precision
+    whose gradients accumulate in the fewest bytes (_leanest_accumulation), under the faster
+    loss (_loss_order)."""
     fastest = set()
     for d in dict.fromkeys(o[0] for o in options):
         mine = [o for o in options if o[0] == d]
         least = _least_recompute(mine)
-        syncs = dict.fromkeys(o[3] for o in mine)
+        sync = _leanest_accumulation(o[3] for o in mine)
         fastest |= {(d, overlap, recompute or least, sync)
-                    for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)
-                    for sync in syncs}
+                    for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)}
     loss = {"cross_entropy": _loss_order(plan, losses)[0]}
     costs = [cost_models.stage_costs(_with_option(plan, o, **loss)) for o in fastest]
     return StageCosts(*(min(getattr(c, f) for c in costs) for f in _STAGE_COST_FIELDS))
 
 
 _STAGE_COST_FIELDS = tuple(f.name for f in fields(StageCosts))
+
+
+def _leanest_accumulation(syncs) -> Precision:
+    """Of the sync precisions ``syncs``, the first whose gradients accumulate in the fewest
+    bytes: the sync precision changes a plan's stage costs only through the bytes its
+    gradient accumulation moves (cost_models.evaluate.stage_costs), which grow with
+    grad_bytes_per_param, so its stage costs are the least in every field."""
+    return min(syncs, key=grad_bytes_per_param)
 
 
 def _exposed_sync_floor(plan: Plan, options) -> float:

@@ -245,17 +245,35 @@ class SearchSpace:
                         yield PipelineSchedule.interleaved_1f1b, vpp
 
     def options(self, layout: Layout, training: TrainingSpec
-                ) -> Iterator[tuple[Dispatch | None, Overlap, Recompute, Precision]]:
-        dispatches: tuple[Dispatch | None, ...] = (
-            self.dispatch if layout.ffn == FFNKind.ep and layout.degrees.ep > 1 else (None,)
-        )
-        syncs = tuple(p for p in self.grad_sync
-                      if p != Precision.fp8 or training.precision == Precision.fp8)
-        for dispatch in dispatches:
-            for overlap in self.overlap:
-                for recompute in self.recompute:
-                    for sync in syncs:
-                        yield dispatch, overlap, recompute, sync
+                ) -> tuple[tuple[Dispatch | None, Overlap, Recompute, Precision], ...]:
+        """The layout's options, in enumeration order (one tuple for the layouts that share
+        them)."""
+        return _options(self, layout.ffn == FFNKind.ep and layout.degrees.ep > 1,
+                        training.precision == Precision.fp8)
+
+    def layout_part(self) -> SearchSpace:
+        """This space with the choices that its layouts do not depend on (a layout's options,
+        the fields every plan of the space sets) at their defaults: spaces that differ only
+        there list the same layouts."""
+        return replace(self, **{f: _DEFAULTS[f] for f in _NOT_OF_LAYOUTS})
+
+
+_NOT_OF_LAYOUTS = ("dispatch", "overlap", "recompute", "grad_sync", "grad_sync_overlap",
+                   "grad_accumulation_fusion", "kernels", "cross_entropy", "target")
+"""The SearchSpace fields SearchSpace.layouts does not read."""
+_DEFAULTS = {f: getattr(SearchSpace(), f) for f in _NOT_OF_LAYOUTS}
+
+
+@cache
+def _options(space: SearchSpace, dispatched: bool, fp8: bool
+             ) -> tuple[tuple[Dispatch | None, Overlap, Recompute, Precision], ...]:
+    """SearchSpace.options for a layout whose EP group dispatches (``dispatched``), under
+    fp8 training or not."""
+    dispatches: tuple[Dispatch | None, ...] = space.dispatch if dispatched else (None,)
+    syncs = tuple(p for p in space.grad_sync if p != Precision.fp8 or fp8)
+    return tuple((dispatch, overlap, recompute, sync) for dispatch in dispatches
+                 for overlap in space.overlap for recompute in space.recompute
+                 for sync in syncs)
 
 
 @cache

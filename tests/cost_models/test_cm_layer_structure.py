@@ -18,8 +18,9 @@ CASES = [
 
 
 def _clear():
-    for cache in (layer._forward, layer._backward, layer._forward_pass, layer_timing_for,
-                  layer._structure, lg._backward_steps):
+    for cache in (layer._forward, layer._built, layer._backward, layer._backward_of,
+                  layer._forward_pass, layer_timing_for, layer._structure, lg.backward_steps,
+                  lg._backward_steps):
         cache.cache_clear()
 
 
@@ -83,3 +84,28 @@ def test_a_layer_is_keyed_on_the_part_of_the_cluster_it_reads(plan_352b, ep, spa
             assert layer_timing_for(key, overlap) == layer_timing_for(whole, overlap)
     assert layer_key(smaller) == layer_key(plan)
     assert (layer_key(slower) == layer_key(plan)) is not spans
+
+
+@pytest.mark.parametrize(("name", "overlap", "recompute", "kernels"), CASES)
+def test_a_pass_priced_on_another_bandwidths_build_is_the_pass_built_on_its_own(
+        node_plan, name, overlap, recompute, kernels):
+    # layer._forward builds a pass once on the cluster's compute part and prices its
+    # collectives on each cluster (layer_graph.priced_on): the same operators, to the bit,
+    # as the pass built on that cluster, the eager dispatch's host wait included
+    from plans.layout import moe_chunks, ulysses_chunks
+
+    plan = node_plan(name, overlap=overlap, recompute=recompute, kernels=kernels,
+                     ffn=EPFFN(dispatch=Dispatch.all_to_all))
+    node = plan.cluster.node
+    slower = plan.cluster.model_copy(update={"node": node.model_copy(
+        update={"nvlink_gb_s": node.nvlink_gb_s / 3, "nvlink_latency_us": 7.0})})
+    _clear()
+    layer._forward(layer._forward_key(layer_key(plan)), overlap)
+    for cluster in (slower, plan.cluster):
+        key = layer._forward_key(layer_key(plan.model_copy(update={"cluster": cluster})))
+        built = lg.forward_entries(key, moe_chunks(overlap, key.ffn, key.ep),
+                                   ulysses_chunks(overlap, key.attention, key.model, key.sp))
+        assert layer._forward(key, overlap).entries == built
+        assert layer._forward(key, overlap).durations == tuple(op.duration_s
+                                                               for op, _ in built)
+    assert layer._built.cache_info().currsize == 1 + lg.waits_on_host(key)

@@ -220,3 +220,12 @@ def test_in_flight_micro_batches_are_the_schedules_warm_up(pp, vpp, m):
         else:
             chunks = min(2 * (pp - stage - 1) + (vpp - 1) * pp + 1, m * vpp)
         assert in_flight_micro_batches(stage, pp, vpp, m) == chunks / vpp
+
+
+def test_in_flight_micro_batches_fall_stage_by_stage():
+    # cost_models.memory._memory skips a stage like the one before it: it never holds more
+    for pp in range(1, 17):
+        for vpp in range(1, 5):
+            for m in sorted({1, pp, 2 * pp, 3 * pp + 1, 64}):
+                held = [in_flight_micro_batches(i, pp, vpp, m) for i in range(pp)]
+                assert held == sorted(held, reverse=True)

@@ -82,8 +82,9 @@ def test_time_and_memory_both_follow_the_recomputed_set(node_plan, monkeypatch):
 
     def priced(policy: Recompute):
         # the passes and the backward structure are cached per key and policy
-        layer._backward.cache_clear()
-        lg._backward_steps.cache_clear()
+        for cached in (layer._backward, layer._backward_of, lg.backward_steps,
+                       lg._backward_steps):
+            cached.cache_clear()
         timing = layer_timing_for.__wrapped__(
             layer_key(plan.model_copy(update={"recompute": policy})), plan.overlap)
         terms = layer_activation_terms(plan.model, tokens, d, plan.ffn, policy, False)
@@ -101,7 +102,8 @@ def test_time_and_memory_both_follow_the_recomputed_set(node_plan, monkeypatch):
         assert priced(Recompute.selective) == expected
     # what was priced under the patched sets must not outlive the test
     monkeypatch.undo()
-    for cached in (layer._backward, lg._backward_steps, mem._terms_per_token, mem._memory):
+    for cached in (layer._backward, layer._backward_of, lg.backward_steps, lg._backward_steps,
+                   mem._terms_per_token, mem._memory):
         cached.cache_clear()
 
 

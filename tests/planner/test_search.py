@@ -80,6 +80,36 @@ def test_bound_never_exceeds_the_evaluated_step_time():
         assert bound <= ranked.evaluation.step_time_s * (1 + 1e-9)
 
 
+def test_the_leanest_accumulating_sync_has_the_least_stage_costs():
+    # _fastest_costs prices one sync precision per option (_leanest_accumulation): every
+    # field of its stage costs is the least of every sync's, on each target, fp8 training too
+    from dataclasses import astuple
+
+    import cost_models
+    from planner.search import _even_plan, _leanest_accumulation, _with_option
+
+    model, cluster, _ = small_job()
+    training = TrainingSpec(global_batch=32, seq_len=4096, precision=Precision.fp8)
+    checked = 0
+    for target in (Target.moeplan, Target.megatron):
+        space = SearchSpace(micro_batch_sizes=(1,), max_vpp=1).for_target(target)
+        for layout in list(space.layouts(model, cluster, training))[::5]:
+            options = list(space.options(layout, training))
+            plan = _even_plan(model, cluster, training, layout, options[0], space)
+            if plan is None:
+                continue
+            syncs = list(dict.fromkeys(o[3] for o in options))
+            assert len(syncs) == (3 if target == Target.moeplan else 2)
+            for dispatch, overlap, recompute, _ in options:
+                costs = [astuple(cost_models.stage_costs(
+                    _with_option(plan, (dispatch, overlap, recompute, s)))) for s in syncs]
+                leanest = astuple(cost_models.stage_costs(_with_option(
+                    plan, (dispatch, overlap, recompute, _leanest_accumulation(syncs)))))
+                assert leanest == tuple(map(min, zip(*costs, strict=True)))
+                checked += 1
+    assert checked > 50
+
+
 def test_results_are_sorted_distinct_and_valid():
     model, cluster, training = small_job()
     result = search(model, cluster, training, top=5)
