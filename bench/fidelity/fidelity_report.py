@@ -374,7 +374,7 @@ def cap_text(folders: list[Path]) -> str:
         name = Path(d["plan"]).stem
         if d.get("scale", 1.0) != 1.0:
             name += f" (control: {d['scale']:g} x the prediction)"
-        shared = d.get("ranks_per_gpu", 1) > 1 or d["folder"] == "memory_shared"
+        shared = d.get("ranks_per_gpu", 1) > 1 or d["folder"] == "shared"
         # an out-of-memory record before 2026-12-01 did not say its world: the plan's
         world = d.get("world") or catalog.load_plan(ROOT / d["plan"]).degrees.world
         gpus = "1, both ranks (gloo)" if shared else str(world)
@@ -410,9 +410,9 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                           "measured"))
         parts.append(overlap_text(results, cal, data))
         parts.append(head_groups_text(data))
-        parts.append(shared_text(results.parent / "memory_shared"))
-        parts.append(cap_text([results.parent / d
-                               for d in ("memory_cap", "memory_shared")]))
+        memory = results.parent / "memory"  # h200_memory's cap/ and shared/ steps
+        parts.append(shared_text(memory / "shared"))
+        parts.append(cap_text([memory / "cap", memory / "shared"]))
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         parts.append(rank_load_text(data))
         parts.append(host_text(data))
