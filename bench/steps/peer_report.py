@@ -22,7 +22,8 @@ MODELS = {"qwen3-30b-a3b": "qwen4l", "mixtral-8x7b": "mixtral2l", "deepseekmoe":
 CAPPED = {"qwen3-30b-a3b": "peer_step_capped.json", "mixtral-8x7b": "peer_step_capped.json",
           "deepseekmoe": "peer_step_capped_deepseek4l.json"}
 RELAUNCH = "relaunch_mixtral2l_capped.json"
-"""The capped plan relaunched over its first launch's compile cache (campaign h200_peer_capped)."""
+"""The capped plan relaunched over its first launch's compile cache (h200_peer_steps's
+relaunch_mixtral2l_capped)."""
 
 
 def _model(name: str, model: str) -> dict:
