@@ -27,7 +27,7 @@ import yaml
 import cost_models
 from bench._meta import write
 from bench.fidelity import at_scale
-from bench.report import fill
+from bench.report import fill, table
 from cost_models import megatron
 from planner.export import megatron_layout_layers
 from plans import (
@@ -339,78 +339,68 @@ def _shares(priced: dict) -> str:
                                                           "ep_overlap"))
 
 
-def _rows_table(rows: list[dict]) -> list[str]:
-    lines = ["| run | GPUs | layout | published | before | megatron | host, fp8 casts, fp8 "
-             "padding, EP overlap | peak GiB / HBM |", "|---|---|---|---|---|---|---|---|"]
+def _rows_table(rows: list[dict]) -> str:
+    cells = []
     for r in rows:
         name = f"{r['model']} {r['system']} {r['precision']}"
         if r["status"] != "priced":
-            lines.append(f"| {name} | {r['gpus']} | tp{r['tp']} pp{r['pp']} vp{r['vp']} "
-                         f"ep{r['ep']} mbs{r['mbs']} | {r['tokens_s_gpu']:,.0f} | "
-                         f"{r['status']} | | | |")
+            cells.append([name, r["gpus"], f"tp{r['tp']} pp{r['pp']} vp{r['vp']} ep{r['ep']} "
+                          f"mbs{r['mbs']}", f"{r['tokens_s_gpu']:,.0f}", r["status"], "", "",
+                          ""])
             continue
         mg, mp = r["megatron"], r["moeplan"]
         fit = "" if mg["within_hbm"] else " over"
-        lines.append(
-            f"| {name} | {r['gpus']} | `{r['plan'].split(' 1f1b')[0].split(' i1f1b')[0]}` | "
-            f"{r['tokens_s_gpu']:,.0f} | {mp['tokens_s_gpu']:,.0f} ({_pct(mp['error'])}) | "
-            f"{mg['tokens_s_gpu']:,.0f} ({_pct(mg['error'])}) | "
-            f"{_shares(mg)} | {mg['peak_gib']:.0f} / "
-            f"{r['hbm_gib']:g}{fit} |")
-    return lines
+        cells.append([name, r["gpus"], f"`{r['plan'].split(' 1f1b')[0].split(' i1f1b')[0]}`",
+                      f"{r['tokens_s_gpu']:,.0f}",
+                      f"{mp['tokens_s_gpu']:,.0f} ({_pct(mp['error'])})",
+                      f"{mg['tokens_s_gpu']:,.0f} ({_pct(mg['error'])})", _shares(mg),
+                      f"{mg['peak_gib']:.0f} / {r['hbm_gib']:g}{fit}"])
+    return table(["run", "GPUs", "layout", "published", "before", "megatron",
+                  "host, fp8 casts, fp8 padding, EP overlap", "peak GiB / HBM"], cells)
 
 
-def _summary_table(doc: dict) -> list[str]:
+def _summary_table(doc: dict) -> str:
     b, a = doc["summary"]["moeplan"], doc["summary"]["megatron"]
     h, t = doc["summary"]["megatron_held_out"], doc["targets"]
-    lines = [
-        "| summary (priced rows) | before | megatron | held out | target |",
-        "|---|---|---|---|---|",
-        f"| median abs error | {b['median_abs_error']:.0%} | {a['median_abs_error']:.0%} | "
-        f"{h['median_abs_error']:.0%} | <= {t['median_abs_error']:.0%} |",
-        f"| worst error | {_pct(b['worst_error'])} | {_pct(a['worst_error'])} | "
-        f"{_pct(h['worst_error'])} | <= {t['worst_abs_error']:.0%} |",
-        f"| optimistic / pessimistic | {b['optimistic']} / {b['pessimistic']} | "
-        f"{a['optimistic']} / {a['pessimistic']} | {h['optimistic']} / {h['pessimistic']} | "
-        "both signs |",
-        f"| layouts within HBM | {b['within_hbm']} of {b['rows']} | {a['within_hbm']} of "
-        f"{a['rows']} | {h['within_hbm']} of {h['rows']} | all |"]
+    cells = [
+        ["median abs error", *(f"{s['median_abs_error']:.0%}" for s in (b, a, h)),
+         f"<= {t['median_abs_error']:.0%}"],
+        ["worst error", *(_pct(s["worst_error"]) for s in (b, a, h)),
+         f"<= {t['worst_abs_error']:.0%}"],
+        ["optimistic / pessimistic", *(f"{s['optimistic']} / {s['pessimistic']}"
+                                       for s in (b, a, h)), "both signs"],
+        ["layouts within HBM", *(f"{s['within_hbm']} of {s['rows']}" for s in (b, a, h)),
+         "all"]]
     for model, rho in a["rank_correlation_by_model"].items():
         before = b["rank_correlation_by_model"][model]
         if rho is not None:
-            lines.append(f"| rank correlation, {model} | {before:+.2f} | {rho:+.2f} | | +1 |")
-    return lines
+            cells.append([f"rank correlation, {model}", f"{before:+.2f}", f"{rho:+.2f}", "",
+                          "+1"])
+    return table(["summary (priced rows)", "before", "megatron", "held out", "target"], cells)
 
 
-def _tokendrop_table(pairs: list[dict]) -> list[str]:
-    lines = ["| run | 25.09 token-dropping | predicted | device alone | dropless / dropping, "
-             "published | predicted |", "|---|---|---|---|---|---|"]
-    for r in pairs:
-        lines.append(f"| {r['id']} | {r['published_tokendrop']:,.0f} | "
-                     f"{r['predicted_tokendrop']:,.0f} ({_pct(r['error'])}) | "
-                     f"{r['predicted_tokendrop_device']:,.0f} ({_pct(r['device_error'])}) | "
-                     f"{r['published_ratio']:.2f} | {r['predicted_ratio']:.2f} |")
-    return lines
+def _tokendrop_table(pairs: list[dict]) -> str:
+    return table(["run", "25.09 token-dropping", "predicted", "device alone",
+                  "dropless / dropping, published", "predicted"],
+                 ([r["id"], f"{r['published_tokendrop']:,.0f}",
+                   f"{r['predicted_tokendrop']:,.0f} ({_pct(r['error'])})",
+                   f"{r['predicted_tokendrop_device']:,.0f} ({_pct(r['device_error'])})",
+                   f"{r['published_ratio']:.2f}", f"{r['predicted_ratio']:.2f}"] for r in pairs))
 
 
-def _table_3(t3: dict) -> list[str]:
-    lines = ["| GPUs | published s | predicted s | error | speedup published | predicted |",
-             "|---|---|---|---|---|---|"]
-    for r in t3["rows"]:
-        lines.append(f"| {r['gpus']:,} | {r['published_s']:.2f} | {r['predicted_s']:.2f} | "
-                     f"{_pct(r['error'])} | {r['published_speedup']:.2f}x | "
-                     f"{r['predicted_speedup']:.2f}x |")
-    return lines
+def _table_3(t3: dict) -> str:
+    return table(["GPUs", "published s", "predicted s", "error", "speedup published",
+                  "predicted"],
+                 ([f"{r['gpus']:,}", f"{r['published_s']:.2f}", f"{r['predicted_s']:.2f}",
+                   _pct(r["error"]), f"{r['published_speedup']:.2f}x",
+                   f"{r['predicted_speedup']:.2f}x"] for r in t3["rows"]))
 
 
-def _residual_table(res: dict) -> list[str]:
-    lines = ["| GPUs | MegaScale-MoE (fitted) | Megatron-LM (held out) | comm exposed |",
-             "|---|---|---|---|"]
-    for i, gpus in enumerate(res["gpus"]):
-        lines.append(f"| {gpus:,} | {_pct(res['megascale_error'][i])} | "
-                     f"{_pct(res['megatron_error'][i])} | "
-                     f"{_pct(res['in_node_comm_exposed']['megascale_error'][i])} |")
-    return lines
+def _residual_table(res: dict) -> str:
+    return table(["GPUs", "MegaScale-MoE (fitted)", "Megatron-LM (held out)", "comm exposed"],
+                 ([f"{gpus:,}", _pct(res["megascale_error"][i]), _pct(res["megatron_error"][i]),
+                   _pct(res["in_node_comm_exposed"]["megascale_error"][i])]
+                  for i, gpus in enumerate(res["gpus"])))
 
 
 def document(doc: dict) -> str:
@@ -423,11 +413,10 @@ def document(doc: dict) -> str:
         return (f"{ds[cluster]['predicted_tokens_s_gpu']:,.0f} "
                 f"({_pct(ds[cluster]['error'])})")
 
-    tables = {"rows_table": _rows_table(doc["rows"]), "summary_table": _summary_table(doc),
-              "tokendrop_table": _tokendrop_table(doc["tokendrop_25_09"]),
-              "table_3": _table_3(t3), "residual_table": _residual_table(res)}
     return fill("fidelity_at_scale.md.tmpl", {
-        **{k: "\n".join(v) for k, v in tables.items()},
+        "rows_table": _rows_table(doc["rows"]), "summary_table": _summary_table(doc),
+        "tokendrop_table": _tokendrop_table(doc["tokendrop_25_09"]),
+        "table_3": _table_3(t3), "residual_table": _residual_table(res),
         "fit_rows": " and ".join(doc["fit_rows"]),
         "policy": ", ".join(sorted(set(t3["megatron_recompute"]))),
         "factors": ", ".join(res["factors"]), "refit": f"{res['refit']:.3f}",
