@@ -165,7 +165,7 @@ def plan_table(data: list[dict]) -> str:
 
 def summary_text(s: dict) -> str:
     if not s["measured"]:
-        return "No plan of the suite has a committed measurement yet."
+        return fill(TEMPLATE, {}, "no_measurement").rstrip("\n")
     return fill(TEMPLATE, {
         "measured": s["measured"], "missing": s["missing"], "median_abs": f"{s['median_abs']:.1%}",
         "median": f"{MEDIAN:.0%}", "worst_abs": f"{s['worst_abs']:.1%}", "worst": f"{WORST:.0%}",
@@ -388,9 +388,8 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
     fitted = fit(results)
     if fitted is None:
         s = {"measured": 0, "missing": len(CASES)}
-        parts.append(f"No calibration sweep is committed under `{results.relative_to(ROOT)}` "
-                     "yet: the campaign has not run.\n" if results.is_relative_to(ROOT) else
-                     "No calibration sweep yet.\n")
+        where = results.relative_to(ROOT) if results.is_relative_to(ROOT) else results
+        parts.append(fill(TEMPLATE, {"results": where}, "no_sweep"))
     else:
         cal, used = fitted
         data = rows(results, cal)
