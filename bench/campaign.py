@@ -29,12 +29,11 @@ from typing import ClassVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-ROOT = Path(__file__).resolve().parent.parent
-
-from plans import SpecError  # noqa: E402
-from plans.catalog import load_plan  # noqa: E402
-from plans.errors import describe  # noqa: E402
-from plans.results import ParityResult, ProfileResult, TrainStepResult, read  # noqa: E402
+from bench.report import ROOT
+from plans import SpecError
+from plans.catalog import load_plan
+from plans.errors import describe
+from plans.results import ParityResult, ProfileResult, TrainStepResult, read
 
 MANIFEST = ROOT / "bench" / "campaigns.yaml"
 MIN_STEP_S = 40

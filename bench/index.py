@@ -14,8 +14,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.campaign import MANIFEST, ROOT, load_manifest
-from bench.report import parser, write_or_check
+from bench.campaign import MANIFEST, load_manifest
+from bench.report import ROOT, parser, write_or_check
 from plans import SpecError
 
 RESULTS = ROOT / "bench" / "results"
