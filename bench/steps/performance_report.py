@@ -22,6 +22,8 @@ RESULTS = ROOT / "bench" / "results" / "h200"
 LAYER, ATTENTION = RESULTS / "moe_layer", RESULTS / "attention_block"
 KERNEL_DIR, SEARCHED_DIR = RESULTS / "kernels", RESULTS / "searched"
 DOC = ROOT / "docs" / "performance.md"
+TEMPLATE = "performance.md.tmpl"
+"""The document (piece ``document``) and the clauses that come and go (bench.report.fill)."""
 
 STEPS = (
     # (layout, variant, the plan of bench/gpu_plans whose train step h200/ holds)
@@ -73,6 +75,11 @@ def _load(path: Path) -> dict | None:
 
 def _step(stem: str, folder: Path = RESULTS) -> dict | None:
     return _load(folder / f"train_step_{stem}.json")
+
+
+def _piece(name: str, **parts: str) -> str:
+    """A clause of the template's that comes and goes, on its line."""
+    return fill(TEMPLATE, parts, name).rstrip("\n")
 
 
 def _ms(seconds: float) -> str:
@@ -259,11 +266,9 @@ def searched_parity() -> str:
 
 def searched_x2() -> str:
     steps = [r for shape in SEARCHED if (r := _step(f"{shape}_2gpu", SEARCHED_DIR)) is not None]
-    return ("measured over NCCL: " + ", ".join(
-        f"`{r['plan_summary']}` {r['step_time_s'] * 1e3:.1f} ms (predicted "
-        f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps) if steps else
-        "their steps over NCCL are `h200_searched`'s two-GPU steps, which have not "
-        "run: no two-GPU machine was lent")
+    runs = ", ".join(f"`{r['plan_summary']}` {r['step_time_s'] * 1e3:.1f} ms (predicted "
+                     f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps)
+    return _piece("searched_x2", runs=runs) if steps else _piece("searched_x2_unrun")
 
 
 def tp_memory() -> str:
@@ -453,8 +458,7 @@ def sections() -> dict[str, str]:
         ("fused_table", fused_table), ("loss_table", loss_table),
         ("searched_table", searched_table), ("copy_engine_table", copy_engine_table),
         ("expert_gemm_table", expert_gemm_table))}
-    x2_note = "" if ATTENTION_X2.exists() else (
-        " (not run: it needs a two-GPU machine)")
+    x2_note = "" if ATTENTION_X2.exists() else _piece("attention_x2_unrun")
     return {**tables, **head_groups(), **clocks(), **ceiling(), **fusion(),
             "attention_x2_note": x2_note, "head_group_parity": head_group_parity(),
             "searched_parity": searched_parity(), "searched_x2": searched_x2(),
@@ -464,7 +468,7 @@ def sections() -> dict[str, str]:
 
 def render() -> str:
     """docs/performance.md: the template's prose with its ``{{name}}`` parts filled in."""
-    return fill("performance.md.tmpl", sections())
+    return fill(TEMPLATE, sections(), "document")
 
 
 def main() -> int:
