@@ -29,12 +29,11 @@ from typing import ClassVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-ROOT = Path(__file__).resolve().parent.parent
-
-from plans import SpecError  # noqa: E402
-from plans.catalog import load_plan  # noqa: E402
-from plans.errors import describe  # noqa: E402
-from plans.results import ParityResult, ProfileResult, TrainStepResult, read  # noqa: E402
+from bench.report import ROOT
+from plans import SpecError
+from plans.catalog import load_plan
+from plans.errors import describe
+from plans.results import ParityResult, ProfileResult, TrainStepResult, read
 
 MANIFEST = ROOT / "bench" / "campaigns.yaml"
 MIN_STEP_S = 40
@@ -64,12 +63,19 @@ class _Step(BaseModel, ABC):
 
 
 class _PlanStep(_Step):
+    kind_field: ClassVar[str]
+    """The key that names the step's kind and holds its plan."""
+
     def plan_path(self) -> Path:
         return Path(getattr(self, self.kind_field))
 
     @property
     def stem(self) -> str:
         return self.plan_path().stem
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind_field}_{self.stem}"
 
     def ranks(self) -> int:
         return load_plan(ROOT / self.plan_path()).degrees.world
@@ -128,10 +134,6 @@ class Profile(_PlanStep):
 
     profile: str
     timeout_s: PositiveInt = 120
-
-    @property
-    def name(self) -> str:
-        return f"profile_{self.stem}"
 
     def command(self, results: Path) -> list[str]:
         # --force: a campaign re-measures its committed results in place
@@ -195,12 +197,8 @@ def launcher(ranks: int, force_torchrun: bool = False) -> list[str]:
             "--nproc-per-node", str(ranks)]
 
 
-def _step_kind(data: object) -> str:
-    if isinstance(data, dict):
-        for kind in ("train_step", "parity", "profile", "script"):
-            if kind in data:
-                return kind
-    return "unknown"
+STEP_KINDS = {"train_step": TrainStep, "parity": Parity, "profile": Profile, "script": Script}
+"""A step's model, by the key that names its kind (a step's first key)."""
 
 
 class Campaign(BaseModel):
@@ -218,17 +216,13 @@ class Campaign(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _tag_steps(cls, data: object) -> object:
-        # pick each step's model by the key it has (a step names its kind as its first key)
         if isinstance(data, dict) and isinstance(data.get("steps"), list):
-            kinds = {"train_step": TrainStep, "parity": Parity, "profile": Profile,
-                     "script": Script}
             steps = []
             for i, s in enumerate(data["steps"]):
-                kind = _step_kind(s)
-                if kind not in kinds:
-                    raise ValueError(f"steps.{i}: needs one of train_step, parity, profile, "
-                                     "script")
-                steps.append(kinds[kind].model_validate(s))
+                kind = next((k for k in STEP_KINDS if isinstance(s, dict) and k in s), None)
+                if kind is None:
+                    raise ValueError(f"steps.{i}: needs one of {', '.join(STEP_KINDS)}")
+                steps.append(STEP_KINDS[kind].model_validate(s))
             data = {**data, "steps": steps}
         return data
 

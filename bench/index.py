@@ -10,13 +10,12 @@ own ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from bench.campaign import MANIFEST, ROOT, load_manifest
-from bench.report import write_or_check
+from bench.campaign import MANIFEST, load_manifest
+from bench.report import ROOT, parser, write_or_check
 from plans import SpecError
 
 RESULTS = ROOT / "bench" / "results"
@@ -57,9 +56,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the index is stale")
-    args = p.parse_args(argv)
+    args = parser(__doc__, "the index is stale").parse_args(argv)
     try:
         text = render()
     except SpecError as e:

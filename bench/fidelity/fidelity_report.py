@@ -23,19 +23,15 @@ only (no dates), so a test holds the committed one to what this script writes.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from bench.fidelity.fidelity_cases import CASES, PROFILED, plan_path  # noqa: E402
-from bench.report import fill  # noqa: E402
-from cost_models import skew  # noqa: E402
-from cost_models.layer import layer_key  # noqa: E402
-from planner.calibrate import (  # noqa: E402
+from bench.fidelity.fidelity_cases import CASES, PROFILED, plan_path
+from bench.report import ROOT, fill, load, parser, table, write_or_check
+from cost_models import skew
+from cost_models.layer import layer_key
+from planner.calibrate import (
     Calibration,
     calibrate,
     fidelity_row,
@@ -43,9 +39,8 @@ from planner.calibrate import (  # noqa: E402
     row_seconds,
     with_efficiency,
 )
-from plans import Overlap, catalog  # noqa: E402
-from plans.io import write_atomic  # noqa: E402
-from plans.results import OverlapBench, ProfileResult, Sweep, SweepOp, SweepRow, read  # noqa: E402
+from plans import Overlap, catalog
+from plans.results import OverlapBench, ProfileResult, Sweep, SweepOp, SweepRow, read
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "fidelity"
 REPEAT = ROOT / "bench" / "results" / "h200" / "fidelity_repeat"
@@ -90,10 +85,10 @@ def launches(results: Path, name: str) -> list[tuple[float, Path]]:
     main = results / f"train_step_{name}.json"
     if not main.exists():
         return []
-    commit = json.loads(main.read_text()).get("commit")
+    commit = load(main).get("commit")
     out = []
     for path in [main, *sorted(results.glob(f"launch_*/train_step_{name}.json"))]:
-        doc = json.loads(path.read_text())
+        doc = load(path)
         if doc.get("commit") == commit:
             out.append((doc["step_time_s"], path))
     return sorted(out)
@@ -149,29 +144,28 @@ def meets(s: dict) -> bool:
 
 
 def plan_table(data: list[dict]) -> str:
-    lines = ["| plan | GPUs | layout | predicted ms | measured ms | launches: ms | error | "
-             "peak GiB predicted / measured | memory error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for r in data:
         if r.get("missing"):
-            lines.append(f"| {r['case']} | | | | not measured | | | | |")
+            cells.append([r["case"], "", "", "", "not measured", "", "", "", ""])
             continue
         step_mark = " **miss**" if abs(r["step_error"]) > WORST else ""
         mem_mark = " **miss**" if r["memory_error"] < -MEMORY_BELOW else ""
         times = r.get("launch_step_s", [r["measured_step_s"]])
         spread = (f"{len(times)}: {times[0] * 1e3:.1f}-{times[-1] * 1e3:.1f}" if len(times) > 1
                   else "1")
-        lines.append(
-            f"| {r['case']} | {r['gpus']} | `{r['layout']}` | {r['predicted_step_s'] * 1e3:.1f} "
-            f"| {r['measured_step_s'] * 1e3:.1f} | {spread} | {r['step_error']:+.1%}{step_mark} | "
-            f"{r['predicted_peak_gib']:.1f} / {r['measured_peak_gib']:.1f} | "
-            f"{r['memory_error']:+.1%}{mem_mark} |")
-    return "\n".join(lines)
+        cells.append([r["case"], r["gpus"], f"`{r['layout']}`",
+                      f"{r['predicted_step_s'] * 1e3:.1f}", f"{r['measured_step_s'] * 1e3:.1f}",
+                      spread, f"{r['step_error']:+.1%}{step_mark}",
+                      f"{r['predicted_peak_gib']:.1f} / {r['measured_peak_gib']:.1f}",
+                      f"{r['memory_error']:+.1%}{mem_mark}"])
+    return table(["plan", "GPUs", "layout", "predicted ms", "measured ms", "launches: ms",
+                  "error", "peak GiB predicted / measured", "memory error"], cells)
 
 
 def summary_text(s: dict) -> str:
     if not s["measured"]:
-        return "No plan of the suite has a committed measurement yet."
+        return fill(TEMPLATE, {}, "no_measurement").rstrip("\n")
     return fill(TEMPLATE, {
         "measured": s["measured"], "missing": s["missing"], "median_abs": f"{s['median_abs']:.1%}",
         "median": f"{MEDIAN:.0%}", "worst_abs": f"{s['worst_abs']:.1%}", "worst": f"{WORST:.0%}",
@@ -182,12 +176,12 @@ def summary_text(s: dict) -> str:
 
 def factor_table(cal: Calibration) -> str:
     base = catalog.load_cluster(BASE)
-    lines = [f"| factor | {base.name} | fitted |", "|---|---|---|"]
+    cells = []
     for name, value in cal.factors.items():
         old = (base.node.nvlink_latency_us if name == "nvlink_latency_us"
                else getattr(base.efficiency, name))
-        lines.append(f"| {name} | {old:g} | {value:.3g} |")
-    return "\n".join(lines)
+        cells.append([name, f"{old:g}", f"{value:.3g}"])
+    return table(["factor", base.name, "fitted"], cells)
 
 
 def sweep_kind(row: SweepRow) -> str:
@@ -213,12 +207,9 @@ def sweep_table(results: Path, cal: Calibration) -> str:
         predicted = row_seconds(row, cluster)
         if predicted is not None:
             by_kind.setdefault(sweep_kind(row), []).append(predicted / row.measured_s - 1)
-    lines = ["| kind | rows | median error | most optimistic | most pessimistic |",
-             "|---|---|---|---|---|"]
-    for kind, errors in by_kind.items():
-        lines.append(f"| {kind} | {len(errors)} | {statistics.median(errors):+.1%} | "
-                     f"{min(errors):+.1%} | {max(errors):+.1%} |")
-    return "\n".join(lines)
+    return table(["kind", "rows", "median error", "most optimistic", "most pessimistic"],
+                 ([kind, len(errors), f"{statistics.median(errors):+.1%}", f"{min(errors):+.1%}",
+                   f"{max(errors):+.1%}"] for kind, errors in by_kind.items()))
 
 
 def shared_text(folder: Path) -> str:
@@ -227,18 +218,19 @@ def shared_text(folder: Path) -> str:
     runs = sorted(folder.glob("train_step_*.json")) if folder.is_dir() else []
     if not runs:
         return ""
-    lines = ["| plan | allocated peak GiB | reserved peak GiB (per rank) | reserved at the peak "
-             "by stream GiB (highest rank) | commit |", "|---|---|---|---|---|"]
+    cells = []
     for path in runs:
-        d = json.loads(path.read_text())
+        d = load(path)
         timeline = max(d.get("memory_timeline_per_rank") or [{}],
                        key=lambda t: t.get("reserved_peak_gib", 0))
         streams = sorted(timeline.get("reserved_at_peak_gib_by_stream", {}).values(),
                          reverse=True)
-        lines.append(f"| {Path(d['plan']).stem} | {max(d['peak_memory_gib_per_rank']):.2f} | "
-                     + ", ".join(f"{g:.2f}" for g in d["peak_reserved_gib_per_rank"]) + " | "
-                     + " + ".join(f"{g:.2f}" for g in streams) + f" | {d.get('commit', '?')} |")
-    return fill(TEMPLATE, {"table": "\n".join(lines)}, "shared")
+        cells.append([Path(d["plan"]).stem, f"{max(d['peak_memory_gib_per_rank']):.2f}",
+                      ", ".join(f"{g:.2f}" for g in d["peak_reserved_gib_per_rank"]),
+                      " + ".join(f"{g:.2f}" for g in streams), d.get("commit", "?")])
+    return fill(TEMPLATE, {"table": table(
+        ["plan", "allocated peak GiB", "reserved peak GiB (per rank)",
+         "reserved at the peak by stream GiB (highest rank)", "commit"], cells)}, "shared")
 
 
 def repeat_text(data: list[dict]) -> str:
@@ -299,25 +291,24 @@ def host_text(data: list[dict], repeat: Path = REPEAT, device: Path = DEVICE) ->
     """The runtime before and after the router's host sync was removed: each plan's step in the
     earlier launch (``repeat``) against the suite's median launch now, the implicit host syncs
     one step still has, and the idle device time of the profiled 1-GPU steps (``device``)."""
-    lines = ["| plan | before ms (commit) | now ms (commit) | change | implicit host syncs per "
-             "step, rank 0 |", "|---|---|---|---|---|"]
+    cells = []
     for r in data:
         earlier = repeat / f"train_step_{r['case']}.json"
         if r.get("missing") or not earlier.exists():
             continue
-        then = json.loads(earlier.read_text())
-        now = json.loads(Path(r["run"]).read_text())
+        then, now = load(earlier), load(Path(r["run"]))
         syncs = (now.get("host_syncs_per_rank") or [None])[0]
-        lines.append(f"| {r['case']} | {then['step_time_s'] * 1e3:.1f} ({then['commit']}) | "
-                     f"{r['measured_step_s'] * 1e3:.1f} ({r['run_commit']}) | "
-                     f"{r['measured_step_s'] / then['step_time_s'] - 1:+.1%} | "
-                     f"{'-' if syncs is None else sum(syncs.values())} |")
-    idle = [json.loads(p.read_text())["idle_fraction"]
-            for p in sorted(device.glob("profile_*.json"))]
-    if len(lines) == 2:
+        cells.append([r["case"], f"{then['step_time_s'] * 1e3:.1f} ({then['commit']})",
+                      f"{r['measured_step_s'] * 1e3:.1f} ({r['run_commit']})",
+                      f"{r['measured_step_s'] / then['step_time_s'] - 1:+.1%}",
+                      "-" if syncs is None else sum(syncs.values())])
+    if not cells:
         return ""
+    idle = [load(p)["idle_fraction"] for p in sorted(device.glob("profile_*.json"))]
     idle_text = f"{max(idle):.1%} of the step at most" if idle else "(not profiled)"
-    return fill(TEMPLATE, {"idle": idle_text, "table": "\n".join(lines)}, "host")
+    return fill(TEMPLATE, {"idle": idle_text, "table": table(
+        ["plan", "before ms (commit)", "now ms (commit)", "change",
+         "implicit host syncs per step, rank 0"], cells)}, "host")
 
 
 def rank_load_text(data: list[dict]) -> str:
@@ -325,17 +316,15 @@ def rank_load_text(data: list[dict]) -> str:
     per layer where the run counted per layer, else over the whole step) beside
     cost_models.skew's derivation from the logged expert-level skew and for a balanced
     router."""
-    lines = ["| plan | logged routing_skew | measured busiest rank / mean | over | derived from "
-             "the logged skew | derived for a balanced router |", "|---|---|---|---|---|---|"]
-    kinds = set()
+    cells, kinds = [], set()
     for r in data:
         if r.get("missing"):
             continue
-        run = json.loads(Path(r["run"]).read_text())
-        load, kind = ((run["ep_rank_load_layer"], "each layer")
-                      if run.get("ep_rank_load_layer") is not None
-                      else (run.get("ep_rank_load_step"), "the whole step"))
-        if load is None:
+        run = load(Path(r["run"]))
+        busiest, kind = ((run["ep_rank_load_layer"], "each layer")
+                         if run.get("ep_rank_load_layer") is not None
+                         else (run.get("ep_rank_load_step"), "the whole step"))
+        if busiest is None:
             continue
         kinds.add(kind)
         plan = catalog.load_plan(plan_path(r["case"]))
@@ -343,13 +332,15 @@ def rank_load_text(data: list[dict]) -> str:
         routed = layer_key(plan).tokens * n * m.top_k
         derived = skew.rank_skew(routed, m.experts, n, run["routing_skew"], None)
         balanced = skew.rank_skew(routed, m.experts, n, 1.0, None)
-        lines.append(f"| {r['case']} | {run['routing_skew']:.1f} | {load:.3f} | {kind} | "
-                     f"{derived:.3f} | {balanced:.3f} |")
+        cells.append([r["case"], f"{run['routing_skew']:.1f}", f"{busiest:.3f}", kind,
+                      f"{derived:.3f}", f"{balanced:.3f}"])
     if not kinds:
         return ""
     step_only = (fill(TEMPLATE, {}, "step_only").replace("\n", " ")
                  if "the whole step" in kinds else "")
-    return fill(TEMPLATE, {"step_only": step_only, "table": "\n".join(lines)}, "rank_load")
+    return fill(TEMPLATE, {"step_only": step_only, "table": table(
+        ["plan", "logged routing_skew", "measured busiest rank / mean", "over",
+         "derived from the logged skew", "derived for a balanced router"], cells)}, "rank_load")
 
 
 def cap_text(folders: list[Path]) -> str:
@@ -359,7 +350,7 @@ def cap_text(folders: list[Path]) -> str:
     docs: dict[tuple, dict] = {}
     for folder in folders:
         for path in sorted(folder.glob("memory_cap_*.json")) if folder.is_dir() else []:
-            d = json.loads(path.read_text())
+            d = load(path)
             key = (folder.name, d["plan"], d.get("scale", 1.0))
             if key in docs:  # another rank of the same run out of memory
                 docs[key]["ranks"].append(d["rank"])
@@ -367,14 +358,12 @@ def cap_text(folders: list[Path]) -> str:
             docs[key] = {**d, "ranks": [d.get("rank")], "folder": folder.name}
     if not docs:
         return ""
-    lines = ["| plan | GPUs | cap (the predicted peak) GiB | fits | reserved peak under the cap "
-             "GiB | allocation retries | step ms under the cap | commit |",
-             "|---|---|---|---|---|---|---|---|"]
+    cells = []
     for d in docs.values():
         name = Path(d["plan"]).stem
         if d.get("scale", 1.0) != 1.0:
             name += f" (control: {d['scale']:g} x the prediction)"
-        shared = d.get("ranks_per_gpu", 1) > 1 or d["folder"] == "memory_shared"
+        shared = d.get("ranks_per_gpu", 1) > 1 or d["folder"] == "shared"
         # an out-of-memory record before 2026-12-01 did not say its world: the plan's
         world = d.get("world") or catalog.load_plan(ROOT / d["plan"]).degrees.world
         gpus = "1, both ranks (gloo)" if shared else str(world)
@@ -382,15 +371,15 @@ def cap_text(folders: list[Path]) -> str:
             r = max(d["per_rank"], key=lambda x: x["reserved_peak_gib"])
             step = ("(shared)" if shared else
                     f"{max(x['step_time_s'] for x in d['per_rank']) * 1e3:.1f}")
-            lines.append(f"| {name} | {gpus} | {d['cap_gib']:.2f} | yes | "
-                         f"{r['reserved_peak_gib']:.2f} | "
-                         f"{max(x['alloc_retries'] for x in d['per_rank'])} | {step} | "
-                         f"{d.get('commit', '?')} |")
+            outcome = ["yes", f"{r['reserved_peak_gib']:.2f}",
+                       max(x["alloc_retries"] for x in d["per_rank"]), step]
         else:
             ranks = ", ".join(str(r) for r in sorted(d["ranks"]))
-            lines.append(f"| {name} | {gpus} | {d['cap_gib']:.2f} | no: out of memory (rank "
-                         f"{ranks}) | | | | {d.get('commit', '?')} |")
-    return fill(TEMPLATE, {"table": "\n".join(lines)}, "cap")
+            outcome = [f"no: out of memory (rank {ranks})", "", "", ""]
+        cells.append([name, gpus, f"{d['cap_gib']:.2f}", *outcome, d.get("commit", "?")])
+    return fill(TEMPLATE, {"table": table(
+        ["plan", "GPUs", "cap (the predicted peak) GiB", "fits", "reserved peak under the cap GiB",
+         "allocation retries", "step ms under the cap", "commit"], cells)}, "cap")
 
 
 def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dict]:
@@ -399,9 +388,8 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
     fitted = fit(results)
     if fitted is None:
         s = {"measured": 0, "missing": len(CASES)}
-        parts.append(f"No calibration sweep is committed under `{results.relative_to(ROOT)}` "
-                     "yet: the campaign has not run.\n" if results.is_relative_to(ROOT) else
-                     "No calibration sweep yet.\n")
+        where = results.relative_to(ROOT) if results.is_relative_to(ROOT) else results
+        parts.append(fill(TEMPLATE, {"results": where}, "no_sweep"))
     else:
         cal, used = fitted
         data = rows(results, cal)
@@ -410,9 +398,9 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
                           "measured"))
         parts.append(overlap_text(results, cal, data))
         parts.append(head_groups_text(data))
-        parts.append(shared_text(results.parent / "memory_shared"))
-        parts.append(cap_text([results.parent / d
-                               for d in ("memory_cap", "memory_shared")]))
+        memory = results.parent / "memory"  # h200_memory's cap/ and shared/ steps
+        parts.append(shared_text(memory / "shared"))
+        parts.append(cap_text([memory / "cap", memory / "shared"]))
         parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
         parts.append(rank_load_text(data))
         parts.append(host_text(data))
@@ -435,28 +423,17 @@ def _demoted(markdown: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 when the document is stale, a target is "
-                        "missed or a plan is not measured")
+    p = parser(__doc__, "the document is stale, a target is missed or a plan is not measured")
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--doc", type=Path, default=DOC)
     args = p.parse_args(argv)
     text, s = render(args.results)
     if not args.check:
-        write_atomic(args.doc, text, "--doc", force=True)
         print(text)
-        return 0
-    failed = []
-    if not args.doc.exists() or args.doc.read_text() != text:
-        failed.append(f"{args.doc} is stale: python -m bench.fidelity.fidelity_report")
-    if not (s["measured"] and meets(s)):
-        failed.append("fidelity targets missed or a plan not measured (see the document)")
-    for line in failed:
-        print(line, file=sys.stderr)
-    if not failed:
-        print(f"{args.doc} current; the targets are met")
-    return 1 if failed else 0
+    misses = [] if s["measured"] and meets(s) else [
+        "fidelity targets missed or a plan not measured (see the document)"]
+    return write_or_check(args.doc, text, "python -m bench.fidelity.fidelity_report",
+                          args.check, misses)
 
 
 if __name__ == "__main__":

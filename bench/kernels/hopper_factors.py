@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from bench._meta import write
+from bench.report import ROOT
 from cost_models.compute import WIDE_HEAD_DIM
 from planner.calibrate import (
     fit_gemm,
@@ -54,7 +54,6 @@ from planner.calibrate import (
 from plans import Efficiency, catalog
 from plans.results import Sweep, SweepOp, read
 
-ROOT = Path(__file__).resolve().parents[2]
 SWEEP = ROOT / "bench" / "results" / "h200" / "fidelity" / "calibration_h200.json"
 """The micro-benchmark sweep docs/fidelity.md calibrates from (campaign h200_fidelity)."""
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"

@@ -12,15 +12,11 @@ factors (planner.dispatch_fit) and prints them beside the catalog's `h200-runtim
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from bench.report import fill, write_or_check  # noqa: E402
-from planner import dispatch_fit as df  # noqa: E402
-from plans import catalog  # noqa: E402
+from bench.report import ROOT, fill, parser, write_or_check
+from planner import dispatch_fit as df
+from plans import catalog
 
 SWEEP = ROOT / "bench" / "results" / "h200" / "moe_layer" / "dispatch_sweep_x2.json"
 DOC = ROOT / "docs" / "dispatch.md"
@@ -47,8 +43,7 @@ def render() -> tuple[str, dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="fail when stale or a pick is wrong")
+    p = parser(__doc__, "the doc is stale or a pick is wrong")
     p.add_argument("--refit", action="store_true", help="fit the factors from the sweep")
     args = p.parse_args()
     text, s = render()

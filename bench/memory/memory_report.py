@@ -12,17 +12,13 @@ highest (what the device must hold); the cost model predicts it, allocator reser
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-from bench.report import fill, write_or_check  # noqa: E402
-from cost_models.memory import GIB, memory_breakdown  # noqa: E402
-from plans import Plan  # noqa: E402
-from plans.execution import executed_as_measured  # noqa: E402
+from bench.report import ROOT, fill, load, parser, table, write_or_check
+from cost_models.memory import GIB, memory_breakdown
+from plans import Plan
+from plans.execution import executed_as_measured
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "memory"
 DOC = ROOT / "docs" / "memory.md"
@@ -33,7 +29,7 @@ def rows(results: Path = RESULTS) -> list[dict]:
     """One row per committed case: plan, measured peaks (GiB), predicted peak, error."""
     out = []
     for path in sorted(results.glob("memory_*.json")):
-        doc = json.loads(path.read_text())
+        doc = load(path)
         ranks = [r for r in doc["ranks"] if r.get("status") == "ok"]
         if len(ranks) != len(doc["ranks"]):
             continue
@@ -56,32 +52,23 @@ def meets(row: dict) -> bool:
     return -BELOW <= row["error"] <= WITHIN
 
 
-def table(data: list[dict]) -> str:
-    lines = [
-        "| case | GPUs | measured peak GiB (reserved / allocated) | predicted GiB | error |",
-        "|---|---|---|---|---|",
-    ]
-    for r in data:
-        mark = "" if meets(r) else " **miss**"
-        lines.append(
-            f"| {r['case']} | {r['gpus']} | {r['measured_reserved_gib']:.1f} / "
-            f"{r['measured_allocated_gib']:.1f} | {r['predicted_gib']:.1f} | "
-            f"{r['error']:+.1%}{mark} |")
+def report(data: list[dict]) -> str:
+    cells = [[r["case"], r["gpus"], f"{r['measured_reserved_gib']:.1f} / "
+              f"{r['measured_allocated_gib']:.1f}", f"{r['predicted_gib']:.1f}",
+              f"{r['error']:+.1%}" + ("" if meets(r) else " **miss**")] for r in data]
     errors = [r["error"] for r in data]
-    ok = sum(meets(r) for r in data)
-    lines += ["", f"{ok} of {len(data)} plans within the target (-{BELOW:.0%} .. +{WITHIN:.0%}); "
-              f"error from {min(errors):+.1%} to {max(errors):+.1%}."]
-    return "\n".join(lines)
+    return (table(["case", "GPUs", "measured peak GiB (reserved / allocated)", "predicted GiB",
+                   "error"], cells)
+            + f"\n\n{sum(map(meets, data))} of {len(data)} plans within the target "
+            f"(-{BELOW:.0%} .. +{WITHIN:.0%}); error from {min(errors):+.1%} to "
+            f"{max(errors):+.1%}.")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 when docs/memory.md is stale or a plan misses "
-                        "the target")
-    args = p.parse_args(argv)
+    args = parser(__doc__, "docs/memory.md is stale or a plan misses the target") \
+        .parse_args(argv)
     data = rows()
-    text = table(data)
+    text = report(data)
     if not args.check:
         print(text)
     misses = [] if all(meets(r) for r in data) else [

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from bench._meta import write_result
-from bench.campaign import ROOT, launcher
+from bench.campaign import launcher
+from bench.report import ROOT
 from plans import SpecError
 from plans.catalog import load_plan
 

@@ -7,10 +7,7 @@ compiled, and the relaunch's first step. No torch, no GPU.
 
 from __future__ import annotations
 
-import argparse
-import json
-
-from bench.report import ROOT, fill, write_or_check
+from bench.report import ROOT, fill, load, parser, row, write_or_check
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "peer_steps"
 DOC = ROOT / "docs" / "peer_steps.md"
@@ -22,11 +19,12 @@ MODELS = {"qwen3-30b-a3b": "qwen4l", "mixtral-8x7b": "mixtral2l", "deepseekmoe":
 CAPPED = {"qwen3-30b-a3b": "peer_step_capped.json", "mixtral-8x7b": "peer_step_capped.json",
           "deepseekmoe": "peer_step_capped_deepseek4l.json"}
 RELAUNCH = "relaunch_mixtral2l_capped.json"
-"""The capped plan relaunched over its first launch's compile cache (campaign h200_peer_capped)."""
+"""The capped plan relaunched over its first launch's compile cache (h200_peer_steps's
+relaunch_mixtral2l_capped)."""
 
 
 def _model(name: str, model: str) -> dict:
-    return json.loads((RESULTS / name).read_text())["models"][model]
+    return load(RESULTS / name)["models"][model]
 
 
 def skipped(run: dict) -> bool:
@@ -52,37 +50,36 @@ def runs(model: str) -> dict[str, tuple[str, dict]]:
 
 def _row(model: str, label: str, plan: str, run: dict) -> str:
     if skipped(run):
-        return f"| {model} | {label} | skipped: no plan fits under the cap | | | | |"
-    return (f"| {model} | {label} | `{plan}` | {run['step_time_s'] * 1e3:.1f} | "
-            f"{run['mfu']:.1%} | {run['peak_memory_gib']:.1f} | {run['first_step_s']:.1f} |")
+        return row([model, label, "skipped: no plan fits under the cap", "", "", "", ""])
+    return row([model, label, f"`{plan}`", f"{run['step_time_s'] * 1e3:.1f}", f"{run['mfu']:.1%}",
+                f"{run['peak_memory_gib']:.1f}", f"{run['first_step_s']:.1f}"])
 
 
 def _target(model: str, label: str, ours: dict, peer: dict) -> tuple[str, list[str]]:
+    ours_label = label.removeprefix("ours, ")
     if skipped(ours):
-        return (f"| {model} | {label.removeprefix('ours, ')} | no plan under "
-                f"{peer['peak_memory_gib']:.1f} GiB | | | |",
+        return (row([model, ours_label, f"no plan under {peer['peak_memory_gib']:.1f} GiB",
+                     "", "", ""]),
                 [f"{model} {label}: no plan under torchtitan compiled's peak"])
     speedup = peer["step_time_s"] / ours["step_time_s"]
     fits = ours["peak_memory_gib"] <= peer["peak_memory_gib"]
     misses = [f"{model} {label}: {speedup:.2f}x torchtitan compiled"] \
         if speedup < SPEEDUP_TARGET else []
     misses += [] if fits else [f"{model} {label}: more memory than torchtitan compiled"]
-    row = (f"| {model} | {label.removeprefix('ours, ')} | {ours['step_time_s'] * 1e3:.1f} / "
-           f"{peer['step_time_s'] * 1e3:.1f} | {speedup:.2f}x | "
-           f"{ours['peak_memory_gib']:.1f} / {peer['peak_memory_gib']:.1f} | "
-           f"{'no more' if fits else 'more'} |")
-    return row, misses
+    return row([model, ours_label, f"{ours['step_time_s'] * 1e3:.1f} / "
+                f"{peer['step_time_s'] * 1e3:.1f}", f"{speedup:.2f}x",
+                f"{ours['peak_memory_gib']:.1f} / {peer['peak_memory_gib']:.1f}",
+                "no more" if fits else "more"]), misses
 
 
-def relaunch() -> tuple[str, list[str]]:
-    r = json.loads((RESULTS / RELAUNCH).read_text())
-    hits = r["compiled_graphs"]["first_step"]
-    text = (f"first step {r['first_step_s']:.2f} s, build {r['build_s']:.2f} s, then "
-            f"{r['step_time_s'] * 1e3:.1f} ms steps; {hits['hits']} FX graphs and "
-            f"{hits['aot_hits']} AOTAutograd regions loaded from the cache, "
-            f"{hits['misses']} and {hits['aot_misses']} compiled again.")
+def relaunch() -> tuple[dict[str, str], list[str]]:
+    r = load(RESULTS / RELAUNCH)
+    graphs = r["compiled_graphs"]["first_step"]
+    parts = {"first_step": f"{r['first_step_s']:.2f}", "build": f"{r['build_s']:.2f}",
+             "step_ms": f"{r['step_time_s'] * 1e3:.1f}",
+             **{k: graphs[k] for k in ("hits", "aot_hits", "misses", "aot_misses")}}
     misses = [] if r["first_step_s"] < RELAUNCH_TARGET_S else ["relaunch first step >= 5 s"]
-    return text, misses
+    return parts, misses
 
 
 def render() -> tuple[str, list[str]]:
@@ -92,23 +89,20 @@ def render() -> tuple[str, list[str]]:
         rows += [_row(model, label, plan, run) for label, (plan, run) in measured.items()]
         peer = measured["torchtitan, compiled"][1]
         for label in ("ours, searched", "ours, capped"):
-            row, missed = _target(model, label, measured[label][1], peer)
-            targets.append(row)
+            line, missed = _target(model, label, measured[label][1], peer)
+            targets.append(line)
             misses += missed
-    text_relaunch, missed = relaunch()
-    version = json.loads((RESULTS / "peer_step_qwen4l.json").read_text())["wheels"]["torchtitan"]
+    relaunched, missed = relaunch()
+    version = load(RESULTS / "peer_step_qwen4l.json")["wheels"]["torchtitan"]
     text = fill("peer_steps.md.tmpl", {"rows": "\n".join(rows), "targets": "\n".join(targets),
-                                       "relaunch": text_relaunch, "relaunched": RELAUNCH,
+                                       **relaunched, "relaunched": RELAUNCH,
                                        "torchtitan": version})
     return text, misses + missed
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the doc is stale (its missed targets "
-                             "are listed, not failed)")
-    args = parser.parse_args(argv)
+    args = parser(__doc__, "the doc is stale (its missed targets are listed, not failed)") \
+        .parse_args(argv)
     text, misses = render()
     for line in misses:
         print(f"target missed: {line}")

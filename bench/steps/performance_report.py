@@ -11,20 +11,19 @@ No torch.
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from bench.report import fill, write_or_check
+from bench.report import ROOT, fill, load, parser, table, write_or_check
 
-ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "h200"
 LAYER, ATTENTION = RESULTS / "moe_layer", RESULTS / "attention_block"
 KERNEL_DIR, SEARCHED_DIR = RESULTS / "kernels", RESULTS / "searched"
 DOC = ROOT / "docs" / "performance.md"
+TEMPLATE = "performance.md.tmpl"
+"""The document (piece ``document``) and the clauses that come and go (bench.report.fill)."""
 
 STEPS = (
     # (layout, variant, the plan of bench/gpu_plans whose train step h200/ holds)
@@ -71,39 +70,42 @@ attention_block_x2."""
 
 
 def _load(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.exists() else None
+    return load(path) if path.exists() else None
 
 
 def _step(stem: str, folder: Path = RESULTS) -> dict | None:
     return _load(folder / f"train_step_{stem}.json")
 
 
+def _piece(name: str, **parts: str) -> str:
+    """A clause of the template's that comes and goes, on its line."""
+    return fill(TEMPLATE, parts, name).rstrip("\n")
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
-def step_table() -> list[str]:
-    lines = ["| layout | variant | step ms | MFU | commit |", "|---|---|---:|---:|---|"]
+def step_table() -> str:
+    cells = []
     for layout, variant, stem in STEPS:
         r = _step(stem)
-        if r is None:
-            lines.append(f"| {layout} | {variant} | not measured | | |")
-            continue
-        lines.append(f"| {layout} | {variant} | {r['step_time_s'] * 1e3:.1f} | "
-                     f"{r['mfu']:.1%} | {r.get('commit', '?')} |")
-    return lines
+        cells.append([layout, variant, "not measured", "", ""] if r is None else
+                     [layout, variant, f"{r['step_time_s'] * 1e3:.1f}", f"{r['mfu']:.1%}",
+                      r.get("commit", "?")])
+    return table(["layout", "variant", "step ms", "MFU", "commit"], cells, "llrr")
 
 
-def targets() -> list[str]:
-    lines = ["| layout | target | best measured | met |", "|---|---|---|---|"]
+def targets() -> str:
+    cells = []
     for layout, (text, step_s, mfu) in TARGETS.items():
         runs = [r for lay, _, stem in STEPS if lay == layout and (r := _step(stem)) is not None]
         best = min(runs, key=lambda r: r["step_time_s"])
         met = best["mfu"] >= mfu and (step_s is None or best["step_time_s"] <= step_s)
         extra = "" if step_s is None else f" and MFU >= {mfu:.0%}"
-        lines.append(f"| {layout} | {text}{extra} | {best['step_time_s'] * 1e3:.1f} ms, "
-                     f"MFU {best['mfu']:.1%} | {'yes' if met else 'no'} |")
-    return lines
+        cells.append([layout, text + extra, f"{best['step_time_s'] * 1e3:.1f} ms, MFU "
+                      f"{best['mfu']:.1%}", "yes" if met else "no"])
+    return table(["layout", "target", "best measured", "met"], cells)
 
 
 def _ours_s(row: dict) -> float:
@@ -117,7 +119,7 @@ def _layer_docs() -> list[tuple[str, dict]]:
     fused, fused with accumulation fusion; each shape's row from the newest run of it."""
     groups: dict[tuple[int, str], list[dict]] = {}
     for path in LAYER.glob("moe_layer_x*.json"):
-        d = json.loads(path.read_text())
+        d = load(path)
         kernels = KERNELS[(d.get("grad_accumulation_fusion", False), d["kernels"])]
         groups.setdefault((d["world"], kernels), []).append(d)
     out = []
@@ -131,10 +133,8 @@ def _layer_docs() -> list[tuple[str, dict]]:
     return out
 
 
-def layer_table() -> list[str]:
-    lines = ["| GPUs | shape | kernels | dispatcher | serial ms | inter-op ms | compute alone ms "
-             "| comm alone ms | inter-op / max(alone) | torchtitan ms | commit |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+def layer_table() -> str:
+    cells = []
     for kernels, doc in _layer_docs():
         for shape, row in doc["shapes"].items():
             peer = row.get("peer", {})
@@ -144,16 +144,18 @@ def layer_table() -> list[str]:
                 if disp not in row:
                     continue
                 t = row[disp]["fwd_bwd_s"]
-                inter = _ms(t["inter_op"]) if "inter_op" in t else "-"
-                comm = _ms(t["comm_alone"]) if "comm_alone" in t else "-"
-                ratio = f"{t['overlap_target']['ratio']:.2f}" if "overlap_target" in t else "-"
-                lines.append(f"| {doc['world']} | {shape} | {kernels} | {disp} | "
-                             f"{_ms(t['serial'])} | {inter} | {_ms(t['compute_alone'])} | "
-                             f"{comm} | {ratio} | {peer_ms} | {row['commit']} |")
-    return lines
+                cells.append([doc["world"], shape, kernels, disp, _ms(t["serial"]),
+                              _ms(t["inter_op"]) if "inter_op" in t else "-",
+                              _ms(t["compute_alone"]),
+                              _ms(t["comm_alone"]) if "comm_alone" in t else "-",
+                              f"{t['overlap_target']['ratio']:.2f}" if "overlap_target" in t
+                              else "-", peer_ms, row["commit"]])
+    return table(["GPUs", "shape", "kernels", "dispatcher", "serial ms", "inter-op ms",
+                  "compute alone ms", "comm alone ms", "inter-op / max(alone)", "torchtitan ms",
+                  "commit"], cells, "llllrrrrrr")
 
 
-def peer_table() -> list[str]:
+def peer_table() -> str:
     """Per GPU count and shape: our best layer (either kernel set, dispatcher, overlap)
     against torchtitan's, measured in the same launch."""
     best: dict[tuple[int, str], tuple[float, str, float]] = {}
@@ -165,19 +167,16 @@ def peer_table() -> list[str]:
             ours, key = _ours_s(row), (doc["world"], shape)
             if key not in best or peer["fwd_bwd_s"] / ours > best[key][2]:
                 best[key] = (ours, kernels, peer["fwd_bwd_s"] / ours)
-    lines = [f"| GPUs | shape | ours ms (kernels) | ours vs torchtitan | >= {PEER_TARGET}x |",
-             "|---|---|---:|---:|---|"]
-    for (world, shape), (ours, kernels, speed) in sorted(best.items()):
-        lines.append(f"| {world} | {shape} | {_ms(ours)} ({kernels}) | {speed:.2f}x | "
-                     f"{'yes' if speed >= PEER_TARGET else 'no'} |")
-    return lines
+    return table(["GPUs", "shape", "ours ms (kernels)", "ours vs torchtitan",
+                  f">= {PEER_TARGET}x"],
+                 ([world, shape, f"{_ms(ours)} ({kernels})", f"{speed:.2f}x",
+                   "yes" if speed >= PEER_TARGET else "no"]
+                  for (world, shape), (ours, kernels, speed) in sorted(best.items())), "llrr")
 
 
-def trace_table() -> list[str]:
+def trace_table() -> str:
     """The traced inter-op step at EP = 2: each stream's busy time and how long both ran."""
-    lines = ["| shape | kernels | dispatcher | compute stream ms (GEMM / other) | comm stream ms "
-             "(NCCL / other) | side by side ms | kernel span ms |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    cells = []
     for kernels, doc in _layer_docs():
         if doc["world"] != 2:
             continue
@@ -190,68 +189,66 @@ def trace_table() -> list[str]:
                                  key=lambda v: -v["kind_ms"].get("gemm", 0.0))
                 comp, comm = streams[0], streams[1] if len(streams) > 1 else None
                 ck = comp["kind_ms"]
-                cells = (f"{comm['busy_ms']:.1f} ({comm['kind_ms'].get('nccl', 0):.1f} / "
-                         f"{comm['kind_ms'].get('other', 0):.1f})") if comm else "-"
-                lines.append(f"| {shape} | {kernels} | {disp} | {comp['busy_ms']:.1f} "
-                             f"({ck.get('gemm', 0):.1f} / {ck.get('other', 0):.1f}) | {cells} | "
-                             f"{t['concurrent_ms']:.1f} | {t['wall_ms']:.1f} |")
-    return lines
+                cells.append([shape, kernels, disp, f"{comp['busy_ms']:.1f} "
+                              f"({ck.get('gemm', 0):.1f} / {ck.get('other', 0):.1f})",
+                              f"{comm['busy_ms']:.1f} ({comm['kind_ms'].get('nccl', 0):.1f} / "
+                              f"{comm['kind_ms'].get('other', 0):.1f})" if comm else "-",
+                              f"{t['concurrent_ms']:.1f}", f"{t['wall_ms']:.1f}"])
+    return table(["shape", "kernels", "dispatcher", "compute stream ms (GEMM / other)",
+                  "comm stream ms (NCCL / other)", "side by side ms", "kernel span ms"],
+                 cells, "lllrrrr")
 
 
-def probe_table() -> list[str]:
+def probe_table() -> str:
     """The overlap probes (h200_moe_layer's steps x2_*): inter-op / max(alone) per setting."""
     cols = [(shape, disp) for shape in ("mixtral-8x7b", "qwen3-30b-a3b")
             for disp in ("a2a", "ag_rs")]
-    lines = ["| setting | " + " | ".join(f"{s} {d}" for s, d in cols) + " |",
-             "|---|" + "---:|" * len(cols)]
+    cells = []
     for text, stem in PROBES:
-        doc = json.loads((LAYER / "overlap_probes" / f"{stem}.json").read_text())
-        cells = [f"{doc['shapes'][s][d]['fwd_bwd_s']['overlap_target']['ratio']:.2f}"
-                 for s, d in cols]
-        lines.append(f"| {text} | " + " | ".join(cells) + " |")
-    return lines
+        doc = load(LAYER / "overlap_probes" / f"{stem}.json")
+        cells.append([text, *(f"{doc['shapes'][s][d]['fwd_bwd_s']['overlap_target']['ratio']:.2f}"
+                              for s, d in cols)])
+    return table(["setting", *(f"{s} {d}" for s, d in cols)], cells, "l" + "r" * len(cols))
 
 
-def fused_table() -> list[str]:
-    lines = ["| shape | operator | eager fwd+bwd ms | fused fwd+bwd ms | speed-up | fused share "
-             "of HBM peak |", "|---|---|---:|---:|---:|---:|"]
+def fused_table() -> str:
+    cells = []
     for shape in ("mixtral", "qwen3"):
-        doc = json.loads((KERNEL_DIR / f"fused_ops_{shape}.json").read_text())
-        for name, row in doc["ops"].items():
+        for name, row in load(KERNEL_DIR / f"fused_ops_{shape}.json")["ops"].items():
             e, f = row["eager"]["fwd_bwd_s"], row["fused"]["fwd_bwd_s"]
-            lines.append(f"| {shape} | {name} | {e * 1e3:.3f} | {f * 1e3:.3f} | {e / f:.2f}x | "
-                         f"{row['fused']['fwd_bwd_hbm_fraction']:.0%} |")
-    return lines
+            cells.append([shape, name, f"{e * 1e3:.3f}", f"{f * 1e3:.3f}", f"{e / f:.2f}x",
+                          f"{row['fused']['fwd_bwd_hbm_fraction']:.0%}"])
+    return table(["shape", "operator", "eager fwd+bwd ms", "fused fwd+bwd ms", "speed-up",
+                  "fused share of HBM peak"], cells, "llrrrr")
 
 
-def loss_table() -> list[str]:
-    lines = ["| shape | tokens | vocabulary | eager ms | fused ms | its GEMMs alone ms | "
-             "beside the GEMMs, eager / fused ms | fused vs eager | commit |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---|"]
+def loss_table() -> str:
+    cells = []
     for shape in ("qwen3", "mixtral"):
-        doc = json.loads((KERNEL_DIR / f"fused_loss_{shape}.json").read_text())
+        doc = load(KERNEL_DIR / f"fused_loss_{shape}.json")
         row, sh = doc["ops"]["cross_entropy"], doc["shapes"]
         e, f = row["eager"]["device_fwd_bwd_s"], row["fused"]["device_fwd_bwd_s"]
         g = row["gemms_fwd_bwd_s"]
-        lines.append(f"| {shape} | {sh['tokens']:,} | {sh['vocab']:,} | {_ms(e)} | {_ms(f)} | "
-                     f"{_ms(g)} | {(e - g) * 1e3:.1f} / {(f - g) * 1e3:.1f} "
-                     f"| {row['fused_vs_eager']:.1e} | {doc.get('commit', '?')} |")
-    return lines
+        cells.append([shape, f"{sh['tokens']:,}", f"{sh['vocab']:,}", _ms(e), _ms(f), _ms(g),
+                      f"{(e - g) * 1e3:.1f} / {(f - g) * 1e3:.1f}",
+                      f"{row['fused_vs_eager']:.1e}", doc.get("commit", "?")])
+    return table(["shape", "tokens", "vocabulary", "eager ms", "fused ms", "its GEMMs alone ms",
+                  "beside the GEMMs, eager / fused ms", "fused vs eager", "commit"], cells,
+                 "lrrrrrlr")
 
 
-def searched_table() -> list[str]:
-    lines = ["| model | plan | step ms | MFU | predicted ms | error | peak GiB predicted / "
-             "reserved | commit |", "|---|---|---:|---:|---:|---:|---|---|"]
+def searched_table() -> str:
+    cells = []
     for shape in SEARCHED:
         r = _step(f"{shape}_1gpu", SEARCHED_DIR)
         pred = r["prediction"]
-        lines.append(
-            f"| {shape} | `{r['plan_summary']}` | {r['step_time_s'] * 1e3:.1f} | "
-            f"{r['mfu']:.1%} | {pred['step_time_s'] * 1e3:.1f} | "
-            f"{pred['step_time_s'] / r['step_time_s'] - 1:+.1%} | "
-            f"{pred['peak_memory_gib']:.1f} / {max(r['peak_reserved_gib_per_rank']):.1f} | "
-            f"{r.get('commit', '?')} |")
-    return lines
+        cells.append([shape, f"`{r['plan_summary']}`", f"{r['step_time_s'] * 1e3:.1f}",
+                      f"{r['mfu']:.1%}", f"{pred['step_time_s'] * 1e3:.1f}",
+                      f"{pred['step_time_s'] / r['step_time_s'] - 1:+.1%}",
+                      f"{pred['peak_memory_gib']:.1f} / "
+                      f"{max(r['peak_reserved_gib_per_rank']):.1f}", r.get("commit", "?")])
+    return table(["model", "plan", "step ms", "MFU", "predicted ms", "error",
+                  "peak GiB predicted / reserved", "commit"], cells, "llrrrr")
 
 
 def searched_parity() -> str:
@@ -269,11 +266,9 @@ def searched_parity() -> str:
 
 def searched_x2() -> str:
     steps = [r for shape in SEARCHED if (r := _step(f"{shape}_2gpu", SEARCHED_DIR)) is not None]
-    return ("measured over NCCL: " + ", ".join(
-        f"`{r['plan_summary']}` {r['step_time_s'] * 1e3:.1f} ms (predicted "
-        f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps) if steps else
-        "their steps over NCCL are `h200_searched`'s two-GPU steps, which have not "
-        "run: no two-GPU machine was lent")
+    runs = ", ".join(f"`{r['plan_summary']}` {r['step_time_s'] * 1e3:.1f} ms (predicted "
+                     f"{r['prediction']['step_time_s'] * 1e3:.1f})" for r in steps)
+    return _piece("searched_x2", runs=runs) if steps else _piece("searched_x2_unrun")
 
 
 def tp_memory() -> str:
@@ -283,41 +278,32 @@ def tp_memory() -> str:
             f"against {r['prediction']['peak_memory_gib']:.1f} predicted")
 
 
-def copy_engine_table() -> list[str]:
-    doc = json.loads((RESULTS / "copy_engine_x2.json").read_text())
-    lines = ["| shape | MiB to peer | GEMMs alone ms | NCCL alone ms | NCCL beside ms | ratio | "
-             "peer copy alone ms | peer copy beside ms | ratio | copy GB/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in doc["rows"]:
+def copy_engine_table() -> str:
+    cells = []
+    for r in load(RESULTS / "copy_engine_x2.json")["rows"]:
         ce = r["copy_engine"]
-        cells = ([_ms(ce["copy_s"]), _ms(ce["copy_beside_compute_s"]),
-                  f"{ce['overlap_ratio']:.2f}", f"{ce['gbps']:.0f}"] if ce["status"] == "ok"
-                 else [ce["status"], "", "", ""])
-        lines.append(f"| {r['shape']['name']} | {r['bytes_to_peer'] / 2**20:.0f} | "
-                     f"{_ms(r['compute_s'])} | {_ms(r['nccl_s'])} | "
-                     f"{_ms(r['nccl_beside_compute_s'])} | {r['nccl_overlap_ratio']:.2f} | "
-                     + " | ".join(cells) + " |")
-    return lines
+        cells.append([r["shape"]["name"], f"{r['bytes_to_peer'] / 2**20:.0f}",
+                      _ms(r["compute_s"]), _ms(r["nccl_s"]), _ms(r["nccl_beside_compute_s"]),
+                      f"{r['nccl_overlap_ratio']:.2f}",
+                      *([_ms(ce["copy_s"]), _ms(ce["copy_beside_compute_s"]),
+                         f"{ce['overlap_ratio']:.2f}", f"{ce['gbps']:.0f}"]
+                        if ce["status"] == "ok" else [ce["status"], "", "", ""])])
+    return table(["shape", "MiB to peer", "GEMMs alone ms", "NCCL alone ms", "NCCL beside ms",
+                  "ratio", "peer copy alone ms", "peer copy beside ms", "ratio", "copy GB/s"],
+                 cells, "l" + "r" * 9)
 
 
-def expert_gemm_table() -> list[str]:
-    docs = [(name, json.loads((KERNEL_DIR / f"{stem}.json").read_text()))
-            for name, stem in EXPERT_GEMMS]
+def expert_gemm_table() -> str:
+    docs = [(name, load(KERNEL_DIR / f"{stem}.json")) for name, stem in EXPERT_GEMMS]
     variants = list(dict.fromkeys(v for _, d in docs for v in d["variants"]))
-    lines = ["| variant | " + " | ".join(n for n, _ in docs) + " |",
-             "|---|" + "---:|" * len(docs)]
-    for v in variants:
-        cells = [_ms(d["variants"][v]["fwd_bwd_s"]) if v in d["variants"] else "-"
-                 for _, d in docs]
-        lines.append(f"| {v} | " + " | ".join(cells) + " |")
-    lines.append("| commit | " + " | ".join(d.get("commit", "?") for _, d in docs) + " |")
-    return lines
+    cells = [[v, *(_ms(d["variants"][v]["fwd_bwd_s"]) if v in d["variants"] else "-"
+                   for _, d in docs)] for v in variants]
+    cells.append(["commit", *(d.get("commit", "?") for _, d in docs)])
+    return table(["variant", *(n for n, _ in docs)], cells, "l" + "r" * len(docs))
 
 
-def attention_table() -> list[str]:
-    lines = ["| GPUs | shape | kernels | recompute | block ms | predicted ms | error | compute "
-             "alone ms | exposed comm ms | all-to-alls alone ms | commit |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+def attention_table() -> str:
+    cells = []
     for path in (ATTENTION / "attention_block_x1.json", ATTENTION_X2):
         doc = _load(path)
         if doc is None:
@@ -326,13 +312,14 @@ def attention_table() -> list[str]:
             comm = row.get("comm_alone_s")
             for v in row["variants"].values():
                 pred = v["predicted"]["block_s"]
-                cells = [_ms(x) if x is not None else "-" for x in (v["block_s"], pred)]
-                cells.append(f"{pred / v['block_s'] - 1:+.1%}")
-                cells += [_ms(x) if x is not None else "-"
-                          for x in (v.get("compute_alone_s"), v.get("exposed_comm_s"), comm)]
-                lines.append(f"| {doc['world']} | {shape} | {v['kernels']} | {v['recompute']} | "
-                             + " | ".join(cells) + f" | {doc.get('commit', '?')} |")
-    return lines
+                times = [_ms(x) if x is not None else "-" for x in (
+                    v.get("compute_alone_s"), v.get("exposed_comm_s"), comm)]
+                cells.append([doc["world"], shape, v["kernels"], v["recompute"],
+                              _ms(v["block_s"]), _ms(pred), f"{pred / v['block_s'] - 1:+.1%}",
+                              *times, doc.get("commit", "?")])
+    return table(["GPUs", "shape", "kernels", "recompute", "block ms", "predicted ms", "error",
+                  "compute alone ms", "exposed comm ms", "all-to-alls alone ms", "commit"],
+                 cells, "llllrrrrrr")
 
 
 def _head_group_docs() -> list[dict]:
@@ -341,16 +328,13 @@ def _head_group_docs() -> list[dict]:
                         _load(ATTENTION_X2)) if d is not None]
 
 
-def head_groups_table() -> list[str]:
+def head_groups_table() -> str:
     """Blocking Ulysses core / head groups per cell: compute alone with the host ahead, on an
     idle GPU, the host's time to issue it; on two GPUs the block and its exposed comm."""
-    lines = ["| GPUs | shape | kernels | recompute | compute alone, host ahead ms | compute "
-             "alone, idle GPU ms | host issues it ms | block ms | exposed comm ms | predicted "
-             "ms | commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-
     def pair(a, b) -> str:
         return " / ".join(_ms(x) if x is not None else "-" for x in (a, b))
 
+    cells = []
     for doc in _head_group_docs():
         gpus = f"{doc['world']}" + (f" (one SP = {doc['simulated_sp']} rank)"
                                     if doc["world"] == 1 else "")
@@ -359,13 +343,15 @@ def head_groups_table() -> list[str]:
                 g = v.get("head_groups")
                 if g is None:
                     continue
-                cells = [pair(v.get(k), g.get(k)) for k in (
-                    "compute_alone_device_s", "compute_alone_s", "compute_alone_host_s",
-                    "block_s", "exposed_comm_s")]
-                cells.append(pair(v["predicted"]["block_s"], g["predicted"]["block_s"]))
-                lines.append(f"| {gpus} | {shape} | {v['kernels']} | {v['recompute']} | "
-                             + " | ".join(cells) + f" | {doc.get('commit', '?')} |")
-    return lines
+                cells.append([gpus, shape, v["kernels"], v["recompute"], *(
+                    pair(v.get(k), g.get(k)) for k in (
+                        "compute_alone_device_s", "compute_alone_s", "compute_alone_host_s",
+                        "block_s", "exposed_comm_s")),
+                    pair(v["predicted"]["block_s"], g["predicted"]["block_s"]),
+                    doc.get("commit", "?")])
+    return table(["GPUs", "shape", "kernels", "recompute", "compute alone, host ahead ms",
+                  "compute alone, idle GPU ms", "host issues it ms", "block ms",
+                  "exposed comm ms", "predicted ms", "commit"], cells)
 
 
 def _span(xs: list[float]) -> str:
@@ -394,8 +380,8 @@ def head_groups() -> dict[str, str]:
 
 def head_group_parity() -> str:
     """The head groups' bf16 parity with both ranks on one GPU, without and with recompute."""
-    docs = [json.loads((ATTENTION / f"parity_shared_mixtral2l_sp2_ep2_a2a_interop{t}.json")
-                       .read_text()) for t in ("", "_sel", "_full")]
+    docs = [load(ATTENTION / f"parity_shared_mixtral2l_sp2_ep2_a2a_interop{t}.json")
+            for t in ("", "_sel", "_full")]
     return "; ".join(
         f"`{d['plan_summary'].split(' sync:')[0]}` {d.get('commit', '?')}: "
         f"{'pass' if d['pass'] else 'FAIL'}, loss {d['loss_rel_err']:.2e} and gradients up "
@@ -407,7 +393,7 @@ def head_group_parity() -> str:
 def clocks() -> dict[str, str]:
     """The SM clock and power while the Mixtral-shaped layer runs (nvidia-smi every 250 ms)."""
     rows = list(csv.reader((LAYER / "clocks_smi.csv").read_text().splitlines()))[1:]
-    layer = json.loads((LAYER / "clocks_x1_fused_gaf.json").read_text())
+    layer = load(LAYER / "clocks_x1_fused_gaf.json")
     busy = [r for r in rows if float(r[3].split()[0]) > 300]  # the layer running, not idle
     mhz = sorted(int(r[1].split()[0]) for r in busy)
     shape = layer["shapes"]["mixtral-8x7b"]
@@ -424,9 +410,9 @@ def clocks() -> dict[str, str]:
 def ceiling() -> dict[str, str]:
     """How much faster than torchtitan's our Mixtral-shaped layer could be with its expert
     GEMMs at the best rate measured for the same FLOPs (issue 11's 1.15x target)."""
-    gemms = json.loads((KERNEL_DIR / "expert_gemm_mixtral.json").read_text())
-    even = json.loads((KERNEL_DIR / "expert_gemm_mixtral_balanced.json").read_text())
-    layer = json.loads((LAYER / "moe_layer_x1_fused_mixtral.json").read_text())
+    gemms = load(KERNEL_DIR / "expert_gemm_mixtral.json")
+    even = load(KERNEL_DIR / "expert_gemm_mixtral_balanced.json")
+    layer = load(LAYER / "moe_layer_x1_fused_mixtral.json")
     v = {k: x["fwd_bwd_s"] * 1e3 for k, x in gemms["variants"].items()}
     moved = max(abs(x["fwd_bwd_s"] * 1e3 / v[k] - 1) for k, x in even["variants"].items())
     shape = layer["shapes"]["mixtral-8x7b"]
@@ -451,7 +437,7 @@ def fusion() -> dict[str, str]:
         a, b = _step(stem)["step_time_s"], _step(f"{stem}_gaf")["step_time_s"]
         out |= {f"{key}_twin": f"{a * 1e3:.1f}", f"{key}": f"{b * 1e3:.1f}",
                 f"{key}_gain": f"{1 - b / a:.1%}"}
-    v = json.loads((KERNEL_DIR / "expert_gemm_qwen3.json").read_text())["variants"]
+    v = load(KERNEL_DIR / "expert_gemm_qwen3.json")["variants"]
     ratio = v["runtime_accumulating"]["fwd_bwd_s"] / v["grouped_accumulate"]["fwd_bwd_s"]
     return out | {"qwen_per_expert": f"{ratio:.2f}"}
 
@@ -465,15 +451,14 @@ def interop_step() -> str:
 
 def sections() -> dict[str, str]:
     """The generated parts of the report, by the name its template gives."""
-    tables = {name: "\n".join(fn()) for name, fn in (
+    tables = {name: fn() for name, fn in (
         ("step_table", step_table), ("targets", targets), ("layer_table", layer_table),
         ("peer_table", peer_table), ("trace_table", trace_table), ("probe_table", probe_table),
         ("attention_table", attention_table), ("head_groups_table", head_groups_table),
         ("fused_table", fused_table), ("loss_table", loss_table),
         ("searched_table", searched_table), ("copy_engine_table", copy_engine_table),
         ("expert_gemm_table", expert_gemm_table))}
-    x2_note = "" if ATTENTION_X2.exists() else (
-        " (not run: it needs a two-GPU machine)")
+    x2_note = "" if ATTENTION_X2.exists() else _piece("attention_x2_unrun")
     return {**tables, **head_groups(), **clocks(), **ceiling(), **fusion(),
             "attention_x2_note": x2_note, "head_group_parity": head_group_parity(),
             "searched_parity": searched_parity(), "searched_x2": searched_x2(),
@@ -483,15 +468,12 @@ def sections() -> dict[str, str]:
 
 def render() -> str:
     """docs/performance.md: the template's prose with its ``{{name}}`` parts filled in."""
-    return fill("performance.md.tmpl", sections())
+    return fill(TEMPLATE, sections(), "document")
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 when docs/performance.md is stale")
-    return write_or_check(DOC, render(), "python -m bench.steps.performance_report",
-                          p.parse_args().check)
+    check = parser(__doc__, "docs/performance.md is stale").parse_args().check
+    return write_or_check(DOC, render(), "python -m bench.steps.performance_report", check)
 
 
 if __name__ == "__main__":

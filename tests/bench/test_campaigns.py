@@ -92,9 +92,9 @@ def test_a_further_launch_of_a_plan_is_a_step_of_its_own_writing_in_its_launch_f
 
 def test_a_step_of_its_own_environment_shows_it_and_results_record_nccl_switches(
         capsys, monkeypatch):
-    assert campaign.main(["h200_memory_x2", "--dry-run"]) == 0
-    line = [ln for ln in capsys.readouterr().out.splitlines()
-            if ln.startswith("train_step_mixtral2l_dp2_ep2_interop_mbs1_avoid_record_streams:")]
+    assert campaign.main(["h200_memory", "--dry-run"]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(
+        "reserve_x2_mixtral2l_dp2_ep2_interop_mbs1_avoid_record_streams:")]
     assert line and ": TORCH_NCCL_AVOID_RECORD_STREAMS=1 " in line[0]
     from runtime.provenance import metadata
 

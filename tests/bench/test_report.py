@@ -32,3 +32,10 @@ def test_a_piece_is_its_lines_up_to_the_next_marker(tmp_path, monkeypatch):
     assert report.fill("t.tmpl", {}, "b") == "second\n"
     with pytest.raises(KeyError, match="c"):
         report.fill("t.tmpl", {}, "c")
+
+
+def test_a_table_is_its_head_its_rule_and_a_line_per_row():
+    text = report.table(["a", "b", "c"], [[1, "", "x"], ["", 2.5, ""]], align="lr")
+    assert text.splitlines() == ["| a | b | c |", "|---|---:|---|", "| 1 | | x |",
+                                 "| | 2.5 | |"]
+    assert report.table(["only"], []) == "| only |\n|---|"
