@@ -297,10 +297,11 @@ def check(campaign: Campaign) -> list[str]:
 
 def _pack(folders: list[Path], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    # a folder inside another of the campaign's goes in with it, once
+    top = [f for f in folders if not any(f != g and f.is_relative_to(g) for g in folders)]
     with tarfile.open(out / "results.tgz", "w:gz") as tar:
-        for f in folders:
-            if f.is_dir():
-                tar.add(f, arcname=str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name))
+        for f in top:
+            tar.add(f, arcname=str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name))
 
 
 def _report(step, result: Path) -> str:

@@ -143,15 +143,15 @@ def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_pat
     plan.write_text(make_plan().model_dump_json())
     writes = tmp_path / "writes.py"
     writes.write_text("import pathlib, sys\npathlib.Path(sys.argv[2]).write_text('{}')\n")
-    results, other = tmp_path / "res", tmp_path / "other"
+    results, other, inner = tmp_path / "res", tmp_path / "other", tmp_path / "res" / "inner"
     manifest = _manifest(tmp_path, {"tiny": {"about": "a CPU smoke run", "gpus": 1,
                                              "results": str(results), "steps": [
         {"train_step": str(plan), "steps": 2, "warmup": 1},
         {"script": "bench/steps/speedup_report.py", "name": "speedup", "result": "s.json",
          "args": ["--best", "{results}/a.json", "--baseline", "{results}/b.json",
                   "--out", "{results}/s.json"], "needs": ["a.json", "b.json"]},
-        {"script": str(writes), "name": "elsewhere", "results": str(other),
-         "args": ["--out", "{results}/e.json"], "result": "e.json"},
+        *({"script": str(writes), "name": f"to_{d.name}", "results": str(d),
+           "args": ["--out", "{results}/e.json"], "result": "e.json"} for d in (other, inner)),
     ]}})
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "bench.campaign", "tiny", "--manifest",
@@ -162,9 +162,12 @@ def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_pat
     assert "exit 0: step " in done.stdout
     doc = read(TrainStepResult, results / "train_step_tiny.json", "result")
     assert doc.measured_steps == 2 and doc.optimizer_sharding == "none"
-    assert (other / "elsewhere.log").exists()
+    assert (other / "to_other.log").exists() and (inner / "to_inner.log").exists()
     with tarfile.open(out / "results.tgz") as tar:
-        assert {"res/train_step_tiny.json", "other/e.json"} <= set(tar.getnames())
+        names = tar.getnames()
+    # a step's own folder is packed too; one inside the campaign's goes in with it, once
+    assert {"res/train_step_tiny.json", "other/e.json", "res/inner/e.json"} <= set(names)
+    assert len(names) == len(set(names))
 
 
 def test_a_step_past_its_timeout_is_stopped_with_every_process_it_started(tmp_path,
