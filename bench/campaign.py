@@ -4,8 +4,9 @@
     bash bench/run_campaign.sh NAME      # on a GPU machine: environment and wheels first
 
 Each step runs under a timeout (its own, capped by what is left of the campaign's budget; a
-step that cannot get 40 s is skipped), logs to <results>/<step>.log, and after every step the
-results folder is packed into $OUT/results.tgz. A result a step wrote is read back as its typed
+step that cannot get 40 s is skipped), logs to <results>/<step>.log (the step's results folder:
+its campaign's unless it names its own), and after every step the campaign's results folders
+are packed into $OUT/results.tgz. A result a step wrote is read back as its typed
 document (plans/results.py) and reported. --only runs the named steps of the campaign alone (to
 remeasure a few results in one device call). --dry-run prints the commands and checks the
 manifest (every plan exists and fits the campaign's GPUs) without running anything.
@@ -46,6 +47,12 @@ class _Step(BaseModel, ABC):
     """The typed document the step's result is read back as."""
 
     timeout_s: PositiveInt = 150
+    results: str | None = None
+    """The folder, relative to the repository root, of this step's log and result when not its
+    campaign's: a merged campaign's step keeps the folder its readers cite."""
+
+    def folder(self, campaign: Campaign) -> str:
+        return self.results or campaign.results
 
     def plan_path(self) -> Path | None:
         return None
@@ -58,13 +65,16 @@ class _Step(BaseModel, ABC):
         return self.ranks()
 
     def output(self) -> str:
-        """The result's file under the campaign's results folder."""
+        """The result's file under the step's results folder."""
         return f"{self.name}.json"
 
 
 class _PlanStep(_Step):
     kind_field: ClassVar[str]
     """The key that names the step's kind and holds its plan."""
+
+    name_: str | None = Field(None, alias="name")
+    """The step's name where the one its plan gives is another step's in the campaign."""
 
     def plan_path(self) -> Path:
         return Path(getattr(self, self.kind_field))
@@ -75,6 +85,9 @@ class _PlanStep(_Step):
 
     @property
     def name(self) -> str:
+        return self.name_ or self.default_name()
+
+    def default_name(self) -> str:
         return f"{self.kind_field}_{self.stem}"
 
     def ranks(self) -> int:
@@ -92,8 +105,7 @@ class TrainStep(_PlanStep):
     """A further launch of the plan (step ``train_step_<plan>_<launch>``), its result in the
     folder ``launch_<launch>/``: a launch varies the step time, a report takes the median."""
 
-    @property
-    def name(self) -> str:
+    def default_name(self) -> str:
         return f"train_step_{self.stem}" + (f"_{self.launch}" if self.launch else "")
 
     def output(self) -> str:
@@ -115,8 +127,7 @@ class Parity(_PlanStep):
     """Every rank on the one GPU over gloo (the layout's numerics, never its speed)."""
     timeout_s: PositiveInt = 200
 
-    @property
-    def name(self) -> str:
+    def default_name(self) -> str:
         return f"parity_{'shared_' if self.share_gpu else ''}{self.stem}"
 
     def gpus_needed(self) -> int:
@@ -149,7 +160,7 @@ class Script(_Step):
     args: list[str] = []
     ranks_: PositiveInt = Field(1, alias="ranks")
     result: str
-    """The file (under the campaign's results folder) the script writes."""
+    """The file (under the step's results folder) the script writes."""
     needs: list[str] = []
     """Results files that must exist first; the step is skipped otherwise."""
     share_gpu: bool = False
@@ -229,9 +240,16 @@ class Campaign(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> Campaign:
         names = [s.name for s in self.steps]
-        if len(set(names)) != len(names):
-            raise ValueError(f"steps: two steps write the same result ({names})")
+        if dup := next((n for n in names if names.count(n) > 1), None):
+            raise ValueError(f"steps: two steps are named {dup!r} (give one a name)")
+        outputs = [str(Path(s.folder(self)) / s.output()) for s in self.steps]
+        if dup := next((o for o in outputs if outputs.count(o) > 1), None):
+            raise ValueError(f"steps: two steps write {dup}")
         return self
+
+    def folders(self) -> list[str]:
+        """The folders its steps write, its own first."""
+        return list(dict.fromkeys([self.results, *(s.folder(self) for s in self.steps)]))
 
 
 class Manifest(BaseModel):
@@ -277,11 +295,13 @@ def check(campaign: Campaign) -> list[str]:
     return problems
 
 
-def _pack(results: Path, out: Path) -> None:
+def _pack(folders: list[Path], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    arcname = results.relative_to(ROOT) if results.is_relative_to(ROOT) else results.name
+    # a folder inside another of the campaign's goes in with it, once
+    top = [f for f in folders if not any(f != g and f.is_relative_to(g) for g in folders)]
     with tarfile.open(out / "results.tgz", "w:gz") as tar:
-        tar.add(results, arcname=str(arcname))
+        for f in top:
+            tar.add(f, arcname=str(f.relative_to(ROOT) if f.is_relative_to(ROOT) else f.name))
 
 
 def _report(step, result: Path) -> str:
@@ -305,8 +325,9 @@ def _shown(step: _Step, results: Path) -> str:
 
 
 def run(name: str, campaign: Campaign, out: Path) -> int:
-    results = ROOT / campaign.results  # a relative folder is the repository's
-    results.mkdir(parents=True, exist_ok=True)
+    folders = [ROOT / f for f in campaign.folders()]  # a relative folder is the repository's
+    for f in folders:
+        f.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)}
     start, failed = time.monotonic(), 0
@@ -317,6 +338,7 @@ def run(name: str, campaign: Campaign, out: Path) -> int:
         if left < MIN_STEP_S:
             print(f"=== {step.name}: skipped ({left:.0f} s left)", flush=True)
             continue
+        results = ROOT / step.folder(campaign)
         if isinstance(step, Script) and (missing := [n for n in step.needs
                                                      if not (results / n).exists()]):
             print(f"=== {step.name}: skipped (missing {', '.join(missing)})", flush=True)
@@ -340,7 +362,7 @@ def run(name: str, campaign: Campaign, out: Path) -> int:
         result = results / step.output()
         failed += rc != 0
         print(f"exit {rc}: {_report(step, result)}", flush=True)
-        _pack(results, out)
+        _pack(folders, out)
     print(f"done in {time.monotonic() - start:.0f} s, {failed} step(s) failed", flush=True)
     return 1 if failed else 0
 
@@ -367,9 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
-        results = Path(campaign.results)
         for step in campaign.steps:
-            print(f"{step.name}: {_shown(step, results)}")
+            print(f"{step.name}: {_shown(step, Path(step.folder(campaign)))}")
         return 0
     return run(args.name, campaign, Path(os.environ.get("OUT", "/tmp/out")))
 

@@ -31,8 +31,9 @@ def render() -> str:
     manifest = load_manifest(MANIFEST)
     writers: dict[str, list[str]] = defaultdict(list)
     for name, c in manifest.campaigns.items():
-        # its results folder, and the folders in it its steps write (a further launch's)
-        for folder in dict.fromkeys([Path(c.results)] + [(Path(c.results) / s.output()).parent
+        # its results folder, and every folder its steps write (a further launch's, a merged
+        # campaign's step's own)
+        for folder in dict.fromkeys([Path(c.results)] + [(Path(s.folder(c)) / s.output()).parent
                                                          for s in c.steps]):
             writers[str(folder)].append(name)
     lines = ["# Committed benchmark results", "",

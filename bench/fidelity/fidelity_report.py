@@ -247,7 +247,7 @@ def repeat_text(data: list[dict]) -> str:
 
 
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
-"""One-GPU measurements of the current runtime (campaign h200_device_sweep): the suite's 1-GPU
+"""One-GPU measurements of the current runtime (campaign h200_kernels): the suite's 1-GPU
 plans re-measured, their profiled steps, host syncs."""
 
 

@@ -7,7 +7,7 @@ nvidia-smi samples, every ``--interval-ms``, the SM clock and its maximum, the p
 limit, the temperature and the active clock-event reasons (bit 0x4: the software power cap)
 into ``--csv`` while the command runs; the command's exit status is this script's. Where
 nvidia-smi is missing (CPU machines) the command runs alone and the CSV says why in its one
-line. Used by campaign ``h200_moe_layer`` (docs/performance.md: why the Mixtral-shaped
+line. Used by campaign ``h200_layers`` (docs/performance.md: why the Mixtral-shaped
 layer's GEMMs run at the rate they do).
 """
 

@@ -58,7 +58,7 @@ SWEEP = ROOT / "bench" / "results" / "h200" / "fidelity" / "calibration_h200.jso
 """The micro-benchmark sweep docs/fidelity.md calibrates from (campaign h200_fidelity)."""
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
 """The fused memory-bound operators' device times at three shapes (campaign
-h200_device_sweep)."""
+h200_kernels)."""
 FUSED_SHAPES = ("mixtral", "qwen3", "352b")
 """bench/kernels/fused_ops_gpu.py's results in DEVICE: Mixtral-8x7B and Qwen3-30B-A3B at 16k tokens,
 the 352B job's per-rank shapes (1,024 tokens)."""

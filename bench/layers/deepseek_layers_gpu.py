@@ -62,7 +62,7 @@ TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 
 """--tiny: DeepSeek-V3's structure at CPU size."""
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200" / "deepseek_v3"
 MEASURED = tuple(RESULTS / f"deepseek_v3_layers{tail}.json" for tail in ("", "_b2", "_b4"))
-"""The committed H200 measurements (campaign h200_deepseek_v3): 1, 2 and 4 sequences."""
+"""The committed H200 measurements (campaign h200_layers): 1, 2 and 4 sequences."""
 REPORT = RESULTS / "deepseek_v3_report.json"
 TARGET = 0.10
 """Issue 30's target: each block predicted within 10% of its 1-GPU measurement."""

@@ -65,7 +65,7 @@ EXPERT_GEMMS = (("mixtral-8x7b, 16k tokens", "expert_gemm_mixtral"),
                 ("qwen3-30b-a3b, 16k tokens", "expert_gemm_qwen3"),
                 ("deepseekmoe-16b, 16k tokens", "expert_gemm_deepseekmoe"))
 ATTENTION_X2 = ATTENTION / "attention_block_x2.json"
-"""The two-GPU block (its head-group rows too), written by h200_attention_block's step
+"""The two-GPU block (its head-group rows too), written by h200_layers' step
 attention_block_x2."""
 
 
@@ -200,7 +200,7 @@ def trace_table() -> str:
 
 
 def probe_table() -> str:
-    """The overlap probes (h200_moe_layer's steps x2_*): inter-op / max(alone) per setting."""
+    """The overlap probes (h200_layers' steps x2_*): inter-op / max(alone) per setting."""
     cols = [(shape, disp) for shape in ("mixtral-8x7b", "qwen3-30b-a3b")
             for disp in ("a2a", "ag_rs")]
     cells = []

@@ -1,7 +1,7 @@
 """The plans `moeplan search --runnable` picks for the fidelity suite's job (global batch
 8 x 4096, bench/fidelity/fidelity_cases.py) on one and two H200s of the calibrated cluster
 h200-runtime, for the three reduced-depth shapes: what a user of the planner trains. Written to
-bench/gpu_plans/searched/ for campaign h200_searched, which measures their steps (held out:
+bench/gpu_plans/searched/ for campaign h200_steps, which measures their steps (held out:
 chosen by the cost model before they were measured). A rerun after the cost model changes may
 write other plans, to be measured again.
 

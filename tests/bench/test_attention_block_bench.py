@@ -1,5 +1,5 @@
 """bench/layers/attention_block_gpu.py on CPU: gloo, 1 and 2 processes, tiny shapes via flags (smoke
-tests of the script the h200_attention_block campaign runs)."""
+tests of the script the h200_layers campaign runs)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ RESULTS = ROOT / "bench" / "results"
 
 def test_every_campaign_of_the_manifest_is_runnable_as_written():
     manifest = campaign.load_manifest()
-    assert {"h200_steps", "h200_node_x8"} <= set(manifest.campaigns)
+    assert {"h200_steps", "h200_node"} <= set(manifest.campaigns)
     for name, c in manifest.campaigns.items():
         assert campaign.check(c) == [], name
         for step in c.steps:
@@ -63,6 +63,37 @@ def test_a_bad_manifest_or_a_step_too_big_for_the_campaign_is_refused(tmp_path, 
     assert campaign.main(["c", "--manifest", str(shared), "--dry-run"]) == 0
     assert "--share-gpu" in capsys.readouterr().out
     assert campaign.main(["nope", "--dry-run"]) == 2
+    twins = _manifest(tmp_path, {"c": {"about": "x", "gpus": 1, "results": "r", "steps": [
+        {"train_step": "bench/gpu_plans/mixtral2l_1gpu.json"},
+        {"train_step": "bench/gpu_plans/searched/mixtral2l_1gpu.json", "results": "s"}]}})
+    assert campaign.main(["c", "--manifest", str(twins), "--dry-run"]) == 2
+    assert "two steps are named 'train_step_mixtral2l_1gpu'" in capsys.readouterr().err
+    one_file = _manifest(tmp_path, {"c": {"about": "x", "gpus": 1, "results": "r", "steps": [
+        {"train_step": "bench/gpu_plans/mixtral2l_1gpu.json", "name": n} for n in "ab"]}})
+    assert campaign.main(["c", "--manifest", str(one_file), "--dry-run"]) == 2
+    assert "two steps write r/train_step_mixtral2l_1gpu.json" in capsys.readouterr().err
+
+
+def test_a_merged_campaigns_steps_keep_their_folders_and_names(capsys):
+    """A step naming its own results folder writes there; a plan step named apart from the
+    step its plan names in the same campaign (the searched Mixtral plan beside h200_steps'
+    own) runs under that name and writes its plan's file."""
+    assert campaign.main(["h200_kernels", "--only", "calibration_h200", "expert_paths",
+                          "device_fused_ops_mixtral", "fused_ops_mixtral", "--dry-run"]) == 0
+    out = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert out["calibration_h200"].endswith("--out calibration_h200")
+    assert out["expert_paths"].endswith("--out bench/results/h200/expert_paths/expert_paths.json")
+    assert out["device_fused_ops_mixtral"].endswith(
+        "--out bench/results/h200/device_sweep/fused_ops_mixtral.json")
+    assert out["fused_ops_mixtral"].endswith(
+        "--out bench/results/h200/kernels/fused_ops_mixtral.json")
+    assert campaign.main(["h200_steps", "--only", "train_step_mixtral2l_1gpu",
+                          "train_step_mixtral2l_1gpu_searched", "--dry-run"]) == 0
+    out = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
+    assert out["train_step_mixtral2l_1gpu"].endswith(
+        "--out bench/results/h200/train_step_mixtral2l_1gpu.json")
+    assert out["train_step_mixtral2l_1gpu_searched"].endswith(
+        "--out bench/results/h200/searched/train_step_mixtral2l_1gpu.json")
 
 
 def test_only_cuts_a_campaign_to_named_steps_and_names_an_unknown_one(capsys):
@@ -110,13 +141,17 @@ def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_pat
 
     plan = tmp_path / "tiny.json"
     plan.write_text(make_plan().model_dump_json())
-    results = tmp_path / "res"
+    writes = tmp_path / "writes.py"
+    writes.write_text("import pathlib, sys\npathlib.Path(sys.argv[2]).write_text('{}')\n")
+    results, other, inner = tmp_path / "res", tmp_path / "other", tmp_path / "res" / "inner"
     manifest = _manifest(tmp_path, {"tiny": {"about": "a CPU smoke run", "gpus": 1,
                                              "results": str(results), "steps": [
         {"train_step": str(plan), "steps": 2, "warmup": 1},
         {"script": "bench/steps/speedup_report.py", "name": "speedup", "result": "s.json",
          "args": ["--best", "{results}/a.json", "--baseline", "{results}/b.json",
                   "--out", "{results}/s.json"], "needs": ["a.json", "b.json"]},
+        *({"script": str(writes), "name": f"to_{d.name}", "results": str(d),
+           "args": ["--out", "{results}/e.json"], "result": "e.json"} for d in (other, inner)),
     ]}})
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "bench.campaign", "tiny", "--manifest",
@@ -127,8 +162,12 @@ def test_the_runner_runs_steps_packs_results_and_skips_what_lacks_inputs(tmp_pat
     assert "exit 0: step " in done.stdout
     doc = read(TrainStepResult, results / "train_step_tiny.json", "result")
     assert doc.measured_steps == 2 and doc.optimizer_sharding == "none"
+    assert (other / "to_other.log").exists() and (inner / "to_inner.log").exists()
     with tarfile.open(out / "results.tgz") as tar:
-        assert "res/train_step_tiny.json" in tar.getnames()
+        names = tar.getnames()
+    # a step's own folder is packed too; one inside the campaign's goes in with it, once
+    assert {"res/train_step_tiny.json", "other/e.json", "res/inner/e.json"} <= set(names)
+    assert len(names) == len(set(names))
 
 
 def test_a_step_past_its_timeout_is_stopped_with_every_process_it_started(tmp_path,

@@ -1,5 +1,5 @@
 """bench/steps/compile_relaunch.py on CPU with a tiny eager plan (a smoke test of the script the
-h200_expert_paths campaign runs): two launches over one compile cache, each launch's first
+h200_steps campaign runs): two launches over one compile cache, each launch's first
 step apart from its steady state."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """bench.layers.deepseek_layers_gpu on CPU with --tiny (smoke test of the script the
-h200_deepseek_v3 campaign runs)."""
+h200_layers campaign runs)."""
 
 from __future__ import annotations
 

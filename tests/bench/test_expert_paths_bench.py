@@ -1,5 +1,5 @@
 """bench/kernels/expert_paths_gpu.py on CPU, shapes divided down (a smoke test of the script the
-h200_expert_paths campaign runs): every ExpertGemm path and the references timed, the
+h200_kernels campaign runs): every ExpertGemm path and the references timed, the
 fastest path named."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """bench/layers/moe_layer_gpu.py on CPU: gloo, 1 and 2 processes, shapes divided down (smoke tests
-of the script the h200_moe_layer campaign runs)."""
+of the script the h200_layers campaign runs)."""
 
 from __future__ import annotations
 
