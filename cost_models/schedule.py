@@ -138,11 +138,7 @@ def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
             for j in successors[i]:  # the successors i was the last wait of
                 waiting[j] -= 1
                 if not waiting[j]:
-                    at, why = 0.0, None
-                    for p in preds[j]:
-                        if finish[p] > at:
-                            at, why = finish[p], p
-                    after[j], after_cause[j] = at, why
+                    after[j], after_cause[j] = _last_finished(preds[j], finish)
                     heapq.heappush(heap, rank[j])
     while ready:
         best = best_cause = None
@@ -161,11 +157,7 @@ def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
         for j in successors[best]:  # the successors best was the last wait of
             waiting[j] -= 1
             if not waiting[j]:
-                at, why = 0.0, None
-                for p in preds[j]:
-                    if finish[p] > at:
-                        at, why = finish[p], p
-                after[j], after_cause[j] = at, why
+                after[j], after_cause[j] = _last_finished(preds[j], finish)
                 ready.append(j)
         for s in lanes[best]:
             free[s] = end
@@ -179,6 +171,16 @@ def schedule(graph: TaskGraph, durations: Sequence[float]) -> Schedule:
     makespan = max(finish, default=0.0)
     return Schedule(makespan, tuple(start), exposed,
                     _critical_path(graph.names, finish, cause))
+
+
+def _last_finished(preds: Sequence[int], finish: Sequence[float]) -> tuple[float, int | None]:
+    """When the last of a ready task's predecessors finished, and which one (the first of
+    equals; 0 and None without predecessors)."""
+    at, why = 0.0, None
+    for p in preds:
+        if finish[p] > at:
+            at, why = finish[p], p
+    return at, why
 
 
 _COMPUTE_LANE = (0,)
