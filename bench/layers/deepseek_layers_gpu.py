@@ -3,8 +3,6 @@ the MLA attention block and the MoE FFN block, forward + backward.
 
     python -m bench.layers.deepseek_layers_gpu --out $OUT/deepseek_v3_layers.json
     python -m bench.layers.deepseek_layers_gpu --tiny --out /tmp/x.json   (CPU smoke test)
-    python -m bench.layers.deepseek_layers_gpu --report   (no GPU: the committed measurement
-        against this cost model -> bench/results/h200/deepseek_v3/deepseek_v3_report.json)
 
 The plan is the catalog's DeepSeek-V3 cut to one MoE layer (no dense layers, no MTP module):
 hidden 7168; MLA with 128 heads, q_lora_rank 1536, kv_lora_rank 512, no-RoPE 128 and RoPE 64
@@ -29,17 +27,11 @@ runtime.profile.classify; top-level CPU operators on CPU) and ``measured_kernels
 slowest kernels: which SDPA backend ran shows in their names). The MoE row also carries
 ``rows_per_expert``: the router's slots per expert for the bench's input (what the grouped
 GEMMs ran on; the cost model prices the balanced mean).
-
-``--report`` prices the committed measurements' blocks (MEASURED: 1, 2 and 4 sequences, each
-with its model, cluster, sequence and kernel sets) with the cost model as it is now and writes
-each row's measured time, the prediction it was measured beside and today's (REPORT). None of
-them is read by the calibration (planner/calibrate.py), which fits kernel sweeps only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -60,21 +52,13 @@ TINY = {"hidden": 64, "query_heads": 4, "kv_heads": 4, "head_dim": 12, "vocab": 
         "experts": 16, "expert_ffn_hidden": 32, "shared_expert_ffn_hidden": 32,
         "expert_groups": 4, "groups_per_token": 2, "top_k": 4}
 """--tiny: DeepSeek-V3's structure at CPU size."""
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "h200" / "deepseek_v3"
-MEASURED = tuple(RESULTS / f"deepseek_v3_layers{tail}.json" for tail in ("", "_b2", "_b4"))
-"""The committed H200 measurements (campaign h200_layers): 1, 2 and 4 sequences."""
-REPORT = RESULTS / "deepseek_v3_report.json"
-TARGET = 0.10
-"""Issue 30's target: each block predicted within 10% of its 1-GPU measurement."""
 TOP_KERNELS = 12
 """Kernels listed per block in ``measured_kernels``."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, help="JSON result (required unless --report)")
-    p.add_argument("--report", action="store_true",
-                   help="no GPU: price the committed measurements with this cost model")
+    p.add_argument("--out", type=Path, required=True, help="JSON result")
     p.add_argument("--cluster", default="h200-runtime",
                    help="catalog cluster of the plan (the cost model's prediction)")
     p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
@@ -86,8 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.out is None and not args.report:
-        p.error("--out is required (or --report)")
     if args.tiny:
         args.seq, args.warmup, args.repeats = min(args.seq, 64), 1, 2
     return args
@@ -148,48 +130,8 @@ def rows_per_expert(layer, x: torch.Tensor) -> list[int]:
     return torch.bincount(kept, minlength=layer.moe.router.experts).tolist()
 
 
-def report(measurements: list[dict]) -> dict:
-    """The measured rows of ``measurements`` (results of this script) beside the cost model's
-    prediction now for the same plans."""
-    rows = []
-    for measured in measurements:
-        model = ModelSpec.model_validate(measured["model"])
-        args = argparse.Namespace(cluster=measured["cluster"], seq=measured["seq"],
-                                  batch=measured["batch"])
-        for row in measured["rows"]:
-            plan = layer_plan(model, args, 1, Kernels(row["kernels"]))
-            now = predict(plan)[f"{row['block']}_s"]
-            ratio = row["measured_fwd_bwd_s"] / now
-            rows.append({"batch": measured["batch"], "block": row["block"],
-                         "kernels": row["kernels"],
-                         "measured_fwd_bwd_s": row["measured_fwd_bwd_s"],
-                         "predicted_when_measured_s": row["predicted_fwd_bwd_s"],
-                         "predicted_fwd_bwd_s": now, "ratio": ratio,
-                         "within_target": abs(ratio - 1) <= TARGET,
-                         "measured_commit": measured["commit"],
-                         "measured_gpu": measured["gpu"], "cluster": measured["cluster"]})
-    root = MEASURED[0].parents[4]
-    return {"bench": "deepseek_layers_gpu --report",
-            "measurements": [str(path.relative_to(root)) for path in MEASURED],
-            "target": TARGET, "rows": rows}
-
-
-def write_report() -> int:
-    doc = report([json.loads(path.read_text()) for path in MEASURED])
-    write_result(REPORT, doc, "--report")
-    for r in doc["rows"]:
-        print(f"batch {r['batch']} {r['block']:9s} {r['kernels']:5s} measured "
-              f"{r['measured_fwd_bwd_s'] * 1e3:8.3f} ms  predicted "
-              f"{r['predicted_fwd_bwd_s'] * 1e3:8.3f} ms (when measured "
-              f"{r['predicted_when_measured_s'] * 1e3:8.3f})  ratio {r['ratio']:.3f}")
-    print(f"wrote {REPORT}")
-    return 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.report:
-        return write_report()
     _, _, device, dtype = init()
     model = model_spec(args.tiny)
     rows = []
