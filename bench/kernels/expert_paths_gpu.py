@@ -24,7 +24,6 @@ last lines are a table of forward + backward milliseconds.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -112,7 +111,7 @@ def build(name: str, experts: int, hidden: int, ffn: int, ops, device, dtype):
 def measure_shape(args, name: str, device, dtype, ops) -> dict:
     import torch
 
-    from bench._dist_bench import device_timed
+    from bench._dist_bench import device_timed, release
 
     experts, hidden, ffn, top_k = SHAPES[name]()
     hidden, ffn = hidden // args.scale, ffn // args.scale
@@ -143,9 +142,7 @@ def measure_shape(args, name: str, device, dtype, ops) -> dict:
               f"({3 * flops / fb / 1e12:4.0f} TF/s)", flush=True)
         del fn, params
         x.grad = None
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     fastest = min(RUNTIME_PATHS, key=lambda p: paths[p]["fwd_bwd_s"])
     return {"experts": experts, "hidden": hidden, "ffn_hidden": ffn, "top_k": top_k,
             "rows": rows, "rows_per_expert": counts.tolist(), "gemm_flops_fwd": flops,
@@ -173,13 +170,10 @@ def main(argv=None) -> int:
         print("error: --tokens, --scale and --repeats must be >= 1, --warmup >= 0",
               file=sys.stderr)
         return 2
-    import torch
-
+    from bench._dist_bench import init
     from runtime.kernels import kernel_ops
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    _, _, device, dtype = init()
     ops = kernel_ops(Kernels(args.kernels))
     shapes = {name: measure_shape(args, name, device, dtype, ops) for name in args.shapes}
     doc = {"benchmark": "routed experts' GEMM paths (plans.enums.ExpertGemm) "

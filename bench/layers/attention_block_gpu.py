@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench._dist_bench import finish, init, slowest, spun, timed
+from bench._dist_bench import finish, init, release, slowest, spun, timed
 from bench._meta import write_result
 from bench.layers.one_layer import (
     OVERRIDES,
@@ -286,8 +286,7 @@ def measure(args) -> int:
                         print(f"  in {groups} head groups: {_text(variant['head_groups'])}",
                               flush=True)
                 del layer
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                release(device)
         if rank == 0 and n > 1:
             print(f"{name} comm alone {row['comm_alone_s'] * 1e3:.2f} ms" + (
                 f", in {groups} head groups {row['head_groups_comm_alone_s'] * 1e3:.2f} ms"

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench._dist_bench import init, timed
+from bench._dist_bench import init, release, timed
 from bench._meta import write_result
 from bench.layers.one_layer import BLOCKS, block_step, build_block, layer_plan, predicted_blocks
 from plans import Kernels, Plan, catalog
@@ -158,8 +158,7 @@ def main(argv=None) -> int:
                   f"predicted {predicted[f'{block}_s'] * 1e3:9.3f} ms  "
                   f"ratio {rows[-1]['ratio']:.3f}")
         del layer
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     result = {
         "bench": "deepseek_layers_gpu",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -357,7 +357,7 @@ def measure(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from bench._dist_bench import finish, init, slowest, timed
+    from bench._dist_bench import finish, init, release, slowest, timed
     from plans import Kernels
     from runtime.kernels import kernel_ops
     from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
@@ -439,8 +439,7 @@ def measure(args) -> int:
         if rank == 0:
             print(f"{name} peer: {json.dumps(row['peer'])}", flush=True)
         shapes[name] = row
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     if rank == 0:
         result = {
             "benchmark": "one MoE layer forward + backward: serial, inter-operator overlapped, "

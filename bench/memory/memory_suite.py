@@ -27,21 +27,19 @@ the committed measurements against the cost model of the tree it runs on.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from runtime.memory import GIB, MemoryPhases, configure_allocator
-from runtime.parallel.mesh import end_process_groups, start_process_group
 
 configure_allocator()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench._dist_bench import finish, init, release  # noqa: E402
 from bench._meta import write_result  # noqa: E402
 from bench.memory.memory_cases import CASES  # noqa: E402
 from plans import Plan  # noqa: E402
@@ -129,12 +127,9 @@ def run_case(name: str, plan: Plan, rank: int, world: int, device: torch.device,
     out["run_s"] = time.perf_counter() - t0
     if trainer is not None:
         # its gradient-sync hooks on the parameters keep the optimizer and its buffers alive
-        # (2-GPU cases after the first carried every earlier case's states, 9f4bed9)
         trainer.close()
     del trainer
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    release(device)
     return out
 
 
@@ -148,9 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if world != args.world:
         print(f"error: --world {args.world} but WORLD_SIZE={world}", file=sys.stderr)
         return 2
@@ -162,10 +155,7 @@ def main(argv=None) -> int:
         return 2
     plans = {n: CASES[n]() for n in names}
     plans.update({f.stem: load_plan(f) for f in args.plan_files})
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    if world > 1:
-        start_process_group(rank, world, device, timedelta(minutes=5))
+    rank, world, device, _ = init()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, plan in plans.items():
         if plan.degrees.world != world:
@@ -187,8 +177,7 @@ def main(argv=None) -> int:
             alloc = max(r["peak_allocated_bytes"] for r in ranks) / GIB
             print(f"{name}: {ranks[0]['status']} peak {alloc:.2f} GiB allocated, "
                   f"{peak:.2f} GiB reserved ({result['run_s']:.0f} s)", flush=True)
-    if world > 1:
-        end_process_groups()
+    finish(world)
     return 0
 
 

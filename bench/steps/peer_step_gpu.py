@@ -40,7 +40,6 @@ failing keeps the others', holds per model both sides' numbers or the reason one
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -48,13 +47,12 @@ from pathlib import Path
 
 import torch
 
-from bench._meta import metadata, package_version
+from bench._dist_bench import init, release, step_times
+from bench._meta import package_version, write_result
 from bench.steps import train_step  # configures the allocator before CUDA allocates
 from plans import Plan, SpecError
 from plans.catalog import load_plan
 from plans.execution import UnsupportedFeature
-from plans.io import write_atomic
-from plans.specs import mfu
 from runtime.compile_cache import use_cache_dir
 from runtime.config import ModelConfig
 from runtime.data import SyntheticTokens
@@ -352,15 +350,9 @@ def measure_peer(plan: Plan, settings: dict, device: torch.device, args) -> dict
              for s in range(args.warmup, args.warmup + args.steps)]
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     del model, opt
-    times = [s for _, s in timed]
-    step_time = sum(times) / len(times)
     return {
         "status": "ok", "version": package_version("torchtitan"), "settings": settings,
-        "first_step_s": warm[0][1], "warmup_step_times_s": [s for _, s in warm],
-        "step_time_s": step_time, "step_times_s": times,
-        "step_median_s": sorted(times)[len(times) // 2],
-        "tokens_per_s": t.tokens_per_step / step_time,
-        "mfu": mfu(plan.model, t.seq_len, t.tokens_per_step, step_time, 1, plan.cluster.gpu),
+        **step_times([s for _, s in warm], [s for _, s in timed], plan, 1),
         "peak_memory_gib": peak,
         "warmup_losses": [loss for loss, _ in warm], "losses": [loss for loss, _ in timed],
     }
@@ -389,7 +381,7 @@ def _failure(exc: BaseException) -> dict:
 
 
 def _release(device: torch.device) -> None:
-    train_step.release(device)
+    release(device)
     torch._dynamo.reset()
 
 
@@ -479,13 +471,8 @@ def summary_line(name: str, row: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cache = use_cache_dir(args.compile_cache)  # before anything compiles
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    _, _, device, _ = init()
     result = {
-        **metadata(),
         "benchmark": "whole training step on one GPU: our searched plan against torchtitan's "
                      "model and step (same shape, tokens, batch)",
         "device": str(device), "tiny": args.tiny, "warmup": args.warmup, "steps": args.steps,
@@ -502,7 +489,7 @@ def main(argv=None) -> int:
             row = _failure(e)
         result["models"][name] = row
         print(summary_line(name, row), flush=True)
-        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+        write_result(args.out, result)
     print(f"wrote {args.out}")
     return 0
 
