@@ -3,7 +3,7 @@
     python -m bench.memory.memory_suite --world 1 --out-dir bench/results/h200/memory
     torchrun --nproc-per-node 2 -m bench.memory.memory_suite --world 2 --out-dir ...
 
-Runs every case of ``CASES`` whose world size is ``--world`` (or those named by ``--cases``) in
+Runs every case of ``CASES`` whose world size is ``--world`` (or the ``--plan-files``) in
 one process per rank, one after another: builds the runtime's trainer for the case's plan, runs
 one warm-up step (the optimizer states and the allocator's pools exist after it), then one
 probed step that records per rank
@@ -136,10 +136,9 @@ def run_case(name: str, plan: Plan, rank: int, world: int, device: torch.device,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, required=True, help="run the cases of this many GPUs")
-    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--plan-files", type=Path, nargs="*", default=[],
-                   help="plan files to run as cases too, named by their file stem "
-                        "(with --plan-files only, no built-in case runs unless --cases names it)")
+                   help="plan files to run instead of the built-in cases, named by their "
+                        "file stem")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -147,14 +146,8 @@ def main(argv=None) -> int:
     if world != args.world:
         print(f"error: --world {args.world} but WORLD_SIZE={world}", file=sys.stderr)
         return 2
-    names = [n for n in (args.cases.split(",") if args.cases or args.plan_files else CASES)
-             if n]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        print(f"error: --cases: unknown {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    plans = {n: CASES[n]() for n in names}
-    plans.update({f.stem: load_plan(f) for f in args.plan_files})
+    plans = ({f.stem: load_plan(f) for f in args.plan_files} if args.plan_files
+             else {n: case() for n, case in CASES.items()})
     rank, world, device, _ = init()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, plan in plans.items():

@@ -128,11 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--share-gpu", action="store_true",
                    help="ranks share the visible GPUs over gloo (more ranks than GPUs)")
-    p.add_argument("--bf16", action="store_true",
-                   help="bf16 parameters and the bf16 criterion on CPU too (always on CUDA)")
     args = p.parse_args(argv)
     plan, rank, world, device = setup(args.plan, args.share_gpu)
-    bf16 = args.bf16 or device.type == "cuda"
+    bf16 = device.type == "cuda"
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
     options = model_options(plan)

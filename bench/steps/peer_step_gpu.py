@@ -18,9 +18,9 @@ recorded as skipped), while torchtitan keeps the searched plan's micro-batches):
   top-k, vocab, depth; qk-norm only where the spec has it; the router's score as the spec's:
   softmax over the top-k (renormalised) or softmax over every expert then top-k), initialised
   by its own ``init_weights``; its step as torchtitan.trainer runs it on one rank: activation
-  checkpointing and per-block compile as ``--peer-ac`` / ``--peer-compile`` say (``recipe``:
-  its MoE recipe's, ``PEER_RECIPES``), fp32 weights under bf16 autocast (its FSDP2 mixed
-  precision needs a device mesh; one GPU runs autocast), SDPA attention (causal, one
+  checkpointing as its MoE recipe's (``PEER_RECIPES``), per-block compile as
+  ``--peer-compile`` says (``recipe``: the recipe's), fp32 weights under bf16 autocast (its
+  FSDP2 mixed precision needs a device mesh; one GPU runs autocast), SDPA attention (causal, one
   document per row), its recipes' loss (ChunkedLossWrapper over CrossEntropyLoss: the LM
   head and cross-entropy per sequence chunk, the sum over the step's tokens divided by their
   count), gradient clipping at its default max-norm 1.0, its default AdamW (lr 8e-4, betas
@@ -107,8 +107,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps before timing (the first "
                    "reported apart)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peer-ac", choices=["recipe", "none", "selective", "full"],
-                   default="recipe", help="torchtitan's activation checkpointing")
     p.add_argument("--peer-compile", choices=["recipe", "off", "model"], default="recipe",
                    help="torchtitan's compile (model: each transformer block, fullgraph)")
     p.add_argument("--plans", choices=list(PLAN_SETS), default="searched",
@@ -262,7 +260,7 @@ def peer_config(plan: Plan):
 
 def peer_settings(name: str, args) -> dict:
     ac, compile_ = PEER_RECIPES.get(name, ("full", "off"))
-    return {"ac": ac if args.peer_ac == "recipe" else args.peer_ac,
+    return {"ac": ac,
             "compile": compile_ if args.peer_compile == "recipe" else args.peer_compile,
             "recipe": {"ac": ac, "compile": compile_},
             "attention": "sdpa (causal)", "precision": "fp32 weights, bf16 autocast",
