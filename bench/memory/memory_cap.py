@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, a.seed)
+    facts = {"plan": str(a.plan), "world": world, "ranks_per_gpu": ranks_per_gpu(world, device),
+             "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB, "scale": a.scale,
+             "deviations": record(plan, backend_of(device))}
     times: list[float] = []
     try:
         trainer = build_trainer(plan, rank, world, device, a.seed, data)
@@ -74,12 +77,9 @@ def main(argv=None) -> int:
             torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:
-        oom = {"plan": str(a.plan), "rank": rank, "world": world,
-               "ranks_per_gpu": ranks_per_gpu(world, device), "cap_gib": cap / GIB,
-               "predicted_peak_gib": predicted / GIB, "scale": a.scale,
-               "fits": False, "error": str(e).splitlines()[0][:300],
-               "deviations": record(plan, backend_of(device))}
-        write_result(a.out.with_suffix(f".rank{rank}.oom.json"), oom)
+        write_result(a.out.with_suffix(f".rank{rank}.oom.json"),
+                     {**facts, "rank": rank, "fits": False,
+                      "error": str(e).splitlines()[0][:300]})
         print(f"rank {rank}: out of memory under a cap of {cap / GIB:.2f} GiB", file=sys.stderr,
               flush=True)
         return 1
@@ -95,13 +95,8 @@ def main(argv=None) -> int:
         dist.all_gather_object(per_rank, mine)
         end_process_groups()
     if rank == 0:
-        doc = {"plan": str(a.plan), "plan_summary": plan.summary(),
-               "world": world, "backend": backend,
-               "ranks_per_gpu": ranks_per_gpu(world, device),
-               "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB,
-               "scale": a.scale, "fits": True,
-               "deviations": record(plan, backend_of(device)), "per_rank": per_rank}
-        write_result(a.out, doc)
+        write_result(a.out, {**facts, "plan_summary": plan.summary(), "backend": backend,
+                             "fits": True, "per_rank": per_rank})
         worst = max(r["reserved_peak_gib"] for r in per_rank)
         retries = max(r["alloc_retries"] for r in per_rank)
         print(f"{plan.summary()}\n  fits under {cap / GIB:.2f} GiB: reserved peak "

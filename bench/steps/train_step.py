@@ -267,35 +267,32 @@ def report(result: dict, out: Path) -> None:
           f"{result['first_step_s']:.2f} s -> {out}", flush=True)
 
 
+def runs_of(args: argparse.Namespace, world: int) -> list[tuple[Plan, Path, Path]]:
+    """(plan, its file, its result) of each plan the launch measures, or SpecError /
+    UnsupportedFeature / ValueError saying why one cannot run here."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if args.plan is not None:
+        return [(check_plan(args.plan, world, local, args.share_gpu), args.plan, args.out)]
+    runs = [(check_plan(path, world, local), path, args.out_dir / f"train_step_{path.stem}.json")
+            for path in args.plans if load_plan(path).degrees.world == world]
+    if not runs:
+        raise SpecError(f"--plans: none of them runs on {world} GPU(s)")
+    return runs
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
     use_cache_dir(args.compile_cache)  # before anything compiles
-    if args.plan is not None:
-        plan, rank, world, device = setup(args.plan, args.share_gpu)
-        runs = [(plan, args.plan, args.out)]
-    else:
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        rank = int(os.environ.get("RANK", 0))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        runs = []
-        try:
-            for path in args.plans:
-                if load_plan(path).degrees.world != world:
-                    continue
-                runs.append((check_plan(path, world, local_rank), path,
-                             args.out_dir / f"train_step_{path.stem}.json"))
-        except (SpecError, UnsupportedFeature, ValueError) as e:
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if not runs:
-            if rank == 0:
-                print(f"error: --plans: none of them runs on {world} GPU(s)", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        rank, world, device, _ = init(TIMEOUT)
+    try:
+        runs = runs_of(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except (SpecError, UnsupportedFeature, ValueError) as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    rank, world, device, _ = init(TIMEOUT, args.share_gpu)
     for plan, path, out in runs:
         try:
             result = measure(plan, path, rank, world, device, args.steps, args.warmup, args.seed,
