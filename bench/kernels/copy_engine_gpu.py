@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from bench._dist_bench import finish, init, slowest, timed
-from bench._meta import write_result
+from bench._meta import bad_input, write_result
 from runtime.moe import grouped_mm
 
 
@@ -186,9 +186,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rank, world, device, dtype = init()
     if world != 2:
-        if rank == 0:
-            print("error: WORLD_SIZE: this benchmark runs on exactly 2 ranks", file=sys.stderr)
-        return 2
+        return bad_input("WORLD_SIZE: this benchmark runs on exactly 2 ranks", rank)
     rows = [measure(s.scaled(args.scale), device, dtype, args.warmup, args.repeats)
             for s in SHAPES]
     if rank == 0:

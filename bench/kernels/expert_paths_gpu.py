@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from bench._meta import write_result
+from bench._meta import bad_input, write_result
 from plans.catalog import load_model
 from plans.enums import ExpertGemm, Kernels
 
@@ -167,9 +167,7 @@ def table(shapes: dict) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tokens < 1 or args.scale < 1 or args.repeats < 1 or args.warmup < 0:
-        print("error: --tokens, --scale and --repeats must be >= 1, --warmup >= 0",
-              file=sys.stderr)
-        return 2
+        return bad_input("--tokens, --scale and --repeats must be >= 1, --warmup >= 0")
     from bench._dist_bench import init
     from runtime.kernels import kernel_ops
 

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from bench._dist_bench import finish, init, release, slowest, spun, timed
-from bench._meta import write_result
+from bench._meta import bad_input, write_result
 from cost_models.layer import layer_graphs, layer_key, schedule_s
 from cost_models.layer_graph import OpKind
 from plans import Kernels, Overlap, Plan, Recompute, UlyssesAttention, catalog
@@ -276,11 +276,8 @@ def measure(args) -> int:
     group = dist.group.WORLD if n > 1 else None
     sp = args.simulate_sp if n == 1 else n  # the SP degree of the rank measured
     if sp < 1 or (n > 1 and args.simulate_sp != 1):
-        if rank == 0:
-            print("error: --simulate-sp: a positive degree, on one process only",
-                  file=sys.stderr)
         finish(n)
-        return 2
+        return bad_input("--simulate-sp: a positive degree, on one process only", rank)
     rows: dict[str, dict] = {}
     for name in args.models:
         try:
@@ -289,10 +286,8 @@ def measure(args) -> int:
             if args.seq % sp:
                 raise ValueError(f"--seq: {args.seq} tokens do not split over SP = {sp}")
         except ValueError as e:
-            if rank == 0:
-                print(f"error: {name}: {str(e).splitlines()[-1].strip()}", file=sys.stderr)
             finish(n)
-            return 2
+            return bad_input(f"{name}: {str(e).splitlines()[-1].strip()}", rank)
         groups = ulysses_chunks(Overlap.inter_op, UlyssesAttention(), model, sp)
         gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
         x = torch.randn(args.batch, args.seq // sp, model.hidden, device=device, dtype=dtype,

@@ -29,7 +29,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench._meta import write_result
+from bench._meta import bad_input, write_result
 from cost_models import volumes as vol
 from cost_models.layer import layer_key, layer_timing
 from cost_models.layer_graph import forward_graph
@@ -201,15 +201,12 @@ def measure(args) -> int:
 
     rank, n, device, dtype = init()
     if n < 2:
-        print("error: run under torchrun with at least 2 processes (the EP group)",
-              file=sys.stderr)
-        return 2
+        return bad_input("run under torchrun with at least 2 processes (the EP group)")
     shapes = sweep_shapes(args)
     for _h, experts, seq in shapes:
         if experts % n or seq % n:
-            print(f"error: {n} ranks must divide the experts ({experts}) and the sequence "
-                  f"({seq})", file=sys.stderr)
-            return 2
+            return bad_input(f"{n} ranks must divide the experts ({experts}) and the "
+                             f"sequence ({seq})")
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
     configs = []
     for h, experts, seq in shapes:

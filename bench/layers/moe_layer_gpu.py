@@ -42,7 +42,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from bench._meta import package_version, write_result
+from bench._meta import bad_input, package_version, write_result
 from plans.enums import ExpertGemm
 from plans.layout import INTER_OP_CHUNKS
 
@@ -371,9 +371,7 @@ def measure(args) -> int:
     for name in args.shapes:
         shape = shape_of(args, name)
         if shape["experts"] % n:
-            print(f"error: {n} ranks must divide the experts ({shape['experts']})",
-                  file=sys.stderr)
-            return 2
+            return bad_input(f"{n} ranks must divide the experts ({shape['experts']})")
         gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
         x = torch.randn(args.tokens, shape["hidden"], device=device, dtype=dtype, generator=gen)
         grad_out = torch.randn_like(x)

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench._dist_bench import finish, init, release  # noqa: E402
-from bench._meta import write_result  # noqa: E402
+from bench._meta import bad_input, write_result  # noqa: E402
 from bench.memory.memory_cases import CASES  # noqa: E402
 from plans import Plan  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
@@ -144,8 +144,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world != args.world:
-        print(f"error: --world {args.world} but WORLD_SIZE={world}", file=sys.stderr)
-        return 2
+        return bad_input(f"--world {args.world} but WORLD_SIZE={world}")
     plans = ({f.stem: load_plan(f) for f in args.plan_files} if args.plan_files
              else {n: case() for n, case in CASES.items()})
     rank, world, device, _ = init()

@@ -169,10 +169,10 @@ def plan_of(name: str, args, plans: str | None = None) -> Plan:
     return tiny(plan) if args.tiny else plan
 
 
-def our_params(plan: Plan) -> int:
+def params(build) -> int:
+    """Parameters of the model ``build()`` makes, built on the meta device."""
     with torch.device("meta"):
-        model = Transformer(ModelConfig(plan.model, model_options(plan)))
-    return sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in build().parameters())
 
 
 # ---- torchtitan -------------------------------------------------------------------------------
@@ -294,12 +294,6 @@ def build_peer(plan: Plan, settings: dict, device: torch.device):
     return model, opt
 
 
-def peer_params(plan: Plan) -> int:
-    with torch.device("meta"):
-        model = peer_config(plan).build()
-    return sum(p.numel() for p in model.parameters())
-
-
 def peer_loss(model, plan: Plan):
     """torchtitan's loss as its MoE recipes build it: ChunkedLossWrapper over CrossEntropyLoss
     (sum over the tokens divided by the step's valid tokens), the LM head applied per chunk."""
@@ -404,11 +398,11 @@ def run_model(name: str, args, device: torch.device) -> dict:
                  "micro_batch_size": plan.micro_batch_size,
                  "peer_micro_batch_size": peer_plan.micro_batch_size, "seed": args.seed,
                  "tokens": "runtime.data.SyntheticTokens(global_batch, seq_len, vocab, seed)"}
-    ours_n = our_params(plan)
+    ours_n = params(lambda: Transformer(ModelConfig(plan.model, model_options(plan))))
     row["params"] = {"ours": ours_n}
     if not args.no_peer:
         try:
-            peer_n = peer_params(peer_plan)
+            peer_n = params(peer_config(peer_plan).build)
         except Exception as e:  # noqa: BLE001  (a third-party model that cannot be built)
             row["peer"] = _failure(e)
         else:

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench._dist_bench import finish, init, release, slowest, step_times  # noqa: E402
-from bench._meta import write_result  # noqa: E402
+from bench._meta import bad_input, write_result  # noqa: E402
 from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, record  # noqa: E402
@@ -55,7 +55,6 @@ from runtime.parallel.attention import head_groups  # noqa: E402
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
-EXIT_BAD_INPUT = 2
 TIMEOUT = timedelta(minutes=10)
 """How long a collective waits for a late rank."""
 
@@ -119,9 +118,7 @@ def setup(plan_path: Path, share_gpu: bool = False):
         plan = check_plan(plan_path, int(os.environ.get("WORLD_SIZE", 1)),
                           int(os.environ.get("LOCAL_RANK", 0)), share_gpu)
     except (SpecError, UnsupportedFeature, ValueError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        sys.exit(bad_input(str(e), int(os.environ.get("RANK", 0))))
     return (plan, *init(TIMEOUT, share_gpu)[:3])
 
 
@@ -283,15 +280,12 @@ def runs_of(args: argparse.Namespace, world: int) -> list[tuple[Plan, Path, Path
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
-        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input("--steps must be >= 1 and --warmup >= 0")
     use_cache_dir(args.compile_cache)  # before anything compiles
     try:
         runs = runs_of(args, int(os.environ.get("WORLD_SIZE", 1)))
     except (SpecError, UnsupportedFeature, ValueError) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input(str(e), int(os.environ.get("RANK", 0)))
     rank, world, device, _ = init(TIMEOUT, args.share_gpu)
     for plan, path, out in runs:
         try:
