@@ -28,9 +28,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from bench._dist_bench import device_timed, init, release
 from bench._meta import bad_input, write_result
 from plans.catalog import load_model
 from plans.enums import ExpertGemm, Kernels
+from runtime.kernels import kernel_ops
+from runtime.moe import GroupedExperts, grouped_mm
 
 
 def _catalog(name: str) -> tuple[int, int, int, int]:
@@ -69,8 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _counts(tokens: int, experts: int, top_k: int, device, seed: int):
-    import torch
-
     gen = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(tokens, experts, device=device, generator=gen)
     return torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=experts)
@@ -78,11 +82,6 @@ def _counts(tokens: int, experts: int, top_k: int, device, seed: int):
 
 def build(name: str, experts: int, hidden: int, ffn: int, ops, device, dtype):
     """(function of (rows, counts), its parameters) of path ``name``."""
-    import torch
-    from torch import nn
-
-    from runtime.moe import GroupedExperts, grouped_mm
-
     def weight(*shape):
         return nn.Parameter(torch.randn(*shape, device=device, dtype=dtype) * 0.02)
 
@@ -109,10 +108,6 @@ def build(name: str, experts: int, hidden: int, ffn: int, ops, device, dtype):
 
 
 def measure_shape(args, name: str, device, dtype, ops) -> dict:
-    import torch
-
-    from bench._dist_bench import device_timed, release
-
     experts, hidden, ffn, top_k = SHAPES[name]()
     hidden, ffn = hidden // args.scale, ffn // args.scale
     counts = _counts(args.tokens, experts, top_k, device, args.seed)
@@ -168,9 +163,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tokens < 1 or args.scale < 1 or args.repeats < 1 or args.warmup < 0:
         return bad_input("--tokens, --scale and --repeats must be >= 1, --warmup >= 0")
-    from bench._dist_bench import init
-    from runtime.kernels import kernel_ops
-
     _, _, device, dtype = init()
     ops = kernel_ops(Kernels(args.kernels))
     shapes = {name: measure_shape(args, name, device, dtype, ops) for name in args.shapes}

@@ -29,6 +29,10 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from bench._dist_bench import collective_fn, finish, init, slowest, timed
 from bench._meta import bad_input, write_result
 from cost_models import volumes as vol
 from cost_models.layer import layer_key, layer_timing
@@ -43,6 +47,8 @@ from plans import (
 from plans.layout import tokens_per_rank
 from plans.notation import DISPATCH_KEYS
 from plans.specs import ModelSpec
+from runtime.moe import Routing
+from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
 
 DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
 SHORT = {d: DISPATCH_KEYS[d] for d in DISPATCHES}
@@ -121,13 +127,6 @@ def measure_rows(args, hidden: int, experts: int, seq: int, rank: int, n: int, d
                  gen) -> list[dict]:
     """Every top-k of one shape: both dispatchers' dispatch + combine (forward, forward +
     backward), the raw collectives of the cost model's transfers, and the predictions."""
-    import torch
-    import torch.distributed as dist
-
-    from bench._dist_bench import collective_fn, slowest, timed
-    from runtime.moe import Routing
-    from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
-
     group = dist.group.WORLD
     tokens = int(tokens_per_rank(1, seq, n))
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
@@ -194,11 +193,6 @@ def sweep_shapes(args) -> list[tuple[int, int, int]]:
 
 
 def measure(args) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from bench._dist_bench import finish, init
-
     rank, n, device, dtype = init()
     if n < 2:
         return bad_input("run under torchrun with at least 2 processes (the EP group)")
