@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,17 +43,9 @@ def _catalog(name: str) -> tuple[int, int, int, int]:
     return m.experts, m.hidden, m.expert_ffn_hidden, m.top_k
 
 
-SHAPES: dict[str, Callable[[], tuple[int, int, int, int]]] = {
-    # name: (experts, hidden, expert ffn, top-k), the catalog's models (plans/catalog/models)
-    "mixtral-8x7b": lambda: _catalog("mixtral-8x7b"),
-    "phi-3.5-moe": lambda: _catalog("phi-3.5-moe"),
-    "deepseekmoe": lambda: _catalog("deepseekmoe"),
-    "qwen3-235b-a22b": lambda: _catalog("qwen3-235b-a22b"),
-    "qwen3-30b-a3b": lambda: _catalog("qwen3-30b-a3b"),
-    # DeepSeek-V3's routed experts (its config.json: hidden_size 7168, moe_intermediate_size
-    # 2048, n_routed_experts 256, num_experts_per_tok 8); the catalog has no MLA model yet
-    "deepseek-v3": lambda: (256, 7168, 2048, 8),
-}
+SHAPES = ("mixtral-8x7b", "phi-3.5-moe", "deepseekmoe", "qwen3-235b-a22b", "qwen3-30b-a3b",
+          "deepseek-v3")
+"""The catalog models whose routed experts are measured (experts, hidden, expert FFN, top-k)."""
 RUNTIME_PATHS = tuple(ExpertGemm)
 EXTRA = ("grouped_w13_stored", "dense")
 
@@ -62,7 +53,7 @@ EXTRA = ("grouped_w13_stored", "dense")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="result JSON")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     p.add_argument("--tokens", type=int, default=16384, help="tokens routed (each to top-k)")
     p.add_argument("--kernels", choices=[k.value for k in Kernels], default="fused",
                    help="the SwiGLU's kernels (plan kernels: runtime.kernels)")
@@ -108,7 +99,7 @@ def build(name: str, experts: int, hidden: int, ffn: int, ops, device, dtype):
 
 
 def measure_shape(args, name: str, device, dtype, ops) -> dict:
-    experts, hidden, ffn, top_k = SHAPES[name]()
+    experts, hidden, ffn, top_k = _catalog(name)
     hidden, ffn = hidden // args.scale, ffn // args.scale
     counts = _counts(args.tokens, experts, top_k, device, args.seed)
     rows = int(counts.sum())

@@ -50,6 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench._dist_bench import finish, init, release, slowest, timed
 from bench._meta import bad_input, package_version, write_result
 from plans import Kernels
+from plans.catalog import load_model
 from plans.enums import ExpertGemm
 from plans.layout import INTER_OP_CHUNKS
 from runtime.kernels import kernel_ops
@@ -58,17 +59,10 @@ from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
 from runtime.parallel.grad_accumulation import fuse_accumulation, in_gemm, mark_parameters
 from runtime.parallel.overlap import ChunkedExpertFFN
 
-SHAPES = {
-    "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, top_k=2),
-    "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, top_k=8),
-    "phi-3.5-moe": dict(hidden=4096, ffn=6400, experts=16, top_k=2),
-    "deepseekmoe": dict(hidden=2048, ffn=1408, experts=64, top_k=6),
-    "qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),
-    # DeepSeek-V3's routed experts (its config.json; the catalog has no MLA model yet)
-    "deepseek-v3": dict(hidden=7168, ffn=2048, experts=256, top_k=8),
-}
-"""The MoE layers of issues 11 (the first two, the default) and 34 (catalog models' hidden,
-expert FFN, experts, top-k)."""
+SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b", "phi-3.5-moe", "deepseekmoe", "qwen3-235b-a22b",
+          "deepseek-v3")
+"""The MoE layers of issues 11 (the first two, the default) and 34: the catalog models'
+hidden, expert FFN, experts and top-k."""
 DEFAULT_SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b"]
 
 OVERLAP_TARGET = 1.1
@@ -78,7 +72,7 @@ OVERLAP_TARGET = 1.1
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON result (rank 0 writes it)")
-    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=SHAPES)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
     p.add_argument("--scale", type=int, default=1,
                    help="divide hidden and FFN widths by this (CPU smoke runs)")
@@ -109,10 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shape_of(args, name: str) -> dict:
-    s = dict(SHAPES[name])
-    s["hidden"] //= args.scale
-    s["ffn"] //= args.scale
-    return s
+    m = load_model(name)
+    return dict(hidden=m.hidden // args.scale, ffn=m.expert_ffn_hidden // args.scale,
+                experts=m.experts, top_k=m.top_k)
 
 
 # ---- our layer ------------------------------------------------------------------------------
