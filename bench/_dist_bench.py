@@ -1,10 +1,11 @@
-"""Shared pieces of the GPU benchmarks (bench/kernels, bench/layers): process group set-up,
-median timing after warm-up (CUDA events on GPU, wall clock on CPU), the slowest rank's value,
-and raw collectives of the sizes the cost model's Transfers name. Imports torch and
-cost_models only (never planner)."""
+"""Shared pieces of the GPU benchmarks: process group set-up, median timing after warm-up
+(CUDA events on GPU, wall clock on CPU), the slowest rank's value, a step's time fields,
+and raw collectives of the sizes the cost model's Transfers name. Imports torch, plans and
+cost_models (never planner)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -16,23 +17,31 @@ import torch.distributed as dist
 
 from cost_models.compute import ACT_BYTES
 from cost_models.volumes import Collective, Transfer
+from plans import Plan
+from plans.specs import mfu
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
 from runtime.parallel.mesh import end_process_groups, start_process_group
 
 
-def init(timeout: timedelta = timedelta(minutes=5)
+def init(timeout: timedelta = timedelta(minutes=5), share_gpu: bool = False
          ) -> tuple[int, int, torch.device, torch.dtype]:
-    """(rank, world, device, dtype): NCCL and bf16 on CUDA, gloo and fp32 on CPU; the process
-    group's collectives wait ``timeout`` for a late peer."""
+    """(rank, world, device, dtype), the process group joined as runtime.train joins it: NCCL,
+    bf16 and one GPU a rank on CUDA, gloo and fp32 on CPU; its collectives wait ``timeout``
+    for a late peer. ``share_gpu``: the ranks share the visible GPUs round-robin over gloo
+    (CUDA tensors staged through host memory, which NCCL refuses): each rank's memory and
+    numerics, never the layout's speed."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        device = torch.device("cuda", local % torch.cuda.device_count() if share_gpu else local)
         torch.cuda.set_device(device)
         dtype = torch.bfloat16
     else:
         device, dtype = torch.device("cpu"), torch.float32
-    if world > 1:
+    if world > 1 and share_gpu:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    elif world > 1:
         start_process_group(rank, world, device, timeout)
     return rank, world, device, dtype
 
@@ -40,6 +49,28 @@ def init(timeout: timedelta = timedelta(minutes=5)
 def finish(world: int) -> None:
     if world > 1:
         end_process_groups()
+
+
+def release(device: torch.device) -> None:
+    """Give the device back what dropped models left (autograd hooks keep reference cycles:
+    collected first), its peak statistics reset for the next measurement."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def step_times(warm: list[float], times: list[float], plan: Plan, world: int) -> dict:
+    """A training step's time fields of a result: the warm-up steps (the first step apart),
+    the mean and median of the timed ones, tokens per second and MFU (plans.specs.mfu) of
+    ``plan``'s job on ``world`` GPUs."""
+    t = plan.training
+    mean = sum(times) / len(times)
+    return {"warmup_step_times_s": warm, "first_step_s": (warm or times)[0],
+            "step_time_s": mean, "step_times_s": times,
+            "step_median_s": sorted(times)[len(times) // 2],
+            "tokens_per_s": t.tokens_per_step / mean,
+            "mfu": mfu(plan.model, t.seq_len, t.tokens_per_step, mean, world, plan.cluster.gpu)}
 
 
 def _sync(device: torch.device) -> None:

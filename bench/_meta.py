@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -10,6 +11,14 @@ from plans.io import write_atomic
 from runtime.provenance import metadata
 
 RESULTS = Path(__file__).parent / "results"
+EXIT_BAD_INPUT = 2
+
+
+def bad_input(message: str, rank: int = 0) -> int:
+    """``error: message`` on stderr from rank 0 (one line a launch); the bad-input status."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def write(name: str, payload: dict) -> Path:

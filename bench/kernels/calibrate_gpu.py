@@ -103,11 +103,6 @@ class Grid:
         self.repeats, self.warmup = 15, 3
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
-    """Median seconds of ``fn`` on this rank (no barrier: kernels run on each rank alone)."""
-    return _dist_bench.timed(fn, device, warmup, repeats, barrier=False)
-
-
 def fwd_bwd(fn: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...]
             ) -> Callable[[], object]:
     """Forward of ``fn`` and its backward into ``inputs`` from a random output gradient."""
@@ -133,11 +128,10 @@ class Sweep:
             measured: float | None = None) -> None:
         """Time ``fn`` (unless ``measured`` is given: one call on an idle GPU, and its kernels
         with the host ahead, ``device_s``) and record the row with its prediction."""
-        device_s = None
-        if measured is None:
-            measured = timed(fn, self.device, self.grid.repeats, self.grid.warmup)
-            device_s = _dist_bench.device_timed(fn, self.device, self.grid.warmup,
-                                                self.grid.repeats)
+        device_s, g = None, self.grid
+        if measured is None:  # no barrier: kernels run on each rank alone
+            measured = _dist_bench.timed(fn, self.device, g.warmup, g.repeats, barrier=False)
+            device_s = _dist_bench.device_timed(fn, self.device, g.warmup, g.repeats)
         row = {"name": name, "op": op.value, "shape": shape or {}, "backward": backward,
                "measured_s": measured, **({} if device_s is None else {"device_s": device_s}),
                **({} if nbytes is None else {"bytes": nbytes}),

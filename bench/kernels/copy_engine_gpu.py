@@ -3,10 +3,9 @@
     torchrun --nproc-per-node 2 -m bench.kernels.copy_engine_gpu \
         --out bench/results/h200/copy_engine_x2.json
 
-Issue 11 item 3 asks for copy-engine transfers (symmetric-memory peer copies) so the SMs stay
-on compute. Before building that into the MoE layer, this measures the mechanism alone, per
-MoE shape at EP = 2: the experts' forward grouped GEMMs on the compute stream, and the
-dispatch volume (the half of the routed rows that go to the peer) moved
+A copy-engine transfer leaves the SMs to compute (issue 11, item 3). This measures the
+mechanism alone, per MoE shape at EP = 2: the experts' forward grouped GEMMs on the compute
+stream, and the dispatch volume (the half of the routed rows that go to the peer) moved
 
 - by NCCL (`all_to_all_single`, the runtime's dispatcher) on a communication stream, and
 - by a peer copy into the peer's receive buffer, opened here through CUDA IPC (`copy_` across
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from bench._dist_bench import finish, init, slowest, timed
-from bench._meta import write_result
+from bench._meta import bad_input, write_result
 from runtime.moe import grouped_mm
 
 
@@ -77,9 +76,7 @@ def peer_copy(n: int, device: torch.device, dtype: torch.dtype):
     """A copy of n elements into the peer's receive buffer, or the reason there is none here.
     The peer's buffer is opened in this process through CUDA IPC (torch.multiprocessing's
     reduce_tensor, the handle exchanged over the process group), so the copy is a
-    cudaMemcpyPeerAsync from this GPU to the peer's, which a copy engine carries over NVLink.
-    (torch 2.11's symmetric-memory buffer view failed cudaMemcpyAsync with 'invalid argument'
-    on the H200s: bench/results/h200/copy_engine_x2.log of 0a9d563.)"""
+    cudaMemcpyPeerAsync from this GPU to the peer's, which a copy engine carries over NVLink."""
     if device.type != "cuda":
         return None, "no CUDA IPC on CPU"
     from torch.multiprocessing.reductions import reduce_tensor
@@ -103,9 +100,8 @@ def peer_copy(n: int, device: torch.device, dtype: torch.dtype):
 
 def peer_access(device: torch.device) -> dict:
     """Whether CUDA lets this GPU address the peer's memory directly (cudaDeviceCanAccessPeer):
-    without it a copy across GPUs is staged through host memory, the 32 GB/s measured at
-    0a9d563, while NCCL may still reach the peer its own way. Recorded so the next 2-GPU run
-    says which it was."""
+    without it a copy across GPUs is staged through host memory, while NCCL may still reach
+    the peer its own way."""
     if device.type != "cuda" or torch.cuda.device_count() < 2:
         return {"visible_gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
                 "can_access_peer": None}
@@ -190,9 +186,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rank, world, device, dtype = init()
     if world != 2:
-        if rank == 0:
-            print("error: WORLD_SIZE: this benchmark runs on exactly 2 ranks", file=sys.stderr)
-        return 2
+        return bad_input("WORLD_SIZE: this benchmark runs on exactly 2 ranks", rank)
     rows = [measure(s.scaled(args.scale), device, dtype, args.warmup, args.repeats)
             for s in SHAPES]
     if rank == 0:

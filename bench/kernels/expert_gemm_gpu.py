@@ -1,7 +1,7 @@
 """The expert GEMMs of one MoE layer, forward + backward, in each way the runtime could run
-them (issue 11: the Mixtral-shape layer is 85% grouped GEMMs, level with torchtitan's):
+them:
 
-- ``grouped``: the runtime's today: three ``torch._grouped_mm`` calls on weights stored
+- ``grouped``: the runtime's: three ``torch._grouped_mm`` calls on weights stored
   [E, out, in] (Linear layout, the B operand a transposed view), autograd's backward;
 - ``grouped_in_out``: the same on weights stored [E, in, out] (B contiguous);
 - ``grouped_w13``: w1 and w3 as one [E, 2 x ffn, hidden] weight, one grouped GEMM for both;
@@ -156,7 +156,7 @@ def variants(experts, hidden, ffn, device, dtype):
         return grouped(x, offs, counts)
 
     def add_into_main():
-        # today's unfused accumulation: each weight gradient added into its main gradient
+        # the unfused accumulation: each weight gradient added into its main gradient
         for w, m in zip((w1, w3, w2), main, strict=True):
             m.add_(w.grad)
 

@@ -24,14 +24,18 @@ last lines are a table of forward + backward milliseconds.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from bench._meta import write_result
+import torch
+from torch import nn
+
+from bench._dist_bench import device_timed, init, release
+from bench._meta import bad_input, write_result
 from plans.catalog import load_model
 from plans.enums import ExpertGemm, Kernels
+from runtime.kernels import kernel_ops
+from runtime.moe import GroupedExperts, grouped_mm
 
 
 def _catalog(name: str) -> tuple[int, int, int, int]:
@@ -39,17 +43,9 @@ def _catalog(name: str) -> tuple[int, int, int, int]:
     return m.experts, m.hidden, m.expert_ffn_hidden, m.top_k
 
 
-SHAPES: dict[str, Callable[[], tuple[int, int, int, int]]] = {
-    # name: (experts, hidden, expert ffn, top-k), the catalog's models (plans/catalog/models)
-    "mixtral-8x7b": lambda: _catalog("mixtral-8x7b"),
-    "phi-3.5-moe": lambda: _catalog("phi-3.5-moe"),
-    "deepseekmoe": lambda: _catalog("deepseekmoe"),
-    "qwen3-235b-a22b": lambda: _catalog("qwen3-235b-a22b"),
-    "qwen3-30b-a3b": lambda: _catalog("qwen3-30b-a3b"),
-    # DeepSeek-V3's routed experts (its config.json: hidden_size 7168, moe_intermediate_size
-    # 2048, n_routed_experts 256, num_experts_per_tok 8); the catalog has no MLA model yet
-    "deepseek-v3": lambda: (256, 7168, 2048, 8),
-}
+SHAPES = ("mixtral-8x7b", "phi-3.5-moe", "deepseekmoe", "qwen3-235b-a22b", "qwen3-30b-a3b",
+          "deepseek-v3")
+"""The catalog models whose routed experts are measured (experts, hidden, expert FFN, top-k)."""
 RUNTIME_PATHS = tuple(ExpertGemm)
 EXTRA = ("grouped_w13_stored", "dense")
 
@@ -57,7 +53,7 @@ EXTRA = ("grouped_w13_stored", "dense")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="result JSON")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     p.add_argument("--tokens", type=int, default=16384, help="tokens routed (each to top-k)")
     p.add_argument("--kernels", choices=[k.value for k in Kernels], default="fused",
                    help="the SwiGLU's kernels (plan kernels: runtime.kernels)")
@@ -70,8 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _counts(tokens: int, experts: int, top_k: int, device, seed: int):
-    import torch
-
     gen = torch.Generator(device=device).manual_seed(seed)
     logits = torch.randn(tokens, experts, device=device, generator=gen)
     return torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=experts)
@@ -79,11 +73,6 @@ def _counts(tokens: int, experts: int, top_k: int, device, seed: int):
 
 def build(name: str, experts: int, hidden: int, ffn: int, ops, device, dtype):
     """(function of (rows, counts), its parameters) of path ``name``."""
-    import torch
-    from torch import nn
-
-    from runtime.moe import GroupedExperts, grouped_mm
-
     def weight(*shape):
         return nn.Parameter(torch.randn(*shape, device=device, dtype=dtype) * 0.02)
 
@@ -110,11 +99,7 @@ def build(name: str, experts: int, hidden: int, ffn: int, ops, device, dtype):
 
 
 def measure_shape(args, name: str, device, dtype, ops) -> dict:
-    import torch
-
-    from bench._dist_bench import device_timed
-
-    experts, hidden, ffn, top_k = SHAPES[name]()
+    experts, hidden, ffn, top_k = _catalog(name)
     hidden, ffn = hidden // args.scale, ffn // args.scale
     counts = _counts(args.tokens, experts, top_k, device, args.seed)
     rows = int(counts.sum())
@@ -143,9 +128,7 @@ def measure_shape(args, name: str, device, dtype, ops) -> dict:
               f"({3 * flops / fb / 1e12:4.0f} TF/s)", flush=True)
         del fn, params
         x.grad = None
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     fastest = min(RUNTIME_PATHS, key=lambda p: paths[p]["fwd_bwd_s"])
     return {"experts": experts, "hidden": hidden, "ffn_hidden": ffn, "top_k": top_k,
             "rows": rows, "rows_per_expert": counts.tolist(), "gemm_flops_fwd": flops,
@@ -170,16 +153,8 @@ def table(shapes: dict) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tokens < 1 or args.scale < 1 or args.repeats < 1 or args.warmup < 0:
-        print("error: --tokens, --scale and --repeats must be >= 1, --warmup >= 0",
-              file=sys.stderr)
-        return 2
-    import torch
-
-    from runtime.kernels import kernel_ops
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+        return bad_input("--tokens, --scale and --repeats must be >= 1, --warmup >= 0")
+    _, _, device, dtype = init()
     ops = kernel_ops(Kernels(args.kernels))
     shapes = {name: measure_shape(args, name, device, dtype, ops) for name in args.shapes}
     doc = {"benchmark": "routed experts' GEMM paths (plans.enums.ExpertGemm) "

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench._meta import bad_input
+
 FIELDS = ("timestamp,clocks.sm,clocks.max.sm,power.draw,power.limit,temperature.gpu,"
           "clocks_event_reasons.active")
 
@@ -31,11 +33,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        print("error: command: give the benchmark to run after --", file=sys.stderr)
-        return 2
+        return bad_input("command: give the benchmark to run after --")
     if args.interval_ms <= 0:
-        print("error: --interval-ms: must be positive", file=sys.stderr)
-        return 2
+        return bad_input("--interval-ms: must be positive")
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     smi = shutil.which("nvidia-smi")
     if smi is None:

@@ -10,7 +10,7 @@ blocking and in overlapped head groups.
 
 The block is x + attention(attention_norm(x)) of a one-layer model built and parallelised by the
 runtime from a plan (runtime.parallel.parallelize: Ulysses SP = N and EP = N, ``kernels`` and
-``recompute`` as the variant says; bench/layers/one_layer.py), at the attention shapes of the
+``recompute`` as the variant says), at the attention shapes of the
 catalog models (``--models``; Mixtral-8x7B: hidden 4096, 32 query and 8 KV heads of 128;
 Qwen3-30B-A3B: hidden 2048, 32 and 4 heads of 128 with QK norm), ``--batch`` sequences of
 ``--seq`` tokens (default 4 x 4,096: 16k tokens, the MoE layer bench's), each rank holding
@@ -59,26 +59,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench._dist_bench import finish, init, slowest, spun, timed
-from bench._meta import write_result
-from bench.layers.one_layer import (
-    OVERRIDES,
-    block_step,
-    build_block,
-    layer_plan,
-    model_spec,
-    predicted_blocks,
-)
+from bench._dist_bench import finish, init, release, slowest, spun, timed
+from bench._meta import bad_input, write_result
+from cost_models.layer import layer_graphs, layer_key, schedule_s
 from cost_models.layer_graph import OpKind
-from plans import Kernels, Overlap, Plan, Recompute, UlyssesAttention
+from plans import Kernels, Overlap, Plan, Recompute, UlyssesAttention, catalog
+from plans.enums import Dispatch
 from plans.layout import kv_heads_sent, ulysses_chunks
-from plans.specs import ModelSpec
+from plans.plan import EPFFN, Degrees
+from plans.specs import ModelSpec, TrainingSpec
+from runtime.config import ModelConfig
+from runtime.model import Transformer
 from runtime.parallel.attention import ChunkedUlyssesCore, UlyssesCore
 from runtime.parallel.comm import all_to_all, head_to_seq, seq_to_head
+from runtime.parallel.mesh import build_mesh
 from runtime.parallel.overlap import Chunk
+from runtime.parallel.parallelize import backend_of, parallelize
+from runtime.trainer import model_options
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b")
 """Issue 11's two shapes (the MoE layer bench's), here their attention."""
+OVERRIDES = {  # flag -> ModelSpec field (smoke tests shrink the model)
+    "hidden": "hidden", "ffn_hidden": "expert_ffn_hidden", "experts": "experts",
+    "heads": "query_heads", "kv_heads": "kv_heads", "head_dim": "head_dim", "vocab": "vocab",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,13 +108,85 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# ---- the one-layer model and its plan ------------------------------------------------------
+
+
+def model_spec(args, name: str) -> ModelSpec:
+    """Catalog model ``name`` as one MoE layer, with the override flags (fewer ``--experts``
+    than the model routes to clip the top-k)."""
+    base = catalog.load_model(name)
+    update = {field: getattr(args, flag) for flag, field in OVERRIDES.items()
+              if getattr(args, flag)}
+    if "experts" in update:
+        update["top_k"] = min(base.top_k, update["experts"])
+    update.update(layers=1, dense_layers=0, dense_ffn_hidden=0, name=f"{base.name}-1L")
+    return ModelSpec.model_validate({**base.model_dump(), **update})
+
+
+def layer_plan(model: ModelSpec, args, sp: int, kernels: Kernels,
+               recompute: Recompute = Recompute.none, overlap: Overlap = Overlap.none) -> Plan:
+    """``model`` under Ulysses SP = EP = ``sp`` (1: one GPU, no parallelism) on ``args.cluster``,
+    one micro-batch of ``args.batch`` sequences of ``args.seq`` tokens."""
+    return Plan(
+        model=model, cluster=catalog.load_cluster(args.cluster, gpus=sp),
+        training=TrainingSpec(global_batch=args.batch, seq_len=args.seq), stage_layers=(1,),
+        micro_batch_size=args.batch, degrees=Degrees(sp=sp, ep=sp),
+        attention=UlyssesAttention(), ffn=EPFFN(dispatch=Dispatch.all_to_all),
+        overlap=overlap, recompute=recompute, kernels=kernels,
+    )
+
+
 def predict(plan: Plan) -> dict:
-    """The cost model's attention block (bench/layers/one_layer.predicted_blocks): its seconds,
-    and of its operators those of communication and those recomputed."""
-    seconds, ops = predicted_blocks(plan)["attention"]
-    return {"block_s": seconds,
+    """The cost model's attention block, forward + backward: the forward graph's operators up
+    to the attention residual with the backward graph's nodes of the same operators
+    (recomputed ones included), each pass scheduled on two streams as ``plan.overlap`` runs
+    them (under none every operator blocks: the sum); of its operators, the seconds of those
+    of communication and of those recomputed."""
+    fwd, bwd = layer_graphs(layer_key(plan), plan.overlap)
+    order = sorted(fwd.nodes, key=lambda name: fwd.nodes[name]["order"])
+    names = order[:order.index("attn_residual") + 1]
+    operators = {fwd.nodes[name]["op"].operator for name in names}
+    back = [name for name, node in bwd.nodes.items() if node["op"].operator in operators]
+    hidden = plan.cluster.efficiency.overlap
+    ops = [fwd.nodes[name]["op"] for name in names] + [bwd.nodes[name]["op"] for name in back]
+    return {"block_s": (schedule_s(fwd.subgraph(names), plan.overlap, hidden)
+                        + schedule_s(bwd.subgraph(back), plan.overlap, hidden)),
             "comm_s": sum(op.duration_s for op in ops if op.kind == OpKind.comm),
             "recompute_s": sum(op.duration_s for op in ops if op.recompute)}
+
+
+def build_block(plan: Plan, rank: int, world: int, device, dtype, seed: int):
+    """The runtime's parallelised one-layer model on this rank; weights drawn on the device
+    (the same seed on every rank), since their values do not matter for timing."""
+    mesh = build_mesh(plan, rank, world, torch.device(device).type)
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(plan.model, model_options(plan)))
+    parallelize(model, plan, mesh, None, backend_of(device))
+    model.to_empty(device=device)
+    model.to(dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.train()
+    return model.layers["0"]
+
+
+def block_step(layer, x: torch.Tensor, grad: torch.Tensor):
+    """One forward + backward of ``layer``'s x + attention(attention_norm(x)), upstream
+    gradient ``grad``; the parameters' gradients dropped before each."""
+    params = list(layer.parameters())
+
+    def run() -> None:
+        for p in params:
+            p.grad = None
+        xs = x.detach().requires_grad_(True)
+        (xs + layer.attention(layer.attention_norm(xs))).backward(grad)
+
+    return run
 
 
 # ---- the all-to-alls' local stand-ins (compute alone) ---------------------------------------
@@ -200,11 +276,8 @@ def measure(args) -> int:
     group = dist.group.WORLD if n > 1 else None
     sp = args.simulate_sp if n == 1 else n  # the SP degree of the rank measured
     if sp < 1 or (n > 1 and args.simulate_sp != 1):
-        if rank == 0:
-            print("error: --simulate-sp: a positive degree, on one process only",
-                  file=sys.stderr)
         finish(n)
-        return 2
+        return bad_input("--simulate-sp: a positive degree, on one process only", rank)
     rows: dict[str, dict] = {}
     for name in args.models:
         try:
@@ -213,10 +286,8 @@ def measure(args) -> int:
             if args.seq % sp:
                 raise ValueError(f"--seq: {args.seq} tokens do not split over SP = {sp}")
         except ValueError as e:
-            if rank == 0:
-                print(f"error: {name}: {str(e).splitlines()[-1].strip()}", file=sys.stderr)
             finish(n)
-            return 2
+            return bad_input(f"{name}: {str(e).splitlines()[-1].strip()}", rank)
         groups = ulysses_chunks(Overlap.inter_op, UlyssesAttention(), model, sp)
         gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
         x = torch.randn(args.batch, args.seq // sp, model.hidden, device=device, dtype=dtype,
@@ -236,13 +307,13 @@ def measure(args) -> int:
             alone: idle GPU, host ahead, the host's own time; and the exposed all-to-alls."""
             out: dict = {}
             if n > 1 or sp == 1:
-                out["block_s"] = time_of(block_step(layer, "attention", x, grad))
+                out["block_s"] = time_of(block_step(layer, x, grad))
             if local is None:
                 return out
             layer.attention.core = local
-            out["compute_alone_s"] = time_of(block_step(layer, "attention", x, grad))
+            out["compute_alone_s"] = time_of(block_step(layer, x, grad))
             out["compute_alone_device_s"], out["compute_alone_host_s"] = \
-                spun_of(block_step(layer, "attention", x, grad))
+                spun_of(block_step(layer, x, grad))
             if "block_s" in out:
                 out["exposed_comm_s"] = out["block_s"] - out["compute_alone_s"]
             return out
@@ -286,8 +357,7 @@ def measure(args) -> int:
                         print(f"  in {groups} head groups: {_text(variant['head_groups'])}",
                               flush=True)
                 del layer
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                release(device)
         if rank == 0 and n > 1:
             print(f"{name} comm alone {row['comm_alone_s'] * 1e3:.2f} ms" + (
                 f", in {groups} head groups {row['head_groups_comm_alone_s'] * 1e3:.2f} ms"

@@ -29,7 +29,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench._meta import write_result
+import torch
+import torch.distributed as dist
+
+from bench._dist_bench import collective_fn, finish, init, slowest, timed
+from bench._meta import bad_input, write_result
 from cost_models import volumes as vol
 from cost_models.layer import layer_key, layer_timing
 from cost_models.layer_graph import forward_graph
@@ -43,6 +47,8 @@ from plans import (
 from plans.layout import tokens_per_rank
 from plans.notation import DISPATCH_KEYS
 from plans.specs import ModelSpec
+from runtime.moe import Routing
+from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
 
 DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
 SHORT = {d: DISPATCH_KEYS[d] for d in DISPATCHES}
@@ -69,21 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def model_spec(args, top_k: int) -> ModelSpec:
-    base = catalog.load_model(args.model)
-    update = {"top_k": top_k}
-    if args.hidden:
-        update["hidden"] = args.hidden
-    if args.experts:
-        update["experts"] = args.experts
-    return ModelSpec.model_validate({**base.model_dump(), **update})
-
-
-def top_ks(args) -> list[int]:
-    experts = args.experts or catalog.load_model(args.model).experts
-    return list(range(1, min(args.max_top_k, experts) + 1))
 
 
 def crossover(rows: list[dict], key: str) -> int | None:
@@ -132,18 +123,11 @@ def predict(model: ModelSpec, cluster_name: str, n: int, seq: int, dispatch: Dis
 # ---- measurement ----------------------------------------------------------------------------
 
 
-def measure_rows(args, hidden: int, experts: int, seq: int, group, device, dtype,
+def measure_rows(args, hidden: int, experts: int, seq: int, rank: int, n: int, device, dtype,
                  gen) -> list[dict]:
     """Every top-k of one shape: both dispatchers' dispatch + combine (forward, forward +
     backward), the raw collectives of the cost model's transfers, and the predictions."""
-    import torch
-
-    from bench._dist_bench import collective_fn, slowest, timed
-    from runtime.moe import Routing
-    from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
-
-    n = dist_world()
-    rank = dist_rank()
+    group = dist.group.WORLD
     tokens = int(tokens_per_rank(1, seq, n))
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
     grad_out = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
@@ -192,56 +176,35 @@ def measure_rows(args, hidden: int, experts: int, seq: int, group, device, dtype
     return rows
 
 
-def dist_world() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size()
-
-
-def dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
-
-
 def shape_spec(args, hidden: int, experts: int, top_k: int) -> ModelSpec:
     base = catalog.load_model(args.model)
     return ModelSpec.model_validate({**base.model_dump(), "hidden": hidden, "experts": experts,
                                      "top_k": top_k})
 
 
-def sweep_shapes(args, experts_default: int, hidden_default: int) -> list[tuple[int, int, int]]:
+def sweep_shapes(args) -> list[tuple[int, int, int]]:
     """(hidden, experts, seq) of every measured shape: the grid of --sweep-* lists, or the one
-    shape of --hidden / --experts / --seq."""
-    hiddens = args.sweep_hidden or [hidden_default]
-    expert_counts = args.sweep_experts or [experts_default]
+    shape of --hidden / --experts / --seq (the model's where not given)."""
+    base = catalog.load_model(args.model)
+    hiddens = args.sweep_hidden or [args.hidden or base.hidden]
+    expert_counts = args.sweep_experts or [args.experts or base.experts]
     seqs = args.sweep_seq or [args.seq]
     return [(h, e, s) for h in hiddens for e in expert_counts for s in seqs]
 
 
 def measure(args) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from bench._dist_bench import finish, init
-
     rank, n, device, dtype = init()
     if n < 2:
-        print("error: run under torchrun with at least 2 processes (the EP group)",
-              file=sys.stderr)
-        return 2
-    base = model_spec(args, 1)
-    shapes = sweep_shapes(args, base.experts, base.hidden)
+        return bad_input("run under torchrun with at least 2 processes (the EP group)")
+    shapes = sweep_shapes(args)
     for _h, experts, seq in shapes:
         if experts % n or seq % n:
-            print(f"error: {n} ranks must divide the experts ({experts}) and the sequence "
-                  f"({seq})", file=sys.stderr)
-            return 2
-    group = dist.group.WORLD
+            return bad_input(f"{n} ranks must divide the experts ({experts}) and the "
+                             f"sequence ({seq})")
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
     configs = []
     for h, experts, seq in shapes:
-        rows = measure_rows(args, h, experts, seq, group, device, dtype, gen)
+        rows = measure_rows(args, h, experts, seq, rank, n, device, dtype, gen)
         configs.append({"hidden": h, "experts": experts, "seq_len": seq,
                         "tokens_per_rank": rows[0]["tokens_per_rank"], "rows": rows,
                         "crossover_top_k": crossovers(rows)})
@@ -286,8 +249,7 @@ def crossovers(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    return measure(args)
+    return measure(parse_args(argv))
 
 
 if __name__ == "__main__":

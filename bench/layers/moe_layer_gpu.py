@@ -42,21 +42,27 @@ import sys
 import traceback
 from pathlib import Path
 
-from bench._meta import package_version, write_result
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from bench._dist_bench import finish, init, release, slowest, timed
+from bench._meta import bad_input, package_version, write_result
+from plans import Kernels
+from plans.catalog import load_model
 from plans.enums import ExpertGemm
 from plans.layout import INTER_OP_CHUNKS
+from runtime.kernels import kernel_ops
+from runtime.moe import MoE, Router, Routing
+from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
+from runtime.parallel.grad_accumulation import fuse_accumulation, in_gemm, mark_parameters
+from runtime.parallel.overlap import ChunkedExpertFFN
 
-SHAPES = {
-    "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, top_k=2),
-    "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, top_k=8),
-    "phi-3.5-moe": dict(hidden=4096, ffn=6400, experts=16, top_k=2),
-    "deepseekmoe": dict(hidden=2048, ffn=1408, experts=64, top_k=6),
-    "qwen3-235b-a22b": dict(hidden=4096, ffn=1536, experts=128, top_k=8),
-    # DeepSeek-V3's routed experts (its config.json; the catalog has no MLA model yet)
-    "deepseek-v3": dict(hidden=7168, ffn=2048, experts=256, top_k=8),
-}
-"""The MoE layers of issues 11 (the first two, the default) and 34 (catalog models' hidden,
-expert FFN, experts, top-k)."""
+SHAPES = ("mixtral-8x7b", "qwen3-30b-a3b", "phi-3.5-moe", "deepseekmoe", "qwen3-235b-a22b",
+          "deepseek-v3")
+"""The MoE layers of issues 11 (the first two, the default) and 34: the catalog models'
+hidden, expert FFN, experts and top-k."""
 DEFAULT_SHAPES = ["mixtral-8x7b", "qwen3-30b-a3b"]
 
 OVERLAP_TARGET = 1.1
@@ -66,7 +72,7 @@ OVERLAP_TARGET = 1.1
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON result (rank 0 writes it)")
-    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=SHAPES)
     p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
     p.add_argument("--scale", type=int, default=1,
                    help="divide hidden and FFN widths by this (CPU smoke runs)")
@@ -97,10 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shape_of(args, name: str) -> dict:
-    s = dict(SHAPES[name])
-    s["hidden"] //= args.scale
-    s["ffn"] //= args.scale
-    return s
+    m = load_model(name)
+    return dict(hidden=m.hidden // args.scale, ffn=m.expert_ffn_hidden // args.scale,
+                experts=m.experts, top_k=m.top_k)
 
 
 # ---- our layer ------------------------------------------------------------------------------
@@ -115,12 +120,6 @@ def build_moe(shape: dict, local_experts: int, device, dtype, seed: int, ops,
     gradient-accumulation fusion as the runtime applies it, each routed weight's gradient
     added into a main gradient in the parameters' dtype (a bf16 sync's), kept across steps as
     a step's micro-batches add into it."""
-    import torch
-    from torch import nn
-
-    from runtime.moe import MoE, Router
-    from runtime.parallel.grad_accumulation import fuse_accumulation, in_gemm, mark_parameters
-
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it runs (GBs of experts at full width)
         moe = MoE(shape["hidden"], local_experts, shape["top_k"], shape["ffn"],
@@ -155,8 +154,6 @@ def step_fn(layer, x, grad_out):
 def carved(fn, sms: int):
     """``fn`` with the GEMMs (cuBLAS and the CUTLASS grouped GEMM) launched on all but ``sms``
     SMs, left free for the collectives beside them (0: every SM)."""
-    import torch
-
     if sms == 0:
         return fn
 
@@ -202,9 +199,6 @@ def stream_overlap(fn) -> dict:
     """One profiled call of ``fn`` (after a synchronise): the wall span of its kernels, each
     CUDA stream's busy time (union of its kernels' intervals) and kernel count, and the time two
     or more streams had kernels running at once (what an overlapped schedule hides)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -240,10 +234,6 @@ def stream_overlap(fn) -> dict:
 def comm_fn(dispatcher, shape, x, grad_out, device):
     """Dispatch then combine with identity experts, forward + backward, under the layer's routing
     statistics (top-k of random scores: balanced in expectation)."""
-    import torch
-
-    from runtime.moe import Routing
-
     t, k, e = x.shape[0], shape["top_k"], shape["experts"]
     gen = torch.Generator(device=device).manual_seed(7)
     indices = torch.rand(t, e, device=device, generator=gen).topk(k, dim=-1).indices
@@ -265,8 +255,6 @@ def comm_fn(dispatcher, shape, x, grad_out, device):
 def build_peer(shape: dict, n: int, device, dtype, seed: int):
     """torchtitan 0.3.0's MoE at ``shape`` (EP over the world when n > 1); raises if torchtitan
     is missing or its API differs."""
-    import torch
-    from torch import nn
     from torchtitan.models.common import moe as tt
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.token_dispatcher import (
@@ -317,12 +305,9 @@ def build_peer(shape: dict, n: int, device, dtype, seed: int):
     return peer
 
 
-def peer_result(args, shape, n, device, dtype, x, grad_out, timed, slowest) -> dict:
+def peer_result(args, shape, n, device, dtype, x, grad_out) -> dict:
     """The peer's forward + backward time, or why it did not run (every rank agrees: a rank
     that fails tells the others through an all-reduce before anyone times)."""
-    import torch
-    import torch.distributed as dist
-
     if args.no_peer:
         return {"status": "skipped", "reason": "--no-peer"}
     peer = error = None
@@ -354,15 +339,6 @@ def peer_result(args, shape, n, device, dtype, x, grad_out, timed, slowest) -> d
 
 
 def measure(args) -> int:
-    import torch
-    import torch.distributed as dist
-
-    from bench._dist_bench import finish, init, slowest, timed
-    from plans import Kernels
-    from runtime.kernels import kernel_ops
-    from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
-    from runtime.parallel.overlap import ChunkedExpertFFN
-
     rank, n, device, dtype = init()
     ops = kernel_ops(Kernels(args.kernels))
     gemm = ExpertGemm(args.expert_gemm)
@@ -371,9 +347,7 @@ def measure(args) -> int:
     for name in args.shapes:
         shape = shape_of(args, name)
         if shape["experts"] % n:
-            print(f"error: {n} ranks must divide the experts ({shape['experts']})",
-                  file=sys.stderr)
-            return 2
+            return bad_input(f"{n} ranks must divide the experts ({shape['experts']})")
         gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)
         x = torch.randn(args.tokens, shape["hidden"], device=device, dtype=dtype, generator=gen)
         grad_out = torch.randn_like(x)
@@ -430,7 +404,7 @@ def measure(args) -> int:
                 text = "  ".join(f"{k} {v * 1e3:.2f} ms" for k, v in variants.items()
                                  if isinstance(v, float))
                 print(f"{name} {label}: {text}", flush=True)
-        row["peer"] = peer_result(args, shape, n, device, dtype, x, grad_out, timed, slowest)
+        row["peer"] = peer_result(args, shape, n, device, dtype, x, grad_out)
         # our layer as a plan would run it: the faster dispatcher and overlap setting
         ours = min(min(v["fwd_bwd_s"]["serial"], v["fwd_bwd_s"].get("inter_op", float("inf")))
                    for k, v in row.items() if k in ("local", "a2a", "ag_rs"))
@@ -439,8 +413,7 @@ def measure(args) -> int:
         if rank == 0:
             print(f"{name} peer: {json.dumps(row['peer'])}", flush=True)
         shapes[name] = row
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     if rank == 0:
         result = {
             "benchmark": "one MoE layer forward + backward: serial, inter-operator overlapped, "

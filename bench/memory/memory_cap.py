@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench._meta import write_result
+from bench._meta import bad_input, write_result
 from bench.steps.train_step import ranks_per_gpu, setup
 from cost_models.memory import memory_breakdown
 from plans.execution import executed_plan, record
@@ -52,9 +51,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     plan, rank, world, device = setup(a.plan, a.share_gpu)
     if device.type != "cuda":
-        print("error: memory_cap.py caps a CUDA device's allocator; no GPU here",
-              file=sys.stderr)
-        return 2
+        return bad_input("memory_cap.py caps a CUDA device's allocator; no GPU here")
     ran = executed_plan(plan, backend_of(device))
     predicted = memory_breakdown(ran).peak_bytes
     cap = a.scale * predicted
@@ -62,24 +59,20 @@ def main(argv=None) -> int:
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, a.seed)
-    times: list[float] = []
+    facts = {"plan": str(a.plan), "world": world, "ranks_per_gpu": ranks_per_gpu(world, device),
+             "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB, "scale": a.scale,
+             "deviations": record(plan, backend_of(device))}
     try:
         trainer = build_trainer(plan, rank, world, device, a.seed, data)
         for step in range(a.warmup):
             trainer.train_step(step)
         torch.cuda.reset_peak_memory_stats(device)
-        for step in range(a.warmup, a.warmup + a.steps):
-            t0 = time.perf_counter()
-            trainer.train_step(step)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
+        times = [trainer.train_step(step).step_time_s  # its wall time, synchronised
+                 for step in range(a.warmup, a.warmup + a.steps)]
     except torch.OutOfMemoryError as e:
-        oom = {"plan": str(a.plan), "rank": rank, "world": world,
-               "ranks_per_gpu": ranks_per_gpu(world, device), "cap_gib": cap / GIB,
-               "predicted_peak_gib": predicted / GIB, "scale": a.scale,
-               "fits": False, "error": str(e).splitlines()[0][:300],
-               "deviations": record(plan, backend_of(device))}
-        write_result(a.out.with_suffix(f".rank{rank}.oom.json"), oom)
+        write_result(a.out.with_suffix(f".rank{rank}.oom.json"),
+                     {**facts, "rank": rank, "fits": False,
+                      "error": str(e).splitlines()[0][:300]})
         print(f"rank {rank}: out of memory under a cap of {cap / GIB:.2f} GiB", file=sys.stderr,
               flush=True)
         return 1
@@ -95,13 +88,8 @@ def main(argv=None) -> int:
         dist.all_gather_object(per_rank, mine)
         end_process_groups()
     if rank == 0:
-        doc = {"plan": str(a.plan), "plan_summary": plan.summary(),
-               "world": world, "backend": backend,
-               "ranks_per_gpu": ranks_per_gpu(world, device),
-               "cap_gib": cap / GIB, "predicted_peak_gib": predicted / GIB,
-               "scale": a.scale, "fits": True,
-               "deviations": record(plan, backend_of(device)), "per_rank": per_rank}
-        write_result(a.out, doc)
+        write_result(a.out, {**facts, "plan_summary": plan.summary(), "backend": backend,
+                             "fits": True, "per_rank": per_rank})
         worst = max(r["reserved_peak_gib"] for r in per_rank)
         retries = max(r["alloc_retries"] for r in per_rank)
         print(f"{plan.summary()}\n  fits under {cap / GIB:.2f} GiB: reserved peak "

@@ -49,11 +49,6 @@ def reduced(name: str, layers: int) -> ModelSpec:
     return full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
 
 
-def reduced_model(shape: str) -> ModelSpec:
-    """The catalog model of ``shape`` (SHAPES) at its full width and reduced depth."""
-    return reduced(*SHAPES[shape])
-
-
 def best_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan | None:
     """The plan `moeplan search --runnable` picks for ``shape`` on ``gpus`` GPUs of the
     calibrated cluster (CLUSTER), None where none fits; imports the planner, so it runs on the
@@ -61,24 +56,19 @@ def best_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan | None:
     from planner.search import search
     from planner.space import SearchSpace
 
-    result = search(reduced_model(shape), catalog.load_cluster(CLUSTER, gpus=gpus), training,
-                    SearchSpace().runnable(), top=1)
+    result = search(reduced(*SHAPES[shape]), catalog.load_cluster(CLUSTER, gpus=gpus),
+                    training, SearchSpace().runnable(), top=1)
     return None if result.best is None else result.best.plan
-
-
-def searched_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan:
-    """best_plan, which must exist."""
-    plan = best_plan(shape, gpus, training)
-    if plan is None:
-        raise SystemExit(f"error: no plan fits for {shape} on {gpus} GPUs")
-    return plan
 
 
 def write_searched(jobs: list[tuple[str, int]], training: TrainingSpec,
                    path_of: Callable[[str, int], Path]) -> None:
-    """searched_plan of every (shape, GPUs) job, written as JSON to ``path_of(shape, gpus)``."""
+    """best_plan of every (shape, GPUs) job, which must exist, written as JSON to
+    ``path_of(shape, gpus)``."""
     for shape, gpus in jobs:
-        plan = searched_plan(shape, gpus, training)
+        plan = best_plan(shape, gpus, training)
+        if plan is None:
+            raise SystemExit(f"error: no plan fits for {shape} on {gpus} GPUs")
         path = path_of(shape, gpus)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(plan.model_dump_json(indent=2) + "\n")
@@ -90,7 +80,7 @@ def reduced_plan(shape: str, degrees: Degrees, mbs: int, recompute: Recompute,
                  dispatch: Dispatch, training: TrainingSpec, cluster: str, **kw) -> Plan:
     """A reduced-depth model of ``shape`` (SHAPES) under Ulysses SP attention and EP experts,
     no overlap, bf16 gradient sync; ``kw`` replaces any other plan field."""
-    model = reduced_model(shape)
+    model = reduced(*SHAPES[shape])
     layers = model.layers
     chunks = degrees.pp * degrees.vpp
     base = dict(

@@ -3,9 +3,8 @@ Qwen3-30B-A3B and DeepSeekMoE shapes (4 layers), global batch 16 x 4096, on 1 an
 calibrated cluster h200-runtime. Written to bench/gpu_plans/memory/ for bench/memory/memory_suite.py
 (``--plan-files``), which checks on the device that they run without running out of memory and
 records their peaks for bench/memory/memory_report.py (held out: chosen by the cost model before
-they were measured). The committed files are the plans measured at commit 5dc7a2f (the chunked
-loss for each; the search now prefers the materialized loss where it fits, so a rerun may
-write other plans, to be measured again).
+they were measured). A rerun after the cost model changes may write other plans, to be
+measured again.
 
     python -m bench.memory.memory_searched        # imports the planner: run on the CPU machine
 """

@@ -3,7 +3,7 @@
     python -m bench.memory.memory_suite --world 1 --out-dir bench/results/h200/memory
     torchrun --nproc-per-node 2 -m bench.memory.memory_suite --world 2 --out-dir ...
 
-Runs every case of ``CASES`` whose world size is ``--world`` (or those named by ``--cases``) in
+Runs every case of ``CASES`` whose world size is ``--world`` (or the ``--plan-files``) in
 one process per rank, one after another: builds the runtime's trainer for the case's plan, runs
 one warm-up step (the optimizer states and the allocator's pools exist after it), then one
 probed step that records per rank
@@ -27,22 +27,20 @@ the committed measurements against the cost model of the tree it runs on.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from runtime.memory import GIB, MemoryPhases, configure_allocator
-from runtime.parallel.mesh import end_process_groups, start_process_group
 
 configure_allocator()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench._meta import write_result  # noqa: E402
+from bench._dist_bench import finish, init, release  # noqa: E402
+from bench._meta import bad_input, write_result  # noqa: E402
 from bench.memory.memory_cases import CASES  # noqa: E402
 from plans import Plan  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
@@ -129,43 +127,27 @@ def run_case(name: str, plan: Plan, rank: int, world: int, device: torch.device,
     out["run_s"] = time.perf_counter() - t0
     if trainer is not None:
         # its gradient-sync hooks on the parameters keep the optimizer and its buffers alive
-        # (2-GPU cases after the first carried every earlier case's states, 9f4bed9)
         trainer.close()
     del trainer
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    release(device)
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, required=True, help="run the cases of this many GPUs")
-    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--plan-files", type=Path, nargs="*", default=[],
-                   help="plan files to run as cases too, named by their file stem "
-                        "(with --plan-files only, no built-in case runs unless --cases names it)")
+                   help="plan files to run instead of the built-in cases, named by their "
+                        "file stem")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if world != args.world:
-        print(f"error: --world {args.world} but WORLD_SIZE={world}", file=sys.stderr)
-        return 2
-    names = [n for n in (args.cases.split(",") if args.cases or args.plan_files else CASES)
-             if n]
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        print(f"error: --cases: unknown {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    plans = {n: CASES[n]() for n in names}
-    plans.update({f.stem: load_plan(f) for f in args.plan_files})
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    if world > 1:
-        start_process_group(rank, world, device, timedelta(minutes=5))
+        return bad_input(f"--world {args.world} but WORLD_SIZE={world}")
+    plans = ({f.stem: load_plan(f) for f in args.plan_files} if args.plan_files
+             else {n: case() for n, case in CASES.items()})
+    rank, world, device, _ = init()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, plan in plans.items():
         if plan.degrees.world != world:
@@ -187,8 +169,7 @@ def main(argv=None) -> int:
             alloc = max(r["peak_allocated_bytes"] for r in ranks) / GIB
             print(f"{name}: {ranks[0]['status']} peak {alloc:.2f} GiB allocated, "
                   f"{peak:.2f} GiB reserved ({result['run_s']:.0f} s)", flush=True)
-    if world > 1:
-        end_process_groups()
+    finish(world)
     return 0
 
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._meta import write_result
+from bench._meta import bad_input, write_result
 from bench.campaign import launcher
 from bench.report import ROOT
 from plans import SpecError
@@ -78,13 +78,11 @@ def write(args: argparse.Namespace, world: int, runs: dict[str, dict]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
-        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
+        return bad_input("--steps must be >= 1 and --warmup >= 0")
     try:
         world = load_plan(args.plan).degrees.world
     except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(str(e))
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="compile_relaunch_") as scratch:
         cache = args.cache_dir or Path(scratch) / "cache"

@@ -21,31 +21,22 @@ the errors, the worst parameters and ``pass``; exit status 1 when the check fail
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from bench._dist_bench import finish, release
 from bench._meta import write_result
 from bench.steps.train_step import setup
 from plans import OptimizerSharding
 from runtime.data import SyntheticTokens
-from runtime.parallel.mesh import end_process_groups
 from runtime.trainer import build_trainer, model_options, reference_plan
 
 FP32_TOLERANCE = {"loss": 1e-5, "grad": 1e-4}
 BF16_FACTOR, BF16_FLOOR = 2.0, 1e-3
 """bf16: err(layout, fp32 reference) <= BF16_FACTOR x err(bf16 reference, fp32) + BF16_FLOOR."""
-
-
-def _release(device: torch.device) -> None:
-    """Return a dropped trainer's memory (autograd hooks keep reference cycles) to the device,
-    so ranks sharing a GPU have room for the reference in turn."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,7 +51,7 @@ def _reference(plan, device, seed, data, options, dtype):
     ref.sync_gradients()
     grads = {k: g for k, (g, _) in ref.local_gradients().items()}
     del ref
-    _release(device)
+    release(device)  # ranks sharing a GPU need room for the reference in turn
     return loss, grads
 
 
@@ -137,11 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--share-gpu", action="store_true",
                    help="ranks share the visible GPUs over gloo (more ranks than GPUs)")
-    p.add_argument("--bf16", action="store_true",
-                   help="bf16 parameters and the bf16 criterion on CPU too (always on CUDA)")
     args = p.parse_args(argv)
     plan, rank, world, device = setup(args.plan, args.share_gpu)
-    bf16 = args.bf16 or device.type == "cuda"
+    bf16 = device.type == "cuda"
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
     options = model_options(plan)
@@ -154,7 +143,7 @@ def main(argv=None) -> int:
     trainer.sync_gradients()
     grads = {k: (g.detach().clone(), s) for k, (g, s) in trainer.local_gradients().items()}
     del trainer
-    _release(device)
+    release(device)
     # Ranks sharing a GPU take turns, so one reference model is alive at a time.
     turns = range(world) if args.share_gpu and world > 1 else [rank]
     for turn in turns:
@@ -184,8 +173,7 @@ def main(argv=None) -> int:
               f"{result['grad_max_rel_err']:.2e}{extra} ({result['precision']}) "
               f"{'pass' if result['pass'] else 'FAIL'} -> {args.out}")
         status = 0 if result["pass"] else 1
-    if world > 1:
-        end_process_groups()
+    finish(world)
     return status
 
 

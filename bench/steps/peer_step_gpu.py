@@ -18,9 +18,9 @@ recorded as skipped), while torchtitan keeps the searched plan's micro-batches):
   top-k, vocab, depth; qk-norm only where the spec has it; the router's score as the spec's:
   softmax over the top-k (renormalised) or softmax over every expert then top-k), initialised
   by its own ``init_weights``; its step as torchtitan.trainer runs it on one rank: activation
-  checkpointing and per-block compile as ``--peer-ac`` / ``--peer-compile`` say (``recipe``:
-  its MoE recipe's, ``PEER_RECIPES``), fp32 weights under bf16 autocast (its FSDP2 mixed
-  precision needs a device mesh; one GPU runs autocast), SDPA attention (causal, one
+  checkpointing as its MoE recipe's (``PEER_RECIPES``), per-block compile as
+  ``--peer-compile`` says (``recipe``: the recipe's), fp32 weights under bf16 autocast (its
+  FSDP2 mixed precision needs a device mesh; one GPU runs autocast), SDPA attention (causal, one
   document per row), its recipes' loss (ChunkedLossWrapper over CrossEntropyLoss: the LM
   head and cross-entropy per sequence chunk, the sum over the step's tokens divided by their
   count), gradient clipping at its default max-norm 1.0, its default AdamW (lr 8e-4, betas
@@ -40,7 +40,6 @@ failing keeps the others', holds per model both sides' numbers or the reason one
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -48,13 +47,12 @@ from pathlib import Path
 
 import torch
 
-from bench._meta import metadata, package_version
+from bench._dist_bench import init, release, step_times
+from bench._meta import package_version, write_result
 from bench.steps import train_step  # configures the allocator before CUDA allocates
 from plans import Plan, SpecError
 from plans.catalog import load_plan
 from plans.execution import UnsupportedFeature
-from plans.io import write_atomic
-from plans.specs import mfu
 from runtime.compile_cache import use_cache_dir
 from runtime.config import ModelConfig
 from runtime.data import SyntheticTokens
@@ -109,8 +107,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="steps before timing (the first "
                    "reported apart)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peer-ac", choices=["recipe", "none", "selective", "full"],
-                   default="recipe", help="torchtitan's activation checkpointing")
     p.add_argument("--peer-compile", choices=["recipe", "off", "model"], default="recipe",
                    help="torchtitan's compile (model: each transformer block, fullgraph)")
     p.add_argument("--plans", choices=list(PLAN_SETS), default="searched",
@@ -173,10 +169,10 @@ def plan_of(name: str, args, plans: str | None = None) -> Plan:
     return tiny(plan) if args.tiny else plan
 
 
-def our_params(plan: Plan) -> int:
+def params(build) -> int:
+    """Parameters of the model ``build()`` makes, built on the meta device."""
     with torch.device("meta"):
-        model = Transformer(ModelConfig(plan.model, model_options(plan)))
-    return sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in build().parameters())
 
 
 # ---- torchtitan -------------------------------------------------------------------------------
@@ -264,7 +260,7 @@ def peer_config(plan: Plan):
 
 def peer_settings(name: str, args) -> dict:
     ac, compile_ = PEER_RECIPES.get(name, ("full", "off"))
-    return {"ac": ac if args.peer_ac == "recipe" else args.peer_ac,
+    return {"ac": ac,
             "compile": compile_ if args.peer_compile == "recipe" else args.peer_compile,
             "recipe": {"ac": ac, "compile": compile_},
             "attention": "sdpa (causal)", "precision": "fp32 weights, bf16 autocast",
@@ -296,12 +292,6 @@ def build_peer(plan: Plan, settings: dict, device: torch.device):
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=0.1, fused=device.type == "cuda")
     return model, opt
-
-
-def peer_params(plan: Plan) -> int:
-    with torch.device("meta"):
-        model = peer_config(plan).build()
-    return sum(p.numel() for p in model.parameters())
 
 
 def peer_loss(model, plan: Plan):
@@ -352,15 +342,9 @@ def measure_peer(plan: Plan, settings: dict, device: torch.device, args) -> dict
              for s in range(args.warmup, args.warmup + args.steps)]
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     del model, opt
-    times = [s for _, s in timed]
-    step_time = sum(times) / len(times)
     return {
         "status": "ok", "version": package_version("torchtitan"), "settings": settings,
-        "first_step_s": warm[0][1], "warmup_step_times_s": [s for _, s in warm],
-        "step_time_s": step_time, "step_times_s": times,
-        "step_median_s": sorted(times)[len(times) // 2],
-        "tokens_per_s": t.tokens_per_step / step_time,
-        "mfu": mfu(plan.model, t.seq_len, t.tokens_per_step, step_time, 1, plan.cluster.gpu),
+        **step_times([s for _, s in warm], [s for _, s in timed], plan, 1),
         "peak_memory_gib": peak,
         "warmup_losses": [loss for loss, _ in warm], "losses": [loss for loss, _ in timed],
     }
@@ -389,7 +373,7 @@ def _failure(exc: BaseException) -> dict:
 
 
 def _release(device: torch.device) -> None:
-    train_step.release(device)
+    release(device)
     torch._dynamo.reset()
 
 
@@ -414,11 +398,11 @@ def run_model(name: str, args, device: torch.device) -> dict:
                  "micro_batch_size": plan.micro_batch_size,
                  "peer_micro_batch_size": peer_plan.micro_batch_size, "seed": args.seed,
                  "tokens": "runtime.data.SyntheticTokens(global_batch, seq_len, vocab, seed)"}
-    ours_n = our_params(plan)
+    ours_n = params(lambda: Transformer(ModelConfig(plan.model, model_options(plan))))
     row["params"] = {"ours": ours_n}
     if not args.no_peer:
         try:
-            peer_n = peer_params(peer_plan)
+            peer_n = params(peer_config(peer_plan).build)
         except Exception as e:  # noqa: BLE001  (a third-party model that cannot be built)
             row["peer"] = _failure(e)
         else:
@@ -479,13 +463,8 @@ def summary_line(name: str, row: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cache = use_cache_dir(args.compile_cache)  # before anything compiles
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    _, _, device, _ = init()
     result = {
-        **metadata(),
         "benchmark": "whole training step on one GPU: our searched plan against torchtitan's "
                      "model and step (same shape, tokens, batch)",
         "device": str(device), "tiny": args.tiny, "warmup": args.warmup, "steps": args.steps,
@@ -502,7 +481,7 @@ def main(argv=None) -> int:
             row = _failure(e)
         result["models"][name] = row
         print(summary_line(name, row), flush=True)
-        write_atomic(args.out, json.dumps(result, indent=2) + "\n", "--out", force=True)
+        write_result(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

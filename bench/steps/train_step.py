@@ -20,7 +20,6 @@ ranks, and per rank), peak memory per rank and the plan's prediction when it has
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -43,21 +42,21 @@ configure_allocator()  # as the runtime's launch does (runtime.train), before CU
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench._meta import write_result  # noqa: E402
+from bench._dist_bench import finish, init, release, slowest, step_times  # noqa: E402
+from bench._meta import bad_input, write_result  # noqa: E402
 from plans import Plan, SpecError, layout  # noqa: E402
 from plans.catalog import load_plan  # noqa: E402
 from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
-from plans.specs import mfu  # noqa: E402
 from runtime.compile_cache import cache_counts, compile_phases, use_cache_dir  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.attention import head_groups  # noqa: E402
-from runtime.parallel.mesh import end_process_groups  # noqa: E402
 from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
-EXIT_BAD_INPUT = 2
+TIMEOUT = timedelta(minutes=10)
+"""How long a collective waits for a late rank."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,25 +105,6 @@ def check_plan(plan_path: Path, world: int, local_rank: int, share_gpu: bool = F
     return plan
 
 
-def init(share_gpu: bool = False) -> tuple[int, int, torch.device]:
-    """(rank, world, device) with the process group initialised: NCCL with one GPU per rank on
-    CUDA, gloo on CPU (or with ``share_gpu``)."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    cuda = torch.cuda.is_available()
-    if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1:
-        backend = "nccl" if cuda and not share_gpu else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=10))
-    return rank, world, device
-
-
 def ranks_per_gpu(world: int, device: torch.device) -> int:
     """Ranks on each GPU of the launch: above 1 under --share-gpu, where each rank's memory is
     its own and the step times are not the layout's."""
@@ -132,20 +112,14 @@ def ranks_per_gpu(world: int, device: torch.device) -> int:
 
 
 def setup(plan_path: Path, share_gpu: bool = False):
-    """(plan, rank, world, device) with the process group initialised; exits 2 on bad input.
-
-    NCCL with one GPU per rank on CUDA, gloo on CPU. ``share_gpu``: ranks share the visible
-    GPUs round-robin and talk over gloo (CUDA tensors staged through host memory), which NCCL
-    refuses; for checking numerics of a layout with more ranks than GPUs, never for timing."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    """(plan, rank, world, device) with the process group joined (bench._dist_bench.init,
+    ``share_gpu`` there); exits 2 on bad input."""
     try:
-        plan = check_plan(plan_path, world, int(os.environ.get("LOCAL_RANK", 0)), share_gpu)
+        plan = check_plan(plan_path, int(os.environ.get("WORLD_SIZE", 1)),
+                          int(os.environ.get("LOCAL_RANK", 0)), share_gpu)
     except (SpecError, UnsupportedFeature, ValueError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-    return (plan, *init(share_gpu))
+        sys.exit(bad_input(str(e), int(os.environ.get("RANK", 0))))
+    return (plan, *init(TIMEOUT, share_gpu)[:3])
 
 
 def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.device,
@@ -157,17 +131,10 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     trainer = build_trainer(plan, rank, world, device, seed, data)
     build_s = time.perf_counter() - built
     groups = head_groups(trainer.model)
-
-    def slowest(seconds: float) -> float:
-        elapsed = torch.tensor([seconds], dtype=torch.float64, device=device)
-        if world > 1:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        return float(elapsed)
-
     began, after_first = cache_counts(), None
     warm_times = []
     for step in range(warmup):
-        warm_times.append(slowest(trainer.train_step(step).step_time_s))
+        warm_times.append(slowest(trainer.train_step(step).step_time_s, device))
         after_first = after_first or cache_counts()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -177,7 +144,7 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     rows: list[int] | None = None  # per MoE layer of this rank, summed over the steps
     for step in range(warmup, warmup + steps):
         m = trainer.train_step(step)
-        times.append(slowest(m.step_time_s))
+        times.append(slowest(m.step_time_s, device))
         after_first = after_first or cache_counts()  # no warm-up: the first is measured
         losses.append(m.loss)
         for k, v in m.components_s.items():
@@ -207,8 +174,6 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
     trainer.close()  # its process groups: a launch measures several plans
     if rank != 0:
         return None
-    step_time = sum(times) / len(times)
-    tokens = t.tokens_per_step
     per_rank, extras = [m for m, _ in gathered], [e for _, e in gathered]
     keys = sorted({k for c, *_ in per_rank for k in c})
     # max / mean routed slots per expert (runtime.moe.routing_skew): mean and max over steps,
@@ -224,18 +189,12 @@ def measure(plan: Plan, plan_path: Path, rank: int, world: int, device: torch.de
         "optimizer_sharding": plan.optimizer_sharding.value,
         "warmup_steps": warmup,
         "measured_steps": steps,
-        "step_time_s": step_time,
-        "step_times_s": times,
-        "warmup_step_times_s": warm_times,
+        **step_times(warm_times, times, plan, world),
         "build_s": build_s,
-        "first_step_s": (warm_times or times)[0],
-        "step_median_s": sorted(times)[len(times) // 2],
         "compiled_graphs": compiled,
         "compile_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-        "tokens_per_step": tokens,
-        "tokens_per_s": tokens / step_time,
+        "tokens_per_step": t.tokens_per_step,
         "flops_per_token": plan.model.flops_per_token(t.seq_len),
-        "mfu": mfu(plan.model, t.seq_len, tokens, step_time, world, plan.cluster.gpu),
         "losses": losses,
         "peak_memory_gib_per_rank": [p for _, p, *_ in per_rank],
         "peak_reserved_gib_per_rank": [r for _, _, r, *_ in per_rank],
@@ -305,43 +264,29 @@ def report(result: dict, out: Path) -> None:
           f"{result['first_step_s']:.2f} s -> {out}", flush=True)
 
 
-def release(device: torch.device) -> None:
-    """Free what one plan's trainer left (its process groups stay: DeviceMesh caches them)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+def runs_of(args: argparse.Namespace, world: int) -> list[tuple[Plan, Path, Path]]:
+    """(plan, its file, its result) of each plan the launch measures, or SpecError /
+    UnsupportedFeature / ValueError saying why one cannot run here."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if args.plan is not None:
+        return [(check_plan(args.plan, world, local, args.share_gpu), args.plan, args.out)]
+    runs = [(check_plan(path, world, local), path, args.out_dir / f"train_step_{path.stem}.json")
+            for path in args.plans if load_plan(path).degrees.world == world]
+    if not runs:
+        raise SpecError(f"--plans: none of them runs on {world} GPU(s)")
+    return runs
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
-        print("error: --steps must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input("--steps must be >= 1 and --warmup >= 0")
     use_cache_dir(args.compile_cache)  # before anything compiles
-    if args.plan is not None:
-        plan, rank, world, device = setup(args.plan, args.share_gpu)
-        runs = [(plan, args.plan, args.out)]
-    else:
-        world = int(os.environ.get("WORLD_SIZE", 1))
-        rank = int(os.environ.get("RANK", 0))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        runs = []
-        try:
-            for path in args.plans:
-                if load_plan(path).degrees.world != world:
-                    continue
-                runs.append((check_plan(path, world, local_rank), path,
-                             args.out_dir / f"train_step_{path.stem}.json"))
-        except (SpecError, UnsupportedFeature, ValueError) as e:
-            if rank == 0:
-                print(f"error: {e}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        if not runs:
-            if rank == 0:
-                print(f"error: --plans: none of them runs on {world} GPU(s)", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        rank, world, device = init()
+    try:
+        runs = runs_of(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except (SpecError, UnsupportedFeature, ValueError) as e:
+        return bad_input(str(e), int(os.environ.get("RANK", 0)))
+    rank, world, device, _ = init(TIMEOUT, args.share_gpu)
     for plan, path, out in runs:
         try:
             result = measure(plan, path, rank, world, device, args.steps, args.warmup, args.seed,
@@ -353,9 +298,8 @@ def main(argv=None) -> int:
             result = None
         if result is not None:
             report(result, out)
-        release(device)
-    if world > 1:
-        end_process_groups()
+        release(device)  # its process groups stay: DeviceMesh caches them
+    finish(world)
     return 0
 
 
