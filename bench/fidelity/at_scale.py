@@ -2,37 +2,13 @@
 
     python -m bench.fidelity.at_scale          # writes bench/results/at_scale.json
 
-Runs (the configurations as published; what a source leaves open is named in ``assumed``):
-
-- Megatron-Core MoE, Mixtral-8x7B on 64 H100: TP1 EP8 PP4 VPP8, micro-batch 1, global batch
-  256, sequence 4096, bf16: 468 TFLOP/s per GPU (Megatron-Core MoE documentation, "With MCore
-  v0.9, we've achieved ... 468 TFLOPS for Mixtral 8X7B bf16 training"; the mapping from its
-  README's performance table). Megatron counts FLOPs with ``num_floating_point_operations`` of
-  that release, which does not halve causal attention; the published rate is converted to
-  tokens/s with that formula (``megatron_flops_per_token``) and compared in tokens/s.
-- MegaScale-MoE, Internal-352B on 1,440 H800 (arXiv 2505.11432, EuroSys '26: abstract, Sec. 6.1
-  and Table 3; layout from Sec. 6.1: Ulysses SP 8 and EP 8 in the node, PP 15, so DP 12;
-  selective rematerialisation (Sec. 4.1), inter- and intra-operator overlap (Sec. 4), bf16
-  gradient sync (Sec. 5), MegaScale's DP and PP overlap (Sec. 6.1); global batch 720 of 8,192
-  tokens): 1,407.7k tokens/s, a 4.19 s iteration (Table 3). The model is Table 2's shape plus
-  the shared expert that the name and the paper's MFU require (plans/catalog/models/
-  internal-352b.yaml).
-- Megatron-LM on the same job: 746.6k tokens/s (Table 3), a 1.88x speedup; compared as the
-  predicted speedup.
-- The strong-scaling sweep of Table 3 (240 to 1,440 GPUs at global batch 720, both systems):
-  each system's iteration times against the micro-batches per pipeline m = 720 / DP, as a
-  least-squares line T = a m + b, published and predicted. The slope a is the time per
-  micro-batch in the steady state, b what does not grow with m (bubble, gradient sync,
-  optimizer): the split says where a residual lies.
-
-Every run is priced on its catalog cluster, whose Hopper factors (GEMM, grouped GEMM,
-FlashAttention, fused kernels) are those bench/kernels/hopper_factors.py fits to the H200
-micro-benchmark sweep; the rest are the catalog's priors. One number is fitted here: the paper's
-cluster's ``kernel_scale`` (h800-megascale), its kernel rates against the H200's, fitted to
-MegaScale-MoE's five Table 3 times and judged on Megatron-LM's five (``table_3_residual``);
-the plain H800 cluster keeps the measured rates, judged on DeepSeek-V3's (``deepseek_v3_h800``).
-``sensitivity`` re-prices the three checks with the H200 factors that were not carried (the
-JSON of bench/kernels/hopper_factors.py says why), to show their weight, not to adopt them.
+The runs, their sources, what each leaves open (``assumed`` in the JSON) and what each check
+shows: docs/fidelity_at_scale.md ("The checks", "Residuals"). Megatron-Core's Mixtral-8x7B on
+64 H100 (held out), MegaScale-MoE's Internal-352B on 1,440 H800 and its speedup over
+Megatron-LM (Table 3, whose five times fit the paper's cluster's ``kernel_scale``:
+``table_3_residual``), DeepSeek-V3 on 2,048 H800 (held out: ``deepseek_v3_h800``). Every run is
+priced on its catalog cluster; ``sensitivity`` re-prices the checks with the H200 factors
+bench/kernels/hopper_factors.py does not carry, to show their weight, not to adopt them.
 """
 
 from __future__ import annotations

@@ -57,10 +57,6 @@ END = "<!-- end of the generated section -->"
 GIB = 2**30
 CLUSTERS = {"DGX-H100": "h100", "DGX-B200": "b200", "DGX-GB200": "gb200-nvl72",
             "DGX-GB300": "gb300-nvl72"}
-SEGMENT_NODES = 16
-"""Megatron-Bridge's SLURM executor (scripts/performance/utils/executors.py, v0.2.1) runs a
-GB200/GB300 job beyond one rack in segments of the largest node count <= 18 dividing its
-nodes (4 GPUs each): the NVLink domain of a job of 64 nodes is 16 nodes."""
 DISPATCH = {"alltoall": Dispatch.all_to_all, "flex": Dispatch.deepep}
 """The recipe's moe_token_dispatcher_type: flex (DeepEP / HybridEP) sends one copy of a token
 per destination node and forwards it over NVLink, which Dispatch.deepep prices."""
@@ -73,6 +69,9 @@ TARGETS = {"median_abs_error": 0.10, "worst_abs_error": 0.25, "megascale_abs_err
 
 
 def _segment(gpus: int, per_node: int = 4) -> int:
+    """A GB200/GB300 job's NVLink domain: Megatron-Bridge's SLURM executor
+    (scripts/performance/utils/executors.py, v0.2.1) runs a job beyond one rack in segments of
+    the largest node count <= 18 dividing its nodes (4 GPUs each)."""
     nodes = gpus // per_node
     if nodes <= 18:
         return gpus
@@ -268,15 +267,7 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     """Rank correlation (no ties expected); None below three points."""
     if len(xs) < 3:
         return None
-
-    def ranks(v: list[float]) -> list[int]:
-        order = sorted(range(len(v)), key=v.__getitem__)
-        out = [0] * len(v)
-        for r, i in enumerate(order):
-            out[i] = r
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
+    rx, ry = ([sorted(v).index(x) for x in v] for v in (xs, ys))
     n = len(xs)
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
 
