@@ -71,6 +71,11 @@ def megatron_flops_per_token(m: ModelSpec, seq_len: int) -> float:
     return 12 * L * h * h * (attention + mlp + logits)
 
 
+def megatron_mixtral_tokens_s_gpu(plan: Plan) -> float:
+    """Megatron-Core's published 468 TFLOP/s per GPU as tokens/s per GPU, in its own count."""
+    return MEGATRON_TFLOPS * 1e12 / megatron_flops_per_token(plan.model, plan.training.seq_len)
+
+
 def published_plan(model: str, cluster: str, gpus: int, training: TrainingSpec,
                    degrees: Degrees, **fields) -> Plan:
     """The run's layout with its layers split as evenly as they go over its pp x vpp chunks
@@ -84,14 +89,14 @@ def published_plan(model: str, cluster: str, gpus: int, training: TrainingSpec,
                 kernels=Kernels.fused, **fields)
 
 
-def least_recompute_that_fits(plan: Plan) -> Plan:
+def least_recompute(plans: list[Plan]) -> Recompute:
     """Where a run does not publish its recomputation: the least that fits the planner's
-    memory margin (full recomputation when nothing fits)."""
+    memory margin in every one of ``plans`` (full recomputation when nothing fits)."""
     for policy in Recompute:
-        candidate = plan.model_copy(update={"recompute": policy})
-        if cost_models.evaluate(candidate).feasible:
-            return candidate
-    return plan.model_copy(update={"recompute": Recompute.full})
+        if all(cost_models.evaluate(p.model_copy(update={"recompute": policy})).feasible
+               for p in plans):
+            return policy
+    return Recompute.full
 
 
 def mixtral_megatron() -> Plan:
@@ -101,7 +106,7 @@ def mixtral_megatron() -> Plan:
         ffn=EPFFN(dispatch=Dispatch.all_to_all), micro_batch_size=1,
         schedule=PipelineSchedule.interleaved_1f1b, overlap=Overlap.none,
         grad_sync_precision=Precision.fp32)
-    return least_recompute_that_fits(plan)
+    return plan.model_copy(update={"recompute": least_recompute([plan])})
 
 
 JOB_352B = TrainingSpec(global_batch=720, seq_len=8192)
@@ -139,14 +144,8 @@ def sweep_recompute(vpp: int = VPP_352B) -> Recompute:
     none (``--recompute-granularity`` unset). One setting for the whole sweep, which varies
     only the GPUs (and so DP) at one global batch: its five published times lie on one line
     in the micro-batches per pipeline (fixed part 1.01 s, next to MegaScale-MoE's 0.98 s), as
-    a setting that changed between scales would not leave them. The least that fits the
-    planner's memory margin at every scale; full recomputation when nothing fits."""
-    layouts = [_megatron_352b_layout(g, vpp) for g in TABLE_3_GPUS]
-    for policy in Recompute:
-        if all(cost_models.evaluate(p.model_copy(update={"recompute": policy})).feasible
-               for p in layouts):
-            return policy
-    return Recompute.full
+    a setting that changed between scales would not leave them: least_recompute over all."""
+    return least_recompute([_megatron_352b_layout(g, vpp) for g in TABLE_3_GPUS])
 
 
 def megatron_352b(gpus: int = 1440, vpp: int = VPP_352B) -> Plan:
@@ -383,7 +382,7 @@ def results() -> dict:
     mixtral = mixtral_megatron()
     m = mixtral.model
     per_gpu_flops = megatron_flops_per_token(m, mixtral.training.seq_len)
-    published_tokens = MEGATRON_TFLOPS * 1e12 * mixtral.cluster.gpus / per_gpu_flops
+    published_tokens = megatron_mixtral_tokens_s_gpu(mixtral) * mixtral.cluster.gpus
     mixtral_row = _plan_row(mixtral)
     megascale, megatron = megascale_352b(), megatron_352b()
     ours, theirs = _plan_row(megascale), _plan_row(megatron)

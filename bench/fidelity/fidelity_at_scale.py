@@ -252,9 +252,7 @@ def megatron_bridge_rows() -> list[dict]:
 def mixtral_row() -> dict:
     """Megatron-LM's MoE README run (bench/fidelity/at_scale.py's layout) as target megatron."""
     plan = at_scale.mixtral_megatron().model_copy(update={"target": Target.megatron})
-    m = plan.model
-    published = (at_scale.MEGATRON_TFLOPS * 1e12
-                 / at_scale.megatron_flops_per_token(m, plan.training.seq_len))
+    published = at_scale.megatron_mixtral_tokens_s_gpu(plan)
     return {"id": "mixtral-8x7b-h100-bf16", "model": "mixtral-8x7b", "system": "DGX-H100",
             "gpus": plan.cluster.gpus, "precision": "BF16", "tokens_s_gpu": published,
             "status": "priced", "plan": plan.summary(), "hbm_gib": plan.cluster.gpu.hbm_gib,
