@@ -14,12 +14,11 @@ bench/kernels/hopper_factors.py does not carry, to show their weight, not to ado
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
 
 import cost_models
 from bench._meta import write
+from bench.report import ROOT, load
 from planner.calibrate import with_efficiency
 from planner.search import split_stages
 from plans import (
@@ -301,7 +300,7 @@ def _by_vpp() -> dict[str, dict]:
     return out
 
 
-HOPPER_FACTORS = Path(__file__).resolve().parents[1] / "results" / "hopper_factors.json"
+HOPPER_FACTORS = ROOT / "bench" / "results" / "hopper_factors.json"
 
 
 def not_carried_factors() -> dict[str, dict[str, float]]:
@@ -309,7 +308,7 @@ def not_carried_factors() -> dict[str, dict[str, float]]:
     fixed times per (grouped) GEMM call of the sweep's one-call fit (the host's dispatch
     inside), and the fused memory-bound operators' factor of the calibrated h200-runtime
     cluster (its profiled step's residual, host included)."""
-    fitted = json.loads(HOPPER_FACTORS.read_text())["not_carried"]
+    fitted = load(HOPPER_FACTORS)["not_carried"]
     gemm_us, grouped_us = fitted["gemm_launch_us, grouped_gemm_launch_us (one call)"]["fitted"]
     launch = {"gemm_launch_us": gemm_us, "grouped_gemm_launch_us": grouped_us}
     fused = {"fused_elementwise": fitted["fused_elementwise (h200-runtime)"]["fitted"]}

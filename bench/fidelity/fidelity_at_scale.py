@@ -221,31 +221,25 @@ def _priced(plan: Plan, published: float) -> dict:
     return out
 
 
-def megatron_bridge_rows() -> list[dict]:
-    data = yaml.safe_load(DATA.read_text())
+def megatron_bridge_rows(published: list[dict]) -> list[dict]:
     out = []
-    for row in data["rows"]:
+    for row in published:
         entry = {k: row[k] for k in ("id", "model", "system", "gpus", "precision", "gbs", "mbs",
-                                     "seq_len", "tp", "pp", "vp", "ep", "tokens_s_gpu")}
-        entry["recipe"] = row["recipe"]
+                                     "seq_len", "tp", "pp", "vp", "ep", "tokens_s_gpu", "recipe")}
         try:
             catalog.load_model(row["model"])
         except SpecError:
-            entry["status"] = "not expressible yet (no catalog model)"
-            out.append(entry)
+            out.append({**entry, "status": "not expressible yet (no catalog model)"})
             continue
         try:
             plan = row_plan(row)
         except SpecError as e:  # e.g. a pipeline layout the recipe gives as a layout string
-            entry["status"] = f"not priced: {e}"
-            out.append(entry)
+            out.append({**entry, "status": f"not priced: {e}"})
             continue
-        entry["status"] = "priced"
-        entry["plan"] = plan.summary()
-        entry["hbm_gib"] = plan.cluster.gpu.hbm_gib
-        entry["megatron"] = _priced(plan, row["tokens_s_gpu"])
-        entry["moeplan"] = _priced(row_plan(row, Target.moeplan), row["tokens_s_gpu"])
-        out.append(entry)
+        out.append({**entry, "status": "priced", "plan": plan.summary(),
+                    "hbm_gib": plan.cluster.gpu.hbm_gib,
+                    "megatron": _priced(plan, row["tokens_s_gpu"]),
+                    "moeplan": _priced(row_plan(row, Target.moeplan), row["tokens_s_gpu"])})
     return out
 
 
@@ -304,15 +298,16 @@ def megascale() -> dict:
 
 
 def results() -> dict:
-    rows = megatron_bridge_rows() + [mixtral_row()]
+    data = yaml.safe_load(DATA.read_text())
+    rows = megatron_bridge_rows(data["rows"]) + [mixtral_row()]
     return {"benchmark": "published Megatron-Core MoE runs, each priced with its published "
                          "layout (issue 29 item 4)",
-            "source": yaml.safe_load(DATA.read_text())["source"], "targets": TARGETS,
+            "source": data["source"], "targets": TARGETS,
             "rows": rows, "fit_rows": list(FIT_ROWS),
             "summary": {"megatron": summary(rows, "megatron"),
                         "moeplan": summary(rows, "moeplan"),
                         "megatron_held_out": summary(rows, "megatron", held_out=True)},
-            "tokendrop_25_09": tokendrop_pairs(yaml.safe_load(DATA.read_text())["rows"]),
+            "tokendrop_25_09": tokendrop_pairs(data["rows"]),
             "megascale_table_3": megascale()}
 
 
