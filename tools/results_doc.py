@@ -80,12 +80,7 @@ def facts(search: dict) -> dict[str, str]:
     }
     cal, _ = fid.fit(fid.RESULTS)
     s = fid.summary(fid.rows(fid.RESULTS, cal))
-    f |= {"fid_plans": str(s["measured"]), "fid_median": _pct(s["median_abs"]),
-          "fid_worst": _pct(s["worst_abs"]), "fid_slow": str(s["slow"]),
-          "fid_fast": str(s["fast"]), "fid_memory_lowest": _signed(s["memory_lowest"]),
-          "fid_verdict": "meets" if fid.meets(s) else "misses",
-          "fid_target_median": f"{fid.MEDIAN:.0%}", "fid_target_worst": f"{fid.WORST:.0%}",
-          "fid_target_memory": f"{fid.MEMORY_BELOW:.0%}"}
+    f |= {f"fid_{k}": str(v) for k, v in fid.summary_parts(s).items()}
     mem = [r["error"] for r in memory_report.rows()]
     f |= {"mem_plans": str(len(mem)), "mem_low": _signed(min(mem)), "mem_high": _signed(max(mem))}
     _, d = dispatch_report.render()
