@@ -77,13 +77,9 @@ def launches(results: Path, name: str) -> list[tuple[float, Path]]:
     main = results / f"train_step_{name}.json"
     if not main.exists():
         return []
-    commit = load(main).get("commit")
-    out = []
-    for path in [main, *sorted(results.glob(f"launch_*/train_step_{name}.json"))]:
-        doc = load(path)
-        if doc.get("commit") == commit:
-            out.append((doc["step_time_s"], path))
-    return sorted(out)
+    docs = [(load(p), p) for p in [main, *sorted(results.glob(f"launch_*/train_step_{name}.json"))]]
+    commit = docs[0][0].get("commit")
+    return sorted((d["step_time_s"], p) for d, p in docs if d.get("commit") == commit)
 
 
 def rows(results: Path, cal: Calibration, measured_skew: bool = False) -> list[dict]:
