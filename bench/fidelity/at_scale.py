@@ -2,13 +2,14 @@
 
     python -m bench.fidelity.at_scale          # writes bench/results/at_scale.json
 
-The runs, their sources, what each leaves open (``assumed`` in the JSON) and what each check
-shows: docs/fidelity_at_scale.md ("The checks", "Residuals"). Megatron-Core's Mixtral-8x7B on
-64 H100 (held out), MegaScale-MoE's Internal-352B on 1,440 H800 and its speedup over
-Megatron-LM (Table 3, whose five times fit the paper's cluster's ``kernel_scale``:
-``table_3_residual``), DeepSeek-V3 on 2,048 H800 (held out: ``deepseek_v3_h800``). Every run is
-priced on its catalog cluster; ``sensitivity`` re-prices the checks with the H200 factors
-bench/kernels/hopper_factors.py does not carry, to show their weight, not to adopt them.
+The runs' sources and what each leaves open: bench/data/published_runs.yaml (``assumed`` in
+the JSON); what each check shows: docs/fidelity_at_scale.md ("The checks", "Residuals").
+Megatron-Core's Mixtral-8x7B on 64 H100 (held out), MegaScale-MoE's Internal-352B on 1,440
+H800 and its speedup over Megatron-LM (Table 3, whose five times fit the paper's cluster's
+``kernel_scale``: ``table_3_residual``), DeepSeek-V3 on 2,048 H800 (held out:
+``deepseek_v3_h800``). Every run is priced on its catalog cluster; ``sensitivity`` re-prices
+the checks with the H200 factors bench/kernels/hopper_factors.py does not carry, to show their
+weight, not to adopt them.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from __future__ import annotations
 import argparse
 import math
 
+import yaml
+
 import cost_models
 from bench._meta import write
-from bench.report import ROOT, load
+from bench.report import ROOT, load, substitute
 from planner.calibrate import with_efficiency
 from planner.search import split_stages
 from plans import (
@@ -366,15 +369,23 @@ def deepseek_v3_h800() -> dict:
     return out
 
 
-def check(name: str, published: float, predicted: float, unit: str, source: str,
-          assumed: list[str], plans: dict[str, dict], skew_to_match: float | None = None,
+RUNS = ROOT / "bench" / "data" / "published_runs.yaml"
+
+
+def check(run: str, parts: dict[str, str], published: float, predicted: float,
+          plans: dict[str, dict], skew_to_match: float | None = None,
           by_recompute: dict[str, dict] | None = None,
           by_vpp: dict[str, dict] | None = None) -> dict:
+    """The published ``run`` (RUNS: its name, unit, source and assumptions, ``parts`` filled
+    in) against the prediction."""
+    text = {k: substitute(v, parts) if isinstance(v, str) else [substitute(a, parts) for a in v]
+            for k, v in yaml.safe_load(RUNS.read_text())[run].items()}
     error = predicted / published - 1
-    return {"name": name, "unit": unit, "published": published, "predicted": predicted,
-            "error": error, "within_target": abs(error) <= TARGET, "source": source,
-            "assumed": assumed, "plans": plans, "routing_skew_to_match": skew_to_match,
-            "by_recompute": by_recompute, "by_vpp": by_vpp}
+    return {"name": text["name"], "unit": text["unit"], "published": published,
+            "predicted": predicted, "error": error, "within_target": abs(error) <= TARGET,
+            "source": text["source"], "assumed": text["assumed"], "plans": plans,
+            "routing_skew_to_match": skew_to_match, "by_recompute": by_recompute,
+            "by_vpp": by_vpp}
 
 
 def results() -> dict:
@@ -388,47 +399,16 @@ def results() -> dict:
     by_vpp = _by_vpp()
     c = megascale.cluster
     paper_mfu = mfu(megascale.model, JOB_352B.seq_len, MEGASCALE_TOKENS_S, 1.0, c.gpus, c.gpu)
+    parts = {"recompute": mixtral.recompute.value, "megatron_flops": f"{per_gpu_flops:.4g}",
+             "model_flops": f"{m.flops_per_token(4096):.4g}", "mfu": f"{paper_mfu:.2%}",
+             "paper_mfu": f"{PAPER_MFU_1440:.2%}", "megatron_recompute": megatron.recompute.value}
     checks = [
-        check("Megatron-Core Mixtral-8x7B, 64 H100", published_tokens,
-              mixtral_row["tokens_per_s"], "tokens/s (468 TFLOP/s per GPU in Megatron's count)",
-              "Megatron-Core MoE documentation (MCore v0.9): 468 TFLOP/s per GPU, TP1 EP8 PP4 "
-              "VPP8, micro-batch 1, global batch 256, sequence 4096, bf16",
-              ["all-to-all dispatcher (Megatron-Core's recommended one for EP)",
-               "no EP communication overlap (added in MCore v0.14), DP gradient reduce and "
-               "parameter gather overlapped, gradient-accumulation fusion, distributed "
-               "optimizer, fp32 gradient reduction (Megatron's default)",
-               f"recomputation not published: the least that fits ({mixtral.recompute.value})",
-               f"Megatron's FLOPs per token {per_gpu_flops:.4g} (no causal halving) convert "
-               f"the rate to tokens/s; the cost model counts {m.flops_per_token(4096):.4g}"],
-              {"published": mixtral_row},
-              _skew_to_match(mixtral, published_tokens),
+        check("mixtral", parts, published_tokens, mixtral_row["tokens_per_s"],
+              {"published": mixtral_row}, _skew_to_match(mixtral, published_tokens),
               _by_recompute(mixtral, published_tokens)),
-        check("MegaScale-MoE Internal-352B, 1,440 H800", MEGASCALE_TOKENS_S,
-              ours["tokens_per_s"], "tokens/s",
-              "MegaScale-MoE (arXiv 2505.11432), abstract, Sec. 6.1 and Table 3: 1,407.7k "
-              "tokens/s, 4.19 s per iteration of 720 x 8,192 tokens",
-              ["the model: Table 2's shape plus one shared expert of the routed width, which "
-               "the name (352B) and the paper's MFU both require "
-               f"(plans/catalog/models/internal-352b.yaml): at the published throughput its "
-               f"FLOPs count gives {paper_mfu:.2%} MFU, the paper {PAPER_MFU_1440:.2%}",
-               "micro-batch 1 and plain 1F1B, Megatron-LM's default (neither published; "
-               "by_vpp gives vpp 2 and 4, strong_scaling_352b what Table 3 says of it)",
-               "all-to-all dispatch (top-3 <= EP 8, the paper's rule), dropless (the paper "
-               "drops tokens beyond a per-GPU capacity whose factor it does not give)",
-               "network: 8 x 400 Gb/s per node (not stated; the paper's Appendix A.1 and "
-               "DeepSeek-V3's H800 cluster: 50 GB/s per GPU)"],
-              {"megascale": ours},
+        check("megascale", parts, MEGASCALE_TOKENS_S, ours["tokens_per_s"], {"megascale": ours},
               _skew_to_match(megascale, MEGASCALE_TOKENS_S), by_vpp=by_vpp),
-        check("MegaScale-MoE over Megatron-LM, Internal-352B", MEGASCALE_SPEEDUP,
-              theirs["step_time_s"] / ours["step_time_s"], "speedup (throughput ratio)",
-              "MegaScale-MoE (arXiv 2505.11432), abstract and Table 3: 1,407.7k against "
-              "746.6k tokens/s",
-              ["Megatron-LM: TP 8 for attention and experts (Sec. 6.1: TP in the node, EP "
-               "across nodes rejected), the same PP 15, DP 12 and schedule, fp32 gradient "
-               "sync, no intra-layer overlap",
-               f"its recomputation not published (a prior, sweep_recompute): one setting "
-               f"for all of Table 3, the least that fits at every scale "
-               f"({megatron.recompute.value})"],
+        check("speedup", parts, MEGASCALE_SPEEDUP, theirs["step_time_s"] / ours["step_time_s"],
               {"megascale": ours, "megatron": theirs}, by_vpp=by_vpp),
     ]
     return {"benchmark": "published large runs against the cost model (issue 12 item 4)",
