@@ -27,6 +27,11 @@ def fill(template: str, parts: Mapping[str, object], piece: str | None = None) -
     if piece is not None:
         cut = PIECE.split(text)
         text = dict(zip(cut[1::2], cut[2::2], strict=True))[piece]
+    return substitute(text, parts)
+
+
+def substitute(text: str, parts: Mapping[str, object]) -> str:
+    """``text`` with each ``{{name}}`` replaced by ``parts[name]``."""
     return PLACEHOLDER.sub(lambda m: str(parts[m.group(1)]), text)
 
 

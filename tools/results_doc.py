@@ -8,19 +8,19 @@ and exits 1 when docs/results.md or the README's table is stale.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 from string import Template
-from types import ModuleType
 
-from plans.io import write_atomic
+from bench.fidelity import fidelity_report as fid
+from bench.layers import dispatch_report
+from bench.memory import memory_report
+from bench.report import ROOT, load, parser, write_or_check
+from bench.steps import peer_report
 
-# Paths: the one place that names where each result and report lives.
-ROOT = Path(__file__).resolve().parent.parent
+# Paths: the one place that names where each result lives.
 RESULTS = ROOT / "bench" / "results"
 SEARCH_SPEED = RESULTS / "search_speed.json"
 AT_SCALE = RESULTS / "at_scale.json"
@@ -28,9 +28,6 @@ FIDELITY_AT_SCALE = RESULTS / "fidelity_at_scale.json"
 CALIBRATION = RESULTS / "calibration_h200.json"
 FUZZ = RESULTS / "fuzz_cli.json"
 ADVERSARIAL = RESULTS / "adversarial.json"
-FIDELITY_REPORT = "bench.fidelity.fidelity_report"
-MEMORY_REPORT = "bench.memory.memory_report"
-DISPATCH_REPORT = "bench.layers.dispatch_report"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 DOC = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
@@ -46,15 +43,6 @@ def begin(name: str) -> str:
 
 def end(name: str) -> str:
     return f"<!-- end of {name} -->"
-
-
-def _report(module: str) -> ModuleType:
-    """A bench report script's module (bench is a package)."""
-    return importlib.import_module(module)
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def _pct(x: float) -> str:
@@ -90,21 +78,15 @@ def facts(search: dict) -> dict[str, str]:
         "speedup": f"{search['speedup']:.2f}x",
         "reference_speedup": f"{search['reference_speedup']:.2f}x",
     }
-    fid = _report(FIDELITY_REPORT)
     cal, _ = fid.fit(fid.RESULTS)
     s = fid.summary(fid.rows(fid.RESULTS, cal))
-    f |= {"fid_plans": str(s["measured"]), "fid_median": _pct(s["median_abs"]),
-          "fid_worst": _pct(s["worst_abs"]), "fid_slow": str(s["slow"]),
-          "fid_fast": str(s["fast"]), "fid_memory_lowest": _signed(s["memory_lowest"]),
-          "fid_verdict": "meets" if fid.meets(s) else "misses",
-          "fid_target_median": f"{fid.MEDIAN:.0%}", "fid_target_worst": f"{fid.WORST:.0%}",
-          "fid_target_memory": f"{fid.MEMORY_BELOW:.0%}"}
-    mem = [r["error"] for r in _report(MEMORY_REPORT).rows()]
+    f |= {f"fid_{k}": str(v) for k, v in fid.summary_parts(s).items()}
+    mem = [r["error"] for r in memory_report.rows()]
     f |= {"mem_plans": str(len(mem)), "mem_low": _signed(min(mem)), "mem_high": _signed(max(mem))}
-    _, d = _report(DISPATCH_REPORT).render()
+    _, d = dispatch_report.render()
     f |= {"disp_points": str(d["points"]), "disp_picks": str(d["picks_equal_faster"]),
           "disp_median": _pct(d["median_abs_error"]), "disp_worst": _pct(d["max_abs_error"])}
-    at = {c["name"]: c for c in _load(AT_SCALE)["checks"]}
+    at = {c["name"]: c for c in load(AT_SCALE)["checks"]}
     mixtral = at["Megatron-Core Mixtral-8x7B, 64 H100"]
     paper = at["MegaScale-MoE Internal-352B, 1,440 H800"]
     ratio = at["MegaScale-MoE over Megatron-LM, Internal-352B"]
@@ -116,13 +98,13 @@ def facts(search: dict) -> dict[str, str]:
           "paper_error": _signed(paper["error"]),
           "ratio_published": f"{ratio['published']:.2f}x",
           "ratio_predicted": f"{ratio['predicted']:.2f}x"}
-    held = _load(AT_SCALE)["table_3_residual"]["megatron_error"]
-    ds = _load(AT_SCALE)["deepseek_v3_h800"]
+    held = load(AT_SCALE)["table_3_residual"]["megatron_error"]
+    ds = load(AT_SCALE)["deepseek_v3_h800"]
     f |= {"t3_held_low": _signed(min(held)), "t3_held_high": _signed(max(held)),
           "ds_published": f"{ds['published_tokens_s_gpu_at_least']:,.0f}",
           "ds_predicted": f"{ds['h800']['predicted_tokens_s_gpu']:,.0f}",
           "ds_error": _signed(ds["h800"]["error"])}
-    at_scale = _load(FIDELITY_AT_SCALE)
+    at_scale = load(FIDELITY_AT_SCALE)
     scale = at_scale["summary"]["megatron"]
     gpus = [r["gpus"] for r in at_scale["rows"] if r["status"] == "priced"]
     f |= {"scale_gpus": f"{min(gpus):,}-{max(gpus):,}"}
@@ -130,10 +112,10 @@ def facts(search: dict) -> dict[str, str]:
           "scale_worst": f"{scale['worst_error']:+.0%}",
           "scale_optimistic": str(scale["optimistic"]),
           "scale_within_hbm": str(scale["within_hbm"])}
-    c = _load(CALIBRATION)
+    c = load(CALIBRATION)
     f |= {"calib_rows": str(len(c["rows"])), "calib_median": _pct(c["median_abs_error"]),
           "calib_worst": _pct(c["max_abs_error"]), "calib_cluster": c["cluster_spec"]}
-    sp = _load(SEARCH_SPEED)
+    sp = load(SEARCH_SPEED)
     job = sp["jobs"]["internal-352b"]
     f |= {"search_s": f"{job['search_s_min']:.1f}", "search_cores": str(sp["cores"]),
           "search_ratio": f"{job['ratio_to_loop']:.1f}",
@@ -144,20 +126,19 @@ def facts(search: dict) -> dict[str, str]:
           "whatif_ratio": f"{sp['whatif']['ratio_to_loop']:.0f}",
           "scale_points": str(sp["scale"]["result"]["points"]),
           "scale_s": f"{sp['scale']['search_s_min']:.1f}"}
-    peer = _report("bench.steps.peer_report")
     speedups, more_memory, no_plan = [], 0, []
-    for model in peer.MODELS:
-        runs = peer.runs(model)
-        ours, theirs = runs["ours, capped"][1], runs["torchtitan, compiled"][1]
-        if peer.skipped(ours):  # no plan under torchtitan's peak
+    for model in peer_report.MODELS:
+        runs = peer_report.runs(model)
+        versus = peer_report.versus(runs["ours, capped"][1], runs["torchtitan, compiled"][1])
+        if versus is None:  # no plan under torchtitan's peak
             no_plan.append(model)
             continue
-        speedups.append(theirs["step_time_s"] / ours["step_time_s"])
-        more_memory += ours["peak_memory_gib"] > theirs["peak_memory_gib"]
+        speedups.append(versus[0])
+        more_memory += not versus[1]
     f |= {"peer_low": f"{min(speedups):.2f}x", "peer_high": f"{max(speedups):.2f}x",
           "peer_models": str(len(speedups)), "peer_more_memory": str(more_memory),
           "peer_no_plan": ", ".join(no_plan) or "none"}
-    fz, adv = _load(FUZZ), _load(ADVERSARIAL)
+    fz, adv = load(FUZZ), load(ADVERSARIAL)
     f |= {"fuzz_cases": f"{fz['cases']:,}", "fuzz_tracebacks": str(fz["outcomes"]["traceback"]),
           "fuzz_hangs": str(fz["outcomes"]["hang"]), "fuzz_wrote": str(fz["outcomes"]["wrote"]),
           "adv_cases": str(adv["cases"]), "adv_ok": str(adv["outcomes"]["ok"])}
@@ -187,21 +168,9 @@ def documents() -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true",
-                   help="write nothing; exit 1 when docs/results.md or README.md is stale")
-    args = p.parse_args(argv)
-    doc, readme = documents()
-    stale = [path for path, text in ((DOC, doc), (README, readme))
-             if not path.exists() or path.read_text() != text]
-    if args.check:
-        for path in stale:
-            print(f"{path.relative_to(ROOT)} is stale: python -m tools.results_doc",
-                  file=sys.stderr)
-        return 1 if stale else 0
-    for path, text in ((DOC, doc), (README, readme)):
-        write_atomic(path, text, str(path.relative_to(ROOT)), force=True)
-    return 0
+    check = parser(__doc__, "docs/results.md or README.md is stale").parse_args(argv).check
+    return max(write_or_check(path, text, "python -m tools.results_doc", check)
+               for path, text in zip((DOC, README), documents(), strict=True))
 
 
 if __name__ == "__main__":

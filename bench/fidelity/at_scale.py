@@ -2,48 +2,26 @@
 
     python -m bench.fidelity.at_scale          # writes bench/results/at_scale.json
 
-Runs (the configurations as published; what a source leaves open is named in ``assumed``):
-
-- Megatron-Core MoE, Mixtral-8x7B on 64 H100: TP1 EP8 PP4 VPP8, micro-batch 1, global batch
-  256, sequence 4096, bf16: 468 TFLOP/s per GPU (Megatron-Core MoE documentation, "With MCore
-  v0.9, we've achieved ... 468 TFLOPS for Mixtral 8X7B bf16 training"; the mapping from its
-  README's performance table). Megatron counts FLOPs with ``num_floating_point_operations`` of
-  that release, which does not halve causal attention; the published rate is converted to
-  tokens/s with that formula (``megatron_flops_per_token``) and compared in tokens/s.
-- MegaScale-MoE, Internal-352B on 1,440 H800 (arXiv 2505.11432, EuroSys '26: abstract, Sec. 6.1
-  and Table 3; layout from Sec. 6.1: Ulysses SP 8 and EP 8 in the node, PP 15, so DP 12;
-  selective rematerialisation (Sec. 4.1), inter- and intra-operator overlap (Sec. 4), bf16
-  gradient sync (Sec. 5), MegaScale's DP and PP overlap (Sec. 6.1); global batch 720 of 8,192
-  tokens): 1,407.7k tokens/s, a 4.19 s iteration (Table 3). The model is Table 2's shape plus
-  the shared expert that the name and the paper's MFU require (plans/catalog/models/
-  internal-352b.yaml).
-- Megatron-LM on the same job: 746.6k tokens/s (Table 3), a 1.88x speedup; compared as the
-  predicted speedup.
-- The strong-scaling sweep of Table 3 (240 to 1,440 GPUs at global batch 720, both systems):
-  each system's iteration times against the micro-batches per pipeline m = 720 / DP, as a
-  least-squares line T = a m + b, published and predicted. The slope a is the time per
-  micro-batch in the steady state, b what does not grow with m (bubble, gradient sync,
-  optimizer): the split says where a residual lies.
-
-Every run is priced on its catalog cluster, whose Hopper factors (GEMM, grouped GEMM,
-FlashAttention, fused kernels) are those bench/kernels/hopper_factors.py fits to the H200
-micro-benchmark sweep; the rest are the catalog's priors. One number is fitted here: the paper's
-cluster's ``kernel_scale`` (h800-megascale), its kernel rates against the H200's, fitted to
-MegaScale-MoE's five Table 3 times and judged on Megatron-LM's five (``table_3_residual``);
-the plain H800 cluster keeps the measured rates, judged on DeepSeek-V3's (``deepseek_v3_h800``).
-``sensitivity`` re-prices the three checks with the H200 factors that were not carried (the
-JSON of bench/kernels/hopper_factors.py says why), to show their weight, not to adopt them.
+The runs' sources and what each leaves open: bench/data/published_runs.yaml (``assumed`` in
+the JSON); what each check shows: docs/fidelity_at_scale.md ("The checks", "Residuals").
+Megatron-Core's Mixtral-8x7B on 64 H100 (held out), MegaScale-MoE's Internal-352B on 1,440
+H800 and its speedup over Megatron-LM (Table 3, whose five times fit the paper's cluster's
+``kernel_scale``: ``table_3_residual``), DeepSeek-V3 on 2,048 H800 (held out:
+``deepseek_v3_h800``). Every run is priced on its catalog cluster; ``sensitivity`` re-prices
+the checks with the H200 factors bench/kernels/hopper_factors.py does not carry, to show their
+weight, not to adopt them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from pathlib import Path
+
+import yaml
 
 import cost_models
 from bench._meta import write
+from bench.report import ROOT, load, substitute
 from planner.calibrate import with_efficiency
 from planner.search import split_stages
 from plans import (
@@ -95,6 +73,11 @@ def megatron_flops_per_token(m: ModelSpec, seq_len: int) -> float:
     return 12 * L * h * h * (attention + mlp + logits)
 
 
+def megatron_mixtral_tokens_s_gpu(plan: Plan) -> float:
+    """Megatron-Core's published 468 TFLOP/s per GPU as tokens/s per GPU, in its own count."""
+    return MEGATRON_TFLOPS * 1e12 / megatron_flops_per_token(plan.model, plan.training.seq_len)
+
+
 def published_plan(model: str, cluster: str, gpus: int, training: TrainingSpec,
                    degrees: Degrees, **fields) -> Plan:
     """The run's layout with its layers split as evenly as they go over its pp x vpp chunks
@@ -108,14 +91,14 @@ def published_plan(model: str, cluster: str, gpus: int, training: TrainingSpec,
                 kernels=Kernels.fused, **fields)
 
 
-def least_recompute_that_fits(plan: Plan) -> Plan:
+def least_recompute(plans: list[Plan]) -> Recompute:
     """Where a run does not publish its recomputation: the least that fits the planner's
-    memory margin (full recomputation when nothing fits)."""
+    memory margin in every one of ``plans`` (full recomputation when nothing fits)."""
     for policy in Recompute:
-        candidate = plan.model_copy(update={"recompute": policy})
-        if cost_models.evaluate(candidate).feasible:
-            return candidate
-    return plan.model_copy(update={"recompute": Recompute.full})
+        if all(cost_models.evaluate(p.model_copy(update={"recompute": policy})).feasible
+               for p in plans):
+            return policy
+    return Recompute.full
 
 
 def mixtral_megatron() -> Plan:
@@ -125,7 +108,7 @@ def mixtral_megatron() -> Plan:
         ffn=EPFFN(dispatch=Dispatch.all_to_all), micro_batch_size=1,
         schedule=PipelineSchedule.interleaved_1f1b, overlap=Overlap.none,
         grad_sync_precision=Precision.fp32)
-    return least_recompute_that_fits(plan)
+    return plan.model_copy(update={"recompute": least_recompute([plan])})
 
 
 JOB_352B = TrainingSpec(global_batch=720, seq_len=8192)
@@ -163,14 +146,8 @@ def sweep_recompute(vpp: int = VPP_352B) -> Recompute:
     none (``--recompute-granularity`` unset). One setting for the whole sweep, which varies
     only the GPUs (and so DP) at one global batch: its five published times lie on one line
     in the micro-batches per pipeline (fixed part 1.01 s, next to MegaScale-MoE's 0.98 s), as
-    a setting that changed between scales would not leave them. The least that fits the
-    planner's memory margin at every scale; full recomputation when nothing fits."""
-    layouts = [_megatron_352b_layout(g, vpp) for g in TABLE_3_GPUS]
-    for policy in Recompute:
-        if all(cost_models.evaluate(p.model_copy(update={"recompute": policy})).feasible
-               for p in layouts):
-            return policy
-    return Recompute.full
+    a setting that changed between scales would not leave them: least_recompute over all."""
+    return least_recompute([_megatron_352b_layout(g, vpp) for g in TABLE_3_GPUS])
 
 
 def megatron_352b(gpus: int = 1440, vpp: int = VPP_352B) -> Plan:
@@ -326,7 +303,7 @@ def _by_vpp() -> dict[str, dict]:
     return out
 
 
-HOPPER_FACTORS = Path(__file__).resolve().parents[1] / "results" / "hopper_factors.json"
+HOPPER_FACTORS = ROOT / "bench" / "results" / "hopper_factors.json"
 
 
 def not_carried_factors() -> dict[str, dict[str, float]]:
@@ -334,7 +311,7 @@ def not_carried_factors() -> dict[str, dict[str, float]]:
     fixed times per (grouped) GEMM call of the sweep's one-call fit (the host's dispatch
     inside), and the fused memory-bound operators' factor of the calibrated h200-runtime
     cluster (its profiled step's residual, host included)."""
-    fitted = json.loads(HOPPER_FACTORS.read_text())["not_carried"]
+    fitted = load(HOPPER_FACTORS)["not_carried"]
     gemm_us, grouped_us = fitted["gemm_launch_us, grouped_gemm_launch_us (one call)"]["fitted"]
     launch = {"gemm_launch_us": gemm_us, "grouped_gemm_launch_us": grouped_us}
     fused = {"fused_elementwise": fitted["fused_elementwise (h200-runtime)"]["fitted"]}
@@ -392,69 +369,46 @@ def deepseek_v3_h800() -> dict:
     return out
 
 
-def check(name: str, published: float, predicted: float, unit: str, source: str,
-          assumed: list[str], plans: dict[str, dict], skew_to_match: float | None = None,
+RUNS = ROOT / "bench" / "data" / "published_runs.yaml"
+
+
+def check(run: str, parts: dict[str, str], published: float, predicted: float,
+          plans: dict[str, dict], skew_to_match: float | None = None,
           by_recompute: dict[str, dict] | None = None,
           by_vpp: dict[str, dict] | None = None) -> dict:
+    """The published ``run`` (RUNS: its name, unit, source and assumptions, ``parts`` filled
+    in) against the prediction."""
+    text = {k: substitute(v, parts) if isinstance(v, str) else [substitute(a, parts) for a in v]
+            for k, v in yaml.safe_load(RUNS.read_text())[run].items()}
     error = predicted / published - 1
-    return {"name": name, "unit": unit, "published": published, "predicted": predicted,
-            "error": error, "within_target": abs(error) <= TARGET, "source": source,
-            "assumed": assumed, "plans": plans, "routing_skew_to_match": skew_to_match,
-            "by_recompute": by_recompute, "by_vpp": by_vpp}
+    return {"name": text["name"], "unit": text["unit"], "published": published,
+            "predicted": predicted, "error": error, "within_target": abs(error) <= TARGET,
+            "source": text["source"], "assumed": text["assumed"], "plans": plans,
+            "routing_skew_to_match": skew_to_match, "by_recompute": by_recompute,
+            "by_vpp": by_vpp}
 
 
 def results() -> dict:
     mixtral = mixtral_megatron()
     m = mixtral.model
     per_gpu_flops = megatron_flops_per_token(m, mixtral.training.seq_len)
-    published_tokens = MEGATRON_TFLOPS * 1e12 * mixtral.cluster.gpus / per_gpu_flops
+    published_tokens = megatron_mixtral_tokens_s_gpu(mixtral) * mixtral.cluster.gpus
     mixtral_row = _plan_row(mixtral)
     megascale, megatron = megascale_352b(), megatron_352b()
     ours, theirs = _plan_row(megascale), _plan_row(megatron)
     by_vpp = _by_vpp()
     c = megascale.cluster
     paper_mfu = mfu(megascale.model, JOB_352B.seq_len, MEGASCALE_TOKENS_S, 1.0, c.gpus, c.gpu)
+    parts = {"recompute": mixtral.recompute.value, "megatron_flops": f"{per_gpu_flops:.4g}",
+             "model_flops": f"{m.flops_per_token(4096):.4g}", "mfu": f"{paper_mfu:.2%}",
+             "paper_mfu": f"{PAPER_MFU_1440:.2%}", "megatron_recompute": megatron.recompute.value}
     checks = [
-        check("Megatron-Core Mixtral-8x7B, 64 H100", published_tokens,
-              mixtral_row["tokens_per_s"], "tokens/s (468 TFLOP/s per GPU in Megatron's count)",
-              "Megatron-Core MoE documentation (MCore v0.9): 468 TFLOP/s per GPU, TP1 EP8 PP4 "
-              "VPP8, micro-batch 1, global batch 256, sequence 4096, bf16",
-              ["all-to-all dispatcher (Megatron-Core's recommended one for EP)",
-               "no EP communication overlap (added in MCore v0.14), DP gradient reduce and "
-               "parameter gather overlapped, gradient-accumulation fusion, distributed "
-               "optimizer, fp32 gradient reduction (Megatron's default)",
-               f"recomputation not published: the least that fits ({mixtral.recompute.value})",
-               f"Megatron's FLOPs per token {per_gpu_flops:.4g} (no causal halving) convert "
-               f"the rate to tokens/s; the cost model counts {m.flops_per_token(4096):.4g}"],
-              {"published": mixtral_row},
-              _skew_to_match(mixtral, published_tokens),
+        check("mixtral", parts, published_tokens, mixtral_row["tokens_per_s"],
+              {"published": mixtral_row}, _skew_to_match(mixtral, published_tokens),
               _by_recompute(mixtral, published_tokens)),
-        check("MegaScale-MoE Internal-352B, 1,440 H800", MEGASCALE_TOKENS_S,
-              ours["tokens_per_s"], "tokens/s",
-              "MegaScale-MoE (arXiv 2505.11432), abstract, Sec. 6.1 and Table 3: 1,407.7k "
-              "tokens/s, 4.19 s per iteration of 720 x 8,192 tokens",
-              ["the model: Table 2's shape plus one shared expert of the routed width, which "
-               "the name (352B) and the paper's MFU both require "
-               f"(plans/catalog/models/internal-352b.yaml): at the published throughput its "
-               f"FLOPs count gives {paper_mfu:.2%} MFU, the paper {PAPER_MFU_1440:.2%}",
-               "micro-batch 1 and plain 1F1B, Megatron-LM's default (neither published; "
-               "by_vpp gives vpp 2 and 4, strong_scaling_352b what Table 3 says of it)",
-               "all-to-all dispatch (top-3 <= EP 8, the paper's rule), dropless (the paper "
-               "drops tokens beyond a per-GPU capacity whose factor it does not give)",
-               "network: 8 x 400 Gb/s per node (not stated; the paper's Appendix A.1 and "
-               "DeepSeek-V3's H800 cluster: 50 GB/s per GPU)"],
-              {"megascale": ours},
+        check("megascale", parts, MEGASCALE_TOKENS_S, ours["tokens_per_s"], {"megascale": ours},
               _skew_to_match(megascale, MEGASCALE_TOKENS_S), by_vpp=by_vpp),
-        check("MegaScale-MoE over Megatron-LM, Internal-352B", MEGASCALE_SPEEDUP,
-              theirs["step_time_s"] / ours["step_time_s"], "speedup (throughput ratio)",
-              "MegaScale-MoE (arXiv 2505.11432), abstract and Table 3: 1,407.7k against "
-              "746.6k tokens/s",
-              ["Megatron-LM: TP 8 for attention and experts (Sec. 6.1: TP in the node, EP "
-               "across nodes rejected), the same PP 15, DP 12 and schedule, fp32 gradient "
-               "sync, no intra-layer overlap",
-               f"its recomputation not published (a prior, sweep_recompute): one setting "
-               f"for all of Table 3, the least that fits at every scale "
-               f"({megatron.recompute.value})"],
+        check("speedup", parts, MEGASCALE_SPEEDUP, theirs["step_time_s"] / ours["step_time_s"],
               {"megascale": ours, "megatron": theirs}, by_vpp=by_vpp),
     ]
     return {"benchmark": "published large runs against the cost model (issue 12 item 4)",

@@ -57,10 +57,6 @@ END = "<!-- end of the generated section -->"
 GIB = 2**30
 CLUSTERS = {"DGX-H100": "h100", "DGX-B200": "b200", "DGX-GB200": "gb200-nvl72",
             "DGX-GB300": "gb300-nvl72"}
-SEGMENT_NODES = 16
-"""Megatron-Bridge's SLURM executor (scripts/performance/utils/executors.py, v0.2.1) runs a
-GB200/GB300 job beyond one rack in segments of the largest node count <= 18 dividing its
-nodes (4 GPUs each): the NVLink domain of a job of 64 nodes is 16 nodes."""
 DISPATCH = {"alltoall": Dispatch.all_to_all, "flex": Dispatch.deepep}
 """The recipe's moe_token_dispatcher_type: flex (DeepEP / HybridEP) sends one copy of a token
 per destination node and forwards it over NVLink, which Dispatch.deepep prices."""
@@ -73,6 +69,9 @@ TARGETS = {"median_abs_error": 0.10, "worst_abs_error": 0.25, "megascale_abs_err
 
 
 def _segment(gpus: int, per_node: int = 4) -> int:
+    """A GB200/GB300 job's NVLink domain: Megatron-Bridge's SLURM executor
+    (scripts/performance/utils/executors.py, v0.2.1) runs a job beyond one rack in segments of
+    the largest node count <= 18 dividing its nodes (4 GPUs each)."""
     nodes = gpus // per_node
     if nodes <= 18:
         return gpus
@@ -222,40 +221,32 @@ def _priced(plan: Plan, published: float) -> dict:
     return out
 
 
-def megatron_bridge_rows() -> list[dict]:
-    data = yaml.safe_load(DATA.read_text())
+def megatron_bridge_rows(published: list[dict]) -> list[dict]:
     out = []
-    for row in data["rows"]:
+    for row in published:
         entry = {k: row[k] for k in ("id", "model", "system", "gpus", "precision", "gbs", "mbs",
-                                     "seq_len", "tp", "pp", "vp", "ep", "tokens_s_gpu")}
-        entry["recipe"] = row["recipe"]
+                                     "seq_len", "tp", "pp", "vp", "ep", "tokens_s_gpu", "recipe")}
         try:
             catalog.load_model(row["model"])
         except SpecError:
-            entry["status"] = "not expressible yet (no catalog model)"
-            out.append(entry)
+            out.append({**entry, "status": "not expressible yet (no catalog model)"})
             continue
         try:
             plan = row_plan(row)
         except SpecError as e:  # e.g. a pipeline layout the recipe gives as a layout string
-            entry["status"] = f"not priced: {e}"
-            out.append(entry)
+            out.append({**entry, "status": f"not priced: {e}"})
             continue
-        entry["status"] = "priced"
-        entry["plan"] = plan.summary()
-        entry["hbm_gib"] = plan.cluster.gpu.hbm_gib
-        entry["megatron"] = _priced(plan, row["tokens_s_gpu"])
-        entry["moeplan"] = _priced(row_plan(row, Target.moeplan), row["tokens_s_gpu"])
-        out.append(entry)
+        out.append({**entry, "status": "priced", "plan": plan.summary(),
+                    "hbm_gib": plan.cluster.gpu.hbm_gib,
+                    "megatron": _priced(plan, row["tokens_s_gpu"]),
+                    "moeplan": _priced(row_plan(row, Target.moeplan), row["tokens_s_gpu"])})
     return out
 
 
 def mixtral_row() -> dict:
     """Megatron-LM's MoE README run (bench/fidelity/at_scale.py's layout) as target megatron."""
     plan = at_scale.mixtral_megatron().model_copy(update={"target": Target.megatron})
-    m = plan.model
-    published = (at_scale.MEGATRON_TFLOPS * 1e12
-                 / at_scale.megatron_flops_per_token(m, plan.training.seq_len))
+    published = at_scale.megatron_mixtral_tokens_s_gpu(plan)
     return {"id": "mixtral-8x7b-h100-bf16", "model": "mixtral-8x7b", "system": "DGX-H100",
             "gpus": plan.cluster.gpus, "precision": "BF16", "tokens_s_gpu": published,
             "status": "priced", "plan": plan.summary(), "hbm_gib": plan.cluster.gpu.hbm_gib,
@@ -268,15 +259,7 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
     """Rank correlation (no ties expected); None below three points."""
     if len(xs) < 3:
         return None
-
-    def ranks(v: list[float]) -> list[int]:
-        order = sorted(range(len(v)), key=v.__getitem__)
-        out = [0] * len(v)
-        for r, i in enumerate(order):
-            out[i] = r
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
+    rx, ry = ([sorted(v).index(x) for x in v] for v in (xs, ys))
     n = len(xs)
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
 
@@ -315,15 +298,16 @@ def megascale() -> dict:
 
 
 def results() -> dict:
-    rows = megatron_bridge_rows() + [mixtral_row()]
+    data = yaml.safe_load(DATA.read_text())
+    rows = megatron_bridge_rows(data["rows"]) + [mixtral_row()]
     return {"benchmark": "published Megatron-Core MoE runs, each priced with its published "
                          "layout (issue 29 item 4)",
-            "source": yaml.safe_load(DATA.read_text())["source"], "targets": TARGETS,
+            "source": data["source"], "targets": TARGETS,
             "rows": rows, "fit_rows": list(FIT_ROWS),
             "summary": {"megatron": summary(rows, "megatron"),
                         "moeplan": summary(rows, "moeplan"),
                         "megatron_held_out": summary(rows, "megatron", held_out=True)},
-            "tokendrop_25_09": tokendrop_pairs(yaml.safe_load(DATA.read_text())["rows"]),
+            "tokendrop_25_09": tokendrop_pairs(data["rows"]),
             "megascale_table_3": megascale()}
 
 

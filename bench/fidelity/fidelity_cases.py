@@ -3,17 +3,10 @@ to (bench/fidelity/fidelity_report.py, docs/fidelity.md). None of them is used t
 
     python -m bench.fidelity.fidelity_cases        # writes bench/gpu_plans/fidelity/<case>.json
 
-Shapes (full width, reduced depth; global batch 8 x 4096):
-- Mixtral-8x7B, 2 layers: 8 experts top-2, expert FFN 14,336, vocabulary 32,000;
-- Qwen3-30B-A3B, 4 layers: 128 experts top-8, expert FFN 768, vocabulary 151,936;
-- DeepSeekMoE, 4 layers: 64 experts top-6 (2 shared), expert FFN 1,408, vocabulary 102,400.
-
-Over 1 and 2 H200s: micro-batch 1 to 4, both dispatchers, recomputation none / selective /
-full, Ulysses SP, DP, PP (1F1B and interleaved), the gradient sync overlapped with the last
-backward (every DP plan), the inter-operator overlapped MoE layer and the fused memory-bound
-kernels (one plan each kind; the others eager, no layer overlap). Plans are built here, not
-searched, each as the runtime executes it (the catalog's H200 cluster: the report prices each
-on the calibrated cluster instead).
+The memory suite's reduced-depth Mixtral-8x7B, Qwen3-30B-A3B and DeepSeekMoE
+(bench/memory/memory_cases.py) at global batch 8 x 4096 over 1 and 2 H200s; the suite's
+coverage is docs/fidelity.md's. Plans are built here, not searched, each as the runtime
+executes it (the catalog's H200 cluster: the report prices each on the calibrated cluster).
 """
 
 from __future__ import annotations
@@ -89,22 +82,14 @@ def plan_path(name: str) -> Path:
     return OUT / f"{name}.json"
 
 
-def write(out: Path = OUT) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, build in CASES.items():
-        path = out / f"{name}.json"
-        path.write_text(build().model_dump_json(indent=2) + "\n")
-        paths.append(path)
-    return paths
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
-    for path in write(args.out):
-        print(path)
+    out = p.parse_args(argv).out
+    out.mkdir(parents=True, exist_ok=True)
+    for name, build in CASES.items():
+        (out / f"{name}.json").write_text(build().model_dump_json(indent=2) + "\n")
+        print(out / f"{name}.json")
     return 0
 
 

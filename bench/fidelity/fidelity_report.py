@@ -3,22 +3,12 @@ measured training steps of the suite's plans (committed under bench/results/h200
 
     python -m bench.fidelity.fidelity_report [--check] [--results DIR] [--doc PATH]
 
-Fits the cluster exactly as `moeplan calibrate` does (planner.calibrate.calibrate) from the
-campaign's micro-benchmark sweep (calibration_h200.json: kernels over shapes, the runtime's
-memory-bound layer operators, copies, NCCL collectives) and, when it was measured, the one
-profiled step of bench/fidelity_cases.PROFILED (which then sets only the elementwise factor).
-The fit never reads the suite's train steps. Then it prices every plan of
-bench/fidelity_cases.CASES as the runtime executed it on the calibrated cluster, and writes
-docs/fidelity.md (its prose: bench/templates/fidelity.md.tmpl): per plan predicted and
-measured step time and peak memory, the median and worst step-time error, how many plans are
-predicted slow and fast, and the micro-benchmarks' own residuals. docs/fidelity_at_scale.md,
-where it exists, is included as a section.
-
-Targets (issue 12): median |step-time error| <= 5%, worst <= 10%, errors of both signs, peak
-memory never predicted more than 5% below the measured peak. ``--check`` writes nothing and
-exits 1 when the committed document is not what this script writes, a target is missed or a
-plan has no measurement. The document is a function of the committed files
-only (no dates), so a test holds the committed one to what this script writes.
+Fits the cluster as `moeplan calibrate` does (planner.calibrate.calibrate) from the
+campaign's micro-benchmarks and at most the profiled step of fidelity_cases.PROFILED, never
+from the suite's train steps; prices every plan of fidelity_cases.CASES as the runtime executed
+it on that cluster; writes docs/fidelity.md (prose: bench/templates/fidelity.md.tmpl, which
+states the targets), with docs/fidelity_at_scale.md as a section. ``--check`` writes nothing
+and exits 1 when the document is stale, a target is missed or a plan has no measurement.
 """
 
 from __future__ import annotations
@@ -43,6 +33,8 @@ from plans import Overlap, catalog
 from plans.results import OverlapBench, ProfileResult, Sweep, SweepOp, SweepRow, read
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "fidelity"
+DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
+"""The profiled 1-GPU steps of the current runtime (campaign h200_kernels)."""
 REPEAT = ROOT / "bench" / "results" / "h200" / "fidelity_repeat"
 """An earlier launch of the same plans (each its own launch, the same runtime code for these
 plans): how far one launch's step time is from another's."""
@@ -85,13 +77,9 @@ def launches(results: Path, name: str) -> list[tuple[float, Path]]:
     main = results / f"train_step_{name}.json"
     if not main.exists():
         return []
-    commit = load(main).get("commit")
-    out = []
-    for path in [main, *sorted(results.glob(f"launch_*/train_step_{name}.json"))]:
-        doc = load(path)
-        if doc.get("commit") == commit:
-            out.append((doc["step_time_s"], path))
-    return sorted(out)
+    docs = [(load(p), p) for p in [main, *sorted(results.glob(f"launch_*/train_step_{name}.json"))]]
+    commit = docs[0][0].get("commit")
+    return sorted((d["step_time_s"], p) for d, p in docs if d.get("commit") == commit)
 
 
 def rows(results: Path, cal: Calibration, measured_skew: bool = False) -> list[dict]:
@@ -163,15 +151,19 @@ def plan_table(data: list[dict]) -> str:
                   "error", "peak GiB predicted / measured", "memory error"], cells)
 
 
-def summary_text(s: dict) -> str:
-    if not s["measured"]:
-        return fill(TEMPLATE, {}, "no_measurement").rstrip("\n")
-    return fill(TEMPLATE, {
+def summary_parts(s: dict) -> dict[str, object]:
+    """A measured summary's numbers and targets as the documents print them."""
+    return {
         "measured": s["measured"], "missing": s["missing"], "median_abs": f"{s['median_abs']:.1%}",
         "median": f"{MEDIAN:.0%}", "worst_abs": f"{s['worst_abs']:.1%}", "worst": f"{WORST:.0%}",
         "slow": s["slow"], "fast": s["fast"], "memory_lowest": f"{s['memory_lowest']:+.1%}",
-        "memory_below": f"{MEMORY_BELOW:.0%}", "verdict": "meets" if meets(s) else "misses",
-    }, "summary").rstrip("\n")
+        "memory_below": f"{MEMORY_BELOW:.0%}", "verdict": "meets" if meets(s) else "misses"}
+
+
+def summary_text(s: dict) -> str:
+    if not s["measured"]:
+        return fill(TEMPLATE, {}, "no_measurement").rstrip("\n")
+    return fill(TEMPLATE, summary_parts(s), "summary").rstrip("\n")
 
 
 def factor_table(cal: Calibration) -> str:
@@ -241,14 +233,9 @@ def repeat_text(data: list[dict]) -> str:
     if not spread:
         return ""
     worst = max(spread, key=spread.get)
-    calm = sorted(v for v in spread.values())
+    calm = sorted(spread.values())
     return fill(TEMPLATE, {"median": f"{calm[len(calm) // 2]:.1%}",
                            "worst": f"{spread[worst]:.1%}", "case": worst}, "repeat")
-
-
-DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
-"""One-GPU measurements of the current runtime (campaign h200_kernels): the suite's 1-GPU
-plans re-measured, their profiled steps, host syncs."""
 
 
 def overlap_text(results: Path, cal: Calibration, data: list[dict]) -> str:
@@ -287,13 +274,13 @@ def head_groups_text(data: list[dict]) -> str:
     return fill(TEMPLATE, {"runs": runs}, "head_groups")
 
 
-def host_text(data: list[dict], repeat: Path = REPEAT, device: Path = DEVICE) -> str:
+def host_text(data: list[dict]) -> str:
     """The runtime before and after the router's host sync was removed: each plan's step in the
-    earlier launch (``repeat``) against the suite's median launch now, the implicit host syncs
-    one step still has, and the idle device time of the profiled 1-GPU steps (``device``)."""
+    earlier launch (REPEAT) against the suite's median launch now, the implicit host syncs one
+    step still has, and the idle device time of the profiled 1-GPU steps (DEVICE)."""
     cells = []
     for r in data:
-        earlier = repeat / f"train_step_{r['case']}.json"
+        earlier = REPEAT / f"train_step_{r['case']}.json"
         if r.get("missing") or not earlier.exists():
             continue
         then, now = load(earlier), load(Path(r["run"]))
@@ -304,7 +291,7 @@ def host_text(data: list[dict], repeat: Path = REPEAT, device: Path = DEVICE) ->
                       "-" if syncs is None else sum(syncs.values())])
     if not cells:
         return ""
-    idle = [load(p)["idle_fraction"] for p in sorted(device.glob("profile_*.json"))]
+    idle = [load(p)["idle_fraction"] for p in sorted(DEVICE.glob("profile_*.json"))]
     idle_text = f"{max(idle):.1%} of the step at most" if idle else "(not profiled)"
     return fill(TEMPLATE, {"idle": idle_text, "table": table(
         ["plan", "before ms (commit)", "now ms (commit)", "change",
@@ -396,15 +383,11 @@ def render(results: Path = RESULTS, at_scale: Path = AT_SCALE) -> tuple[str, dic
         s = summary(data)
         parts.append(fill(TEMPLATE, {"plan_table": plan_table(data), "summary": summary_text(s)},
                           "measured"))
-        parts.append(overlap_text(results, cal, data))
-        parts.append(head_groups_text(data))
         memory = results.parent / "memory"  # h200_memory's cap/ and shared/ steps
-        parts.append(shared_text(memory / "shared"))
-        parts.append(cap_text([memory / "cap", memory / "shared"]))
-        parts.append(skew_text(data, rows(results, cal, measured_skew=True)))
-        parts.append(rank_load_text(data))
-        parts.append(host_text(data))
-        parts.append(repeat_text(data))
+        parts += [overlap_text(results, cal, data), head_groups_text(data),
+                  shared_text(memory / "shared"), cap_text([memory / "cap", memory / "shared"]),
+                  skew_text(data, rows(results, cal, measured_skew=True)),
+                  rank_load_text(data), host_text(data), repeat_text(data)]
         if f"profile_{PROFILED}.json" in used:
             alone, _ = fit(results, with_profile=False)
             parts.append(fill(TEMPLATE, {"summary": summary_text(summary(rows(results, alone)))},

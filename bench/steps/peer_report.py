@@ -55,14 +55,22 @@ def _row(model: str, label: str, plan: str, run: dict) -> str:
                 f"{run['peak_memory_gib']:.1f}", f"{run['first_step_s']:.1f}"])
 
 
+def versus(ours: dict, peer: dict) -> tuple[float, bool] | None:
+    """Our step's speed-up over ``peer``'s and whether it holds no more memory; None when the
+    run is skipped (no plan under the cap)."""
+    if skipped(ours):
+        return None
+    return (peer["step_time_s"] / ours["step_time_s"],
+            ours["peak_memory_gib"] <= peer["peak_memory_gib"])
+
+
 def _target(model: str, label: str, ours: dict, peer: dict) -> tuple[str, list[str]]:
     ours_label = label.removeprefix("ours, ")
-    if skipped(ours):
+    if (vs := versus(ours, peer)) is None:
         return (row([model, ours_label, f"no plan under {peer['peak_memory_gib']:.1f} GiB",
                      "", "", ""]),
                 [f"{model} {label}: no plan under torchtitan compiled's peak"])
-    speedup = peer["step_time_s"] / ours["step_time_s"]
-    fits = ours["peak_memory_gib"] <= peer["peak_memory_gib"]
+    speedup, fits = vs
     misses = [f"{model} {label}: {speedup:.2f}x torchtitan compiled"] \
         if speedup < SPEEDUP_TARGET else []
     misses += [] if fits else [f"{model} {label}: more memory than torchtitan compiled"]

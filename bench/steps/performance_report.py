@@ -451,19 +451,14 @@ def interop_step() -> str:
 
 def sections() -> dict[str, str]:
     """The generated parts of the report, by the name its template gives."""
-    tables = {name: fn() for name, fn in (
-        ("step_table", step_table), ("targets", targets), ("layer_table", layer_table),
-        ("peer_table", peer_table), ("trace_table", trace_table), ("probe_table", probe_table),
-        ("attention_table", attention_table), ("head_groups_table", head_groups_table),
-        ("fused_table", fused_table), ("loss_table", loss_table),
-        ("searched_table", searched_table), ("copy_engine_table", copy_engine_table),
-        ("expert_gemm_table", expert_gemm_table))}
+    parts = {fn.__name__: fn() for fn in (
+        step_table, targets, layer_table, peer_table, trace_table, probe_table, attention_table,
+        head_groups_table, fused_table, loss_table, searched_table, copy_engine_table,
+        expert_gemm_table, head_group_parity, searched_parity, searched_x2, tp_memory,
+        interop_step)}
     x2_note = "" if ATTENTION_X2.exists() else _piece("attention_x2_unrun")
-    return {**tables, **head_groups(), **clocks(), **ceiling(), **fusion(),
-            "attention_x2_note": x2_note, "head_group_parity": head_group_parity(),
-            "searched_parity": searched_parity(), "searched_x2": searched_x2(),
-            "tp_memory": tp_memory(),
-            "interop_step": interop_step()}
+    return {**parts, **head_groups(), **clocks(), **ceiling(), **fusion(),
+            "attention_x2_note": x2_note}
 
 
 def render() -> str:
