@@ -49,16 +49,17 @@ def reduced(name: str, layers: int) -> ModelSpec:
     return full.model_copy(update={"name": f"{full.name}-{layers}L", "layers": layers})
 
 
-def best_plan(shape: str, gpus: int, training: TrainingSpec) -> Plan | None:
-    """The plan `moeplan search --runnable` picks for ``shape`` on ``gpus`` GPUs of the
-    calibrated cluster (CLUSTER), None where none fits; imports the planner, so it runs on the
-    CPU machine."""
+def best_plan(shape: str, gpus: int, training: TrainingSpec,
+              fits: Callable[[Plan], bool] = lambda plan: True, top: int = 1) -> Plan | None:
+    """The fastest of the plans `moeplan search --runnable` ranks first (its ``top``) for
+    ``shape`` on ``gpus`` GPUs of the calibrated cluster (CLUSTER) that ``fits``, None where
+    none does; imports the planner, so it runs on the CPU machine."""
     from planner.search import search
     from planner.space import SearchSpace
 
     result = search(reduced(*SHAPES[shape]), catalog.load_cluster(CLUSTER, gpus=gpus),
-                    training, SearchSpace().runnable(), top=1)
-    return None if result.best is None else result.best.plan
+                    training, SearchSpace().runnable(), top=top)
+    return next((ranked.plan for ranked in result.top if fits(ranked.plan)), None)
 
 
 def write_searched(jobs: list[tuple[str, int]], training: TrainingSpec,
