@@ -34,6 +34,10 @@ From a profiled step alone (sweeps without shaped kernel rows, as before the mic
   T0 + E / elementwise, E the layers' memory-bound bytes at full bandwidth), solved for it;
   fused_elementwise instead when the profiled plan ran fused kernels (plan.kernels), whose
   fusable operators are then most of E;
+- with a profiled step of a kernels: fused plan as well (with_fused_step): gemm, grouped_gemm
+  and attention from its kernel classes, elementwise again the eager step's residual with
+  them, and fused_elementwise from its memory-bound kernel classes (fit_fused_memory: kernel
+  time, not the step's wall time);
 - hbm: the median bandwidth the sweep's large copies achieved, over the GPU's peak;
 - node.nvlink_latency_us, nvlink, nvlink_all_to_all: a latency + bytes / bandwidth fit (least
   squares on log time) of the all-gather / reduce-scatter and all-to-all sweeps.
@@ -147,13 +151,19 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
     return out
 
 
+def compute_factors(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[str, float]:
+    """gemm, grouped_gemm and attention from the profiled step's kernel classes: each base
+    factor x predicted / measured seconds of its class."""
+    executed = executed_as_measured(on(plan, base), recorded_deviations(profile))
+    meas, pred = measured_classes(profile), predicted_classes(executed)
+    return {k: min(1.0, getattr(base.efficiency, k) * pred[k] / meas[k])
+            for k in COMPUTE_FACTORS if meas[k] > 0 and pred[k] > 0}
+
+
 def fit_compute(profile: ProfileResult, plan: Plan, base: ClusterSpec) -> dict[str, float]:
     """gemm, grouped_gemm and attention from the profiled step's kernel classes, then
     elementwise from what is left of its wall time."""
-    executed = executed_as_measured(on(plan, base), recorded_deviations(profile))
-    meas, pred = measured_classes(profile), predicted_classes(executed)
-    factors = {k: min(1.0, getattr(base.efficiency, k) * pred[k] / meas[k])
-               for k in COMPUTE_FACTORS if meas[k] > 0 and pred[k] > 0}
+    factors = compute_factors(profile, plan, base)
     factors[residual_factor(plan)] = fit_step_residual(profile, plan,
                                                        with_efficiency(base, **factors))
     return factors
@@ -487,16 +497,51 @@ class Calibration:
     """Each fitted value by name (efficiency fields, and nvlink_latency_us)."""
 
 
-def with_fused_step(cal: Calibration, profile: ProfileResult, plan: Plan) -> Calibration:
-    """``cal`` with fused_elementwise set from one profiled 1-GPU step of a ``kernels: fused``
-    plan: what is left of its wall time once every other factor of ``cal`` prices the rest
-    (fit_step_residual)."""
+def fit_fused_memory(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -> float:
+    """fused_elementwise such that the profiled 1-GPU step's memory-bound device seconds (its
+    MEMORY_CLASSES) are what the cost model prices as memory-bound with every other factor of
+    ``cluster``: the step less its GEMM, grouped GEMM and attention operators
+    (predicted_classes) is M0 + B / fused_elementwise, B the fused regions' bytes at full
+    bandwidth, M0 the rest (the residual adds, the router, the loss, the gradient
+    accumulation, the optimizer), solved for it. Kernel time, not wall time: what the step
+    loses to its host and the compute classes' own errors stay out of the factor."""
+    check_one_gpu(plan, "--fused-plan")
+    plan = executed_as_measured(on(plan, cluster), recorded_deviations(profile))
+    compute = sum(predicted_classes(plan).values())
+
+    def step(factor: float) -> float:
+        return cost_models.evaluate(on(plan, with_efficiency(cluster, fused_elementwise=factor))
+                                    ).step_time_s
+
+    ideal = step(0.5) - step(1.0)
+    rest = step(1.0) - ideal - compute
+    left = measured_classes(profile)["memory"] - rest
+    return min(1.0, ideal / left) if left > ideal else 1.0
+
+
+def with_fused_step(cal: Calibration, profile: ProfileResult, plan: Plan,
+                    eager: tuple[ProfileResult, Plan] | None = None) -> Calibration:
+    """``cal`` with the factors of the fused runtime fitted to one profiled 1-GPU step of a
+    ``kernels: fused`` plan, by kernel class: gemm, grouped_gemm and attention as
+    compute_factors fits them (the GEMMs as they run beside the fused runtime's kernels),
+    then fused_elementwise from its memory-bound classes (fit_fused_memory). With ``eager``,
+    the eager profiled step ``cal`` was fitted on, elementwise (which prices the fused step's
+    residual adds too) is first again what is left of that step (fit_step_residual), now with
+    these compute factors."""
     if plan.kernels != Kernels.fused:
         raise SpecError("--fused-plan: the plan ran eager kernels; profile a kernels: fused "
                         "plan to fit fused_elementwise")
-    value = float(f"{fit_step_residual(profile, plan, cal.cluster):.3g}")
-    return Calibration(with_efficiency(cal.cluster, fused_elementwise=value),
-                       {**cal.factors, "fused_elementwise": value})
+
+    def rounded(factors: dict[str, float]) -> dict[str, float]:
+        return {k: float(f"{v:.3g}") for k, v in factors.items()}
+
+    fitted = compute_factors(profile, plan, cal.cluster)
+    cluster = with_efficiency(cal.cluster, **rounded(fitted))
+    if eager is not None and residual_factor(eager[1]) == "elementwise":
+        fitted["elementwise"] = fit_step_residual(*eager, cluster)
+        cluster = with_efficiency(cluster, **rounded(fitted))
+    fitted["fused_elementwise"] = fit_fused_memory(profile, plan, cluster)
+    return Calibration(with_efficiency(cluster, **rounded(fitted)), {**cal.factors, **fitted})
 
 
 def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpec, name: str,

@@ -1052,7 +1052,8 @@ def calibrate_cmd(
         "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",
     fused_profile: Annotated[Path | None, typer.Option(
         "--fused-profile", help="A profiled 1-GPU step of a kernels: fused plan: sets "
-                                "fused_elementwise.")] = None,
+                                "gemm, grouped_gemm, attention and fused_elementwise from "
+                                "its kernel classes.")] = None,
     fused_plan: Annotated[Path | None, typer.Option(
         "--fused-plan", help="The kernels: fused plan of --fused-profile.")] = None,
     name: Annotated[str | None, typer.Option(
@@ -1091,7 +1092,8 @@ def calibrate_cmd(
                            name or f"{base_cluster.name}-calibrated", given.sweep,
                            given.overlap)
     if given.fused is not None:
-        result = cal.with_fused_step(result, given.fused, given.fused_plan)
+        eager = (given.profile, given.plan) if given.profile is not None else None
+        result = cal.with_fused_step(result, given.fused, given.fused_plan, eager)
     pairs = cal.runs_with_plans(runs, plans_dir) if runs else []
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "

@@ -56,8 +56,9 @@ def test_the_shipped_cluster_is_what_the_committed_measurements_give(calibrated)
     eff = derived["efficiency"]
     # this runtime's unfused memory-bound operators are far from the fused-kernel ideal
     assert eff["elementwise"] < 0.2 and 0.3 < eff["grouped_gemm"] < 1
-    # fused regions still well below the HBM peak (torch.compile's kernels at these shapes)
-    assert eff["elementwise"] < eff["fused_elementwise"] < 0.5
+    # fused regions fitted to their kernel time, not the step's wall: near the Hopper
+    # micro-benchmark's 0.486 (plans/catalog/efficiency/hopper.yaml), below the HBM peak
+    assert eff["elementwise"] < 0.4 < eff["fused_elementwise"] < 0.8
     assert derived["node"]["nvlink_latency_us"] == doc["factors"]["nvlink_latency_us"] > 10
 
 

@@ -97,6 +97,43 @@ def test_a_fused_profile_fits_the_fused_factor_and_keeps_elementwise():
         assert fit[name] == pytest.approx(value, rel=0.02), name
 
 
+def _profile(ran, wall_extra_s: float = 0.0) -> Profile:
+    """The kernel classes a profile of ``ran`` would report, as the cost model prices them:
+    grouped GEMMs filed under gemm (picked out by name), the rest of the step memory-bound;
+    its wall time the step's plus ``wall_extra_s`` the GPU waited on its host."""
+    classes = predicted_classes(ran)
+    step = cost_models.evaluate(ran).step_time_s
+    grouped = KernelRow.model_validate({"name": "cutlass GroupProblemShape kernel",
+                                        "class": "gemm", "s_per_step": classes["grouped_gemm"]})
+    return Profile(step_wall_s=step + wall_extra_s,
+                   class_s={"gemm": classes["gemm"] + classes["grouped_gemm"],
+                            "attention": classes["attention"],
+                            "elementwise": step - sum(classes.values())},
+                   slowest=[grouped])
+
+
+def test_a_fused_profile_fits_its_factors_from_kernel_time_not_wall_time():
+    """with_fused_step: gemm, grouped_gemm and attention from the fused step's kernel classes,
+    fused_elementwise from its memory-bound classes, so time the GPU waited on its host (wall
+    beyond the kernels) moves no factor; the eager profiled step's residual then sets
+    elementwise with those compute factors."""
+    from planner.calibrate import Calibration, with_fused_step
+    from plans import Kernels
+
+    base = catalog.load_cluster("h200")
+    truth = {"gemm": 0.7, "grouped_gemm": 0.6, "attention": 0.5, "fused_elementwise": 0.45,
+             "elementwise": 0.2}
+    eager = catalog.load_plan(PLAN)
+    fused = eager.model_copy(update={"kernels": Kernels.fused})
+    true_cluster = with_efficiency(base, **truth)
+    fused_profile = _profile(executed_plan(on(fused, true_cluster)), wall_extra_s=0.03)
+    eager_profile = _profile(executed_plan(on(eager, true_cluster)))
+    fit = with_fused_step(Calibration(base, {}), fused_profile, fused,
+                          (eager_profile, eager)).factors
+    for name, value in truth.items():
+        assert fit[name] == pytest.approx(value, rel=0.02), name
+
+
 # ---- the micro-benchmark fits -------------------------------------------------------------------
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
