@@ -471,23 +471,29 @@ def check_device(result: Result, option: str, base: ClusterSpec) -> None:
                         f"{base.gpu.name}; calibrate against a base cluster of that device")
 
 
-def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -> float:
-    """The plan's memory-bound factor (residual_factor) such that the profiled 1-GPU step's wall
-    time is what the cost model predicts with every other factor of ``cluster`` (the step is
-    T0 + E / factor, E the layers' memory-bound bytes at full bandwidth)."""
-    check_one_gpu(plan, "--plan")
-    plan = executed_as_measured(on(plan, cluster), recorded_deviations(profile))
-
-    name = residual_factor(plan)
+def solve_factor(plan: Plan, cluster: ClusterSpec, name: str, measured_s: float,
+                 beside_s: float = 0.0) -> float:
+    """The efficiency factor ``name`` at which the cost model's step time of ``plan`` on
+    ``cluster``, less ``beside_s`` (seconds the measurement leaves out), is ``measured_s``:
+    the step is T0 + E / factor, E the seconds of the work it prices at full rate."""
 
     def step(factor: float) -> float:
         return cost_models.evaluate(on(plan, with_efficiency(cluster, **{name: factor}))
                                     ).step_time_s
 
     ideal = step(0.5) - step(1.0)
-    rest = step(1.0) - ideal
-    left = profile.step_wall_s - rest
+    rest = step(1.0) - ideal - beside_s
+    left = measured_s - rest
     return min(1.0, ideal / left) if left > ideal else 1.0
+
+
+def fit_step_residual(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -> float:
+    """The plan's memory-bound factor (residual_factor) such that the profiled 1-GPU step's wall
+    time is what the cost model predicts with every other factor of ``cluster`` (the step is
+    T0 + E / factor, E the layers' memory-bound bytes at full bandwidth)."""
+    check_one_gpu(plan, "--plan")
+    plan = executed_as_measured(on(plan, cluster), recorded_deviations(profile))
+    return solve_factor(plan, cluster, residual_factor(plan), profile.step_wall_s)
 
 
 @dataclass(frozen=True)
@@ -507,16 +513,8 @@ def fit_fused_memory(profile: ProfileResult, plan: Plan, cluster: ClusterSpec) -
     loses to its host and the compute classes' own errors stay out of the factor."""
     check_one_gpu(plan, "--fused-plan")
     plan = executed_as_measured(on(plan, cluster), recorded_deviations(profile))
-    compute = sum(predicted_classes(plan).values())
-
-    def step(factor: float) -> float:
-        return cost_models.evaluate(on(plan, with_efficiency(cluster, fused_elementwise=factor))
-                                    ).step_time_s
-
-    ideal = step(0.5) - step(1.0)
-    rest = step(1.0) - ideal - compute
-    left = measured_classes(profile)["memory"] - rest
-    return min(1.0, ideal / left) if left > ideal else 1.0
+    return solve_factor(plan, cluster, "fused_elementwise", measured_classes(profile)["memory"],
+                        beside_s=sum(predicted_classes(plan).values()))
 
 
 def with_fused_step(cal: Calibration, profile: ProfileResult, plan: Plan,
