@@ -174,6 +174,8 @@ class ProfileResult(Result):
     model: str = ""
     """The plan's model name; empty where the profile did not record it."""
     step_wall_s: PositiveFloat
+    kernel_calls_per_step: NonNegativeFloat | None = None
+    """Kernels the step launched (each class's calls summed); None where not recorded."""
     class_s: dict[str, NonNegativeFloat]
     components_s: ComponentSeconds = {}
     slowest: list[KernelRow]

@@ -6,7 +6,8 @@
 
 Writes JSON: what ran (runtime.provenance: commit, date, torch, GPU), the
 plan summary, wall time per step, device busy time per step (sum of kernel durations: one
-stream, so they do not overlap) and the idle fraction (launch and host overheads), device time
+stream, so they do not overlap), the idle fraction (launch and host overheads), the kernels
+launched per step, device time
 per kernel class (GEMM, grouped GEMM, attention, elementwise, reduction / indexing / sorting,
 copies, communication), the runtime's timer components per step (``plans.Component``, the
 names of the cost model's ``components_s``) and the slowest kernels. On CPU the "kernels" are
@@ -105,6 +106,7 @@ def profile_steps(trainer: Trainer, plan: Plan, steps: int, warmup: int, top: in
         "step_wall_s": wall,
         "device_busy_s": busy,
         "idle_fraction": max(0.0, 1 - busy / wall),
+        "kernel_calls_per_step": sum(c for c, _ in kernels.values()) / steps,
         "class_s": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
         "components_s": components,
         "slowest": [{"name": n[:160], "class": classify(n), "calls_per_step": c / steps,

@@ -92,6 +92,7 @@ def test_profile_splits_the_step_into_kernel_classes(tmp_path):
     res = json.loads(out.read_text())
     assert 0 < res["device_busy_s"] and res["step_wall_s"] > 0
     assert sum(res["class_s"].values()) == pytest.approx(res["device_busy_s"])
+    assert res["kernel_calls_per_step"] >= sum(k["calls_per_step"] for k in res["slowest"]) > 0
     assert res["slowest"] and {"name", "class", "calls_per_step", "s_per_step"} <= set(
         res["slowest"][0])
 
