@@ -73,8 +73,9 @@ def main(argv=None) -> None:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(plan.model_dump_json(indent=2) + "\n")
-        print(f"{path.name}: {plan.summary()} predicted {plan.prediction.step_time_s * 1e3:.1f}"
-              f" ms, peak {allocated_gib(plan):.1f} GiB allocated (cap {caps[shape]:.1f})")
+        print(f"{path.name}:\n  {plan.summary()}\n  predicted "
+              f"{plan.prediction.step_time_s * 1e3:.1f} ms, peak {allocated_gib(plan):.1f} GiB "
+              f"allocated (cap {caps[shape]:.1f})")
 
 
 if __name__ == "__main__":
