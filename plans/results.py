@@ -249,7 +249,8 @@ class Sweep(Result):
 
     SOURCE: ClassVar[str] = "bench/kernels/calibrate_gpu.py"
 
-    world: int = Field(ge=2)
+    world: PositiveInt
+    """Ranks the sweep ran on; one rank times kernels and copies only (no collectives)."""
     rows: list[SweepRow]
 
 

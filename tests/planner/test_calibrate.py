@@ -71,6 +71,38 @@ def test_calibration_predicts_held_out_runs_better(calibrated):
     assert all(abs(r["memory_error"]) < 0.15 for r in doc["runs"])
 
 
+H100 = ROOT / "bench" / "results" / "h100"
+SHIPPED_H100 = ROOT / "plans" / "catalog" / "clusters" / "h100-runtime.yaml"
+
+
+def test_the_shipped_h100_cluster_is_what_one_h100_gives(tmp_path):
+    """h100-runtime from one H100: a one-rank sweep (kernels and copies, no collectives) and one
+    profiled fused step; the links keep the base's; the other 12 measured plans of the same
+    machine, held out, are predicted within a few percent and ranked as they measured."""
+    sweep = json.loads((H100 / "device_sweep" / "calibration_h100_1gpu.json").read_text())
+    assert sweep["world"] == 1
+    out = tmp_path / "h100.yaml"
+    r = runner.invoke(app, [
+        "calibrate", "--collectives", str(H100 / "device_sweep" / "calibration_h100_1gpu.json"),
+        "--fused-profile", str(H100 / "peer_sweep" / "profile_deepseek4l_mbs8_none.json"),
+        "--fused-plan", str(PLAN.parent / "peer_sweep" / "deepseek4l_mbs8_none.json"),
+        "--base", "h100", "--name", "h100-runtime", "--runs", str(H100 / "peer_sweep"),
+        "--plans", str(PLAN.parent / "peer_sweep"), "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(out.read_text()) == yaml.safe_load(SHIPPED_H100.read_text())
+    doc = json.loads(r.output)
+    base = yaml.safe_load((SHIPPED_H100.parent / "h100.yaml").read_text())
+    assert "nvlink" not in doc["factors"] and "nvlink_latency_us" not in doc["factors"]
+    assert doc["cluster"]["node"] == {**doc["cluster"]["node"], **base["node"]}
+    held = [run for run in doc["runs"] if run["held_out"]]
+    assert len(held) == 12
+    assert doc["held_out"]["median_abs_step_error"] < 0.05
+    step = {run["plan"]: (run["measured_step_s"], run["predicted_step_s"]) for run in held}
+    # the two plans the H200 factors misrank (bench/gpu_plans/peer_capped), ranked as measured
+    fast, slow = step["deepseek4l_mbs4_full"], step["deepseek4l_mbs1_none"]
+    assert fast[0] < slow[0] and fast[1] < slow[1]
+
+
 def test_table_output(tmp_path):
     r = calibrate(PROFILE, "--plan", PLAN, "--out", tmp_path / "c.yaml")
     assert r.exit_code == 0, r.output
