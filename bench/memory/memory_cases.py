@@ -50,14 +50,15 @@ def reduced(name: str, layers: int) -> ModelSpec:
 
 
 def best_plan(shape: str, gpus: int, training: TrainingSpec,
-              fits: Callable[[Plan], bool] = lambda plan: True, top: int = 1) -> Plan | None:
+              fits: Callable[[Plan], bool] = lambda plan: True, top: int = 1,
+              cluster: str = CLUSTER) -> Plan | None:
     """The fastest of the plans `moeplan search --runnable` ranks first (its ``top``) for
-    ``shape`` on ``gpus`` GPUs of the calibrated cluster (CLUSTER) that ``fits``, None where
-    none does; imports the planner, so it runs on the CPU machine."""
+    ``shape`` on ``gpus`` GPUs of the calibrated ``cluster`` that ``fits``, None where none
+    does; imports the planner, so it runs on the CPU machine."""
     from planner.search import search
     from planner.space import SearchSpace
 
-    result = search(reduced(*SHAPES[shape]), catalog.load_cluster(CLUSTER, gpus=gpus),
+    result = search(reduced(*SHAPES[shape]), catalog.load_cluster(cluster, gpus=gpus),
                     training, SearchSpace().runnable(), top=top)
     return next((ranked.plan for ranked in result.top if fits(ranked.plan)), None)
 

@@ -1,15 +1,15 @@
 """Our plans for the whole-step peer benchmark held to torchtitan's memory: for each 1-GPU job
 of bench/steps/peer_step_gpu.py, the fastest plan `moeplan search --runnable` ranks (the
-calibrated cluster h200-runtime, global batch 8 x 4,096, the reduced-depth shapes of
+card's calibrated cluster, global batch 8 x 4,096, the reduced-depth shapes of
 bench/memory/memory_cases.py) whose predicted allocated peak is at most torchtitan's measured
-one on the same job with its transformer blocks compiled, as its MoE recipes run them
-(``peer_step_gpu --peer-compile model``, bench/results/h200/peer_steps/
-peer_step_{shape}_compiled.json). Both sides are held to one measure,
-torch.cuda.max_memory_allocated: the cost model's peak less its allocator reserve
-(cost_models.memory.ALLOCATOR_RESERVE, what the caching allocator holds beyond the live
-bytes). Written to bench/gpu_plans/peer_capped/ for ``peer_step_gpu --plans capped``.
+one on the same job and card with its transformer blocks compiled, as its MoE recipes run them
+(``peer_step_gpu --peer-compile model``: peer_step_{shape}_compiled.json in the card's
+results). Both sides are held to one measure, torch.cuda.max_memory_allocated: the cost
+model's peak less its allocator reserve (cost_models.memory.ALLOCATOR_RESERVE, what the
+caching allocator holds beyond the live bytes). Written for ``peer_step_gpu --plans capped``
+(H200) and ``--plans capped_h100``.
 
-    python -m bench.steps.peer_plans        # imports the planner: run on the CPU machine
+    python -m bench.steps.peer_plans [--card h100]   # imports the planner: the CPU machine
 """
 
 from __future__ import annotations
@@ -24,16 +24,19 @@ HERE = Path(__file__).resolve().parents[1]
 from bench.fidelity.fidelity_cases import TRAINING  # noqa: E402
 from bench.memory.memory_cases import best_plan  # noqa: E402
 
-OUT = HERE / "gpu_plans" / "peer_capped"
-PEER_RESULTS = HERE / "results" / "h200" / "peer_steps"
+CARDS = {"h200": ("h200-runtime", HERE / "results" / "h200" / "peer_steps",
+                  HERE / "gpu_plans" / "peer_capped"),
+         "h100": ("h100-runtime", HERE / "results" / "h100" / "peer_steps",
+                  HERE / "gpu_plans" / "peer_capped_h100")}
+"""Card -> its calibrated cluster, torchtitan's compiled steps on it, our plans' folder."""
 JOBS = {"qwen4l": "qwen3-30b-a3b", "mixtral2l": "mixtral-8x7b", "deepseek4l": "deepseekmoe"}
 """Shape (bench/memory/memory_cases.SHAPES) -> its model's row in the peer step's result."""
 
 
-def peer_peak_gib(shape: str) -> float:
-    """torchtitan's measured peak GiB on ``shape``'s job, its blocks compiled
+def peer_peak_gib(shape: str, card: str = "h200") -> float:
+    """torchtitan's measured peak GiB on ``shape``'s job on ``card``, its blocks compiled
     (peer_step_{shape}_compiled.json)."""
-    path = PEER_RESULTS / f"peer_step_{shape}_compiled.json"
+    path = CARDS[card][1] / f"peer_step_{shape}_compiled.json"
     peer = json.loads(path.read_text())["models"][JOBS[shape]]["peer"]
     if peer.get("status") != "ok":
         raise SystemExit(f"error: {path}: torchtitan's step did not run ({peer.get('reason')})")
@@ -51,31 +54,37 @@ def allocated_gib(plan) -> float:
     return plan.prediction.peak_memory_gib - plan.prediction.memory_gib["allocator_reserve"]
 
 
-def path_of(shape: str, gpus: int) -> Path:
-    return OUT / f"{shape}_{gpus}gpu.json"
+def path_of(shape: str, gpus: int, card: str = "h200") -> Path:
+    return CARDS[card][2] / f"{shape}_{gpus}gpu.json"
+
+
+def capped_plan(shape: str, card: str = "h200"):
+    """The fastest plan of ``shape``'s job on ``card`` whose allocated peak fits under
+    torchtitan's (rounded down to 0.1 GiB), and that cap; None where none fits."""
+    cap = math.floor(peer_peak_gib(shape, card) * 10) / 10  # never above
+    return best_plan(shape, 1, TRAINING.model_copy(update={"memory_cap_gib": cap * SEARCH_SLACK}),
+                     fits=lambda plan: allocated_gib(plan) <= cap, top=100,
+                     cluster=CARDS[card][0]), cap
 
 
 def main(argv=None) -> None:
-    # no options: -h describes the script and writes nothing
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args(argv)
-    caps = {shape: math.floor(peer_peak_gib(shape) * 10) / 10 for shape in JOBS}  # never above
-    plans = {shape: best_plan(shape, 1, TRAINING.model_copy(
-                 update={"memory_cap_gib": cap * SEARCH_SLACK}),
-                 fits=lambda plan, cap=cap: allocated_gib(plan) <= cap, top=100)
-             for shape, cap in caps.items()}
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--card", choices=list(CARDS), default="h200")
+    card = p.parse_args(argv).card
+    picked = {shape: capped_plan(shape, card) for shape in JOBS}
     # every job searched before anything is written; a job with no plan under its cap keeps
     # no plan here (peer_step_gpu --plans capped then records it as skipped)
-    for shape, plan in plans.items():
-        path = path_of(shape, 1)
+    for shape, (plan, cap) in picked.items():
+        path = path_of(shape, 1, card)
         if plan is None:
             path.unlink(missing_ok=True)
-            print(f"{path.name}: no plan fits under {caps[shape]:.1f} GiB")
+            print(f"{path.name}: no plan fits under {cap:.1f} GiB")
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(plan.model_dump_json(indent=2) + "\n")
         print(f"{path.name}:\n  {plan.summary()}\n  predicted "
               f"{plan.prediction.step_time_s * 1e3:.1f} ms, peak {allocated_gib(plan):.1f} GiB "
-              f"allocated (cap {caps[shape]:.1f})")
+              f"allocated (cap {cap:.1f})")
 
 
 if __name__ == "__main__":

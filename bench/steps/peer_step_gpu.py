@@ -68,16 +68,18 @@ MODELS = {
     "deepseekmoe": PLANS / "deepseek4l_1gpu.json",
     "deepseek-v3": None,  # reduced depth of the catalog's DeepSeek-V3 (MLA), built here
 }
-CAPPED = Path(__file__).resolve().parents[1] / "gpu_plans" / "peer_capped"
+GPU_PLANS = Path(__file__).resolve().parents[1] / "gpu_plans"
 PLAN_SETS = {
     "searched": MODELS,
     # the same jobs searched under --memory-cap torchtitan's measured peak, its blocks compiled
     # (bench.steps.peer_plans; a job with no plan under it has no file)
-    "capped": {**MODELS, "qwen3-30b-a3b": CAPPED / "qwen4l_1gpu.json",
-               "mixtral-8x7b": CAPPED / "mixtral2l_1gpu.json",
-               "deepseekmoe": CAPPED / "deepseek4l_1gpu.json"},
+    **{name: {**MODELS, "qwen3-30b-a3b": GPU_PLANS / folder / "qwen4l_1gpu.json",
+              "mixtral-8x7b": GPU_PLANS / folder / "mixtral2l_1gpu.json",
+              "deepseekmoe": GPU_PLANS / folder / "deepseek4l_1gpu.json"}
+       for name, folder in (("capped", "peer_capped"), ("capped_h100", "peer_capped_h100"))},
 }
-"""Our plans per ``--plans``: the searched plans, or those held to torchtitan's memory."""
+"""Our plans per ``--plans``: the searched plans, or those held to torchtitan's memory, priced
+on the H200 (capped) or the H100 (capped_h100) calibrated cluster."""
 DEFAULT_MODELS = ["qwen3-30b-a3b", "mixtral-8x7b", "deepseekmoe", "deepseek-v3"]
 DEEPSEEK_V3_LAYERS = 4
 
@@ -111,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torchtitan's compile (model: each transformer block, fullgraph)")
     p.add_argument("--plans", choices=list(PLAN_SETS), default="searched",
                    help="our plans: searched (bench/gpu_plans/searched/) or capped, searched "
-                   "under --memory-cap torchtitan's compiled peak (bench/gpu_plans/peer_capped/)")
+                   "under --memory-cap torchtitan's compiled peak (bench/gpu_plans/peer_capped/; "
+                   "capped_h100: priced on h100-runtime, bench/gpu_plans/peer_capped_h100/)")
     p.add_argument("--compile-cache", type=Path,
                    help="folder of torch.compile's caches (runtime.compile_cache; default: "
                    "TORCHINDUCTOR_CACHE_DIR, else the user's cache folder): a later launch of "

@@ -5,7 +5,6 @@ and step at tiny widths on the same tokens (skipped where torchtitan cannot be i
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -50,25 +49,23 @@ def test_peer_step_tiny(tmp_path):
     assert v3["status"] == "skipped" and "model.mla" in v3["reason"]
 
 
-def test_the_capped_plans_hold_our_predicted_allocated_peak_to_torchtitans_measured_one():
-    """bench/gpu_plans/peer_capped/ (bench.steps.peer_plans): each job's plan is the fastest of
-    the search whose predicted allocated peak (its peak less the allocator's reserve: what
-    torch.cuda.max_memory_allocated measures, on both sides) is at most torchtitan's measured
-    peak on it (its blocks compiled); a job without a plan there has none."""
-    from bench.fidelity.fidelity_cases import TRAINING
-    from bench.memory.memory_cases import best_plan
-    from bench.steps.peer_plans import JOBS, SEARCH_SLACK, allocated_gib, path_of, peer_peak_gib
-    from plans.catalog import load_plan
+@pytest.mark.parametrize("card", ["h200", "h100"])
+def test_the_capped_plans_hold_our_predicted_allocated_peak_to_torchtitans_measured_one(card):
+    """bench/gpu_plans/peer_capped/ and peer_capped_h100/ (bench.steps.peer_plans): each job's
+    plan is the fastest of the search on the card's calibrated cluster whose predicted
+    allocated peak (its peak less the allocator's reserve: what torch.cuda.max_memory_allocated
+    measures, on both sides) is at most torchtitan's measured peak on it on that card (its
+    blocks compiled); a job without a plan there has none."""
+    from bench.steps.peer_plans import CARDS, JOBS, allocated_gib, capped_plan, path_of
+    from plans.catalog import load_cluster, load_plan
 
     for shape in JOBS:
-        cap = math.floor(peer_peak_gib(shape) * 10) / 10
-        picked = best_plan(shape, 1, TRAINING.model_copy(
-            update={"memory_cap_gib": cap * SEARCH_SLACK}),
-            fits=lambda plan, cap=cap: allocated_gib(plan) <= cap, top=100)
-        if not path_of(shape, 1).exists():
+        picked, cap = capped_plan(shape, card)
+        if not path_of(shape, 1, card).exists():
             assert picked is None
             continue
-        plan = load_plan(path_of(shape, 1))
+        plan = load_plan(path_of(shape, 1, card))
+        assert plan.cluster.name == load_cluster(CARDS[card][0]).name
         assert allocated_gib(plan) <= cap
         assert plan.summary() == picked.summary()
         assert plan.prediction.step_time_s == pytest.approx(picked.prediction.step_time_s)
