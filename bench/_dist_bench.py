@@ -1,16 +1,12 @@
-"""Shared pieces of the GPU benchmarks: process group set-up, median timing after warm-up
-(CUDA events on GPU, wall clock on CPU), the slowest rank's value, a step's time fields,
-and raw collectives of the sizes the cost model's Transfers name. Imports torch, plans and
-cost_models (never planner)."""
+"""Shared pieces of the GPU benchmarks: the launch and the timing of runtime.measure (one
+owner: `moeplan sweep` times with them too; the scripts import them from here), the slowest
+rank's value, a step's time fields, and raw collectives of the sizes the cost model's
+Transfers name. Imports torch, plans and cost_models (never planner)."""
 
 from __future__ import annotations
 
 import gc
-import os
-import statistics
-import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,36 +15,8 @@ from cost_models.compute import ACT_BYTES
 from cost_models.volumes import Collective, Transfer
 from plans import Plan
 from plans.specs import mfu
+from runtime.measure import device_timed, finish, init, spun, timed  # noqa: F401 (re-exported)
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
-from runtime.parallel.mesh import end_process_groups, start_process_group
-
-
-def init(timeout: timedelta = timedelta(minutes=5), share_gpu: bool = False
-         ) -> tuple[int, int, torch.device, torch.dtype]:
-    """(rank, world, device, dtype), the process group joined as runtime.train joins it: NCCL,
-    bf16 and one GPU a rank on CUDA, gloo and fp32 on CPU; its collectives wait ``timeout``
-    for a late peer. ``share_gpu``: the ranks share the visible GPUs round-robin over gloo
-    (CUDA tensors staged through host memory, which NCCL refuses): each rank's memory and
-    numerics, never the layout's speed."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local % torch.cuda.device_count() if share_gpu else local)
-        torch.cuda.set_device(device)
-        dtype = torch.bfloat16
-    else:
-        device, dtype = torch.device("cpu"), torch.float32
-    if world > 1 and share_gpu:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    elif world > 1:
-        start_process_group(rank, world, device, timeout)
-    return rank, world, device, dtype
-
-
-def finish(world: int) -> None:
-    if world > 1:
-        end_process_groups()
 
 
 def release(device: torch.device) -> None:
@@ -71,92 +39,6 @@ def step_times(warm: list[float], times: list[float], plan: Plan, world: int) ->
             "step_median_s": sorted(times)[len(times) // 2],
             "tokens_per_s": t.tokens_per_step / mean,
             "mfu": mfu(plan.model, t.seq_len, t.tokens_per_step, mean, world, plan.cluster.gpu)}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int,
-          barrier: bool = True) -> float:
-    """Median seconds of ``fn`` on this rank after ``warmup`` calls. With ``barrier`` ranks line
-    up before each repeat, so a collective's time does not include waiting for a late peer
-    (without: kernels each rank times alone)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if barrier and dist.is_initialized():
-            dist.barrier()
-        _sync(device)
-        if device.type == "cuda":
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def device_timed(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
-                 ) -> float:
-    """Median seconds of ``fn``'s kernels with the host ahead of the GPU: a spin kernel
-    (``torch.cuda._sleep``) holds the GPU while the host queues ``fn``, so the timed span holds
-    the kernels and the gaps between them and none of the host's dispatch, as in a step whose
-    host runs ahead. ``timed`` times one call on an idle GPU, dispatch included. On CPU the two
-    are the same."""
-    return spun(fn, device, warmup, repeats)[0]
-
-
-def spun(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
-         ) -> tuple[float, float]:
-    """(device, host) medians of ``fn`` behind a spin kernel that lasts twice the host's time
-    for one call (measured first): the GPU's span from the spin's end to ``fn``'s last kernel,
-    and the host's time to issue ``fn``. On CPU both are the wall time."""
-    if device.type != "cuda":
-        wall = timed(fn, device, warmup, repeats, barrier=False)
-        return wall, wall
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    host_s = time.perf_counter() - t0  # an upper bound of the dispatch: it waits for nothing
-    _sync(device)
-    spin = _spin_cycles_per_s(device) * (2 * host_s + 50e-6)
-    device_times, host_times = [], []
-    for _ in range(repeats):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(spin))
-        a.record()
-        t0 = time.perf_counter()
-        fn()
-        host_times.append(time.perf_counter() - t0)
-        b.record()
-        b.synchronize()
-        device_times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(device_times), statistics.median(host_times)
-
-
-def _spin_cycles_per_s(device: torch.device) -> float:
-    """Clock cycles per second of ``torch.cuda._sleep``'s spin, timed once."""
-    cycles = 10_000_000
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(cycles)
-    b.record()
-    b.synchronize()
-    return cycles / (a.elapsed_time(b) / 1e3)
 
 
 def slowest(value: float, device: torch.device) -> float:

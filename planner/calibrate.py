@@ -1,11 +1,12 @@
 """Calibration: a cluster's efficiency factors fitted to measurements of moeplan's runtime on
 its GPUs, and the error table of the cost model against measured training steps.
 
-Inputs are the benchmark JSON files: the micro-benchmark sweep of bench/kernels/calibrate_gpu.py
-(kernels over shapes, the runtime's memory-bound layer operators, copies, NCCL collectives),
-optionally one profiled 1-GPU step (`moeplan profile`: device seconds per kernel class), and
-measured steps (bench/steps/train_step.py) to test against. Every measured run is priced as the
-runtime executed it (plans.execution).
+Inputs are the benchmark JSON files: the micro-benchmark sweep of `moeplan sweep`
+(runtime/sweep.py: kernels over shapes, the runtime's memory-bound layer operators, copies, NCCL
+collectives; measurements only, row_seconds prices each row here), optionally one profiled
+1-GPU step (`moeplan profile`: device seconds per kernel class), and measured steps
+(bench/steps/train_step.py) to test against. Every measured run is priced as the runtime
+executed it (plans.execution).
 
 From a sweep with shaped kernel rows (fit_kernels; least squares on log time, every row the
 cost model's prediction for the same shape):

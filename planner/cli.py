@@ -1008,26 +1008,58 @@ def profile_cmd(
     Example:
       moeplan profile bench/gpu_plans/mixtral2l_1gpu.json --out profile.json
     """
-    import subprocess
-
     _need_torch("profile")
     loaded = plans.catalog.load_plan(plan)
     if loaded.degrees.world != 1:
         raise plans.SpecError(f"{plan}: degrees: profiling runs one process; this plan needs "
                         f"{loaded.degrees.world} GPUs")
     _check_out(out, force)
-    code = subprocess.call([sys.executable, "-m", "runtime.profile", "--plan", str(plan),
-                            "--out", str(out), "--steps", str(steps), "--warmup", str(warmup),
-                            *(["--force"] if force else [])])
+    _run_runtime([sys.executable, "-m", "runtime.profile", "--plan", str(plan), "--out",
+                  str(out), "--steps", str(steps), "--warmup", str(warmup),
+                  *(["--force"] if force else [])], "profiling")
+
+
+@app.command("sweep", short_help="Time kernels and collectives over shapes (for calibrate).")
+@user_errors
+def sweep_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Sweep JSON to write.")],
+    nproc_per_node: Annotated[int, typer.Option(
+        "--nproc-per-node", min=2, help="Processes, one GPU each (the collectives need "
+        "a peer).")] = 2,
+    smoke: Annotated[bool, typer.Option("--smoke", help="Tiny shapes (a CPU check).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Time GEMMs, grouped GEMMs, attention, memory-bound operators and NCCL collectives over
+    shapes on this machine's GPUs (python -m runtime.sweep under torchrun): measurements only,
+    the --collectives input of `calibrate`, which prices every row when it fits.
+
+    \b
+    Example:
+      moeplan sweep --nproc-per-node 2 --out sweep.json
+      moeplan calibrate --collectives sweep.json --out my-gpu.yaml
+    """
+    _need_torch("sweep")
+    _check_out(out, force)
+    _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
+                  "1", "--nproc-per-node", str(nproc_per_node), "-m", "runtime.sweep",
+                  "--out", str(out), *(["--smoke"] if smoke else []),
+                  *(["--force"] if force else [])], "the sweep")
+
+
+def _run_runtime(cmd: list[str], what: str) -> None:
+    """Run a runtime command ``cmd``; its failure as one line and its exit status."""
+    import subprocess
+
+    code = subprocess.call(cmd)
     if code < 0:  # killed by a signal: say which, exit as a shell reports it (128 + N)
         import signal
 
         name = signal.Signals(-code).name
         hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-        typer.echo(f"error: profiling was killed by {name}{hint}", err=True)
+        typer.echo(f"error: {what} was killed by {name}{hint}", err=True)
         raise typer.Exit(128 - code)
     if code != 0:
-        typer.echo(f"error: profiling exited with status {code}", err=True)
+        typer.echo(f"error: {what} exited with status {code}", err=True)
         raise typer.Exit(code)
 
 
@@ -1041,8 +1073,8 @@ def calibrate_cmd(
     plan: Annotated[Path | None, typer.Option(
         "--plan", help="The 1-GPU plan that was profiled.")] = None,
     collectives: Annotated[Path | None, typer.Option(
-        "--collectives", help="bench/kernels/calibrate_gpu.py's sweep (kernel micro-benchmarks, "
-                              "copies, NCCL collectives).")
+        "--collectives", help="`moeplan sweep`'s JSON (kernel micro-benchmarks, copies, "
+                              "NCCL collectives).")
     ] = None,
     overlap: Annotated[Path | None, typer.Option(
         "--overlap", help="bench/kernels/copy_engine_gpu.py's result (NCCL beside the expert "
@@ -1073,7 +1105,7 @@ def calibrate_cmd(
 
     \b
     Examples:
-      moeplan calibrate --collectives calibration.json --out my-h200.yaml
+      moeplan calibrate --collectives sweep.json --out my-h200.yaml
       moeplan calibrate profile.json --plan bench/gpu_plans/mixtral2l_1gpu.json \\
           --out my-h200.yaml
     """

@@ -1,5 +1,6 @@
-"""Benchmark results as typed documents: what bench/ writes and calibration, fidelity and the
-reports read (instead of parsing row names). Fields a reader does not use are kept
+"""Benchmark results as typed documents: what bench/ and the runtime's measuring commands
+(`moeplan profile`, `moeplan sweep`) write and calibration, fidelity and the reports read
+(instead of parsing row names). Fields a reader does not use are kept
 (``extra="allow"``), so a result round-trips; every committed result under bench/results
 parses (tests/bench/test_campaigns.py). Every result carries the ``schema_version`` it was
 written in and the facts of the runtime it was measured under (``MEASURED_UNDER``, stamped by
@@ -221,14 +222,14 @@ class SweepRow(BaseModel):
     buffer); None for compute kernels."""
     measured_s: PositiveFloat
     """One call timed between CUDA events on an idle GPU: the host's dispatch of the call is
-    inside (bench/_dist_bench.timed)."""
+    inside (runtime.measure.timed)."""
     device_s: PositiveFloat | None = None
-    """The same call's kernels with the host ahead of the GPU (bench/_dist_bench.device_timed:
+    """The same call's kernels with the host ahead of the GPU (runtime.measure.device_timed:
     a spin kernel holds the GPU while the host queues the call): the die's time, dispatch
     excluded. None for collectives, and for kernel rows of sweeps that did not time it."""
     achieved_tb_s: PositiveFloat | None = None
     shape: dict[str, int | str] = {}
-    """What ran (bench/kernels/calibrate_gpu.py): gemm m, n, k; grouped_mm experts, rows (per
+    """What ran (runtime/sweep.py): gemm m, n, k; grouped_mm experts, rows (per
     expert), n, k; flash_attn and attention_core batch, seq, heads, head_dim (attention_core also
     kv_heads and model); layer_op model, tokens; head_loss model, tokens, chunked. Empty where
     the sweep did not record the shape (such kernel rows are not fitted)."""
@@ -245,9 +246,9 @@ class SweepRow(BaseModel):
 
 
 class Sweep(Result):
-    """Kernels, copies and collectives, measured next to the cost model's predictions."""
+    """Kernels, copies and collectives as measured; `moeplan calibrate` prices each row."""
 
-    SOURCE: ClassVar[str] = "bench/kernels/calibrate_gpu.py"
+    SOURCE: ClassVar[str] = "moeplan sweep"
 
     world: PositiveInt
     """Ranks the sweep ran on; one rank times kernels and copies only (no collectives)."""

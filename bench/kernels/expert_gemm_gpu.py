@@ -28,7 +28,7 @@ them:
 token count allows) instead of a router's mildly uneven one: how much uneven, unaligned row
 counts cost the GEMMs.
 
-Each is timed with the host ahead of the GPU (``_dist_bench.device_timed``), forward alone and
+Each is timed with the host ahead of the GPU (``runtime.measure.device_timed``), forward alone and
 forward + backward, and reported as seconds and as TFLOP/s of the GEMMs' FLOPs. The routed rows
 per expert are drawn from a top-k router over random logits (a mildly uneven load). SwiGLU runs
 eagerly in every variant alike; it is not what is compared.

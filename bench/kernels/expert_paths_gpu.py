@@ -14,7 +14,7 @@ dense ceiling at the same FLOPs:
 
 The rows per expert come from a top-k router over random logits (a mildly uneven load), the
 same for every path of a shape; weights N(0, 0.02), inputs N(0, 1), bf16 on CUDA (fp32 on
-CPU, the smoke test's). Timing: ``_dist_bench.device_timed`` (the host ahead of the GPU, as in
+CPU, the smoke test's). Timing: ``runtime.measure.device_timed`` (the host ahead of the GPU, as in
 a step; per_expert's wait for the rows per expert on the host counted where it happens),
 median of ``--repeats`` after ``--warmup``. Writes JSON (bench/_meta.py's metadata), per shape
 each path's forward and forward + backward seconds and TFLOP/s and the fastest ExpertGemm; the

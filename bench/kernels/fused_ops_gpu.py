@@ -5,7 +5,7 @@ forward + backward, at Mixtral-8x7B shapes by default (16k tokens of one micro-b
     python -m bench.kernels.fused_ops_gpu --out bench/results/h200/kernels/fused_ops_mixtral.json
 
 Per operator: CUDA-event medians after warm-up (wall clock on CPU) of one call on an idle GPU
-and of its kernels with the host ahead (``device_``: bench/_dist_bench.device_timed, no host
+and of its kernels with the host ahead (``device_``: runtime.measure.device_timed, no host
 dispatch inside), the fused speedup, and the
 bytes the cost model counts for it (cost_models.layer_graph: its fused-kernel bytes, forward
 and backward) over the measured time as a fraction of the GPU's peak HBM bandwidth

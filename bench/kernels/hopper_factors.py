@@ -10,7 +10,7 @@ cluster. A factor measured on H200 carries to the other two when it is a propert
 and the vendor kernel that runs it, and of nothing else:
 
 Every factor is fitted to the kernels' device time (``device_s``: each kernel row timed with
-the host ahead of the GPU, bench/_dist_bench.device_timed), the die's and its kernel's; one call
+the host ahead of the GPU, runtime.measure.device_timed), the die's and its kernel's; one call
 timed on an idle GPU holds PyTorch's dispatch of it, which a step whose host runs ahead does not
 pay, and which differs from one host to the next (the one-call GEMM fit moved 0.721 -> 0.776
 between two sessions' machines while their device fits agree):

@@ -25,7 +25,7 @@ recomputation (``--recompute``: none, or selective, which reruns RoPE and SDPA i
 - ``comm_alone`` (N > 1, once per model): the four all-to-alls forward + backward on tensors of
   the block's shapes, pack and unpack included;
 - ``compute_alone_device`` (N > 1 or simulated): the compute alone with the host ahead of the
-  GPU (bench/_dist_bench.spun: a spin kernel holds the GPU while the host queues the
+  GPU (runtime.measure.spun: a spin kernel holds the GPU while the host queues the
   block), as in a step whose host runs ahead; the block alone on an idle GPU also waits for
   the host's dispatch, which the head groups' second core call and stream events add to;
 - ``compute_alone_host`` (the same cases): the host's time to issue the compute alone while
@@ -46,7 +46,7 @@ measures what the head groups cost the compute.
 plan (``--cluster``, default the fitted ``h200-runtime``): its attention operators forward and
 backward, recomputed ones included, scheduled on two streams as the plan's overlap runs them
 (overlap none: their sum). Timing: CUDA events (wall clock on CPU), median after warm-up, the
-slowest rank's; ranks line up at a barrier before each repeat (bench/_dist_bench).
+slowest rank's; ranks line up at a barrier before each repeat (runtime.measure.timed).
 bf16 on CUDA, fp32 over gloo on CPU (smoke tests shrink the model with the override flags).
 """
 

@@ -112,7 +112,7 @@ def ranks_per_gpu(world: int, device: torch.device) -> int:
 
 
 def setup(plan_path: Path, share_gpu: bool = False):
-    """(plan, rank, world, device) with the process group joined (bench._dist_bench.init,
+    """(plan, rank, world, device) with the process group joined (runtime.measure.init,
     ``share_gpu`` there); exits 2 on bad input."""
     try:
         plan = check_plan(plan_path, int(os.environ.get("WORLD_SIZE", 1)),

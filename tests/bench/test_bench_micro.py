@@ -101,33 +101,3 @@ def test_fused_ops_script(tmp_path):
         assert row[kind]["fwd_s"] > 0 and row[kind]["fwd_bwd_s"] > 0
     bad = _run("-m", "bench.kernels.fused_ops_gpu", "--ops", "nope", "--out", str(out), procs=1)
     assert bad.returncode == 2 and "argument --ops: invalid choice: 'nope'" in bad.stderr
-
-
-def test_calibration_micro_benchmarks_then_calibrate_from_them(tmp_path):
-    """bench/kernels/calibrate_gpu.py --smoke on 2 CPU ranks: a row of every kind the fit reads,
-    each with its shape and the cost model's prediction; `moeplan calibrate` fits a cluster from the
-    sweep alone."""
-    from plans.results import Sweep, SweepOp, read
-
-    out = tmp_path / "sweep.json"
-    r = _run("-m", "bench.kernels.calibrate_gpu", "--smoke", "--cluster", "h200", "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
-    sweep = read(Sweep, out, "sweep")
-    assert {row.op for row in sweep.rows} == set(SweepOp)
-    for row in sweep.rows:
-        assert row.measured_s > 0 and row.model_extra["predicted_s"] > 0, row.name
-        if row.op in (SweepOp.gemm, SweepOp.grouped_mm, SweepOp.flash_attn,
-                      SweepOp.attention_core, SweepOp.layer_op):
-            assert row.shape, row.name
-    assert {row.layer_op for row in sweep.rows if row.op == SweepOp.layer_op} == {
-        "attn_norm", "attn_residual", "router_topk", "dispatch_permute", "expert_swiglu",
-        "combine_unpermute"}
-    # a CPU sweep is refused against the H200 base: its factors are another device's
-    cluster = tmp_path / "c.yaml"
-    r = subprocess.run([sys.executable, "-m", "planner.cli", "calibrate", "--collectives",
-                        str(out), "--out", str(cluster), "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and not cluster.exists(), r.stdout + r.stderr
-    assert r.stderr.strip().splitlines() == [
-        "error: --collectives: measured on cpu, but --base H200-SXM's GPU is H200-SXM; "
-        "calibrate against a base cluster of that device"]

@@ -81,7 +81,7 @@ def test_a_merged_campaigns_steps_keep_their_folders_and_names(capsys):
     assert campaign.main(["h200_kernels", "--only", "calibration_h200", "expert_paths",
                           "device_fused_ops_mixtral", "fused_ops_mixtral", "--dry-run"]) == 0
     out = dict(line.split(": ", 1) for line in capsys.readouterr().out.splitlines())
-    assert out["calibration_h200"].endswith("--out calibration_h200")
+    assert out["calibration_h200"].endswith("--out bench/results/calibration_h200.json --force")
     assert out["expert_paths"].endswith("--out bench/results/h200/expert_paths/expert_paths.json")
     assert out["device_fused_ops_mixtral"].endswith(
         "--out bench/results/h200/device_sweep/fused_ops_mixtral.json")

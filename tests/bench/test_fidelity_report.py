@@ -88,7 +88,7 @@ def test_the_campaign_measures_every_suite_plan_after_the_micro_benchmarks():
     campaign = load_manifest().campaigns["h200_fidelity"]
     assert ROOT / campaign.results == fidelity_report.RESULTS
     first = campaign.steps[0]
-    assert isinstance(first, Script) and first.module == "bench.kernels.calibrate_gpu"
+    assert isinstance(first, Script) and first.module == "runtime.sweep"
     assert first.result == fidelity_report.SWEEP
     launched = {}
     for step in campaign.steps:

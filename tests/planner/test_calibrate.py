@@ -142,7 +142,7 @@ def test_bad_inputs_write_nothing(tmp_path):
     one_line_error(calibrate(SWEEP, "--plan", PLAN, "--out", out), "profile", "step_wall_s",
                    "moeplan profile")
     one_line_error(calibrate(PROFILE, "--plan", PLAN, "--collectives", PROFILE, "--out", out),
-                   "--collectives", "world", "bench/kernels/calibrate_gpu.py")
+                   "--collectives", "world", "moeplan sweep")
     wrong = tmp_path / "wrong.json"
     wrong.write_text(json.dumps({**json.loads(PROFILE.read_text()), "class_s": {"gemm": "x"}}))
     one_line_error(calibrate(wrong, "--plan", PLAN, "--out", out), "profile", "class_s.gemm")

@@ -138,6 +138,7 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                    '--steps <int range>',
                    '--warmup <int range>',
                    '--force <bool>'],
+    'sweep': ['--out <path>', '--nproc-per-node <int range>', '--smoke <bool>', '--force <bool>'],
     'calibrate': [   '--out <path>',
                      'PROFILE',
                      '--plan <path>',

@@ -1,8 +1,8 @@
-"""Micro-benchmarks of every kernel class the cost model prices, next to its predictions: what
-`moeplan calibrate --collectives` fits a cluster's efficiency factors from.
+"""Micro-benchmarks of every kernel class the cost model prices: what `moeplan calibrate
+--collectives` fits a cluster's efficiency factors from.
 
-    torchrun --standalone --nproc-per-node 2 -m bench.kernels.calibrate_gpu --cluster h200 \
-        --out bench/results/calibration_h200.json
+    moeplan sweep --nproc-per-node 2 --out sweep.json
+    (or: torchrun --standalone --nproc-per-node 2 -m runtime.sweep --out sweep.json)
 
 Kernels are spread over the ranks (each rank times its share on its own GPU), then every rank
 times NCCL collectives. The sweep covers shapes, not one model's:
@@ -22,20 +22,24 @@ times NCCL collectives. The sweep covers shapes, not one model's:
   cross-entropy) at catalog models' vocabularies (a diagnostic: no factor is fitted to it);
 - NCCL all-to-all, all-gather and reduce-scatter from 64 KiB to 512 MiB (skipped on one rank).
 
-Every row carries its shape, the measured seconds and the prediction of the cost model for the
-same work on ``--cluster`` (planner.calibrate.row_seconds). Times are medians of timed repeats
-after warm-up (CUDA events on GPU, wall clock on CPU), on random data. A kernel row is timed
-twice: one call on an idle GPU (``measured_s``: the host's dispatch inside, as a host that
-waits pays it) and its kernels with the host ahead (``device_s``: a spin kernel holds the GPU
-while the host queues the call; the die's time). ``--smoke`` runs tiny
-shapes (a CPU check of the script: gloo, fp32).
+Every row (``plans.results.SweepRow``) carries its shape and the measured seconds, no
+prediction: `moeplan calibrate` prices each row when it fits (planner.calibrate.row_seconds).
+Times are medians of timed repeats after warm-up (runtime.measure: CUDA events on GPU, wall
+clock on CPU), on random data. A kernel row is timed twice: one call on an idle GPU
+(``measured_s``: the host's dispatch inside, as a host that waits pays it) and its kernels with
+the host ahead (``device_s``: a spin kernel holds the GPU while the host queues the call; the
+die's time). ``--smoke`` runs tiny shapes (a CPU check: gloo, fp32). Bad input: one line naming
+the field, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,16 +47,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench import _dist_bench
-from bench._meta import RESULTS, write_result
-from planner.calibrate import row_seconds
-from plans import catalog
-from plans.results import SweepOp, SweepRow
+from plans import SpecError, catalog
+from plans.io import check_destination, write_atomic
+from plans.results import SweepOp
+from runtime import measure
 from runtime.kernels import weighted_scatter
 from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
 from runtime.model import AttentionCore, RMSNorm
 from runtime.moe import Router, grouped_mm, sort_by_expert
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
+from runtime.provenance import metadata
+
+EXIT_BAD_INPUT = 2
 
 
 class Grid:
@@ -114,10 +120,10 @@ def fwd_bwd(fn: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...]
 
 
 class Sweep:
-    """Rows of the sweep, each a SweepRow dict with its prediction on ``cluster``."""
+    """Rows of the sweep, each a SweepRow dict (measurements only)."""
 
-    def __init__(self, cluster, device: torch.device, dtype: torch.dtype, grid: Grid) -> None:
-        self.cluster, self.device, self.dtype, self.grid = cluster, device, dtype, grid
+    def __init__(self, device: torch.device, dtype: torch.dtype, grid: Grid) -> None:
+        self.device, self.dtype, self.grid = device, dtype, grid
         self.rows: list[dict] = []
 
     def randn(self, *shape: int, grad: bool = False) -> torch.Tensor:
@@ -127,19 +133,16 @@ class Sweep:
             backward: bool = False, nbytes: int | None = None, layer_op: str | None = None,
             measured: float | None = None) -> None:
         """Time ``fn`` (unless ``measured`` is given: one call on an idle GPU, and its kernels
-        with the host ahead, ``device_s``) and record the row with its prediction."""
+        with the host ahead, ``device_s``) and record the row."""
         device_s, g = None, self.grid
         if measured is None:  # no barrier: kernels run on each rank alone
-            measured = _dist_bench.timed(fn, self.device, g.warmup, g.repeats, barrier=False)
-            device_s = _dist_bench.device_timed(fn, self.device, g.warmup, g.repeats)
-        row = {"name": name, "op": op.value, "shape": shape or {}, "backward": backward,
-               "measured_s": measured, **({} if device_s is None else {"device_s": device_s}),
-               **({} if nbytes is None else {"bytes": nbytes}),
-               **({} if layer_op is None else {"layer_op": layer_op})}
-        predicted = row_seconds(SweepRow.model_validate(row), self.cluster)
-        if predicted is not None:
-            row.update(predicted_s=predicted, predicted_over_measured=predicted / measured)
-        self.rows.append(row)
+            measured = measure.timed(fn, self.device, g.warmup, g.repeats, barrier=False)
+            device_s = measure.device_timed(fn, self.device, g.warmup, g.repeats)
+        self.rows.append({
+            "name": name, "op": op.value, "shape": shape or {}, "backward": backward,
+            "measured_s": measured, **({} if device_s is None else {"device_s": device_s}),
+            **({} if nbytes is None else {"bytes": nbytes}),
+            **({} if layer_op is None else {"layer_op": layer_op})})
 
 
 # ---- the kernel tasks (each a closure adding rows; spread over the ranks) -----------------------
@@ -308,7 +311,7 @@ def head_loss_tasks(s: Sweep) -> list[Callable[[], None]]:
 
 def collective_rows(s: Sweep, world: int) -> None:
     """NCCL (gloo on CPU) collectives of every rank over the default group, the ranks lined up
-    at a barrier before each repeat (bench/_dist_bench.timed); ``bytes`` is the buffer
+    at a barrier before each repeat (runtime.measure.timed); ``bytes`` is the buffer
     convention of cost_models.comm (all-to-all one rank's send buffer, all-gather and
     reduce-scatter the full buffer)."""
     es = torch.tensor([], dtype=s.dtype).element_size()
@@ -323,24 +326,25 @@ def collective_rows(s: Sweep, world: int) -> None:
             (SweepOp.reduce_scatter, "KiB full",
              lambda x=x, sh=shard: reduce_scatter_into(sh, x)),
         ):
-            measured = _dist_bench.timed(fn, s.device, g.warmup, g.repeats)
+            measured = measure.timed(fn, s.device, g.warmup, g.repeats)
             s.add(op, f"{op.value} {kib} {label}", fn, nbytes=size, measured=measured)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cluster", default="h200")
-    ap.add_argument("--out", default="calibration_h200",
-                    help="a name (written to bench/results/NAME.json) or a .json path")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
-    ap.add_argument("--kernel-budget-s", type=float, default=150.0,
-                    help="start no kernel task after this many seconds (the rest are skipped)")
-    args = ap.parse_args()
-    rank, world, device, dtype = _dist_bench.init(timedelta(minutes=10))
-    cuda = device.type == "cuda"
-    cluster = catalog.load_cluster(args.cluster, gpus=max(world, 1))
-    torch.manual_seed(rank)
-    sweep = Sweep(cluster, device, dtype, Grid(args.smoke))
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.sweep",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="the sweep's JSON")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--kernel-budget-s", type=float, default=150.0,
+                   help="start no kernel task after this many seconds (the rest are skipped)")
+    return p.parse_args(argv)
+
+
+def run_kernels(sweep: Sweep, rank: int, world: int, budget_s: float
+                ) -> tuple[float, list[str], int]:
+    """This rank's share of the kernel tasks, each started within ``budget_s``: (seconds,
+    the failed tasks' lines, the skipped tasks' count)."""
     tasks = [*gemm_tasks(sweep), *grouped_tasks(sweep), *attention_tasks(sweep),
              *attention_core_tasks(sweep),
              *memory_tasks(sweep), *layer_op_tasks(sweep), *head_loss_tasks(sweep)]
@@ -350,7 +354,7 @@ def main() -> None:
     for i, task in enumerate(tasks):
         if i % world != rank:
             continue
-        if time.perf_counter() - t0 > args.kernel_budget_s:
+        if time.perf_counter() - t0 > budget_s:
             skipped += 1  # the collectives and the file still come, whatever the kernels took
             continue
         first = len(sweep.rows)
@@ -361,9 +365,30 @@ def main() -> None:
             reason = (str(e).splitlines() or [""])[0][:200]
             failed.append(f"task {i} after {where}: {type(e).__name__}: {reason}")
             print(f"rank {rank}: {failed[-1]}", flush=True)
-        if cuda:
+        if sweep.device.type == "cuda":
             torch.cuda.empty_cache()
-    kernel_s = time.perf_counter() - t0
+    return time.perf_counter() - t0, failed, skipped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        if args.kernel_budget_s <= 0:
+            raise SpecError("--kernel-budget-s must be > 0")
+        check_destination(args.out, "--out", args.force)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if torch.cuda.is_available() and local > torch.cuda.device_count():
+            raise SpecError(f"LOCAL_WORLD_SIZE: {local} processes, but this machine has "
+                            f"{torch.cuda.device_count()} GPUs (one a process)")
+    except SpecError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    rank, world, device, dtype = measure.init(timedelta(minutes=10))
+    torch.manual_seed(rank)
+    sweep = Sweep(device, dtype, Grid(args.smoke))
+    kernel_s, failed, skipped = run_kernels(sweep, rank, world, args.kernel_budget_s)
     rows = sweep.rows
     if world > 1:
         gathered: list = [None] * world
@@ -374,26 +399,24 @@ def main() -> None:
         sweep.rows = []
         collective_rows(sweep, world)
         rows += sweep.rows
-    _dist_bench.finish(world)
+    measure.finish(world)
     if rank != 0:
-        return
-    payload = {
-        "benchmark": "kernel and collective times vs cost-model predictions",
-        "cluster_spec": args.cluster, "world": world, "kernel_ranks": world,
-        "kernel_wall_s": kernel_s, "kernel_tasks_failed": failed,
-        "kernel_tasks_skipped": skipped, "rows": rows,
-    }
-    # a name is written to bench/results/NAME.json (indent 2), a .json path as given (indent 1)
-    named = Path(args.out).suffix != ".json"
-    path = RESULTS / f"{Path(args.out).stem}.json" if named else Path(args.out)
-    write_result(path, payload, indent=2 if named else 1)
+        return 0
+    doc = {**metadata(), "benchmark": "kernel and collective times", "world": world,
+           "kernel_ranks": world, "kernel_wall_s": kernel_s, "kernel_tasks_failed": failed,
+           "kernel_tasks_skipped": skipped, "rows": rows}
+    try:
+        write_atomic(args.out, json.dumps(doc, indent=1) + "\n", "--out", args.force)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     for r in rows:
-        pred = r.get("predicted_s")
-        ratio = f"{r['predicted_over_measured']:5.2f}" if pred else "  -  "
-        print(f"{r['name']:52s} measured {r['measured_s'] * 1e3:9.3f} ms  pred/meas {ratio}")
+        dev = f"{r['device_s'] * 1e3:9.3f} ms" if "device_s" in r else f"{'-':>9}"
+        print(f"{r['name'][:44]:44s} {r['measured_s'] * 1e3:9.3f} ms  device {dev}")
     print(f"{len(rows)} rows, kernels {kernel_s:.0f} s ({len(failed)} tasks failed, {skipped} "
-          f"skipped); wrote {path}")
+          f"skipped); wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
