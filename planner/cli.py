@@ -1024,8 +1024,8 @@ def profile_cmd(
 def sweep_cmd(
     out: Annotated[Path, typer.Option("--out", help="Sweep JSON to write.")],
     nproc_per_node: Annotated[int, typer.Option(
-        "--nproc-per-node", min=2, help="Processes, one GPU each (the collectives need "
-        "a peer).")] = 2,
+        "--nproc-per-node", min=1, help="Processes, one GPU each; 1 times kernels and "
+        "copies only (collectives need a peer).")] = 2,
     smoke: Annotated[bool, typer.Option("--smoke", help="Tiny shapes (a CPU check).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
 ) -> None:

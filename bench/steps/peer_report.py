@@ -18,6 +18,8 @@ MODELS = {"qwen3-30b-a3b": "qwen4l", "mixtral-8x7b": "mixtral2l", "deepseekmoe":
 """Model -> the shape in its result files' names."""
 CAPPED = {"qwen3-30b-a3b": "peer_step_capped.json", "mixtral-8x7b": "peer_step_capped.json",
           "deepseekmoe": "peer_step_capped_deepseek4l.json"}
+H100 = ROOT / "bench" / "results" / "h100" / "peer_steps"
+"""The capped plans on an H100, beside torchtitan's compiled step rerun in the same call."""
 RELAUNCH = "relaunch_mixtral2l_capped.json"
 """The capped plan relaunched over its first launch's compile cache (h200_peer_steps's
 relaunch_mixtral2l_capped)."""
@@ -80,6 +82,21 @@ def _target(model: str, label: str, ours: dict, peer: dict) -> tuple[str, list[s
                 "no more" if fits else "more"]), misses
 
 
+def h100_rows() -> list[str]:
+    """Ours on the plans priced on h100-runtime (``--plans capped_h100``), and on
+    h200-runtime's pick where it is another plan, against torchtitan compiled on the H100."""
+    lines = []
+    for model, shape in MODELS.items():
+        peer = load(H100 / f"peer_step_{shape}_compiled.json")["models"][model]["peer"]
+        ours = load(H100 / "peer_step_capped_h100.json")["models"][model]
+        h200 = load(H100 / CAPPED[model])["models"][model]
+        picks = [("h100-runtime", ours)] + ([("h200-runtime", h200)]
+                                           if h200["plan_summary"] != ours["plan_summary"] else [])
+        lines += [_target(model, f"{cluster} `{run['plan_summary']}`", run["ours"], peer)[0]
+                  for cluster, run in picks]
+    return lines
+
+
 def relaunch() -> tuple[dict[str, str], list[str]]:
     r = load(RESULTS / RELAUNCH)
     graphs = r["compiled_graphs"]["first_step"]
@@ -103,6 +120,7 @@ def render() -> tuple[str, list[str]]:
     relaunched, missed = relaunch()
     version = load(RESULTS / "peer_step_qwen4l.json")["wheels"]["torchtitan"]
     text = fill("peer_steps.md.tmpl", {"rows": "\n".join(rows), "targets": "\n".join(targets),
+                                       "h100": "\n".join(h100_rows()),
                                        **relaunched, "relaunched": RELAUNCH,
                                        "torchtitan": version})
     return text, misses + missed

@@ -58,3 +58,17 @@ def test_sweep_refuses_an_out_it_cannot_write_before_it_starts(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().splitlines() == [
         f"error: --out: {out}: cannot write (folder {out.parent} does not exist)"]
+
+
+def test_a_one_process_sweep_times_kernels_and_copies_only(tmp_path):
+    """One process (one GPU): no collective rows, and the sweep is still a Sweep calibrate
+    reads (its links then keep the base cluster's)."""
+    from plans.results import Sweep, SweepOp, read
+
+    out = tmp_path / "sweep.json"
+    r = _run("-m", "planner.cli", "sweep", "--smoke", "--nproc-per-node", "1", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    sweep = read(Sweep, out, "sweep")
+    assert sweep.world == 1
+    ops = {row.op for row in sweep.rows}
+    assert not any(op.collective for op in ops) and SweepOp.copy in ops
