@@ -664,7 +664,7 @@ class Efficiency(Frozen):
     fused regions are priced by ``fused_elementwise`` alone. Fitted by `moeplan calibrate` with
     ``elementwise`` to the runtime's layer operators timed one at a time; 0: bytes only (the
     uncalibrated default)."""
-    gather_scatter: Fraction = 0.306
+    gather_scatter: Fraction = 0.304
     """Achieved HBM bandwidth / peak of the eager runtime's token permutation (row gathers,
     scatters and index-adds, counted pass by pass in cost_models.dispatch): used for plans with
     ``kernels: eager``. Default: the fit to moeplan's dispatchers on 2 H200s

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 H200 = ROOT / "bench" / "results" / "h200"
 PROFILE = H200 / "profile_mixtral2l_1gpu.json"
 PLAN = ROOT / "bench" / "gpu_plans" / "mixtral2l_1gpu.json"
-SWEEP = ROOT / "bench" / "results" / "calibration_h200.json"
+SWEEP = H200 / "fidelity" / "calibration_h200.json"
 SHIPPED = ROOT / "plans" / "catalog" / "clusters" / "h200-runtime.yaml"
 FUSED_PROFILE = H200 / "fidelity" / "profile_mixtral2l_1gpu_mbs8_fused.json"
 FUSED_PLAN = ROOT / "bench" / "gpu_plans" / "mixtral2l_1gpu_mbs8_fused.json"
@@ -54,8 +54,10 @@ def test_the_shipped_cluster_is_what_the_committed_measurements_give(calibrated)
     derived = yaml.safe_load(out.read_text())
     assert derived == yaml.safe_load(SHIPPED.read_text())
     eff = derived["efficiency"]
-    # this runtime's unfused memory-bound operators are far from the fused-kernel ideal
-    assert eff["elementwise"] < 0.2 and 0.3 < eff["grouped_gemm"] < 1
+    # this runtime's unfused memory-bound operators are far from the fused-kernel ideal, and
+    # each call of one costs the host's dispatch (the sweep's layer-operator rows)
+    assert eff["elementwise"] < 0.4 and 0.3 < eff["grouped_gemm"] < 1
+    assert 10 < eff["elementwise_launch_us"] < 30
     # fused regions fitted to their kernel time, not the step's wall: near the Hopper
     # micro-benchmark's 0.486 (plans/catalog/efficiency/hopper.yaml), below the HBM peak
     assert eff["elementwise"] < 0.4 < eff["fused_elementwise"] < 0.8
