@@ -1060,7 +1060,8 @@ def overlap_cmd(
     \b
     Example:
       moeplan overlap --out beside.json
-      moeplan calibrate --collectives sweep.json --overlap beside.json --out my-gpu.yaml
+      moeplan calibrate --collectives sweep.json --overlap beside.json \\
+          --out my-gpu.yaml
     """
     _need_torch("overlap")
     _check_out(out, force)
