@@ -1,7 +1,7 @@
 """Shared pieces of the GPU benchmarks: the launch and the timing of runtime.measure (one
-owner: `moeplan sweep` times with them too; the scripts import them from here), the slowest
-rank's value, a step's time fields, and raw collectives of the sizes the cost model's
-Transfers name. Imports torch, plans and cost_models (never planner)."""
+owner: `moeplan sweep` times with them too; the scripts import them from here), a step's time
+fields, and raw collectives of the sizes the cost model's Transfers name. Imports torch, plans
+and cost_models (never planner)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from cost_models.compute import ACT_BYTES
 from cost_models.volumes import Collective, Transfer
 from plans import Plan
 from plans.specs import mfu
-from runtime.measure import device_timed, finish, init, spun, timed  # noqa: F401 (re-exported)
+from runtime.measure import device_timed, finish, init, slowest, spun, timed  # noqa: F401
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
 
 
@@ -39,15 +39,6 @@ def step_times(warm: list[float], times: list[float], plan: Plan, world: int) ->
             "step_median_s": sorted(times)[len(times) // 2],
             "tokens_per_s": t.tokens_per_step / mean,
             "mfu": mfu(plan.model, t.seq_len, t.tokens_per_step, mean, world, plan.cluster.gpu)}
-
-
-def slowest(value: float, device: torch.device) -> float:
-    """The maximum of ``value`` over ranks (a step waits for its slowest rank)."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
 
 
 def elements(transfer: Transfer, n: int) -> int:

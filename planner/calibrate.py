@@ -432,8 +432,8 @@ def fit_kernels(sweep: Sweep, base: ClusterSpec) -> dict[str, float]:
 
 
 def fit_overlap(bench: OverlapBench) -> float:
-    """efficiency.overlap from NCCL beside the expert GEMMs (bench/kernels/copy_engine_gpu.py): the
-    share of the collectives' time that running beside the GEMMs saved, pooled over the
+    """efficiency.overlap from NCCL beside the expert GEMMs (`moeplan overlap`, runtime/beside.py):
+    the share of the collectives' time that running beside the GEMMs saved, pooled over the
     shapes, sum(compute + nccl - beside) / sum(nccl), within [0, 1]. Below 0 (together slower
     than one after the other: the collective's SMs and memory traffic slow the GEMMs) nothing
     was hidden, and the cost model's inter-operator schedule then prices its chunked layer run

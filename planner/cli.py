@@ -1046,6 +1046,31 @@ def sweep_cmd(
                   *(["--force"] if force else [])], "the sweep")
 
 
+@app.command("overlap", short_help="Time NCCL beside the expert GEMMs (for calibrate).")
+@user_errors
+def overlap_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Measurement JSON to write.")],
+    smoke: Annotated[bool, typer.Option("--smoke", help="Small shapes (a CPU check).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Time an EP = 2 dispatch's NCCL all-to-all (and a copy-engine peer copy) alone and
+    beside the expert GEMMs on two of this machine's GPUs (python -m runtime.beside under
+    torchrun): the --overlap input of `calibrate`, which fits the share it hides.
+
+    \b
+    Example:
+      moeplan overlap --out beside.json
+      moeplan calibrate --collectives sweep.json --overlap beside.json \\
+          --out my-gpu.yaml
+    """
+    _need_torch("overlap")
+    _check_out(out, force)
+    _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
+                  "1", "--nproc-per-node", "2", "-m", "runtime.beside", "--out", str(out),
+                  *(["--smoke"] if smoke else []), *(["--force"] if force else [])],
+                 "the overlap measurement")
+
+
 def _run_runtime(cmd: list[str], what: str) -> None:
     """Run a runtime command ``cmd``; its failure as one line and its exit status."""
     import subprocess
@@ -1077,8 +1102,8 @@ def calibrate_cmd(
                               "NCCL collectives).")
     ] = None,
     overlap: Annotated[Path | None, typer.Option(
-        "--overlap", help="bench/kernels/copy_engine_gpu.py's result (NCCL beside the expert "
-                          "GEMMs, 2 GPUs): sets efficiency.overlap.")
+        "--overlap", help="`moeplan overlap`'s JSON (NCCL beside the expert GEMMs, 2 "
+                          "GPUs): sets efficiency.overlap.")
     ] = None,
     base: Annotated[str, typer.Option(
         "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",

@@ -276,7 +276,7 @@ class OverlapBench(Result):
     """An NCCL collective on a side stream beside the expert GEMMs (and a copy-engine peer
     copy beside them, which calibration does not read)."""
 
-    SOURCE: ClassVar[str] = "bench/kernels/copy_engine_gpu.py"
+    SOURCE: ClassVar[str] = "moeplan overlap"
 
     world: int = Field(ge=2)
     rows: list[OverlapRow] = Field(min_length=1)

@@ -1,7 +1,8 @@
 """Measuring calls on a launch's devices: the launch joined (``init``, ``finish``), one call
 timed on an idle GPU (``timed``) and its kernels timed with the host ahead (``device_timed``,
-``spun``). Medians after warm-up: CUDA events on GPU, wall clock on CPU. `moeplan sweep`
-(runtime/sweep.py) and bench/'s scripts time with these."""
+``spun``), the slowest rank's value (``slowest``). Medians after warm-up: CUDA events on GPU,
+wall clock on CPU. `moeplan sweep` (runtime/sweep.py), `moeplan overlap` (runtime/beside.py)
+and bench/'s scripts time with these."""
 
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def init(timeout: timedelta = timedelta(minutes=5), share_gpu: bool = False
 def finish(world: int) -> None:
     if world > 1:
         end_process_groups()
+
+
+def slowest(value: float, device: torch.device) -> float:
+    """The maximum of ``value`` over ranks (a step waits for its slowest rank)."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def _sync(device: torch.device) -> None:

@@ -44,7 +44,7 @@ TEMPLATE = "fidelity.md.tmpl"
 AT_SCALE = ROOT / "docs" / "fidelity_at_scale.md"
 SWEEP = "calibration_h200.json"
 OVERLAP = "copy_engine_x2.json"
-"""The machine's NCCL-beside-GEMM micro-benchmark (bench/kernels/copy_engine_gpu.py), next to the
+"""The machine's NCCL-beside-GEMM micro-benchmark (`moeplan overlap`), next to the
 suite's folder: it sets efficiency.overlap (planner.calibrate.fit_overlap)."""
 BASE = "h200"
 NAME = "H200-SXM-fidelity"

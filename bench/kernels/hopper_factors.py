@@ -38,10 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 
+import yaml
+
 from bench._meta import write
 from bench.report import ROOT
 from cost_models.compute import WIDE_HEAD_DIM
 from planner.calibrate import (
+    DEVICE_TIMED,
     fit_gemm,
     fit_grouped,
     fit_kernels,
@@ -67,6 +70,9 @@ FUSED_OPS = ("rms_norm", "rope", "swiglu", "permute", "unpermute")
 (cost_models.layer_graph); the router is priced at elementwise in both kernel sets."""
 HOPPER = ("h100", "h800", "h200")
 """The catalog's clusters of the GH100 die."""
+NOT_CARRIED = ROOT / "bench" / "data" / "hopper_not_carried.yaml"
+"""What the H200 sweep fits and the catalog's Hopper clusters do not carry, each with its reason
+(``fitted`` names the value results() reports beside it)."""
 CARRIED = ("gemm", "gemm_launch_us", "grouped_gemm", "grouped_gemm_launch_us",
            "grouped_gemm_half_rows", "grouped_gemm_stream_tb_s", "attention", "attention_wide_bwd",
            "fused_elementwise")
@@ -82,27 +88,19 @@ def base() -> object:
     return catalog.load_cluster("h200").model_copy(update={"efficiency": Efficiency()})
 
 
-def device_rows(sweep: Sweep, op: SweepOp) -> list:
-    """The sweep's rows of ``op`` that recorded a device time, at that time."""
-    return [on_device(r) for r in shaped_rows(sweep, op) if r.device_s]
-
-
-def carried(sweep: Sweep) -> dict[str, float]:
-    """The die-and-kernel factors, fitted to the sweep's device times."""
-    h200 = base()
-    gemm = fit_gemm(device_rows(sweep, SweepOp.gemm), h200)
-    grouped = fit_grouped(device_rows(sweep, SweepOp.grouped_mm), h200)
-    sdpa = device_rows(sweep, SweepOp.flash_attn)
-    attention = sig3(fit_peak(sdpa, h200, "attention"))
-    wide = [r for r in sdpa if r.shape["head_dim"] > WIDE_HEAD_DIM]
-    wide_bwd = fit_peak(wide, h200, "attention_wide_bwd", attention=attention)
-    return {"gemm": sig3(gemm["gemm"]), "gemm_launch_us": sig3(gemm["gemm_launch_us"]),
-            "grouped_gemm": sig3(grouped["grouped_gemm"]),
-            "grouped_gemm_launch_us": sig3(grouped["grouped_gemm_launch_us"]),
-            "grouped_gemm_half_rows": sig3(grouped["grouped_gemm_half_rows"]),
-            "grouped_gemm_stream_tb_s": sig3(grouped["grouped_gemm_stream_tb_s"]),
-            "attention": attention, "attention_wide_bwd": sig3(wide_bwd),
-            "fused_elementwise": sig3(fused_rate()["fraction"])}
+def carried(sweep: Sweep, kernels: dict[str, float]) -> dict[str, float]:
+    """The die-and-kernel factors: planner.calibrate.fit_kernels' fit of the sweep's GEMM,
+    grouped-GEMM and bare-SDPA rows at their device times (``kernels``), the wide heads'
+    backward and the fused operators' rate."""
+    missing = [r.name for r in sweep.rows if r.op in DEVICE_TIMED and r.shape and not r.device_s]
+    if missing:  # fit_kernels would fit these at their one-call time, the host's dispatch in
+        raise SystemExit(f"error: {SWEEP}: kernel rows without a device time: {missing[:3]}")
+    factors = {k: sig3(kernels[k]) for k in CARRIED if k in kernels}
+    wide = [on_device(r) for r in shaped_rows(sweep, SweepOp.flash_attn)
+            if r.shape["head_dim"] > WIDE_HEAD_DIM]
+    wide_bwd = fit_peak(wide, base(), "attention_wide_bwd", attention=factors["attention"])
+    return factors | {"attention_wide_bwd": sig3(wide_bwd),
+                      "fused_elementwise": sig3(fused_rate()["fraction"])}
 
 
 def fused_rate() -> dict:
@@ -151,44 +149,19 @@ def host_share(sweep: Sweep, factors: dict[str, float]) -> dict[str, float]:
 
 def results() -> dict:
     sweep = read(Sweep, SWEEP, "sweep")
-    factors = carried(sweep)
     kernels = fit_kernels(sweep, base())
+    factors = carried(sweep, kernels)
     launches = [fit_gemm(shaped_rows(sweep, SweepOp.gemm), base())["gemm_launch_us"],
                 fit_grouped(shaped_rows(sweep, SweepOp.grouped_mm),
                             base())["grouped_gemm_launch_us"]]
     runtime_cluster = catalog.load_cluster("h200-runtime").efficiency
-    not_carried = {
-        "gemm_launch_us, grouped_gemm_launch_us (one call)": {
-            "fitted": launches,
-            "why": "the sweep's rows timed one call between CUDA events on an idle GPU: "
-                   "PyTorch's dispatch of the call on the host is inside (host_share), which a "
-                   "step whose host runs ahead of the GPU does not pay; the device times' fit "
-                   "is carried instead"},
-        "attention (attention core)": {
-            "fitted": kernels["attention"],
-            "why": "the runtime's attention core rows (eager RoPE, GQA expansion, SDPA) check "
-                   "the prologue the cost model prices on its own (LayerOperator.rope) with "
-                   "SDPA: they are not a factor of the die"},
-        "elementwise": {
-            "fitted": kernels["elementwise"],
-            "why": "this runtime's eager memory-bound layer operators (several passes per "
-                   "operator where a fused kernel makes one), one call at a time: their "
-                   "host dispatch is inside"},
-        "fused_elementwise (h200-runtime)": {
-            "fitted": runtime_cluster.fused_elementwise,
-            "why": "what is left of this runtime's profiled fused step (h200-runtime): its "
-                   "torch.compile regions, their host dispatch and everything else the model "
-                   "does not price there; the die's fused rate is carried from device times "
-                   "instead (fused_rate)"},
-        "gather_scatter, dispatch_floor_us": {
-            "fitted": runtime_cluster.gather_scatter,
-            "why": "this runtime's eager token permutation and its host waits"},
-        "nvlink_latency_us, nvlink, nvlink_all_to_all": {
-            "fitted": runtime_cluster.nvlink,
-            "why": "NCCL over H200's 18 NVLink 4 links; H100 has the same links but the "
-                   "catalog keeps its prior until an H100 node is measured, and H800 has 8 "
-                   "(its NVLink is DeepSeek-V3's measured 160 GB/s)"},
-    }
+    fitted = {"one_call_launches": launches, "attention_core": kernels["attention"],
+              "elementwise": kernels["elementwise"],
+              "runtime_fused_elementwise": runtime_cluster.fused_elementwise,
+              "runtime_gather_scatter": runtime_cluster.gather_scatter,
+              "runtime_nvlink": runtime_cluster.nvlink}
+    not_carried = {name: {"fitted": fitted[why["fitted"]], "why": why["why"]}
+                   for name, why in yaml.safe_load(NOT_CARRIED.read_text()).items()}
     return {"benchmark": "Hopper efficiency factors carried from the H200 sweep to the catalog",
             "sweep": str(SWEEP.relative_to(ROOT)), "sweep_commit": sweep.commit,
             "clusters": list(HOPPER), "carried": factors,

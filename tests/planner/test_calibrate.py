@@ -231,5 +231,5 @@ def test_profile_refuses_a_plan_for_several_gpus(tmp_path):
 
 def test_an_overlap_file_of_another_kind_is_one_line_naming_the_option(tmp_path):
     r = calibrate("--collectives", SWEEP, "--overlap", PROFILE, "--out", tmp_path / "c.yaml")
-    one_line_error(r, "--overlap", "world", "copy_engine_gpu.py")
+    one_line_error(r, "--overlap", "world", "moeplan overlap")
     assert not (tmp_path / "c.yaml").exists()

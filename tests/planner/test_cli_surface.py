@@ -139,6 +139,7 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                    '--warmup <int range>',
                    '--force <bool>'],
     'sweep': ['--out <path>', '--nproc-per-node <int range>', '--smoke <bool>', '--force <bool>'],
+    'overlap': ['--out <path>', '--smoke <bool>', '--force <bool>'],
     'calibrate': [   '--out <path>',
                      'PROFILE',
                      '--plan <path>',

@@ -174,7 +174,8 @@ def test_help_reads_whole_at_80_columns():
     top = narrow.invoke(app, ["--help"]).output
     commands = top.split("Commands:")[1]
     assert "..." not in commands and "Megatron-Core's best" in commands
-    for command in ("", "search", "whatif", "scale", "train", "export", "calibrate", "sweep"):
+    for command in ("", "search", "whatif", "scale", "train", "export", "calibrate", "sweep",
+                    "overlap"):
         out = narrow.invoke(app, [command, "--help"] if command else ["--help"]).output
         assert max(len(line) for line in out.splitlines()) <= 80, (command, out)
     train = narrow.invoke(app, ["train", "--help"]).output

@@ -1,5 +1,5 @@
-"""bench/kernels/copy_engine_gpu.py on CPU: 2 gloo processes, shapes scaled down (smoke test of the
-script the copy-engine spike runs on 2 H200s)."""
+"""`moeplan overlap` (runtime/beside.py) on CPU: 2 gloo processes, shapes scaled down
+(--smoke)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _run(procs: int, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(procs), "-m", "bench.kernels.copy_engine_gpu", "--out", str(out), "--scale", "0.02",
-         "--warmup", "1", "--repeats", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_path):
+    from plans.results import OverlapBench, read
+
     out = tmp_path / "ce.json"
-    r = _run(2, out)
+    r = _run("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
     assert doc["world"] == 2 and doc["backend"] == "gloo"
@@ -37,12 +36,14 @@ def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_
             row["nccl_beside_compute_s"] / max(row["compute_s"], row["nccl_s"]))
         assert row["copy_engine"] == {"status": "unavailable",
                                       "reason": "no CUDA IPC on CPU"}
+    assert read(OverlapBench, out, "--overlap").world == 2  # what calibrate --overlap reads
+    again = _run("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --out: {out} exists; pass --force to replace it"]
 
 
 def test_one_rank_is_refused_in_one_line(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.kernels.copy_engine_gpu", "--out",
-                        str(tmp_path / "x.json")], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+    r = _run("-m", "runtime.beside", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: WORLD_SIZE: this benchmark runs on exactly 2 ranks"]
     assert not (tmp_path / "x.json").exists()

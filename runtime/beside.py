@@ -1,38 +1,49 @@
-"""Does a copy-engine transfer overlap an expert GEMM where NCCL on a side stream does not?
+"""Does communication beside the expert GEMMs hide its time? What `moeplan calibrate --overlap`
+fits the share of hidden communication (efficiency.overlap) from.
 
-    torchrun --nproc-per-node 2 -m bench.kernels.copy_engine_gpu \
-        --out bench/results/h200/copy_engine_x2.json
+    moeplan overlap --out beside.json
+    (or: torchrun --standalone --nproc-per-node 2 -m runtime.beside --out beside.json)
 
-A copy-engine transfer leaves the SMs to compute (issue 11, item 3). This measures the
-mechanism alone, per MoE shape at EP = 2: the experts' forward grouped GEMMs on the compute
-stream, and the dispatch volume (the half of the routed rows that go to the peer) moved
+Per MoE shape at EP = 2: the experts' forward grouped GEMMs on the compute stream, and the
+dispatch volume (the half of the routed rows that go to the peer) moved
 
 - by NCCL (`all_to_all_single`, the runtime's dispatcher) on a communication stream, and
 - by a peer copy into the peer's receive buffer, opened here through CUDA IPC (`copy_` across
   two GPUs is one `cudaMemcpyPeerAsync`, which a copy engine carries over NVLink) on a copy
-  stream,
+  stream (a copy engine leaves the SMs to compute; calibration does not read it),
 
 each alone and each beside the GEMMs. Overlap ratio = both together / max(each alone): 1.0 is
 perfect overlap, (a + b) / max(a, b) is none. A profiler pass records which device activity
-the peer copy ran as (a memcpy, not a kernel, is what keeps SMs free).
+the peer copy ran as (a memcpy, not a kernel, is what keeps SMs free). Times: runtime.measure,
+the slowest rank's.
 
-On CPU (gloo) only the NCCL-shaped path exists: the copy-engine rows say `unavailable`, which
-is what the smoke test checks; the numbers are for H200s.
+On CPU (gloo) only the NCCL-shaped path exists: the copy-engine rows say `unavailable`.
+``--smoke`` runs the shapes scaled down (a CPU check). Bad input: one line naming the field,
+exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench._dist_bench import finish, init, slowest, timed
-from bench._meta import bad_input, write_result
+from plans import SpecError
+from plans.io import check_destination, write_atomic
+from runtime.measure import finish, init, slowest, timed
 from runtime.moe import grouped_mm
+from runtime.provenance import metadata
+
+EXIT_BAD_INPUT = 2
+SMOKE_SCALE = 0.02
+"""--smoke: tokens and widths times this, one warm-up call and one timed repeat."""
 
 
 @dataclass(frozen=True)
@@ -176,34 +187,47 @@ def measure(shape: Shape, device, dtype, warmup: int, repeats: int) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="shrink tokens and widths (CPU smoke runs)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=10)
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m runtime.beside",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="the measurement's JSON")
+    p.add_argument("--smoke", action="store_true", help="shapes scaled down (a CPU check)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = p.parse_args(argv)
+    scale, warmup, repeats = (SMOKE_SCALE, 1, 1) if args.smoke else (1.0, 3, 10)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        if int(os.environ.get("WORLD_SIZE", 1)) != 2:
+            raise SpecError("WORLD_SIZE: this benchmark runs on exactly 2 ranks")
+        check_destination(args.out, "--out", args.force)
+    except SpecError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     rank, world, device, dtype = init()
-    if world != 2:
-        return bad_input("WORLD_SIZE: this benchmark runs on exactly 2 ranks", rank)
-    rows = [measure(s.scaled(args.scale), device, dtype, args.warmup, args.repeats)
-            for s in SHAPES]
-    if rank == 0:
-        doc = {"benchmark": "copy-engine peer copy vs NCCL beside expert GEMMs",
-               "world": world, "backend": dist.get_backend(), "dtype": str(dtype),
-               "peer_access": peer_access(device), "rows": rows}
-        write_result(args.out, doc)
-        for r in rows:
-            ce = r["copy_engine"]
-            ce_text = (f"copy {ce['copy_s'] * 1e3:.2f} ms, beside "
-                       f"{ce['copy_beside_compute_s'] * 1e3:.2f} (ratio "
-                       f"{ce['overlap_ratio']:.2f})" if ce["status"] == "ok"
-                       else f"copy engine {ce['status']}")
-            print(f"{r['shape']['name']}: compute {r['compute_s'] * 1e3:.2f} ms, nccl "
-                  f"{r['nccl_s'] * 1e3:.2f}, beside {r['nccl_beside_compute_s'] * 1e3:.2f} "
-                  f"(ratio {r['nccl_overlap_ratio']:.2f}); {ce_text}", flush=True)
+    rows = [measure(s.scaled(scale), device, dtype, warmup, repeats) for s in SHAPES]
+    backend = dist.get_backend()
     finish(world)
+    if rank != 0:
+        return 0
+    doc = {**metadata(), "benchmark": "copy-engine peer copy vs NCCL beside expert GEMMs",
+           "world": world, "backend": backend, "dtype": str(dtype),
+           "peer_access": peer_access(device), "rows": rows}
+    try:
+        write_atomic(args.out, json.dumps(doc, indent=2) + "\n", "--out", args.force)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for r in rows:
+        ce = r["copy_engine"]
+        ce_text = (f"copy {ce['copy_s'] * 1e3:.2f} ms, beside "
+                   f"{ce['copy_beside_compute_s'] * 1e3:.2f} (ratio "
+                   f"{ce['overlap_ratio']:.2f})" if ce["status"] == "ok"
+                   else f"copy engine {ce['status']}")
+        print(f"{r['shape']['name']}: compute {r['compute_s'] * 1e3:.2f} ms, nccl "
+              f"{r['nccl_s'] * 1e3:.2f}, beside {r['nccl_beside_compute_s'] * 1e3:.2f} "
+              f"(ratio {r['nccl_overlap_ratio']:.2f}); {ce_text}", flush=True)
+    print(f"wrote {args.out}")
     return 0
 
 
