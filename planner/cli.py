@@ -1071,6 +1071,34 @@ def overlap_cmd(
                  "the overlap measurement")
 
 
+@app.command("dispatch", short_help="Time the EP dispatchers over shapes (for calibrate).")
+@user_errors
+def dispatch_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Measurement JSON to write.")],
+    nproc_per_node: Annotated[int, typer.Option(
+        "--nproc-per-node", min=2, help="Processes, one GPU each: the EP group.")] = 2,
+    smoke: Annotated[bool, typer.Option("--smoke", help="Tiny shapes (a CPU check).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Time the runtime's two EP dispatchers (all-to-all; all-gather + reduce-scatter),
+    dispatch and combine, forward and backward, over hidden sizes, expert counts, tokens and
+    top-k on this machine's GPUs (python -m runtime.dispatch_sweep under torchrun): the
+    --dispatch input of `calibrate`, which fits the eager dispatch's factors.
+
+    \b
+    Example:
+      moeplan dispatch --out dispatch.json
+      moeplan calibrate --collectives sweep.json --dispatch dispatch.json \\
+          --out my-gpu.yaml
+    """
+    _need_torch("dispatch")
+    _check_out(out, force)
+    _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
+                  "1", "--nproc-per-node", str(nproc_per_node), "-m", "runtime.dispatch_sweep",
+                  "--out", str(out), *(["--smoke"] if smoke else []),
+                  *(["--force"] if force else [])], "the dispatcher sweep")
+
+
 def _run_runtime(cmd: list[str], what: str) -> None:
     """Run a runtime command ``cmd``; its failure as one line and its exit status."""
     import subprocess
