@@ -1133,6 +1133,10 @@ def calibrate_cmd(
         "--overlap", help="`moeplan overlap`'s JSON (NCCL beside the expert GEMMs, 2 "
                           "GPUs): sets efficiency.overlap.")
     ] = None,
+    dispatch: Annotated[Path | None, typer.Option(
+        "--dispatch", help="`moeplan dispatch`'s JSON (the EP dispatchers): sets "
+                           "gather_scatter and dispatch_floor_us, fitted last.")
+    ] = None,
     base: Annotated[str, typer.Option(
         "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",
     fused_profile: Annotated[Path | None, typer.Option(
@@ -1172,26 +1176,18 @@ def calibrate_cmd(
         raise plans.SpecError("--plan: the 1-GPU plan that was profiled is needed with a "
                               "profile")
     given = _calibration_inputs(profile, plan, collectives, overlap, fused_profile, fused_plan,
-                                runs, base_cluster)
-    result = cal.calibrate(given.profile, given.plan, base_cluster,
-                           name or f"{base_cluster.name}-calibrated", given.sweep,
-                           given.overlap)
-    if given.fused is not None:
-        eager = (given.profile, given.plan) if given.profile is not None else None
-        result = cal.with_fused_step(result, given.fused, given.fused_plan, eager)
+                                runs, base_cluster, dispatch)
+    result = _fit(given, base_cluster, name or f"{base_cluster.name}-calibrated")
     pairs = cal.runs_with_plans(runs, plans_dir) if runs else []
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
                               f"in {plans_dir} (--plans)")
     fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
     rows, held, held_before = _fidelity_rows(pairs, result.cluster, fitted)
-    sources = ([f"profile {profile.name}, commit {given.profile.commit}"] if profile else []
-               ) + ([f"collectives {collectives.name}, commit {given.sweep.commit}"]
-                    if given.sweep else []
-                    ) + ([f"fused profile {fused_profile.name}, commit {given.fused.commit}"]
-                         if given.fused else []
-                         ) + ([f"overlap {overlap.name}, commit {given.overlap.commit}"]
-                              if given.overlap else [])
+    sources = [f"{what} {path.name}, commit {doc.commit}" for what, path, doc in (
+        ("profile", profile, given.profile), ("collectives", collectives, given.sweep),
+        ("fused profile", fused_profile, given.fused), ("overlap", overlap, given.overlap),
+        ("dispatch", dispatch, given.dispatch)) if doc is not None]
     _write_calibrated(out, result.cluster, base_cluster, sources, force)
     _echo_calibrated(result, base_cluster, out, rows, held, held_before, json_out)
 
@@ -1232,21 +1228,38 @@ class _CalibrationInputs:
     overlap: object | None
     fused: object | None
     fused_plan: plans.Plan | None
+    dispatch: object | None
+
+
+def _fit(given: _CalibrationInputs, base_cluster, name: str):
+    """The calibration of ``given``'s measurements: the sweep, profiles and overlap, then the
+    fused step's factors, then the eager dispatch's on that cluster."""
+    from planner import calibrate as cal
+
+    result = cal.calibrate(given.profile, given.plan, base_cluster, name, given.sweep,
+                           given.overlap)
+    if given.fused is not None:
+        eager = (given.profile, given.plan) if given.profile is not None else None
+        result = cal.with_fused_step(result, given.fused, given.fused_plan, eager)
+    if given.dispatch is not None:
+        result = cal.with_dispatch(result, given.dispatch)
+    return result
 
 
 def _calibration_inputs(profile: Path | None, plan: Path | None, collectives: Path | None,
                         overlap: Path | None, fused_profile: Path | None,
                         fused_plan: Path | None, runs: Path | None,
-                        base_cluster) -> _CalibrationInputs:
+                        base_cluster, dispatch: Path | None = None) -> _CalibrationInputs:
     from planner import calibrate as cal
     from planner.measured import check_profile_pairing
-    from plans.results import OverlapBench, ProfileResult, Sweep, read
+    from plans.results import DispatchSweep, OverlapBench, ProfileResult, Sweep, read
 
     measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
     beside = read(OverlapBench, overlap, "--overlap") if overlap else None
+    dispatchers = read(DispatchSweep, dispatch, "--dispatch") if dispatch else None
     for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
-                          (beside, "--overlap")):
+                          (beside, "--overlap"), (dispatchers, "--dispatch")):
         if taken is not None:
             cal.check_device(taken, option, base_cluster)
     if runs is not None and not runs.is_dir():
@@ -1265,7 +1278,7 @@ def _calibration_inputs(profile: Path | None, plan: Path | None, collectives: Pa
         check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
                               "--fused-plan")
     return _CalibrationInputs(measured_profile, profiled_plan, sweep, beside, fused,
-                              fused_plan_spec)
+                              fused_plan_spec, dispatchers)
 
 
 def _fidelity_rows(pairs, cluster, fitted: list[Path]):

@@ -790,8 +790,10 @@ def echo_calibration(base, result, rows: list[dict]) -> None:
     before and after (``held_out`` runs were not used for fitting), as plain tables."""
     factors = []
     for name, value in result.factors.items():
-        old = (base.node.nvlink_latency_us if name == "nvlink_latency_us"
-               else getattr(base.efficiency, name))
+        # node.nvlink_latency_us; efficiency's fields, dispatch_floor_us.<dispatcher> nested
+        old = base.node if name == "nvlink_latency_us" else base.efficiency
+        for part in name.split("."):
+            old = getattr(old, part)
         factors.append((name, f"{old:g}", f"{value:.3f}"))
     echo_table(f"{result.cluster.name}: fitted factors",
                (Column("factor", False), Column(base.name), Column("fitted")), factors)

@@ -149,6 +149,7 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                      '--plan <path>',
                      '--collectives <path>',
                      '--overlap <path>',
+                     '--dispatch <path>',
                      '--base <str>',
                      '--fused-profile <path>',
                      '--fused-plan <path>',
