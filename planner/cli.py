@@ -1040,10 +1040,7 @@ def sweep_cmd(
     """
     _need_torch("sweep")
     _check_out(out, force)
-    _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
-                  "1", "--nproc-per-node", str(nproc_per_node), "-m", "runtime.sweep",
-                  "--out", str(out), *(["--smoke"] if smoke else []),
-                  *(["--force"] if force else [])], "the sweep")
+    _torchrun("runtime.sweep", nproc_per_node, out, smoke, force, "the sweep")
 
 
 @app.command("overlap", short_help="Time NCCL beside the expert GEMMs (for calibrate).")
@@ -1065,10 +1062,7 @@ def overlap_cmd(
     """
     _need_torch("overlap")
     _check_out(out, force)
-    _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
-                  "1", "--nproc-per-node", "2", "-m", "runtime.beside", "--out", str(out),
-                  *(["--smoke"] if smoke else []), *(["--force"] if force else [])],
-                 "the overlap measurement")
+    _torchrun("runtime.beside", 2, out, smoke, force, "the overlap measurement")
 
 
 @app.command("dispatch", short_help="Time the EP dispatchers over shapes (for calibrate).")
@@ -1093,10 +1087,16 @@ def dispatch_cmd(
     """
     _need_torch("dispatch")
     _check_out(out, force)
+    _torchrun("runtime.dispatch_sweep", nproc_per_node, out, smoke, force,
+              "the dispatcher sweep")
+
+
+def _torchrun(module: str, nproc: int, out: Path, smoke: bool, force: bool, what: str) -> None:
+    """A runtime measurement, ``python -m module --out OUT``, under torchrun on ``nproc`` of
+    this machine's GPUs."""
     _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
-                  "1", "--nproc-per-node", str(nproc_per_node), "-m", "runtime.dispatch_sweep",
-                  "--out", str(out), *(["--smoke"] if smoke else []),
-                  *(["--force"] if force else [])], "the dispatcher sweep")
+                  "1", "--nproc-per-node", str(nproc), "-m", module, "--out", str(out),
+                  *(["--smoke"] if smoke else []), *(["--force"] if force else [])], what)
 
 
 def _run_runtime(cmd: list[str], what: str) -> None:

@@ -4,26 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_two_ranks_time_both_dispatchers_at_every_shape_and_top_k(tmp_path):
+def test_two_ranks_time_both_dispatchers_at_every_shape_and_top_k(tmp_path, python):
     from planner import dispatch_fit as df
     from plans import catalog
 
     out = tmp_path / "d.json"
-    r = _run("-m", "planner.cli", "dispatch", "--smoke", "--out", str(out))
+    r = python("-m", "planner.cli", "dispatch", "--smoke", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
     assert doc["world"] == 2 and doc["backend"] == "gloo" and doc["dtype"] == "float32"
@@ -44,26 +32,26 @@ def test_two_ranks_time_both_dispatchers_at_every_shape_and_top_k(tmp_path):
     sweep = df.load(out)
     pts = df.points(sweep, catalog.load_cluster("h200-runtime"), catalog.load_model(df.MODEL))
     assert len(pts) == 4 * 2 * 2 and all(p.collectives_s > 0 for p in pts)
-    again = _run("-m", "planner.cli", "dispatch", "--smoke", "--out", str(out))
+    again = python("-m", "planner.cli", "dispatch", "--smoke", "--out", str(out))
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --out: {out} exists; pass --force to replace it"]
 
 
-def test_bad_input_is_refused_in_one_line(tmp_path):
+def test_bad_input_is_refused_in_one_line(tmp_path, python):
     out = tmp_path / "x.json"
-    r = _run("-m", "runtime.dispatch_sweep", "--out", str(out))
+    r = python("-m", "runtime.dispatch_sweep", "--out", str(out))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: WORLD_SIZE: run under torchrun with at least 2 processes (the EP group)"]
-    r = subprocess.run([sys.executable, "-m", "runtime.dispatch_sweep", "--out", str(out),
-                        "--experts", "3"], cwd=ROOT, capture_output=True, text=True,
-                       env={**ENV, "WORLD_SIZE": "2"}, timeout=120)
+    r = python("-m", "runtime.dispatch_sweep", "--out", str(out), "--experts", "3",
+               WORLD_SIZE="2")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: --experts: 2 ranks must divide 3"]
     assert not out.exists()
 
 
-def test_the_measurement_imports_neither_planner_nor_cost_models():
+def test_the_measurement_imports_neither_planner_nor_cost_models(python):
     code = ("import sys, runtime.dispatch_sweep\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('planner', 'cost_models')]\n"
             "assert not bad, bad\n")
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    r = python("-c", code)
+    assert r.returncode == 0, r.stderr
