@@ -112,6 +112,15 @@ MEMORY_CLASSES = ("elementwise", "copy", "reduction_index_sort", "other")
 COMPUTE_FACTORS = ("gemm", "grouped_gemm", "attention")
 
 
+def factor_value(cluster: ClusterSpec, name: str) -> float:
+    """``cluster``'s value of a factor named as Calibration.factors names it: node's
+    nvlink_latency_us, an efficiency field, or dispatch_floor_us.<dispatcher>."""
+    value = cluster.node if name == "nvlink_latency_us" else cluster.efficiency
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def with_efficiency(cluster: ClusterSpec, **factors: float) -> ClusterSpec:
     return cluster.model_copy(update={"efficiency": cluster.efficiency.model_copy(update=factors)})
 
