@@ -42,6 +42,10 @@ From a profiled step alone (sweeps without shaped kernel rows, as before the mic
 - hbm: the median bandwidth the sweep's large copies achieved, over the GPU's peak;
 - node.nvlink_latency_us, nvlink, nvlink_all_to_all: a latency + bytes / bandwidth fit (least
   squares on log time) of the all-gather / reduce-scatter and all-to-all sweeps.
+
+From a sweep of the runtime's EP dispatchers (`moeplan dispatch`), once every other factor is
+fitted (with_dispatch): gather_scatter and each dispatcher's dispatch_floor_us, fitted by
+planner.dispatch_fit on the calibrated cluster (its collectives and HBM price the rest).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from cost_models.layer_graph import (
     forward_graph,
 )
 from cost_models.memory import memory_breakdown
+from planner import dispatch_fit
 from plans import (
     EPFFN,
     ClusterSpec,
@@ -85,6 +90,7 @@ from plans.execution import executed_as_measured, measured_deviations
 from plans.layout import ulysses_chunks
 from plans.results import (
     MEASURED_UNDER,
+    DispatchSweep,
     OverlapBench,
     ProfileResult,
     Result,
@@ -104,6 +110,15 @@ GROUPED = re.compile(r"grouped|GroupProblemShape|group_gemm", re.IGNORECASE)
 """CUTLASS grouped GEMM kernels are named after their GroupProblemShape."""
 MEMORY_CLASSES = ("elementwise", "copy", "reduction_index_sort", "other")
 COMPUTE_FACTORS = ("gemm", "grouped_gemm", "attention")
+
+
+def factor_value(cluster: ClusterSpec, name: str) -> float:
+    """``cluster``'s value of a factor named as Calibration.factors names it: node's
+    nvlink_latency_us, an efficiency field, or dispatch_floor_us.<dispatcher>."""
+    value = cluster.node if name == "nvlink_latency_us" else cluster.efficiency
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def with_efficiency(cluster: ClusterSpec, **factors: float) -> ClusterSpec:
@@ -541,6 +556,20 @@ def with_fused_step(cal: Calibration, profile: ProfileResult, plan: Plan,
         cluster = with_efficiency(cluster, **rounded(fitted))
     fitted["fused_elementwise"] = fit_fused_memory(profile, plan, cluster)
     return Calibration(with_efficiency(cluster, **rounded(fitted)), {**cal.factors, **fitted})
+
+
+def with_dispatch(cal: Calibration, sweep: DispatchSweep) -> Calibration:
+    """``cal`` with the eager EP dispatch's factors fitted to ``sweep`` on its cluster
+    (planner.dispatch_fit): gather_scatter, and dispatch_floor_us per dispatcher (named
+    ``dispatch_floor_us.<dispatcher>`` among the factors)."""
+    fit = dispatch_fit.fit_sweep(sweep, cal.cluster)
+    floors = cal.cluster.efficiency.dispatch_floor_us.model_copy(
+        update={d.value: us for d, us in fit.floors_us.items()})
+    cluster = with_efficiency(cal.cluster, gather_scatter=fit.gather_scatter,
+                              dispatch_floor_us=floors)
+    fitted = {"gather_scatter": fit.gather_scatter,
+              **{f"dispatch_floor_us.{d.value}": us for d, us in fit.floors_us.items()}}
+    return Calibration(cluster, {**cal.factors, **fitted})
 
 
 def calibrate(profile: ProfileResult | None, plan: Plan | None, base: ClusterSpec, name: str,

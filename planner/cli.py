@@ -1040,10 +1040,7 @@ def sweep_cmd(
     """
     _need_torch("sweep")
     _check_out(out, force)
-    _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
-                  "1", "--nproc-per-node", str(nproc_per_node), "-m", "runtime.sweep",
-                  "--out", str(out), *(["--smoke"] if smoke else []),
-                  *(["--force"] if force else [])], "the sweep")
+    _torchrun("runtime.sweep", nproc_per_node, out, smoke, force, "the sweep")
 
 
 @app.command("overlap", short_help="Time NCCL beside the expert GEMMs (for calibrate).")
@@ -1065,10 +1062,41 @@ def overlap_cmd(
     """
     _need_torch("overlap")
     _check_out(out, force)
+    _torchrun("runtime.beside", 2, out, smoke, force, "the overlap measurement")
+
+
+@app.command("dispatch", short_help="Time the EP dispatchers over shapes (for calibrate).")
+@user_errors
+def dispatch_cmd(
+    out: Annotated[Path, typer.Option("--out", help="Measurement JSON to write.")],
+    nproc_per_node: Annotated[int, typer.Option(
+        "--nproc-per-node", min=2, help="Processes, one GPU each: the EP group.")] = 2,
+    smoke: Annotated[bool, typer.Option("--smoke", help="Tiny shapes (a CPU check).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Time the runtime's two EP dispatchers (all-to-all; all-gather + reduce-scatter),
+    dispatch and combine, forward and backward, over hidden sizes, expert counts, tokens and
+    top-k on this machine's GPUs (python -m runtime.dispatch_sweep under torchrun): the
+    --dispatch input of `calibrate`, which fits the eager dispatch's factors.
+
+    \b
+    Example:
+      moeplan dispatch --out dispatch.json
+      moeplan calibrate --collectives sweep.json --dispatch dispatch.json \\
+          --out my-gpu.yaml
+    """
+    _need_torch("dispatch")
+    _check_out(out, force)
+    _torchrun("runtime.dispatch_sweep", nproc_per_node, out, smoke, force,
+              "the dispatcher sweep")
+
+
+def _torchrun(module: str, nproc: int, out: Path, smoke: bool, force: bool, what: str) -> None:
+    """A runtime measurement, ``python -m module --out OUT``, under torchrun on ``nproc`` of
+    this machine's GPUs."""
     _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
-                  "1", "--nproc-per-node", "2", "-m", "runtime.beside", "--out", str(out),
-                  *(["--smoke"] if smoke else []), *(["--force"] if force else [])],
-                 "the overlap measurement")
+                  "1", "--nproc-per-node", str(nproc), "-m", module, "--out", str(out),
+                  *(["--smoke"] if smoke else []), *(["--force"] if force else [])], what)
 
 
 def _run_runtime(cmd: list[str], what: str) -> None:
@@ -1104,6 +1132,10 @@ def calibrate_cmd(
     overlap: Annotated[Path | None, typer.Option(
         "--overlap", help="`moeplan overlap`'s JSON (NCCL beside the expert GEMMs, 2 "
                           "GPUs): sets efficiency.overlap.")
+    ] = None,
+    dispatch: Annotated[Path | None, typer.Option(
+        "--dispatch", help="`moeplan dispatch`'s JSON (the EP dispatchers): sets "
+                           "gather_scatter and dispatch_floor_us, fitted last.")
     ] = None,
     base: Annotated[str, typer.Option(
         "--base", help="Catalog cluster or YAML the factors start from.")] = "h200",
@@ -1144,26 +1176,18 @@ def calibrate_cmd(
         raise plans.SpecError("--plan: the 1-GPU plan that was profiled is needed with a "
                               "profile")
     given = _calibration_inputs(profile, plan, collectives, overlap, fused_profile, fused_plan,
-                                runs, base_cluster)
-    result = cal.calibrate(given.profile, given.plan, base_cluster,
-                           name or f"{base_cluster.name}-calibrated", given.sweep,
-                           given.overlap)
-    if given.fused is not None:
-        eager = (given.profile, given.plan) if given.profile is not None else None
-        result = cal.with_fused_step(result, given.fused, given.fused_plan, eager)
+                                runs, base_cluster, dispatch)
+    result = _fit(given, base_cluster, name or f"{base_cluster.name}-calibrated")
     pairs = cal.runs_with_plans(runs, plans_dir) if runs else []
     if runs is not None and not pairs:
         raise plans.SpecError(f"--runs: no train_step_<plan>.json in {runs} with its <plan>.json "
                               f"in {plans_dir} (--plans)")
     fitted = [p.resolve() for p in (plan, fused_plan) if p is not None]
     rows, held, held_before = _fidelity_rows(pairs, result.cluster, fitted)
-    sources = ([f"profile {profile.name}, commit {given.profile.commit}"] if profile else []
-               ) + ([f"collectives {collectives.name}, commit {given.sweep.commit}"]
-                    if given.sweep else []
-                    ) + ([f"fused profile {fused_profile.name}, commit {given.fused.commit}"]
-                         if given.fused else []
-                         ) + ([f"overlap {overlap.name}, commit {given.overlap.commit}"]
-                              if given.overlap else [])
+    sources = [f"{what} {path.name}, commit {doc.commit}" for what, path, doc in (
+        ("profile", profile, given.profile), ("collectives", collectives, given.sweep),
+        ("fused profile", fused_profile, given.fused), ("overlap", overlap, given.overlap),
+        ("dispatch", dispatch, given.dispatch)) if doc is not None]
     _write_calibrated(out, result.cluster, base_cluster, sources, force)
     _echo_calibrated(result, base_cluster, out, rows, held, held_before, json_out)
 
@@ -1204,21 +1228,38 @@ class _CalibrationInputs:
     overlap: object | None
     fused: object | None
     fused_plan: plans.Plan | None
+    dispatch: object | None
+
+
+def _fit(given: _CalibrationInputs, base_cluster, name: str):
+    """The calibration of ``given``'s measurements: the sweep, profiles and overlap, then the
+    fused step's factors, then the eager dispatch's on that cluster."""
+    from planner import calibrate as cal
+
+    result = cal.calibrate(given.profile, given.plan, base_cluster, name, given.sweep,
+                           given.overlap)
+    if given.fused is not None:
+        eager = (given.profile, given.plan) if given.profile is not None else None
+        result = cal.with_fused_step(result, given.fused, given.fused_plan, eager)
+    if given.dispatch is not None:
+        result = cal.with_dispatch(result, given.dispatch)
+    return result
 
 
 def _calibration_inputs(profile: Path | None, plan: Path | None, collectives: Path | None,
                         overlap: Path | None, fused_profile: Path | None,
                         fused_plan: Path | None, runs: Path | None,
-                        base_cluster) -> _CalibrationInputs:
+                        base_cluster, dispatch: Path | None = None) -> _CalibrationInputs:
     from planner import calibrate as cal
     from planner.measured import check_profile_pairing
-    from plans.results import OverlapBench, ProfileResult, Sweep, read
+    from plans.results import DispatchSweep, OverlapBench, ProfileResult, Sweep, read
 
     measured_profile = read(ProfileResult, profile, "profile") if profile else None
     sweep = read(Sweep, collectives, "--collectives") if collectives else None
     beside = read(OverlapBench, overlap, "--overlap") if overlap else None
+    dispatchers = read(DispatchSweep, dispatch, "--dispatch") if dispatch else None
     for taken, option in ((measured_profile, "profile"), (sweep, "--collectives"),
-                          (beside, "--overlap")):
+                          (beside, "--overlap"), (dispatchers, "--dispatch")):
         if taken is not None:
             cal.check_device(taken, option, base_cluster)
     if runs is not None and not runs.is_dir():
@@ -1237,7 +1278,7 @@ def _calibration_inputs(profile: Path | None, plan: Path | None, collectives: Pa
         check_profile_pairing(fused_plan_spec, fused, fused_profile, "--fused-profile",
                               "--fused-plan")
     return _CalibrationInputs(measured_profile, profiled_plan, sweep, beside, fused,
-                              fused_plan_spec)
+                              fused_plan_spec, dispatchers)
 
 
 def _fidelity_rows(pairs, cluster, fitted: list[Path]):

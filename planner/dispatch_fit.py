@@ -1,10 +1,10 @@
 """The eager dispatch's two cluster factors fitted to the dispatcher sweep, and the planner's
 choice of dispatcher held against what measured faster.
 
-The sweep (bench/layers/dispatch_gpu.py --sweep-*, committed as
-bench/results/h200/moe_layer/dispatch_sweep_x2.json)
-times moeplan's two EP dispatchers as the runtime runs them: dispatch and combine, forward and
-backward, over top-k, token counts, hidden sizes and expert counts. The cost model prices one
+The sweep (`moeplan dispatch`, runtime/dispatch_sweep.py; h200-runtime's is
+bench/results/h200/moe_layer/dispatch_sweep_x2.json) times moeplan's two EP dispatchers as the
+runtime runs them: dispatch and combine, forward and backward, over top-k, token counts, hidden
+sizes and expert counts; every point is priced here. The cost model prices one
 MoE layer's dispatch + combine (cost_models.layer_graph with ``kernels: eager``) as
 
     max(floor[dispatcher], collectives + permutation bytes / (HBM x gather_scatter))
@@ -47,6 +47,9 @@ from plans.results import DispatchSweep, read
 
 SHORT = {d: DISPATCH_KEYS[d] for d in RUNTIME_DISPATCHES}
 """The dispatchers moeplan's runtime runs and the sweep measures, by their names in it."""
+MODEL = "mixtral-8x7b"
+"""The catalog model whose other fields (heads, vocabulary) fill each measured shape (hidden,
+experts and top-k come from the sweep)."""
 
 
 def point_plan(model: ModelSpec, cluster: ClusterSpec, gpus: int, seq: int,
@@ -158,6 +161,11 @@ def fit(pts: list[Point]) -> DispatchFit:
     errors = sorted(abs(p.predicted_s(gs, floors[p.dispatch]) / p.measured_s - 1) for p in pts)
     return DispatchFit(round(gs, 3), {d: round(f * 1e6, 1) for d, f in floors.items()},
                        errors[len(errors) // 2], errors[-1])
+
+
+def fit_sweep(sweep: DispatchSweep, cluster: ClusterSpec) -> DispatchFit:
+    """The fit of every point of ``sweep`` priced on ``cluster`` (its collectives and HBM)."""
+    return fit(points(sweep, cluster, catalog.load_model(MODEL)))
 
 
 @dataclass(frozen=True)

@@ -788,11 +788,10 @@ def print_scale(points, job: str) -> None:
 def echo_calibration(base, result, rows: list[dict]) -> None:
     """The fitted factors against the base cluster's, and measured runs against predictions
     before and after (``held_out`` runs were not used for fitting), as plain tables."""
-    factors = []
-    for name, value in result.factors.items():
-        old = (base.node.nvlink_latency_us if name == "nvlink_latency_us"
-               else getattr(base.efficiency, name))
-        factors.append((name, f"{old:g}", f"{value:.3f}"))
+    from planner.calibrate import factor_value
+
+    factors = [(name, f"{factor_value(base, name):g}", f"{value:.3f}")
+               for name, value in result.factors.items()]
     echo_table(f"{result.cluster.name}: fitted factors",
                (Column("factor", False), Column(base.name), Column("fitted")), factors)
     if not rows:

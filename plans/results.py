@@ -1,6 +1,6 @@
 """Benchmark results as typed documents: what bench/ and the runtime's measuring commands
-(`moeplan profile`, `moeplan sweep`) write and calibration, fidelity and the reports read
-(instead of parsing row names). Fields a reader does not use are kept
+(`moeplan profile`, `sweep`, `overlap`, `dispatch`) write and calibration, fidelity and the
+reports read (instead of parsing row names). Fields a reader does not use are kept
 (``extra="allow"``), so a result round-trips; every committed result under bench/results
 parses (tests/bench/test_campaigns.py). Every result carries the ``schema_version`` it was
 written in and the facts of the runtime it was measured under (``MEASURED_UNDER``, stamped by
@@ -322,9 +322,10 @@ class DispatchShape(BaseModel):
 
 
 class DispatchSweep(Result):
-    """The runtime's EP dispatchers over shapes and top-k."""
+    """The runtime's EP dispatchers over shapes and top-k (runtime/dispatch_sweep.py):
+    measurements only, each point priced by planner.dispatch_fit where it is read."""
 
-    SOURCE: ClassVar[str] = "bench/layers/dispatch_gpu.py"
+    SOURCE: ClassVar[str] = "moeplan dispatch"
 
     world: int = Field(ge=2)
     configs: list[DispatchShape] = Field(min_length=1)

@@ -667,8 +667,9 @@ class Efficiency(Frozen):
     gather_scatter: Fraction = 0.304
     """Achieved HBM bandwidth / peak of the eager runtime's token permutation (row gathers,
     scatters and index-adds, counted pass by pass in cost_models.dispatch): used for plans with
-    ``kernels: eager``. Default: the fit to moeplan's dispatchers on 2 H200s
-    (bench/results/h200/moe_layer/dispatch_sweep_x2.json, planner.dispatch_fit)."""
+    ``kernels: eager``. Default: h200-runtime's, which `moeplan calibrate --dispatch` fitted to
+    moeplan's dispatchers on 2 H200s (bench/results/h200/moe_layer/dispatch_sweep_x2.json,
+    planner.dispatch_fit)."""
     dispatch_floor_us: DispatchFloors = DispatchFloors()
     """Least time of one MoE layer's eager EP dispatch + combine, forward and backward, per
     dispatcher: the dispatch waits on the host for its split sizes (all-to-all) or kept rows

@@ -1,8 +1,8 @@
 """Measuring calls on a launch's devices: the launch joined (``init``, ``finish``), one call
 timed on an idle GPU (``timed``) and its kernels timed with the host ahead (``device_timed``,
 ``spun``), the slowest rank's value (``slowest``). Medians after warm-up: CUDA events on GPU,
-wall clock on CPU. `moeplan sweep` (runtime/sweep.py), `moeplan overlap` (runtime/beside.py)
-and bench/'s scripts time with these."""
+wall clock on CPU. `moeplan sweep` (runtime/sweep.py), `moeplan overlap` (runtime/beside.py),
+`moeplan dispatch` (runtime/dispatch_sweep.py) and bench/'s scripts time with these."""
 
 from __future__ import annotations
 

@@ -24,13 +24,23 @@ from cost_models.layer import layer_key
 from planner.calibrate import (
     Calibration,
     calibrate,
+    factor_value,
     fidelity_row,
     fidelity_summary,
     row_seconds,
+    with_dispatch,
     with_efficiency,
 )
 from plans import Overlap, catalog
-from plans.results import OverlapBench, ProfileResult, Sweep, SweepOp, SweepRow, read
+from plans.results import (
+    DispatchSweep,
+    OverlapBench,
+    ProfileResult,
+    Sweep,
+    SweepOp,
+    SweepRow,
+    read,
+)
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "fidelity"
 DEVICE = ROOT / "bench" / "results" / "h200" / "device_sweep"
@@ -46,6 +56,9 @@ SWEEP = "calibration_h200.json"
 OVERLAP = "copy_engine_x2.json"
 """The machine's NCCL-beside-GEMM micro-benchmark (`moeplan overlap`), next to the
 suite's folder: it sets efficiency.overlap (planner.calibrate.fit_overlap)."""
+DISPATCH = "moe_layer/dispatch_sweep_x2.json"
+"""The machine's EP dispatcher sweep (`moeplan dispatch`), beside the suite's folder: it sets
+gather_scatter and dispatch_floor_us, fitted last (planner.calibrate.with_dispatch)."""
 BASE = "h200"
 NAME = "H200-SXM-fidelity"
 MEDIAN, WORST, MEMORY_BELOW = 0.05, 0.10, 0.05
@@ -64,8 +77,12 @@ def fit(results: Path, with_profile: bool = True) -> tuple[Calibration, list[str
     overlap_path = results.parent / OVERLAP
     overlap = read(OverlapBench, overlap_path, "overlap") if overlap_path.exists() else None
     cal = calibrate(profile, plan, catalog.load_cluster(BASE), NAME, sweep, overlap)
+    dispatch_path = results.parent / DISPATCH
+    if dispatch_path.exists():
+        cal = with_dispatch(cal, read(DispatchSweep, dispatch_path, "dispatch sweep"))
     used = ([SWEEP] + ([profile_path.name] if profile else [])
-            + ([f"../{OVERLAP}"] if overlap else []))
+            + ([f"../{OVERLAP}"] if overlap else [])
+            + ([f"../{DISPATCH}"] if dispatch_path.exists() else []))
     return cal, used
 
 
@@ -170,9 +187,8 @@ def factor_table(cal: Calibration) -> str:
     base = catalog.load_cluster(BASE)
     cells = []
     for name, value in cal.factors.items():
-        old = (base.node.nvlink_latency_us if name == "nvlink_latency_us"
-               else getattr(base.efficiency, name))
-        cells.append([name, f"{old:g}", f"{value:.3g}"])
+        # three significant digits, never in powers of ten (the floors are thousands of us)
+        cells.append([name, f"{factor_value(base, name):g}", f"{float(f'{value:.3g}'):g}"])
     return table(["factor", base.name, "fitted"], cells)
 
 

@@ -2,12 +2,11 @@
 (bench/results/h200/moe_layer/dispatch_sweep_x2.json) against the cost model of this tree,
 and the dispatcher the planner prefers at every measured point.
 
-    python -m bench.layers.dispatch_report [--check] [--refit]
+    python -m bench.layers.dispatch_report [--check]
 
 Writes docs/dispatch.md (its prose: bench/templates/dispatch.md.tmpl). ``--check`` exits 1
 when the doc is stale or the planner's dispatcher differs from the faster measured one at any
-point. ``--refit`` also fits the eager dispatch's
-factors (planner.dispatch_fit) and prints them beside the catalog's `h200-runtime` values.
+point. Every point is priced here (planner.dispatch_fit), the sweep holds measurements only.
 """
 
 from __future__ import annotations
@@ -20,15 +19,15 @@ from plans import catalog
 
 SWEEP = ROOT / "bench" / "results" / "h200" / "moe_layer" / "dispatch_sweep_x2.json"
 DOC = ROOT / "docs" / "dispatch.md"
-CLUSTER, MODEL = "h200-runtime", "mixtral-8x7b"
-"""The cluster whose factors price the runs; the model whose other fields (heads, vocabulary)
-fill each measured shape (hidden, experts and top-k come from the sweep)."""
+CLUSTER = "h200-runtime"
+"""The cluster whose factors price the runs (`moeplan calibrate --dispatch` fitted its
+gather_scatter and floors to this sweep)."""
 
 
 def render() -> tuple[str, dict]:
     sweep = df.load(SWEEP)
     cluster = catalog.load_cluster(CLUSTER)
-    rows = df.choices(sweep, cluster, catalog.load_model(MODEL))
+    rows = df.choices(sweep, cluster, catalog.load_model(df.MODEL))
     s = df.summary(rows)
     eff = cluster.efficiency
     floors = eff.dispatch_floor_us
@@ -43,17 +42,8 @@ def render() -> tuple[str, dict]:
 
 
 def main() -> int:
-    p = parser(__doc__, "the doc is stale or a pick is wrong")
-    p.add_argument("--refit", action="store_true", help="fit the factors from the sweep")
-    args = p.parse_args()
+    args = parser(__doc__, "the doc is stale or a pick is wrong").parse_args()
     text, s = render()
-    if args.refit:
-        pts = df.points(df.load(SWEEP), catalog.load_cluster(CLUSTER),
-                        catalog.load_model(MODEL))
-        f = df.fit(pts)
-        print(f"fit: gather_scatter {f.gather_scatter}, floors "
-              + ", ".join(f"{d.value} {v:.0f} us" for d, v in f.floors_us.items())
-              + f"; median |error| {f.median_abs_error:.1%}, worst {f.max_abs_error:.1%}")
     wrong = s["points"] - s["picks_equal_faster"]
     print(f"{s['picks_equal_faster']}/{s['points']} picks equal the faster; median "
           f"{s['median_abs_error']:.1%}, worst {s['max_abs_error']:.1%}")

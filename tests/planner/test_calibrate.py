@@ -43,7 +43,8 @@ def calibrated(tmp_path_factory):
     out = tmp_path_factory.mktemp("cal") / "h200.yaml"
     r = calibrate(PROFILE, "--plan", PLAN, "--collectives", SWEEP, "--name", "H200-SXM-runtime",
                   "--fused-profile", FUSED_PROFILE, "--fused-plan", FUSED_PLAN,
-                  "--overlap", H200 / "copy_engine_x2.json", "--runs", H200,
+                  "--overlap", H200 / "copy_engine_x2.json",
+                  "--dispatch", H200 / "moe_layer" / "dispatch_sweep_x2.json", "--runs", H200,
                   "--plans", PLAN.parent, "--out", out, "--json")
     assert r.exit_code == 0, r.output
     return out, json.loads(r.output)
@@ -62,6 +63,12 @@ def test_the_shipped_cluster_is_what_the_committed_measurements_give(calibrated)
     # micro-benchmark's 0.486 (plans/catalog/efficiency/hopper.yaml), below the HBM peak
     assert eff["elementwise"] < 0.4 < eff["fused_elementwise"] < 0.8
     assert derived["node"]["nvlink_latency_us"] == doc["factors"]["nvlink_latency_us"] > 10
+    # the eager dispatch's factors, fitted last to the dispatcher sweep the header names
+    assert eff["gather_scatter"] == doc["factors"]["gather_scatter"]
+    assert eff["dispatch_floor_us"] == {
+        d: doc["factors"][f"dispatch_floor_us.{d}"]
+        for d in ("all_to_all", "allgather_reduce_scatter")}
+    assert "dispatch dispatch_sweep_x2.json, commit " in out.read_text().splitlines()[1]
 
 
 def test_calibration_predicts_held_out_runs_better(calibrated):
@@ -235,4 +242,10 @@ def test_profile_refuses_a_plan_for_several_gpus(tmp_path):
 def test_an_overlap_file_of_another_kind_is_one_line_naming_the_option(tmp_path):
     r = calibrate("--collectives", SWEEP, "--overlap", PROFILE, "--out", tmp_path / "c.yaml")
     one_line_error(r, "--overlap", "world", "moeplan overlap")
+    assert not (tmp_path / "c.yaml").exists()
+
+
+def test_a_dispatch_file_of_another_kind_is_one_line_naming_the_option(tmp_path):
+    r = calibrate("--collectives", SWEEP, "--dispatch", PROFILE, "--out", tmp_path / "c.yaml")
+    one_line_error(r, "--dispatch", "world", "moeplan dispatch")
     assert not (tmp_path / "c.yaml").exists()

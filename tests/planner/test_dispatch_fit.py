@@ -22,8 +22,7 @@ def sweep():
 
 @pytest.fixture(scope="module")
 def choices(sweep):
-    return df.choices(sweep, catalog.load_cluster("h200-runtime"),
-                      catalog.load_model("mixtral-8x7b"))
+    return df.choices(sweep, catalog.load_cluster("h200-runtime"), catalog.load_model(df.MODEL))
 
 
 def test_the_sweep_covers_the_issue_grid(sweep):
@@ -44,8 +43,10 @@ def test_the_planner_picks_the_faster_measured_dispatcher_at_every_point(choices
 
 
 def test_the_catalog_factors_are_the_fit_of_the_committed_sweep(sweep):
+    """`moeplan calibrate --dispatch` sets them (tests/planner/test_calibrate.py derives
+    h200-runtime): refitted on the cluster they are part of, they stay."""
     cluster = catalog.load_cluster("h200-runtime")
-    f = df.fit(df.points(sweep, cluster, catalog.load_model("mixtral-8x7b")))
+    f = df.fit_sweep(sweep, cluster)
     assert f.gather_scatter == pytest.approx(cluster.efficiency.gather_scatter, abs=1e-3)
     for d in df.SHORT:
         assert f.floors_us[d] == pytest.approx(cluster.efficiency.dispatch_floor_us.of(d),

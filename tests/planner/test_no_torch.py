@@ -65,7 +65,7 @@ def test_moeplan_search_runs_without_torch():
     assert "Best plans" in done.stdout and "predicted speedup" in done.stdout
 
 
-def test_train_profile_sweep_and_overlap_say_in_one_line_that_they_need_torch(tmp_path):
+def test_the_runtime_commands_say_in_one_line_that_they_need_torch(tmp_path):
     plan = tmp_path / "plan.json"
     made = run_cli_without_torch("search", "tiny-moe", "h200", "--gpus", "1", "--global-batch",
                                  "2", "--seq-len", "128", "--runnable", "--out", str(plan))
@@ -73,7 +73,8 @@ def test_train_profile_sweep_and_overlap_say_in_one_line_that_they_need_torch(tm
     for command, args in (("train", [str(plan)]),
                           ("profile", [str(plan), "--out", str(tmp_path / "p.json")]),
                           ("sweep", ["--out", str(tmp_path / "s.json")]),
-                          ("overlap", ["--out", str(tmp_path / "o.json")])):
+                          ("overlap", ["--out", str(tmp_path / "o.json")]),
+                          ("dispatch", ["--out", str(tmp_path / "d.json")])):
         done = run_cli_without_torch(command, *args)
         assert done.returncode == 2, done.stderr[-2000:]
         assert done.stderr.splitlines() == [

@@ -49,3 +49,16 @@ def fresh_compile_caches():
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:
         dynamo.reset()
+
+
+@pytest.fixture
+def python():
+    """``python ARGS`` from the repository root (a runtime command, a launch under torchrun),
+    one thread a process, its output captured."""
+    root = Path(__file__).resolve().parents[2]
+
+    def run(*args: str, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                              timeout=timeout)
+    return run

@@ -4,25 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_path):
+def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_path, python):
     from plans.results import OverlapBench, read
 
     out = tmp_path / "ce.json"
-    r = _run("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
+    r = python("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
     assert doc["world"] == 2 and doc["backend"] == "gloo"
@@ -37,13 +25,13 @@ def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_
         assert row["copy_engine"] == {"status": "unavailable",
                                       "reason": "no CUDA IPC on CPU"}
     assert read(OverlapBench, out, "--overlap").world == 2  # what calibrate --overlap reads
-    again = _run("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
+    again = python("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --out: {out} exists; pass --force to replace it"]
 
 
-def test_one_rank_is_refused_in_one_line(tmp_path):
-    r = _run("-m", "runtime.beside", "--out", str(tmp_path / "x.json"))
+def test_one_rank_is_refused_in_one_line(tmp_path, python):
+    r = python("-m", "runtime.beside", "--out", str(tmp_path / "x.json"))
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: WORLD_SIZE: this benchmark runs on exactly 2 ranks"]
     assert not (tmp_path / "x.json").exists()

@@ -2,21 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *cmd], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=180)
-
-
-def test_sweep_measures_every_kind_calibrate_prices(tmp_path):
+def test_sweep_measures_every_kind_calibrate_prices(tmp_path, python):
     """A row of every kind the fit reads, each with its shape and measured seconds and no
     prediction (calibrate prices every row itself); `moeplan calibrate` refuses the CPU sweep
     against the H200 base."""
@@ -25,7 +12,7 @@ def test_sweep_measures_every_kind_calibrate_prices(tmp_path):
     from plans.results import Sweep, SweepOp, read
 
     out = tmp_path / "sweep.json"
-    r = _run("-m", "planner.cli", "sweep", "--smoke", "--out", str(out))
+    r = python("-m", "planner.cli", "sweep", "--smoke", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     sweep = read(Sweep, out, "sweep")
     assert sweep.world == 2 and sweep.commit
@@ -40,33 +27,33 @@ def test_sweep_measures_every_kind_calibrate_prices(tmp_path):
     assert {row.layer_op for row in sweep.rows if row.op == SweepOp.layer_op} == {
         "attn_norm", "attn_residual", "router_topk", "dispatch_permute", "expert_swiglu",
         "combine_unpermute"}
-    again = _run("-m", "planner.cli", "sweep", "--smoke", "--out", str(out))
+    again = python("-m", "planner.cli", "sweep", "--smoke", "--out", str(out))
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --out: {out} exists; pass --force to replace it"]
     cluster = tmp_path / "c.yaml"
-    r = _run("-m", "planner.cli", "calibrate", "--collectives", str(out), "--out", str(cluster),
-             "--json")
+    r = python("-m", "planner.cli", "calibrate", "--collectives", str(out), "--out", str(cluster),
+               "--json")
     assert r.returncode == 2 and not cluster.exists(), r.stdout + r.stderr
     assert r.stderr.strip().splitlines() == [
         "error: --collectives: measured on cpu, but --base H200-SXM's GPU is H200-SXM; "
         "calibrate against a base cluster of that device"]
 
 
-def test_sweep_refuses_an_out_it_cannot_write_before_it_starts(tmp_path):
+def test_sweep_refuses_an_out_it_cannot_write_before_it_starts(tmp_path, python):
     out = tmp_path / "none" / "sweep.json"
-    r = _run("-m", "runtime.sweep", "--smoke", "--out", str(out))
+    r = python("-m", "runtime.sweep", "--smoke", "--out", str(out))
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip().splitlines() == [
         f"error: --out: {out}: cannot write (folder {out.parent} does not exist)"]
 
 
-def test_a_one_process_sweep_times_kernels_and_copies_only(tmp_path):
+def test_a_one_process_sweep_times_kernels_and_copies_only(tmp_path, python):
     """One process (one GPU): no collective rows, and the sweep is still a Sweep calibrate
     reads (its links then keep the base cluster's)."""
     from plans.results import Sweep, SweepOp, read
 
     out = tmp_path / "sweep.json"
-    r = _run("-m", "planner.cli", "sweep", "--smoke", "--nproc-per-node", "1", "--out", str(out))
+    r = python("-m", "planner.cli", "sweep", "--smoke", "--nproc-per-node", "1", "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     sweep = read(Sweep, out, "sweep")
     assert sweep.world == 1
