@@ -1,6 +1,7 @@
 """A megatron-target plan as Megatron-Core runs it, where that differs from moeplan's runtime:
 the host's kernel launches and the dropless dispatcher's wait on the device, CUDA graphs, the
-EP all-to-all overlap between micro-batches, and the tensors its layers keep for backward.
+EP all-to-all overlap between micro-batches, the experts' fp8 padding, biases and clamped
+activation, and the tensors its layers keep for backward.
 Pure functions of the plan; each is read only for ``plan.target == Target.megatron``
 (cost_models.evaluate, cost_models.memory).
 
@@ -47,8 +48,10 @@ on DGX-B200 at micro-batch 1 and every other row (docs/fidelity_at_scale.md). It
 (``elementwise_launch_us``, bench/results/calibration_h200.json). Taken for every host (x86
 DGX, Grace) alike."""
 D2H_SYNC_US = 10.0
-"""A device-to-host wait: the copy of the split sizes and the host's wake-up before it
-launches again, the GPU idle meanwhile. A prior (the order of one launch and one small copy)."""
+"""A wait of the host on the device: the small copy (the split sizes to the host, or the
+clamped activation's offset to the device, ``ACT_CLAMP``) and the host's wake-up before it
+launches again, the GPU idle meanwhile. A prior (the order of one launch and one small
+copy)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,25 @@ FP8_PADDING = Launches(3, 3)
 """TEGroupedMLP's fp8 padding (``fp8_padded``): the routed rows and their routing weights
 padded (TE's Fp8Padding, once each) and the output unpadded (Fp8Unpadding); in backward the
 mirror copies of their gradients."""
+ACT_CLAMP = Launches(4, 9)
+"""GPT-OSS's clamped activation (``act_clamped``), in eager PyTorch before the fused
+quick-GEGLU, read off Megatron-Core 0.15.3 fusions/fused_bias_geglu.py
+weighted_bias_quick_geglu_impl (lines 424-434): forward the gate half clamped, the linear
+half clamped, the two concatenated, and the linear offset made a device tensor
+(``torch.tensor(offset, device=...)``: a copy from pageable host memory, after which PyTorch
+synchronises the stream, ``at::cuda::memcpy_and_sync``, pytorch/pytorch#120996); backward,
+from PyTorch's clamp_backward (torch/csrc/autograd/FunctionsManual.cpp), the gate half's
+zero fill, ``<=`` and ``where``, the linear half's zero fill, ``>=``, ``<=``, ``and`` and
+``where``, and the chunk's backward concatenating the two halves' gradients."""
+ACT_CLAMP_BYTES = (16, 30)
+"""Bytes per routed row and expert-FFN column (fc1's output is 2 F wide) of ``ACT_CLAMP``'s
+kernels, bf16 values and bool masks: forward each clamp reads and writes its half (2 x 4),
+the concatenation reads and writes both (8); backward the gate half's mask (read 2, write 1)
+and where (read 3, write 2), 8; the linear half's two comparisons (3 each), their and (3) and
+where (5), 14; the concatenation of the gradients, 8."""
+FC1_SHARE = 2 / 3
+"""fc1's share of the experts' forward (its output 2 F wide against fc2's F): the part of
+``expert_compute`` before the clamped activation's wait."""
 
 
 RERUN_LAUNCHES = {
@@ -130,6 +152,10 @@ class LayerLaunches:
     after_wait: Launches
     """Permutation, all-to-alls, experts and combine: launched once the host has the split
     sizes, onto an idle GPU."""
+    to_act_wait: int = 0
+    """Of ``after_wait``'s forward launches, those before the clamped activation's wait
+    (``act_clamped``): the permutation, the dispatch, fc1's GEMMs with their quantisations
+    and fp8 padding, and the clamp; 0 without that wait."""
 
 
 def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
@@ -139,6 +165,7 @@ def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
     g = plan.cuda_graphs
     if g == CudaGraphs.layer:
         return LayerLaunches(Launches(1, 1), NONE)
+    to_act = 0
     before = (_graphed(ATTENTION, g == CudaGraphs.attn_moe_router)
               + (TP_COLLECTIVES if plan.degrees.tp > 1 else NONE) + _quantized(2, plan))
     after = NONE
@@ -157,6 +184,10 @@ def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
         if expert_bias(plan):
             after = (after + EXPERT_BIAS_CONCAT
                      + Launches(local * EXPERT_BIAS.fwd, local * EXPERT_BIAS.bwd))
+        if act_clamped(plan):
+            after = after + ACT_CLAMP
+            to_act = (DISPATCH_COMBINE.fwd // 2 + local + _quantized(local, plan).fwd
+                      + (FP8_PADDING.fwd - 1 if fp8_padded(plan) else 0) + ACT_CLAMP.fwd)
     if plan.recompute == Recompute.full:
         before = before + Launches(0, before.fwd)
         after = after + Launches(0, after.fwd)
@@ -172,11 +203,13 @@ def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
         if plan.model.mla is None:
             mods.discard(RecomputeModule.mla_up_proj)
         rerun = sum((RERUN_LAUNCHES[m] for m in mods), 0)
+        if RecomputeModule.moe_act in mods and act_clamped(plan, dense):
+            rerun += ACT_CLAMP.fwd
         if RecomputeModule.moe in mods:
             rerun += (ROUTER.fwd + PREPROCESS.fwd + after.fwd
                       + (DENSE_FFN.fwd if plan.model.shared_experts else 0))
         before = before + Launches(0, rerun)
-    return LayerLaunches(before, after)
+    return LayerLaunches(before, after, to_act)
 
 
 def syncs(plan: Plan, dense: bool = False) -> int:
@@ -189,6 +222,50 @@ def syncs(plan: Plan, dense: bool = False) -> int:
     return 2 if plan.recompute == Recompute.full else 1
 
 
+def act_clamped(plan: Plan, dense: bool = False) -> bool:
+    """Whether a MoE layer's experts run GPT-OSS's clamped activation (``swiglu_limit``):
+    TEGroupedMLP calls weighted_bias_quick_geglu_impl (moe/experts.py line 904, Megatron-Core
+    0.15.3, under ``bias_activation_fusion``, which Megatron-Bridge's GPT-OSS provider sets),
+    whose clamp runs as eager PyTorch before the fused activation (``ACT_CLAMP``) and whose
+    offset's copy to the device waits for the GPU's queue to drain, once per call."""
+    return not dense and plan.model.swiglu_limit > 0
+
+
+def act_reruns(plan: Plan) -> bool:
+    """Whether the experts' activation runs again in backward: ``moe_act`` (TEGroupedMLP's
+    CheckpointWithoutOutput reruns it when backward reaches fc2, moe/experts.py lines
+    943-949), ``moe`` or full recomputation."""
+    if plan.recompute == Recompute.full:
+        return True
+    mods = set(plan.recompute_modules)
+    return plan.recompute == Recompute.selective and bool(
+        mods & {RecomputeModule.moe_act, RecomputeModule.moe})
+
+
+def act_waits(plan: Plan, dense: bool = False) -> tuple[int, int]:
+    """The clamped activation's waits per micro-batch (``ACT_CLAMP``), forward and backward
+    (its rerun, ``act_reruns``); (0, 0) without it."""
+    if not act_clamped(plan, dense):
+        return 0, 0
+    return 1, int(act_reruns(plan))
+
+
+def act_clamp_s(plan: Plan, dense: bool = False) -> tuple[float, float, float]:
+    """Device seconds of the clamped activation's eager kernels per micro-batch (``ACT_CLAMP``,
+    ``ACT_CLAMP_BYTES`` per routed row of this rank and expert-FFN column, plain memory-bound
+    PyTorch kernels at ``efficiency.hbm``): forward, backward, and the forward's rerun in
+    backward (``act_reruns``); zeros without it."""
+    if not act_clamped(plan, dense):
+        return 0.0, 0.0, 0.0
+    from cost_models.compute import memory_s
+
+    m, d = plan.model, plan.degrees
+    cells = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len,
+                            d.attention_group) * m.top_k * m.expert_ffn_hidden
+    fwd, bwd = (memory_s(cells * b, plan.cluster) for b in ACT_CLAMP_BYTES)
+    return fwd, bwd, fwd if act_reruns(plan) else 0.0
+
+
 AFTER_WAIT = ("dispatch", "expert_compute", "combine")
 """The layer regions (plans.Component) the host launches after the dispatcher's wait."""
 
@@ -199,22 +276,37 @@ def host_wait_s(plan: Plan, timing: LayerTiming, dense: bool = False) -> tuple[f
     Forward: the dispatcher's wait empties the GPU's queue every MoE layer, and what follows
     it (the experts' many small launches) starts on an idle GPU: with h1, d1 the host and
     device times of the part after the wait and h2, d2 those of the rest of the layer up to
-    the next wait, the layer takes max(max(h1, d1) + d2, h1 + h2), plus the waits. A layer
-    with no wait (dense, capacity-bound) lets the host run ahead: max(h, d).
-    Backward has no wait, so the host runs ahead over the layers: max(host, device)."""
+    the next wait, the layer takes max(max(h1, d1) + d2, h1 + h2), plus the waits. The
+    clamped activation's wait (``act_waits``) splits the part after the dispatcher's:
+    max(hA, dA) up to it (the dispatch, fc1 and the clamp: ``to_act_wait``, ``FC1_SHARE``),
+    then max(max(hB, dB) + d2, hB + h2); alone (capacity-bound), it is the layer's one wait.
+    A layer with no wait (dense, capacity-bound) lets the host run ahead: max(h, d).
+    Backward has no dispatcher wait, so the host runs ahead over the layers:
+    max(host, device), plus the clamped activation's rerun's wait."""
     n = launches(plan, dense)
     us = HOST_US_PER_LAUNCH * 1e-6
     h1, h2 = n.after_wait.fwd * us, n.before_wait.fwd * us
     host_bwd = (n.after_wait.bwd + n.before_wait.bwd) * us
     waits = syncs(plan, dense)
-    if waits:
-        d1 = min(timing.fwd_s, sum(timing.region_s[k] for k in AFTER_WAIT))
-        d2 = timing.fwd_s - d1
-        fwd = (max(max(h1, d1) + d2, h1 + h2)
-               + waits * (D2H_SYNC_US * 1e-6 + count_gather_s(plan)))
+    act_fwd, act_bwd = act_waits(plan, dense)
+    wait_s = D2H_SYNC_US * 1e-6
+    if waits or act_fwd:
+        clamp = act_clamp_s(plan, dense)[0]  # in fwd_s, outside the regions
+        d1 = min(timing.fwd_s - clamp, sum(timing.region_s[k] for k in AFTER_WAIT))
+        d2 = timing.fwd_s - clamp - d1
+        if act_fwd:
+            ha, hb = n.to_act_wait * us, h1 - n.to_act_wait * us
+            da = min(d1, timing.region_s["dispatch"]
+                     + FC1_SHARE * timing.region_s["expert_compute"]) + clamp
+            db = d1 + clamp - da
+            layer = (max(ha, da) + max(max(hb, db) + d2, hb + h2) if waits
+                     else max(max(hb, db) + d2 + da, hb + h2 + ha))  # the clamp's wait alone
+        else:
+            layer = max(max(h1, d1) + d2, h1 + h2)
+        fwd = layer + waits * (wait_s + count_gather_s(plan)) + act_fwd * wait_s
     else:
         fwd = max(h1 + h2, timing.fwd_s)
-    return fwd - timing.fwd_s, max(0.0, host_bwd - timing.bwd_s)
+    return fwd - timing.fwd_s, max(0.0, host_bwd - timing.bwd_s) + act_bwd * wait_s
 
 
 def moe_chunks(plan: Plan) -> int:
@@ -378,7 +470,8 @@ def paired_share(plan: Plan) -> float:
 
 def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
     """One layer's device time as Megatron-Core schedules it, its fp8 quantisations and
-    padding included (``fp8_cast_s``, ``fp8_padding_s``): its communication blocks
+    padding, the experts' biases and clamped activation included (``fp8_cast_s``,
+    ``fp8_padding_s``, ``expert_bias_s``, ``act_clamp_s``): its communication blocks
     (overlap none), except under its EP overlap (overlap inter_op:
     ``--overlap-moe-expert-parallel-comm``), which runs one micro-batch's forward beside
     another's backward so that each one's dispatch and combine all-to-alls run beside the
@@ -386,11 +479,14 @@ def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
     of them is hidden, at most the layer's compute; in the others none."""
     timing = layer_timing_for(layer_key(plan, dense), Overlap.none)
     casts, pads = fp8_cast_s(plan, dense), fp8_padding_s(plan, dense)
-    bias = expert_bias_s(plan, dense)
-    fwd, bwd = casts[0] + pads[0] + bias[0], casts[1] + pads[1] + bias[1]
+    bias, (clamp_f, clamp_b, clamp_rerun) = expert_bias_s(plan, dense), act_clamp_s(plan, dense)
+    fwd = casts[0] + pads[0] + bias[0] + clamp_f
+    bwd = casts[1] + pads[1] + bias[1] + clamp_b
     if fwd or bwd:
-        timing = replace(timing, fwd_s=timing.fwd_s + fwd, bwd_s=timing.bwd_s + bwd,
-                         compute_s=timing.compute_s + fwd + bwd)
+        timing = replace(timing, fwd_s=timing.fwd_s + fwd,
+                         bwd_s=timing.bwd_s + bwd + clamp_rerun,
+                         compute_s=timing.compute_s + fwd + bwd,
+                         recompute_s=timing.recompute_s + clamp_rerun)
     if plan.overlap != Overlap.inter_op:
         return timing
     exposed = dict(timing.exposed_comm_s)
@@ -440,7 +536,9 @@ def kept_bytes_per_token(m: ModelSpec, d: Degrees, precision: Precision, policy:
       applies the weights in its weighted SwiGLU (``weighted_bias_swiglu_impl``), and the
       dispatcher's un-permute runs without them (``unpermute(..., probs=None)``,
       moe/experts.py and moe/token_dispatcher.py, Megatron-Core 0.15.3), so the combine keeps
-      no rows;
+      no rows; with GPT-OSS's clamped activation (``swiglu_limit``, ``ACT_CLAMP``) fc1's
+      output is kept by the clamps (their backward's masks read it) besides the clamped copy
+      the activation keeps, 4 F more, unless moe_act reruns them;
     - dense FFN and shared experts: the same per token, without routing.
 
     Full recomputation keeps each layer's input only. Selective recomputation reruns
@@ -484,7 +582,8 @@ def kept_bytes_per_token(m: ModelSpec, d: Degrees, precision: Precision, policy:
     load = EP_LOAD if d.ep > 1 else 1.0
     f = m.expert_ffn_hidden
     fc2_in = 0.0 if RecomputeModule.moe_act in mods else gemm_in
-    out += m.top_k * load * (gemm_in * h + (4.0 + fc2_in) * f + ROUTED_WEIGHT_BYTES)
+    clamp = 4.0 if m.swiglu_limit and RecomputeModule.moe_act not in mods else 0.0
+    out += m.top_k * load * (gemm_in * h + (4.0 + clamp + fc2_in) * f + ROUTED_WEIGHT_BYTES)
     if m.shared_experts and RecomputeModule.shared_experts not in mods:
         out += gemm_in * h + (4.0 + gemm_in) * m.shared_experts * m.shared_expert_ffn_hidden
     return out

@@ -162,6 +162,11 @@ def megatron_refusal(plan: Plan) -> str | None:
                 "slides; it has no chunked local attention")
     if m.shared_expert_gate:
         return "model.shared_expert_gate: Megatron-LM's arguments have no shared-expert gate"
+    if m.swiglu_limit and m.linear_bias != LinearBias.all:
+        return ("model.swiglu_limit without linear biases: Megatron-LM turns its fused "
+                "quick-GEGLU off with the biases (--disable-bias-linear sets bias_gelu_fusion "
+                "false) and runs the clamped activation as eager PyTorch, which "
+                "cost_models.megatron does not price")
     if m.kv_share_layers > 1:
         return ("model.kv_share_layers: Megatron-LM has no cross-layer attention (every layer "
                 "projects its own keys and values)")
@@ -199,6 +204,16 @@ def megatron_attention(m: ModelSpec) -> list[str]:
     return args
 
 
+def megatron_glu(m: ModelSpec) -> list[str]:
+    """The experts' gated activation: SwiGLU, or GPT-OSS's clamped one (Megatron-Core's
+    quick-GEGLU, x sigmoid(1.702 x), with the linear half offset by 1 and both halves clamped;
+    fused with the experts' fc1 bias by --bias-gelu-fusion, Megatron-LM's default)."""
+    if not m.swiglu_limit:
+        return ["--swiglu"]
+    return ["--quick-geglu", "--glu-linear-offset", "1",
+            "--activation-func-clamp-value", f"{m.swiglu_limit:g}"]
+
+
 def megatron_routing(m: ModelSpec) -> list[str]:
     """The router's flags beyond top-k: the score function, the aux-loss-free expert bias and
     its update rate, the routed scaling factor and group-limited routing."""
@@ -223,7 +238,7 @@ def megatron_model_args(m: ModelSpec, seq_len: int) -> list[str]:
         "--num-attention-heads", str(m.query_heads), *megatron_attention(m),
         "--seq-length", str(seq_len), "--max-position-embeddings", str(seq_len),
         "--vocab-size", str(m.vocab),
-        "--normalization", "RMSNorm", "--norm-epsilon", f"{m.norm_eps:g}", "--swiglu",
+        "--normalization", "RMSNorm", "--norm-epsilon", f"{m.norm_eps:g}", *megatron_glu(m),
         "--position-embedding-type", "rope", "--rotary-base", str(int(m.rope_theta)),
         *({LinearBias.none: ["--disable-bias-linear"],
            LinearBias.qkv: ["--disable-bias-linear", "--add-qkv-bias"],

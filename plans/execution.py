@@ -212,6 +212,10 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("model.rotary_fraction", False, Support.executed),
     Capability("model.rotary_fraction", True, Support.refused,
                "moeplan's runtime rotates whole heads; partial RoPE runs on target megatron"),
+    Capability("model.swiglu_limit", False, Support.executed),
+    Capability("model.swiglu_limit", True, Support.refused,
+               "moeplan's runtime runs the plain SwiGLU; GPT-OSS's clamped one runs on target "
+               "megatron"),
     *_executed("cluster", ANY, reason="the launch's GPUs; the spec gives peak FLOP/s for MFU"),
     *_executed("training.global_batch", ANY),
     *_executed("training.seq_len", ANY),
@@ -394,7 +398,7 @@ MEGATRON: tuple[Capability, ...] = (
       for name in (
         "mla", "router_expert_bias", "routed_scaling_factor", "expert_groups", "mtp_layers",
         "moe_layer_interval", "sliding_window", "attention_sinks", "shared_expert_gate",
-        "kv_share_layers", "rotary_fraction")),
+        "kv_share_layers", "rotary_fraction", "swiglu_limit")),
     _megatron("model.mla", True, reason="--multi-latent-attention --q-lora-rank --kv-lora-rank "
               "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim"),
     _megatron("model.router_score", ANY, reason="--moe-router-score-function"),
@@ -414,6 +418,8 @@ MEGATRON: tuple[Capability, ...] = (
               "Megatron-LM has no cross-layer attention (every layer projects its own keys and "
               "values)"),
     _megatron("model.rotary_fraction", True, reason="--rotary-percent"),
+    _megatron("model.swiglu_limit", True, reason="--quick-geglu --glu-linear-offset 1 "
+              "--activation-func-clamp-value"),
     _megatron("cluster", ANY, reason="the launch's GPUs (CUDA, NCCL)"),
     _megatron("training.global_batch", ANY, reason="--global-batch-size"),
     _megatron("training.seq_len", ANY, reason="--seq-length"),
@@ -598,7 +604,8 @@ TORCHTITAN: tuple[Capability, ...] = (
     *(_torchtitan(f"model.{name}", ANY, reason=_TT_MODEL) for name in (
         "mla", "router_score", "router_expert_bias", "routed_scaling_factor",
         "expert_groups", "moe_layer_interval", "sliding_window", "linear_bias",
-        "attention_sinks", "shared_expert_gate", "kv_share_layers", "rotary_fraction")),
+        "attention_sinks", "shared_expert_gate", "kv_share_layers", "rotary_fraction",
+        "swiglu_limit")),
     _torchtitan("model.mtp_layers", False, reason="no MTP modules"),
     _torchtitan("model.mtp_layers", True, Support.refused,
                 "torchtitan 0.3.0's config functions for these models build no multi-token "
@@ -711,7 +718,7 @@ NOT_EXECUTED = ("schema_version", "prediction")
 MODEL_FEATURES = ("mla", "router_score", "router_expert_bias", "routed_scaling_factor",
                   "expert_groups", "mtp_layers", "moe_layer_interval", "sliding_window",
                   "linear_bias", "attention_sinks", "shared_expert_gate", "kv_share_layers",
-                  "rotary_fraction")
+                  "rotary_fraction", "swiglu_limit")
 """ModelSpec fields the table answers for: an enum's value, else whether the model departs
 from the field's default (uses the feature)."""
 

@@ -44,8 +44,6 @@ IGNORED = frozenset({
     "topk_method", "seq_aux",
     # Llama-4 attention-temperature tuning (a scale on the queries) and its L2 QK norm's form
     "attn_temperature_tuning", "floor_scale", "attn_scale",
-    # GPT-OSS's clamped SwiGLU: the same GEMMs and element-wise bytes
-    "swiglu_limit",
 })
 """Keys that change no shape, FLOP, byte or collective of a training step."""
 
@@ -262,6 +260,7 @@ def _gpt_oss(r: _Reader) -> dict:
     return dict(spec, expert_ffn_hidden=r.int("intermediate_size"),
                 linear_bias=LinearBias.all if r.bool("attention_bias") else LinearBias.none,
                 attention_sinks=True, sliding_window=window, full_attention_every=every,
+                swiglu_limit=r.float("swiglu_limit", 0.0),
                 aux_loss_coeff=r.float("router_aux_loss_coef", 0.9))
 
 
@@ -354,7 +353,7 @@ FIELD_KEYS = {
     "groups_per_token": "topk_group", "mtp_layers": "num_nextn_predict_layers",
     "routed_scaling_factor": "routed_scaling_factor", "sliding_window": "sliding_window",
     "mla": "kv_lora_rank", "dropout": "attention_dropout", "aux_loss_coeff": "aux_loss_alpha",
-    "rotary_fraction": "partial_rotary_factor",
+    "rotary_fraction": "partial_rotary_factor", "swiglu_limit": "swiglu_limit",
 }
 """The config key most families use for a ModelSpec field: errors name it."""
 

@@ -247,6 +247,12 @@ class ModelSpec(Frozen):
     rotary_fraction: float = Field(1.0, gt=0, le=1)
     """Share of each query and key head RoPE rotates (GLM-4.5: 0.5; Megatron's
     --rotary-percent); the rest passes unrotated."""
+    swiglu_limit: float = Field(0.0, ge=0, le=1e6)
+    """GPT-OSS's clamped SwiGLU (Hugging Face's ``swiglu_limit``): each routed expert's gate
+    input is clamped above at this limit and its linear input to [-limit, limit], the gate
+    taken as x sigmoid(1.702 x) and the linear input offset by 1 (Megatron-Core's quick-GEGLU
+    with ``glu_linear_offset`` 1 and ``activation_func_clamp_value``); 0: the plain SwiGLU.
+    Modelled for models whose every FFN is routed (no shared experts, no dense layers)."""
     norm_eps: float = Field(1e-6, gt=0, lt=1)
     """Epsilon of every RMSNorm."""
     qk_norm: bool = False
@@ -342,6 +348,9 @@ class ModelSpec(Frozen):
         if self.full_attention_every and not self.sliding_window:
             raise ValueError(f"full_attention_every ({self.full_attention_every}) needs a "
                              f"sliding_window")
+        if self.swiglu_limit and (self.shared_experts or self.dense_ffn_layers):
+            raise ValueError("swiglu_limit is modelled for routed experts only: the model "
+                             "must have no shared experts and no dense layers")
         if self.full_attention_every > self.layers:
             raise ValueError(f"full_attention_every ({self.full_attention_every}) must be <= "
                              f"layers ({self.layers})")

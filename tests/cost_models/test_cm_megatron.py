@@ -108,6 +108,65 @@ def test_expert_biases_are_added_expert_by_expert_from_python():
         megatron.layer_timing(plain).fwd_s + fwd)
 
 
+def test_the_clamped_activation_runs_eager_and_waits_for_its_offset(monkeypatch):
+    """GPT-OSS's clamped SwiGLU (swiglu_limit): Megatron-Core clamps the two halves and
+    concatenates them in eager PyTorch before its fused quick-GEGLU, then copies the linear
+    offset to the device, a copy after which PyTorch waits for the stream: 4 launches
+    forward, 9 backward, 16 / 30 bytes per routed row and expert-FFN column at the plain
+    memory rate, one more wait per forward, and again in backward where moe_act reruns it."""
+    from plans import RecomputeModule
+
+    bf16 = TrainingSpec(global_batch=512, seq_len=4096)
+    plain = qwen(training=bf16)
+    clamped = plain.model_copy(update={"model": plain.model.model_copy(
+        update={"swiglu_limit": 7.0})})
+    rerun = clamped.model_copy(update={"recompute": Recompute.selective,
+                                       "recompute_modules": (RecomputeModule.moe_act,)})
+    local = 128 // 8
+    a, b = megatron.launches(plain), megatron.launches(clamped)
+    assert (b.after_wait.fwd - a.after_wait.fwd, b.after_wait.bwd - a.after_wait.bwd) == (4, 9)
+    assert (a.to_act_wait, b.to_act_wait) == (0, megatron.DISPATCH_COMBINE.fwd // 2 + local + 4)
+    assert megatron.launches(rerun).before_wait.bwd - megatron.launches(
+        plain.model_copy(update={"recompute": Recompute.selective, "recompute_modules": (
+            RecomputeModule.moe_act,)})).before_wait.bwd == 4
+    assert (megatron.act_waits(plain), megatron.act_waits(clamped),
+            megatron.act_waits(rerun), megatron.act_waits(clamped, dense=True)) == (
+        (0, 0), (1, 0), (1, 1), (0, 0))
+    c = plain.cluster
+    fwd, bwd, again = megatron.act_clamp_s(clamped)
+    assert fwd == pytest.approx(4096 * 8 * 768 * 16 / (c.gpu.hbm_tb_s * 1e12 * c.efficiency.hbm))
+    assert (bwd, again) == (pytest.approx(fwd * 30 / 16), 0.0)
+    assert megatron.act_clamp_s(rerun)[2] == fwd
+    assert megatron.act_clamp_s(plain) == (0.0, 0.0, 0.0)
+    t, u = megatron.layer_timing(plain), megatron.layer_timing(clamped)
+    assert (u.fwd_s - t.fwd_s, u.bwd_s - t.bwd_s) == (pytest.approx(fwd), pytest.approx(bwd))
+    # with no host time per launch, only the waits are left: the dispatcher's and the clamp's
+    monkeypatch.setattr(megatron, "HOST_US_PER_LAUNCH", 0.0)
+    wait = megatron.D2H_SYNC_US * 1e-6
+    host = megatron.host_wait_s(clamped, u)
+    assert host == (pytest.approx(2 * wait + megatron.count_gather_s(clamped)), 0.0)
+    assert megatron.host_wait_s(rerun, megatron.layer_timing(rerun))[1] == pytest.approx(wait)
+    # capacity-bound, the clamp's wait is the layer's only one
+    bound = clamped.model_copy(update={"ffn": EPFFN(capacity_factor=1.0)})
+    assert megatron.host_wait_s(bound, megatron.layer_timing(bound)) == (
+        pytest.approx(wait), 0.0)
+
+
+def test_the_clamps_keep_fc1s_output_unless_moe_act_reruns_them():
+    from plans import RecomputeModule
+
+    m, d = catalog.load_model("qwen3-30b-a3b"), Degrees(dp=8, ep=8)
+    clamped = m.model_copy(update={"swiglu_limit": 7.0})
+    none = [megatron.kept_bytes_per_token(x, d, Precision.bf16, Recompute.none, False)
+            for x in (m, clamped)]
+    act = [megatron.kept_bytes_per_token(x, d, Precision.bf16, Recompute.selective, False,
+                                         (RecomputeModule.moe_act,)) for x in (m, clamped)]
+    from cost_models.memory import EP_LOAD
+
+    assert none[1] - none[0] == pytest.approx(m.top_k * EP_LOAD * 4 * m.expert_ffn_hidden)
+    assert act[1] == act[0]
+
+
 def test_current_scaling_reads_each_operand_once_more_for_its_amax():
     """fp8 casts: 4 bytes per element under MXFP8 (the block scales in the cast's pass), 6
     under per-tensor current scaling (TE's amax pass over the bf16 operand first)."""

@@ -68,7 +68,8 @@ MEGATRON_FLAGS = {
     "--moe-router-num-groups": True, "--moe-router-group-topk": True, "--mtp-num-layers": True,
     "--window-size": True, "--window-attn-skip-freq": True, "--softmax-type": True,
     "--rotary-percent": True, "--add-qkv-bias": False, "--overlap-moe-expert-parallel-comm": False,
-    "--sgd-momentum": True,
+    "--sgd-momentum": True, "--quick-geglu": False, "--glu-linear-offset": True,
+    "--activation-func-clamp-value": True,
 }
 CHOICES = {
     "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
@@ -332,6 +333,8 @@ def test_megatron_model_environment_recompute_and_steps():
     ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={"kv_heads": 4})},
      "above model.kv_heads"),
     ({"training": TrainingSpec(global_batch=256, seq_len=4104)}, "2 x CP"),
+    ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={"swiglu_limit": 7.0})},
+     "swiglu_limit without linear biases"),
 ])
 def test_megatron_refuses_what_it_cannot_express(update, reason):
     p = PLANS["uneven"].model_copy(update=update)

@@ -273,6 +273,9 @@ def test_the_expert_bias_update_rate_exports_as_megatrons_flag(monkeypatch, tmp_
 
 
 def check_is_mla_plan(plan: Plan, parsed, config) -> None:
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
     m = plan.model
     assert config.multi_latent_attention == (m.mla is not None)
     if m.mla is not None:
@@ -300,6 +303,11 @@ def check_is_mla_plan(plan: Plan, parsed, config) -> None:
         assert config.window_size is None
     assert (config.softmax_type == "learnable") == m.attention_sinks
     assert parsed.rotary_percent == m.rotary_fraction
+    # GPT-OSS's clamped SwiGLU: Megatron-Core's fused quick-GEGLU, offset 1, clamped
+    assert (config.activation_func_clamp_value or 0.0) == m.swiglu_limit
+    assert config.glu_linear_offset == (1.0 if m.swiglu_limit else 0.0)
+    assert config.activation_func is (quick_gelu if m.swiglu_limit else F.silu)
+    assert config.gated_linear_unit and config.bias_activation_fusion
     assert config.add_bias_linear == (m.linear_bias.value == "all")
     assert config.add_qkv_bias == (m.linear_bias.value != "none")
     if plan.degrees.pp > 1:

@@ -41,7 +41,7 @@ def test_deepseek_v3_maps_every_feature():
 def test_other_families_map_their_features():
     oss = catalog.load_model(str(CONFIGS / "gpt-oss-120b.json"))
     assert (oss.sliding_window, oss.full_attention_every, oss.attention_sinks) == (128, 2, True)
-    assert oss.linear_bias == LinearBias.all
+    assert oss.linear_bias == LinearBias.all and oss.swiglu_limit == 7.0
     scout = catalog.load_model(str(CONFIGS / "llama-4-scout.json"))
     assert scout.window_kind == WindowKind.chunked and scout.full_attention_every == 4
     assert scout.shared_experts == 1 and scout.router_score == RouterScore.sigmoid

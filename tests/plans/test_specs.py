@@ -87,6 +87,8 @@ def test_shared_and_dense_layers_counted():
         ({"hidden": 0}, "hidden", "greater than 0"),
         ({"dense_layers": 32}, "", "dense_layers (32) must be < layers (32)"),
         ({"shared_experts": 1}, "", "shared_expert_ffn_hidden (0)"),
+        ({"swiglu_limit": 7.0, "dense_layers": 1, "dense_ffn_hidden": 64}, "",
+         "swiglu_limit is modelled for routed experts only"),
     ],
 )
 def test_model_invariants_print_numbers(update, field, words):
