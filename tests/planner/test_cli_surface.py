@@ -144,6 +144,7 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                     '--nproc-per-node <int range>',
                     '--smoke <bool>',
                     '--force <bool>'],
+    'parity': ['PLAN', '--out <path>', '--share-gpu <bool>', '--force <bool>'],
     'calibrate': [   '--out <path>',
                      'PROFILE',
                      '--plan <path>',
