@@ -1116,6 +1116,30 @@ def parity_cmd(
               str(plan), *(["--share-gpu"] if share_gpu else []))
 
 
+@app.command("memory", short_help="Probe a plan's step for peak memory per phase and module.")
+@user_errors
+def memory_cmd(
+    plan: PlanArg,
+    out: Annotated[Path, typer.Option("--out", help="Probe JSON to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Run a warm-up step of PLAN on this machine's GPUs, one process each (python -m
+    runtime.memory_probe under torchrun), then probe one step: the resident bytes, the peak
+    allocated bytes per phase (forward, loss, backward, grad_sync, optimizer), the step's
+    allocated and reserved peaks and the bytes each module keeps for backward, per rank. Set
+    them beside `explain`'s memory terms.
+
+    \b
+    Example:
+      moeplan memory bench/gpu_plans/mixtral2l_1gpu.json --out memory.json
+    """
+    _need_torch("memory")
+    gpus = plans.catalog.load_plan(plan).degrees.world
+    _check_out(out, force)
+    _torchrun("runtime.memory_probe", gpus, out, False, force, "the memory probe", "--plan",
+              str(plan))
+
+
 def _torchrun(module: str, nproc: int, out: Path, smoke: bool, force: bool, what: str,
               *args: str) -> None:
     """A runtime measurement, ``python -m module ARGS --out OUT``, under torchrun on ``nproc``

@@ -1,11 +1,12 @@
 """Measuring calls on a launch's devices: a plan checked against the launch (``check_plan``,
-``launch_plan``), the launch joined (``init``, ``finish``), the device released between measurements
-(``release``), one call timed on an idle GPU (``timed``) and its kernels timed with the host
-ahead (``device_timed``, ``spun``), the slowest rank's value (``slowest``). Medians after
-warm-up: CUDA events on GPU, wall clock on CPU; the result written with its metadata
-(``write_measurement``). `moeplan sweep` (runtime/sweep.py), `moeplan
-overlap` (runtime/beside.py), `moeplan dispatch` (runtime/dispatch_sweep.py), `moeplan parity`
-(runtime/parity.py) and bench/'s scripts measure with these."""
+``launch_plan``), the launch joined (``init``, ``finish``), the device released between
+measurements (``release``), one call timed on an idle GPU (``timed``) and its kernels timed
+with the host ahead (``device_timed``, ``spun``), the slowest rank's value (``slowest``).
+Medians after warm-up: CUDA events on GPU, wall clock on CPU; the result written with its
+metadata (``write_measurement``). `moeplan sweep` (runtime/sweep.py), `moeplan overlap`
+(runtime/beside.py), `moeplan dispatch` (runtime/dispatch_sweep.py), `moeplan parity`
+(runtime/parity.py), `moeplan memory` (runtime/memory_probe.py) and bench/'s scripts measure
+with these."""
 
 from __future__ import annotations
 

@@ -145,6 +145,7 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                     '--smoke <bool>',
                     '--force <bool>'],
     'parity': ['PLAN', '--out <path>', '--share-gpu <bool>', '--force <bool>'],
+    'memory': ['PLAN', '--out <path>', '--force <bool>'],
     'calibrate': [   '--out <path>',
                      'PROFILE',
                      '--plan <path>',

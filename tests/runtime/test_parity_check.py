@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dist_workers import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,8 +51,9 @@ def test_a_launch_of_the_wrong_size_is_refused_in_one_line(tmp_path, python):
     assert not out.exists()
 
 
-def test_the_check_imports_neither_planner_nor_cost_models():
-    code = ("import sys, runtime.parity\n"
+@pytest.mark.parametrize("module", ["runtime.parity", "runtime.memory_probe"])
+def test_the_measurement_imports_neither_planner_nor_cost_models(module):
+    code = (f"import sys, {module}\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('planner', 'cost_models')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
