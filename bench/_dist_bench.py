@@ -1,26 +1,21 @@
-"""Shared pieces of the GPU benchmarks: the launch and the timing of runtime.measure (one
-owner: `moeplan sweep` times with them too; the scripts import them from here), the device
-released between measurements, and a step's time fields. Imports torch, plans and the runtime
-(never cost_models or planner)."""
+"""Shared pieces of the GPU benchmarks: the launch, the timing and the device released
+between measurements of runtime.measure (one owner: the runtime's measurements use them too;
+the scripts import them from here), and a step's time fields. Imports torch, plans and
+the runtime (never cost_models or planner)."""
 
 from __future__ import annotations
 
-import gc
-
-import torch
-
 from plans import Plan
 from plans.specs import mfu
-from runtime.measure import device_timed, finish, init, slowest, spun, timed  # noqa: F401
-
-
-def release(device: torch.device) -> None:
-    """Give the device back what dropped models left (autograd hooks keep reference cycles:
-    collected first), its peak statistics reset for the next measurement."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+from runtime.measure import (  # noqa: F401
+    device_timed,
+    finish,
+    init,
+    release,
+    slowest,
+    spun,
+    timed,
+)
 
 
 def step_times(warm: list[float], times: list[float], plan: Plan, world: int) -> dict:

@@ -134,9 +134,9 @@ class Parity(_PlanStep):
         return 1 if self.share_gpu else self.ranks()
 
     def command(self, results: Path) -> list[str]:
-        return [*launcher(self.ranks(), force_torchrun=True), "-m", "bench.steps.parity_gpu",
+        return [*launcher(self.ranks(), force_torchrun=True), "-m", "runtime.parity",
                 "--plan", self.parity, *(["--share-gpu"] if self.share_gpu else []),
-                "--out", str(results / self.output())]
+                "--out", str(results / self.output()), "--force"]
 
 
 class Profile(_PlanStep):

@@ -1091,11 +1091,61 @@ def dispatch_cmd(
               "the dispatcher sweep")
 
 
-def _torchrun(module: str, nproc: int, out: Path, smoke: bool, force: bool, what: str) -> None:
-    """A runtime measurement, ``python -m module --out OUT``, under torchrun on ``nproc`` of
-    this machine's GPUs."""
+@app.command("parity", short_help="Check a layout's loss and gradients against one GPU.")
+@user_errors
+def parity_cmd(
+    plan: PlanArg,
+    out: Annotated[Path, typer.Option("--out", help="Check JSON to write.")],
+    share_gpu: Annotated[bool, typer.Option(
+        "--share-gpu", help="Ranks share the visible GPUs over gloo.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Run one step of PLAN on this machine's GPUs, one process each (python -m runtime.parity
+    under torchrun), and compare its loss and every gradient with the one-process reference's:
+    does the layout compute what one GPU computes. bf16 on GPU, judged against the bf16
+    reference's own error (see runtime/parity.py); exit status 1 when the check fails.
+
+    \b
+    Example:
+      moeplan parity bench/gpu_plans/x2/mixtral2l_search_best.json --out p.json
+    """
+    _need_torch("parity")
+    gpus = plans.catalog.load_plan(plan).degrees.world
+    _check_out(out, force)
+    _torchrun("runtime.parity", gpus, out, False, force, "the parity check", "--plan",
+              str(plan), *(["--share-gpu"] if share_gpu else []))
+
+
+@app.command("memory", short_help="Probe a plan's step for peak memory per phase and module.")
+@user_errors
+def memory_cmd(
+    plan: PlanArg,
+    out: Annotated[Path, typer.Option("--out", help="Probe JSON to write.")],
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Run a warm-up step of PLAN on this machine's GPUs, one process each (python -m
+    runtime.memory_probe under torchrun), then probe one step: the resident bytes, the peak
+    allocated bytes per phase (forward, loss, backward, grad_sync, optimizer), the step's
+    allocated and reserved peaks and the bytes each module keeps for backward, per rank. Set
+    them beside `explain`'s memory terms.
+
+    \b
+    Example:
+      moeplan memory bench/gpu_plans/mixtral2l_1gpu.json --out memory.json
+    """
+    _need_torch("memory")
+    gpus = plans.catalog.load_plan(plan).degrees.world
+    _check_out(out, force)
+    _torchrun("runtime.memory_probe", gpus, out, False, force, "the memory probe", "--plan",
+              str(plan))
+
+
+def _torchrun(module: str, nproc: int, out: Path, smoke: bool, force: bool, what: str,
+              *args: str) -> None:
+    """A runtime measurement, ``python -m module ARGS --out OUT``, under torchrun on ``nproc``
+    of this machine's GPUs."""
     _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
-                  "1", "--nproc-per-node", str(nproc), "-m", module, "--out", str(out),
+                  "1", "--nproc-per-node", str(nproc), "-m", module, *args, "--out", str(out),
                   *(["--smoke"] if smoke else []), *(["--force"] if force else [])], what)
 
 

@@ -144,7 +144,7 @@ class LogStep(BaseModel):
 class ParityResult(Result):
     """A layout's bf16 loss and gradients against the one-GPU references."""
 
-    SOURCE: ClassVar[str] = "bench/steps/parity_gpu.py"
+    SOURCE: ClassVar[str] = "runtime/parity.py"
 
     plan: str
     world: PositiveInt

@@ -376,8 +376,8 @@ def _rowwise(fn: Callable) -> Callable:
     leading dimensions flattened into one dynamic row count, so every call site (the block's
     norms over the hidden size, the per-head q and k norms over the head size, each layout's
     shards of them) shares one graph per width and dtype. Static shapes compiled one graph
-    per call site and layout, and a process that builds several models (bench/steps/parity_gpu.py:
-    the layout, then its bf16 and fp32 one-rank references) passed dynamo's recompile limit
+    per call site and layout, and a process that builds several models (runtime/parity.py: the
+    layout, then its bf16 and fp32 one-rank references) passed dynamo's recompile limit
     (8), a hard failure under fullgraph."""
     compiled = _rows_dynamic(fn, 0)
 

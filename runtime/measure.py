@@ -1,21 +1,87 @@
-"""Measuring calls on a launch's devices: the launch joined (``init``, ``finish``), one call
-timed on an idle GPU (``timed``) and its kernels timed with the host ahead (``device_timed``,
-``spun``), the slowest rank's value (``slowest``). Medians after warm-up: CUDA events on GPU,
-wall clock on CPU. `moeplan sweep` (runtime/sweep.py), `moeplan overlap` (runtime/beside.py),
-`moeplan dispatch` (runtime/dispatch_sweep.py) and bench/'s scripts time with these."""
+"""Measuring calls on a launch's devices: a plan checked against the launch (``check_plan``,
+``launch_plan``), the launch joined (``init``, ``finish``), the device released between
+measurements (``release``), one call timed on an idle GPU (``timed``) and its kernels timed
+with the host ahead (``device_timed``, ``spun``), the slowest rank's value (``slowest``).
+Medians after warm-up: CUDA events on GPU, wall clock on CPU; the result written with its
+metadata (``write_measurement``). `moeplan sweep` (runtime/sweep.py), `moeplan overlap`
+(runtime/beside.py), `moeplan dispatch` (runtime/dispatch_sweep.py), `moeplan parity`
+(runtime/parity.py), `moeplan memory` (runtime/memory_probe.py) and bench/'s scripts measure
+with these."""
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from plans import Plan, SpecError
+from plans.catalog import load_plan
+from plans.execution import UnsupportedFeature
+from plans.io import check_destination, write_atomic
 from runtime.parallel.mesh import end_process_groups, start_process_group
+from runtime.parallel.parallelize import check_supported, launch_backend
+from runtime.provenance import metadata
+
+EXIT_BAD_INPUT = 2
+
+
+def refuse(message: str) -> int:
+    """``error: message`` on stderr from rank 0 (one line a launch); the bad-input status."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def check_plan(plan_path: Path, world: int, local_rank: int, share_gpu: bool = False) -> Plan:
+    """The plan, or SpecError / UnsupportedFeature / ValueError saying why it cannot run in a
+    launch of ``world`` processes (``share_gpu``: see ``init``)."""
+    cuda = torch.cuda.is_available()
+    plan = load_plan(plan_path)
+    check_supported(plan, launch_backend())
+    if plan.degrees.world != world:
+        raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
+                        f"WORLD_SIZE={world}")
+    if share_gpu and cuda and plan.degrees.pp > 1:
+        raise SpecError("degrees.pp: --share-gpu runs over gloo, which cannot send CUDA "
+                        "tensors between pipeline stages; use one GPU per rank")
+    if cuda and not share_gpu and local_rank >= torch.cuda.device_count():
+        raise SpecError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) "
+                        f"are visible (one rank per GPU; --share-gpu to check numerics)")
+    return plan
+
+
+def launch_plan(plan_path: Path, out: Path, force: bool, share_gpu: bool = False) -> Plan | None:
+    """The plan of this launch (``check_plan``), ``out`` checked before any work; None after
+    ``refuse`` said why not."""
+    try:
+        plan = check_plan(plan_path, int(os.environ.get("WORLD_SIZE", 1)),
+                          int(os.environ.get("LOCAL_RANK", 0)), share_gpu)
+        check_destination(out, "--out", force)
+    except (SpecError, UnsupportedFeature, ValueError) as e:
+        refuse(str(e))
+        return None
+    return plan
+
+
+def write_measurement(out: Path, doc: dict, force: bool, indent: int = 2) -> bool:
+    """``doc`` after the metadata every result carries (runtime.provenance), written to ``out``
+    in one step (plans.io); False after ``refuse`` said why not."""
+    try:
+        write_atomic(out, json.dumps({**metadata(), **doc}, indent=indent) + "\n", "--out",
+                     force)
+    except SpecError as e:
+        refuse(str(e))
+        return False
+    return True
 
 
 def init(timeout: timedelta = timedelta(minutes=5), share_gpu: bool = False
@@ -44,6 +110,15 @@ def init(timeout: timedelta = timedelta(minutes=5), share_gpu: bool = False
 def finish(world: int) -> None:
     if world > 1:
         end_process_groups()
+
+
+def release(device: torch.device) -> None:
+    """Give the device back what dropped models left (autograd hooks keep reference cycles:
+    collected first), its peak statistics reset for the next measurement."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def slowest(value: float, device: torch.device) -> float:

@@ -1,6 +1,6 @@
 """Device memory of a run: the allocator set-up, the check of a plan's predicted peak against the
 device before the first step, the one-line report of an out-of-memory error, and the per-phase
-peaks the memory benchmark records (bench/memory/memory_suite.py).
+peaks the memory probe records (`moeplan memory`, runtime/memory_probe.py).
 
 The plan carries the cost model's predicted peak (``prediction.peak_memory_gib``, the caching
 allocator's reserved bytes at the step's peak); the runtime never prices a plan itself.

@@ -50,9 +50,10 @@ from plans.execution import UnsupportedFeature, record  # noqa: E402
 from plans.plan import MeshAxis  # noqa: E402
 from runtime.compile_cache import cache_counts, compile_phases, use_cache_dir  # noqa: E402
 from runtime.data import SyntheticTokens  # noqa: E402
+from runtime.measure import check_plan  # noqa: E402
 from runtime.metrics import COMPONENT_KEYS  # noqa: E402
 from runtime.parallel.attention import head_groups  # noqa: E402
-from runtime.parallel.parallelize import backend_of, check_supported, launch_backend  # noqa: E402
+from runtime.parallel.parallelize import backend_of  # noqa: E402
 from runtime.trainer import build_trainer  # noqa: E402
 
 TIMEOUT = timedelta(minutes=10)
@@ -86,23 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.out_dir is None):
         p.error("--plan goes with --out, --plans with --out-dir")
     return args
-
-
-def check_plan(plan_path: Path, world: int, local_rank: int, share_gpu: bool = False) -> Plan:
-    """The plan, or SpecError / UnsupportedFeature / ValueError saying why it cannot run here."""
-    cuda = torch.cuda.is_available()
-    plan = load_plan(plan_path)
-    check_supported(plan, launch_backend())
-    if plan.degrees.world != world:
-        raise SpecError(f"degrees: plan needs {plan.degrees.world} processes, launched with "
-                        f"WORLD_SIZE={world}")
-    if share_gpu and cuda and plan.degrees.pp > 1:
-        raise SpecError("degrees.pp: --share-gpu runs over gloo, which cannot send CUDA "
-                        "tensors between pipeline stages; use one GPU per rank")
-    if cuda and not share_gpu and local_rank >= torch.cuda.device_count():
-        raise SpecError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPU(s) "
-                        f"are visible (one rank per GPU; --share-gpu to check numerics)")
-    return plan
 
 
 def ranks_per_gpu(world: int, device: torch.device) -> int:

@@ -144,6 +144,8 @@ SURFACE = {   '': ['--version <bool>', '--install-completion <bool>', '--show-co
                     '--nproc-per-node <int range>',
                     '--smoke <bool>',
                     '--force <bool>'],
+    'parity': ['PLAN', '--out <path>', '--share-gpu <bool>', '--force <bool>'],
+    'memory': ['PLAN', '--out <path>', '--force <bool>'],
     'calibrate': [   '--out <path>',
                      'PROFILE',
                      '--plan <path>',

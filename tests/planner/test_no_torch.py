@@ -74,7 +74,9 @@ def test_the_runtime_commands_say_in_one_line_that_they_need_torch(tmp_path):
                           ("profile", [str(plan), "--out", str(tmp_path / "p.json")]),
                           ("sweep", ["--out", str(tmp_path / "s.json")]),
                           ("overlap", ["--out", str(tmp_path / "o.json")]),
-                          ("dispatch", ["--out", str(tmp_path / "d.json")])):
+                          ("dispatch", ["--out", str(tmp_path / "d.json")]),
+                          ("parity", [str(plan), "--out", str(tmp_path / "c.json")]),
+                          ("memory", [str(plan), "--out", str(tmp_path / "m.json")])):
         done = run_cli_without_torch(command, *args)
         assert done.returncode == 2, done.stderr[-2000:]
         assert done.stderr.splitlines() == [

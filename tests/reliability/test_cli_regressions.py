@@ -175,7 +175,7 @@ def test_help_reads_whole_at_80_columns():
     commands = top.split("Commands:")[1]
     assert "..." not in commands and "Megatron-Core's best" in commands
     for command in ("", "search", "whatif", "scale", "train", "export", "calibrate", "sweep",
-                    "overlap", "dispatch"):
+                    "overlap", "dispatch", "parity", "memory"):
         out = narrow.invoke(app, [command, "--help"] if command else ["--help"]).output
         assert max(len(line) for line in out.splitlines()) <= 80, (command, out)
     train = narrow.invoke(app, ["train", "--help"]).output

@@ -1,7 +1,10 @@
 """Correctness of a parallel layout against the single-process reference: loss and every
-gradient after one step (before the optimizer), as relative errors.
+gradient after one step (before the optimizer), as relative errors: does the layout compute
+what one GPU computes.
 
-    torchrun --nproc-per-node 2 -m bench.steps.parity_gpu --plan PLAN --out bench/results/NAME.json
+    moeplan parity PLAN --out parity.json
+    (or: torchrun --standalone --nproc-per-node N -m runtime.parity --plan PLAN --out parity.json,
+    N the plan's GPU count)
 
 A gradient's error is ||g - g_ref|| / ||g_ref|| over this rank's slice (the reference sliced
 the same way); each rank reruns the reference itself and compares its own slices, so only a
@@ -15,25 +18,27 @@ everything or fails sound layouts. The check is relative to bf16 itself: the ref
 twice, in bf16 and in fp32, and every gradient (and the loss) of the layout must be as close to
 fp32 as the single-GPU bf16 run is: err(layout, fp32) <= 2 x err(bf16 reference, fp32) + 1e-3.
 The direct layout-vs-bf16-reference errors are reported too. Rank 0 writes JSON with metadata,
-the errors, the worst parameters and ``pass``; exit status 1 when the check fails.
+the errors, the worst parameters and ``pass``; exit status 1 when the check fails. Bad input:
+one line naming the field, exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench._dist_bench import finish, release
-from bench._meta import write_result
-from bench.steps.train_step import setup
 from plans import OptimizerSharding
 from runtime.data import SyntheticTokens
+from runtime.measure import EXIT_BAD_INPUT, finish, init, launch_plan, release, write_measurement
 from runtime.trainer import build_trainer, model_options, reference_plan
 
+TIMEOUT = timedelta(minutes=10)
+"""How long a collective waits for a late rank."""
 FP32_TOLERANCE = {"loss": 1e-5, "grad": 1e-4}
 BF16_FACTOR, BF16_FLOOR = 2.0, 1e-3
 """bf16: err(layout, fp32 reference) <= BF16_FACTOR x err(bf16 reference, fp32) + BF16_FLOOR."""
@@ -128,8 +133,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--share-gpu", action="store_true",
                    help="ranks share the visible GPUs over gloo (more ranks than GPUs)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = p.parse_args(argv)
-    plan, rank, world, device = setup(args.plan, args.share_gpu)
+    plan = launch_plan(args.plan, args.out, args.force, args.share_gpu)
+    if plan is None:
+        return EXIT_BAD_INPUT
+    rank, world, device, _ = init(TIMEOUT, args.share_gpu)
     bf16 = device.type == "cuda"
     t = plan.training
     data = SyntheticTokens(t.global_batch, t.seq_len, plan.model.vocab, args.seed)
@@ -155,26 +164,27 @@ def main(argv=None) -> int:
     if world > 1:
         parts = [None] * world
         dist.all_gather_object(parts, part)
-    status = 0
-    if rank == 0:
-        result = {
-            "plan": str(args.plan),
-            "plan_summary": plan.summary(),
-            "world": world,
-            "backend": dist.get_backend() if world > 1 else "none",
-            "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
-            "precision": "bf16" if bf16 else "fp32",
-            **_verdict(parts, bf16),
-        }
-        write_result(args.out, result)
-        extra = (f", vs fp32: layout {result['grad_max_layout_vs_fp32']:.2e}, bf16 reference "
-                 f"{result['grad_max_bf16_reference_vs_fp32']:.2e}" if bf16 else "")
-        print(f"{plan.summary()}: loss rel err {result['loss_rel_err']:.2e}, max grad rel err "
-              f"{result['grad_max_rel_err']:.2e}{extra} ({result['precision']}) "
-              f"{'pass' if result['pass'] else 'FAIL'} -> {args.out}")
-        status = 0 if result["pass"] else 1
+    backend = dist.get_backend() if world > 1 else "none"
     finish(world)
-    return status
+    if rank != 0:
+        return 0
+    result = {
+        "plan": str(args.plan),
+        "plan_summary": plan.summary(),
+        "world": world,
+        "backend": backend,
+        "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
+        "precision": "bf16" if bf16 else "fp32",
+        **_verdict(parts, bf16),
+    }
+    if not write_measurement(args.out, result, args.force):
+        return EXIT_BAD_INPUT
+    extra = (f", vs fp32: layout {result['grad_max_layout_vs_fp32']:.2e}, bf16 reference "
+             f"{result['grad_max_bf16_reference_vs_fp32']:.2e}" if bf16 else "")
+    print(f"{plan.summary()}: loss rel err {result['loss_rel_err']:.2e}, max grad rel err "
+          f"{result['grad_max_rel_err']:.2e}{extra} ({result['precision']}) "
+          f"{'pass' if result['pass'] else 'FAIL'} -> {args.out}")
+    return 0 if result["pass"] else 1
 
 
 if __name__ == "__main__":
