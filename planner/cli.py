@@ -1038,9 +1038,7 @@ def sweep_cmd(
       moeplan sweep --nproc-per-node 2 --out sweep.json
       moeplan calibrate --collectives sweep.json --out my-gpu.yaml
     """
-    _need_torch("sweep")
-    _check_out(out, force)
-    _torchrun("runtime.sweep", nproc_per_node, out, smoke, force, "the sweep")
+    _torchrun("sweep", "runtime.sweep", nproc_per_node, out, smoke, force, "the sweep")
 
 
 @app.command("overlap", short_help="Time NCCL beside the expert GEMMs (for calibrate).")
@@ -1060,9 +1058,7 @@ def overlap_cmd(
       moeplan calibrate --collectives sweep.json --overlap beside.json \\
           --out my-gpu.yaml
     """
-    _need_torch("overlap")
-    _check_out(out, force)
-    _torchrun("runtime.beside", 2, out, smoke, force, "the overlap measurement")
+    _torchrun("overlap", "runtime.beside", 2, out, smoke, force, "the overlap measurement")
 
 
 @app.command("dispatch", short_help="Time the EP dispatchers over shapes (for calibrate).")
@@ -1085,9 +1081,7 @@ def dispatch_cmd(
       moeplan calibrate --collectives sweep.json --dispatch dispatch.json \\
           --out my-gpu.yaml
     """
-    _need_torch("dispatch")
-    _check_out(out, force)
-    _torchrun("runtime.dispatch_sweep", nproc_per_node, out, smoke, force,
+    _torchrun("dispatch", "runtime.dispatch_sweep", nproc_per_node, out, smoke, force,
               "the dispatcher sweep")
 
 
@@ -1109,11 +1103,9 @@ def parity_cmd(
     Example:
       moeplan parity bench/gpu_plans/x2/mixtral2l_search_best.json --out p.json
     """
-    _need_torch("parity")
     gpus = plans.catalog.load_plan(plan).degrees.world
-    _check_out(out, force)
-    _torchrun("runtime.parity", gpus, out, False, force, "the parity check", "--plan",
-              str(plan), *(["--share-gpu"] if share_gpu else []))
+    _torchrun("parity", "runtime.parity", gpus, out, False, force, "the parity check",
+              "--plan", str(plan), *(["--share-gpu"] if share_gpu else []))
 
 
 @app.command("memory", short_help="Probe a plan's step for peak memory per phase and module.")
@@ -1133,17 +1125,17 @@ def memory_cmd(
     Example:
       moeplan memory bench/gpu_plans/mixtral2l_1gpu.json --out memory.json
     """
-    _need_torch("memory")
     gpus = plans.catalog.load_plan(plan).degrees.world
+    _torchrun("memory", "runtime.memory_probe", gpus, out, False, force, "the memory probe",
+              "--plan", str(plan))
+
+
+def _torchrun(command: str, module: str, nproc: int, out: Path, smoke: bool, force: bool,
+              what: str, *args: str) -> None:
+    """`moeplan COMMAND`'s runtime measurement, ``python -m module ARGS --out OUT``, under
+    torchrun on ``nproc`` of this machine's GPUs, once torch is there and OUT may be written."""
+    _need_torch(command)
     _check_out(out, force)
-    _torchrun("runtime.memory_probe", gpus, out, False, force, "the memory probe", "--plan",
-              str(plan))
-
-
-def _torchrun(module: str, nproc: int, out: Path, smoke: bool, force: bool, what: str,
-              *args: str) -> None:
-    """A runtime measurement, ``python -m module ARGS --out OUT``, under torchrun on ``nproc``
-    of this machine's GPUs."""
     _run_runtime([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes",
                   "1", "--nproc-per-node", str(nproc), "-m", module, *args, "--out", str(out),
                   *(["--smoke"] if smoke else []), *(["--force"] if force else [])], what)

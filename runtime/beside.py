@@ -25,7 +25,6 @@ exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -36,12 +35,10 @@ import torch
 import torch.distributed as dist
 
 from plans import SpecError
-from plans.io import check_destination, write_atomic
-from runtime.measure import finish, init, slowest, timed
+from plans.io import check_destination
+from runtime.measure import EXIT_BAD_INPUT, finish, init, slowest, timed, write_measurement
 from runtime.moe import grouped_mm
-from runtime.provenance import metadata
 
-EXIT_BAD_INPUT = 2
 SMOKE_SCALE = 0.02
 """--smoke: tokens and widths times this, one warm-up call and one timed repeat."""
 
@@ -210,14 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finish(world)
     if rank != 0:
         return 0
-    doc = {**metadata(), "benchmark": "copy-engine peer copy vs NCCL beside expert GEMMs",
-           "world": world, "backend": backend, "dtype": str(dtype),
-           "peer_access": peer_access(device), "rows": rows}
-    try:
-        write_atomic(args.out, json.dumps(doc, indent=2) + "\n", "--out", args.force)
-    except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    doc = {"benchmark": "copy-engine peer copy vs NCCL beside expert GEMMs", "world": world,
+           "backend": backend, "dtype": str(dtype), "peer_access": peer_access(device),
+           "rows": rows}
     for r in rows:
         ce = r["copy_engine"]
         ce_text = (f"copy {ce['copy_s'] * 1e3:.2f} ms, beside "
@@ -227,8 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{r['shape']['name']}: compute {r['compute_s'] * 1e3:.2f} ms, nccl "
               f"{r['nccl_s'] * 1e3:.2f}, beside {r['nccl_beside_compute_s'] * 1e3:.2f} "
               f"(ratio {r['nccl_overlap_ratio']:.2f}); {ce_text}", flush=True)
-    print(f"wrote {args.out}")
-    return 0
+    return write_measurement(args.out, doc, args.force, f"wrote {args.out}")
 
 
 if __name__ == "__main__":

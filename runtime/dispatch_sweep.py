@@ -21,7 +21,6 @@ fp32). Bad input: one line naming the field, exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -32,15 +31,13 @@ import torch
 import torch.distributed as dist
 
 from plans import Dispatch, SpecError
-from plans.io import check_destination, write_atomic
+from plans.io import check_destination
 from plans.layout import tokens_per_rank
 from plans.notation import DISPATCH_KEYS
-from runtime.measure import finish, init, slowest, timed
+from runtime.measure import EXIT_BAD_INPUT, finish, init, slowest, timed, write_measurement
 from runtime.moe import Routing
 from runtime.parallel.expert import AllGatherDispatcher, AllToAllDispatcher
-from runtime.provenance import metadata
 
-EXIT_BAD_INPUT = 2
 DISPATCHES = (Dispatch.all_to_all, Dispatch.allgather_reduce_scatter)
 """The dispatchers the runtime runs eagerly, by their names in the result (``a2a``, ``ag_rs``)."""
 GRID = {"hidden": [2048, 4096], "experts": [8, 32, 128], "seq": [4096, 16384],
@@ -175,17 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finish(world)
     if rank != 0:
         return 0
-    doc = {**metadata(), "benchmark": "EP dispatch + combine of the runtime's dispatchers "
-           "over shapes and top-k", "world": world, "backend": backend,
+    doc = {"benchmark": "EP dispatch + combine of the runtime's dispatchers over shapes and "
+           "top-k", "world": world, "backend": backend,
            "dtype": str(dtype).removeprefix("torch."), "micro_batch": 1,
            "warmup": args.warmup, "repeats": args.repeats, "configs": configs}
-    try:
-        write_atomic(args.out, json.dumps(doc, indent=1) + "\n", "--out", args.force)
-    except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(f"{len(configs)} shapes; wrote {args.out}")
-    return 0
+    return write_measurement(args.out, doc, args.force,
+                             f"{len(configs)} shapes; wrote {args.out}", indent=1)
 
 
 if __name__ == "__main__":

@@ -72,16 +72,18 @@ def launch_plan(plan_path: Path, out: Path, force: bool, share_gpu: bool = False
     return plan
 
 
-def write_measurement(out: Path, doc: dict, force: bool, indent: int = 2) -> bool:
+def write_measurement(out: Path, doc: dict, force: bool, summary: str,
+                      indent: int = 2) -> int:
     """``doc`` after the metadata every result carries (runtime.provenance), written to ``out``
-    in one step (plans.io); False after ``refuse`` said why not."""
+    in one step (plans.io), then ``summary`` printed: 0, or EXIT_BAD_INPUT after ``refuse``
+    said why not."""
     try:
         write_atomic(out, json.dumps({**metadata(), **doc}, indent=indent) + "\n", "--out",
                      force)
     except SpecError as e:
-        refuse(str(e))
-        return False
-    return True
+        return refuse(str(e))
+    print(summary)
+    return 0
 
 
 def init(timeout: timedelta = timedelta(minutes=5), share_gpu: bool = False

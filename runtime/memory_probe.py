@@ -186,10 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finish(world)
     if doc is None:
         return 0
-    if not write_measurement(args.out, doc, args.force, indent=1):
-        return EXIT_BAD_INPUT
-    print(f"{line(doc)} -> {args.out}")
-    return 0
+    return write_measurement(args.out, doc, args.force, f"{line(doc)} -> {args.out}",
+                             indent=1)
 
 
 if __name__ == "__main__":

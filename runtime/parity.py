@@ -177,14 +177,13 @@ def main(argv=None) -> int:
         "precision": "bf16" if bf16 else "fp32",
         **_verdict(parts, bf16),
     }
-    if not write_measurement(args.out, result, args.force):
-        return EXIT_BAD_INPUT
     extra = (f", vs fp32: layout {result['grad_max_layout_vs_fp32']:.2e}, bf16 reference "
              f"{result['grad_max_bf16_reference_vs_fp32']:.2e}" if bf16 else "")
-    print(f"{plan.summary()}: loss rel err {result['loss_rel_err']:.2e}, max grad rel err "
-          f"{result['grad_max_rel_err']:.2e}{extra} ({result['precision']}) "
-          f"{'pass' if result['pass'] else 'FAIL'} -> {args.out}")
-    return 0 if result["pass"] else 1
+    written = write_measurement(
+        args.out, result, args.force, f"{plan.summary()}: loss rel err "
+        f"{result['loss_rel_err']:.2e}, max grad rel err {result['grad_max_rel_err']:.2e}{extra} "
+        f"({result['precision']}) {'pass' if result['pass'] else 'FAIL'} -> {args.out}")
+    return written or (0 if result["pass"] else 1)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ the field, exit status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -48,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plans import SpecError, catalog
-from plans.io import check_destination, write_atomic
+from plans.io import check_destination
 from plans.results import SweepOp
 from runtime import measure
 from runtime.kernels import weighted_scatter
@@ -56,9 +55,6 @@ from runtime.loss import chunked_cross_entropy, materialized_cross_entropy
 from runtime.model import AttentionCore, RMSNorm
 from runtime.moe import Router, grouped_mm, sort_by_expert
 from runtime.parallel.comm import all_gather_into, reduce_scatter_into
-from runtime.provenance import metadata
-
-EXIT_BAD_INPUT = 2
 
 
 class Grid:
@@ -384,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SpecError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return measure.EXIT_BAD_INPUT
     rank, world, device, dtype = measure.init(timedelta(minutes=10))
     torch.manual_seed(rank)
     sweep = Sweep(device, dtype, Grid(args.smoke))
@@ -402,20 +398,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     measure.finish(world)
     if rank != 0:
         return 0
-    doc = {**metadata(), "benchmark": "kernel and collective times", "world": world,
-           "kernel_ranks": world, "kernel_wall_s": kernel_s, "kernel_tasks_failed": failed,
+    doc = {"benchmark": "kernel and collective times", "world": world, "kernel_ranks": world,
+           "kernel_wall_s": kernel_s, "kernel_tasks_failed": failed,
            "kernel_tasks_skipped": skipped, "rows": rows}
-    try:
-        write_atomic(args.out, json.dumps(doc, indent=1) + "\n", "--out", args.force)
-    except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     for r in rows:
         dev = f"{r['device_s'] * 1e3:9.3f} ms" if "device_s" in r else f"{'-':>9}"
         print(f"{r['name'][:44]:44s} {r['measured_s'] * 1e3:9.3f} ms  device {dev}")
-    print(f"{len(rows)} rows, kernels {kernel_s:.0f} s ({len(failed)} tasks failed, {skipped} "
-          f"skipped); wrote {args.out}")
-    return 0
+    return measure.write_measurement(
+        args.out, doc, args.force, f"{len(rows)} rows, kernels {kernel_s:.0f} s ({len(failed)} "
+        f"tasks failed, {skipped} skipped); wrote {args.out}", indent=1)
 
 
 if __name__ == "__main__":
