@@ -62,3 +62,20 @@ def python():
                               env={**os.environ, "OMP_NUM_THREADS": "1", **env},
                               timeout=timeout)
     return run
+
+
+@pytest.fixture
+def smoke_run(python, tmp_path):
+    """``moeplan COMMAND --smoke ARGS --out F`` (a measurement on CPU processes), then the same
+    onto F again: the first writes F, which is returned; the second is refused in one line."""
+
+    def run(command: str, *args: str) -> Path:
+        out = tmp_path / f"{command}.json"
+        cmd = ("-m", "planner.cli", command, "--smoke", *args, "--out", str(out))
+        r = python(*cmd)
+        assert r.returncode == 0, r.stdout + r.stderr
+        again = python(*cmd)
+        assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+            f"error: --out: {out} exists; pass --force to replace it"]
+        return out
+    return run

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 
 
-def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_path, python):
+def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(smoke_run):
     from plans.results import OverlapBench, read
 
-    out = tmp_path / "ce.json"
-    r = python("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
+    out = smoke_run("overlap")
     doc = json.loads(out.read_text())
     assert doc["world"] == 2 and doc["backend"] == "gloo"
     assert [row["shape"]["name"] for row in doc["rows"]] == ["mixtral-8x7b", "qwen3-30b-a3b"]
@@ -25,9 +23,6 @@ def test_two_ranks_write_both_shapes_and_say_why_the_copy_engine_is_missing(tmp_
         assert row["copy_engine"] == {"status": "unavailable",
                                       "reason": "no CUDA IPC on CPU"}
     assert read(OverlapBench, out, "--overlap").world == 2  # what calibrate --overlap reads
-    again = python("-m", "planner.cli", "overlap", "--smoke", "--out", str(out))
-    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
-        f"error: --out: {out} exists; pass --force to replace it"]
 
 
 def test_one_rank_is_refused_in_one_line(tmp_path, python):

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 
 
-def test_two_ranks_time_both_dispatchers_at_every_shape_and_top_k(tmp_path, python):
+def test_two_ranks_time_both_dispatchers_at_every_shape_and_top_k(smoke_run):
     from planner import dispatch_fit as df
     from plans import catalog
 
-    out = tmp_path / "d.json"
-    r = python("-m", "planner.cli", "dispatch", "--smoke", "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
+    out = smoke_run("dispatch")
     doc = json.loads(out.read_text())
     assert doc["world"] == 2 and doc["backend"] == "gloo" and doc["dtype"] == "float32"
     assert "commit" in doc and "schema_version" in doc
@@ -32,9 +30,6 @@ def test_two_ranks_time_both_dispatchers_at_every_shape_and_top_k(tmp_path, pyth
     sweep = df.load(out)
     pts = df.points(sweep, catalog.load_cluster("h200-runtime"), catalog.load_model(df.MODEL))
     assert len(pts) == 4 * 2 * 2 and all(p.collectives_s > 0 for p in pts)
-    again = python("-m", "planner.cli", "dispatch", "--smoke", "--out", str(out))
-    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
-        f"error: --out: {out} exists; pass --force to replace it"]
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path, python):

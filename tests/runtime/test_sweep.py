@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def test_sweep_measures_every_kind_calibrate_prices(tmp_path, python):
+def test_sweep_measures_every_kind_calibrate_prices(tmp_path, python, smoke_run):
     """A row of every kind the fit reads, each with its shape and measured seconds and no
     prediction (calibrate prices every row itself); `moeplan calibrate` refuses the CPU sweep
     against the H200 base."""
@@ -11,9 +11,7 @@ def test_sweep_measures_every_kind_calibrate_prices(tmp_path, python):
     from plans.catalog import load_cluster
     from plans.results import Sweep, SweepOp, read
 
-    out = tmp_path / "sweep.json"
-    r = python("-m", "planner.cli", "sweep", "--smoke", "--out", str(out))
-    assert r.returncode == 0, r.stdout + r.stderr
+    out = smoke_run("sweep")
     sweep = read(Sweep, out, "sweep")
     assert sweep.world == 2 and sweep.commit
     assert {row.op for row in sweep.rows} == set(SweepOp)
@@ -27,9 +25,6 @@ def test_sweep_measures_every_kind_calibrate_prices(tmp_path, python):
     assert {row.layer_op for row in sweep.rows if row.op == SweepOp.layer_op} == {
         "attn_norm", "attn_residual", "router_topk", "dispatch_permute", "expert_swiglu",
         "combine_unpermute"}
-    again = python("-m", "planner.cli", "sweep", "--smoke", "--out", str(out))
-    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
-        f"error: --out: {out} exists; pass --force to replace it"]
     cluster = tmp_path / "c.yaml"
     r = python("-m", "planner.cli", "calibrate", "--collectives", str(out), "--out", str(cluster),
                "--json")
