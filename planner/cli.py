@@ -1254,9 +1254,9 @@ def _echo_calibrated(result, base_cluster, out: Path, rows: list[dict], held: li
 
     echo_calibration(base_cluster, result, rows)
     if after is not None:
-        typer.echo(f"held-out step-time error: median {after.median_abs_step_error:.1%} "
-                   f"(with {base_cluster.name}'s factors {was.median_abs_step_error:.1%}) over "
-                   f"{after.runs} runs")
+        typer.echo(f"held-out step-time error over {after.runs} runs: median "
+                   f"{after.median_abs_step_error:.1%}\n  with {base_cluster.name}'s factors: "
+                   f"{was.median_abs_step_error:.1%}")
     typer.echo(f"wrote {out}")
 
 

@@ -9,6 +9,7 @@ and exits 1 when docs/results.md or the README's table is stale.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ RESULTS = ROOT / "bench" / "results"
 SEARCH_SPEED = RESULTS / "search_speed.json"
 AT_SCALE = RESULTS / "at_scale.json"
 FIDELITY_AT_SCALE = RESULTS / "fidelity_at_scale.json"
-CALIBRATION = RESULTS / "calibration_h200.json"
+CALIBRATION = RESULTS / "h200" / "fidelity" / "calibration_h200.json"
+CALIBRATED = "h200-runtime"
+"""The cluster `moeplan calibrate` fitted to that sweep (tests/planner/test_calibrate.py)."""
 FUZZ = RESULTS / "fuzz_cli.json"
 ADVERSARIAL = RESULTS / "adversarial.json"
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -43,6 +46,21 @@ def begin(name: str) -> str:
 
 def end(name: str) -> str:
     return f"<!-- end of {name} -->"
+
+
+def calibration_fields() -> dict[str, str]:
+    """The sweep's rows, each priced on the cluster calibrated to it
+    (planner.calibrate.row_seconds): how far one set of factors lands from every kernel."""
+    from planner.calibrate import row_seconds
+    from plans.catalog import load_cluster
+    from plans.results import Sweep, read
+
+    sweep = read(Sweep, CALIBRATION, "sweep")
+    cluster = load_cluster(CALIBRATED, gpus=sweep.world)
+    errors = [row_seconds(r, cluster) / r.measured_s - 1 for r in sweep.rows]
+    return {"calib_rows": f"{len(errors)}",
+            "calib_median": _pct(statistics.median(abs(e) for e in errors)),
+            "calib_worst": _signed(max(errors, key=abs)), "calib_cluster": CALIBRATED}
 
 
 def _pct(x: float) -> str:
@@ -112,9 +130,7 @@ def facts(search: dict) -> dict[str, str]:
           "scale_worst": f"{scale['worst_error']:+.0%}",
           "scale_optimistic": str(scale["optimistic"]),
           "scale_within_hbm": str(scale["within_hbm"])}
-    c = load(CALIBRATION)
-    f |= {"calib_rows": str(len(c["rows"])), "calib_median": _pct(c["median_abs_error"]),
-          "calib_worst": _pct(c["max_abs_error"]), "calib_cluster": c["cluster_spec"]}
+    f |= calibration_fields()
     sp = load(SEARCH_SPEED)
     job = sp["jobs"]["internal-352b"]
     f |= {"search_s": f"{job['search_s_min']:.1f}", "search_cores": str(sp["cores"]),
