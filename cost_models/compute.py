@@ -30,7 +30,7 @@ CE_BWD_BYTES_PER_LOGIT = FP32_BYTES + 4 * FP32_BYTES + FP32_BYTES + ACT_BYTES
 backward (reads the gradient for its row sum, then the gradient and the saved output, writes
 the input gradient) and the cast back to bf16 (read fp32, write bf16)."""
 CE_FUSED_BYTES_PER_LOGIT = 4 * ACT_BYTES
-"""The chunked loss's compiled region (runtime.kernels.cross_entropy_grad_fusable, kernels
+"""The chunked loss's compiled region (runtime.kernels.cross_entropy_grad_over, kernels
 fused), forward only (it computes the gradient there): one kernel whose loops over each row
 read the bf16 logits for the maximum, for the sum of exponentials and for the gradient, which
 it writes in bf16. Measured on H200 at Qwen3-30B-A3B's head (32k tokens, 152k vocabulary):

@@ -329,11 +329,11 @@ LOSS_BYTES_PER_LOGIT = 12
 bf16 logits, float(), cross_entropy): in forward the bf16 logits, their fp32 copy and the fp32
 log-probabilities (10); in backward the saved log-probabilities, their gradient and the
 logits' fp32 gradient (12). Measured: 11.9 per logit on H200 (qwen4l_1gpu_mbs4)."""
-CHUNK_BYTES_PER_LOGIT = {Kernels.eager: 10, Kernels.fused: 4}
+CHUNK_BYTES_PER_LOGIT = {Kernels.eager: 10, Kernels.fused: 2}
 """Peak bytes per logit of one chunk of the chunked loss (runtime.loss), per kernel set:
 eager, its logits in the parameter dtype and in fp32, the fp32 gradient computed in place,
-cast back (2); fused, the logits and the gradient the compiled region writes, both in the
-parameter dtype (runtime.kernels.cross_entropy_grad_fusable)."""
+cast back (2); fused, the logits in the parameter dtype, which the compiled region overwrites
+with their gradient (runtime.kernels.cross_entropy_grad_over)."""
 EMBEDDING_BYTES_PER_TOKEN_H = 2
 """The embedding's output, which the first layer keeps (2 h per token)."""
 

@@ -15,10 +15,11 @@ parallelism and no compiler:
   every slot routed: gathers by the inverse permutation and a sum over each token's k rows,
   never an atomic index-add, bench/results/h200/kernels/fused_ops_*.json);
 - cross_entropy_grad / accumulate_matmul: one chunk of the chunked loss (runtime.loss): the
-  cross-entropy and its gradient over the chunk's logits, and the LM head's weight gradient
-  summed over the chunks (fused, on CUDA: inside the GEMM, in fp32); cross_entropy_partial /
-  cross_entropy_grad_from: the same over one shard of a vocabulary split over ranks, before
-  and after the shards' log-sum-exp is combined;
+  cross-entropy and its gradient over the chunk's logits (fused: written over the logits,
+  which the loss owns), and the LM head's weight gradient summed over the chunks (fused, on
+  CUDA: inside the GEMM, in fp32); cross_entropy_partial / cross_entropy_grad_from: the same
+  over one shard of a vocabulary split over ranks, before and after the shards' log-sum-exp is
+  combined;
 - adamw_step: the optimizer's AdamW update of a flat fp32 master slice from its gradient in the
   gradient's own dtype, writing the updated weights in the parameter dtype in the same pass
   (runtime.parallel.optimizer; eager: torch's fused AdamW after a cast and before a copy).
@@ -206,18 +207,18 @@ def cross_entropy_grad(logits: torch.Tensor, labels: torch.Tensor
     return loss, grad.to(logits.dtype)
 
 
-def cross_entropy_grad_fusable(logits: torch.Tensor, labels: torch.Tensor
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cross_entropy_grad's maths in the form one compiled region fuses: the one-hot as a
-    comparison inside the gradient's expression (not an indexed write into it), so the
-    logits are read by the row reductions and once more by the pass that writes the gradient
-    in their dtype; no fp32 copy of the chunk is made."""
+def cross_entropy_grad_over(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """cross_entropy_grad's maths in the form one compiled region fuses, the gradient written
+    over ``logits`` (a chunk the caller owns; returns the loss): the one-hot as a comparison
+    inside the gradient's expression (not an indexed write into it), so the logits are read
+    by the row reductions and once more by the pass that overwrites them, element by element,
+    with the gradient in their dtype. No fp32 copy and no second chunk-sized tensor."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1)
     loss = (lse - x.gather(1, labels[:, None]).squeeze(1)).sum()
     hit = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
-    grad = torch.exp(x - lse[:, None]) - hit.to(torch.float32)
-    return loss, grad.to(logits.dtype)
+    logits.copy_((torch.exp(x - lse[:, None]) - hit.to(torch.float32)).to(logits.dtype))
+    return loss
 
 
 def cross_entropy_partial(logits: torch.Tensor, labels: torch.Tensor, first: int
@@ -244,6 +245,18 @@ def cross_entropy_grad_from(logits: torch.Tensor, labels: torch.Tensor, first: i
     cols = torch.arange(x.shape[1], device=x.device)[None, :] + first
     grad = torch.exp(x - lse[:, None]) - (cols == labels[:, None]).to(torch.float32)
     return grad.to(logits.dtype)
+
+
+def cross_entropy_grad_from_over(logits: torch.Tensor, labels: torch.Tensor, first: int,
+                                 lse: torch.Tensor) -> torch.Tensor:
+    """cross_entropy_grad_from written over ``logits`` (a chunk the caller owns), returned."""
+    return logits.copy_(cross_entropy_grad_from(logits, labels, first, lse))
+
+
+def _over(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+          ) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """cross_entropy_grad's signature for a region that writes the gradient over the logits."""
+    return lambda logits, labels: (fn(logits, labels), logits)
 
 
 def accumulate_matmul(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
@@ -341,6 +354,8 @@ class KernelOps:
     """x[perm] for a permutation of x's rows (the all-to-all dispatcher's regroup)."""
     cross_entropy_grad: Callable[[torch.Tensor, torch.Tensor],
                                  tuple[torch.Tensor, torch.Tensor]]
+    """The loss and the gradient of a chunk of logits the caller owns: the fused set writes the
+    gradient over the logits and returns them (cross_entropy_grad_from likewise)."""
     accumulate_matmul: Callable[..., torch.Tensor]
     cross_entropy_partial: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     cross_entropy_grad_from: Callable[..., torch.Tensor]
@@ -420,10 +435,11 @@ def kernel_ops(kind: Kernels) -> KernelOps:
         weighted_scatter=_fused_weighted_scatter(),
         permute_rows=permute_rows,
         # the chunk's rows: plans.layout.loss_chunk_tokens, fewer in the last chunk
-        cross_entropy_grad=_rows_dynamic(cross_entropy_grad_fusable, 0, 1),
+        # both gradients written over the chunk's logits (runtime.loss owns every chunk)
+        cross_entropy_grad=_over(_rows_dynamic(cross_entropy_grad_over, 0, 1)),
         accumulate_matmul=accumulate_matmul_in_gemm,
         cross_entropy_partial=_rows_dynamic(cross_entropy_partial, 0, 1),
-        cross_entropy_grad_from=_rows_dynamic(cross_entropy_grad_from, 0, 1, 3),
+        cross_entropy_grad_from=_rows_dynamic(cross_entropy_grad_from_over, 0, 1, 3),
     )
 
 

@@ -101,7 +101,9 @@ class _LinearCrossEntropy(Function):
         grad_w = None
         for start in range(0, h.shape[0], chunk):
             part = slice(start, start + chunk)
-            logits = h[part] if weight is None else h[part] @ weight.t()
+            # a chunk of the loss's own: the fused set writes its gradient over it (where h
+            # are the logits, over their copy in the input's gradient, the gradient's place)
+            logits = grad_in[part].copy_(h[part]) if weight is None else h[part] @ weight.t()
             # the chunk's losses and d(their sum) / d logits = softmax - one-hot
             if vocab is None:
                 loss, grad = ops.cross_entropy_grad(logits, labels[part])
@@ -110,7 +112,8 @@ class _LinearCrossEntropy(Function):
                 loss = (losses * own[part]).sum()  # a product, not a mask: no host wait
             total += loss
             if weight is None:  # h are the logits: their gradient is the input's
-                grad_in[part] = grad
+                if grad is not logits:
+                    logits.copy_(grad)
                 continue
             torch.mm(grad, weight, out=grad_in[part])
             grad_w = ops.accumulate_matmul(grad_w, grad.t(), h[part])

@@ -273,6 +273,28 @@ def test_chunked_cross_entropy_matches_the_materialized_loss(monkeypatch, chunk_
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_loss_gradient_is_written_over_the_chunks_logits():
+    # the chunk costs its logits' bytes alone (cost_models.memory.CHUNK_BYTES_PER_LOGIT)
+    from plans import Kernels
+    from runtime.kernels import EAGER, kernel_ops
+
+    ops = kernel_ops(Kernels.fused)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 40, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, 40, (9,), generator=g)
+    want_loss, want_grad = EAGER.cross_entropy_grad(logits.clone(), labels)
+    loss, grad = ops.cross_entropy_grad(logits, labels)
+    assert grad.data_ptr() == logits.data_ptr()
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grad, want_grad)
+    shard = torch.randn(9, 40, generator=g).to(torch.bfloat16)
+    lse = torch.logsumexp(shard.float(), -1)
+    want = EAGER.cross_entropy_grad_from(shard.clone(), labels, 0, lse)
+    got = ops.cross_entropy_grad_from(shard, labels, 0, lse)
+    assert got.data_ptr() == shard.data_ptr()
+    torch.testing.assert_close(got, want)
+
+
 def test_trainer_losses_agree_between_cross_entropy_kinds():
     # one fp32 training step on CPU: the same loss and main gradients either way
     from dist_workers import make_plan
