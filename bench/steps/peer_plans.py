@@ -49,9 +49,14 @@ cost model prices at a few percent of a step's transients, so that every plan wh
 peak fits is searched."""
 
 
+def allocated_of(prediction) -> float:
+    """A prediction's peak of allocated bytes, GiB: its peak less the allocator's reserve."""
+    return prediction.peak_memory_gib - prediction.memory_gib["allocator_reserve"]
+
+
 def allocated_gib(plan) -> float:
-    """The plan's predicted peak of allocated bytes: its peak less the allocator's reserve."""
-    return plan.prediction.peak_memory_gib - plan.prediction.memory_gib["allocator_reserve"]
+    """The plan's predicted peak of allocated bytes (``allocated_of`` its prediction)."""
+    return allocated_of(plan.prediction)
 
 
 def path_of(shape: str, gpus: int, card: str = "h200") -> Path:

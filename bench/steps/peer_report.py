@@ -7,6 +7,8 @@ compiled, and the relaunch's first step. No torch, no GPU.
 
 from __future__ import annotations
 
+import statistics
+
 from bench.report import ROOT, fill, load, parser, row, write_or_check
 
 RESULTS = ROOT / "bench" / "results" / "h200" / "peer_steps"
@@ -97,6 +99,48 @@ def h100_rows() -> list[str]:
     return lines
 
 
+def measured_runs() -> list[tuple[str, str, str, dict, str]]:
+    """Every step of ours the report holds: (card, model, plan notation, measurement, commit),
+    the H200's searched and capped plans, then the H100's."""
+    out = []
+    for model, shape in MODELS.items():
+        for name in (f"peer_step_{shape}.json", CAPPED[model]):
+            doc = load(RESULTS / name)
+            run = doc["models"][model]
+            if not skipped(run):
+                out.append(("h200", model, run["plan_summary"], run["ours"], doc["commit"]))
+        for name in ("peer_step_capped_h100.json", CAPPED[model]):
+            doc = load(H100 / name)
+            run = doc["models"][model]
+            if ("h100", model, run["plan_summary"]) not in {r[:3] for r in out}:
+                out.append(("h100", model, run["plan_summary"], run["ours"], doc["commit"]))
+    return out
+
+
+def predicted_rows() -> tuple[list[str], list[float]]:
+    """Each of our measured steps priced now by the cost model on its card's calibrated
+    cluster (bench.steps.peer_plans.CARDS): its plan rebuilt from the notation it ran under,
+    the model at its reduced depth, the benchmark's global batch. Rows, and the errors."""
+    from bench.fidelity.fidelity_cases import TRAINING
+    from bench.memory.memory_cases import SHAPES, reduced
+    from bench.steps.peer_plans import CARDS, allocated_of
+    from cost_models import evaluate
+    from plans import catalog
+    from plans.notation import plan_from_notation
+
+    rows, errors = [], []
+    for card, model, summary, run, commit in measured_runs():
+        cluster = catalog.load_cluster(CARDS[card][0], gpus=1)
+        plan = plan_from_notation(summary, reduced(*SHAPES[MODELS[model]]), cluster, TRAINING)
+        pred = evaluate(plan).prediction()
+        error = pred.step_time_s / run["step_time_s"] - 1
+        errors.append(error)
+        rows.append(row([card.upper(), model, f"`{summary}`", f"{run['step_time_s'] * 1e3:.1f}",
+                         f"{pred.step_time_s * 1e3:.1f}", f"{error:+.1%}",
+                         f"{run['peak_memory_gib']:.1f} / {allocated_of(pred):.1f}", commit]))
+    return rows, errors
+
+
 def relaunch() -> tuple[dict[str, str], list[str]]:
     r = load(RESULTS / RELAUNCH)
     graphs = r["compiled_graphs"]["first_step"]
@@ -119,8 +163,13 @@ def render() -> tuple[str, list[str]]:
             misses += missed
     relaunched, missed = relaunch()
     version = load(RESULTS / "peer_step_qwen4l.json")["wheels"]["torchtitan"]
+    predicted, errors = predicted_rows()
+    abs_errors = sorted(abs(e) for e in errors)
     text = fill("peer_steps.md.tmpl", {"rows": "\n".join(rows), "targets": "\n".join(targets),
                                        "h100": "\n".join(h100_rows()),
+                                       "predicted": "\n".join(predicted),
+                                       "median_error": f"{statistics.median(abs_errors):.1%}",
+                                       "worst_error": f"{max(errors, key=abs):+.1%}",
                                        **relaunched, "relaunched": RELAUNCH,
                                        "torchtitan": version})
     return text, misses + missed

@@ -270,6 +270,27 @@ def test_the_results_index_is_current():
         assert f"## `{c.results.rstrip('/')}` (" in text
 
 
+def test_the_peer_steps_predictions_price_the_plans_that_ran():
+    """Each of our measured peer steps is priced as the plan it ran: the plan rebuilt from
+    its notation writes the same notation, on its card's calibrated cluster."""
+    from bench.fidelity.fidelity_cases import TRAINING
+    from bench.memory.memory_cases import SHAPES, reduced
+    from bench.steps import peer_report as report
+    from bench.steps.peer_plans import CARDS
+    from plans import catalog
+    from plans.notation import plan_from_notation
+
+    runs = report.measured_runs()
+    assert {card for card, *_ in runs} == {"h200", "h100"}
+    for card, model, summary, _, _ in runs:
+        cluster = catalog.load_cluster(CARDS[card][0], gpus=1)
+        plan = plan_from_notation(summary, reduced(*SHAPES[report.MODELS[model]]), cluster,
+                                  TRAINING)
+        assert plan.summary() == summary and plan.cluster.name == cluster.name
+    rows, errors = report.predicted_rows()
+    assert len(rows) == len(errors) == len(runs)
+
+
 def test_the_peer_steps_doc_is_current():
     """docs/peer_steps.md is what bench/steps/peer_report.py makes of the committed peer-step
     results, and each of its speedups is torchtitan compiled's time over ours; a model with
