@@ -411,13 +411,18 @@ def _ulysses(g: _Builder, norm: str, groups: int) -> str:
     return g.gemm(LO.out_gemm, t, h, m.attn_out_dim, *outs)
 
 
+ROPE_BYTES = 2 * AB
+"""Bytes per element of q and k of RoPE as one fused kernel: each read and written once
+(backward: their gradients, the same)."""
+
+
 def prologue_bytes(rows: float, q_width: float, kv_width: float) -> tuple[float, float]:
     """Forward and backward bytes of the attention core's prologue (runtime.model.
     AttentionCore.prologue) over ``rows`` sequence positions with ``q_width`` query and
     ``kv_width`` key values per row on this rank: RoPE reads and writes q and k (backward the
     same); with GQA (q_width > kv_width) k and v are repeated to q's width (read kv, write q
     wide; backward read the q-wide gradients, write kv)."""
-    rope = 2 * rows * (q_width + kv_width) * AB
+    rope = rows * (q_width + kv_width) * ROPE_BYTES
     gqa = 2 * rows * (q_width + kv_width) * AB if q_width > kv_width else 0.0
     return rope + gqa, rope + gqa
 

@@ -1,7 +1,7 @@
 """A megatron-target plan as Megatron-Core runs it, where that differs from moeplan's runtime:
 the host's kernel launches and the dropless dispatcher's wait on the device, CUDA graphs, the
 EP all-to-all overlap between micro-batches, the experts' fp8 padding, biases and clamped
-activation, and the tensors its layers keep for backward.
+activation, YaRN's unfused RoPE, and the tensors its layers keep for backward.
 Pure functions of the plan; each is read only for ``plan.target == Target.megatron``
 (cost_models.evaluate, cost_models.memory).
 
@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 from cost_models import comm
 from cost_models.layer import LayerTiming, layer_key, layer_timing_for
+from cost_models.layer_graph import ROPE_BYTES
 from cost_models.volumes import CommKind
 from plans.enums import (
     CudaGraphs,
@@ -30,8 +31,8 @@ from plans.enums import (
     RecomputeModule,
     Target,
 )
+from plans.layout import kv_heads_sent, tokens_per_rank
 from plans.layout import moe_chunks as layout_moe_chunks
-from plans.layout import tokens_per_rank
 from plans.operators import DEFAULT_MODULES
 from plans.plan import EPFFN, Degrees, Plan
 from plans.specs import ModelSpec
@@ -119,6 +120,26 @@ where (5), 14; the concatenation of the gradients, 8."""
 FC1_SHARE = 2 / 3
 """fc1's share of the experts' forward (its output 2 F wide against fc2's F): the part of
 ``expert_compute`` before the clamped activation's wait."""
+ROPE_UNFUSED = Launches(12, 7)
+"""Megatron-Core's unfused RoPE (``rope_unfused``), per call, in place of TransformerEngine's
+fused RoPE (one kernel each way, counted in ``ATTENTION``); read off Megatron-Core 0d8e0714
+(the 25.11 container's Megatron-LM; 0.15.3 the same function)
+models/common/embeddings/rope_utils.py ``_apply_rotary_pos_emb_bshd`` (lines 92-126), the
+tensor t a [s, b, heads, d] q or k: forward cos and sin of the angles, each times the
+attention factor and cast to t's dtype (6 kernels over the [s, d] table), t x cos,
+``_rotate_half``'s negation and concatenation, x sin, their sum and the concatenation with
+the (empty) unrotated part (6 over t); backward (autograd) the two products with the
+gradient, the negation's, the chunk's concatenation, the two paths' sum, the unrotated
+slice's zero-filled gradient (``slice_backward``) and its sum (7)."""
+ROPE_UNFUSED_BYTES = (24, 28)
+"""Bytes per element of q and k (bf16) of ``ROPE_UNFUSED``'s kernels over t, forward and
+backward (the tables' kernels move a position's bytes, not a head's: not counted): forward
+the products 4 each, the negation 2 (half of t read, half written), its concatenation 4,
+the sum 6 and the last concatenation 4; backward the products 4 each, the negation 2, the
+concatenation 4, the sum 6, the zero fill 2 and its sum 6."""
+ROPE_CALLS = 2
+"""Calls of the RoPE per attention pass: q and k, one each (transformer/attention.py lines
+837 and 850, Megatron-Core 0d8e0714: split_qkv, as ``fused_single_qkv_rope`` is off)."""
 
 
 RERUN_LAUNCHES = {
@@ -166,7 +187,10 @@ def launches(plan: Plan, dense: bool = False) -> LayerLaunches:
     if g == CudaGraphs.layer:
         return LayerLaunches(Launches(1, 1), NONE)
     to_act = 0
-    before = (_graphed(ATTENTION, g == CudaGraphs.attn_moe_router)
+    attention = ATTENTION + (Launches(ROPE_CALLS * (ROPE_UNFUSED.fwd - 1),
+                                      ROPE_CALLS * (ROPE_UNFUSED.bwd - 1))
+                             if rope_unfused(plan) else NONE)
+    before = (_graphed(attention, g == CudaGraphs.attn_moe_router)
               + (TP_COLLECTIVES if plan.degrees.tp > 1 else NONE) + _quantized(2, plan))
     after = NONE
     if dense:
@@ -220,6 +244,37 @@ def syncs(plan: Plan, dense: bool = False) -> int:
     if dense or not isinstance(plan.ffn, EPFFN) or plan.ffn.capacity_factor is not None:
         return 0
     return 2 if plan.recompute == Recompute.full else 1
+
+
+def rope_unfused(plan: Plan) -> bool:
+    """Whether Megatron-Core runs the attention's RoPE unfused (``ROPE_UNFUSED``): YaRN
+    (``rope_scaling``) on GPT attention. Megatron-Bridge v0.2.1's provider turns
+    ``apply_rope_fusion`` off for a ``position_embedding_type`` other than rope
+    (utils/fusions.py lines 62-74; GPT-OSS's is yarn), and Megatron-Core 0d8e0714 falls back to
+    the unfused RoPE anyway for an attention factor other than 1 (rope_utils.py lines 279-284).
+    MLA's YaRN is fused: its own kernels (multi_latent_attention.py lines 692-716,
+    ``fused_apply_mla_rope_for_q`` / ``_kv``) under the recipes' ``apply_rope_fusion``
+    (Megatron-Bridge's scripts/performance/utils/helpers.py line 107) and Megatron-LM's
+    default."""
+    return plan.model.rope_scaling is not None and plan.model.mla is None
+
+
+def rope_unfused_s(plan: Plan) -> tuple[float, float, float]:
+    """Device seconds the unfused RoPE adds per micro-batch over the fused one the layer graph
+    prices (``ROPE_BYTES`` at the fused kernels' rate): ``ROPE_UNFUSED_BYTES`` per element of
+    this rank's q and k, plain memory-bound PyTorch kernels at ``efficiency.hbm``; forward,
+    backward, and the forward's rerun under full recomputation; zeros where it is fused."""
+    if not rope_unfused(plan):
+        return 0.0, 0.0, 0.0
+    from cost_models.compute import fused_elementwise_s, memory_s
+
+    m, d = plan.model, plan.degrees
+    elements = tokens_per_rank(plan.micro_batch_size, plan.training.seq_len,
+                               d.attention_group) * (
+        m.q_dim + kv_heads_sent(m, d.tp * d.sp) * m.head_dim)
+    fused = fused_elementwise_s(elements * ROPE_BYTES, plan.cluster)
+    fwd, bwd = (memory_s(elements * b, plan.cluster) - fused for b in ROPE_UNFUSED_BYTES)
+    return fwd, bwd, fwd if plan.recompute == Recompute.full else 0.0
 
 
 def act_clamped(plan: Plan, dense: bool = False) -> bool:
@@ -470,8 +525,9 @@ def paired_share(plan: Plan) -> float:
 
 def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
     """One layer's device time as Megatron-Core schedules it, its fp8 quantisations and
-    padding, the experts' biases and clamped activation included (``fp8_cast_s``,
-    ``fp8_padding_s``, ``expert_bias_s``, ``act_clamp_s``): its communication blocks
+    padding, the experts' biases and clamped activation and YaRN's unfused RoPE included
+    (``fp8_cast_s``, ``fp8_padding_s``, ``expert_bias_s``, ``act_clamp_s``,
+    ``rope_unfused_s``): its communication blocks
     (overlap none), except under its EP overlap (overlap inter_op:
     ``--overlap-moe-expert-parallel-comm``), which runs one micro-batch's forward beside
     another's backward so that each one's dispatch and combine all-to-alls run beside the
@@ -480,13 +536,15 @@ def layer_timing(plan: Plan, dense: bool = False) -> LayerTiming:
     timing = layer_timing_for(layer_key(plan, dense), Overlap.none)
     casts, pads = fp8_cast_s(plan, dense), fp8_padding_s(plan, dense)
     bias, (clamp_f, clamp_b, clamp_rerun) = expert_bias_s(plan, dense), act_clamp_s(plan, dense)
-    fwd = casts[0] + pads[0] + bias[0] + clamp_f
-    bwd = casts[1] + pads[1] + bias[1] + clamp_b
+    rope_f, rope_b, rope_rerun = rope_unfused_s(plan)
+    fwd = casts[0] + pads[0] + bias[0] + clamp_f + rope_f
+    bwd = casts[1] + pads[1] + bias[1] + clamp_b + rope_b
+    rerun = clamp_rerun + rope_rerun
     if fwd or bwd:
         timing = replace(timing, fwd_s=timing.fwd_s + fwd,
-                         bwd_s=timing.bwd_s + bwd + clamp_rerun,
+                         bwd_s=timing.bwd_s + bwd + rerun,
                          compute_s=timing.compute_s + fwd + bwd,
-                         recompute_s=timing.recompute_s + clamp_rerun)
+                         recompute_s=timing.recompute_s + rerun)
     if plan.overlap != Overlap.inter_op:
         return timing
     exposed = dict(timing.exposed_comm_s)

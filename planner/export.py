@@ -170,14 +170,41 @@ def megatron_refusal(plan: Plan) -> str | None:
     if m.kv_share_layers > 1:
         return ("model.kv_share_layers: Megatron-LM has no cross-layer attention (every layer "
                 "projects its own keys and values)")
-    return megatron_cross_entropy(plan)[0]
+    return megatron_yarn_refusal(m) or megatron_cross_entropy(plan)[0]
+
+
+MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "truncate": True}
+"""YaRN's settings MLA runs at that Megatron-LM has no argument for: MLATransformerConfig's
+defaults (megatron-core 0.15.3) and its YarnRotaryEmbedding's whole-dimension ramp."""
+
+
+def megatron_yarn_refusal(m: ModelSpec) -> str | None:
+    """Why Megatron-LM's arguments cannot write the model's YaRN (``rope_scaling``), or None.
+    GPT attention: --position-embedding-type has no yarn, and --rope-type yarn is MLA's only
+    (core_transformer_config_from_args asserts 'Common attention only support
+    rope_type="rope"', megatron/training/arguments.py of core_v0.15.3; Megatron-Bridge's
+    providers set position_embedding_type yarn instead). MLA: --rotary-scaling-factor,
+    --mscale and --mscale-all-dim, the rest at ``MLA_YARN_FIXED``."""
+    y = m.rope_scaling
+    if y is None:
+        return None
+    if m.mla is None:
+        return ("model.rope_scaling: Megatron-LM's arguments cannot express YaRN for GPT "
+                "attention (--rope-type yarn is MLA's only; --position-embedding-type has no "
+                "yarn); Megatron-Bridge's provider runs it")
+    for name, value in MLA_YARN_FIXED.items():
+        if getattr(y, name) != value:
+            return (f"model.rope_scaling.{name} {getattr(y, name)}: Megatron-LM's arguments "
+                    f"have no flag for it (MLA runs YaRN at {value})")
+    return None
 
 
 def megatron_attention(m: ModelSpec) -> list[str]:
     """The attention's shape flags: GQA, or MLA (Megatron-Core's MLATransformerConfig: its
-    --qk-head-dim is the no-RoPE part, --qk-pos-emb-head-dim the RoPE part, RoPE as plain
-    rotary (--rope-type rope, unfused) at the model's base); windows, sinks and partial
-    RoPE."""
+    --qk-head-dim is the no-RoPE part, --qk-pos-emb-head-dim the RoPE part; RoPE at the
+    model's base, YaRN (rope_scaling) through MLA's fused YaRN kernels, else plain rotary
+    unfused); windows, sinks and partial RoPE."""
     if m.mla is None:
         args = ["--kv-channels", str(m.head_dim), "--group-query-attention",
                 "--num-query-groups", str(m.kv_heads)]
@@ -186,9 +213,7 @@ def megatron_attention(m: ModelSpec) -> list[str]:
         args = ["--multi-latent-attention", "--kv-lora-rank", str(a.kv_lora_rank),
                 "--qk-head-dim", str(a.qk_nope_head_dim),
                 "--qk-pos-emb-head-dim", str(a.qk_rope_head_dim),
-                "--v-head-dim", str(a.v_head_dim), "--rope-type", "rope",
-                # Megatron-Core fuses MLA's RoPE for YaRN only
-                "--no-rope-fusion"]
+                "--v-head-dim", str(a.v_head_dim), *megatron_mla_rope(m)]
         if a.q_lora_rank:
             args += ["--q-lora-rank", str(a.q_lora_rank)]
     if m.sliding_window:
@@ -202,6 +227,19 @@ def megatron_attention(m: ModelSpec) -> list[str]:
     if m.rotary_fraction != 1:
         args += ["--rotary-percent", f"{m.rotary_fraction:g}"]
     return args
+
+
+def megatron_mla_rope(m: ModelSpec) -> list[str]:
+    """MLA's RoPE: YaRN as the model's (Megatron-Core's fused MLA kernels, on by default),
+    the attention factor's mscale over mscale_all_dim (Megatron's defaults 1 and 0 give
+    0.1 ln(factor) + 1, the factor without them); plain RoPE unfused (Megatron-Core fuses
+    MLA's RoPE for YaRN only)."""
+    y = m.rope_scaling
+    if y is None:
+        return ["--rope-type", "rope", "--no-rope-fusion"]
+    return ["--rope-type", "yarn", "--rotary-scaling-factor", f"{y.factor:g}",
+            "--mscale", f"{1.0 if y.mscale is None else y.mscale:g}",
+            "--mscale-all-dim", f"{0.0 if y.mscale_all_dim is None else y.mscale_all_dim:g}"]
 
 
 def megatron_glu(m: ModelSpec) -> list[str]:

@@ -216,6 +216,10 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("model.swiglu_limit", True, Support.refused,
                "moeplan's runtime runs the plain SwiGLU; GPT-OSS's clamped one runs on target "
                "megatron"),
+    Capability("model.rope_scaling", False, Support.executed),
+    Capability("model.rope_scaling", True, Support.refused,
+               "moeplan's runtime computes plain RoPE angles (runtime.kernels.rope_tables), "
+               "not YaRN's; YaRN runs on target megatron"),
     *_executed("cluster", ANY, reason="the launch's GPUs; the spec gives peak FLOP/s for MFU"),
     *_executed("training.global_batch", ANY),
     *_executed("training.seq_len", ANY),
@@ -398,7 +402,7 @@ MEGATRON: tuple[Capability, ...] = (
       for name in (
         "mla", "router_expert_bias", "routed_scaling_factor", "expert_groups", "mtp_layers",
         "moe_layer_interval", "sliding_window", "attention_sinks", "shared_expert_gate",
-        "kv_share_layers", "rotary_fraction", "swiglu_limit")),
+        "kv_share_layers", "rotary_fraction", "swiglu_limit", "rope_scaling")),
     _megatron("model.mla", True, reason="--multi-latent-attention --q-lora-rank --kv-lora-rank "
               "--qk-head-dim --qk-pos-emb-head-dim --v-head-dim"),
     _megatron("model.router_score", ANY, reason="--moe-router-score-function"),
@@ -420,6 +424,10 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("model.rotary_fraction", True, reason="--rotary-percent"),
     _megatron("model.swiglu_limit", True, reason="--quick-geglu --glu-linear-offset 1 "
               "--activation-func-clamp-value"),
+    _megatron("model.rope_scaling", True, reason="Megatron-Core's YarnRotaryEmbedding: MLA's "
+              "--rope-type yarn --rotary-scaling-factor --mscale --mscale-all-dim; GPT "
+              "attention's through Megatron-Bridge (position_embedding_type yarn), which "
+              "Megatron-LM's arguments cannot express (export refuses it)"),
     _megatron("cluster", ANY, reason="the launch's GPUs (CUDA, NCCL)"),
     _megatron("training.global_batch", ANY, reason="--global-batch-size"),
     _megatron("training.seq_len", ANY, reason="--seq-length"),
@@ -605,7 +613,7 @@ TORCHTITAN: tuple[Capability, ...] = (
         "mla", "router_score", "router_expert_bias", "routed_scaling_factor",
         "expert_groups", "moe_layer_interval", "sliding_window", "linear_bias",
         "attention_sinks", "shared_expert_gate", "kv_share_layers", "rotary_fraction",
-        "swiglu_limit")),
+        "swiglu_limit", "rope_scaling")),
     _torchtitan("model.mtp_layers", False, reason="no MTP modules"),
     _torchtitan("model.mtp_layers", True, Support.refused,
                 "torchtitan 0.3.0's config functions for these models build no multi-token "
@@ -718,7 +726,7 @@ NOT_EXECUTED = ("schema_version", "prediction")
 MODEL_FEATURES = ("mla", "router_score", "router_expert_bias", "routed_scaling_factor",
                   "expert_groups", "mtp_layers", "moe_layer_interval", "sliding_window",
                   "linear_bias", "attention_sinks", "shared_expert_gate", "kv_share_layers",
-                  "rotary_fraction", "swiglu_limit")
+                  "rotary_fraction", "swiglu_limit", "rope_scaling")
 """ModelSpec fields the table answers for: an enum's value, else whether the model departs
 from the field's default (uses the feature)."""
 

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from plans.enums import LinearBias, RouterScore, WindowKind
 from plans.errors import SpecError
 from plans.io import read_document
-from plans.specs import MLASpec, ModelSpec
+from plans.specs import MLASpec, ModelSpec, YaRNSpec
 
 CONFIG_NAME = "config.json"
 
@@ -33,10 +33,8 @@ IGNORED = frozenset({
     # serving and initialisation: no effect on a training step
     "use_cache", "initializer_range", "pretraining_tp", "output_router_logits",
     "return_dict", "ep_size", "router_jitter_noise", "input_jitter_noise",
-    # positions: the sequence length is the training spec's; RoPE scaling changes the angles
-    # only, never a shape
-    "max_position_embeddings", "rope_scaling", "initial_context_length",
-    "original_max_position_embeddings",
+    # positions: the sequence length is the training spec's (RoPE scaling: _rope_scaling)
+    "max_position_embeddings", "initial_context_length", "original_max_position_embeddings",
     # the released checkpoint's storage format: training precision is TrainingSpec.precision
     "quantization_config",
     # which top-k algorithm runs the (mapped) group-limited routing, and the sequence-wise
@@ -118,8 +116,42 @@ def _common(r: _Reader, experts_key: str, top_k_key: str) -> dict:
         vocab=r.int("vocab_size"), experts=experts, top_k=top_k,
         tied_embeddings=r.bool("tie_word_embeddings"),
         rope_theta=r.float("rope_theta", 10000.0), norm_eps=r.float("rms_norm_eps", 1e-6),
-        dropout=dropout,
+        dropout=dropout, rope_scaling=_rope_scaling(r),
     )
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "truncate", "mscale", "mscale_all_dim")
+"""``rope_scaling`` keys of a YaRN config (YaRNSpec's fields, same names)."""
+
+
+def _rope_scaling(r: _Reader) -> YaRNSpec | None:
+    """``rope_scaling``: YaRN as YaRNSpec (every key read, others refused in one line naming
+    them); None for plain RoPE. The other kinds (llama3, longrope, dynamic NTK) rescale the
+    angles of the same RoPE kernels on every target, so their cost is plain RoPE's; they are
+    not modelled and read as plain RoPE (moeplan's runtime then runs plain angles)."""
+    scaling = r.get("rope_scaling")
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise r.fail("rope_scaling", f"must be a mapping, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        return None
+    inner = _Reader(scaling, f"{r.where}: rope_scaling", {"rope_type", "type"})
+    values = {k: inner.get(k) for k in YARN_KEYS}
+    unknown = sorted(set(scaling) - inner.used)
+    if unknown:
+        raise inner.fail(unknown[0], "not modelled for YaRN (moeplan reads "
+                         f"{', '.join(YARN_KEYS)})")
+    try:
+        return YaRNSpec.model_validate({"rope_type": kind} | {
+            k: v for k, v in values.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        msg = first["msg"].removeprefix("Value error, ")
+        key = str(first["loc"][0]) if first["loc"] else msg.split(" ", 1)[0]
+        raise inner.fail(key, msg) from None
 
 
 def _no_window(r: _Reader, *keys: str) -> None:

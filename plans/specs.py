@@ -6,10 +6,11 @@ Units are in field names: ``_tflops`` (10^12 FLOP/s), ``_gb_s`` (10^9 bytes/s), 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from enum import StrEnum
 from functools import cache, cached_property, lru_cache
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -180,6 +181,59 @@ class MLASpec(Frozen):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class YaRNSpec(Frozen):
+    """YaRN RoPE scaling (arXiv 2309.00071; Hugging Face's ``rope_scaling`` with type
+    ``yarn``): the rotary frequencies whose wavelength fits more than ``beta_fast`` turns in
+    the original context are kept, those fitting fewer than ``beta_slow`` are divided by
+    ``factor``, a linear ramp between; cos and sin are scaled by ``attention_factor``. The
+    angles change, the shapes do not; how a target runs it can (cost_models.megatron
+    ``rope_unfused``)."""
+
+    rope_type: Literal["yarn"]
+    """The scaling's kind (Hugging Face's ``rope_type``), written out: YaRN is the one
+    modelled."""
+    factor: float = Field(gt=1, le=1e6)
+    """Context extension s: the longest wavelengths are stretched s-fold (GPT-OSS: 32,
+    DeepSeek-V3: 40; Megatron-Core's ``yarn_rotary_scaling_factor`` /
+    ``rotary_scaling_factor``)."""
+    original_max_position_embeddings: Tokens
+    """Context length (tokens) the frequencies' boundaries are measured in (4,096 for
+    GPT-OSS and DeepSeek-V3)."""
+    beta_fast: float = Field(32.0, gt=0, le=1e6)
+    """Turns in the original context above which a frequency is kept as is (32)."""
+    beta_slow: float = Field(1.0, gt=0, le=1e6)
+    """Turns in the original context below which a frequency is fully interpolated (1)."""
+    truncate: bool = True
+    """Whether the ramp's boundaries are rounded to whole dimensions (Hugging Face's
+    ``truncate``; Megatron-Core's ``yarn_correction_range_round_to_int``; GPT-OSS: false)."""
+    mscale: float | None = Field(None, gt=0, le=1e6)
+    """DeepSeek's ``mscale`` (with ``mscale_all_dim``): the attention factor is
+    m(s, mscale) / m(s, mscale_all_dim), m(s, c) = 0.1 c ln s + 1; None (GPT-OSS): m(s, 1)."""
+    mscale_all_dim: float | None = Field(None, ge=0, le=1e6)
+    """DeepSeek's ``mscale_all_dim``; with MLA the softmax scale is also multiplied by
+    m(s, mscale_all_dim)^2."""
+
+    @model_validator(mode="after")
+    def _check(self) -> YaRNSpec:
+        if self.beta_slow > self.beta_fast:
+            raise ValueError(f"beta_slow ({self.beta_slow:g}) must be <= beta_fast "
+                             f"({self.beta_fast:g})")
+        if (self.mscale is None) != (self.mscale_all_dim is None):
+            raise ValueError("mscale and mscale_all_dim must be given together")
+        return self
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor on cos and sin (Megatron-Core's concentration factor,
+        yarn_rotary_pos_embedding.py ``_yarn_get_concentration_factor``; Hugging Face's
+        ``attention_factor``): 0.1 ln(factor) + 1 without mscale, 1.35 for GPT-OSS's 32."""
+        def m(c: float) -> float:
+            return 0.1 * c * math.log(self.factor) + 1.0
+        if self.mscale is None or self.mscale_all_dim is None:
+            return m(1.0)
+        return m(self.mscale) / m(self.mscale_all_dim)
+
+
 class ModelSpec(Frozen):
     """A decoder-only MoE transformer: GQA or MLA attention, SwiGLU routed and shared experts,
     dense-FFN layers first or interleaved, optional sliding-window layers and multi-token
@@ -247,6 +301,10 @@ class ModelSpec(Frozen):
     rotary_fraction: float = Field(1.0, gt=0, le=1)
     """Share of each query and key head RoPE rotates (GLM-4.5: 0.5; Megatron's
     --rotary-percent); the rest passes unrotated."""
+    rope_scaling: YaRNSpec | None = None
+    """RoPE's frequency scaling (Hugging Face's ``rope_scaling``) where it changes how a target
+    runs the model: YaRN (GPT-OSS, DeepSeek-V2/V3, Kimi-K2); None: plain RoPE at
+    rope_theta."""
     swiglu_limit: float = Field(0.0, ge=0, le=1e6)
     """GPT-OSS's clamped SwiGLU (Hugging Face's ``swiglu_limit``): each routed expert's gate
     input is clamped above at this limit and its linear input to [-limit, limit], the gate

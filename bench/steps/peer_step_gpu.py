@@ -150,12 +150,13 @@ def tiny(plan: Plan) -> Plan:
 
 def deepseek_v3_plan(template: Plan) -> Plan:
     """The catalog's DeepSeek-V3 at DEEPSEEK_V3_LAYERS layers (its dense layers kept up to one)
-    in ``template``'s 1-GPU layout."""
+    in ``template``'s 1-GPU layout, without its MTP module and its YaRN (plain RoPE angles:
+    both refused by our runtime; YaRN changes no kernel of MLA's)."""
     from plans.catalog import load_model
 
     model = load_model("deepseek-v3").model_dump()
     model.update(name=f"DeepSeek-V3-{DEEPSEEK_V3_LAYERS}L", layers=DEEPSEEK_V3_LAYERS,
-                 dense_layers=min(1, model["dense_layers"]), mtp_layers=0)
+                 dense_layers=min(1, model["dense_layers"]), mtp_layers=0, rope_scaling=None)
     data = template.model_dump()
     data.update(model=model, stage_layers=[DEEPSEEK_V3_LAYERS], prediction=None)
     return Plan.model_validate(data)

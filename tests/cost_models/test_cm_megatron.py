@@ -262,3 +262,87 @@ def test_ep_overlap_pairs_only_the_steady_state_of_the_schedule():
     assert megatron.paired_share(piped) == pytest.approx(1 - (49 + 47) / (2 * 24 * m))
     flat = qwen(degrees=Degrees(dp=8, ep=8), overlap=Overlap.inter_op)
     assert megatron.paired_share(flat) == pytest.approx(1 - 1 / flat.num_micro_batches)
+
+
+def test_yarn_runs_megatron_cores_unfused_rope_on_gpt_attention_only():
+    """YaRN on GPT attention (GPT-OSS's rope_scaling): Megatron-Bridge turns the RoPE fusion
+    off and Megatron-Core runs _apply_rotary_pos_emb_bshd for q and for k, 12 launches
+    forward and 7 backward each in place of TE's one, 24 / 28 bytes per element of q and k at
+    the plain memory rate in place of the fused kernel's 4 at the fused rate; rerun under full
+    recomputation. MLA's YaRN runs Megatron-Core's fused MLA kernels: nothing added."""
+    yarn = catalog.load_model("gpt-oss-120b").rope_scaling
+    assert yarn.attention_factor == pytest.approx(1.35, abs=0.005)
+    plain = qwen(training=TrainingSpec(global_batch=512, seq_len=4096),
+                 cuda_graphs=CudaGraphs.none)
+    roped = plain.model_copy(update={"model": plain.model.model_copy(
+        update={"rope_scaling": yarn})})
+    assert not megatron.rope_unfused(plain) and megatron.rope_unfused(roped)
+    a, b = megatron.launches(plain), megatron.launches(roped)
+    assert (b.before_wait.fwd - a.before_wait.fwd, b.before_wait.bwd - a.before_wait.bwd) == (
+        2 * 11, 2 * 6)
+    assert b.after_wait == a.after_wait
+    graphed = [megatron.launches(x.model_copy(update={"cuda_graphs": CudaGraphs.attn_moe_router}))
+               for x in (plain, roped)]
+    assert graphed[0] == graphed[1]  # replayed inside the attention's graph
+    m, c = roped.model, roped.cluster
+    elements = 4096 * (m.q_dim + m.kv_dim)  # micro-batch 1, tp 1: every q and k element
+    fused = elements * 4 / (c.gpu.hbm_tb_s * 1e12 * c.efficiency.fused_elementwise)
+    fwd, bwd, again = megatron.rope_unfused_s(roped)
+    assert fwd == pytest.approx(elements * 24 / (c.gpu.hbm_tb_s * 1e12 * c.efficiency.hbm)
+                                - fused)
+    assert bwd == pytest.approx(elements * 28 / (c.gpu.hbm_tb_s * 1e12 * c.efficiency.hbm)
+                                - fused)
+    assert again == 0.0
+    full = roped.model_copy(update={"recompute": Recompute.full})
+    assert megatron.rope_unfused_s(full)[2] == pytest.approx(fwd)
+    t, u = megatron.layer_timing(plain), megatron.layer_timing(roped)
+    assert (u.fwd_s - t.fwd_s, u.bwd_s - t.bwd_s) == (pytest.approx(fwd), pytest.approx(bwd))
+    v3 = catalog.load_model("deepseek-v3")
+    assert v3.rope_scaling is not None and v3.mla is not None
+    mla = plain.model_copy(update={"model": v3.model_copy(update={"layers": 4})})
+    assert not megatron.rope_unfused(mla) and megatron.rope_unfused_s(mla) == (0.0, 0.0, 0.0)
+
+
+def test_the_unfused_rope_counts_are_megatron_cores_own():
+    """ROPE_UNFUSED and ROPE_UNFUSED_BYTES counted on megatron-core 0.15.3's
+    _apply_rotary_pos_emb_bshd itself (the 25.11 container's 0d8e0714 has the same function):
+    each dispatched non-view operation launches one kernel; bytes are each kernel's inputs
+    read and output written, those of t-sized tensors per element of t."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import warnings
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.common.embeddings.rope_utils import (
+            _apply_rotary_pos_emb_bshd,
+        )
+
+    s, b, heads, d = 16, 2, 4, 8
+    t = torch.randn(s, b, heads, d, dtype=torch.bfloat16, requires_grad=True)
+    freqs = torch.randn(s, 1, 1, d)
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.launches, self.t_bytes = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like"):
+                self.launches += 1
+                self.t_bytes += sum(x.numel() * x.element_size() for x in tree_leaves(
+                    (args, kwargs, out)) if isinstance(x, torch.Tensor) and x.numel() >= t.numel()
+                    // 2)
+            return out
+
+    with Kernels() as fwd:
+        y = _apply_rotary_pos_emb_bshd(t, freqs, mscale=1.35)
+    grad = torch.randn_like(y)
+    with Kernels() as bwd:
+        torch.autograd.grad(y, t, grad)
+    assert (fwd.launches, bwd.launches) == (megatron.ROPE_UNFUSED.fwd, megatron.ROPE_UNFUSED.bwd)
+    assert (fwd.t_bytes / t.numel(), bwd.t_bytes / t.numel()) == megatron.ROPE_UNFUSED_BYTES

@@ -69,7 +69,8 @@ MEGATRON_FLAGS = {
     "--window-size": True, "--window-attn-skip-freq": True, "--softmax-type": True,
     "--rotary-percent": True, "--add-qkv-bias": False, "--overlap-moe-expert-parallel-comm": False,
     "--sgd-momentum": True, "--quick-geglu": False, "--glu-linear-offset": True,
-    "--activation-func-clamp-value": True,
+    "--activation-func-clamp-value": True, "--rotary-scaling-factor": True, "--mscale": True,
+    "--mscale-all-dim": True,
 }
 CHOICES = {
     "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
@@ -335,6 +336,10 @@ def test_megatron_model_environment_recompute_and_steps():
     ({"training": TrainingSpec(global_batch=256, seq_len=4104)}, "2 x CP"),
     ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={"swiglu_limit": 7.0})},
      "swiglu_limit without linear biases"),
+    ({"model": catalog.load_model("mixtral-8x7b").model_copy(update={
+        "rope_scaling": catalog.load_model("gpt-oss-120b").rope_scaling})},
+     "--to megatron: model.rope_scaling: Megatron-LM's arguments cannot express YaRN for GPT "
+     "attention"),
 ])
 def test_megatron_refuses_what_it_cannot_express(update, reason):
     p = PLANS["uneven"].model_copy(update=update)

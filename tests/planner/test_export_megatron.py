@@ -245,6 +245,11 @@ def _feature_plan(model, pp: int, stage_layers: tuple[int, ...]) -> Plan:
 HF = Path(__file__).parents[1] / "plans" / "hf_configs"
 
 
+NO_YARN = {"rope_scaling": None}
+"""A model's YaRN dropped, where Megatron-LM's arguments cannot write it
+(test_features_megatron_cannot_express_are_refused): the model's other features exported."""
+
+
 @pytest.mark.parametrize("name,pp,stages", [
     ("deepseek-v3", 4, (16, 15, 15, 15)),
     ("kimi-k2", 2, (31, 30)),
@@ -257,8 +262,11 @@ def test_new_model_features_export_as_megatron_cores_own_flags(name, pp, stages,
                                                               tmp_path):
     """MLA, sigmoid routing with the expert bias, the routed scaling, group-limited routing,
     MTP (in the last pipeline chunk), dense-first layers, sliding windows with full layers
-    between, sinks, biases and partial RoPE, read back from Megatron's TransformerConfig."""
+    between, sinks, biases, partial RoPE and MLA's YaRN, read back from Megatron's
+    TransformerConfig."""
     m = catalog.load_model(name)
+    if megatron_refusal(_feature_plan(m, pp, stages)):  # GPT attention's or Kimi-K2's YaRN
+        m = m.model_copy(update=NO_YARN)
     plan = _feature_plan(m, pp, stages)
     parsed, config = run_megatron(plan, 9, _megatron(), monkeypatch, tmp_path)
     check_is_mla_plan(plan, parsed, config)
@@ -314,6 +322,23 @@ def check_is_mla_plan(plan: Plan, parsed, config) -> None:
         layout = config.pipeline_model_parallel_layout.layout
         assert sum(1 for x in layout[-1][-1] if x.name == "mtp") == m.mtp_layers
     assert parsed.rotary_base == m.rope_theta
+    # YaRN: MLA's fused kernels (GPT attention's is refused), plain RoPE unfused
+    y = m.rope_scaling
+    if m.mla is not None:
+        assert config.rope_type == ("rope" if y is None else "yarn")
+        assert config.apply_rope_fusion == (y is not None)
+    if y is not None:
+        assert m.mla is not None
+        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+            _yarn_get_concentration_factor_from_config,
+        )
+
+        assert (config.rotary_scaling_factor, config.original_max_position_embeddings,
+                config.beta_fast, config.beta_slow) == (
+            y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow)
+        assert config.mscale == y.mscale and config.mscale_all_dim == y.mscale_all_dim
+        assert _yarn_get_concentration_factor_from_config(config) == pytest.approx(
+            y.attention_factor)
 
 
 def test_interleaved_moe_layers_export_their_pattern(monkeypatch, tmp_path):
@@ -329,6 +354,8 @@ def test_interleaved_moe_layers_export_their_pattern(monkeypatch, tmp_path):
 @pytest.mark.parametrize("config,why", [
     ("qwen2-57b-a14b", "model.shared_expert_gate"),
     ("hunyuan-large", "model.kv_share_layers"),
+    ("gpt-oss-120b", "model.rope_scaling: Megatron-LM's arguments cannot express YaRN"),
+    ("kimi-k2", "model.rope_scaling.beta_fast 1.0: Megatron-LM's arguments have no flag"),
 ])
 def test_features_megatron_cannot_express_are_refused(config, why):
     m = catalog.load_model(str(HF / f"{config}.json"))

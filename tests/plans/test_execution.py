@@ -199,18 +199,22 @@ def test_a_measured_run_is_priced_by_what_it_recorded():
 
 
 @pytest.mark.parametrize("backend", list(Backend))
-def test_a_deepseek_v3_plan_is_refused_for_its_mtp_module_alone(backend):
+def test_a_deepseek_v3_plan_is_refused_for_its_mtp_module_and_yarn_alone(backend):
     """moeplan's runtime runs MLA and sigmoid group-limited routing with the expert bias and
-    the scaling factor; the multi-token prediction module is the one field it refuses."""
+    the scaling factor; the multi-token prediction module and YaRN's angles are the fields it
+    refuses, each in one line naming field, target and reason."""
     v3 = catalog.load_model("deepseek-v3")
     plan = make(model=v3, degrees=Degrees(pp=4, dp=2, sp=8, ep=8), ffn=EPFFN(),
                 stage_layers=(16, 15, 15, 15))
     found = refusals(plan, backend)
-    assert [line.split(":")[0] for line in found] == ["model.mtp_layers"]
-    assert "no multi-token prediction modules" in found[0]
-    with pytest.raises(UnsupportedFeature, match="^model.mtp_layers: "):
+    assert sorted(line.split(":")[0] for line in found) == ["model.mtp_layers",
+                                                            "model.rope_scaling"]
+    assert any("no multi-token prediction modules" in line for line in found)
+    yarn = next(line for line in found if line.startswith("model.rope_scaling"))
+    assert "target moeplan" in yarn and "plain RoPE angles" in yarn and "\n" not in yarn
+    with pytest.raises(UnsupportedFeature, match="^model.(mtp_layers|rope_scaling): "):
         check(plan, backend)
-    assert refusals(make(model=v3.model_copy(update={"mtp_layers": 0}),
+    assert refusals(make(model=v3.model_copy(update={"mtp_layers": 0, "rope_scaling": None}),
                          degrees=Degrees(pp=4, dp=2, sp=8, ep=8), ffn=EPFFN(),
                          stage_layers=(16, 15, 15, 15)), backend) == []
 

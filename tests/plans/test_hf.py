@@ -42,6 +42,14 @@ def test_other_families_map_their_features():
     oss = catalog.load_model(str(CONFIGS / "gpt-oss-120b.json"))
     assert (oss.sliding_window, oss.full_attention_every, oss.attention_sinks) == (128, 2, True)
     assert oss.linear_bias == LinearBias.all and oss.swiglu_limit == 7.0
+    y = oss.rope_scaling  # YaRN, Megatron's attention factor 0.1 ln(32) + 1
+    assert (y.rope_type, y.factor, y.original_max_position_embeddings) == ("yarn", 32.0, 4096)
+    assert (y.beta_fast, y.beta_slow, y.truncate, y.mscale) == (32.0, 1.0, False, None)
+    assert round(y.attention_factor, 2) == 1.35
+    v3 = catalog.load_model(str(CONFIGS / "deepseek-v3.json")).rope_scaling
+    assert (v3.factor, v3.mscale, v3.mscale_all_dim, v3.attention_factor) == (40, 1, 1, 1)
+    # the other RoPE scalings rescale the angles alone: plain RoPE
+    assert catalog.load_model(str(CONFIGS / "llama-4-scout.json")).rope_scaling is None
     scout = catalog.load_model(str(CONFIGS / "llama-4-scout.json"))
     assert scout.window_kind == WindowKind.chunked and scout.full_attention_every == 4
     assert scout.shared_experts == 1 and scout.router_score == RouterScore.sigmoid
@@ -106,6 +114,19 @@ BAD = [
     ("qwen3-30b-a3b", {"mlp_only_layers": [5]}, "mlp_only_layers: [5] is not modelled"),
     ("gpt-oss-120b", {"layer_types": ["full_attention", "sliding_attention"] * 18},
      "layer_types: not modelled"),
+    ("gpt-oss-120b", {"rope_scaling": {"rope_type": "yarn", "factor": "x",
+                                       "original_max_position_embeddings": 4096}},
+     "rope_scaling: factor: Input should be a valid number"),
+    ("gpt-oss-120b", {"rope_scaling": {"rope_type": "yarn", "factor": 32}},
+     "rope_scaling: original_max_position_embeddings: Field required"),
+    ("gpt-oss-120b", {"rope_scaling": {"rope_type": "yarn", "factor": 32, "beta_fast": 1,
+                                       "beta_slow": 32, "original_max_position_embeddings": 4096}},
+     "rope_scaling: beta_slow: beta_slow (32) must be <= beta_fast (1)"),
+    ("gpt-oss-120b", {"rope_scaling": {"rope_type": "yarn", "factor": 32,
+                                       "attention_factor": 1.2,
+                                       "original_max_position_embeddings": 4096}},
+     "rope_scaling: attention_factor: not modelled for YaRN"),
+    ("gpt-oss-120b", {"rope_scaling": "yarn"}, "rope_scaling: must be a mapping"),
 ]
 
 

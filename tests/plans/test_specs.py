@@ -89,6 +89,15 @@ def test_shared_and_dense_layers_counted():
         ({"shared_experts": 1}, "", "shared_expert_ffn_hidden (0)"),
         ({"swiglu_limit": 7.0, "dense_layers": 1, "dense_ffn_hidden": 64}, "",
          "swiglu_limit is modelled for routed experts only"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 1.0,
+                           "original_max_position_embeddings": 4096}},
+         "rope_scaling.factor", "greater than 1"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 32.0, "mscale": 1.0,
+                           "original_max_position_embeddings": 4096}},
+         "rope_scaling", "mscale and mscale_all_dim must be given together"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 32.0,
+                           "original_max_position_embeddings": 4096}},
+         "rope_scaling.rope_type", "'yarn'"),
     ],
 )
 def test_model_invariants_print_numbers(update, field, words):
