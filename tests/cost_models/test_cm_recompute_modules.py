@@ -1,4 +1,5 @@
-"""Plan.recompute_modules: validated, refused by moeplan's runtime beyond the attention core,
+"""Plan.recompute_modules: validated, refused by moeplan's runtime beyond the attention core
+and the experts' activation,
 priced in memory (what each module discards, cost_models.megatron.kept_bytes_per_token) and
 in time (the modules' operators rerun in the backward graph)."""
 
@@ -45,16 +46,18 @@ def test_the_default_module_is_the_selective_set_and_each_module_its_operators()
     assert set(MODULE_OPERATORS) == set(M)
 
 
-def test_moeplan_refuses_modules_beyond_the_attention_core(node_plan):
-    plan = _plan(node_plan, modules=(M.core_attn, M.moe_act)).model_copy(
+def test_moeplan_refuses_modules_beyond_the_attention_core_and_experts_activation(node_plan):
+    plan = _plan(node_plan, modules=(M.core_attn, M.layernorm)).model_copy(
         update={"target": Target.moeplan})
     assert refusals(plan) == [
-        "recompute_modules: core_attn, moe_act is not run by target moeplan (its runtime on "
-        "cuda_nccl): selective recomputation reruns the attention core only, not moe_act (a "
-        "Megatron-Core module: target megatron)"]
+        "recompute_modules: core_attn, layernorm is not run by target moeplan (its runtime on "
+        "cuda_nccl): selective recomputation reruns the attention core (core_attn) and the "
+        "experts' activation (moe_act) only, not layernorm (a Megatron-Core module: target "
+        "megatron)"]
     with pytest.raises(UnsupportedFeature, match="^recompute_modules: "):
         check(plan)
-    check(plan.model_copy(update={"recompute_modules": (M.core_attn,)}))
+    for modules in ((M.core_attn,), (M.moe_act,), (M.core_attn, M.moe_act)):
+        check(plan.model_copy(update={"recompute_modules": modules}))
     assert not [r for r in refusals(_plan(node_plan, modules=(M.moe_act,)), target=Target.megatron)
                 if r.startswith("recompute_modules")]
     no_mla = _plan(node_plan, modules=(M.mla_up_proj,))
