@@ -122,16 +122,19 @@ def test_moe_act_runs_the_activation_twice_a_step():
 @pytest.mark.parametrize("layout", [
     dict(dp=2, ep=2, dispatch=Dispatch.all_to_all),
     dict(dp=2, ep=2, dispatch=Dispatch.all_to_all, overlap=Overlap.inter_op),
+    dict(dp=2, ep=2, dispatch=Dispatch.allgather_reduce_scatter),
+    dict(tp=2, etp=2, tp_attention=True, tp_ffn=True),  # expert TP's dispatcher
     # a dense first layer (no experts: its attention core alone is recomputed)
     dict(model="tiny-moe-shared", pp=2, stage_layers=(1, 3), micro_batch_size=2,
          global_batch=8),
-], ids=["ep2_a2a", "ep2_a2a_inter_op", "pp2_shared_mbs2"])
+], ids=["ep2_a2a", "ep2_a2a_inter_op", "ep2_allgather", "tp2_etp2", "pp2_shared_mbs2"])
 @pytest.mark.parametrize("modules", [(RecomputeModule.moe_act,),
                                      (RecomputeModule.core_attn, RecomputeModule.moe_act)],
                          ids=["act", "core_attn_act"])
 def test_moe_act_on_two_ranks_matches_the_kept_reference(pool2, layout, modules):
-    """moe_act under EP 2 (all-to-all, serial and the overlapped chunks) and pipeline stages on
-    two gloo ranks against the one-rank run that keeps every activation."""
+    """moe_act under EP 2 (all-to-all, serial and the overlapped chunks; all-gather), expert
+    TP and pipeline stages on two gloo ranks against the one-rank run that keeps every
+    activation."""
     plan = make_plan(recompute=Recompute.selective, **layout).model_copy(
         update={"recompute_modules": modules})
     check_one_step(pool2, plan, reference=make_plan(**layout))
