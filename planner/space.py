@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache
+from itertools import combinations
 
 from planner.staging import least_layers
 from plans import (
@@ -40,7 +41,13 @@ from plans import (
     UlyssesAttention,
 )
 from plans.enums import AttentionKind, Target
-from plans.execution import TARGET_NAMES, Backend, executed_anywhere, executes
+from plans.execution import (
+    MOEPLAN_MODULES,
+    TARGET_NAMES,
+    Backend,
+    executed_anywhere,
+    executes,
+)
 from plans.operators import DEFAULT_MODULES
 
 
@@ -92,11 +99,15 @@ RUNNABLE_FIELDS = {
 }
 """SearchSpace option -> the plan field whose values it chooses."""
 
-_M = RecomputeModule
+def module_sets(modules: frozenset[RecomputeModule]) -> tuple[tuple[RecomputeModule, ...], ...]:
+    """Every non-empty set of ``modules``, the smaller first, each in RecomputeModule's order."""
+    ordered = [m for m in RecomputeModule if m in modules]
+    return tuple(s for n in range(1, len(ordered) + 1) for s in combinations(ordered, n))
+
+
 SEARCHED_MODULES: dict[Target, tuple[tuple[RecomputeModule, ...], ...]] = {
     # moeplan's runtime reruns the attention core, the experts' activation, or both
-    # (plans.execution.MOEPLAN_MODULES)
-    Target.moeplan: ((_M.core_attn,), (_M.moe_act,), (_M.core_attn, _M.moe_act)),
+    Target.moeplan: module_sets(MOEPLAN_MODULES),
     Target.megatron: (DEFAULT_MODULES,),
 }
 """Per target, the module sets a search tries under selective recomputation
