@@ -133,8 +133,14 @@ class Kept:
     readers: frozenset[LayerOperator] = frozenset()
     """Operators that read it in forward: activation checkpointing keeps the inputs a
     recomputed operator reads from an operator that is not recomputed."""
+    rerun_for_savers: bool = False
+    """Not kept when its producer is recomputed, though its savers are not: their backward
+    reads the producer's rerun (the experts' activation under moe_act, runtime.parallel.
+    recompute; Megatron-Core's CheckpointWithoutOutput)."""
 
     def kept(self, recomputed: frozenset[LayerOperator]) -> bool:
+        if self.rerun_for_savers and self.producer in recomputed:
+            return False
         return bool(self.savers - recomputed) or (
             self.producer not in recomputed and bool(self.readers & recomputed))
 
@@ -224,9 +230,12 @@ def _attention_kept(model: ModelSpec, tp: int, sp: int, micro_batch: int, fused:
 def _moe_kept(model: ModelSpec, ep: int, etp: int, ffn: FFNStrategy, swiglu: float,
               fused: bool) -> list[Kept]:
     """An MoE FFN's kept tensors (_kept_tensors): the router's, the expert rows, the shared
-    experts'. The combine keeps the rows it weights (2 k h), and eagerly the weighted rows
-    too, which the index-add's autograd node saves as its source (2 k h); the fused combine
-    weights and sums in one compiled region whose backward reads the rows only
+    experts'. Per routed row the experts keep, each tensor for the operator whose backward
+    reads it: the dispatched row (fc1 and fc3, 2 h), fc1's and fc3's outputs (the SwiGLU,
+    4 F), eagerly SiLU's output (the SwiGLU's product, 2 F) and the SwiGLU's output (fc2,
+    2 F). The combine keeps the rows it weights (2 k h), and eagerly the weighted rows too,
+    which the index-add's autograd node saves as its source (2 k h); the fused combine weights
+    and sums in one compiled region whose backward reads the rows only
     (runtime.kernels._fused_weighted_scatter)."""
     h = model.hidden
     combine = 2.0 * h if fused else 4.0 * h
@@ -235,20 +244,30 @@ def _moe_kept(model: ModelSpec, ep: int, etp: int, ffn: FFNStrategy, swiglu: flo
     out = [Kept("router", 4.0 * model.experts + 12.0 * model.top_k,
                 frozenset({LO.router_topk}))]
     f = model.expert_ffn_hidden
-    experts = frozenset({LO.expert_fc13, LO.expert_swiglu, LO.expert_fc2})
     if isinstance(ffn, EPFFN):
+        moved = ffn.dispatch.moves_routed_copies
         load = EP_LOAD if ep > 1 else 1.0
-        per_row = 2.0 * h + swiglu * f
-        if ffn.dispatch.moves_routed_copies:
-            rows = Kept("expert_rows", k * per_row * load + k * combine,
-                        experts | {LO.combine_unpermute}, LO.ep_dispatch)
-        else:
-            rows = Kept("expert_rows", k * (per_row + combine) * load,
-                        experts | {LO.combine_gather}, LO.dispatch_scatter)
-    else:
-        rows = Kept("expert_rows", k * (2.0 * h + combine) * etp + swiglu * k * f,
-                    experts | {LO.combine_gather}, LO.dispatch_scatter)
-    out.append(rows)
+        rows, dispatched = k * load, LO.ep_dispatch if moved else LO.dispatch_scatter
+        width = rows * f  # FFN elements per token
+        # the all-to-all returns k rows per token, the all-gather's rows stay at the load
+        combined = (k if moved else k * load, LO.ep_combine if moved else LO.expert_fc2,
+                    LO.combine_unpermute if moved else LO.combine_gather)
+    else:  # expert TP: every rank's tokens gathered (etp k rows a token), F / etp wide
+        rows, dispatched = k * etp, LO.dispatch_scatter
+        width = k * f
+        combined = (k * etp, LO.expert_fc2, LO.combine_gather)
+    out += [
+        Kept("expert_rows", rows * 2.0 * h, frozenset({LO.expert_fc13}), dispatched),
+        # kept for the SwiGLU, and for its rerun when moe_act recomputes it
+        Kept("expert_rows", width * 4.0, frozenset({LO.expert_swiglu}), LO.expert_fc13,
+             frozenset({LO.expert_swiglu})),
+        Kept("expert_rows", width * 2.0, frozenset({LO.expert_fc2}), LO.expert_swiglu,
+             rerun_for_savers=True),
+        Kept("expert_rows", combined[0] * combine, frozenset({combined[2]}), combined[1]),
+    ]
+    if not fused:
+        out.append(Kept("expert_rows", width * 2.0, frozenset({LO.expert_swiglu}),
+                        LO.expert_swiglu))
     if model.shared_experts:
         out.append(Kept("dense_ffn",
                         swiglu * model.shared_experts * model.shared_expert_ffn_hidden,
@@ -299,10 +318,11 @@ def layer_activation_terms(
       core keeps its inputs (q, k, v) and the out projection's input instead;
     - router: fp32 probabilities (4 E) and the top-k indices and weights (12 k);
     - expert rows: the dispatched rows the grouped GEMMs keep (2 k h) and the SwiGLU
-      intermediates (fc1, silu, fc3, product: 8 k F), times the EP rank's load; combine keeps
-      the returned rows (2 k h) and, eagerly, the weighted rows its scatter-add keeps (2 k h);
-      the
-      all-gather dispatcher keeps both at the rank's load; expert TP at etp;
+      intermediates (fc1, silu, fc3, product: 8 k F; fused 6 k F, no silu), times the EP
+      rank's load; recomputing the experts' activation (moe_act) keeps fc1's and fc3's
+      outputs only (4 k F); combine keeps the returned rows (2 k h) and, eagerly, the
+      weighted rows its scatter-add keeps (2 k h); the all-gather dispatcher keeps both at
+      the rank's load; expert TP at etp;
     - dense_ffn: dense layers and shared experts, 8 F (the input is the norm's output);
     - layer_output: the residual stream handed to the next layer (2 h);
     - layer_input: recomputing the whole layer keeps its input (2 h) only."""

@@ -156,7 +156,7 @@ def predicted_classes(plan: Plan) -> dict[str, float]:
     kinds = {OpKind.gemm: "gemm", OpKind.grouped_gemm: "grouped_gemm",
              OpKind.attention: "attention"}
     per_layer = dict.fromkeys(kinds.values(), 0.0)
-    for graph in (fwd, backward_graph(fwd, key.recompute)):
+    for graph in (fwd, backward_graph(fwd, key.recompute, modules=key.recompute_modules)):
         for _, data in graph.nodes(data=True):
             if (label := kinds.get(data["op"].kind)) is not None:
                 per_layer[label] += data["duration_s"]

@@ -108,12 +108,12 @@ def check_pairing(plan: Plan, r: TrainStepResult, path: Path) -> None:
         raise SpecError(f"{where}: components_s: the result has no per-component times")
 
 
-_RECOMPUTE = re.compile(r"(?:rc:|recompute=)(\w+)")
+_RECOMPUTE = re.compile(r"(?:rc:|recompute=)([\w+]+)")
 
 
 def _options_of(summary: str) -> dict[str, str]:
-    """Recomputation and kernels of a plan summary (either notation: `rc:sel`, `recompute=
-    selective`; `k:fused`, absent for eager)."""
+    """Recomputation and kernels of a plan summary (either notation: `rc:sel`, `rc:sel+act`,
+    `recompute=selective`; `k:fused`, absent for eager)."""
     m = _RECOMPUTE.search(summary)
     tags = {tag: policy.value for policy, tag in RECOMPUTE_TAGS.items()}
     rc = tags.get(m.group(1), m.group(1)) if m else "none"

@@ -57,12 +57,14 @@ from plans import (
     Plan,
     Precision,
     Recompute,
+    RecomputeModule,
     SpecError,
     TrainingSpec,
 )
 from plans.enums import Dispatch, Target
 from plans.execution import ANY, RULES, as_target, executed_plan, refusals, rule_refusals
 from plans.layout import moe_chunks
+from plans.operators import DEFAULT_MODULES, LayerOperator, recomputed_operators
 
 MAX_SEARCHES = 32
 """Most searches one command runs (`scale` GPU counts, `whatif` grid points): one search of a
@@ -374,7 +376,8 @@ def _refinement(plan: Plan, options: list, space: SearchSpace
     return runnable, _fitting_recomputes(plan, runnable, _leanest_loss(space.cross_entropy))
 
 
-_OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_precision"})
+_OPTION_FIELDS = frozenset({"ffn.dispatch", "overlap", "recompute", "grad_sync_precision",
+                            "recompute_modules"})
 """The plan fields a layout's options choose (SearchSpace.options)."""
 
 
@@ -398,8 +401,8 @@ def _runnable_options(plan: Plan, options: list, target: Target) -> list:
         return options
 
     def ruled(option) -> bool:  # a rule's row holds for one of this option's values
-        values = dict(zip(("ffn.dispatch", "overlap", "recompute", "grad_sync_precision"),
-                          option, strict=True))
+        values = dict(zip(("ffn.dispatch", "overlap", "recompute", "grad_sync_precision",
+                           "recompute_modules"), option, strict=True))
         return any(r.value is ANY or r.value == values[r.field] for r in rows)
 
     return [o for o in options if not ruled(o)
@@ -546,18 +549,20 @@ def _seeded(item: tuple) -> bool:
     return item[2] == 0
 
 
-def _overlap_levels(plan: Plan, dispatch, overlaps, recompute: Recompute) -> list[Overlap]:
+def _overlap_levels(plan: Plan, dispatch, overlaps, recompute: Recompute,
+                    modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES) -> list[Overlap]:
     """The overlap levels of ``overlaps`` worth searching for ``plan``'s layout under
     ``dispatch``, the fastest MoE layer first. Overlap changes a layer's time and, through its
     token chunks (plans.layout.moe_chunks), its memory: a level is dominated by another that is
     no slower and keeps no more chunks, judged at ``recompute``, the least recomputation
-    searched (recomputation reruns the same operators under every level). Equal on both (a
+    searched, with ``modules`` (recomputation reruns the same operators under every level).
+    Equal on both (a
     layer with nothing to overlap: expert TP, no EP), the weaker level is kept, so the plan
     says what runs. A stronger level is not always the faster: where communication beside
     compute hides little (efficiency.overlap), the chunks cost more than they hide."""
 
     def cost(o: Overlap) -> tuple[float, int]:
-        q = _with_option(plan, (dispatch, o, recompute, plan.grad_sync_precision))
+        q = _with_option(plan, (dispatch, o, recompute, plan.grad_sync_precision, modules))
         return cost_models.layer_timing(q).total_s, moe_chunks(o, q.ffn, q.degrees.ep)
 
     costs = {o: cost(o) for o in sorted(set(overlaps), key=_OVERLAP_STRENGTH.index)}
@@ -578,35 +583,53 @@ def _overlap_levels(plan: Plan, dispatch, overlaps, recompute: Recompute) -> lis
 
 
 def _option_groups(plan: Plan, options: list, exhaustive: bool) -> list[list]:
-    """Options of one layout in groups ordered fastest-first, where within a group each option
-    is never faster and never leaner than the one before it (dominance): less recomputation is
-    faster (more memory), so the first that fits beats the rest. The dispatcher, the overlap
-    level (_overlap_levels: the dominated ones are left out) and the gradient-sync precision
-    trade time against memory (a bf16 or fp8 sync keeps smaller buffers but its optimizer step
-    casts the gradient slice to fp32), so each triple of them forms a group."""
+    """Options of one layout in groups ordered fastest-first, where within a group an option
+    that reruns every operator another reruns (_reruns) comes after it and is never faster
+    (dominance): less recomputation is faster (more memory), so once an option fits, those
+    rerunning all it reruns and more need no pricing (_best_of_group). Recomputation levels
+    run none, selective (its module sets, the fewer operators first), full. The dispatcher,
+    the overlap level (_overlap_levels: the dominated ones are left out) and the
+    gradient-sync precision trade time against memory (a bf16 or fp8 sync keeps smaller
+    buffers but its optimizer step casts the gradient slice to fp32), so each triple of them
+    forms a group."""
     if exhaustive:
         return [[o] for o in options]
     groups = []
     syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)  # the leanest first
     for dispatch in dict.fromkeys(o[0] for o in options):
         mine = [o for o in options if o[0] == dispatch]
-        least = max({o[2] for o in mine}, key=_LEAN_RECOMPUTE.index)
-        for overlap in _overlap_levels(plan, dispatch, {o[1] for o in mine}, least):
+        least = min(mine, key=lambda o: len(_reruns(o)))
+        for overlap in _overlap_levels(plan, dispatch, {o[1] for o in mine}, least[2],
+                                       least[4]):
             for sync in syncs:
                 group = [o for o in mine if o[1] == overlap and o[3] == sync]
-                group.sort(key=lambda o: -_LEAN_RECOMPUTE.index(o[2]))  # none, selective, full
+                group.sort(key=lambda o: (-_LEAN_RECOMPUTE.index(o[2]), len(_reruns(o))))
                 groups.append(group)
     return [g for g in groups if g]
 
 
+def _reruns(option) -> frozenset[LayerOperator]:
+    """The operators an option's recomputation reruns in backward."""
+    return recomputed_operators(option[2], option[4])
+
+
 def _best_of_group(plan: Plan, group: list, losses: tuple[CrossEntropy, ...]
                    ) -> tuple[Ranked | None, int]:
-    """Evaluate a dominance group in order; the first feasible option is its best."""
-    for tried, option in enumerate(group, start=1):
+    """Evaluate a dominance group in order, skipping the options that rerun all a feasible
+    one reruns; the fastest feasible option is its best, and the number priced."""
+    best, tried, fitted = None, 0, []
+    for option in group:
+        reruns = _reruns(option)
+        if any(f <= reruns for f in fitted):
+            continue
+        tried += 1
         ranked = _evaluate_option(plan, option, losses)
-        if ranked is not None:
-            return ranked, tried
-    return None, len(group)
+        if ranked is None:
+            continue
+        fitted.append(reruns)
+        if best is None or ranked.evaluation.step_time_s < best.evaluation.step_time_s:
+            best = ranked
+    return best, tried
 
 
 _SPACE_FIELDS = ("target", "kernels", "grad_sync_overlap", "grad_accumulation_fusion")
@@ -618,7 +641,7 @@ def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSp
     chunks = layout.degrees.stages
     base, extra = divmod(model.layers, chunks)
     stage_layers = tuple(base + (1 if c < extra else 0) for c in range(chunks))
-    dispatch, overlap, recompute, sync = option
+    dispatch, overlap, recompute, sync, modules = option
     try:
         return Plan(
             model=model, cluster=cluster, training=training, degrees=layout.degrees,
@@ -626,7 +649,8 @@ def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSp
             ffn=ffn_strategy(layout.ffn, dispatch),
             stage_layers=stage_layers, micro_batch_size=layout.micro_batch_size,
             schedule=layout.schedule, overlap=overlap, recompute=recompute,
-            grad_sync_precision=sync, grad_sync_overlap=space.grad_sync_overlap,
+            recompute_modules=modules, grad_sync_precision=sync,
+            grad_sync_overlap=space.grad_sync_overlap,
             grad_accumulation_fusion=space.grad_accumulation_fusion, kernels=space.kernels,
             target=space.target,
             optimizer_sharding=layout.optimizer_sharding,
@@ -637,8 +661,9 @@ def _even_plan(model, cluster, training, layout: Layout, option, space: SearchSp
 
 def _with_option(plan: Plan, option, **more) -> Plan:
     """``plan`` with the option's values (and the fields ``more``), in one copy."""
-    dispatch, overlap, recompute, sync = option
-    update = {"overlap": overlap, "recompute": recompute, "grad_sync_precision": sync, **more}
+    dispatch, overlap, recompute, sync, modules = option
+    update = {"overlap": overlap, "recompute": recompute, "recompute_modules": modules,
+              "grad_sync_precision": sync, **more}
     if dispatch is not None:
         update["ffn"] = _ffn_with(plan.ffn, dispatch)
     # model_copy skips validation: these fields are enums the option enumeration already
@@ -655,17 +680,20 @@ def _ffn_with(ffn: FFNStrategy, dispatch: Dispatch) -> FFNStrategy:
 
 def _fitting_recomputes(plan: Plan, options, losses: tuple[CrossEntropy, ...]
                         ) -> frozenset[Recompute]:
-    """The recomputation levels of ``options`` whose leanest options fit (the leanest sync
-    precision and loss, any dispatcher, the first overlap level, the even stage split): at any
-    other level no option does. No level is leanest everywhere: full recomputation
-    back-propagates a whole recomputed layer, which can exceed what selective keeps when a
-    stage holds one layer of one micro-batch (cost_models.memory)."""
+    """The recomputation levels of ``options`` whose leanest options fit (the module set
+    rerunning the most, the leanest sync precision and loss, any dispatcher, the first
+    overlap level, the even stage split): at any other level no option does. No level is
+    leanest everywhere: full recomputation back-propagates a whole recomputed layer, which can
+    exceed what selective keeps when a stage holds one layer of one micro-batch
+    (cost_models.memory)."""
     syncs = sorted({o[3] for o in options}, key=_LEAN_SYNC.index)
     dispatches = dict.fromkeys(o[0] for o in options)
     fitting = set()
     for recompute in {o[2] for o in options}:
+        modules = max((o for o in options if o[2] == recompute),
+                      key=lambda o: len(_reruns(o)))[4]
         for dispatch in dispatches:
-            lean = _with_option(plan, (dispatch, options[0][1], recompute, syncs[0]),
+            lean = _with_option(plan, (dispatch, options[0][1], recompute, syncs[0], modules),
                                 cross_entropy=losses[0])
             if cost_models.memory_breakdown(lean).fits:
                 fitting.add(recompute)
@@ -680,17 +708,20 @@ def _least_recompute(options) -> Recompute:
 def _fastest_costs(plan: Plan, options, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy),
                    recompute: Recompute | None = None) -> StageCosts:
     """Stage costs no option of a layout beats at ``recompute`` (by default the least
-    recomputation of ``options``): each the least over the dispatchers and their overlap
-    levels (_overlap_levels, judged as _option_groups judges them), at the sync precision
-    whose gradients accumulate in the fewest bytes (_leanest_accumulation), under the faster
-    loss (_loss_order)."""
+    recomputation of ``options``), over its module sets: each the least over the dispatchers
+    and their overlap levels (_overlap_levels, judged as _option_groups judges them), at the
+    sync precision whose gradients accumulate in the fewest bytes (_leanest_accumulation),
+    under the faster loss (_loss_order)."""
     fastest = set()
     for d in dict.fromkeys(o[0] for o in options):
         mine = [o for o in options if o[0] == d]
-        least = _least_recompute(mine)
+        level = recompute or _least_recompute(mine)
+        least = min(mine, key=lambda o: len(_reruns(o)))
         sync = _leanest_accumulation(o[3] for o in mine)
-        fastest |= {(d, overlap, recompute or least, sync)
-                    for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least)}
+        modules = {o[4] for o in mine if o[2] == level} or {DEFAULT_MODULES}
+        fastest |= {(d, overlap, level, sync, m) for m in modules
+                    for overlap in _overlap_levels(plan, d, {o[1] for o in mine}, least[2],
+                                                   least[4])}
     loss = {"cross_entropy": _loss_order(plan, losses)[0]}
     costs = [cost_models.stage_costs(_with_option(plan, o, **loss)) for o in fastest]
     return StageCosts(*(min(getattr(c, f) for c in costs) for f in _STAGE_COST_FIELDS))

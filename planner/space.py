@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import cache
+from itertools import combinations
 
 from planner.staging import least_layers
 from plans import (
@@ -33,13 +34,21 @@ from plans import (
     PipelineSchedule,
     Precision,
     Recompute,
+    RecomputeModule,
     SpecError,
     TPAttention,
     TrainingSpec,
     UlyssesAttention,
 )
 from plans.enums import AttentionKind, Target
-from plans.execution import TARGET_NAMES, Backend, executed_anywhere, executes
+from plans.execution import (
+    MOEPLAN_MODULES,
+    TARGET_NAMES,
+    Backend,
+    executed_anywhere,
+    executes,
+)
+from plans.operators import DEFAULT_MODULES
 
 
 class FFNKind(StrEnum):
@@ -56,7 +65,7 @@ def _divisors(n: int) -> list[int]:
 @dataclass(frozen=True)
 class Layout:
     """Everything that fixes the cost of one transformer layer and the mesh, less the options
-    (dispatch, overlap, recompute, sync precision) searched on top of it."""
+    (dispatch, overlap, recompute and its modules, sync precision) searched on top of it."""
 
     degrees: Degrees
     attention: AttentionKind
@@ -64,6 +73,11 @@ class Layout:
     micro_batch_size: int
     schedule: PipelineSchedule
     optimizer_sharding: OptimizerSharding = OptimizerSharding.zero1
+
+
+Option = tuple[Dispatch | None, Overlap, Recompute, Precision, tuple[RecomputeModule, ...]]
+"""A layout's option: dispatcher (None without an EP group), overlap level, recomputation,
+gradient-sync precision and, under selective recomputation, its modules."""
 
 
 RUNTIME_DISPATCHES = tuple(d for d in Dispatch if executes("ffn.dispatch", d))
@@ -85,6 +99,20 @@ RUNNABLE_FIELDS = {
 }
 """SearchSpace option -> the plan field whose values it chooses."""
 
+def module_sets(modules: frozenset[RecomputeModule]) -> tuple[tuple[RecomputeModule, ...], ...]:
+    """Every non-empty set of ``modules``, the smaller first, each in RecomputeModule's order."""
+    ordered = [m for m in RecomputeModule if m in modules]
+    return tuple(s for n in range(1, len(ordered) + 1) for s in combinations(ordered, n))
+
+
+SEARCHED_MODULES: dict[Target, tuple[tuple[RecomputeModule, ...], ...]] = {
+    # moeplan's runtime reruns the attention core, the experts' activation, or both
+    Target.moeplan: module_sets(MOEPLAN_MODULES),
+    Target.megatron: (DEFAULT_MODULES,),
+}
+"""Per target, the module sets a search tries under selective recomputation
+(Plan.recompute_modules), unless the space names its own."""
+
 DEFAULT_OVERLAPS = tuple(o for o in Overlap if executed_anywhere("overlap", o))
 """The overlap levels a default search chooses from: those some target executes as written
 (plans.execution); tile-fused overlap (inter_intra_op), which none does, only when asked
@@ -103,6 +131,9 @@ class SearchSpace:
     """EP dispatchers; deepep (Megatron-Core's, plans.execution) only when asked for."""
     overlap: tuple[Overlap, ...] = DEFAULT_OVERLAPS
     recompute: tuple[Recompute, ...] = tuple(Recompute)
+    recompute_modules: tuple[tuple[RecomputeModule, ...], ...] | None = None
+    """The module sets selective recomputation is searched with; None: the target's
+    (SEARCHED_MODULES)."""
     schedules: tuple[PipelineSchedule, ...] = tuple(PipelineSchedule)
     grad_sync: tuple[Precision, ...] = tuple(Precision)
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
@@ -244,8 +275,7 @@ class SearchSpace:
                     if fits(vpp):
                         yield PipelineSchedule.interleaved_1f1b, vpp
 
-    def options(self, layout: Layout, training: TrainingSpec
-                ) -> tuple[tuple[Dispatch | None, Overlap, Recompute, Precision], ...]:
+    def options(self, layout: Layout, training: TrainingSpec) -> tuple[Option, ...]:
         """The layout's options, in enumeration order (one tuple for the layouts that share
         them)."""
         return _options(self, layout.ffn == FFNKind.ep and layout.degrees.ep > 1,
@@ -258,21 +288,24 @@ class SearchSpace:
         return replace(self, **{f: _DEFAULTS[f] for f in _NOT_OF_LAYOUTS})
 
 
-_NOT_OF_LAYOUTS = ("dispatch", "overlap", "recompute", "grad_sync", "grad_sync_overlap",
+_NOT_OF_LAYOUTS = ("dispatch", "overlap", "recompute", "recompute_modules", "grad_sync",
+                   "grad_sync_overlap",
                    "grad_accumulation_fusion", "kernels", "cross_entropy", "target")
 """The SearchSpace fields SearchSpace.layouts does not read."""
 _DEFAULTS = {f: getattr(SearchSpace(), f) for f in _NOT_OF_LAYOUTS}
 
 
 @cache
-def _options(space: SearchSpace, dispatched: bool, fp8: bool
-             ) -> tuple[tuple[Dispatch | None, Overlap, Recompute, Precision], ...]:
+def _options(space: SearchSpace, dispatched: bool, fp8: bool) -> tuple[Option, ...]:
     """SearchSpace.options for a layout whose EP group dispatches (``dispatched``), under
     fp8 training or not."""
     dispatches: tuple[Dispatch | None, ...] = space.dispatch if dispatched else (None,)
     syncs = tuple(p for p in space.grad_sync if p != Precision.fp8 or fp8)
-    return tuple((dispatch, overlap, recompute, sync) for dispatch in dispatches
+    selective = space.recompute_modules or SEARCHED_MODULES[space.target]
+    return tuple((dispatch, overlap, recompute, sync, modules) for dispatch in dispatches
                  for overlap in space.overlap for recompute in space.recompute
+                 for modules in (selective if recompute == Recompute.selective
+                                 else (DEFAULT_MODULES,))
                  for sync in syncs)
 
 

@@ -69,7 +69,8 @@ class Recompute(StrEnum):
 
     none = "none"
     selective = "selective"
-    """Recompute the attention core (RoPE and SDPA), keeping its inputs."""
+    """Recompute the plan's modules (Plan.recompute_modules; by default the attention core,
+    RoPE and SDPA), keeping their inputs."""
     full = "full"
     """Keep only each layer's input; recompute the whole layer in backward."""
 

@@ -141,12 +141,19 @@ def _moeplan_mla(plan: Plan) -> str | None:
     return None
 
 
+MOEPLAN_MODULES = frozenset({RecomputeModule.core_attn, RecomputeModule.moe_act})
+"""The selective-recomputation modules moeplan's runtime reruns (runtime.parallel.
+parallelize.apply_recompute): the attention core, checkpointed; the routed experts'
+activation, its output freed after fc2's forward and rerun into it in backward
+(runtime.parallel.recompute)."""
+
+
 def _moeplan_recompute_modules(plan: Plan) -> str | None:
-    """moeplan's runtime checkpoints the attention core only (runtime.parallel.parallelize)."""
-    others = [m.value for m in plan.recompute_modules if m != RecomputeModule.core_attn]
+    others = [m.value for m in plan.recompute_modules if m not in MOEPLAN_MODULES]
     if others:
-        return (f"selective recomputation reruns the attention core only, not "
-                f"{', '.join(others)} (a Megatron-Core module: target megatron)")
+        return (f"selective recomputation reruns the attention core (core_attn) and the "
+                f"experts' activation (moe_act) only, not {', '.join(others)} (a "
+                f"Megatron-Core module: target megatron)")
     return None
 
 
@@ -269,8 +276,9 @@ MOEPLAN: tuple[Capability, ...] = (
     Capability("overlap", "inter_op", Support.executed, _INTER_OP_WHAT),
     Capability("overlap", "inter_intra_op", Support.runs_as, _INTRA_OP_WHY, "inter_op"),
     *_executed("recompute", "none", "selective", "full",
-               reason="selective reruns the attention core (RoPE and SDPA)"),
-    Capability("recompute_modules", ANY, Support.executed, "core_attn (RoPE and SDPA)",
+               reason="selective reruns the plan's recompute_modules"),
+    Capability("recompute_modules", ANY, Support.executed,
+               "core_attn (RoPE and SDPA), moe_act (the routed experts' SwiGLU)",
                requires=_moeplan_recompute_modules),
     Capability("optimizer_moments", "fp32", Support.executed),
     Capability("optimizer_moments", "bf16", Support.refused,

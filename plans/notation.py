@@ -5,10 +5,14 @@ back; every short name is defined once, here.
 Grammar: tokens separated by spaces, in any order, each at most once.
 
     layout   ppN  vppN  dpN  (spN | tpN | cpN)  (epN [a2a | ag+rs] [cfX] | etpN)  mbsN
-    options  (1f1b | i1f1b)  ov:(none | inter | inter+intra)  rc:(none | sel | full)
+    options  (1f1b | i1f1b)  ov:(none | inter | inter+intra)  rc:(none | sel | full | MODS)
              sync:(fp32 | bf16 | fp8)  sync-after-bwd  no-gaf  ce:(chunked | materialized)
              k:(eager | fused)  os:(none | zero1)  cg:(none | moe_router | attn_moe_router | layer)
              t:(moeplan | megatron)
+
+MODS: selective recomputation's modules other than its default (the attention core, `sel`),
+their tags joined by `+` (`sel+act`: the attention core and the experts' activation; `act`:
+the activation alone; MODULE_TAGS).
 
 A part left out takes the Plan's default (pp, vpp, sp, ep, mbs 1; EP with all-to-all;
 1f1b, or i1f1b when vpp > 1; ov:inter+intra rc:sel sync:bf16, the loss materialized, eager
@@ -33,6 +37,7 @@ from plans.enums import (
     PipelineSchedule,
     Precision,
     Recompute,
+    RecomputeModule,
     Target,
 )
 from plans.errors import SpecError
@@ -48,6 +53,32 @@ OVERLAP_TAGS = {Overlap.none: "none", Overlap.inter_op: "inter",
                 Overlap.inter_intra_op: "inter+intra"}
 RECOMPUTE_TAGS = {Recompute.none: "none", Recompute.selective: "sel", Recompute.full: "full"}
 """A plan's recomputation in its notation (``rc:sel``)."""
+MODULE_TAGS = {
+    RecomputeModule.core_attn: "sel", RecomputeModule.moe_act: "act",
+    RecomputeModule.layernorm: "ln", RecomputeModule.mla_up_proj: "mla",
+    RecomputeModule.mlp: "mlp", RecomputeModule.moe: "moe",
+    RecomputeModule.shared_experts: "shared"}
+"""Selective recomputation's modules in its notation, joined by ``+`` (``rc:sel+act``); the
+attention core, its default module, is ``sel``."""
+
+
+def recompute_tag(recompute: Recompute, modules: tuple[RecomputeModule, ...]) -> str:
+    """A plan's recomputation and its modules in the notation (``sel``, ``sel+act``, ``full``):
+    a selective plan's modules in MODULE_TAGS' order."""
+    if recompute != Recompute.selective:
+        return RECOMPUTE_TAGS[recompute]
+    return "+".join(tag for m, tag in MODULE_TAGS.items() if m in modules)
+
+
+def recompute_of(text: str) -> tuple[Recompute, tuple[RecomputeModule, ...] | None] | None:
+    """The recomputation (and, where the text names them, selective's modules) of a tag
+    ``recompute_tag`` writes or a Recompute value; None when it is neither."""
+    if (policy := tag_value(RECOMPUTE_TAGS, text)) is not None:
+        return policy, None
+    modules = [tag_value(MODULE_TAGS, part) for part in text.split("+")]
+    if not text or None in modules or len(set(modules)) < len(modules):
+        return None
+    return Recompute.selective, tuple(m for m in MODULE_TAGS if m in modules)
 OPTIMIZER_SHARDING_TAGS = {OptimizerSharding.none: "none", OptimizerSharding.zero1: "zero1"}
 SYNC_AFTER_BWD = "sync-after-bwd"
 """The DP gradient sync runs after the backward (Plan.grad_sync_overlap false)."""
@@ -83,7 +114,8 @@ _GROUP = {"sp": "attention", "tp": "attention", "cp": "attention", "ep": "ffn", 
 """Axes of which a plan has one degree: the attention group's, the FFN's."""
 _CAPACITY = re.compile(r"cf([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)")
 GRAMMAR = ("ppN vppN dpN spN|tpN|cpN epN a2a|ag+rs cfX etpN mbsN 1f1b|i1f1b "
-           "ov:none|inter|inter+intra rc:none|sel|full sync:fp32|bf16|fp8 sync-after-bwd no-gaf "
+           "ov:none|inter|inter+intra rc:none|sel|full|sel+act|act sync:fp32|bf16|fp8 "
+           "sync-after-bwd no-gaf "
            "ce:chunked|materialized k:eager|fused os:none|zero1")
 """Every token the notation has, for error messages and help."""
 
@@ -113,6 +145,8 @@ class Notation:
     options: dict[Prefix, object] = field(default_factory=dict)
     sync_after_bwd: bool = False
     no_gaf: bool = False
+    recompute_modules: tuple[RecomputeModule, ...] | None = None
+    """Selective recomputation's modules where `rc:` names them (``sel+act``)."""
 
 
 def parse(text: str, where: str = "plan") -> Notation:
@@ -168,6 +202,8 @@ def parse(text: str, where: str = "plan") -> Notation:
             prefix = next((p for p in Prefix if token.startswith(p.value)), None)
             value = None if prefix is None else tag_value(_PREFIXED[prefix],
                                                            token[len(prefix):])
+            if prefix == Prefix.recompute and value is None:
+                value, out.recompute_modules = recompute_of(token[len(prefix):]) or (None, None)
             if value is None:
                 raise SpecError(f"{where}: unknown token {token!r} in {text!r}; tokens: "
                                 f"{GRAMMAR}")
@@ -227,6 +263,7 @@ def plan_from_notation(text: str, model, cluster, training, where: str = "plan")
             schedule=schedule,
             **({"micro_batch_size": n.micro_batch_size} if n.micro_batch_size else {}),
             grad_sync_overlap=not n.sync_after_bwd, grad_accumulation_fusion=not n.no_gaf,
+            **({"recompute_modules": n.recompute_modules} if n.recompute_modules else {}),
             **{name: n.options[p] for name, p in fields.items() if p in n.options},
         )
     except ValidationError as e:

@@ -32,10 +32,10 @@ from plans.notation import (
     NO_GAF,
     OPTIMIZER_SHARDING_TAGS,
     OVERLAP_TAGS,
-    RECOMPUTE_TAGS,
     SCHEDULE_TAGS,
     SYNC_AFTER_BWD,
     Prefix,
+    recompute_tag,
 )
 from plans.specs import (
     MAX_LAYERS,
@@ -381,7 +381,7 @@ class Plan(Frozen):
         states are not sharded, `cg:SCOPE` where Megatron-Core graphs part of each layer and
         `t:megatron` where the plan is for a target other than moeplan (plans.notation)."""
         out = (f"{SCHEDULE_TAGS[self.schedule]} {Prefix.overlap}{OVERLAP_TAGS[self.overlap]} "
-               f"{Prefix.recompute}{RECOMPUTE_TAGS[self.recompute]} "
+               f"{Prefix.recompute}{recompute_tag(self.recompute, self.recompute_modules)} "
                f"{Prefix.sync}{self.grad_sync_precision.value}")
         if not self.grad_sync_overlap:
             out += f" {SYNC_AFTER_BWD}"

@@ -319,11 +319,20 @@ def per_expert_matmul(counts: torch.Tensor
     return lambda x, w: _PerExpertMM.apply(x, w, host)
 
 
+def activation_kept(swiglu: Callable, a: torch.Tensor, b: torch.Tensor,
+                    fc2: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``GroupedExperts``' activation and fc2 as autograd keeps them: fc2's input (the
+    activation's output) saved for backward."""
+    return fc2(swiglu(a, b))
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts: fc2(silu(fc1 x) * fc3 x), weights stacked over the (local) experts.
     ``gemm`` says how the GEMMs run (plans.enums.ExpertGemm); ``matmul(counts)`` gives the
     product of grouped rows with a stacked weight: ``gemm``'s, unless the caller passes another
-    (runtime.parallel.wrappers.AccumulatingExperts)."""
+    (runtime.parallel.wrappers.AccumulatingExperts). ``activation(swiglu, a, b, fc2)`` runs
+    the activation of fc1's and fc3's outputs and fc2 on it: ``activation_kept``, unless the
+    caller passes another (runtime.parallel.wrappers.ActivationRecomputed)."""
 
     def __init__(self, experts: int, hidden: int, ffn_hidden: int, ops: KernelOps = EAGER,
                  gemm: ExpertGemm = ExpertGemm.grouped):
@@ -342,12 +351,12 @@ class GroupedExperts(nn.Module):
         rows, self.rows = self.rows, 0
         return rows
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor,
-                matmul: Callable | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, matmul: Callable | None = None,
+                activation: Callable = activation_kept) -> torch.Tensor:
         self.rows += x.shape[0]
         mm = (matmul or self.matmul)(counts)
-        h = self.ops.swiglu(mm(x, self.w1), mm(x, self.w3))
-        return mm(h, self.w2)
+        return activation(self.ops.swiglu, mm(x, self.w1), mm(x, self.w3),
+                          lambda h: mm(h, self.w2))
 
 
 class FeedForward(nn.Module):

@@ -1,6 +1,7 @@
 """The plans of the memory suite (bench/memory/memory_suite.py): reduced-depth models of three
 shapes, micro-batch 1 to 8, both dispatchers, recomputation none / selective / full, 1 and 2 GPUs,
-Ulysses SP, DP, PP (1F1B and interleaved) and the TP baseline layout.
+Ulysses SP, DP, PP (1F1B and interleaved) and the TP baseline layout; selective recomputation
+with the experts' activation (moe_act).
 
 Shapes (full width, reduced depth; global batch 16 x 4096):
 - Mixtral-8x7B, 2 layers: 8 experts top-2, expert FFN 14,336, vocabulary 32,000;
@@ -28,6 +29,7 @@ from plans import (
     Plan,
     Precision,
     Recompute,
+    RecomputeModule,
     TPAttention,
     TrainingSpec,
     UlyssesAttention,
@@ -106,6 +108,7 @@ def case(shape: str, degrees: Degrees = ONE_GPU, mbs: int = 1,
 AG = Dispatch.allgather_reduce_scatter
 MATERIALIZED = CrossEntropy.materialized
 SEL, FULL = Recompute.selective, Recompute.full
+CORE_ATTN, MOE_ACT = RecomputeModule.core_attn, RecomputeModule.moe_act
 INTERLEAVED = PipelineSchedule.interleaved_1f1b
 
 CASES: dict[str, Callable[[], Plan]] = {
@@ -117,6 +120,11 @@ CASES: dict[str, Callable[[], Plan]] = {
     "deepseek4l_1gpu_mbs2": case("deepseek4l", mbs=2),
     "deepseek4l_1gpu_mbs8": case("deepseek4l", mbs=8),
     "deepseek4l_1gpu_mbs4_sel": case("deepseek4l", mbs=4, recompute=SEL),
+    # selective recomputation of the experts' activation (moe_act: runtime.parallel.recompute),
+    # beside the attention core and alone
+    "deepseek4l_1gpu_mbs2_sel_act": case("deepseek4l", mbs=2, recompute=SEL,
+                                         recompute_modules=(CORE_ATTN, MOE_ACT)),
+    "qwen4l_1gpu_mbs4_act": case("qwen4l", mbs=4, recompute=SEL, recompute_modules=(MOE_ACT,)),
     "mixtral2l_1gpu_mbs4": case("mixtral2l", mbs=4),
     "mixtral2l_1gpu_mbs8_full": case("mixtral2l", mbs=8, recompute=FULL),
     # the materialized loss (12 bytes per logit) beside the chunked one the cases run

@@ -1,7 +1,8 @@
 """The plan's parallelism as ordered transforms of the plain (meta-device) model:
 pipeline stage -> attention (Ulysses or TP; Ulysses in overlapped head groups, and the experts
 in overlapped token chunks, when the plan runs inter-operator overlap) -> experts (EP) ->
-gradient-accumulation fusion -> recomputation -> timers.
+gradient-accumulation fusion -> recomputation (checkpointed modules, the experts' activation)
+-> timers.
 Weights are materialised afterwards from the seed, so every layout starts identical."""
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from plans import (
     MeshAxis,
     Plan,
     Recompute,
+    RecomputeModule,
     TPAttention,
     UlyssesAttention,
 )
 from plans.execution import Backend, check, executed_value
 from plans.layout import moe_chunks, ulysses_chunks
+from plans.operators import MODULE_OPERATORS, recomputed_operators
 from runtime.loss import VocabShard
 from runtime.metrics import Component, Timers, timed
 from runtime.mla import MLACore
 from runtime.model import AttentionCore, Shard, Transformer, TransformerBlock
+from runtime.moe import GroupedExperts
 from runtime.parallel.attention import apply_tensor_parallel_attention, apply_ulysses
 from runtime.parallel.data_parallel import replication_groups
 from runtime.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
@@ -37,7 +41,14 @@ from runtime.parallel.mesh import Mesh
 from runtime.parallel.overlap import apply_inter_op_overlap
 from runtime.parallel.pipeline import apply_pipeline
 from runtime.parallel.tensor import apply_tensor_parallel_rest
-from runtime.parallel.wrappers import Recomputed, Timed, plain, replace
+from runtime.parallel.wrappers import (
+    ActivationRecomputed,
+    InPlaceOf,
+    Recomputed,
+    Timed,
+    plain,
+    replace,
+)
 
 
 def backend_of(device: torch.device) -> Backend:
@@ -55,45 +66,50 @@ def check_supported(plan: Plan, backend: Backend) -> None:
     check(plan, backend)
 
 
-RECOMPUTE_MODULE: dict[Recompute, tuple[type[nn.Module], ...]] = {
-    Recompute.selective: (AttentionCore, MLACore),
-    Recompute.full: (TransformerBlock,),
-}
-"""The modules that run exactly the operators of each recomputation level (GQA's core and
-MLA's at the selective level)."""
+RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator],
+                               type[InPlaceOf]], ...] = (
+    (AttentionCore, RECOMPUTED[Recompute.selective], Recomputed),  # GQA's core
+    (MLACore, RECOMPUTED[Recompute.selective], Recomputed),
+    (TransformerBlock, RECOMPUTED[Recompute.full], Recomputed),
+    # the routed experts' activation (moe_act), their GEMMs' inputs and outputs kept
+    (GroupedExperts, MODULE_OPERATORS[RecomputeModule.moe_act], ActivationRecomputed),
+)
+"""The modules recomputation can wrap, the layer operators each one's wrapper reruns, and the
+wrapper: activation checkpointing of the whole module, or the experts' activation rerun into
+fc2's freed input."""
 
-RECOMPUTE_MODULES: tuple[tuple[type[nn.Module], frozenset[LayerOperator]], ...] = tuple(
-    (module, RECOMPUTED[level]) for level, modules in RECOMPUTE_MODULE.items()
-    for module in modules)
-"""The modules activation checkpointing can wrap and the layer operators each one runs (the
-operator sets are ``plans.RECOMPUTED``'s)."""
+
+_MOE_OPERATORS = MODULE_OPERATORS[RecomputeModule.moe]
+"""The operators of an MoE layer's FFN, which a dense layer does not run."""
 
 
 def apply_recompute(model: Transformer, operators: frozenset[LayerOperator]) -> None:
-    """Recompute ``operators`` (``plans.RECOMPUTED[plan.recompute]``, the set the cost model
-    prices) in backward: wrap, in each layer, the outermost modules that run only operators of
-    the set, and refuse a set they do not cover exactly."""
+    """Recompute ``operators`` (``plans.recomputed_operators`` of the plan's policy and
+    modules, the set the cost model prices) in backward: wrap, in each layer, the outermost
+    modules whose wrapper reruns only operators of the set, and refuse a set they do not cover
+    exactly (of the operators the layer runs: a dense layer has no experts)."""
     if not operators:
         return
     for key, block in list(model.layers.items()):
         covered: set[LayerOperator] = set()
-        wrapped: list[str] = []  # module names in the block ("" is the block itself)
+        wrapped: list[tuple[str, type[InPlaceOf]]] = []  # ("" is the block itself)
         for name, module in block.named_modules():
-            if any(w == "" or name.startswith(f"{w}.") for w in wrapped):
+            if any(w == "" or name.startswith(f"{w}.") for w, _ in wrapped):
                 continue  # inside a module already recomputed
-            runs = next((ops for kind, ops in RECOMPUTE_MODULES
+            runs = next(((ops, wrapper) for kind, ops, wrapper in RECOMPUTE_MODULES
                          if isinstance(plain(module), kind)), None)
-            if runs is not None and runs <= operators:
-                covered |= runs
-                wrapped.append(name)
-        if missing := operators - covered:
+            if runs is not None and runs[0] <= operators:
+                covered |= runs[0]
+                wrapped.append((name, runs[1]))
+        runs = operators if block.moe is not None else operators - _MOE_OPERATORS
+        if missing := runs - covered:
             raise ValueError(f"recompute: this runtime has no module that runs only "
                              f"{', '.join(sorted(missing))}")
-        for name in wrapped:
+        for name, wrapper in wrapped:
             if name:
-                replace(block, name, Recomputed(block.get_submodule(name)))
+                replace(block, name, wrapper(block.get_submodule(name)))
             else:
-                model.layers[key] = Recomputed(block)
+                model.layers[key] = wrapper(block)
 
 
 def apply_expert_timers(model: Transformer, timers: Timers) -> None:
@@ -137,7 +153,7 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
     expert_shards = set(shards) - attention_shards
     if executed_value("grad_accumulation_fusion", plan.grad_accumulation_fusion, backend):
         apply_grad_accumulation_fusion(model)
-    apply_recompute(model, RECOMPUTED[plan.recompute])
+    apply_recompute(model, recomputed_operators(plan.recompute, plan.recompute_modules))
     if timers is not None:
         apply_expert_timers(model, timers)
     groups = replication_groups(model, mesh, shards, expert_shards)

@@ -15,6 +15,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.moe import activation_kept
+from runtime.parallel.recompute import activation_recomputed
+
 
 class InPlaceOf(nn.Module):
     """The base: ``inner``'s registries as this module's; ``inner`` itself is no child."""
@@ -90,8 +93,18 @@ class AccumulatingExperts(Accumulating):
         super().__init__(inner)
         self.matmul = matmul
 
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                activation: Callable = activation_kept) -> torch.Tensor:
+        return self.inner.forward(x, counts, self.matmul, activation)
+
+
+class ActivationRecomputed(InPlaceOf):
+    """Grouped experts (runtime.moe.GroupedExperts, or their accumulating form) whose
+    activation's output is freed after fc2's forward and rerun in backward
+    (runtime.parallel.recompute)."""
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward(x, counts, self.matmul)
+        return self.inner.forward(x, counts, activation=activation_recomputed)
 
 
 class Timed(InPlaceOf):

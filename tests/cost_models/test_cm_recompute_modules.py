@@ -1,4 +1,5 @@
-"""Plan.recompute_modules: validated, refused by moeplan's runtime beyond the attention core,
+"""Plan.recompute_modules: validated, refused by moeplan's runtime beyond the attention core
+and the experts' activation,
 priced in memory (what each module discards, cost_models.megatron.kept_bytes_per_token) and
 in time (the modules' operators rerun in the backward graph)."""
 
@@ -45,16 +46,18 @@ def test_the_default_module_is_the_selective_set_and_each_module_its_operators()
     assert set(MODULE_OPERATORS) == set(M)
 
 
-def test_moeplan_refuses_modules_beyond_the_attention_core(node_plan):
-    plan = _plan(node_plan, modules=(M.core_attn, M.moe_act)).model_copy(
+def test_moeplan_refuses_modules_beyond_the_attention_core_and_experts_activation(node_plan):
+    plan = _plan(node_plan, modules=(M.core_attn, M.layernorm)).model_copy(
         update={"target": Target.moeplan})
     assert refusals(plan) == [
-        "recompute_modules: core_attn, moe_act is not run by target moeplan (its runtime on "
-        "cuda_nccl): selective recomputation reruns the attention core only, not moe_act (a "
-        "Megatron-Core module: target megatron)"]
+        "recompute_modules: core_attn, layernorm is not run by target moeplan (its runtime on "
+        "cuda_nccl): selective recomputation reruns the attention core (core_attn) and the "
+        "experts' activation (moe_act) only, not layernorm (a Megatron-Core module: target "
+        "megatron)"]
     with pytest.raises(UnsupportedFeature, match="^recompute_modules: "):
         check(plan)
-    check(plan.model_copy(update={"recompute_modules": (M.core_attn,)}))
+    for modules in ((M.core_attn,), (M.moe_act,), (M.core_attn, M.moe_act)):
+        check(plan.model_copy(update={"recompute_modules": modules}))
     assert not [r for r in refusals(_plan(node_plan, modules=(M.moe_act,)), target=Target.megatron)
                 if r.startswith("recompute_modules")]
     no_mla = _plan(node_plan, modules=(M.mla_up_proj,))
@@ -104,3 +107,36 @@ def test_recomputed_modules_cost_time_and_save_memory(node_plan):
     assert e1.step_time_s > e0.step_time_s
     assert (memory_breakdown(act).components_bytes["activations"]
             < memory_breakdown(base).components_bytes["activations"])
+
+
+@pytest.mark.parametrize("kernels, dropped", [("eager", 4.0), ("fused", 2.0)])
+@pytest.mark.parametrize("layout", ["1gpu", "ep2_a2a", "ep2_allgather", "etp2"])
+def test_moe_act_drops_the_experts_activation_output_on_moeplans_runtime(kernels, dropped,
+                                                                          layout):
+    """moeplan's runtime under moe_act keeps fc1's and fc3's outputs and drops the SwiGLU's
+    output (fc2's input, 2 bytes per routed row and FFN column) and, eagerly, SiLU's (2 more):
+    the bytes tests/runtime/test_recompute_act.py sees kept; the rest of the layer alike."""
+    from cost_models.memory import layer_activation_terms
+    from plans import EPFFN, TPFFN, Degrees, Dispatch, Kernels
+
+    m = catalog.load_model("deepseekmoe")
+    d, ffn = {"1gpu": (Degrees(), EPFFN()),
+              "ep2_a2a": (Degrees(dp=2, ep=2), EPFFN(dispatch=Dispatch.all_to_all)),
+              "ep2_allgather": (Degrees(dp=2, ep=2),
+                                EPFFN(dispatch=Dispatch.allgather_reduce_scatter)),
+              "etp2": (Degrees(tp=2, etp=2), TPFFN())}[layout]
+    tokens, k, f = 4096, m.top_k, m.expert_ffn_hidden
+    rows = k * (EP_LOAD if d.ep > 1 else 1.0)
+
+    def terms(modules):
+        return layer_activation_terms(m, tokens, d, ffn, Recompute.selective, False, 1,
+                                      Kernels(kernels), modules=modules)
+
+    core, act = terms((M.core_attn,)), terms((M.core_attn, M.moe_act))
+    assert act.keys() == core.keys()
+    assert act["expert_rows"] == pytest.approx(core["expert_rows"] - dropped * rows * f * tokens)
+    assert {n: b for n, b in act.items() if n != "expert_rows"} == {
+        n: b for n, b in core.items() if n != "expert_rows"}
+    only_act = terms((M.moe_act,))
+    assert only_act["attention_core"] > core["attention_core"]
+    assert only_act["expert_rows"] == act["expert_rows"]

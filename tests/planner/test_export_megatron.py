@@ -160,8 +160,8 @@ def check_is_the_plan(plan: Plan, parsed, config) -> None:
     assert parsed.train_iters == 10
     recompute = {"none": None, "selective": "selective", "full": "full"}[plan.recompute.value]
     assert config.recompute_granularity == recompute
-    if recompute == "selective":  # the plan's selective set: the attention core
-        assert config.recompute_modules == ["core_attn"]
+    if recompute == "selective":  # the plan's selective modules
+        assert config.recompute_modules == [m.value for m in plan.recompute_modules]
 
 
 def test_catalog_exports_pass_megatrons_own_checks(monkeypatch, capsys, tmp_path):

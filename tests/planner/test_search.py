@@ -11,7 +11,7 @@ from planner.search import (
     search,
 )
 from planner.space import AttentionKind, FFNKind, Layout, SearchSpace
-from plans import Overlap, Precision, Recompute, Target, TrainingSpec, catalog
+from plans import Overlap, Precision, Recompute, RecomputeModule, Target, TrainingSpec, catalog
 
 
 def small_job():
@@ -44,12 +44,15 @@ def test_pruned_search_is_exact_where_overlap_hides_nothing():
     # (eight: the best expert-TP plans come sixth to eighth)
     fast = _search(model, cluster, training, space, 8, SearchStats(), None)
     full = _search(model, cluster, training, space, 8, SearchStats(), None, exhaustive=True)
-    # (the exhaustive search ranks every option of a layout, the pruned one its best)
+    # (the exhaustive search ranks every option of a layout, the pruned one its best: of its
+    # overlap levels and recomputations)
     assert fast[0].evaluation.step_time_s == pytest.approx(full[0].evaluation.step_time_s)
     assert fast[0].plan.summary() == full[0].plan.summary()
     best_of = {}
     for r in full:
-        best_of.setdefault(r.plan.model_copy(update={"overlap": Overlap.none}).summary(), r)
+        best_of.setdefault(r.plan.model_copy(update={
+            "overlap": Overlap.none, "recompute": Recompute.none,
+            "recompute_modules": (RecomputeModule.core_attn,)}).summary(), r)
     assert [r.evaluation.step_time_s for r in fast[:3]] == pytest.approx(
         [r.evaluation.step_time_s for r in list(best_of.values())[:3]])
     # no EP layer is overlapped: serial measured (and is priced) faster; and a layer with
@@ -75,7 +78,7 @@ def test_bound_never_exceeds_the_evaluated_step_time():
     for ranked in [*result.top, result.baseline]:
         plan = ranked.plan
         options = [(plan.ffn.dispatch if plan.ffn.kind == "ep" and plan.degrees.ep > 1 else None,
-                    plan.overlap, plan.recompute, plan.grad_sync_precision)]
+                    plan.overlap, plan.recompute, plan.grad_sync_precision, plan.recompute_modules)]
         bound = _lower_bound(plan, _fastest_costs(plan, options))
         assert bound <= ranked.evaluation.step_time_s * (1 + 1e-9)
 
@@ -100,11 +103,13 @@ def test_the_leanest_accumulating_sync_has_the_least_stage_costs():
                 continue
             syncs = list(dict.fromkeys(o[3] for o in options))
             assert len(syncs) == (3 if target == Target.moeplan else 2)
-            for dispatch, overlap, recompute, _ in options:
+            for dispatch, overlap, recompute, _, modules in options:
                 costs = [astuple(cost_models.stage_costs(
-                    _with_option(plan, (dispatch, overlap, recompute, s)))) for s in syncs]
+                    _with_option(plan, (dispatch, overlap, recompute, s, modules))))
+                    for s in syncs]
                 leanest = astuple(cost_models.stage_costs(_with_option(
-                    plan, (dispatch, overlap, recompute, _leanest_accumulation(syncs)))))
+                    plan, (dispatch, overlap, recompute, _leanest_accumulation(syncs),
+                           modules))))
                 assert leanest == tuple(map(min, zip(*costs, strict=True)))
                 checked += 1
     assert checked > 50
@@ -384,7 +389,7 @@ def test_refined_bound_never_exceeds_the_evaluated_step_time(job):
                         plan.micro_batch_size, plan.schedule, plan.optimizer_sharding)
         options = list(space.options(layout, training))
         own = (plan.ffn.dispatch if plan.ffn.kind == "ep" and plan.degrees.ep > 1 else None,
-               plan.overlap, plan.recompute, plan.grad_sync_precision)
+               plan.overlap, plan.recompute, plan.grad_sync_precision, plan.recompute_modules)
         assert own in options
         refined = _refined(_Entry(0.0, 0, plan, options, shape=("one layout",)), space, {},
                            SearchStats())
@@ -455,3 +460,30 @@ def test_a_shared_session_finds_what_fresh_searches_find():
     assert [c.plan for c in shared] == [c.plan for c in alone]
     assert sum(c.plan is not None for c in alone) > 0
     assert all(c.plan is None or c.plan.target == Target.megatron for c in shared)
+
+
+def test_the_runnable_space_searches_selectives_module_sets_and_names_each():
+    """Target moeplan: selective recomputation with the attention core, the experts'
+    activation or both (planner.space.SEARCHED_MODULES); target megatron: its default module
+    only. Each plan's summary names its modules (rc:sel, rc:act, rc:sel+act), and reads back."""
+    from plans.notation import plan_from_notation
+
+    model, cluster, training = small_job()
+    M = RecomputeModule
+    for target, expected in ((Target.moeplan, {(M.core_attn,), (M.moe_act,),
+                                               (M.core_attn, M.moe_act)}),
+                             (Target.megatron, {(M.core_attn,)})):
+        space = SearchSpace(micro_batch_sizes=(1,), max_vpp=1).for_target(target)
+        layout = next(iter(space.layouts(model, cluster, training)))
+        options = space.options(layout, training)
+        assert {o[4] for o in options if o[2] == Recompute.selective} == expected
+        assert {o[4] for o in options if o[2] != Recompute.selective} == {(M.core_attn,)}
+    plan = search(model, cluster, training, SearchSpace().runnable(), top=1).top[0].plan
+    tags = {}
+    for modules in ((M.core_attn,), (M.moe_act,), (M.core_attn, M.moe_act)):
+        p = plan.model_copy(update={"recompute": Recompute.selective,
+                                    "recompute_modules": modules})
+        tags[modules] = next(t for t in p.summary().split() if t.startswith("rc:"))
+        again = plan_from_notation(p.summary(), model, p.cluster, training)
+        assert (again.recompute, again.recompute_modules) == (Recompute.selective, modules)
+    assert list(tags.values()) == ["rc:sel", "rc:act", "rc:sel+act"]

@@ -379,8 +379,45 @@ def test_recompute_wraps_exactly_the_modules_of_the_recomputed_operators(policy)
     assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys
     assert wrapped == {"none": set(), "selective": {AttentionCore},
                        "full": {TransformerBlock}}[policy]
-    with pytest.raises(ValueError, match="expert_swiglu"):
-        apply_recompute(model, frozenset({LayerOperator.expert_swiglu}))
+    with pytest.raises(ValueError, match="expert_fc2"):
+        apply_recompute(model, frozenset({LayerOperator.expert_fc2}))
+
+
+def test_moe_act_wraps_every_layers_experts_beside_the_attention_cores():
+    """selective with modules core_attn and moe_act: the attention cores checkpointed, the
+    routed experts (under gradient-accumulation fusion, its accumulating form) rerun their
+    activation (runtime.parallel.recompute); parameter names unchanged."""
+    from plans import Recompute, RecomputeModule, catalog
+    from plans.enums import ExpertGemm
+    from plans.operators import recomputed_operators
+    from runtime.config import ModelConfig, ModelOptions
+    from runtime.model import AttentionCore, Transformer
+    from runtime.moe import GroupedExperts
+    from runtime.parallel.grad_accumulation import apply_grad_accumulation_fusion
+    from runtime.parallel.parallelize import apply_recompute
+    from runtime.parallel.wrappers import (
+        AccumulatingExperts,
+        ActivationRecomputed,
+        Recomputed,
+        plain,
+    )
+
+    for fuse in (False, True):  # per-expert GEMMs accumulate under the fusion
+        model = Transformer(ModelConfig(catalog.load_model("tiny-moe-shared"),
+                                        ModelOptions(expert_gemm=ExpertGemm.per_expert)))
+        names = [n for n, _ in model.named_parameters()]
+        if fuse:
+            apply_grad_accumulation_fusion(model)
+        apply_recompute(model, recomputed_operators(
+            Recompute.selective, (RecomputeModule.core_attn, RecomputeModule.moe_act)))
+        assert [n for n, _ in model.named_parameters()] == names
+        for block in model.layers.values():
+            assert isinstance(block.attention.core, Recomputed)
+            assert isinstance(block.attention.core.inner, AttentionCore)
+            if block.moe is not None:
+                assert isinstance(block.moe.experts, ActivationRecomputed)
+                assert isinstance(plain(block.moe.experts), GroupedExperts)
+                assert isinstance(block.moe.experts.inner, AccumulatingExperts) == fuse
 
 
 def test_every_timer_region_of_a_step_is_a_plans_component(pool2):
