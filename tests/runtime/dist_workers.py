@@ -172,7 +172,8 @@ def overlapped_and_serial_sync(plan_json: str, bucket_params: int) -> list[dict]
                   if in_gemm(p) and ".experts." in n]
         runs.append({"loss": loss, "launched": launched, "buckets": len(launcher.launches),
                      "marked_experts": marked,
-                     "marked_head": in_gemm(trainer.model.output.weight),
+                     "marked_head": (trainer.model.output is not None
+                                     and in_gemm(trainer.model.output.weight)),
                      "grads": grads, "params": params, "next_loss": trainer.train_step(1).loss})
     return runs
 
