@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from cost_models import pipeline as pl
-from cost_models.evaluate import Evaluation, evaluate
+from cost_models.evaluate import Evaluation, evaluate, head_edge
 from cost_models.layer import layer_key
 from cost_models.layer_graph import LayerKey, backward_graph, forward_graph
 from cost_models.params import stage_layer_counts
@@ -84,8 +84,7 @@ def predicted_components(plan: Plan, e: Evaluation | None = None) -> Mapping[str
     # the runtime's loss region holds the cross-entropy, and under the chunked loss the LM
     # head's GEMMs too, its backward ones included (runtime.loss); the materialized loss's
     # GEMM runs in the model's forward
-    loss = pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
-                        plan.kernels).fwd_s
+    loss = head_edge(plan, plan.cross_entropy).fwd_s
     if plan.cross_entropy == CrossEntropy.materialized:
         loss -= pl.head_gemm_s(plan.model, plan.cluster, tokens, d.tp)[0]
     out["loss"] = m * loss / d.pp

@@ -23,11 +23,12 @@ from cost_models.memory import (
 from cost_models.params import (
     StageParams,
     experts_in_gemm,
+    head_in_gemm,
     part_params,
     stage_layer_counts,
     stage_params_of,
 )
-from plans.enums import OptimizerSharding, Target
+from plans.enums import CrossEntropy, OptimizerSharding, Target
 from plans.operators import Component
 from plans.plan import Plan, Prediction
 from plans.specs import mfu
@@ -135,11 +136,26 @@ def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
     module with the module's projection of the hidden state and the next token's embedding
     (2h to h; its layer counts with the stage's layers)."""
     d, tokens = plan.degrees, pl.micro_batch_tokens(plan)
-    head = pl.head_cost(plan.model, plan.cluster, tokens, d.tp, plan.cross_entropy,
-                        plan.kernels)
+    head = head_edge(plan, plan.cross_entropy)
     if plan.model.mtp_layers:
         head = pl.mtp_head_cost(plan, head)
     return pl.embedding_cost(plan.model, plan.cluster, tokens, d.tp), head
+
+
+def head_edge(plan: Plan, loss: CrossEntropy) -> pl.EdgeCost:
+    """The last stage's final norm, LM head and ``loss`` for one micro-batch
+    (cost_models.pipeline.head_cost), the head's weight gradient added into its main gradient
+    by the loss's GEMMs where ``head_in_gemm``."""
+    grad_bytes = (grad_bytes_per_param(plan.grad_sync_precision)
+                  if head_in_gemm(plan, loss) else None)
+    return pl.head_cost(plan.model, plan.cluster, pl.micro_batch_tokens(plan), plan.degrees.tp,
+                        loss, plan.kernels, grad_bytes)
+
+
+def head_s(plan: Plan, loss: CrossEntropy) -> float:
+    """What the loss kinds differ in, per micro-batch: the head's forward and backward
+    (head_edge) and the pass adding its weight gradients (_head_accumulation_s)."""
+    return head_edge(plan, loss).total_s + _head_accumulation_s(plan, loss)
 
 
 def _accumulate_s(params: float, per_param: float, plan: Plan) -> float:
@@ -147,6 +163,21 @@ def _accumulate_s(params: float, per_param: float, plan: Plan) -> float:
     in a separate pass, ``per_param`` bytes each (_accumulations_s): read the bf16 gradient,
     read and write the main gradient (on the compute stream)."""
     return memory_s(params * per_param, plan.cluster)
+
+
+def _pass_bytes_per_param(plan: Plan) -> float:
+    """Bytes a weight's separate accumulation pass moves (_accumulate_s): the bf16 gradient
+    read, the main gradient read and written."""
+    return WEIGHT_BYTES + 2 * grad_bytes_per_param(plan.grad_sync_precision)
+
+
+def _head_accumulation_s(plan: Plan, loss: CrossEntropy) -> float:
+    """The last stage's head (final norm, LM head, MTP projections) in separate passes, but
+    the LM head's weight where its gradient goes into the main gradient inside the loss's
+    GEMMs (``head_in_gemm``)."""
+    parts = part_params(plan.model, plan.degrees)
+    params = parts.head.dense - (parts.lm_head if head_in_gemm(plan, loss) else 0.0)
+    return _accumulate_s(params, _pass_bytes_per_param(plan), plan)
 
 
 def _chunk_accumulate_s(params: float, plan: Plan) -> float:
@@ -169,14 +200,15 @@ def _accumulations_s(plan: Plan) -> _Accumulations:
     """One micro-batch's gradient accumulation in separate passes, part by part. With
     gradient-accumulation fusion (runtime.parallel.grad_accumulation) the blocks' dense weights
     accumulate inside their GEMMs (their norms' few weights aside), and so do the routed
-    experts where ``experts_in_gemm``; the embedding and LM head never do. A chunked MoE layer
+    experts where ``experts_in_gemm`` and the LM head where ``head_in_gemm``
+    (_head_accumulation_s); the embedding never does. A chunked MoE layer
     (inter-operator overlap) computes its experts' weight gradients once per chunk: chunks - 1
     more passes over them (plans.layout.moe_chunks) unless they accumulate in the GEMM."""
     parts = part_params(plan.model, plan.degrees)
     fused = plan.grad_accumulation_fusion
     in_gemm = experts_in_gemm(plan)
     chunks = 1 if in_gemm else megatron.moe_chunks(plan)
-    per_param = WEIGHT_BYTES + 2 * grad_bytes_per_param(plan.grad_sync_precision)
+    per_param = _pass_bytes_per_param(plan)
 
     def of(params: StageParams, edge: bool) -> float:
         dense = params.dense if edge or not fused else 0.0
@@ -186,7 +218,7 @@ def _accumulations_s(plan: Plan) -> _Accumulations:
                 + _chunk_accumulate_s(params.expert * (chunks - 1), plan))
 
     return _Accumulations(of(parts.moe_layer, False), of(parts.dense_layer, False),
-                          of(parts.embedding, True), of(parts.head, True))
+                          of(parts.embedding, True), _head_accumulation_s(plan, plan.cross_entropy))
 
 
 def _stage_accumulations_s(plan: Plan) -> list[float]:

@@ -17,6 +17,7 @@ from cost_models.compute import ACT_BYTES, FP32_BYTES
 from cost_models.params import (
     StageParams,
     experts_in_gemm,
+    head_in_gemm,
     largest_param,
     part_params,
     stage_layer_counts,
@@ -359,27 +360,33 @@ EMBEDDING_BYTES_PER_TOKEN_H = 2
 
 
 def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
-               kernels: Kernels = Kernels.eager, target: Target = Target.moeplan) -> float:
+               kernels: Kernels = Kernels.eager, target: Target = Target.moeplan,
+               head_in_gemm: bool = False) -> float:
     """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
 
     materialized: 12 bytes per logit; Megatron-Core's fused loss 2 (target megatron,
     cost_models.megatron.LOSS_BYTES_PER_LOGIT). chunked (runtime.loss): the hidden states'
     gradient it computes in forward and keeps to backward (2 T h) beside the larger of its
-    two phases. Over the chunks, the head's weight gradient summed in fp32 (at most 4 V h),
-    one chunk's logits (CHUNK_BYTES_PER_LOGIT[kernels] x min(T V, CHUNK_LOGITS)) and, eagerly,
-    the chunk's weight-gradient GEMM output before its add (2 V h); at the end of the
-    forward, the sum and its scaled cast to the weight's dtype (6 V h), which alone the
-    backward keeps."""
+    two phases. Over the chunks, one chunk's logits (CHUNK_BYTES_PER_LOGIT[kernels] x
+    min(T V, CHUNK_LOGITS)) and, unless the head's weight gradient goes into its main
+    gradient inside the GEMMs (``head_in_gemm``, cost_models.params.head_in_gemm: already
+    in ``grads``), the weight gradient summed in fp32 (at most 4 V h) and, eagerly, the
+    chunk's weight-gradient GEMM output before its add (2 V h); at the end of the forward,
+    the sum and its scaled cast to the weight's dtype (6 V h), which alone the backward
+    keeps."""
     v, h = model.vocab, model.hidden
     if target == Target.megatron:
         head = megatron.LOSS_BYTES_PER_LOGIT * tokens * v
     elif kind == CrossEntropy.materialized:
         head = LOSS_BYTES_PER_LOGIT * tokens * v
     else:
-        product = 2 * v * h if kernels == Kernels.eager else 0
-        chunks = 4 * v * h + product + CHUNK_BYTES_PER_LOGIT[kernels] * min(tokens * v,
-                                                                               CHUNK_LOGITS)
-        head = 2 * tokens * h + max(chunks, 6 * v * h)
+        logits = CHUNK_BYTES_PER_LOGIT[kernels] * min(tokens * v, CHUNK_LOGITS)
+        if head_in_gemm:
+            weight_grad, kept = 0.0, 0.0
+        else:
+            weight_grad = 4 * v * h + (2 * v * h if kernels == Kernels.eager else 0)
+            kept = 6 * v * h
+        head = 2 * tokens * h + max(logits + weight_grad, kept)
     # the final RMSNorm: the runtime's (Megatron-Core's as eager: cost_models.megatron)
     final_norm = norm_kept_bytes(h, 1, kernels == Kernels.fused and target == Target.moeplan)
     return head + (final_norm + EMBEDDING_BYTES_PER_TOKEN_H * h) * tokens
@@ -449,7 +456,8 @@ def _layer_degrees(d: Degrees) -> Degrees:
 def _layer_bytes(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, seq_len: int, batch: int,
                  policy: Recompute, cross_entropy: CrossEntropy, kernels: Kernels, chunks: int,
                  experts_accumulate_in_gemm: bool, linears_accumulate: bool, target: Target,
-                 precision: Precision, modules: tuple[RecomputeModule, ...]) -> _LayerBytes:
+                 precision: Precision, modules: tuple[RecomputeModule, ...],
+                 head_accumulates_in_gemm: bool) -> _LayerBytes:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     if target == Target.megatron:
@@ -475,7 +483,8 @@ def _layer_bytes(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, seq_len: 
     return _LayerBytes((per_layer[False, policy], per_layer[True, policy]),
                        (working_of[False], working_of[True]),
                        _buffer_bytes(model, tokens, d, ffn),
-                       loss_bytes(model, tokens, cross_entropy, kernels, target))
+                       loss_bytes(model, tokens, cross_entropy, kernels, target,
+                                  head_accumulates_in_gemm))
 
 
 @lru_cache(maxsize=65536)
@@ -511,12 +520,13 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             linears_accumulate: bool = False, step_in_buckets: bool = True,
             target: Target = Target.moeplan, precision: Precision = Precision.bf16,
             modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
-            moments: Precision = Precision.fp32) -> MemoryBreakdown:
+            moments: Precision = Precision.fp32,
+            head_accumulates_in_gemm: bool = False) -> MemoryBreakdown:
     d = degrees
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     per = _layer_bytes(model, _layer_degrees(d), ffn, seq_len, batch, policy, cross_entropy,
                        kernels, chunks, experts_accumulate_in_gemm, linears_accumulate, target,
-                       precision, modules)
+                       precision, modules, head_accumulates_in_gemm)
     (stored_moe, stored_dense), (working_moe, working_dense) = per.stored, per.working
     buffers, logits = per.buffers, per.logits
     layers = stage_layer_counts(model, stage_layers, d.pp)
@@ -575,5 +585,5 @@ def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdow
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
         megatron.moe_chunks(plan), experts_in_gemm(plan),
         plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
-        plan.recompute_modules, plan.optimizer_moments,
+        plan.recompute_modules, plan.optimizer_moments, head_in_gemm(plan, plan.cross_entropy),
     )

@@ -5,8 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from plans.enums import ExpertGemm, Target
-from plans.layout import accumulates_experts_in_gemm, moe_chunks, plan_expert_gemm, stage_of_chunk
+from plans.enums import CrossEntropy, ExpertGemm, Target
+from plans.layout import (
+    accumulates_experts_in_gemm,
+    accumulates_head_in_gemm,
+    moe_chunks,
+    plan_expert_gemm,
+    stage_of_chunk,
+)
 from plans.plan import Degrees, OptimizerSharding, Plan
 from plans.specs import ModelSpec
 
@@ -90,6 +96,9 @@ class PartParams:
     embedding: StageParams
     head: StageParams
     """Final norm and LM head (a tied embedding's copy counts only with pp > 1)."""
+    lm_head: float
+    """The LM head's weight within ``head`` (vocab x h / tp; 0 where it is the tied
+    embedding's, one stage)."""
 
 
 @lru_cache(maxsize=4096)
@@ -103,12 +112,13 @@ def part_params(model: ModelSpec, degrees: Degrees) -> PartParams:
     moe_dense = attention + m.router_params + m.shared_expert_params / d.etp
     experts = m.experts // d.ep * m.expert_params / d.etp
     vocab = m.vocab * m.hidden / d.tp
+    lm_head = vocab if d.pp > 1 or not m.tied_embeddings else 0.0
     return PartParams(
         moe_layer=StageParams(moe_dense, experts),
         dense_layer=StageParams(attention + m.dense_ffn_params / d.tp, 0.0),
         embedding=StageParams(vocab, 0.0),
-        head=StageParams(m.hidden + (vocab if d.pp > 1 or not m.tied_embeddings else 0)
-                         + m.mtp_layers * m.mtp_extra_params / d.tp, 0.0),
+        head=StageParams(m.hidden + lm_head + m.mtp_layers * m.mtp_extra_params / d.tp, 0.0),
+        lm_head=lm_head,
     )
 
 
@@ -144,6 +154,15 @@ def expert_gemm_of(plan: Plan) -> ExpertGemm:
     d = plan.degrees
     return plan_expert_gemm(plan.model, d, plan.micro_batch_size, plan.training.seq_len,
                             moe_chunks(plan.overlap, plan.ffn, d.ep), pinned_expert_gemm(plan))
+
+
+def head_in_gemm(plan: Plan, loss: CrossEntropy) -> bool:
+    """Whether the last stage's LM head adds its weight gradient into its main gradient inside
+    the loss's GEMMs under ``loss`` (plans.layout.accumulates_head_in_gemm, as the runtime
+    decides it): moeplan's runtime (target megatron's head is Megatron-Core's, priced as
+    autograd's gradient and a separate pass)."""
+    return plan.target == Target.moeplan and accumulates_head_in_gemm(
+        plan.grad_accumulation_fusion, loss, plan.model, plan.degrees.pp)
 
 
 def experts_in_gemm(plan: Plan) -> bool:

@@ -96,10 +96,12 @@ def embedding_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: in
 @lru_cache(maxsize=1024)
 def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int,
               loss: CrossEntropy = CrossEntropy.materialized,
-              kernels: Kernels = Kernels.eager) -> EdgeCost:
+              kernels: Kernels = Kernels.eager,
+              main_grad_bytes: int | None = None) -> EdgeCost:
     """Final RMSNorm, LM-head GEMM (bf16 also in fp8 training) over b s/(sp cp) rows and
-    vocab/tp columns, and the cross-entropy (cross_entropy_s). The chunked loss runs the
-    head's backward GEMMs in the forward too (runtime.loss). Under TP the norm output is
+    vocab/tp columns, and the cross-entropy (cross_entropy_s; ``main_grad_bytes`` as there).
+    The chunked loss runs the head's backward GEMMs in the forward too (runtime.loss). Under
+    TP the norm output is
     all-gathered first (reduce-scattered back in backward) and the loss's per-row statistics
     are all-gathered over the vocabulary shards (runtime.loss.sharded_cross_entropy)."""
     c, m, t = cluster, model, tokens
@@ -111,7 +113,7 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int,
     if loss == CrossEntropy.chunked:
         gemm_fwd, gemm_bwd = gemm_fwd + gemm_bwd, 0.0
         chunks = loss_chunks(rows, m.vocab // tp)
-    ce_fwd, ce_bwd = cross_entropy_s(model, cluster, rows, tp, loss, kernels)
+    ce_fwd, ce_bwd = cross_entropy_s(model, cluster, rows, tp, loss, kernels, main_grad_bytes)
     if tp > 1:  # each chunk's per-row maximum, sum and label logit gathered over the shards
         ce_fwd += chunks * comm.all_gather_s(tp * 3 * cc.FP32_BYTES * rows / chunks, layout, c)
     fwd = cc.memory_s(2 * t * m.hidden * AB, c) + ag + gemm_fwd + ce_fwd
@@ -120,7 +122,8 @@ def head_cost(model: ModelSpec, cluster: ClusterSpec, tokens: float, tp: int,
 
 
 def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int,
-                    loss: CrossEntropy, kernels: Kernels) -> tuple[float, float]:
+                    loss: CrossEntropy, kernels: Kernels,
+                    main_grad_bytes: int | None = None) -> tuple[float, float]:
     """The loss's memory-bound passes over ``rows`` x vocab/tp logits, forward and backward
     (runtime.loss as the plan's kernels run it):
 
@@ -135,7 +138,12 @@ def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int
       GEMMs' time, +5.3 ms over 18 chunks of Qwen3-30B-A3B's 152k x 2048 head on H200,
       bench/results/h200/kernels/fused_loss_qwen3.json). Its backward scales the kept gradients (the
       fp32 weight gradient read, scaled, cast: 14 bytes an element over several chunks, 4
-      over one)."""
+      over one);
+    - chunked with ``main_grad_bytes`` (the head's gradient into its main gradient,
+      cost_models.params.head_in_gemm): every chunk's GEMM adds into the main gradient of
+      ``main_grad_bytes`` an element, reading it (its writes in the GEMMs' time, as above),
+      under either kernel set; nothing is summed, cast or scaled apart, in forward or
+      backward."""
     logits = rows * model.vocab / tp
     if loss == CrossEntropy.materialized:
         return (cc.memory_s(logits * cc.CE_FWD_BYTES_PER_LOGIT, cluster),
@@ -148,6 +156,8 @@ def cross_entropy_s(model: ModelSpec, cluster: ClusterSpec, rows: float, tp: int
         per_logit = cc.CE_FWD_BYTES_PER_LOGIT + cc.CE_BWD_BYTES_PER_LOGIT
         summed = 6 + 10 * later if later else 0
     scaled = 14 if later or kernels == Kernels.fused else 4
+    if main_grad_bytes is not None:
+        summed, scaled = main_grad_bytes * (later + 1), 0
     return (cc.memory_s(logits * per_logit + weights * summed, cluster),
             cc.memory_s(weights * scaled, cluster))
 

@@ -28,13 +28,12 @@ from pydantic import ValidationError
 
 import cost_models
 from cost_models import Evaluation, StageCosts
+from cost_models.evaluate import head_s
 from cost_models.grad_sync import grad_sync
 from cost_models.memory import grad_bytes_per_param, memory_capacity_bytes
 from cost_models.params import StageParams, part_params
 from cost_models.pipeline import (
     exposed_p2p_s,
-    head_cost,
-    micro_batch_tokens,
     p2p_transfer_s,
     straggler_s,
 )
@@ -792,19 +791,15 @@ def _leanest_loss(losses: tuple[CrossEntropy, ...]) -> tuple[CrossEntropy, ...]:
 def _loss_order(plan: Plan, losses: tuple[CrossEntropy, ...] = tuple(CrossEntropy)
                 ) -> list[CrossEntropy]:
     """The loss kinds to try for ``plan``, the faster head first. The loss changes nothing
-    but the last stage's head (cost_models.pipeline.head_cost), so a head that is no slower
-    gives a step that is no slower under every stage split: the first kind that fits is the
-    best. The chunked loss is the leaner (it never holds the logits whole), so it comes first
-    on a tie; it is the slower under eager kernels (a pass per operation and a weight-gradient
-    add per chunk), often the faster under fused ones (one compiled region per chunk)."""
-    d = plan.degrees
-    tokens = micro_batch_tokens(plan)
-
-    def head_s(loss: CrossEntropy) -> float:
-        return head_cost(plan.model, plan.cluster, tokens, d.tp, loss, plan.kernels).total_s
-
+    but the last stage's head and its weight gradient's accumulation
+    (cost_models.evaluate.head_s), so a head that is no slower gives a step that is no slower
+    under every stage split: the first kind that fits is the best. The chunked loss is the
+    leaner (it never holds the logits whole), so it comes first on a tie; it is the slower
+    under eager kernels (a pass per operation and, without gradient-accumulation fusion, a
+    weight-gradient add per chunk), often the faster under fused ones (one compiled region
+    per chunk)."""
     # the chunked loss first on a tie (sorted is stable)
-    return sorted(_leanest_loss(losses), key=head_s)
+    return sorted(_leanest_loss(losses), key=lambda loss: head_s(plan, loss))
 
 
 def split_stages(plan: Plan) -> Plan:

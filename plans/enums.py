@@ -126,7 +126,8 @@ and cost_models.pipeline.cross_entropy_s): a chunk holds them at its peak in abo
 each under eager kernels (2.5 GiB: the parameter dtype and fp32), 4 under fused ones (1 GiB),
 and each chunk after the first adds the head's weight gradient into an fp32 sum (eager, a
 pass over vocab x hidden: 20.6 ms of 18 adds beside 73 ms of GEMMs at Qwen3-30B-A3B's head on
-H200; fused, inside the GEMMs: 5.3 ms)."""
+H200; fused, inside the GEMMs: 5.3 ms); under gradient-accumulation fusion every chunk's GEMM
+adds it into the head's main gradient instead (plans.layout.accumulates_head_in_gemm)."""
 
 
 class Kernels(StrEnum):

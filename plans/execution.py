@@ -307,8 +307,10 @@ MOEPLAN: tuple[Capability, ...] = (
                reason="true: the blocks' Linear layers, and routed experts where "
                "plans.layout.accumulates_experts_in_gemm holds (few wide experts per rank, one "
                "matmul each), add their weight gradients into the main gradients inside the GEMM "
-               "(addmm); the grouped-GEMM experts, the embedding and the LM head add theirs in a "
-               "separate pass (runtime.parallel.grad_accumulation)"),
+               "(addmm), and so does the chunked loss's LM head where plans.layout."
+               "accumulates_head_in_gemm holds (not the embedding's own tied weight); the "
+               "grouped-GEMM experts, the embedding and the materialized loss's head add theirs "
+               "in a separate pass (runtime.parallel.grad_accumulation)"),
 )
 """moeplan's column: what its runtime runs, per backend."""
 

@@ -16,7 +16,7 @@ of pp x vpp runs on stage c mod pp.
 
 from __future__ import annotations
 
-from plans.enums import CHUNK_LOGITS, ExpertGemm
+from plans.enums import CHUNK_LOGITS, CrossEntropy, ExpertGemm
 from plans.plan import (
     EPFFN,
     AttentionStrategy,
@@ -220,6 +220,18 @@ bench/results/h200/kernels/): Mixtral-8x7B's 8 experts of 14,336, 54.2 against 5
 tokens and 13.9 against 16.3 at 4,096; DeepSeekMoE-16B's 64 of 1,408, 9.85 against 9.90 (even);
 Qwen3-30B-A3B's 128 of 768, 9.60 against 8.14 (the per-expert launches cost more than the pass
 they save)."""
+
+
+def accumulates_head_in_gemm(fusion: bool, loss: CrossEntropy, model: ModelSpec,
+                             pp: int) -> bool:
+    """Whether the LM head's weight gradient goes straight into its main gradient inside the
+    chunked loss's GEMMs (runtime.loss): under gradient-accumulation fusion (``fusion``, the
+    value the runtime executes), with the chunked loss, and unless the head is the
+    embedding's own weight (tied embeddings on one pipeline stage: the embedding's gradient
+    arrives through autograd into the same parameter). Otherwise the loss (or autograd, for
+    the materialized loss) writes the head's gradient and a separate pass adds it."""
+    return (fusion and loss == CrossEntropy.chunked
+            and not (model.tied_embeddings and pp == 1))
 
 
 def accumulates_experts_in_gemm(fusion: bool, local_experts: int, local_ffn: int,

@@ -272,16 +272,18 @@ def accumulate_matmul(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
     return acc.add_(out)
 
 
-def add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``target += a @ b`` inside the GEMM (cuBLAS with beta = 1): in the operands' dtype, or
-    bf16 operands into an fp32 target on CUDA (``out_dtype``: cuBLAS sums in fp32); on CPU,
-    which has no mixed-dtype addmm, the operands widened (the same sums, exact casts)."""
+def add_product(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                alpha: float = 1.0) -> None:
+    """``target += alpha a @ b`` inside the GEMM (cuBLAS with beta = 1): in the operands'
+    dtype, or bf16 operands into an fp32 target on CUDA (``out_dtype``: cuBLAS sums in fp32);
+    on CPU, which has no mixed-dtype addmm, the operands widened (the same sums, exact
+    casts)."""
     if target.dtype == a.dtype:
-        target.addmm_(a, b)
+        target.addmm_(a, b, alpha=alpha)
     elif target.is_cuda:
-        torch.addmm(target, a, b, out_dtype=target.dtype, out=target)
+        torch.addmm(target, a, b, alpha=alpha, out_dtype=target.dtype, out=target)
     else:
-        target.addmm_(a.to(target.dtype), b.to(target.dtype))
+        target.addmm_(a.to(target.dtype), b.to(target.dtype), alpha=alpha)
 
 
 def accumulate_matmul_in_gemm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor

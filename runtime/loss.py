@@ -15,6 +15,19 @@ memory-bound work is the plan's kernels' (runtime.kernels): eager, a pass per op
 an fp32 copy of the chunk's logits and each chunk's weight gradient added in a pass of its own;
 fused, one compiled region from the logits to their gradient and, on CUDA, the weight
 gradient summed in fp32 inside its GEMM.
+
+Under gradient-accumulation fusion the head's weight is marked (runtime.parallel.
+grad_accumulation.in_gemm; plans.layout.accumulates_head_in_gemm: not where it is the
+embedding's own weight): each chunk's weight-gradient GEMM adds its product, times the loss
+scale, straight into the weight's main gradient (``add_product``: beta = 1, alpha = scale; an
+fp32-output GEMM into an fp32 main gradient on CUDA), under either kernel set, and nothing of
+vocab x hidden is allocated. The loss returns no gradient for the weight; its backward calls
+``grad_ready`` for the gradient sync's hooks (runtime.parallel.data_parallel). This needs the
+loss's backward started with gradient 1, since the main gradient already holds
+scale x d(sum of losses)/dW from the forward: the trainer's pipeline schedule calls
+``torch.autograd.backward`` on the scalar loss with no gradient (runtime.parallel.pipeline.
+ActionSchedule.run: 1), and the backward checks it on the device (``torch._assert_async``,
+no host wait).
 """
 
 from __future__ import annotations
@@ -27,8 +40,9 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from plans.layout import loss_chunk_tokens as chunk_tokens
-from runtime.kernels import EAGER, KernelOps
+from runtime.kernels import EAGER, KernelOps, add_product
 from runtime.parallel.comm import all_gather_into, gather_sequence
+from runtime.parallel.grad_accumulation import grad_ready, in_gemm, main_grad
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -90,7 +104,8 @@ class _LinearCrossEntropy(Function):
     (_shard_cross_entropy); the value is the sum over ``own`` tokens (this rank's sequence
     shard: the group's values add up to the micro-batch's loss), the gradients those of every
     token's loss (the hidden states' a partial sum over the vocabulary shards, which the
-    sequence gather's backward reduce-scatters)."""
+    sequence gather's backward reduce-scatters). A ``weight`` marked ``in_gemm``: its
+    gradient added into its main gradient in the forward (the module's docstring)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor | None, labels: torch.Tensor,
@@ -99,6 +114,7 @@ class _LinearCrossEntropy(Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_in = torch.empty_like(h)
         grad_w = None
+        into = main_grad(weight) if weight is not None and in_gemm(weight) else None
         for start in range(0, h.shape[0], chunk):
             part = slice(start, start + chunk)
             # a chunk of the loss's own: the fused set writes its gradient over it (where h
@@ -116,7 +132,10 @@ class _LinearCrossEntropy(Function):
                     logits.copy_(grad)
                 continue
             torch.mm(grad, weight, out=grad_in[part])
-            grad_w = ops.accumulate_matmul(grad_w, grad.t(), h[part])
+            if into is not None:
+                add_product(into, grad.t(), h[part], alpha=scale)
+            else:
+                grad_w = ops.accumulate_matmul(grad_w, grad.t(), h[part])
             del logits, grad  # the chunk's: freed before the next chunk's are made
         if grad_w is not None:
             # the head's weight gradient scaled and cast to the weight's dtype here, its sum
@@ -125,12 +144,18 @@ class _LinearCrossEntropy(Function):
             grad_w = grad_w.mul_(scale).to(weight.dtype)
         ctx.save_for_backward(grad_in, *([] if grad_w is None else [grad_w]))
         ctx.scale = scale
+        ctx.param = weight if into is not None else None
         return total * scale
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_in, *grad_w = ctx.saved_tensors
         g = grad_out * ctx.scale
+        if ctx.param is not None:  # the weight's gradient is in its main gradient already
+            torch._assert_async(grad_out == 1, "the chunked loss's backward must start with "
+                                "gradient 1: its head weight's main gradient was added in "
+                                "forward")
+            grad_ready(ctx.param)
         w = grad_w[0].mul_(grad_out.to(grad_w[0].dtype)) if grad_w else None
         return grad_in * g.to(grad_in.dtype), w, None, None, None, None, None, None
 

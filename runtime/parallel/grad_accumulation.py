@@ -9,9 +9,13 @@ Applied as a transform of the model after the parallel ones (``apply_grad_accumu
 runtime.parallel.parallelize):
 
 - every ``nn.Linear`` of the transformer blocks (the attention projections, the router's gate,
-  dense and shared-expert FFNs). The LM head and the embedding keep autograd's gradient: the
-  chunked loss computes the head's weight gradient itself (runtime.loss) and the embedding's is
-  a scatter, and a tied pair shares one weight;
+  dense and shared-expert FFNs);
+- the LM head where ``plans.layout.accumulates_head_in_gemm`` says so (the chunked loss, the
+  head not the embedding's own weight): the chunked loss adds each chunk's weight gradient,
+  times the loss scale, into the main gradient inside its GEMMs in the forward and calls
+  ``grad_ready`` in its backward (runtime.loss). The materialized loss's head, and a head tied
+  to the embedding on one stage (whose gradient, a scatter, arrives through autograd into the
+  same parameter), keep autograd's gradient; so does the embedding;
 - the routed experts where ``plans.layout.accumulates_experts_in_gemm`` says so (few wide
   experts per rank, or every expert GEMM per expert): their weight gradients as one matmul
   per expert (the forward and the rows' gradient as the experts' ExpertGemm runs them).
@@ -77,7 +81,7 @@ def grad_ready(p: torch.Tensor) -> None:
         fn(p)
 
 
-def _main_grad(param: torch.Tensor) -> torch.Tensor:
+def main_grad(param: torch.Tensor) -> torch.Tensor:
     """The tensor the GEMM adds into: the main gradient the gradient sync attached, else (a
     model outside a trainer) ``.grad``, started at zero."""
     target = getattr(param, "main_grad", None)
@@ -102,7 +106,7 @@ class _LinearAccumulating(torch.autograd.Function):
         (x,), weight = ctx.saved_tensors, ctx.param
         gx = g @ weight.detach() if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
-            add_product(_main_grad(weight), g.reshape(-1, g.shape[-1]).t(),
+            add_product(main_grad(weight), g.reshape(-1, g.shape[-1]).t(),
                          x.reshape(-1, x.shape[-1]))
             grad_ready(weight)
         return gx, None
@@ -132,7 +136,7 @@ class _ExpertsAccumulating(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # g_e @ w[e]: the product with w[e].T
             gx = ctx.product(g, w.transpose(-2, -1), ctx.counts)
         if ctx.needs_input_grad[1]:
-            target = _main_grad(ctx.param)
+            target = main_grad(ctx.param)
             start = 0
             for e, c in enumerate(ctx.counts.tolist()):
                 if c:
@@ -163,14 +167,22 @@ def per_expert_accumulating(counts: torch.Tensor):
     return accumulating_matmul(ExpertGemm.grouped)(counts)
 
 
-def apply_grad_accumulation_fusion(model: Transformer) -> None:
-    """Route the weight gradients of the blocks' Linear layers, and of the routed experts where
-    ``accumulates_experts_in_gemm`` holds, into their main gradients inside the GEMMs. The
-    modules are wrapped (runtime.parallel.wrappers.Accumulating); ``mark_parameters`` marks
-    their parameters once the model is materialised (materialising replaces the parameter
-    objects)."""
+def apply_grad_accumulation_fusion(model: Transformer, head: bool) -> None:
+    """Route the weight gradients of the blocks' Linear layers, of the routed experts where
+    ``accumulates_experts_in_gemm`` holds and, with ``head`` (plans.layout.
+    accumulates_head_in_gemm), of this stage's LM head into their main gradients inside the
+    GEMMs. The modules are wrapped (runtime.parallel.wrappers.Accumulating); ``mark_parameters``
+    marks their parameters once the model is materialised (materialising replaces the
+    parameter objects). The chunked loss reads the head's mark (runtime.loss); the wrapped
+    head's own forward, which it does not run, is the accumulating Linear's."""
     for block in model.layers.values():
         fuse_accumulation(block)
+    if head and model.output is not None:
+        if model.tok_embeddings is not None and model.output.weight is model.tok_embeddings.weight:
+            raise ValueError("grad_accumulation_fusion: a head tied to the embedding on one "
+                             "stage keeps autograd's gradient (plans.layout."
+                             "accumulates_head_in_gemm)")
+        model.output = AccumulatingLinear(model.output, linear_accumulating)
 
 
 def fuse_accumulation(root: nn.Module) -> None:

@@ -26,7 +26,7 @@ from plans import (
     UlyssesAttention,
 )
 from plans.execution import Backend, check, executed_value
-from plans.layout import moe_chunks, ulysses_chunks
+from plans.layout import accumulates_head_in_gemm, moe_chunks, ulysses_chunks
 from plans.operators import MODULE_OPERATORS, recomputed_operators
 from runtime.loss import VocabShard
 from runtime.metrics import Component, Timers, timed
@@ -152,7 +152,8 @@ def parallelize(model: Transformer, plan: Plan, mesh: Mesh, timers: Timers | Non
         apply_expert_tensor_parallel(model, mesh, shards, timers)
     expert_shards = set(shards) - attention_shards
     if executed_value("grad_accumulation_fusion", plan.grad_accumulation_fusion, backend):
-        apply_grad_accumulation_fusion(model)
+        apply_grad_accumulation_fusion(model, accumulates_head_in_gemm(
+            True, plan.cross_entropy, plan.model, plan.degrees.pp))
     apply_recompute(model, recomputed_operators(plan.recompute, plan.recompute_modules))
     if timers is not None:
         apply_expert_timers(model, timers)

@@ -98,27 +98,71 @@ def test_a_chunked_moe_layer_adds_its_expert_gradients_once_more(node_plan):
     assert fused_working[1] == pytest.approx(fused_working[0])
 
 
+@pytest.mark.parametrize("loss", ["materialized", "chunked"])
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "qwen3-30b-a3b"])
-def test_fusion_leaves_separate_passes_to_the_edges_and_grouped_experts(node_plan, model):
+def test_fusion_leaves_separate_passes_to_the_edges_and_grouped_experts(node_plan, model,
+                                                                        loss):
     """With gradient-accumulation fusion the blocks' dense weights accumulate in their GEMMs;
-    the embedding and LM head always take a separate pass, the routed experts too unless few
-    and wide per rank (plans.layout.accumulates_experts_in_gemm: Mixtral's 1 of 14,336 per
-    rank yes, Qwen3's 16 of 768 no)."""
+    the embedding and the materialized loss's LM head take a separate pass (the chunked
+    loss's head weight goes into its main gradient in the loss's GEMMs: only the final norm
+    is left), the routed experts too unless few and wide per rank
+    (plans.layout.accumulates_experts_in_gemm: Mixtral's 1 of 14,336 per rank yes, Qwen3's
+    16 of 768 no)."""
     from cost_models.compute import memory_s
     from cost_models.memory import grad_bytes_per_param
-    from cost_models.params import experts_in_gemm, part_params
-    from plans import Recompute
+    from cost_models.params import experts_in_gemm, head_in_gemm, part_params
+    from plans import CrossEntropy, Recompute
 
-    plan = node_plan(model, recompute=Recompute.none, grad_accumulation_fusion=True)
+    kind = CrossEntropy(loss)
+    plan = node_plan(model, recompute=Recompute.none, grad_accumulation_fusion=True,
+                     cross_entropy=kind)
     unfused = evaluate(plan.model_copy(update={"grad_accumulation_fusion": False}))
     parts = part_params(plan.model, plan.degrees)
     layers = plan.model.layers - plan.model.dense_layers
     # read the bf16 gradient, read and write the main gradient
     per_param = memory_s(2 + 2 * grad_bytes_per_param(plan.grad_sync_precision), plan.cluster)
-    edges = parts.embedding.dense + parts.head.dense
+    assert head_in_gemm(plan, kind) == (kind == CrossEntropy.chunked)
+    lm_head = parts.lm_head if kind == CrossEntropy.chunked else 0.0
+    assert lm_head == 0.0 or lm_head == plan.model.vocab * plan.model.hidden
+    edges = parts.embedding.dense + parts.head.dense - lm_head
     wide = model == "mixtral-8x7b"
     assert experts_in_gemm(plan) == wide
     expect = edges + (0.0 if wide else layers * parts.moe_layer.expert)
     got = evaluate(plan).breakdown_s["grad_accumulation"]
     assert got == pytest.approx(plan.num_micro_batches * expect * per_param)
     assert got < unfused.breakdown_s["grad_accumulation"]
+
+
+def test_the_chunked_loss_into_the_main_gradient_is_priced_as_it_runs(node_plan):
+    """Under gradient-accumulation fusion the chunked loss's GEMMs add the head's weight
+    gradient into its main gradient: forward, every chunk's GEMM reads the main gradient
+    (fp32 sync: 4 bytes an element) instead of the fp32 sum's adds; backward, no scaled
+    cast; no separate pass (cost_models.pipeline.cross_entropy_s, evaluate.head_s). Megatron's
+    head (target megatron) and a head tied to the embedding on one stage keep today's."""
+    from cost_models import pipeline as pl
+    from cost_models.compute import memory_s
+    from cost_models.evaluate import head_edge, head_s
+    from cost_models.params import head_in_gemm
+    from plans import CrossEntropy, Kernels, Recompute, Target
+    from plans.layout import loss_chunks
+
+    plan = node_plan("qwen3-30b-a3b", recompute=Recompute.none, grad_accumulation_fusion=True,
+                     cross_entropy=CrossEntropy.chunked, kernels=Kernels.fused)
+    m, c = plan.model, plan.cluster
+    rows = 32768  # a micro-batch of several chunks
+    chunks = loss_chunks(rows, m.vocab)
+    assert chunks > 1
+    weights = m.vocab * m.hidden
+    fused = pl.cross_entropy_s(m, c, rows, 1, CrossEntropy.chunked, Kernels.fused, 4)
+    alone = pl.cross_entropy_s(m, c, rows, 1, CrossEntropy.chunked, Kernels.fused)
+    assert fused[1] == 0.0 and alone[1] == pytest.approx(memory_s(14 * weights, c))
+    assert fused[0] - alone[0] == pytest.approx(memory_s(weights * (4 * chunks
+                                                                    - 4 * (chunks - 1)), c))
+    unfused = plan.model_copy(update={"grad_accumulation_fusion": False})
+    assert head_edge(plan, CrossEntropy.chunked).total_s < head_edge(
+        unfused, CrossEntropy.chunked).total_s
+    assert head_s(plan, CrossEntropy.chunked) < head_s(unfused, CrossEntropy.chunked)
+    assert not head_in_gemm(plan.model_copy(update={"target": Target.megatron}),
+                            CrossEntropy.chunked)
+    tied = plan.model_copy(update={"model": m.model_copy(update={"tied_embeddings": True})})
+    assert not head_in_gemm(tied, CrossEntropy.chunked)

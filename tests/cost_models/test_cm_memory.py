@@ -68,17 +68,23 @@ def test_every_plan_of_the_memory_suite_meets_the_target():
 def test_the_loss_peak_per_cross_entropy_kind():
     # materialized, the loss keeps 12 bytes per logit at its backward peak: a 150k vocabulary
     # at 32k tokens is 55 GiB on its own (the old model counted 4); chunked, it keeps the
-    # gradients of the hidden states and of the head's weight (its fp32 sum, eagerly one
-    # chunk's GEMM output beside it), plus one chunk's logits
+    # gradients of the hidden states and, without gradient-accumulation fusion, of the head's
+    # weight (its fp32 sum, eagerly one chunk's GEMM output beside it), plus one chunk's
+    # logits; with fusion the head's weight gradient is in its main gradient (``grads``)
     from plans import CrossEntropy
     from plans.enums import CHUNK_LOGITS
 
     plan, _ = _measured("qwen4l_1gpu_mbs8_full")
-    assert plan.cross_entropy == CrossEntropy.chunked
+    assert plan.cross_entropy == CrossEntropy.chunked and plan.grad_accumulation_fusion
     tokens, v, h = 32768, 151936, 2048
     chunked = memory_breakdown(plan).components_bytes["logits"]
-    assert chunked == pytest.approx(2 * tokens * h + 6 * v * h + 10 * CHUNK_LOGITS
-                                    + 12 * tokens * h)
+    assert chunked == pytest.approx(2 * tokens * h + 10 * CHUNK_LOGITS + 12 * tokens * h)
+    unfused = plan.model_copy(update={"grad_accumulation_fusion": False})
+    assert memory_breakdown(unfused).components_bytes["logits"] == pytest.approx(
+        2 * tokens * h + 6 * v * h + 10 * CHUNK_LOGITS + 12 * tokens * h)
+    # the main gradients hold the same bytes either way
+    assert memory_breakdown(unfused).components_bytes["grads"] == \
+        memory_breakdown(plan).components_bytes["grads"]
     materialized = plan.model_copy(update={"cross_entropy": CrossEntropy.materialized})
     assert memory_breakdown(materialized).components_bytes["logits"] == pytest.approx(
         12 * tokens * v + 12 * tokens * h)

@@ -172,6 +172,8 @@ def overlapped_and_serial_sync(plan_json: str, bucket_params: int) -> list[dict]
                   if in_gemm(p) and ".experts." in n]
         runs.append({"loss": loss, "launched": launched, "buckets": len(launcher.launches),
                      "marked_experts": marked,
+                     "marked_head": (trainer.model.output is not None
+                                     and in_gemm(trainer.model.output.weight)),
                      "grads": grads, "params": params, "next_loss": trainer.train_step(1).loss})
     return runs
 
@@ -266,6 +268,50 @@ def ulysses_round_trip():
     assert torch.equal(back, local)
     back.sum().backward()
     assert torch.equal(local.grad, torch.ones_like(local))
+    return True
+
+
+def sharded_head_into_main_grad():
+    """The chunked loss over a vocabulary split over the ranks (several chunks), the rank's
+    head rows marked ``in_gemm``: the summed loss, this rank's hidden-state gradient and its
+    rows' main gradient against autograd on the whole head (fp64 inputs)."""
+    from plans import layout
+    from runtime.loss import VocabShard, materialized_cross_entropy, sharded_cross_entropy
+    from runtime.parallel.grad_accumulation import IN_GEMM, on_grad_ready
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    b, s, hidden, vocab = 2, 6 * n, 8, 10 * n
+    out = torch.randn(b, s, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    shard = VocabShard(dist.group.WORLD, rank, n, vocab // n)
+    rows = slice(shard.first, shard.first + shard.rows)
+    mine = slice(rank * s // n, (rank + 1) * s // n)
+    head = torch.nn.Parameter(w[rows].clone())
+    setattr(head, IN_GEMM, True)
+    head.main_grad = torch.zeros_like(head)
+    calls = []
+    on_grad_ready(head, calls.append)
+    local = out[:, mine].clone().requires_grad_()
+    scale = 1 / (b * s)
+    kept, layout.CHUNK_LOGITS = layout.CHUNK_LOGITS, 5 * shard.rows  # chunks of 5 tokens
+    try:
+        got = sharded_cross_entropy(local, labels[:, mine], scale, shard, head)
+    finally:
+        layout.CHUNK_LOGITS = kept
+    got.backward()
+    total = got.detach().clone()
+    dist.all_reduce(total)
+    ref_out, ref_w = out.clone().requires_grad_(), w.clone().requires_grad_()
+    want = materialized_cross_entropy((ref_out @ ref_w.t()).flatten(0, 1), labels.flatten(),
+                                      scale)
+    want.backward()
+    # the shards' statistics and gradients are fp32 (runtime.kernels.cross_entropy_partial)
+    torch.testing.assert_close(total, want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(local.grad, ref_out.grad[:, mine], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.main_grad, ref_w.grad[rows], rtol=1e-5, atol=1e-6)
+    assert head.grad is None and calls == [head]
     return True
 
 

@@ -68,6 +68,13 @@ TWO = {
     "tp2_shared_tied_chunked": dict(model="tiny-moe-shared", tp=2, tp_attention=True,
                                     cross_entropy=CrossEntropy.chunked, micro_batch_size=2),
     "pp2_shared_tied": dict(model="tiny-moe-shared", pp=2, stage_layers=(1, 3)),
+    # the chunked loss adding the head's gradient into its main gradient (grad_accumulation_
+    # fusion, plans.layout.accumulates_head_in_gemm): over vocabulary shards, and on the last
+    # stage of a tied vocabulary split over pp
+    "tp2_chunked": dict(tp=2, tp_attention=True, cross_entropy=CrossEntropy.chunked,
+                        micro_batch_size=2),
+    "pp2_shared_tied_chunked": dict(model="tiny-moe-shared", pp=2, stage_layers=(1, 3),
+                                    cross_entropy=CrossEntropy.chunked),
     "sp2_ep2_full_recompute": dict(sp=2, ep=2, recompute=Recompute.full),
     "pp2_vpp2_interleaved": dict(pp=2, vpp=2, stage_layers=(1, 1, 1, 1), global_batch=4),
     "pp2_vpp2_interleaved_tied_m2": dict(
