@@ -44,9 +44,11 @@ def peer_peak_gib(shape: str, card: str = "h200") -> float:
 
 
 SEARCH_SLACK = 1.05
-"""The search's memory cap over torchtitan's peak: room for the allocator reserve, which the
-cost model prices at a few percent of a step's transients, so that every plan whose allocated
-peak fits is searched."""
+"""The loosest of the search's memory caps over torchtitan's peak: room for the allocator
+reserve, which the cost model prices at a few percent of a step's transients, so that every
+plan whose allocated peak fits is searched."""
+CAP_STEP_GIB = 0.1
+"""The step between the search's caps (capped_plan)."""
 
 
 def allocated_of(prediction) -> float:
@@ -65,11 +67,20 @@ def path_of(shape: str, gpus: int, card: str = "h200") -> Path:
 
 def capped_plan(shape: str, card: str = "h200"):
     """The fastest plan of ``shape``'s job on ``card`` whose allocated peak fits under
-    torchtitan's (rounded down to 0.1 GiB), and that cap; None where none fits."""
+    torchtitan's (rounded down to 0.1 GiB), and that cap; None where none fits. The search
+    caps a plan's whole peak and ranks each layout by its fastest option under that cap, so
+    one search would hide a layout's leaner option behind a faster one whose peak fits the
+    search's cap but whose allocated peak does not: it runs at every cap from the cap plus
+    the slack down to the cap itself, CAP_STEP_GIB apart."""
     cap = math.floor(peer_peak_gib(shape, card) * 10) / 10  # never above
-    return best_plan(shape, 1, TRAINING.model_copy(update={"memory_cap_gib": cap * SEARCH_SLACK}),
-                     fits=lambda plan: allocated_gib(plan) <= cap, top=100,
-                     cluster=CARDS[card][0]), cap
+    steps = math.ceil(cap * (SEARCH_SLACK - 1) / CAP_STEP_GIB)
+    found = [best_plan(shape, 1, TRAINING.model_copy(
+                 update={"memory_cap_gib": cap + i * CAP_STEP_GIB}),
+                 fits=lambda plan: allocated_gib(plan) <= cap, top=100,
+                 cluster=CARDS[card][0]) for i in range(steps + 1)]
+    found = [plan for plan in found if plan is not None]
+    best = min(found, key=lambda plan: plan.prediction.step_time_s) if found else None
+    return best, cap
 
 
 def main(argv=None) -> None:

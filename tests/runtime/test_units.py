@@ -407,7 +407,7 @@ def test_moe_act_wraps_every_layers_experts_beside_the_attention_cores():
                                         ModelOptions(expert_gemm=ExpertGemm.per_expert)))
         names = [n for n, _ in model.named_parameters()]
         if fuse:
-            apply_grad_accumulation_fusion(model)
+            apply_grad_accumulation_fusion(model, head=False)
         apply_recompute(model, recomputed_operators(
             Recompute.selective, (RecomputeModule.core_attn, RecomputeModule.moe_act)))
         assert [n for n, _ in model.named_parameters()] == names
