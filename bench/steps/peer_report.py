@@ -84,18 +84,29 @@ def _target(model: str, label: str, ours: dict, peer: dict) -> tuple[str, list[s
                 "no more" if fits else "more"]), misses
 
 
+def h100_picks(model: str) -> list[tuple[str, dict, str]]:
+    """Our runs on the H100 beside torchtitan's compiled step of the same call: (the cluster
+    that priced the plan, the run, its commit); the plan priced on h100-runtime
+    (``--plans capped_h100``), and h200-runtime's pick where it is another plan and ran in
+    that call."""
+    compiled = load(H100 / f"peer_step_{MODELS[model]}_compiled.json")
+    doc = load(H100 / "peer_step_capped_h100.json")
+    ours = doc["models"][model]
+    picks = [("h100-runtime", ours, doc["commit"])]
+    h200_doc = load(H100 / CAPPED[model])
+    h200 = h200_doc["models"][model]
+    if h200["plan_summary"] != ours["plan_summary"] and h200_doc["commit"] == compiled["commit"]:
+        picks.append(("h200-runtime", h200, h200_doc["commit"]))
+    return picks
+
+
 def h100_rows() -> list[str]:
-    """Ours on the plans priced on h100-runtime (``--plans capped_h100``), and on
-    h200-runtime's pick where it is another plan, against torchtitan compiled on the H100."""
+    """h100_picks against torchtitan compiled on the H100."""
     lines = []
     for model, shape in MODELS.items():
         peer = load(H100 / f"peer_step_{shape}_compiled.json")["models"][model]["peer"]
-        ours = load(H100 / "peer_step_capped_h100.json")["models"][model]
-        h200 = load(H100 / CAPPED[model])["models"][model]
-        picks = [("h100-runtime", ours)] + ([("h200-runtime", h200)]
-                                           if h200["plan_summary"] != ours["plan_summary"] else [])
         lines += [_target(model, f"{cluster} `{run['plan_summary']}`", run["ours"], peer)[0]
-                  for cluster, run in picks]
+                  for cluster, run, _ in h100_picks(model)]
     return lines
 
 
@@ -109,11 +120,8 @@ def measured_runs() -> list[tuple[str, str, str, dict, str]]:
             run = doc["models"][model]
             if not skipped(run):
                 out.append(("h200", model, run["plan_summary"], run["ours"], doc["commit"]))
-        for name in ("peer_step_capped_h100.json", CAPPED[model]):
-            doc = load(H100 / name)
-            run = doc["models"][model]
-            if ("h100", model, run["plan_summary"]) not in {r[:3] for r in out}:
-                out.append(("h100", model, run["plan_summary"], run["ours"], doc["commit"]))
+        out += [("h100", model, run["plan_summary"], run["ours"], commit)
+                for _, run, commit in h100_picks(model)]
     return out
 
 
