@@ -3,8 +3,9 @@
     python -m bench.memory.memory_suite --world 1 --out-dir bench/results/h200/memory
     torchrun --nproc-per-node 2 -m bench.memory.memory_suite --world 2 --out-dir ...
 
-Runs every case of ``CASES`` whose world size is ``--world`` (or the ``--plan-files``) in
-one process per rank, one after another, each probed as `moeplan memory` probes a plan
+Runs every case of ``CASES`` (or those ``--cases`` names) whose world size is ``--world``
+(or the ``--plan-files``) in one process per rank, one after another, each probed as
+`moeplan memory` probes a plan
 (runtime/memory_probe.py: a warm-up step, then per phase and per module), and writes
 ``memory_<case>.json`` in its document's shape. Predictions are not computed here:
 ``bench/memory/memory_report.py`` holds the committed measurements against the cost model of
@@ -31,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--plan-files", type=Path, nargs="*", default=[],
                    help="plan files to run instead of the built-in cases, named by their "
                         "file stem")
+    p.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
+                   help="run only these cases of bench/memory/memory_cases.py")
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -38,7 +41,7 @@ def main(argv=None) -> int:
     if world != args.world:
         return bad_input(f"--world {args.world} but WORLD_SIZE={world}")
     plans = ({f.stem: load_plan(f) for f in args.plan_files} if args.plan_files
-             else {n: case() for n, case in CASES.items()})
+             else {n: case() for n, case in CASES.items() if n in (args.cases or CASES)})
     rank, world, device, _ = init()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, plan in plans.items():
