@@ -37,6 +37,7 @@ from plans.plan import (
     Recompute,
     RecomputeModule,
 )
+from plans.results import THIS_RUNTIME, RuntimeFacts
 from plans.specs import ClusterSpec, ModelSpec, Optimizer, Precision, TrainingSpec
 
 LO = LayerOperator
@@ -355,13 +356,16 @@ CHUNK_BYTES_PER_LOGIT = {Kernels.eager: 10, Kernels.fused: 2}
 eager, its logits in the parameter dtype and in fp32, the fp32 gradient computed in place,
 cast back (2); fused, the logits in the parameter dtype, which the compiled region overwrites
 with their gradient (runtime.kernels.cross_entropy_grad_over)."""
+GRAD_BESIDE_LOGITS = 2
+"""Bytes per logit more of a fused chunk whose gradient is written beside its logits, not over
+them (a result's ``loss_grad_over_logits`` false, plans.results.RuntimeFacts)."""
 EMBEDDING_BYTES_PER_TOKEN_H = 2
 """The embedding's output, which the first layer keeps (2 h per token)."""
 
 
 def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
                kernels: Kernels = Kernels.eager, target: Target = Target.moeplan,
-               head_in_gemm: bool = False) -> float:
+               head_in_gemm: bool = False, grad_over_logits: bool = True) -> float:
     """Peak bytes of the last stage's LM head and loss for one micro-batch of ``tokens``.
 
     materialized: 12 bytes per logit; Megatron-Core's fused loss 2 (target megatron,
@@ -380,7 +384,9 @@ def loss_bytes(model: ModelSpec, tokens: float, kind: CrossEntropy,
     elif kind == CrossEntropy.materialized:
         head = LOSS_BYTES_PER_LOGIT * tokens * v
     else:
-        logits = CHUNK_BYTES_PER_LOGIT[kernels] * min(tokens * v, CHUNK_LOGITS)
+        per_logit = CHUNK_BYTES_PER_LOGIT[kernels] + (
+            GRAD_BESIDE_LOGITS if kernels == Kernels.fused and not grad_over_logits else 0)
+        logits = per_logit * min(tokens * v, CHUNK_LOGITS)
         if head_in_gemm:
             weight_grad, kept = 0.0, 0.0
         else:
@@ -457,7 +463,7 @@ def _layer_bytes(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, seq_len: 
                  policy: Recompute, cross_entropy: CrossEntropy, kernels: Kernels, chunks: int,
                  experts_accumulate_in_gemm: bool, linears_accumulate: bool, target: Target,
                  precision: Precision, modules: tuple[RecomputeModule, ...],
-                 head_accumulates_in_gemm: bool) -> _LayerBytes:
+                 head_accumulates_in_gemm: bool, grad_over_logits: bool) -> _LayerBytes:
     d = degrees
     tokens = tokens_per_rank(batch, seq_len, d.attention_group)
     if target == Target.megatron:
@@ -484,7 +490,7 @@ def _layer_bytes(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, seq_len: 
                        (working_of[False], working_of[True]),
                        _buffer_bytes(model, tokens, d, ffn),
                        loss_bytes(model, tokens, cross_entropy, kernels, target,
-                                  head_accumulates_in_gemm))
+                                  head_accumulates_in_gemm, grad_over_logits))
 
 
 @lru_cache(maxsize=65536)
@@ -517,7 +523,7 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
             cross_entropy: CrossEntropy, sharding: OptimizerSharding,
             kernels: Kernels = Kernels.eager, chunks: int = 1,
             experts_accumulate_in_gemm: bool = False,
-            linears_accumulate: bool = False, step_in_buckets: bool = True,
+            linears_accumulate: bool = False, facts: RuntimeFacts = THIS_RUNTIME,
             target: Target = Target.moeplan, precision: Precision = Precision.bf16,
             modules: tuple[RecomputeModule, ...] = DEFAULT_MODULES,
             moments: Precision = Precision.fp32,
@@ -526,12 +532,14 @@ def _memory(model: ModelSpec, degrees: Degrees, ffn: FFNStrategy, stage_layers: 
     vpp = d.vpp if schedule == PipelineSchedule.interleaved_1f1b else 1
     per = _layer_bytes(model, _layer_degrees(d), ffn, seq_len, batch, policy, cross_entropy,
                        kernels, chunks, experts_accumulate_in_gemm, linears_accumulate, target,
-                       precision, modules, head_accumulates_in_gemm)
+                       precision, modules,
+                       head_accumulates_in_gemm and facts.head_grad_in_main_grad,
+                       facts.loss_grad_over_logits)
     (stored_moe, stored_dense), (working_moe, working_dense) = per.stored, per.working
     buffers, logits = per.buffers, per.logits
     layers = stage_layer_counts(model, stage_layers, d.pp)
     resident = _resident(model, d, stage_layers, grad_precision, opt, moments, sharding,
-                         opt.runs_fused(kernels), step_in_buckets)
+                         opt.runs_fused(kernels), facts.eager_step_in_buckets)
     last = d.pp - 1
 
     # Peak of stage i and its components (MEMORY_TERMS): the resident states plus the larger of
@@ -573,10 +581,9 @@ def memory_capacity_bytes(cluster: ClusterSpec, training: TrainingSpec) -> float
     return usable if cap is None else min(usable, cap * GIB)
 
 
-def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdown:
-    """Peak bytes per GPU of ``plan`` and the capacity it must fit in; ``step_in_buckets``
-    False prices a run whose eager optimizer cast every gradient at once (a result's
-    ``eager_step_in_buckets``, plans.results.MEASURED_UNDER)."""
+def memory_breakdown(plan: Plan, facts: RuntimeFacts = THIS_RUNTIME) -> MemoryBreakdown:
+    """Peak bytes per GPU of ``plan`` and the capacity it must fit in, as a runtime of
+    ``facts`` runs it (a result's, plans.results.RuntimeFacts.of; by default this tree's)."""
     c, t = plan.cluster, plan.training
     capacity = memory_capacity_bytes(c, t)
     return _memory(
@@ -584,6 +591,6 @@ def memory_breakdown(plan: Plan, step_in_buckets: bool = True) -> MemoryBreakdow
         plan.num_micro_batches, plan.schedule, plan.recompute, plan.grad_sync_precision,
         t.optimizer, capacity, plan.cross_entropy, plan.optimizer_sharding, plan.kernels,
         megatron.moe_chunks(plan), experts_in_gemm(plan),
-        plan.grad_accumulation_fusion, step_in_buckets, plan.target, t.precision,
+        plan.grad_accumulation_fusion, facts, plan.target, t.precision,
         plan.recompute_modules, plan.optimizer_moments, head_in_gemm(plan, plan.cross_entropy),
     )

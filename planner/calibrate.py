@@ -89,11 +89,12 @@ from plans.errors import describe
 from plans.execution import executed_as_measured, measured_deviations
 from plans.layout import ulysses_chunks
 from plans.results import (
-    MEASURED_UNDER,
+    THIS_RUNTIME,
     DispatchSweep,
     OverlapBench,
     ProfileResult,
     Result,
+    RuntimeFacts,
     Sweep,
     SweepOp,
     SweepRow,
@@ -630,9 +631,9 @@ class Measured:
     deviations: list[dict] | None = None
     """The plan fields the run executed differently (plans.execution.record); None where it
     did not record them."""
-    eager_step_in_buckets: bool = MEASURED_UNDER["eager_step_in_buckets"]
-    """How its eager optimizer stepped (TrainStepResult.eager_step_in_buckets; a runtime log is
-    this tree's runtime): which optimizer step made its peak."""
+    facts: RuntimeFacts = THIS_RUNTIME
+    """What its runtime executed that prices its peak (TrainStepResult.facts; a runtime log is
+    this tree's runtime)."""
     head_groups: int | None = None
     """Head groups its Ulysses cores ran (TrainStepResult.ulysses_head_groups); None where the
     run did not record them (every Ulysses all-to-all blocked)."""
@@ -646,7 +647,7 @@ def measured_run(path: Path, skip: int = 2) -> Measured:
         # the allocator's reserved peak where recorded (what the memory model predicts)
         peak = max(r.peak_reserved_gib_per_rank or r.peak_memory_gib_per_rank)
         return Measured(r.step_time_s, r.mfu, peak, r.components_s, r.measured_steps, r.commit,
-                        r.routing_skew, recorded_deviations(r), r.eager_step_in_buckets,
+                        r.routing_skew, recorded_deviations(r), r.facts,
                         r.ulysses_head_groups)
     steps = read_log(path, "--runs")
     if not steps:
@@ -751,7 +752,7 @@ def fidelity_row(run: Path, plan_path: Path, cluster: ClusterSpec | None = None,
             update={"routing_skew": max(1.0, m.routing_skew)})})
     ran = executed_as_measured(plan, m.deviations)
     e = cost_models.evaluate(ran)
-    peak = memory_breakdown(ran, m.eager_step_in_buckets).peak_bytes / GIB
+    peak = memory_breakdown(ran, m.facts).peak_bytes / GIB
     return FidelityRow(
         plan=plan_path.stem,
         layout=plan.summary(),

@@ -8,6 +8,8 @@ runtime.provenance.metadata). A bad file is a one-line SpecError naming the fiel
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
@@ -37,13 +39,41 @@ from plans.plan import OptimizerSharding, Prediction
 SCHEMA_VERSION = 1
 """The result documents' schema, which this module reads; a document of another is refused."""
 
-MEASURED_UNDER = MappingProxyType({"eager_step_in_buckets": True})
-"""What the runtime of this tree executes that prices its results (each a field of the result
-documents it writes; runtime.provenance.metadata stamps them):
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """What the runtime that measured a result executed where it moves the result's price
+    (each a field of the result documents; runtime.provenance.metadata stamps this tree's,
+    ``MEASURED_UNDER``); cost_models.memory.memory_breakdown prices a result under its own.
 
-- ``eager_step_in_buckets``: the eager optimizer step casts the main gradients to fp32 and steps
-  one bucket at a time (runtime.parallel.optimizer); false: every gradient cast at once
-  (cost_models.memory.optimizer_step_workspace prices either)."""
+    - ``eager_step_in_buckets``: the eager optimizer step casts the main gradients to fp32 and
+      steps one bucket at a time (runtime.parallel.optimizer); false: every gradient cast at
+      once (cost_models.memory.optimizer_step_workspace prices either);
+    - ``loss_grad_over_logits``: the fused chunked loss writes each chunk's gradient over its
+      logits (runtime.kernels.cross_entropy_grad_over); false: beside them, 2 bytes a logit
+      more (cost_models.memory.loss_bytes);
+    - ``head_grad_in_main_grad``: under gradient-accumulation fusion the chunked loss adds the
+      LM head's weight gradient into its main gradient (plans.layout.accumulates_head_in_gemm);
+      false: summed in fp32 over the chunks and cast at the end of the forward."""
+
+    eager_step_in_buckets: bool = True
+    loss_grad_over_logits: bool = True
+    head_grad_in_main_grad: bool = True
+
+    @classmethod
+    def of(cls, doc: Mapping) -> RuntimeFacts:
+        """The facts a result document states; one it leaves out is what the runtime did
+        before it was stamped (RESULT_DEFAULTS)."""
+        return cls(**{f.name: bool(doc.get(f.name, RESULT_DEFAULTS[f.name])) for f in fields(cls)})
+
+
+THIS_RUNTIME = RuntimeFacts()
+"""The facts of this tree's runtime."""
+MEASURED_UNDER = MappingProxyType(asdict(THIS_RUNTIME))
+"""THIS_RUNTIME as the fields runtime.provenance.metadata stamps on every result it writes."""
+RESULT_DEFAULTS = MappingProxyType({"eager_step_in_buckets": True,
+                                    "loss_grad_over_logits": False,
+                                    "head_grad_in_main_grad": False})
+"""A fact a result document does not state: what the runtime did before it stamped it."""
 
 
 class Result(BaseModel):
@@ -96,9 +126,17 @@ class TrainStepResult(Result):
     """Where the reserve over the allocated peak sits, per rank (runtime.memory.
     allocator_breakdown: active, requested and fragment peaks, retries, reserved per stream;
     empty off CUDA); None where the run did not record it."""
-    eager_step_in_buckets: StrictBool = MEASURED_UNDER["eager_step_in_buckets"]
-    """How the run's eager optimizer stepped (``MEASURED_UNDER``; a result without it is taken
-    as measured by this tree's runtime): its peak is priced so."""
+    eager_step_in_buckets: StrictBool = RESULT_DEFAULTS["eager_step_in_buckets"]
+    """How the run's eager optimizer stepped (RuntimeFacts): its peak is priced so."""
+    loss_grad_over_logits: StrictBool = RESULT_DEFAULTS["loss_grad_over_logits"]
+    """Whether the run's fused loss wrote its gradient over its logits (RuntimeFacts)."""
+    head_grad_in_main_grad: StrictBool = RESULT_DEFAULTS["head_grad_in_main_grad"]
+    """Whether the run's loss added the head's gradient into its main gradient (RuntimeFacts)."""
+
+    @property
+    def facts(self) -> RuntimeFacts:
+        return RuntimeFacts(self.eager_step_in_buckets, self.loss_grad_over_logits,
+                            self.head_grad_in_main_grad)
     components_s: ComponentSeconds = {}
     """Seconds per runtime component (plans.Component), mean over ranks."""
     tokens_per_step: PositiveInt | None = None

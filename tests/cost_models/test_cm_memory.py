@@ -209,7 +209,10 @@ def test_runs_whose_eager_step_cast_every_gradient_at_once_are_priced_so():
     whole = optimizer_step_workspace(m, d, stage, plan.optimizer_sharding, 2, False, False)
     assert optimizer_step_workspace(m, d, stage, plan.optimizer_sharding, 2, False) == 4 * bucket
     assert whole == 4 * stage.total
-    before, now = memory_breakdown(plan, step_in_buckets=False), memory_breakdown(plan)
+    from plans.results import RuntimeFacts
+
+    before = memory_breakdown(plan, RuntimeFacts(eager_step_in_buckets=False))
+    now = memory_breakdown(plan)
     assert before.components_bytes["optimizer_step_workspace"] == whole
     assert before.peak_bytes - now.peak_bytes > 5 * GIB
 
@@ -236,3 +239,29 @@ def test_in_flight_micro_batches_fall_stage_by_stage():
             for m in sorted({1, pp, 2 * pp, 3 * pp + 1, 64}):
                 held = [in_flight_micro_batches(i, pp, vpp, m) for i in range(pp)]
                 assert held == sorted(held, reverse=True)
+
+
+def test_runs_of_a_loss_that_kept_the_heads_gradient_and_its_logits_are_priced_so():
+    # results measured before the loss wrote its gradient over the logits and added the head's
+    # gradient into its main gradient (plans.results.RuntimeFacts; a result that states
+    # neither): the fp32 sum over the chunks beside a chunk's logits and their gradient, or
+    # the sum and its cast at the end of the forward
+    from cost_models.memory import GRAD_BESIDE_LOGITS, loss_bytes
+    from plans import Kernels
+    from plans.enums import CHUNK_LOGITS
+    from plans.results import RESULT_DEFAULTS, RuntimeFacts
+
+    plan, _ = _measured("searched_qwen4l_1gpu")
+    fused = plan.model_copy(update={"kernels": Kernels.fused})
+    m, tokens = fused.model, 32768
+    v, h = m.vocab, m.hidden
+    old = RuntimeFacts.of({})
+    assert not old.loss_grad_over_logits and not old.head_grad_in_main_grad
+    assert not RESULT_DEFAULTS["head_grad_in_main_grad"]
+    now = loss_bytes(m, tokens, fused.cross_entropy, Kernels.fused, head_in_gemm=True)
+    then = loss_bytes(m, tokens, fused.cross_entropy, Kernels.fused, head_in_gemm=False,
+                      grad_over_logits=False)
+    chunk = min(tokens * v, CHUNK_LOGITS)
+    assert now - then == pytest.approx(
+        2 * chunk - max((2 + GRAD_BESIDE_LOGITS) * chunk + 4 * v * h, 6 * v * h))
+    assert memory_breakdown(fused, old).peak_bytes > memory_breakdown(fused).peak_bytes
