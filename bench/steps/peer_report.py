@@ -7,6 +7,7 @@ compiled, and the relaunch's first step. No torch, no GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from bench.report import ROOT, fill, load, parser, row, write_or_check
@@ -84,19 +85,19 @@ def _target(model: str, label: str, ours: dict, peer: dict) -> tuple[str, list[s
                 "no more" if fits else "more"]), misses
 
 
-def h100_picks(model: str) -> list[tuple[str, dict, str]]:
+def h100_picks(model: str) -> list[tuple[str, dict, dict]]:
     """Our runs on the H100 beside torchtitan's compiled step of the same call: (the cluster
-    that priced the plan, the run, its commit); the plan priced on h100-runtime
+    that priced the plan, the run, its result document); the plan priced on h100-runtime
     (``--plans capped_h100``), and h200-runtime's pick where it is another plan and ran in
     that call."""
     compiled = load(H100 / f"peer_step_{MODELS[model]}_compiled.json")
     doc = load(H100 / "peer_step_capped_h100.json")
     ours = doc["models"][model]
-    picks = [("h100-runtime", ours, doc["commit"])]
+    picks = [("h100-runtime", ours, doc)]
     h200_doc = load(H100 / CAPPED[model])
     h200 = h200_doc["models"][model]
     if h200["plan_summary"] != ours["plan_summary"] and h200_doc["commit"] == compiled["commit"]:
-        picks.append(("h200-runtime", h200, h200_doc["commit"]))
+        picks.append(("h200-runtime", h200, h200_doc))
     return picks
 
 
@@ -110,42 +111,48 @@ def h100_rows() -> list[str]:
     return lines
 
 
-def measured_runs() -> list[tuple[str, str, str, dict, str]]:
-    """Every step of ours the report holds: (card, model, plan notation, measurement, commit),
-    the H200's searched and capped plans, then the H100's."""
+def measured_runs() -> list[tuple[str, str, str, dict, dict]]:
+    """Every step of ours the report holds: (card, model, plan notation, measurement, its
+    result document), the H200's searched and capped plans, then the H100's."""
     out = []
     for model, shape in MODELS.items():
         for name in (f"peer_step_{shape}.json", CAPPED[model]):
             doc = load(RESULTS / name)
             run = doc["models"][model]
             if not skipped(run):
-                out.append(("h200", model, run["plan_summary"], run["ours"], doc["commit"]))
-        out += [("h100", model, run["plan_summary"], run["ours"], commit)
-                for _, run, commit in h100_picks(model)]
+                out.append(("h200", model, run["plan_summary"], run["ours"], doc))
+        out += [("h100", model, run["plan_summary"], run["ours"], doc)
+                for _, run, doc in h100_picks(model)]
     return out
 
 
 def predicted_rows() -> tuple[list[str], list[float]]:
     """Each of our measured steps priced now by the cost model on its card's calibrated
     cluster (bench.steps.peer_plans.CARDS): its plan rebuilt from the notation it ran under,
-    the model at its reduced depth, the benchmark's global batch. Rows, and the errors."""
+    the model at its reduced depth, the benchmark's global batch, its memory as the runtime
+    that measured it ran (plans.results.RuntimeFacts). Rows, and the errors."""
     from bench.fidelity.fidelity_cases import TRAINING
     from bench.memory.memory_cases import SHAPES, reduced
     from bench.steps.peer_plans import CARDS, allocated_of
     from cost_models import evaluate
+    from cost_models.memory import memory_breakdown
     from plans import catalog
     from plans.notation import plan_from_notation
+    from plans.results import RuntimeFacts
 
     rows, errors = [], []
-    for card, model, summary, run, commit in measured_runs():
+    for card, model, summary, run, doc in measured_runs():
         cluster = catalog.load_cluster(CARDS[card][0], gpus=1)
         plan = plan_from_notation(summary, reduced(*SHAPES[MODELS[model]]), cluster, TRAINING)
-        pred = evaluate(plan).prediction()
+        ran = dataclasses.replace(evaluate(plan),
+                                  memory=memory_breakdown(plan, RuntimeFacts.of(doc)))
+        pred = ran.prediction()
         error = pred.step_time_s / run["step_time_s"] - 1
         errors.append(error)
         rows.append(row([card.upper(), model, f"`{summary}`", f"{run['step_time_s'] * 1e3:.1f}",
                          f"{pred.step_time_s * 1e3:.1f}", f"{error:+.1%}",
-                         f"{run['peak_memory_gib']:.1f} / {allocated_of(pred):.1f}", commit]))
+                         f"{run['peak_memory_gib']:.1f} / {allocated_of(pred):.1f}",
+                         doc["commit"]]))
     return rows, errors
 
 
