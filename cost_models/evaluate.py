@@ -145,9 +145,10 @@ def _edges(plan: Plan) -> tuple[pl.EdgeCost, pl.EdgeCost]:
 def head_edge(plan: Plan, loss: CrossEntropy) -> pl.EdgeCost:
     """The last stage's final norm, LM head and ``loss`` for one micro-batch
     (cost_models.pipeline.head_cost), the head's weight gradient added into its main gradient
-    by the loss's GEMMs where ``head_in_gemm``."""
+    by the chunked loss's GEMMs where ``head_in_gemm`` (moeplan's runtime; Megatron-Core's
+    output layer accumulates in its backward GEMM, priced with the head's GEMMs)."""
     grad_bytes = (grad_bytes_per_param(plan.grad_sync_precision)
-                  if head_in_gemm(plan, loss) else None)
+                  if head_in_gemm(plan, loss) and plan.target == Target.moeplan else None)
     return pl.head_cost(plan.model, plan.cluster, pl.micro_batch_tokens(plan), plan.degrees.tp,
                         loss, plan.kernels, grad_bytes)
 
@@ -172,11 +173,16 @@ def _pass_bytes_per_param(plan: Plan) -> float:
 
 
 def _head_accumulation_s(plan: Plan, loss: CrossEntropy) -> float:
-    """The last stage's head (final norm, LM head, MTP projections) in separate passes, but
-    the LM head's weight where its gradient goes into the main gradient inside the loss's
-    GEMMs (``head_in_gemm``)."""
-    parts = part_params(plan.model, plan.degrees)
-    params = parts.head.dense - (parts.lm_head if head_in_gemm(plan, loss) else 0.0)
+    """The last stage's head (final norm, LM head, MTP modules' norms and projections) in
+    separate passes, but the weights whose gradients go into the main gradients inside their
+    GEMMs (``head_in_gemm``): the LM head's, and under Megatron-Core the MTP projections'
+    (2 h x h each, as its output layer's)."""
+    parts, m = part_params(plan.model, plan.degrees), plan.model
+    params = parts.head.dense
+    if head_in_gemm(plan, loss):
+        params -= parts.lm_head
+        if plan.target == Target.megatron:
+            params -= m.mtp_layers * 2 * m.hidden * m.hidden / plan.degrees.tp
     return _accumulate_s(params, _pass_bytes_per_param(plan), plan)
 
 

@@ -158,11 +158,15 @@ def expert_gemm_of(plan: Plan) -> ExpertGemm:
 
 def head_in_gemm(plan: Plan, loss: CrossEntropy) -> bool:
     """Whether the last stage's LM head adds its weight gradient into its main gradient inside
-    the loss's GEMMs under ``loss`` (plans.layout.accumulates_head_in_gemm, as the runtime
-    decides it): moeplan's runtime (target megatron's head is Megatron-Core's, priced as
-    autograd's gradient and a separate pass)."""
-    return plan.target == Target.moeplan and accumulates_head_in_gemm(
-        plan.grad_accumulation_fusion, loss, plan.model, plan.degrees.pp)
+    its GEMMs under ``loss``: moeplan's runtime as plans.layout.accumulates_head_in_gemm
+    decides it; Megatron-Core under gradient-accumulation fusion, whatever the loss (its
+    output layer is a ColumnParallelLinear, whose backward accumulates the weight gradient
+    into main_grad, megatron/core/tensor_parallel/layers.py 553-567 at 0.15.3; so does MTP's
+    eh_proj)."""
+    if plan.target == Target.megatron:
+        return plan.grad_accumulation_fusion
+    return accumulates_head_in_gemm(plan.grad_accumulation_fusion, loss, plan.model,
+                                    plan.degrees.pp)
 
 
 def experts_in_gemm(plan: Plan) -> bool:

@@ -137,8 +137,10 @@ def test_the_chunked_loss_into_the_main_gradient_is_priced_as_it_runs(node_plan)
     """Under gradient-accumulation fusion the chunked loss's GEMMs add the head's weight
     gradient into its main gradient: forward, every chunk's GEMM reads the main gradient
     (fp32 sync: 4 bytes an element) instead of the fp32 sum's adds; backward, no scaled
-    cast; no separate pass (cost_models.pipeline.cross_entropy_s, evaluate.head_s). Megatron's
-    head (target megatron) and a head tied to the embedding on one stage keep today's."""
+    cast; no separate pass (cost_models.pipeline.cross_entropy_s, evaluate.head_s). A head
+    tied to the embedding on one stage keeps autograd's gradient; Megatron-Core's output layer
+    (target megatron) accumulates in its backward GEMM under the fusion: no separate pass,
+    its loss's passes as before."""
     from cost_models import pipeline as pl
     from cost_models.compute import memory_s
     from cost_models.evaluate import head_edge, head_s
@@ -162,7 +164,15 @@ def test_the_chunked_loss_into_the_main_gradient_is_priced_as_it_runs(node_plan)
     assert head_edge(plan, CrossEntropy.chunked).total_s < head_edge(
         unfused, CrossEntropy.chunked).total_s
     assert head_s(plan, CrossEntropy.chunked) < head_s(unfused, CrossEntropy.chunked)
-    assert not head_in_gemm(plan.model_copy(update={"target": Target.megatron}),
-                            CrossEntropy.chunked)
+    megatron = plan.model_copy(update={"target": Target.megatron})
+    assert head_in_gemm(megatron, CrossEntropy.materialized)
+    assert not head_in_gemm(megatron.model_copy(update={"grad_accumulation_fusion": False}),
+                            CrossEntropy.materialized)
+    assert head_edge(megatron, CrossEntropy.materialized).total_s == head_edge(
+        megatron.model_copy(update={"grad_accumulation_fusion": False}),
+        CrossEntropy.materialized).total_s
+    assert head_s(megatron, CrossEntropy.materialized) < head_s(
+        megatron.model_copy(update={"grad_accumulation_fusion": False}),
+        CrossEntropy.materialized)
     tied = plan.model_copy(update={"model": m.model_copy(update={"tied_embeddings": True})})
     assert not head_in_gemm(tied, CrossEntropy.chunked)
