@@ -526,7 +526,7 @@ MEGATRON: tuple[Capability, ...] = (
     _megatron("grad_sync_overlap", True, reason="--overlap-grad-reduce"),
     _megatron("grad_sync_overlap", False, reason="without --overlap-grad-reduce"),
     _megatron("grad_accumulation_fusion", True, reason="Megatron's default (TransformerEngine's "
-              "wgrad GEMMs add into the main gradients)"),
+              "wgrad GEMMs and the output layer's add into the main gradients)"),
     _megatron("grad_accumulation_fusion", False, reason="--no-gradient-accumulation-fusion"),
     _megatron("expert_gemm", "per_expert", Support.refused,
               reason="Megatron-Core's experts (TEGroupedMLP / GroupedMLP) choose their own GEMMs, "

@@ -155,11 +155,9 @@ def facts(search: dict) -> dict[str, str]:
           "peer_models": str(len(speedups)), "peer_more_memory": str(more_memory),
           "peer_no_plan": ", ".join(no_plan) or "none"}
     # on one H100: the plans priced on h100-runtime against torchtitan compiled, same call
-    h100 = [peer_report.versus(load(peer_report.H100 / "peer_step_capped_h100.json")
-                               ["models"][model]["ours"],
-                               load(peer_report.H100 / f"peer_step_{shape}_compiled.json")
-                               ["models"][model]["peer"])
-            for model, shape in peer_report.MODELS.items()]
+    h100 = [peer_report.versus(peer_report.h100_picks(model)[0][1]["ours"],
+                               peer_report.h100_peer(model))
+            for model in peer_report.MODELS]
     h100 = [v for v in h100 if v is not None]
     f |= {"peer_h100_low": f"{min(v[0] for v in h100):.2f}x",
           "peer_h100_high": f"{max(v[0] for v in h100):.2f}x",

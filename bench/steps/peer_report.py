@@ -101,14 +101,16 @@ def h100_picks(model: str) -> list[tuple[str, dict, dict]]:
     return picks
 
 
+def h100_peer(model: str) -> dict:
+    """torchtitan's compiled step of ``model`` on the H100 (the call h100_picks ran in)."""
+    return load(H100 / f"peer_step_{MODELS[model]}_compiled.json")["models"][model]["peer"]
+
+
 def h100_rows() -> list[str]:
     """h100_picks against torchtitan compiled on the H100."""
-    lines = []
-    for model, shape in MODELS.items():
-        peer = load(H100 / f"peer_step_{shape}_compiled.json")["models"][model]["peer"]
-        lines += [_target(model, f"{cluster} `{run['plan_summary']}`", run["ours"], peer)[0]
-                  for cluster, run, _ in h100_picks(model)]
-    return lines
+    return [_target(model, f"{cluster} `{run['plan_summary']}`", run["ours"],
+                    h100_peer(model))[0]
+            for model in MODELS for cluster, run, _ in h100_picks(model)]
 
 
 def measured_runs() -> list[tuple[str, str, str, dict, dict]]:
